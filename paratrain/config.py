@@ -1,0 +1,478 @@
+"""Configuration: one dataclass per TOML section, loading, overrides and validation.
+
+The parallel knobs keep MindSpore's names (``data_parallel``, ``model_parallel``,
+``pipeline_stage``, ``micro_batch_num``, ``optimizer_shard``,
+``gradient_aggregation_group``, ``recompute``, ``vocab_emb_dp``) so a
+``TransformerOpParallelConfig`` reads the same here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Union
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+import tomli_w
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
+RECOMPUTE_MODES = ("none", "full", "selective")
+MIXED_PRECISION = ("none", "bf16", "fp16")
+MODEL_KINDS = ("transformer", "gpt")
+DTYPES = ("float32", "bfloat16", "float16")
+ACTIVATIONS = ("gelu", "relu")
+
+
+class ConfigError(ValueError):
+    """Every rule a configuration breaks, each with the numbers and a fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+class Section:
+    """Base of the config sections: building from a dict with aliases and unknown-key checks."""
+
+    ALIASES: dict[str, str] = {}
+    SECTION = ""
+
+    @classmethod
+    def key_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)] + list(cls.ALIASES)
+
+    @classmethod
+    def canonical(cls, key: str, problems: list[str]) -> str | None:
+        key = cls.ALIASES.get(key, key)
+        if key in {f.name for f in fields(cls)}:
+            return key
+        close = difflib.get_close_matches(key, cls.key_names(), n=1)
+        hint = f" (did you mean {cls.SECTION}.{close[0]}?)" if close else f" (known: {', '.join(sorted(cls.key_names()))})"
+        problems.append(f"unknown key {cls.SECTION}.{key}{hint}")
+        return None
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], problems: list[str]):
+        obj = cls()
+        for key, value in values.items():
+            name = cls.canonical(key, problems)
+            if name is not None:
+                obj.set(name, value, problems)
+        return obj
+
+    def set(self, name: str, value: Any, problems: list[str]) -> None:
+        default = next(f for f in fields(self) if f.name == name)
+        current = getattr(self, name)
+        try:
+            setattr(self, name, _coerce(value, current, default))
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{self.SECTION}.{name}={value!r}: {exc}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if not callable(getattr(self, f.name))}
+
+
+def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
+    """Convert ``value`` (from TOML or the command line) to the type of the field it sets."""
+    kind = type(current) if current is not None else None
+    if f.name == "recompute":
+        if isinstance(value, (bool, str, dict, list)) or callable(value):
+            return value
+        raise TypeError("expected none/full/selective, true/false, a per-layer list or a function")
+    if isinstance(value, str) and kind in (int, float, bool):
+        value = _parse_literal(value)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"expected true or false, got {value!r}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise TypeError(f"expected an integer, got {value!r}")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"expected a number, got {value!r}")
+        return float(value)
+    if kind is str and not isinstance(value, str):
+        return str(value)
+    return value
+
+
+def _parse_literal(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+@dataclass
+class RunConfig(Section):
+    """Where a run writes and how it is seeded."""
+
+    SECTION = "run"
+    name: str = "paratrain"
+    dir: str = ""  # default: runs/<name>
+    seed: int = 1234
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir or f"runs/{self.name}")
+
+
+@dataclass
+class ModelConfig(Section):
+    """Sizes of the encoder-decoder ``transformer`` or the decoder-only ``gpt``."""
+
+    SECTION = "model"
+    kind: str = "transformer"
+    vocab_size: int = 64
+    hidden_size: int = 64
+    num_heads: int = 4
+    ffn_hidden_size: int = 256
+    encoder_layers: int = 2
+    decoder_layers: int = 2
+    src_seq_length: int = 32
+    tgt_seq_length: int = 32
+    seq_length: int = 64
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    hidden_act: str = "gelu"
+    post_layernorm_residual: bool = False
+    tie_embeddings: bool = False
+    layernorm_eps: float = 1e-5
+    dtype: str = "float32"
+    pad_token_id: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_layers(self) -> int:
+        return self.decoder_layers + (self.encoder_layers if self.kind == "transformer" else 0)
+
+    def sequence_lengths(self) -> dict[str, int]:
+        if self.kind == "gpt":
+            return {"seq_length": self.seq_length}
+        return {"src_seq_length": self.src_seq_length, "tgt_seq_length": self.tgt_seq_length}
+
+
+@dataclass
+class OpParallelConfig:
+    """MindSpore's per-operator view: how the batch and the weights of one op are split."""
+
+    data_parallel: int = 1
+    model_parallel: int = 1
+
+
+@dataclass
+class EmbeddingOpParallelConfig(OpParallelConfig):
+    """MindSpore's embedding view: ``vocab_emb_dp=False`` shards vocab rows over model_parallel."""
+
+    vocab_emb_dp: bool = True
+
+
+RecomputeSpec = Union[str, bool, list, Callable[[int, int, "ParallelConfig"], str]]
+
+
+@dataclass
+class ParallelConfig(Section):
+    """How the work is split; also importable as ``TransformerOpParallelConfig``.
+
+    ``data_parallel * model_parallel * pipeline_stage`` must equal the world size.
+    ``zero_stage`` (or ``optimizer_shard=True``, meaning stage 1) shards optimizer
+    state (1), gradients (2) and parameters (3) over the data-parallel ranks.
+    ``recompute`` is ``none``/``full``/``selective``, a bool, a list with one mode per
+    layer, or a function ``(layer_id, offset, config) -> mode`` like MindSpore's
+    ``lambda_func``.
+    """
+
+    SECTION = "parallel"
+    ALIASES = {"dp": "data_parallel", "mp": "model_parallel", "tp": "model_parallel", "pp": "pipeline_stage"}
+    data_parallel: int = 1
+    model_parallel: int = 1
+    pipeline_stage: int = 1
+    micro_batch_num: int = 1
+    pipeline_schedule: str = "1f1b"
+    virtual_pipeline_stage: int = 1
+    optimizer_shard: bool = False
+    zero_stage: int = 0
+    gradient_aggregation_group: int = 4
+    recompute: RecomputeSpec = "none"
+    vocab_emb_dp: bool = True
+    sequence_parallel: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.data_parallel
+
+    @property
+    def mp(self) -> int:
+        return self.model_parallel
+
+    tp = mp
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_stage
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel * self.model_parallel * self.pipeline_stage
+
+    @property
+    def effective_zero_stage(self) -> int:
+        return max(self.zero_stage, 1 if self.optimizer_shard else 0)
+
+    @property
+    def dp_mp_config(self) -> OpParallelConfig:
+        return OpParallelConfig(self.data_parallel, self.model_parallel)
+
+    @property
+    def embedding_dp_mp_config(self) -> EmbeddingOpParallelConfig:
+        return EmbeddingOpParallelConfig(self.data_parallel, self.model_parallel, self.vocab_emb_dp)
+
+    def recompute_mode(self, layer_id: int, offset: int = 0) -> str:
+        """The recompute mode of one layer (``offset``: layers before this stack)."""
+        spec = self.recompute
+        if callable(spec):
+            spec = spec(layer_id, offset, self)
+        elif isinstance(spec, list):
+            spec = spec[offset + layer_id]
+        if isinstance(spec, bool):
+            return "full" if spec else "none"
+        return spec
+
+
+TransformerOpParallelConfig = ParallelConfig
+
+
+@dataclass
+class TrainConfig(Section):
+    """Optimisation: batch, steps, AdamW, LR schedule, clipping, precision."""
+
+    SECTION = "train"
+    global_batch_size: int = 16
+    steps: int = 100
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    mixed_precision: str = "none"
+
+
+@dataclass
+class DataConfig(Section):
+    """Where batches come from; ``synthetic`` needs no files."""
+
+    SECTION = "data"
+    kind: str = "synthetic"
+    task: str = "reverse"  # synthetic seq2seq: reverse | copy; gpt: markov
+    min_length: int = 4
+    path: str = ""
+    tokenizer: str = ""
+    num_workers: int = 0
+
+
+@dataclass
+class CheckpointConfig(Section):
+    """When and where checkpoints are written and whether to resume."""
+
+    SECTION = "checkpoint"
+    dir: str = ""  # default: <run dir>/checkpoints
+    save_steps: int = 0
+    keep_max: int = 3
+    integrated_save: bool = False
+    resume: str = "auto"
+
+
+@dataclass
+class MetricsConfig(Section):
+    """Logging: how often, and which sinks."""
+
+    SECTION = "metrics"
+    log_steps: int = 10
+    tensorboard: bool = False
+    breakdown: bool = False
+    log_format: str = "default"  # default | mindspore
+
+
+@dataclass
+class Config:
+    """A whole run: one attribute per TOML section."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    @classmethod
+    def sections(cls) -> dict[str, type[Section]]:
+        return {f.name: f.default_factory for f in fields(cls)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], overrides: list[str] = ()) -> "Config":
+        """Build from nested dicts plus ``section.key=value`` overrides; raise ConfigError on any bad key."""
+        problems: list[str] = []
+        data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+        for item in overrides:
+            dotted, sep, value = item.partition("=")
+            section, dot, key = dotted.partition(".")
+            if not sep or not dot:
+                problems.append(f"override {item!r} is not of the form section.key=value")
+                continue
+            data.setdefault(section, {})[key] = value
+        built = {}
+        for name, values in data.items():
+            if name not in cls.sections():
+                close = difflib.get_close_matches(name, list(cls.sections()), n=1)
+                problems.append(f"unknown section [{name}]" + (f" (did you mean [{close[0]}]?)" if close else ""))
+            elif not isinstance(values, dict):
+                problems.append(f"[{name}] must be a table of keys, got {values!r}")
+            else:
+                built[name] = cls.sections()[name].from_dict(values, problems)
+        if problems:
+            raise ConfigError(problems)
+        return cls(**built)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> "Config":
+        data = {}
+        if path is not None:
+            try:
+                data = tomllib.loads(Path(path).read_text())
+            except FileNotFoundError:
+                raise ConfigError([f"config file {path} does not exist"]) from None
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError([f"config file {path} is not valid TOML: {exc}"]) from None
+        return cls.from_dict(data, overrides)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: getattr(self, name).to_dict() for name in self.sections()}
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_toml())
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(cfg: Config, world_size: int | None = None) -> list[str]:
+    """Every rule ``cfg`` breaks, each naming the fields, the numbers and a fix."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    problems: list[str] = []
+
+    def positive(section: Section, names: list[str]):
+        for name in names:
+            value = getattr(section, name)
+            if value <= 0:
+                problems.append(f"{section.SECTION}.{name}={value} must be positive")
+
+    def choice(section: Section, name: str, allowed: tuple[str, ...]):
+        value = getattr(section, name)
+        if value not in allowed:
+            problems.append(f"{section.SECTION}.{name}={value!r} is not one of {', '.join(allowed)}")
+
+    positive(m, ["vocab_size", "hidden_size", "num_heads", "ffn_hidden_size", "decoder_layers",
+                 *m.sequence_lengths()])
+    if m.kind == "transformer":
+        positive(m, ["encoder_layers"])
+    positive(p, ["data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num",
+                 "virtual_pipeline_stage", "gradient_aggregation_group"])
+    positive(t, ["global_batch_size", "steps", "lr"])
+    if t.warmup_steps < 0 or t.min_lr < 0 or t.weight_decay < 0 or t.grad_clip < 0:
+        problems.append(f"train.warmup_steps={t.warmup_steps}, min_lr={t.min_lr}, weight_decay={t.weight_decay} "
+                        f"and grad_clip={t.grad_clip} must not be negative")
+    choice(m, "kind", MODEL_KINDS)
+    choice(m, "dtype", DTYPES)
+    choice(m, "hidden_act", ACTIVATIONS)
+    choice(p, "pipeline_schedule", PIPELINE_SCHEDULES)
+    choice(t, "mixed_precision", MIXED_PRECISION)
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(m, name)
+        if not 0 <= value < 1:
+            problems.append(f"model.{name}={value} is outside [0, 1): use a probability such as 0.1, or 0 for none")
+    if p.zero_stage not in (0, 1, 2, 3):
+        problems.append(f"parallel.zero_stage={p.zero_stage} is not one of 0, 1, 2, 3")
+    problems += _recompute_problems(p, m.num_layers)
+    if problems:  # the rules below divide by these sizes
+        return problems
+
+    if m.hidden_size % m.num_heads:
+        problems.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}: "
+                        f"use num_heads in {_divisors(m.hidden_size)}")
+    mp = p.model_parallel
+    for name in ("num_heads", "hidden_size", "ffn_hidden_size"):
+        value = getattr(m, name)
+        if value % mp:
+            problems.append(f"model.{name}={value} is not divisible by parallel.model_parallel={mp}: "
+                            f"use model_parallel in {_divisors(value)}")
+    if not p.vocab_emb_dp and m.vocab_size % mp:
+        problems.append(f"model.vocab_size={m.vocab_size} is not divisible by parallel.model_parallel={mp} "
+                        f"with parallel.vocab_emb_dp=false: pad vocab_size to {math.ceil(m.vocab_size / mp) * mp} "
+                        f"or set vocab_emb_dp=true")
+    if p.sequence_parallel:
+        for name, value in m.sequence_lengths().items():
+            if value % mp:
+                problems.append(f"model.{name}={value} is not divisible by parallel.model_parallel={mp} "
+                                f"with parallel.sequence_parallel=true: use a multiple of {mp}")
+    chunks = p.pipeline_stage * p.virtual_pipeline_stage
+    if m.num_layers < chunks:
+        problems.append(f"model has {m.num_layers} layers, fewer than parallel.pipeline_stage={p.pipeline_stage}"
+                        + (f" x virtual_pipeline_stage={p.virtual_pipeline_stage}" if p.virtual_pipeline_stage > 1 else "")
+                        + f": use pipeline_stage <= {m.num_layers // p.virtual_pipeline_stage} or add layers")
+    split = p.data_parallel * p.micro_batch_num
+    if t.global_batch_size % split:
+        problems.append(f"train.global_batch_size={t.global_batch_size} is not divisible by parallel.data_parallel="
+                        f"{p.data_parallel} x parallel.micro_batch_num={p.micro_batch_num} = {split}: "
+                        f"use a multiple of {split} such as {max(split, t.global_batch_size // split * split)}")
+    if world_size is not None and p.world_size != world_size:
+        problems.append(f"parallel.data_parallel={p.data_parallel} x model_parallel={p.model_parallel} x "
+                        f"pipeline_stage={p.pipeline_stage} = {p.world_size} does not equal the world size "
+                        f"{world_size}: launch {p.world_size} processes or change the parallel sizes")
+    if m.tie_embeddings and m.kind == "transformer" and m.encoder_layers == 0:
+        problems.append("model.tie_embeddings=true needs an embedding table: encoder_layers must be positive")
+    return problems
+
+
+def _recompute_problems(p: ParallelConfig, num_layers: int) -> list[str]:
+    spec = p.recompute
+    if callable(spec) or isinstance(spec, bool):
+        return []
+    if isinstance(spec, str):
+        return [] if spec in RECOMPUTE_MODES else [
+            f"parallel.recompute={spec!r} is not one of {', '.join(RECOMPUTE_MODES)} (or true/false, a list, a function)"]
+    if isinstance(spec, list):
+        bad = [s for s in spec if s not in RECOMPUTE_MODES and not isinstance(s, bool)]
+        if len(spec) != num_layers or bad:
+            return [f"parallel.recompute list has {len(spec)} entries {spec}, needs one of "
+                    f"{', '.join(RECOMPUTE_MODES)} for each of the {num_layers} layers"]
+        return []
+    return [f"parallel.recompute={spec!r} must be a mode name, a bool, a list or a function"]
+
+
+def check(cfg: Config, world_size: int | None = None) -> Config:
+    """Raise ConfigError listing every violation, or return ``cfg``."""
+    problems = validate(cfg, world_size)
+    if problems:
+        raise ConfigError(problems)
+    return cfg

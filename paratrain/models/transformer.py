@@ -1,0 +1,312 @@
+"""Plain single-device Transformer models ("Attention Is All You Need"), no collectives.
+
+Shapes: B batch, S source length, T target length, H hidden size, V vocab size.
+Parallelism is applied from outside by ``paratrain.parallel.parallelize`` using the
+plan declared at the bottom of this file (``TP_PLAN``, ``pipeline_blocks``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.config import ModelConfig
+
+
+class VocabEmbedding(nn.Module):
+    """Token lookup like MindSpore's: ids (B, S) -> (embeddings (B, S, H), table (V, H))."""
+
+    def __init__(self, vocab_size: int, embedding_size: int):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, embedding_size)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.embedding(ids), self.embedding.weight
+
+
+class Embeddings(nn.Module):
+    """Word + learned position embedding, then dropout: ids (B, S) -> (B, S, H)."""
+
+    def __init__(self, word: VocabEmbedding, max_length: int, hidden_size: int, dropout: float):
+        super().__init__()
+        self.word = word
+        self.position = nn.Embedding(max_length, hidden_size)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.dropout(self.word(ids)[0] + self.position(positions))
+
+
+def attention_mask(key_pad: torch.Tensor | None, causal: bool, query_length: int) -> torch.Tensor | None:
+    """Boolean mask (B, 1, Tq, Tk), True where a query may attend: key padding x causal.
+
+    Query rows at pad positions still see the valid keys so no row is empty; their
+    outputs are never used (the loss ignores pad targets).
+    """
+    if key_pad is None and not causal:
+        return None
+    key_length = key_pad.shape[1] if key_pad is not None else query_length
+    device = key_pad.device if key_pad is not None else None
+    allowed = torch.ones(query_length, key_length, dtype=torch.bool, device=device)
+    if causal:
+        allowed = allowed.tril()
+    allowed = allowed[None, None]
+    if key_pad is not None:
+        allowed = allowed & ~key_pad[:, None, None, :]
+    return allowed
+
+
+class AttentionMask(nn.Module):
+    """MindSpore-style mask module: key_pad (B, Tk) bool -> (B, 1, Tq, Tk), see ``attention_mask``."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, key_pad: torch.Tensor | None, query_length: int) -> torch.Tensor | None:
+        return attention_mask(key_pad, self.causal, query_length)
+
+
+class ScaledDotProductAttention(nn.Module):
+    """The attention core softmax(QK^T/sqrt(d)) V: (B, heads, Tq, d) x (B, heads, Tk, d) -> (B, heads, Tq, d).
+
+    A module of its own so selective recompute can wrap just this part.
+    """
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention; self-attention when ``memory`` is None, else cross-attention.
+
+    x (B, Tq, H), memory (B, Tk, H) -> (B, Tq, H). Heads are counted from the
+    projection width, so a column-sharded q/k/v simply holds fewer heads.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, dropout: float):
+        super().__init__()
+        self.head_dim = hidden_size // num_heads
+        self.q_proj = nn.Linear(hidden_size, hidden_size)
+        self.k_proj = nn.Linear(hidden_size, hidden_size)
+        self.v_proj = nn.Linear(hidden_size, hidden_size)
+        self.core = ScaledDotProductAttention(dropout)
+        self.out_proj = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x, memory=None, mask=None):
+        memory = x if memory is None else memory
+        q, k, v = (proj(src).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+                   for proj, src in ((self.q_proj, x), (self.k_proj, memory), (self.v_proj, memory)))
+        return self.out_proj(self.core(q, k, v, mask).transpose(1, 2).flatten(2))
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN: (B, T, H) -> (B, T, F) -> activation -> dropout -> (B, T, H)."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, dropout: float, activation: str):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden_size, ffn_hidden_size)
+        self.act = nn.GELU() if activation == "gelu" else nn.ReLU()
+        self.dropout = nn.Dropout(dropout)
+        self.fc2 = nn.Linear(ffn_hidden_size, hidden_size)
+
+    def forward(self, x):
+        return self.fc2(self.dropout(self.act(self.fc1(x))))
+
+
+class Residual(nn.Module):
+    """x + dropout(sublayer(norm(x))): the pre-LN residual branch.
+
+    With ``post_layernorm_residual`` (MindSpore's option) the residual adds to
+    the normalised input instead of the raw one.
+    """
+
+    def __init__(self, hidden_size: int, dropout: float, eps: float, post_layernorm_residual: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden_size, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+        self.post_layernorm_residual = post_layernorm_residual
+
+    def forward(self, x, sublayer):
+        normed = self.norm(x)
+        return (normed if self.post_layernorm_residual else x) + self.dropout(sublayer(normed))
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention + FFN, each a residual branch: (B, S, H) -> (B, S, H).
+
+    Causal when used as a decoder-only (GPT) block.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        args = (cfg.hidden_size, cfg.hidden_dropout, cfg.layernorm_eps, cfg.post_layernorm_residual)
+        self.attn_branch, self.ffn_branch = Residual(*args), Residual(*args)
+        self.attn = MultiHeadAttention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
+        self.ffn = FeedForward(cfg.hidden_size, cfg.ffn_hidden_size, cfg.hidden_dropout, cfg.hidden_act)
+
+    def forward(self, x, mask=None):
+        x = self.attn_branch(x, lambda h: self.attn(h, mask=mask))
+        return self.ffn_branch(x, self.ffn)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention over the encoder output, FFN.
+
+    x (B, T, H), memory (B, S, H) -> (B, T, H).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        args = (cfg.hidden_size, cfg.hidden_dropout, cfg.layernorm_eps, cfg.post_layernorm_residual)
+        self.self_attn_branch, self.cross_attn_branch, self.ffn_branch = Residual(*args), Residual(*args), Residual(*args)
+        self.self_attn = MultiHeadAttention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
+        self.cross_attn = MultiHeadAttention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
+        self.ffn = FeedForward(cfg.hidden_size, cfg.ffn_hidden_size, cfg.hidden_dropout, cfg.hidden_act)
+
+    def forward(self, x, memory, self_mask=None, memory_mask=None):
+        x = self.self_attn_branch(x, lambda h: self.self_attn(h, mask=self_mask))
+        x = self.cross_attn_branch(x, lambda h: self.cross_attn(h, memory, mask=memory_mask))
+        return self.ffn_branch(x, self.ffn)
+
+
+class TransformerEncoder(nn.Module):
+    """A stack of encoder layers and a final LayerNorm: (B, S, H) -> (B, S, H)."""
+
+    def __init__(self, cfg: ModelConfig, num_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(num_layers))
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+
+    def forward(self, x, mask=None):
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.norm(x)
+
+
+class TransformerDecoder(nn.Module):
+    """A stack of decoder layers and a final LayerNorm: (B, T, H), memory (B, S, H) -> (B, T, H)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+
+    def forward(self, x, memory, self_mask=None, memory_mask=None):
+        for layer in self.layers:
+            x = layer(x, memory, self_mask, memory_mask)
+        return self.norm(x)
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder on embedded inputs: src (B, S, H), tgt (B, T, H) -> (B, T, H)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.encoder = TransformerEncoder(cfg, cfg.encoder_layers)
+        self.decoder = TransformerDecoder(cfg)
+        self.padding_mask, self.causal_mask = AttentionMask(causal=False), AttentionMask(causal=True)
+
+    def forward(self, src, tgt, src_pad=None, tgt_pad=None):
+        memory = self.encoder(src, self.padding_mask(src_pad, src.shape[1]))
+        return self.decoder(tgt, memory, self.causal_mask(tgt_pad, tgt.shape[1]), self.padding_mask(src_pad, tgt.shape[1]))
+
+
+class Seq2SeqModel(nn.Module):
+    """The tutorial's translation network: shared word table, Transformer, output head.
+
+    src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V). Pass logits and labels
+    to ``token_loss_sum`` for the loss over non-pad target tokens.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.pad_token_id = cfg.pad_token_id
+        word = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.src_embed = Embeddings(word, cfg.src_seq_length, cfg.hidden_size, cfg.hidden_dropout)
+        self.tgt_embed = Embeddings(word, cfg.tgt_seq_length, cfg.hidden_size, cfg.hidden_dropout)
+        self.transformer = Transformer(cfg)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = word.embedding.weight
+        init_weights(self)
+
+    def forward(self, src_ids, tgt_in_ids):
+        src_pad, tgt_pad = src_ids == self.pad_token_id, tgt_in_ids == self.pad_token_id
+        hidden = self.transformer(self.src_embed(src_ids), self.tgt_embed(tgt_in_ids), src_pad, tgt_pad)
+        return self.head(hidden)
+
+
+class GPTModel(nn.Module):
+    """Decoder-only language model: input_ids (B, S) -> logits (B, S, V)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.pad_token_id = cfg.pad_token_id
+        self.embed = Embeddings(VocabEmbedding(cfg.vocab_size, cfg.hidden_size), cfg.seq_length,
+                                cfg.hidden_size, cfg.hidden_dropout)
+        self.causal_mask = AttentionMask(causal=True)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.word.embedding.weight
+        init_weights(self)
+
+    def forward(self, input_ids):
+        mask = self.causal_mask(input_ids == self.pad_token_id, input_ids.shape[1])
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.head(self.norm(x))
+
+
+def init_weights(model: nn.Module, std: float = 0.02) -> None:
+    """GPT-2 style init: normal(0, std) weights, zero biases, unit LayerNorm."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Summed cross-entropy over the non-pad targets: logits (B, T, V), labels (B, T) -> scalar.
+
+    Divided by the non-pad token count of the global batch it gives the loss of
+    that batch whatever the split into ranks and micro-batches.
+    """
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="sum")
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The model named by ``cfg.kind`` with fresh weights (seed the RNG first)."""
+    return Seq2SeqModel(cfg) if cfg.kind == "transformer" else GPTModel(cfg)
+
+
+# --- Parallel plan: what ``paratrain.parallel`` may split, declared in one place. ---
+
+# Tensor parallel: module-name suffix -> how its weight is split over model_parallel.
+#   colwise: output features sharded; rowwise: input features sharded (sums partial outputs);
+#   vocab: embedding rows sharded (only when vocab_emb_dp=false);
+#   head: output projection column-sharded, logits stay sharded for the vocab-parallel loss;
+#   norm: LayerNorm, sharded along the sequence with sequence_parallel.
+TP_PLAN = {
+    "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "out_proj": "rowwise",
+    "fc1": "colwise", "fc2": "rowwise",
+    "word.embedding": "vocab", "head": "head", "norm": "norm",
+}
+
+
+def pipeline_blocks(model: nn.Module) -> list[str]:
+    """Names of the model's layers in execution order, for splitting into pipeline stages."""
+    if isinstance(model, Seq2SeqModel):
+        t = model.transformer
+        return ([f"transformer.encoder.layers.{i}" for i in range(len(t.encoder.layers))]
+                + [f"transformer.decoder.layers.{i}" for i in range(len(t.decoder.layers))])
+    return [f"layers.{i}" for i in range(len(model.layers))]

@@ -1,0 +1,46 @@
+"""AdamW with decay groups, warmup + cosine LR, and a global gradient norm."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from paratrain.config import TrainConfig
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two parameter groups: matrices decay; biases and LayerNorm weights do not (as in the tutorial)."""
+    decay, no_decay = [], []
+    norm_params = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if name.endswith("bias") or id(param) in norm_params else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             eps=cfg.eps, foreach=True)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``steps``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Clip all gradients by one global L2 norm; returns the norm before clipping."""
+    params = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
