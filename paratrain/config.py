@@ -82,6 +82,8 @@ def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
     """Convert ``value`` (from TOML or the command line) to the type of the field it sets."""
     kind = type(current) if current is not None else None
     if f.name == "recompute":
+        if isinstance(value, str):
+            value = _parse_literal(value)
         if isinstance(value, (bool, str, dict, list)) or callable(value):
             return value
         raise TypeError("expected none/full/selective, true/false, a per-layer list or a function")

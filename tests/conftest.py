@@ -1,0 +1,32 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+@pytest.fixture(autouse=True)
+def _tmp_env(tmp_path, monkeypatch):
+    """Keep every temporary file and cache of a test inside its own folder."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    yield
+
+
+def tiny_config(**sections):
+    """A tiny Config for tests: dropout 0, 2+2 layers, hidden 32; override with section dicts."""
+    from paratrain.config import Config
+
+    base = {
+        "model": {"kind": "transformer", "vocab_size": 48, "hidden_size": 32, "num_heads": 4,
+                  "ffn_hidden_size": 64, "encoder_layers": 2, "decoder_layers": 2, "src_seq_length": 12,
+                  "tgt_seq_length": 12, "seq_length": 16, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+        "train": {"global_batch_size": 8, "steps": 10, "lr": 3e-3, "warmup_steps": 2},
+        "metrics": {"log_steps": 1},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    return Config.from_dict(base)

@@ -1,0 +1,118 @@
+import pytest
+
+from paratrain.config import Config, ConfigError, ParallelConfig, TransformerOpParallelConfig, check, validate
+
+
+def problems_for(world_size=None, **sections):
+    cfg = Config.from_dict(sections)
+    return validate(cfg, world_size)
+
+
+def only_problem(world_size=None, **sections):
+    problems = problems_for(world_size, **sections)
+    assert len(problems) == 1, problems
+    return problems[0]
+
+
+def test_defaults_are_valid():
+    assert validate(Config(), world_size=1) == []
+
+
+def test_world_size_must_equal_product():
+    msg = only_problem(4, parallel={"dp": 2, "mp": 2, "pp": 2}, model={"encoder_layers": 2, "decoder_layers": 2})
+    assert "data_parallel=2" in msg and "model_parallel=2" in msg and "pipeline_stage=2" in msg
+    assert "= 8" in msg and "world size 4" in msg
+
+
+@pytest.mark.parametrize("field,value,divisors", [
+    ("num_heads", 6, "[1, 2, 3, 6]"), ("ffn_hidden_size", 250, "[1, 2, 5, 10, 25, 50, 125, 250]")])
+def test_model_sizes_divisible_by_model_parallel(field, value, divisors):
+    model = {"hidden_size": 120, "num_heads": 4, "ffn_hidden_size": 256, field: value}
+    msg = only_problem(parallel={"model_parallel": 4}, model=model)
+    assert f"model.{field}={value}" in msg and "model_parallel=4" in msg and divisors in msg
+
+
+def test_hidden_size_divisible_by_model_parallel():
+    problems = problems_for(parallel={"model_parallel": 4}, model={"hidden_size": 66, "num_heads": 2})
+    assert any("model.hidden_size=66 is not divisible by parallel.model_parallel=4" in p for p in problems)
+
+
+def test_vocab_divisible_only_when_sharded():
+    assert problems_for(parallel={"mp": 2}, model={"vocab_size": 63}) == []
+    msg = only_problem(parallel={"mp": 2, "vocab_emb_dp": False}, model={"vocab_size": 63})
+    assert "model.vocab_size=63" in msg and "vocab_emb_dp=false" in msg and "64" in msg
+
+
+def test_fewer_layers_than_stages():
+    msg = only_problem(parallel={"pipeline_stage": 4}, model={"encoder_layers": 1, "decoder_layers": 2})
+    assert "3 layers" in msg and "pipeline_stage=4" in msg
+
+
+def test_batch_divisible_by_dp_times_micro_batches():
+    msg = only_problem(parallel={"dp": 2, "micro_batch_num": 3}, train={"global_batch_size": 16})
+    assert "global_batch_size=16" in msg and "data_parallel=2" in msg and "micro_batch_num=3" in msg and "6" in msg
+
+
+def test_sequence_length_divisible_with_sequence_parallel():
+    msg = only_problem(parallel={"mp": 4, "sequence_parallel": True}, model={"src_seq_length": 30})
+    assert "model.src_seq_length=30" in msg and "model_parallel=4" in msg and "sequence_parallel" in msg
+    assert problems_for(parallel={"mp": 4}, model={"src_seq_length": 30}) == []
+
+
+def test_non_positive_sizes():
+    problems = problems_for(model={"hidden_size": 0, "num_heads": -2})
+    assert any("model.hidden_size=0 must be positive" in p for p in problems)
+    assert any("model.num_heads=-2 must be positive" in p for p in problems)
+
+
+@pytest.mark.parametrize("value", [1.0, -0.1])
+def test_dropout_range(value):
+    msg = only_problem(model={"hidden_dropout": value})
+    assert f"model.hidden_dropout={value}" in msg and "[0, 1)" in msg
+
+
+def test_every_violation_reported_at_once():
+    problems = problems_for(2, parallel={"mp": 4}, model={"num_heads": 6, "hidden_dropout": 0.5},
+                            train={"global_batch_size": 5})
+    text = "\n".join(problems)
+    assert "num_heads=6" in text and "world size 2" in text
+    with pytest.raises(ConfigError) as err:
+        check(Config.from_dict({"parallel": {"mp": 4}, "model": {"num_heads": 6}}), world_size=4)
+    assert "num_heads=6" in str(err.value)
+
+
+def test_unknown_keys_get_a_suggestion():
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict({"model": {"hiden_size": 3}, "paralel": {}})
+    text = str(err.value)
+    assert "model.hiden_size" in text and "did you mean model.hidden_size" in text
+    assert "[paralel]" in text and "[parallel]" in text
+
+
+def test_overrides_and_aliases():
+    cfg = Config.from_dict({"parallel": {"dp": 2}}, ["parallel.tp=4", "model.hidden_dropout=0", "train.lr=1e-3",
+                                                      "parallel.vocab_emb_dp=false", "run.name=x"])
+    p = cfg.parallel
+    assert (p.data_parallel, p.model_parallel, p.mp, p.tp, p.vocab_emb_dp) == (2, 4, 4, 4, False)
+    assert cfg.model.hidden_dropout == 0.0 and cfg.train.lr == 1e-3 and cfg.run.name == "x"
+    with pytest.raises(ConfigError, match="expected an integer"):
+        Config.from_dict({}, ["parallel.dp=two"])
+
+
+def test_toml_round_trip(tmp_path):
+    cfg = Config.from_dict({}, ["parallel.mp=2", "model.kind=gpt", "parallel.recompute=selective"])
+    cfg.save(tmp_path / "c.toml")
+    again = Config.load(tmp_path / "c.toml")
+    assert again == cfg
+
+
+def test_mindspore_views_and_recompute():
+    p = TransformerOpParallelConfig(data_parallel=2, model_parallel=4, vocab_emb_dp=False, optimizer_shard=True)
+    assert p is not None and isinstance(p, ParallelConfig)
+    assert (p.dp_mp_config.data_parallel, p.dp_mp_config.model_parallel) == (2, 4)
+    assert p.embedding_dp_mp_config.vocab_emb_dp is False
+    assert p.effective_zero_stage == 1
+    p.recompute = lambda layer_id, offset, config: "full" if layer_id % 2 else "none"
+    assert [p.recompute_mode(i) for i in range(3)] == ["none", "full", "none"]
+    p.recompute = True
+    assert p.recompute_mode(0) == "full"

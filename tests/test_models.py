@@ -1,0 +1,103 @@
+import torch
+from torch import nn
+
+from paratrain.config import ModelConfig
+from paratrain.data.synthetic import PAD
+from paratrain.models.transformer import (EncoderLayer, GPTModel, Seq2SeqModel, VocabEmbedding, attention_mask,
+                                          pipeline_blocks, token_loss_sum)
+
+CFG = ModelConfig(vocab_size=40, hidden_size=32, num_heads=4, ffn_hidden_size=64, encoder_layers=2,
+                  decoder_layers=2, src_seq_length=10, tgt_seq_length=9, seq_length=12, hidden_dropout=0.0,
+                  attention_dropout=0.0)
+
+
+def test_vocab_embedding_returns_table():
+    emb = VocabEmbedding(10, 4)
+    out, table = emb(torch.tensor([[1, 2]]))
+    assert out.shape == (1, 2, 4) and table.shape == (10, 4)
+    assert torch.equal(out[0, 1], table[2])
+
+
+def test_attention_mask_padding_times_causal():
+    key_pad = torch.tensor([[False, False, True]])
+    mask = attention_mask(key_pad, causal=True, query_length=3)
+    assert mask.shape == (1, 1, 3, 3)
+    assert mask[0, 0].tolist() == [[True, False, False], [True, True, False], [True, True, False]]
+
+
+def test_pad_positions_do_not_change_non_pad_outputs():
+    torch.manual_seed(0)
+    model = Seq2SeqModel(CFG).eval()
+    src = torch.tensor([[5, 6, 7, 8, PAD, PAD, PAD, PAD, PAD, PAD], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]])
+    tgt = torch.tensor([[1, 9, 10, 11, PAD, PAD, PAD, PAD, PAD], [1, 9, 10, 11, 12, 13, 14, 15, 16]])
+    padded = model(src, tgt)[0, :4]
+    unpadded = model(src[:1, :4], tgt[:1, :4])[0]
+    assert torch.allclose(padded, unpadded, atol=1e-5)
+    # without the padding mask the pad tokens would be attended to: the check above can fail
+    model.pad_token_id = -1
+    assert not torch.allclose(model(src, tgt)[0, :4], unpadded, atol=1e-5)
+
+
+def test_future_target_tokens_do_not_change_earlier_logits():
+    torch.manual_seed(0)
+    model = Seq2SeqModel(CFG).eval()
+    src = torch.randint(4, 40, (2, 10))
+    tgt = torch.randint(4, 40, (2, 9))
+    changed = tgt.clone()
+    changed[:, 5:] = torch.randint(4, 40, (2, 4))
+    a, b = model(src, tgt), model(src, changed)
+    assert torch.allclose(a[:, :5], b[:, :5], atol=1e-6)
+    assert not torch.allclose(a[:, 5:], b[:, 5:])
+
+
+def test_gpt_is_causal():
+    torch.manual_seed(0)
+    model = GPTModel(ModelConfig(**{**CFG.__dict__, "kind": "gpt"})).eval()
+    ids = torch.randint(4, 40, (2, 12))
+    changed = ids.clone()
+    changed[:, 7] = (changed[:, 7] + 1) % 36 + 4
+    a, b = model(ids), model(changed)
+    assert a.shape == (2, 12, 40)
+    assert torch.allclose(a[:, :7], b[:, :7], atol=1e-6) and not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+def test_encoder_layer_equals_torch_pre_ln_layer():
+    cfg = ModelConfig(hidden_size=32, num_heads=4, ffn_hidden_size=64, hidden_dropout=0.0, attention_dropout=0.0,
+                      hidden_act="relu")
+    torch.manual_seed(0)
+    ours = EncoderLayer(cfg).eval()
+    ref = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=True).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_()
+        a = ours.attn
+        ref.self_attn.in_proj_weight.copy_(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        ref.self_attn.in_proj_bias.copy_(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+        ref.self_attn.out_proj.weight.copy_(a.out_proj.weight)
+        ref.self_attn.out_proj.bias.copy_(a.out_proj.bias)
+        for mine, theirs in ((ours.ffn.fc1, ref.linear1), (ours.ffn.fc2, ref.linear2),
+                             (ours.attn_branch.norm, ref.norm1), (ours.ffn_branch.norm, ref.norm2)):
+            theirs.weight.copy_(mine.weight)
+            theirs.bias.copy_(mine.bias)
+    x = torch.randn(3, 7, 32)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    got = ours(x, attention_mask(pad, False, 7))
+    want = ref(x, src_key_padding_mask=pad)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_tied_embeddings_share_one_tensor():
+    model = Seq2SeqModel(ModelConfig(**{**CFG.__dict__, "tie_embeddings": True}))
+    assert model.head.weight is model.src_embed.word.embedding.weight is model.tgt_embed.word.embedding.weight
+
+
+def test_loss_ignores_pad_and_blocks_are_ordered():
+    logits = torch.randn(2, 3, 5)
+    labels = torch.tensor([[1, 2, PAD], [3, PAD, PAD]])
+    full = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+    assert torch.allclose(token_loss_sum(logits, labels, PAD), full[labels.flatten() != PAD].sum())
+    model = Seq2SeqModel(CFG)
+    names = pipeline_blocks(model)
+    assert names[0] == "transformer.encoder.layers.0" and names[-1] == "transformer.decoder.layers.1"
+    assert all(model.get_submodule(n) is not None for n in names)
