@@ -1,0 +1,101 @@
+"""Subword tokenizer: byte-pair encoding trained with HF ``tokenizers``, saved as one ``tokenizer.json``.
+
+Special tokens have fixed ids shared with ``paratrain.data.synthetic``:
+PAD=0, BOS=1, EOS=2, UNK=3. Text is NFC-normalised, split at spaces (kept as
+``▁`` so decoding restores them) and at punctuation.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+from paratrain.data.synthetic import BOS, EOS, PAD, UNK
+
+SPECIAL_TOKENS = {PAD: "<pad>", BOS: "<s>", EOS: "</s>", UNK: "<unk>"}
+
+
+class Tokenizer:
+    """A trained BPE tokenizer: text -> token ids (no BOS/EOS added) and back.
+
+    ``decode`` stops at the first EOS and skips PAD/BOS, so a row of model output
+    decodes directly.
+    """
+
+    def __init__(self, hf: HFTokenizer):
+        for token_id, token in SPECIAL_TOKENS.items():
+            if hf.token_to_id(token) != token_id:
+                raise ValueError(f"tokenizer maps {token} to id {hf.token_to_id(token)}, paratrain needs {token_id}")
+        self.hf = hf
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.hf.encode_batch(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = list(ids)
+        if EOS in ids:
+            ids = ids[: ids.index(EOS)]
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def decode_batch(self, rows: Iterable[Iterable[int]]) -> list[str]:
+        return [self.decode(row) for row in rows]
+
+    def fingerprint(self) -> str:
+        """Hash of the tokenizer's JSON: names caches of text tokenized with it."""
+        return hashlib.sha1(self.hf.to_str().encode()).hexdigest()[:12]
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``tokenizer.json`` atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        self.hf.save(str(tmp))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Tokenizer":
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"tokenizer file {path} does not exist: train one with "
+                                    f"`paratrain tokenizer train --input FILE --vocab-size N --out {path}`")
+        return cls(HFTokenizer.from_file(str(path)))
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> "Tokenizer":
+        """BPE with at most ``vocab_size`` tokens (special tokens included) learned from ``texts``."""
+        hf = HFTokenizer(models.BPE(unk_token=SPECIAL_TOKENS[UNK]))
+        hf.normalizer = normalizers.NFC()
+        hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(prepend_scheme="always"),
+                                                    pre_tokenizers.Punctuation()])
+        hf.decoder = decoders.Metaspace(prepend_scheme="always")
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                      special_tokens=[SPECIAL_TOKENS[i] for i in sorted(SPECIAL_TOKENS)],
+                                      show_progress=False)
+        hf.train_from_iterator(texts, trainer=trainer)
+        return cls(hf)
+
+
+def lines_of(paths: Iterable[str | Path]) -> Iterator[str]:
+    """Every line of the files, each tab-separated field on its own (so a pairs file trains on both sides)."""
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                yield from line.rstrip("\n").split("\t")
+
+
+def train_tokenizer(inputs: list[str | Path], vocab_size: int, out: str | Path, min_frequency: int = 2) -> Tokenizer:
+    """Train on the lines of ``inputs`` (see ``lines_of``) and save to ``out``."""
+    tokenizer = Tokenizer.train(lines_of(inputs), vocab_size, min_frequency)
+    tokenizer.save(out)
+    return tokenizer
