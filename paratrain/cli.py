@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train in this process group (one process unless launched)")
     train.add_argument("--config", help="TOML config file; any key can be overridden as --section.key=value")
     train.set_defaults(func=cmd_train)
+    from paratrain import doctor, launch
+    launch.add_subcommands(sub)
+    doctor.add_subcommand(sub)
     return parser
 
 

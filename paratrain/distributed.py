@@ -1,8 +1,19 @@
-"""Process-group set-up from the environment torchrun gives (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+"""Process-group set-up from the environment torchrun gives (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+
+A rank that joins a process group also gets stack dumps: on SIGTERM (how the
+launcher stops the other ranks when one fails, and how ``paratrain stop`` ends a
+job) and on SIGUSR1 (``kill -USR1 PID`` on a hung rank) the Python stacks of all
+its threads go to stderr, which the launcher writes into ``rank{R}.log``. A
+collective that does not complete within the timeout (``PARATRAIN_COLLECTIVE_TIMEOUT``
+seconds, ``paratrain launch --collective-timeout``) raises on its rank, which
+then fails and the launcher stops the others, whose stacks are dumped.
+"""
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -13,16 +24,38 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_from_env(timeout_s: float = 600.0) -> tuple[int, int]:
-    """Join the process group torchrun described, if any; returns (rank, world_size)."""
+def collective_timeout(default_s: float = 600.0) -> float:
+    """Seconds a collective may take: ``$PARATRAIN_COLLECTIVE_TIMEOUT`` or ``default_s``."""
+    value = os.environ.get("PARATRAIN_COLLECTIVE_TIMEOUT", "")
+    try:
+        return float(value) if value else default_s
+    except ValueError:
+        raise ValueError(f"PARATRAIN_COLLECTIVE_TIMEOUT={value!r} is not a number of seconds") from None
+
+
+def install_stack_dumps() -> None:
+    """Dump all threads' Python stacks to stderr on a crash, on SIGUSR1 (then continue) and on SIGTERM
+    (then terminate as SIGTERM would)."""
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+
+
+def init_from_env(timeout_s: float | None = None) -> tuple[int, int]:
+    """Join the process group torchrun described, if any; returns (rank, world_size).
+
+    ``timeout_s`` bounds every collective (default: :func:`collective_timeout`).
+    """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return 0, 1
+    install_stack_dumps()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = collective_timeout() if timeout_s is None else timeout_s
+    dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -1,0 +1,142 @@
+"""``paratrain doctor``: is this machine (or this set of machines) ready to train?
+
+It reports the environment (Python, torch, CUDA/NCCL or gloo, devices, threads),
+then, across the ranks of a launched job, checks the rendezvous (every rank
+answers with its host), the correctness of all-reduce (sum and average of known
+values, exact), and measures all-reduce bus bandwidth (as nccl-tests defines it:
+algorithm bandwidth x 2(n-1)/n). ``--duration`` keeps measuring, a soak test of
+the network. Without a launch, ``--nproc-per-node``/``--hostfile`` start one.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+
+SIZES_MB = (1 / 1024, 1.0)  # 1 KB (latency), 1 MB, then --size-mb
+
+
+def environment() -> list[tuple[str, str]]:
+    """(key, value) rows describing this process's software and devices."""
+    import torch
+    import torch.distributed as dist
+
+    rows = [("host", socket.gethostname()), ("python", platform.python_version()),
+            ("platform", platform.platform()), ("torch", torch.__version__),
+            ("cpu cores", str(os.cpu_count())), ("torch threads", str(torch.get_num_threads()))]
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        rows += [("cuda", str(torch.version.cuda)), ("devices", f"{len(names)}: {', '.join(names)}"),
+                 ("nccl", ".".join(map(str, torch.cuda.nccl.version()))), ("backend", "nccl")]
+    else:
+        rows += [("cuda", "not available"), ("devices", "cpu"), ("backend", "gloo")]
+    rows.append(("gloo", "available" if dist.is_gloo_available() else "MISSING"))
+    return rows
+
+
+def check_all_reduce(world: int, rank: int) -> list[str]:
+    """Problems found when all-reducing known values (sum and average, fp32 and int64); [] if exact."""
+    import torch
+    import torch.distributed as dist
+
+    problems = []
+    base = torch.arange(1024, dtype=torch.float32)
+    for dtype, op, expected in ((torch.float32, dist.ReduceOp.SUM, base * world * (world + 1) / 2),
+                                (torch.int64, dist.ReduceOp.SUM, (base * world * (world + 1) / 2).long()),
+                                (torch.float32, dist.ReduceOp.AVG, base * (world + 1) / 2)):
+        tensor = (base * (rank + 1)).to(dtype)
+        dist.all_reduce(tensor, op=op)
+        if not torch.equal(tensor, expected.to(dtype)):
+            worst = (tensor.double() - expected.double()).abs().max().item()
+            problems.append(f"all_reduce {op} {dtype}: max error {worst:g} on rank {rank}")
+    return problems
+
+
+def rank0_says(condition: bool, device) -> bool:
+    """Rank 0's value of ``condition`` on every rank, so that all ranks run the same collectives."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(condition)], device=device)
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
+def bus_bandwidth(size_mb: float, device, min_time_s: float = 0.5, max_iters: int = 50) -> tuple[float, float]:
+    """(seconds per all-reduce, bus bandwidth in GB/s) for a float32 tensor of ``size_mb``."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(max(1, int(size_mb * 2**20 / 4)), device=device)
+    for _ in range(2):
+        dist.all_reduce(tensor)
+    iters, start = 0, time.perf_counter()
+    while True:
+        dist.all_reduce(tensor)
+        iters += 1
+        if not rank0_says(iters < max_iters and time.perf_counter() - start < min_time_s, device):
+            break
+    seconds = (time.perf_counter() - start) / iters
+    world = dist.get_world_size()
+    return seconds, tensor.numel() * 4 / seconds * 2 * (world - 1) / world / 1e9
+
+
+def worker(args) -> int:
+    """The check run by every rank of a launched job; rank 0 prints the report."""
+    import torch
+    import torch.distributed as dist
+
+    from paratrain import distributed
+
+    rank, world = distributed.init_from_env()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    for key, value in environment():
+        say(f"{key:>14}: {value}")
+    if world == 1:
+        say("single process: no collectives to check (use --nproc-per-node N or --hostfile F)")
+        return 0
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    say(f"{'rendezvous':>14}: ok, {world} ranks on {len(set(hosts))} host(s): "
+        + ", ".join(f"{r}@{h}" for r, h in enumerate(hosts)))
+    problems = check_all_reduce(world, rank)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, problems)
+    problems = [p for ps in everyone for p in ps]
+    say(f"{'all_reduce':>14}: " + ("ok (sum, avg; float32, int64; exact)" if not problems else "FAILED"))
+    for problem in problems:
+        say(f"{'':>14}  {problem}")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    for size in (*SIZES_MB, args.size_mb):
+        seconds, busbw = bus_bandwidth(size, device)
+        say(f"{'bandwidth':>14}: {size * 2**20:>12,.0f} bytes  {seconds * 1e3:8.2f} ms  bus {busbw:6.2f} GB/s", flush=True)
+    end = time.monotonic() + args.duration
+    while rank0_says(time.monotonic() < end, device):
+        seconds, busbw = bus_bandwidth(args.size_mb, device, min_time_s=1.0)
+        say(f"{'soak':>14}: {args.size_mb:g} MB all_reduce {seconds * 1e3:8.2f} ms  bus {busbw:6.2f} GB/s", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if problems else 0
+
+
+def cmd_doctor(args, rest: list[str]) -> int:
+    if "WORLD_SIZE" in os.environ or not (args.hostfile or (args.nproc_per_node or 1) > 1):
+        return worker(args)
+    from paratrain.cli import main
+
+    launch = ["launch", "--name", args.name or f"doctor-{time.strftime('%Y%m%d-%H%M%S')}"]
+    launch += ["--hostfile", args.hostfile] if args.hostfile else ["--nproc-per-node", str(args.nproc_per_node)]
+    return main([*launch, "--", "doctor", f"--size-mb={args.size_mb:g}", f"--duration={args.duration:g}"])
+
+
+def add_subcommand(sub) -> None:
+    """Add ``doctor`` to the ``paratrain`` subcommand parser."""
+    p = sub.add_parser("doctor", help="environment report, rendezvous + all-reduce check, all-reduce bandwidth")
+    p.add_argument("--nproc-per-node", type=int, help="check this many ranks on this machine")
+    p.add_argument("--hostfile", help="check the hosts of this DeepSpeed hostfile (over ssh)")
+    p.add_argument("--name", help="job name of the check (default doctor-<time>)")
+    p.add_argument("--size-mb", type=float, default=16.0, help="largest all-reduce measured (default 16 MB)")
+    p.add_argument("--duration", type=float, default=0.0,
+                   help="then keep measuring for this many seconds (network soak test)")
+    p.set_defaults(func=cmd_doctor)

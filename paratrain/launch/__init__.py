@@ -1,0 +1,214 @@
+"""``paratrain launch | jobs | logs | stop``: named jobs started with torchrun on one or many nodes.
+
+``hosts`` reads hostfiles, rank tables and Slurm allocations, ``jobs`` keeps the
+job records, ``launcher`` runs torchrun on a node or ssh on every node.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from paratrain.launch import jobs as joblib
+from paratrain.launch.hosts import HostError, parse_hostfile, parse_rank_table, select_hosts, slurm_from_env
+from paratrain.launch.jobs import Job, JobError
+
+
+def _with_run_dir(words: list[str], job_dir: Path) -> list[str]:
+    """Add ``--run.dir=<job dir>`` to a ``train`` command that does not set its own."""
+    if words[:1] != ["train"] or any(w == "--run.dir" or w.startswith("--run.dir=") for w in words):
+        return words
+    return [*words, f"--run.dir={job_dir}"]
+
+
+def _launch_flags(args, name: str, **overrides) -> list[str]:
+    """The ``paratrain launch`` options that repeat this launch (for --detach and for each node)."""
+    values = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes, "node_rank": args.node_rank,
+              "master_addr": args.master_addr, "master_port": args.master_port,
+              "collective_timeout": args.collective_timeout, **overrides}
+    argv = [f"--{key.replace('_', '-')}={value}" for key, value in values.items() if value is not None]
+    return [*argv, f"--name={name}"]
+
+
+def _topology(args, launcher):
+    """Nodes and rendezvous from the flags, else from a Slurm allocation, else this machine alone."""
+    slurm = slurm_from_env() if args.nnodes is None else None
+    if slurm is not None and slurm.nnodes > 1:
+        return launcher.Topology(args.nproc_per_node or slurm.gpus_per_node or 1, slurm.nnodes, slurm.node_rank,
+                                 args.master_addr or slurm.master_addr, args.master_port or slurm.master_port)
+    nnodes = args.nnodes or 1
+    if nnodes > 1 and not args.master_addr:
+        raise HostError("--nnodes > 1 needs --master-addr (the address of node 0) and --node-rank")
+    if not 0 <= (args.node_rank or 0) < nnodes:
+        raise HostError(f"--node-rank {args.node_rank} is not in 0..{nnodes - 1}")
+    return launcher.Topology(args.nproc_per_node or 1, nnodes, args.node_rank or 0,
+                             args.master_addr, args.master_port or 29500)
+
+
+def cmd_launch(args, rest: list[str]) -> int:
+    from paratrain.launch import launcher
+
+    args.words = args.words[1:] if args.words[:1] == ["--"] else args.words
+    if rest or not args.words:
+        print(f"paratrain launch: unexpected {rest}" if rest else
+              "paratrain launch: give the command to run after '--', e.g. -- train --config c.toml", file=sys.stderr)
+        return 2
+    slurm = slurm_from_env()
+    name = joblib.check_name(args.name or (f"slurm-{slurm.job_id}" if slurm and slurm.nnodes > 1 and args.nnodes is None
+                                            else joblib.new_name(args.words)))
+    job_dir = joblib.jobs_home() / name
+    words = _with_run_dir(args.words, job_dir)
+    hosts = None
+    if args.hostfile or args.rank_table:
+        hosts = parse_rank_table(args.rank_table) if args.rank_table else parse_hostfile(args.hostfile)
+        hosts = select_hosts(hosts, args.include, args.exclude)
+    topo = None if hosts else _topology(args, launcher)
+    if args.dry_run:
+        return _dry_run(args, name, job_dir, words, hosts, topo, launcher)
+    if not os.environ.get("PARATRAIN_JOB_PREPARED") and (job_dir / "job.json").exists():
+        old = Job.from_file(job_dir / "job.json")
+        if old.shown_state() in joblib.ACTIVE:
+            raise JobError(f"job {name!r} is {old.shown_state()} (pid {old.launcher_pid}): stop it or pick another --name")
+    job_dir.mkdir(parents=True, exist_ok=True)
+    job = Job(name=name, dir=str(job_dir), command=words, argv=_argv(args, name), run_dir=_run_dir(words, job_dir),
+              hosts=[h.name for h in hosts] if hosts else [], nnodes=len(hosts) if hosts else topo.nnodes,
+              node_rank=0 if hosts else topo.node_rank,
+              nproc_per_node=hosts[0].slots if hosts else topo.nproc_per_node)
+    if os.environ.get("PARATRAIN_COORDINATED") or (topo and topo.node_rank > 0):
+        job.record = f"node{job.node_rank}.json"
+    if args.collective_timeout:
+        os.environ["PARATRAIN_COLLECTIVE_TIMEOUT"] = str(args.collective_timeout)
+    if args.detach:
+        return _detach(args, job)
+    print(f"paratrain launch: job {name} ({job.world_size} ranks), logs in {job_dir}", file=sys.stderr, flush=True)
+    if hosts:
+        env = launcher.forwarded_env(joblib.jobs_home())
+        return launcher.run_hosts(job, [launcher.node_command(host, argv, os.getcwd(), env)
+                                        for host, argv in _node_argvs(args, name, hosts)])
+    return launcher.run_node(job, topo, words, console=not os.environ.get("PARATRAIN_JOB_PREPARED"))
+
+
+def _argv(args, name: str) -> list[str]:
+    """``paratrain launch ...`` with everything this launch was given except --detach and --dry-run."""
+    hosts = [f"--{flag}={getattr(args, flag.replace('-', '_'))}" for flag in ("hostfile", "rank-table", "include", "exclude")
+             if getattr(args, flag.replace("-", "_"))]
+    return ["paratrain", "launch", *_launch_flags(args, name), *hosts, "--", *args.words]
+
+
+def _node_argvs(args, name: str, hosts):
+    """(host, the ``paratrain launch`` arguments of its node) for every host of a hostfile or rank table."""
+    for i, host in enumerate(hosts):
+        flags = _launch_flags(args, name, nproc_per_node=host.slots, nnodes=len(hosts), node_rank=i,
+                              master_addr=hosts[0].address, master_port=args.master_port or 29500)
+        yield host, [*flags, "--", *args.words]
+
+
+def _run_dir(words: list[str], job_dir: Path) -> str:
+    """Where the command writes ``metrics.jsonl``: its ``--run.dir`` if given."""
+    for i, w in enumerate(words):
+        if w.startswith("--run.dir="):
+            return str(Path(w.split("=", 1)[1]).absolute())
+        if w == "--run.dir" and i + 1 < len(words):
+            return str(Path(words[i + 1]).absolute())
+    return str(job_dir)
+
+
+def _dry_run(args, name, job_dir, words, hosts, topo, launcher) -> int:
+    print(f"# job {name}: run directory {job_dir}")
+    if not hosts:
+        print(shlex.join(["torchrun", *launcher.torchrun_args(topo, name, words)]))
+        return 0
+    env = launcher.forwarded_env(joblib.jobs_home())
+    for i, (host, argv) in enumerate(_node_argvs(args, name, hosts)):
+        print(f"# node {i}: {host.name} ({host.slots} ranks)")
+        print(shlex.join(launcher.node_command(host, argv, os.getcwd(), env)))
+    return 0
+
+
+def _detach(args, job: Job) -> int:
+    """Start this launch again in a new session (it survives the terminal) and return at once."""
+    argv = [sys.executable, "-m", *_argv(args, job.name)]
+    with open(Path(job.dir) / "launcher.log", "w") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "PARATRAIN_JOB_PREPARED": "1"})
+    job.launcher_pid = proc.pid
+    job.save()
+    print(f"job {job.name} started in the background (pid {proc.pid}); "
+          f"see 'paratrain jobs', 'paratrain logs {job.name}', 'paratrain stop {job.name}'")
+    return 0
+
+
+def cmd_jobs(args, rest: list[str]) -> int:
+    jobs = joblib.list_jobs()
+    if args.name:
+        jobs = [j for j in jobs if j.name in args.name]
+    print(joblib.format_table(jobs) if jobs else f"no jobs in {joblib.jobs_home()}")
+    return 0
+
+
+def cmd_logs(args, rest: list[str]) -> int:
+    job = joblib.load(args.name)
+    if not 0 <= args.rank < job.world_size:
+        raise JobError(f"job {job.name} has ranks 0..{job.world_size - 1}, not {args.rank}")
+    if args.follow:
+        joblib.follow(job, args.rank)
+    else:
+        print("\n".join(joblib.tail(job.log_path(args.rank), args.tail)))
+    return 0
+
+
+def cmd_stop(args, rest: list[str]) -> int:
+    joblib.stop(joblib.load(args.name), grace_s=args.grace)
+    return 0
+
+
+def _errors_to_exit(func):
+    """Run a subcommand; a HostError or JobError becomes a one-line message and exit code 2."""
+    def run(args, rest):
+        try:
+            return func(args, rest)
+        except (HostError, JobError) as exc:
+            print(f"paratrain {args.command_name}: {exc}", file=sys.stderr)
+            return 2
+    return run
+
+
+def add_subcommands(sub) -> None:
+    """Add ``launch``, ``jobs``, ``logs`` and ``stop`` to the ``paratrain`` subcommand parser."""
+    p = sub.add_parser("launch", help="start a job: one process per rank with torchrun, on one or many nodes",
+                       description="Start NAME: every rank runs 'python -m paratrain COMMAND...'.")
+    p.add_argument("--nproc-per-node", type=int, help="ranks on each node (default: hostfile slots, Slurm GPUs, 1)")
+    p.add_argument("--nnodes", type=int, help="number of nodes (start the launcher on each with its --node-rank)")
+    p.add_argument("--node-rank", type=int, help="this node's index, 0..nnodes-1")
+    p.add_argument("--master-addr", help="address of node 0, where the rendezvous runs")
+    p.add_argument("--master-port", type=int, help="rendezvous port on node 0 (default 29500)")
+    p.add_argument("--hostfile", help="DeepSpeed hostfile ('host slots=N' lines): ssh to each host")
+    p.add_argument("--include", default="", help="hosts (and slots) to use from the hostfile: host1@host2:0,1")
+    p.add_argument("--exclude", default="", help="hosts (or slots) to leave out: host1@host2:3")
+    p.add_argument("--rank-table", help="MindSpore rank table JSON: ssh to each server, ranks by rank_id")
+    p.add_argument("--name", help="job name = run directory under $PARATRAIN_HOME (default runs/); generated if absent")
+    p.add_argument("--detach", action="store_true", help="run in the background, surviving the terminal")
+    p.add_argument("--dry-run", action="store_true", help="print the torchrun / per-node ssh commands, start nothing")
+    p.add_argument("--collective-timeout", type=float, help="seconds before a stuck collective fails (default 600)")
+    p.add_argument("words", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                   help="the paratrain subcommand each rank runs, e.g. -- train --config c.toml")
+    p.set_defaults(func=_errors_to_exit(cmd_launch), command_name="launch")
+
+    p = sub.add_parser("jobs", help="list jobs: state, ranks, elapsed time, last step and loss")
+    p.add_argument("name", nargs="*", help="only these jobs")
+    p.set_defaults(func=_errors_to_exit(cmd_jobs), command_name="jobs")
+
+    p = sub.add_parser("logs", help="print a rank's log of a job")
+    p.add_argument("name")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--tail", type=int, default=100, help="number of last lines to print (default 100)")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    p.set_defaults(func=_errors_to_exit(cmd_logs), command_name="logs")
+
+    p = sub.add_parser("stop", help="stop a job: SIGTERM to every rank, then SIGKILL after a grace period")
+    p.add_argument("name")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)")
+    p.set_defaults(func=_errors_to_exit(cmd_stop), command_name="stop")
