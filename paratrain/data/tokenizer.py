@@ -1,8 +1,9 @@
 """Subword tokenizer: byte-pair encoding trained with HF ``tokenizers``, saved as one ``tokenizer.json``.
 
 Special tokens have fixed ids shared with ``paratrain.data.synthetic``:
-PAD=0, BOS=1, EOS=2, UNK=3. Text is NFC-normalised, split at spaces (kept as
-``▁`` so decoding restores them) and at punctuation.
+PAD=0, BOS=1, EOS=2, UNK=3. Text is NFC-normalised and split GPT-2 style into
+words and punctuation over UTF-8 bytes, so any text round-trips exactly and
+no character is unknown.
 """
 from __future__ import annotations
 
@@ -73,15 +74,17 @@ class Tokenizer:
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> "Tokenizer":
-        """BPE with at most ``vocab_size`` tokens (special tokens included) learned from ``texts``."""
+        """BPE with at most ``vocab_size`` tokens (special tokens and the 256 bytes included) learned from ``texts``."""
+        if vocab_size < 256 + len(SPECIAL_TOKENS):
+            raise ValueError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least "
+                             f"{256 + len(SPECIAL_TOKENS)} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
         hf = HFTokenizer(models.BPE(unk_token=SPECIAL_TOKENS[UNK]))
         hf.normalizer = normalizers.NFC()
-        hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(prepend_scheme="always"),
-                                                    pre_tokenizers.Punctuation()])
-        hf.decoder = decoders.Metaspace(prepend_scheme="always")
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                       special_tokens=[SPECIAL_TOKENS[i] for i in sorted(SPECIAL_TOKENS)],
-                                      show_progress=False)
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
         hf.train_from_iterator(texts, trainer=trainer)
         return cls(hf)
 

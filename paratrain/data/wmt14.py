@@ -93,7 +93,8 @@ def pair_documents(src: dict[str, dict[str, str]], ref: dict[str, dict[str, str]
             problems.append(f"document {docid!r}: segment {seg_id} is in {ref_name} but not in {src_name}")
         pairs += [(text, ref[docid][seg_id]) for seg_id, text in segs.items() if seg_id in ref[docid]]
     if problems:
-        raise SgmError("source and reference do not match:\n" + "\n".join(f"  - {p}" for p in sorted(problems)))
+        shown = sorted(problems)[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise SgmError("source and reference do not match:\n" + "\n".join(f"  - {p}" for p in shown))
     return pairs
 
 
