@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     from paratrain import doctor, launch
     launch.add_subcommands(sub)
     doctor.add_subcommand(sub)
+    from paratrain.data import commands as data_commands
+    data_commands.add_subcommands(sub)
     return parser
 
 

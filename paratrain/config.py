@@ -277,15 +277,40 @@ class TrainConfig(Section):
 
 @dataclass
 class DataConfig(Section):
-    """Where batches come from; ``synthetic`` needs no files."""
+    """Where batches come from; ``synthetic`` needs no files.
+
+    ``translation``: ``path`` is a ``source<TAB>target`` file (``paratrain preprocess``),
+    ``text``: a text file or ``.npy`` token stream, ``cifar10``: the ``cifar-10-batches-bin``
+    directory. ``tokenizer`` is a ``tokenizer.json``, trained on ``path`` at first use if absent.
+    """
 
     SECTION = "data"
+    KINDS = ("synthetic", "translation", "text", "cifar10")
     kind: str = "synthetic"
     task: str = "reverse"  # synthetic seq2seq: reverse | copy; gpt: markov
     min_length: int = 4
     path: str = ""
     tokenizer: str = ""
     num_workers: int = 0
+    eval_path: str = ""  # held-out source<TAB>target pairs for BLEU
+    shuffle: bool = True
+    bucket_size: int = 0  # length bucketing: sort windows of this many global batches by length; 0 = off
+    dynamic_padding: bool = False  # pad each global batch to its longest example, not the model lengths
+    too_long: str = "filter"  # translation pairs longer than the model lengths: filter | truncate
+
+    def problems(self) -> list[str]:
+        """Every rule these keys break (call from ``validate``)."""
+        out = []
+        if self.kind not in self.KINDS:
+            out.append(f"data.kind={self.kind!r} is not one of {', '.join(self.KINDS)}")
+        elif self.kind != "synthetic" and not self.path:
+            out.append(f"data.kind={self.kind!r} needs data.path (for translation: run "
+                       f"`paratrain preprocess sample --out data/sample` and use data/sample/train/sample.en_fr.txt)")
+        if self.too_long not in ("filter", "truncate"):
+            out.append(f"data.too_long={self.too_long!r} is not one of filter, truncate")
+        if self.bucket_size < 0:
+            out.append(f"data.bucket_size={self.bucket_size} must be 0 (off) or positive")
+        return out
 
 
 @dataclass
