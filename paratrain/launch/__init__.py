@@ -79,6 +79,8 @@ def cmd_launch(args, rest: list[str]) -> int:
               nproc_per_node=hosts[0].slots if hosts else topo.nproc_per_node)
     if os.environ.get("PARATRAIN_COORDINATED") or (topo and topo.node_rank > 0):
         job.record = f"node{job.node_rank}.json"
+    elif os.environ.get("PARATRAIN_JOB_PREPARED") and job.path.exists():
+        job.start_time = Job.from_file(job.path).start_time  # when --detach was asked
     if args.collective_timeout:
         os.environ["PARATRAIN_COLLECTIVE_TIMEOUT"] = str(args.collective_timeout)
     if args.detach:
@@ -87,7 +89,7 @@ def cmd_launch(args, rest: list[str]) -> int:
     if hosts:
         env = launcher.forwarded_env(joblib.jobs_home())
         return launcher.run_hosts(job, [launcher.node_command(host, argv, os.getcwd(), env)
-                                        for host, argv in _node_argvs(args, name, hosts)])
+                                        for host, argv in _node_argvs(args, name, hosts, words)])
     return launcher.run_node(job, topo, words, console=not os.environ.get("PARATRAIN_JOB_PREPARED"))
 
 
@@ -98,12 +100,12 @@ def _argv(args, name: str) -> list[str]:
     return ["paratrain", "launch", *_launch_flags(args, name), *hosts, "--", *args.words]
 
 
-def _node_argvs(args, name: str, hosts):
+def _node_argvs(args, name: str, hosts, words: list[str]):
     """(host, the ``paratrain launch`` arguments of its node) for every host of a hostfile or rank table."""
     for i, host in enumerate(hosts):
         flags = _launch_flags(args, name, nproc_per_node=host.slots, nnodes=len(hosts), node_rank=i,
                               master_addr=hosts[0].address, master_port=args.master_port or 29500)
-        yield host, [*flags, "--", *args.words]
+        yield host, [*flags, "--", *words]
 
 
 def _run_dir(words: list[str], job_dir: Path) -> str:
@@ -122,7 +124,7 @@ def _dry_run(args, name, job_dir, words, hosts, topo, launcher) -> int:
         print(shlex.join(["torchrun", *launcher.torchrun_args(topo, name, words)]))
         return 0
     env = launcher.forwarded_env(joblib.jobs_home())
-    for i, (host, argv) in enumerate(_node_argvs(args, name, hosts)):
+    for i, (host, argv) in enumerate(_node_argvs(args, name, hosts, words)):
         print(f"# node {i}: {host.name} ({host.slots} ranks)")
         print(shlex.join(launcher.node_command(host, argv, os.getcwd(), env)))
     return 0
