@@ -5,19 +5,27 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from paratrain.config import TrainConfig
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two parameter groups: matrices decay; biases and LayerNorm weights do not (as in the tutorial)."""
-    decay, no_decay = [], []
+    """Parameter groups: matrices decay; biases and LayerNorm weights do not (as in the tutorial).
+
+    Each is split further by tensor kind (plain, or DTensor per mesh and placements)
+    because the multi-tensor AdamW kernels cannot mix them.
+    """
     norm_params = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+    groups: dict = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if name.endswith("bias") or id(param) in norm_params else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        decays = not (name.endswith("bias") or id(param) in norm_params)
+        kind = (param.device_mesh, param.placements) if isinstance(param, DTensor) else None
+        groups.setdefault((decays, kind), []).append(param)
+    return [{"params": params, "weight_decay": weight_decay if decays else 0.0}
+            for (decays, _), params in groups.items()]
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -38,9 +46,23 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch
 
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """Clip all gradients by one global L2 norm; returns the norm before clipping."""
-    params = [p for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    """Clip all gradients by one global L2 norm; returns the norm before clipping.
+
+    Gradients may mix plain tensors and DTensors on different meshes (TP without
+    sequence parallel leaves LayerNorms plain): the norm is taken per (mesh,
+    placements) group, made whole, and the groups combined.
+    """
+    groups: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    squares = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

@@ -6,11 +6,17 @@ import time
 
 import torch
 
+from torch.distributed.tensor import DTensor
+
 from paratrain.config import Config, check
 from paratrain.data import ShardedBatches, build_dataset
+from paratrain.distributed import init_from_env
+from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger
 from paratrain.models import build_model, token_loss_sum
 from paratrain.optim import build_optimizer, build_scheduler, clip_grad_norm
+from paratrain.parallel import parallelize
+from paratrain.parallel.loss import loss_context
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,16 +34,23 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config):
-        self.cfg = check(cfg, world_size=1)
-        torch.manual_seed(cfg.run.seed)
-        self.model = build_model(cfg.model).to(DTYPES[cfg.model.dtype])
+        rank, world_size = init_from_env()
+        self.cfg = check(cfg, world_size)
+        self.layout = Layout(cfg.parallel, world_size)
+        torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then shards it
+        model = build_model(cfg.model).to(DTYPES[cfg.model.dtype])
+        self.model = parallelize(model, cfg.parallel, self.layout)
+        torch.manual_seed(cfg.run.seed + self.layout.dp_rank)  # dropout: shared by tensor-parallel peers
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
-        self.data = ShardedBatches(build_dataset(cfg), cfg.train.global_batch_size)
+        self.data = ShardedBatches(build_dataset(cfg), cfg.train.global_batch_size,
+                                   self.layout.dp_rank, self.layout.dp_size)
+        self.is_main = rank == 0
         self.run_dir = cfg.run.path
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        cfg.save(self.run_dir / "config.toml")
-        self.metrics = MetricsLogger(self.run_dir, cfg.metrics, cfg.train.steps)
+        if self.is_main:
+            cfg.save(self.run_dir / "config.toml")
+        self.metrics = MetricsLogger(self.run_dir, cfg.metrics, cfg.train.steps, enabled=self.is_main)
         self.step = 0
 
     def train(self) -> list[dict]:
@@ -57,17 +70,20 @@ class Trainer:
     def train_step(self) -> dict:
         start = time.perf_counter()
         batch = self.data.batch(self.step)
-        pad = self.cfg.model.pad_token_id
-        num_tokens = (batch["labels"] != pad).sum()
+        pad, dp_size = self.cfg.model.pad_token_id, self.layout.dp_size
+        num_tokens = self.layout.all_reduce_dp((batch["labels"] != pad).sum())
         micro_batches = [dict(zip(batch, parts)) for parts in
                          zip(*(v.chunk(self.cfg.parallel.micro_batch_num) for v in batch.values()))]
         self.model.train()
         loss = torch.zeros(())
-        for micro in micro_batches:
+        for i, micro in enumerate(micro_batches):
+            self._sync_gradients(last_micro_batch=i == len(micro_batches) - 1)
             labels = micro.pop("labels")
-            micro_loss = token_loss_sum(self.model(**micro).float(), labels, pad) / num_tokens
-            micro_loss.backward()
-            loss += micro_loss.detach()
+            with loss_context(self.cfg.parallel):
+                micro_loss = token_loss_sum(self.model(**micro).float(), labels, pad) / num_tokens
+                (micro_loss * dp_size).backward()  # data parallel averages gradients; we want their sum
+            loss += _whole(micro_loss.detach())
+        self.layout.all_reduce_dp(loss)
         if not math.isfinite(loss.item()):
             raise TrainingDiverged(f"loss is {loss.item()} at step {self.step + 1}: lower train.lr, "
                                    f"raise train.warmup_steps or check the data")
@@ -81,3 +97,12 @@ class Trainer:
         return {"step": self.step + 1, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
                 "step_time_s": step_time, "tokens": tokens, "tokens_per_s": tokens / step_time,
                 "samples_per_s": self.cfg.train.global_batch_size / step_time}
+
+    def _sync_gradients(self, last_micro_batch: bool) -> None:
+        """With ZeRO < 3, reduce gradients once per step, after the last micro-batch."""
+        if hasattr(self.model, "set_requires_gradient_sync") and self.cfg.parallel.effective_zero_stage < 3:
+            self.model.set_requires_gradient_sync(last_micro_batch)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

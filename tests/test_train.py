@@ -105,7 +105,7 @@ def test_weight_decay_skips_biases_and_norms():
     from paratrain.optim import decay_groups
 
     model = build_model(tiny_config().model)
-    decay, no_decay = decay_groups(model, 0.1)
+    decay, no_decay = decay_groups(model, 0.1)  # one process: plain tensors, two groups
     names = {id(p): n for n, p in model.named_parameters()}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(names[id(p)].endswith("weight") and ".norm." not in names[id(p)] for p in decay["params"])

@@ -204,7 +204,7 @@ class TransformerDecoder(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder on embedded inputs: src (B, S, H), tgt (B, T, H) -> (B, T, H)."""
+    """Encoder-decoder on embedded inputs: src (B, S, H), tgt (B, T, H), pad masks (B, S), (B, T) -> (B, T, H)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -212,9 +212,11 @@ class Transformer(nn.Module):
         self.decoder = TransformerDecoder(cfg)
         self.padding_mask, self.causal_mask = AttentionMask(causal=False), AttentionMask(causal=True)
 
-    def forward(self, src, tgt, src_pad=None, tgt_pad=None):
-        memory = self.encoder(src, self.padding_mask(src_pad, src.shape[1]))
-        return self.decoder(tgt, memory, self.causal_mask(tgt_pad, tgt.shape[1]), self.padding_mask(src_pad, tgt.shape[1]))
+    def forward(self, src, tgt, src_pad, tgt_pad):
+        # lengths come from the (B, S) / (B, T) pad masks: src and tgt may be sequence-sharded
+        memory = self.encoder(src, self.padding_mask(src_pad, src_pad.shape[1]))
+        self_mask = self.causal_mask(tgt_pad, tgt_pad.shape[1])
+        return self.decoder(tgt, memory, self_mask, self.padding_mask(src_pad, tgt_pad.shape[1]))
 
 
 class Seq2SeqModel(nn.Module):
@@ -291,15 +293,18 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 
 # --- Parallel plan: what ``paratrain.parallel`` may split, declared in one place. ---
 
-# Tensor parallel: module-name suffix -> how its weight is split over model_parallel.
+# Tensor parallel: module-name suffix -> how it is split over model_parallel.
 #   colwise: output features sharded; rowwise: input features sharded (sums partial outputs);
 #   vocab: embedding rows sharded (only when vocab_emb_dp=false);
-#   head: output projection column-sharded, logits stay sharded for the vocab-parallel loss;
-#   norm: LayerNorm, sharded along the sequence with sequence_parallel.
+#   head: output projection column-sharded, logits stay sharded for the vocab-parallel loss.
+# With sequence_parallel the residual stream is sharded along the sequence:
+#   norm: LayerNorm on sequence shards; scatter: the embedding output is split along the
+#   sequence; ("gather", n): the module's n positional inputs are gathered first.
 TP_PLAN = {
     "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "out_proj": "rowwise",
-    "fc1": "colwise", "fc2": "rowwise",
-    "word.embedding": "vocab", "head": "head", "norm": "norm",
+    "fc1": "colwise", "fc2": "rowwise", "word.embedding": "vocab", "head": "head",
+    "norm": "norm", "src_embed": "scatter", "tgt_embed": "scatter", "embed": "scatter",
+    "attn": ("gather", 1), "self_attn": ("gather", 1), "cross_attn": ("gather", 2), "ffn": ("gather", 1),
 }
 
 

@@ -1,0 +1,70 @@
+"""The device mesh of a run and where this rank sits in it.
+
+Dims ("pp", "dp_replicate", "dp_shard", "tp"): data parallelism lives in
+``dp_replicate`` when parameters stay whole (zero stage 0, DDP-like) and in
+``dp_shard`` when they are sharded (zero stages 1-3); the other one has size 1.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from paratrain.config import ParallelConfig
+
+
+class Layout:
+    """A ParallelConfig placed on the processes of this job: mesh, groups and this rank's coordinates."""
+
+    def __init__(self, config: ParallelConfig, world_size: int = 1):
+        self.config = config
+        self.world_size = world_size
+        self.mesh: DeviceMesh | None = None
+        if world_size > 1:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            sharded = config.effective_zero_stage > 0
+            shape = (config.pipeline_stage, 1 if sharded else config.data_parallel,
+                     config.data_parallel if sharded else 1, config.model_parallel)
+            self.mesh = init_device_mesh(device, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+
+    def _coordinate(self, dim: str) -> int:
+        return self.mesh.get_local_rank(dim) if self.mesh is not None else 0
+
+    @property
+    def dp_dim(self) -> str:
+        return "dp_shard" if self.config.effective_zero_stage > 0 else "dp_replicate"
+
+    @property
+    def dp_rank(self) -> int:
+        return self._coordinate(self.dp_dim)
+
+    @property
+    def dp_size(self) -> int:
+        return self.config.data_parallel
+
+    @property
+    def tp_rank(self) -> int:
+        return self._coordinate("tp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self._coordinate("pp")
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """2D (replicate, shard) mesh for FSDP2: HSDP with one of the two dims of size 1."""
+        return self.mesh["dp_replicate", "dp_shard"]
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group(self.dp_dim) if self.mesh is not None and self.dp_size > 1 else None
+
+    def all_reduce_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the data-parallel ranks (in place; returned for chaining)."""
+        if self.dp_group is not None:
+            dist.all_reduce(tensor, group=self.dp_group)
+        return tensor

@@ -1,0 +1,18 @@
+"""The loss over vocab-sharded logits: cross-entropy without gathering the full vocabulary.
+
+Under ``loss_parallel()`` PyTorch computes the softmax statistics of each vocab shard
+locally and all-reduces only (B*T)-sized maxima and sums. The context must cover the
+backward too, so the trainer enters it around a whole micro-batch (forward + backward).
+"""
+from __future__ import annotations
+
+import contextlib
+
+from torch.distributed.tensor.parallel import loss_parallel
+
+from paratrain.config import ParallelConfig
+
+
+def loss_context(config: ParallelConfig):
+    """``loss_parallel()`` when the head is vocab-sharded (model_parallel > 1), else a no-op."""
+    return loss_parallel() if config.model_parallel > 1 else contextlib.nullcontext()

@@ -1,0 +1,68 @@
+"""Tensor (model) parallelism: the model's TP_PLAN turned into DTensor styles over the "tp" mesh dim.
+
+Column-sharded q/k/v and fc1, row-sharded out_proj and fc2 (Megatron's split: one
+all-reduce per attention and per FFN in forward). The output head is column-sharded
+and its logits stay vocab-sharded for the vocab-parallel loss (``loss.py``). With
+``vocab_emb_dp=false`` the embedding table's vocab rows are sharded too.
+
+With ``sequence_parallel`` the residual stream between sublayers is sharded along
+the sequence: LayerNorms and dropout run on 1/mp of the tokens, attention and FFN
+inputs are all-gathered, and their outputs reduce-scattered instead of all-reduced.
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
+
+from paratrain.config import ParallelConfig
+from paratrain.models.transformer import TP_PLAN
+
+
+def _plan_kind(name: str):
+    for suffix, kind in TP_PLAN.items():
+        if name == suffix or name.endswith("." + suffix):
+            return kind
+    return None
+
+
+def tensor_parallel_plan(model: nn.Module, config: ParallelConfig) -> dict:
+    """Module name -> DTensor ParallelStyle for every module the plan names."""
+    sp = config.sequence_parallel
+    stream = Shard(1) if sp else Replicate()  # layout of the residual stream between sublayers
+    plan = {}
+    for name, _ in model.named_modules():
+        kind = _plan_kind(name)
+        if kind == "colwise":
+            plan[name] = ColwiseParallel()
+        elif kind == "rowwise":
+            plan[name] = RowwiseParallel(output_layouts=stream)
+        elif kind == "vocab" and not config.vocab_emb_dp:
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif kind == "head":
+            plan[name] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+        elif sp and kind == "norm":
+            plan[name] = SequenceParallel(use_local_output=True)
+        elif sp and kind == "scatter":
+            plan[name] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+        elif sp and isinstance(kind, tuple) and kind[0] == "gather":
+            inputs = kind[1]
+            plan[name] = PrepareModuleInput(input_layouts=(Shard(1),) * inputs,
+                                            desired_input_layouts=(Replicate(),) * inputs)
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, config: ParallelConfig, tp_mesh: DeviceMesh) -> nn.Module:
+    """Shard ``model`` in place over ``tp_mesh``; keeps a tied head tied to the (sharded) table."""
+    head, word = getattr(model, "head", None), _word_embedding(model)
+    tied = head is not None and word is not None and head.weight is word.weight
+    parallelize_module(model, tp_mesh, tensor_parallel_plan(model, config))
+    if tied:
+        head.weight = word.weight
+    return model
+
+
+def _word_embedding(model: nn.Module) -> nn.Embedding | None:
+    return next((m for name, m in model.named_modules() if _plan_kind(name) == "vocab"), None)
