@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from paratrain.launch import jobs as joblib
-from paratrain.launch.hosts import HostError, parse_hostfile, parse_rank_table, select_hosts, slurm_from_env
+from paratrain.launch.hosts import (HostError, Topology, parse_hostfile, parse_rank_table, select_hosts,
+                                    slurm_from_env)
 from paratrain.launch.jobs import Job, JobError
 
 
@@ -33,24 +34,22 @@ def _launch_flags(args, name: str, **overrides) -> list[str]:
     return [*argv, f"--name={name}"]
 
 
-def _topology(args, launcher):
+def _topology(args):
     """Nodes and rendezvous from the flags, else from a Slurm allocation, else this machine alone."""
     slurm = slurm_from_env() if args.nnodes is None else None
     if slurm is not None and slurm.nnodes > 1:
-        return launcher.Topology(args.nproc_per_node or slurm.gpus_per_node or 1, slurm.nnodes, slurm.node_rank,
+        return Topology(args.nproc_per_node or slurm.gpus_per_node or 1, slurm.nnodes, slurm.node_rank,
                                  args.master_addr or slurm.master_addr, args.master_port or slurm.master_port)
     nnodes = args.nnodes or 1
     if nnodes > 1 and not args.master_addr:
         raise HostError("--nnodes > 1 needs --master-addr (the address of node 0) and --node-rank")
     if not 0 <= (args.node_rank or 0) < nnodes:
         raise HostError(f"--node-rank {args.node_rank} is not in 0..{nnodes - 1}")
-    return launcher.Topology(args.nproc_per_node or 1, nnodes, args.node_rank or 0,
+    return Topology(args.nproc_per_node or 1, nnodes, args.node_rank or 0,
                              args.master_addr, args.master_port or 29500)
 
 
 def cmd_launch(args, rest: list[str]) -> int:
-    from paratrain.launch import launcher
-
     args.words = args.words[1:] if args.words[:1] == ["--"] else args.words
     if rest or not args.words:
         print(f"paratrain launch: unexpected {rest}" if rest else
@@ -65,9 +64,9 @@ def cmd_launch(args, rest: list[str]) -> int:
     if args.hostfile or args.rank_table:
         hosts = parse_rank_table(args.rank_table) if args.rank_table else parse_hostfile(args.hostfile)
         hosts = select_hosts(hosts, args.include, args.exclude)
-    topo = None if hosts else _topology(args, launcher)
+    topo = None if hosts else _topology(args)
     if args.dry_run:
-        return _dry_run(args, name, job_dir, words, hosts, topo, launcher)
+        return _dry_run(args, name, job_dir, words, hosts, topo)
     if not os.environ.get("PARATRAIN_JOB_PREPARED") and (job_dir / "job.json").exists():
         old = Job.from_file(job_dir / "job.json")
         if old.shown_state() in joblib.ACTIVE:
@@ -86,6 +85,8 @@ def cmd_launch(args, rest: list[str]) -> int:
     if args.detach:
         return _detach(args, job)
     print(f"paratrain launch: job {name} ({job.world_size} ranks), logs in {job_dir}", file=sys.stderr, flush=True)
+    from paratrain.launch import launcher  # imports torch: not before a --detach
+
     if hosts:
         env = launcher.forwarded_env(joblib.jobs_home())
         return launcher.run_hosts(job, [launcher.node_command(host, argv, os.getcwd(), env)
@@ -118,7 +119,9 @@ def _run_dir(words: list[str], job_dir: Path) -> str:
     return str(job_dir)
 
 
-def _dry_run(args, name, job_dir, words, hosts, topo, launcher) -> int:
+def _dry_run(args, name, job_dir, words, hosts, topo) -> int:
+    from paratrain.launch import launcher
+
     print(f"# job {name}: run directory {job_dir}")
     if not hosts:
         print(shlex.join(["torchrun", *launcher.torchrun_args(topo, name, words)]))

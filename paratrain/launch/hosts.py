@@ -172,6 +172,17 @@ def parse_rank_table(path: str | Path) -> list[Host]:
     return hosts
 
 
+@dataclass
+class Topology:
+    """How many nodes, which one this is, and where the rendezvous lives (None: this machine only)."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int = 29500
+
+
 @dataclass(frozen=True)
 class SlurmAllocation:
     """The part of a Slurm allocation the launcher needs, read from ``SLURM_*`` variables."""

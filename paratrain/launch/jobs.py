@@ -184,8 +184,9 @@ def format_table(jobs: list[Job]) -> str:
     return "\n\n".join([table, *notes])
 
 
-def follow(job: Job, rank: int, out=sys.stdout, poll_s: float = 0.5) -> None:
+def follow(job: Job, rank: int, out=None, poll_s: float = 0.5) -> None:
     """Print a rank's log and keep printing what is appended until the job is no longer active."""
+    out = out or sys.stdout
     path = job.log_path(rank)
     position = 0
     while True:
@@ -202,8 +203,9 @@ def follow(job: Job, rank: int, out=sys.stdout, poll_s: float = 0.5) -> None:
         time.sleep(poll_s)
 
 
-def stop(job: Job, grace_s: float = 10.0, out=sys.stdout) -> None:
+def stop(job: Job, grace_s: float = 10.0, out=None) -> None:
     """SIGTERM the launcher and every rank, wait up to ``grace_s``, SIGKILL what is left; state ``stopped``."""
+    out = out or sys.stdout
     if job.shown_state() not in ACTIVE:
         raise JobError(f"job {job.name!r} is not running (state {job.shown_state()})")
     if job.host != socket.gethostname():

@@ -8,7 +8,6 @@ code and the end of its log, records them in ``job.json`` and exits non-zero.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import shlex
 import signal
@@ -23,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
 
-from paratrain.launch.hosts import Host
+from paratrain.launch.hosts import Host, Topology
 from paratrain.launch.jobs import Job, tail
 
 # Merges stderr into stdout (one log per rank) and execs the rank's command with
@@ -32,17 +31,6 @@ RANK_WRAPPER = ["/bin/sh", "-c", 'exec "$@" 2>&1', "paratrain-rank"]
 SHUTDOWN_TIMEOUT_S = 15  # SIGTERM -> SIGKILL for the ranks left when one fails
 FORWARDED_ENV = ("PYTHONPATH", "PARATRAIN_COLLECTIVE_TIMEOUT")
 FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
-
-
-@dataclasses.dataclass
-class Topology:
-    """How many nodes, which one this is, and where the rendezvous lives (None: this machine only)."""
-
-    nproc_per_node: int
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int = 29500
 
 
 class RankLogs(LogsSpecs):
@@ -166,7 +154,7 @@ def node_command(host: Host, argv: list[str], cwd: str, env: dict[str, str]) -> 
 def forwarded_env(home: Path) -> dict[str, str]:
     """Variables each node's launcher needs: the job registry and the communication settings."""
     env = {k: v for k, v in os.environ.items() if k in FORWARDED_ENV or k.startswith(FORWARDED_ENV_PREFIXES)}
-    return {**env, "PARATRAIN_HOME": str(home), "PARATRAIN_COORDINATED": "1"}
+    return {**env, "PARATRAIN_HOME": str(home), "PARATRAIN_COORDINATED": "1", "PARATRAIN_JOB_PREPARED": "1"}
 
 
 def run_hosts(job: Job, commands: list[list[str]], poll_s: float = 0.5) -> int:
