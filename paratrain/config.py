@@ -273,6 +273,7 @@ class TrainConfig(Section):
     eps: float = 1e-8
     grad_clip: float = 1.0
     mixed_precision: str = "none"
+    initial_loss_scale: float = 65536.0  # fp16 only
 
 
 @dataclass
@@ -476,8 +477,9 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         problems.append(f"parallel.data_parallel={p.data_parallel} x model_parallel={p.model_parallel} x "
                         f"pipeline_stage={p.pipeline_stage} = {p.world_size} does not equal the world size "
                         f"{world_size}: launch {p.world_size} processes or change the parallel sizes")
-    if m.tie_embeddings and m.kind == "transformer" and m.encoder_layers == 0:
-        problems.append("model.tie_embeddings=true needs an embedding table: encoder_layers must be positive")
+    if m.tie_embeddings and mp > 1 and p.vocab_emb_dp:
+        problems.append(f"model.tie_embeddings=true with parallel.model_parallel={mp} needs the embedding split like "
+                        f"the vocab-sharded head: set parallel.vocab_emb_dp=false or tie_embeddings=false")
     return problems
 
 

@@ -17,6 +17,7 @@ from paratrain.models import build_model, token_loss_sum
 from paratrain.optim import build_optimizer, build_scheduler, clip_grad_norm
 from paratrain.parallel import parallelize
 from paratrain.parallel.loss import loss_context
+from paratrain.precision import LossScaler, autocast
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,6 +44,7 @@ class Trainer:
         torch.manual_seed(cfg.run.seed + self.layout.dp_rank)  # dropout: shared by tensor-parallel peers
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.loss_scaler = LossScaler(cfg.train.mixed_precision == "fp16", cfg.train.initial_loss_scale)
         self.data = ShardedBatches(build_dataset(cfg), cfg.train.global_batch_size,
                                    self.layout.dp_rank, self.layout.dp_size)
         self.is_main = rank == 0
@@ -80,23 +82,31 @@ class Trainer:
             self._sync_gradients(last_micro_batch=i == len(micro_batches) - 1)
             labels = micro.pop("labels")
             with loss_context(self.cfg.parallel):
-                micro_loss = token_loss_sum(self.model(**micro).float(), labels, pad) / num_tokens
-                (micro_loss * dp_size).backward()  # data parallel averages gradients; we want their sum
+                with autocast(self.cfg.train.mixed_precision):
+                    logits = self.model(**micro)
+                micro_loss = token_loss_sum(logits.float(), labels, pad) / num_tokens
+                # data parallel averages gradients where we want their sum
+                (micro_loss * (dp_size * self.loss_scaler.scale)).backward()
             loss += _whole(micro_loss.detach())
         self.layout.all_reduce_dp(loss)
         if not math.isfinite(loss.item()):
             raise TrainingDiverged(f"loss is {loss.item()} at step {self.step + 1}: lower train.lr, "
                                    f"raise train.warmup_steps or check the data")
         lr = self.scheduler.get_last_lr()[0]
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
-        self.optimizer.step()
+        self.loss_scaler.unscale_(self.model.parameters())
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip).item()
+        if not self.loss_scaler.update(grad_norm):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         step_time = time.perf_counter() - start
         tokens = int(num_tokens)
-        return {"step": self.step + 1, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
-                "step_time_s": step_time, "tokens": tokens, "tokens_per_s": tokens / step_time,
-                "samples_per_s": self.cfg.train.global_batch_size / step_time}
+        record = {"step": self.step + 1, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
+                  "step_time_s": step_time, "tokens": tokens, "tokens_per_s": tokens / step_time,
+                  "samples_per_s": self.cfg.train.global_batch_size / step_time}
+        if self.loss_scaler.enabled:
+            record.update(loss_scale=self.loss_scaler.scale, skipped_steps=self.loss_scaler.skipped_steps)
+        return record
 
     def _sync_gradients(self, last_micro_batch: bool) -> None:
         """With ZeRO < 3, reduce gradients once per step, after the last micro-batch."""

@@ -116,3 +116,9 @@ def test_mindspore_views_and_recompute():
     assert [p.recompute_mode(i) for i in range(3)] == ["none", "full", "none"]
     p.recompute = True
     assert p.recompute_mode(0) == "full"
+
+
+def test_tied_embeddings_with_model_parallel_need_sharded_vocab():
+    msg = only_problem(parallel={"mp": 2}, model={"tie_embeddings": True})
+    assert "tie_embeddings=true" in msg and "model_parallel=2" in msg and "vocab_emb_dp=false" in msg
+    assert problems_for(parallel={"mp": 2, "vocab_emb_dp": False}, model={"tie_embeddings": True}) == []

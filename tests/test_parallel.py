@@ -1,0 +1,68 @@
+"""Every layout trains with the loss of one process (same seed, same global batch, dropout 0).
+
+The layouts of one world size run one after another in one group of forked
+workers (start-up dominates); each test computes its own single-process reference.
+"""
+import functools
+
+import pytest
+
+from conftest import tiny_config
+from multiprocess import run_distributed
+from paratrain.trainer import Trainer
+
+STEPS = 10
+GPT = {"kind": "gpt"}
+LAYOUTS = {  # name: (world size, parallel section, model section)
+    "dp2": (2, {"dp": 2, "micro_batch_num": 2}, {}),
+    "mp2": (2, {"mp": 2}, {}),
+    "mp2_vocab_sharded_tied": (2, {"mp": 2, "vocab_emb_dp": False}, {"tie_embeddings": True}),
+    "mp2_sequence_parallel": (2, {"mp": 2, "sequence_parallel": True}, {}),
+    "mp2_recompute_full": (2, {"mp": 2, "recompute": "full"}, {}),
+    "dp2_recompute_selective": (2, {"dp": 2, "recompute": "selective"}, {}),
+    "gpt_mp2_sp_vocab_sharded": (2, {"mp": 2, "sequence_parallel": True, "vocab_emb_dp": False}, GPT),
+    "mp4": (4, {"mp": 4}, {}),
+    "dp2_mp2": (4, {"dp": 2, "mp": 2}, {}),
+    "dp4_zero3": (4, {"dp": 4, "zero_stage": 3}, {}),
+    "dp2_mp2_zero1": (4, {"dp": 2, "mp": 2, "optimizer_shard": True, "gradient_aggregation_group": 2}, {}),
+    "dp2_mp2_zero3": (4, {"dp": 2, "mp": 2, "zero_stage": 3, "micro_batch_num": 2}, {}),
+    "gpt_dp2_mp2_zero3_sp_full": (4, {"dp": 2, "mp": 2, "zero_stage": 3, "sequence_parallel": True,
+                                      "recompute": "full"}, GPT),
+}
+
+
+def config(tmp_dir, parallel, model):
+    return tiny_config(run={"dir": str(tmp_dir)}, parallel=parallel, model=model, train={"steps": STEPS})
+
+
+def train_losses(cfg):
+    """Loss and gradient norm of every step (Adam hides a wrong gradient scale from the loss)."""
+    return [(r["loss"], r["grad_norm"]) for r in Trainer(cfg).train()]
+
+
+def train_layouts(configs):
+    return {name: train_losses(cfg) for name, cfg in configs.items()}
+
+
+@functools.cache
+def distributed_losses(world_size, tmp_root):
+    configs = {name: config(f"{tmp_root}/{name}", parallel, model)
+               for name, (world, parallel, model) in LAYOUTS.items() if world == world_size}
+    return run_distributed(train_layouts, world_size, configs, timeout=600)[0]
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("layouts"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_matches_one_process(name, tmp_root, tmp_path):
+    world, parallel, model = LAYOUTS[name]
+    reference = train_losses(config(tmp_path, {}, model))
+    assert reference[-1][0] < reference[0][0]  # it trains, so equal trajectories mean something
+    got = distributed_losses(world, tmp_root)[name]
+    for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, reference), 1):
+        assert loss == pytest.approx(want_loss, rel=1e-4), f"{name}: loss at step {step}"
+        assert norm == pytest.approx(want_norm, rel=1e-4), f"{name}: grad norm at step {step}"
