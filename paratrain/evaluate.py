@@ -20,18 +20,20 @@ def bleu(hypotheses: list[str], references: list[str]) -> float:
 def greedy_decode(model: Seq2SeqModel, src_ids: torch.Tensor, max_length: int) -> torch.Tensor:
     """Most likely next token, one at a time: src_ids (B, S) -> tokens (B, <= max_length), PAD after EOS.
 
-    The source is encoded once; each step runs the decoder over the prefix
-    BOS + tokens so far. ``max_length`` is at most the model's tgt_seq_length.
+    The source is encoded once; each step feeds only the newest token to the
+    decoder, whose self-attention keeps earlier keys/values in a cache
+    (MindSpore's ``use_past``). ``max_length`` is at most the model's tgt_seq_length.
     """
     model.eval()
     t = model.transformer
     src_pad = src_ids == model.pad_token_id
     memory = t.encoder(model.src_embed(src_ids), t.padding_mask(src_pad, src_ids.shape[1]))
+    memory_mask = t.padding_mask(src_pad, 1)
+    caches = [{} for _ in t.decoder.layers]
     tokens = torch.full((len(src_ids), 1), BOS, dtype=torch.long, device=src_ids.device)
     done = torch.zeros(len(src_ids), dtype=torch.bool, device=src_ids.device)
-    for _ in range(max_length):
-        length = tokens.shape[1]
-        hidden = t.decoder(model.tgt_embed(tokens), memory, t.causal_mask(None, length), t.padding_mask(src_pad, length))
+    for step in range(max_length):
+        hidden = t.decoder(model.tgt_embed(tokens[:, -1:], start=step), memory, None, memory_mask, caches)
         next_token = model.head(hidden[:, -1]).argmax(-1).masked_fill(done, PAD)
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
         done |= next_token == EOS

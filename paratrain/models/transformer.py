@@ -33,8 +33,8 @@ class Embeddings(nn.Module):
         self.position = nn.Embedding(max_length, hidden_size)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
+    def forward(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)  # start: tokens already decoded
         return self.dropout(self.word(ids)[0] + self.position(positions))
 
 
@@ -87,6 +87,8 @@ class MultiHeadAttention(nn.Module):
 
     x (B, Tq, H), memory (B, Tk, H) -> (B, Tq, H). Heads are counted from the
     projection width, so a column-sharded q/k/v simply holds fewer heads.
+    With a ``cache`` dict (self-attention while decoding) the new keys/values
+    are appended to the cached ones, so x holds only the new positions.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, dropout: float):
@@ -98,10 +100,14 @@ class MultiHeadAttention(nn.Module):
         self.core = ScaledDotProductAttention(dropout)
         self.out_proj = nn.Linear(hidden_size, hidden_size)
 
-    def forward(self, x, memory=None, mask=None):
+    def forward(self, x, memory=None, mask=None, cache: dict | None = None):
         memory = x if memory is None else memory
         q, k, v = (proj(src).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
                    for proj, src in ((self.q_proj, x), (self.k_proj, memory), (self.v_proj, memory)))
+        if cache is not None:  # step-by-step decoding (MindSpore's use_past): keys/values of earlier steps
+            if cache:
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+            cache.update(k=k, v=v)
         return self.out_proj(self.core(q, k, v, mask).transpose(1, 2).flatten(2))
 
 
@@ -169,8 +175,8 @@ class DecoderLayer(nn.Module):
         self.cross_attn = MultiHeadAttention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
         self.ffn = FeedForward(cfg.hidden_size, cfg.ffn_hidden_size, cfg.hidden_dropout, cfg.hidden_act)
 
-    def forward(self, x, memory, self_mask=None, memory_mask=None):
-        x = self.self_attn_branch(x, lambda h: self.self_attn(h, mask=self_mask))
+    def forward(self, x, memory, self_mask=None, memory_mask=None, cache: dict | None = None):
+        x = self.self_attn_branch(x, lambda h: self.self_attn(h, mask=self_mask, cache=cache))
         x = self.cross_attn_branch(x, lambda h: self.cross_attn(h, memory, mask=memory_mask))
         return self.ffn_branch(x, self.ffn)
 
@@ -197,9 +203,9 @@ class TransformerDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
 
-    def forward(self, x, memory, self_mask=None, memory_mask=None):
-        for layer in self.layers:
-            x = layer(x, memory, self_mask, memory_mask)
+    def forward(self, x, memory, self_mask=None, memory_mask=None, caches: list[dict] | None = None):
+        for i, layer in enumerate(self.layers):
+            x = layer(x, memory, self_mask, memory_mask, None if caches is None else caches[i])
         return self.norm(x)
 
 
