@@ -4,7 +4,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NPROC  ?= 4
 
-.PHONY: install demo test bench clean
+.PHONY: install demo demo-translation test bench clean
 
 install: $(STAMP)
 
@@ -17,6 +17,13 @@ $(STAMP): pyproject.toml
 
 demo: install
 	$(BIN)/paratrain train --config examples/demo.toml
+
+SAMPLE := runs/data/sample
+demo-translation: install
+	test -f $(SAMPLE)/train/sample.en_fr.txt || $(BIN)/paratrain preprocess sample --out $(SAMPLE)
+	test -f $(SAMPLE)/tokenizer.json || $(BIN)/paratrain tokenizer train \
+		--input $(SAMPLE)/train/sample.en_fr.txt --vocab-size 1000 --out $(SAMPLE)/tokenizer.json
+	$(BIN)/paratrain train --config examples/translation.toml
 
 test: install
 	$(BIN)/python -m pytest -q tests
