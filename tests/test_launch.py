@@ -191,3 +191,36 @@ def test_hostfile_launch_over_ssh_quotes_arguments(tmp_path):
     job, node = record(tmp_path, "ssh1"), json.loads((tmp_path / "runs" / "ssh1" / "node0.json").read_text())
     assert job["state"] == node["state"] == "succeeded" and job["hosts"] == ["localhost"]
     assert job["exit_codes"] == {"0": 0} and "torch: 2." in (tmp_path / "runs" / "ssh1" / "rank0.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_node_launch_trains_like_one_process(tmp_path):
+    """Issue 7: two launches on localhost (--nnodes 2 --node-rank 0/1, 2 ranks each) match one process."""
+    from conftest import tiny_config
+    from multiprocess import free_port
+
+    config = tmp_path / "tiny.toml"
+    tiny_config(train={"steps": 4}).save(config)
+    env = {**os.environ, "PARATRAIN_HOME": str(tmp_path / "runs"), "TMPDIR": str(tmp_path)}
+    reference = subprocess.run([PYTHON, "-m", "paratrain", "train", "--config", str(config),
+                                f"--run.dir={tmp_path / 'ref'}"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert reference.returncode == 0, reference.stderr
+    port = str(free_port())
+    nodes = [subprocess.Popen([PYTHON, "-m", "paratrain", "launch", "--nnodes", "2", "--node-rank", str(node),
+                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+                               "--name", "two-nodes", "--", "train", "--config", str(config),
+                               "--parallel.data_parallel=4"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    outputs = [node.communicate(timeout=200)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
+
+    def losses(run_dir):
+        return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    expected, got = losses(tmp_path / "ref"), losses(tmp_path / "runs" / "two-nodes")
+    assert len(expected) == len(got) == 4
+    assert got == pytest.approx(expected, rel=1e-4)
+    job, node1 = record(tmp_path, "two-nodes"), json.loads((tmp_path / "runs" / "two-nodes" / "node1.json").read_text())
+    assert sorted(job["pids"]) == ["0", "1"] and sorted(node1["pids"]) == ["2", "3"]
+    assert all((tmp_path / "runs" / "two-nodes" / f"rank{r}.log").exists() for r in range(4))

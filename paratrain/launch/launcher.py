@@ -74,16 +74,17 @@ def torchrun_args(topo: Topology, name: str, words: list[str]) -> list[str]:
 
 def _child_ranks() -> dict[str, int]:
     """Global rank -> pid of this process's children that carry a RANK (Linux /proc; {} elsewhere)."""
-    ranks = {}
-    for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
-        for pid in children.read_text().split():
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
+    ranks, me = {}, str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[1] != me:  # fields after the name: state, ppid
                 continue
-            rank = next((e[5:].decode() for e in environ if e.startswith(b"RANK=")), None)
-            if rank is not None:
-                ranks[rank] = int(pid)
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        rank = next((e[5:].decode() for e in environ if e.startswith(b"RANK=")), None)
+        if rank is not None:
+            ranks[rank] = int(stat.parent.name)
     return ranks
 
 
