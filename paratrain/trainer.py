@@ -95,10 +95,10 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         self.loss_scaler.unscale_(self.model.parameters())
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip).item()
-        if not self.loss_scaler.update(grad_norm):
+        if not self.loss_scaler.update(grad_norm):  # an fp16 overflow skips the update and the LR step
             self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
         step_time = time.perf_counter() - start
         tokens = int(num_tokens)
         record = {"step": self.step + 1, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
