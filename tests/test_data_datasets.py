@@ -103,3 +103,13 @@ def test_cifar_binary_reader(tmp_path):
     (tmp_path / "test_batch.bin").write_bytes(b"\0" * 3000)
     with pytest.raises(ValueError, match="not a whole number"):
         CifarDataset(tmp_path, train=False)
+
+
+def test_length_bucketing_on_translation_reports_less_padding(corpus, tmp_path):
+    cfg = _config(tmp_path, corpus["train"]["en_fr"], dynamic_padding=True)
+    plain = ShardedBatches(build_dataset(cfg), 16).sampler.padding_fraction(20)
+    cfg.data.bucket_size = 5
+    bucketed = ShardedBatches(build_dataset(cfg), 16)
+    assert bucketed.sampler.padding_fraction(20) < 0.7 * plain
+    batch = bucketed.batch(2)
+    assert batch["tgt_in_ids"].shape[1] == (batch["labels"] != PAD).sum(1).max()

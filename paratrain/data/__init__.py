@@ -27,10 +27,10 @@ class ShardedBatches:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.sampler = None
         if hasattr(source, "rows"):
-            bucketing = getattr(source, "bucket_size", 0)
             self.sampler = DistributedSampler(len(source), global_batch_size, dp_rank, dp_size,
                                               seed=getattr(source, "seed", 0), shuffle=getattr(source, "shuffle", True),
-                                              lengths=source.lengths if bucketing else None, bucket_size=bucketing)
+                                              lengths=getattr(source, "lengths", None),
+                                              bucket_size=getattr(source, "bucket_size", 0))
         self.next_step = 0
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:

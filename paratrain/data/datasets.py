@@ -114,11 +114,6 @@ class TranslationDataset:
             labels.append(np.concatenate([target, [EOS]])[: self.tgt_seq_length])
         return {"src_ids": _pad(src, S), "tgt_in_ids": _pad(tgt_in, T), "labels": _pad(labels, T)}
 
-    def pairs(self) -> list[tuple[str, str]]:
-        """The (source, target) texts of the kept examples, for evaluation."""
-        every = read_pairs(self.path)
-        return [every[i] for i in self.examples]
-
 
 class TextDataset:
     """A token stream cut into consecutive windows of ``seq_length + 1`` tokens for a language model.

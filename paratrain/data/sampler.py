@@ -46,10 +46,6 @@ class DistributedSampler:
     def rows_per_rank(self) -> int:
         return self.global_batch_size // self.dp_size
 
-    @property
-    def steps_per_epoch(self) -> float:
-        return self.num_examples / self.global_batch_size
-
     def epoch_order(self, epoch: int) -> np.ndarray:
         """All N example indices in the order epoch ``epoch`` visits them."""
         if epoch not in self._cache:
@@ -86,12 +82,11 @@ class DistributedSampler:
         rows = self.rows_per_rank
         return self.global_indices(step)[self.dp_rank * rows : (self.dp_rank + 1) * rows]
 
-    def epoch(self, step: int) -> int:
-        """The epoch global batch ``step`` starts in."""
-        return step * self.global_batch_size // self.num_examples
-
     def padding_fraction(self, steps: int, start: int = 0) -> float:
-        """Share of padding when each global batch of ``steps`` steps is padded to its longest example."""
+        """Share of padding when each global batch of ``steps`` steps is padded to its longest example.
+
+        Needs ``lengths``; with ``dynamic_padding`` this is the padding the model sees.
+        """
         real = padded = 0
         for step in range(start, start + steps):
             lengths = self.lengths[self.global_indices(step)]
