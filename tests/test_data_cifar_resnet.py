@@ -35,8 +35,11 @@ def test_resnet_learns_cifar_batches(tmp_path):
     assert losses[-1] < 0.5 * losses[0]
 
 
-def test_sync_batchnorm_conversion_keeps_the_model():
-    model = ResNet(num_blocks=1, width=4)
-    synced = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+def test_normalization_can_be_replaced_from_outside():
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(ResNet(num_blocks=1, width=4))  # the GPU route
     assert not any(type(m) is nn.BatchNorm2d for m in synced.modules())
     assert sum(isinstance(m, nn.SyncBatchNorm) for m in synced.modules()) == 9
+    grouped = ResNet(num_blocks=1, width=4, norm_layer=lambda c: nn.GroupNorm(2, c))  # e.g. a CPU-synced norm
+    assert sum(isinstance(m, nn.GroupNorm) for m in grouped.modules()) == 9
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in grouped.modules())
+    assert grouped(torch.randn(2, 3, 32, 32)).shape == (2, 10)
