@@ -91,8 +91,8 @@ def _child_ranks() -> dict[str, int]:
 def _record_pids(job: Job, done: threading.Event) -> None:
     """Keep ``job.pids`` equal to the running ranks until ``done`` (workers start after the rendezvous)."""
     while not done.wait(0.3):
-        pids = _child_ranks()
-        if pids and pids != job.pids:
+        pids = {**job.pids, **_child_ranks()}  # ranks that already exited keep their pid
+        if pids != job.pids:
             job.pids, job.state = pids, "running"
             job.save()
 
