@@ -2,7 +2,6 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-NPROC  ?= 4
 
 .PHONY: install demo demo-translation test bench clean
 
@@ -15,8 +14,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# dp2 x mp2 on 4 CPU processes; one log per rank in runs/demo-<time>/
 demo: install
-	$(BIN)/paratrain train --config examples/demo.toml
+	$(BIN)/paratrain launch --nproc-per-node 4 --name demo-$$(date +%Y%m%d-%H%M%S) -- train --config examples/demo.toml
 
 SAMPLE := runs/data/sample
 demo-translation: install
