@@ -1,0 +1,60 @@
+"""bench/parallel_cost.py at a tiny size: counted communication and model-state bytes match the analytic model.
+
+These are byte counts of real training steps (forked gloo workers), not timings.
+"""
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import parallel_cost  # noqa: E402
+
+TINY = ["--vocab", "64", "--hidden", "32", "--heads", "4", "--ffn", "64", "--layers", "1", "--length", "8",
+        "--batch", "4", "--steps", "1", "--models", "transformer"]
+
+
+@functools.cache
+def rows():
+    args = parallel_cost.parse_args(TINY + ["--layouts", "dp2_zero1,mp2_sp,mp2", "--timeout", "200"])
+    return {r["name"].split("/")[1]: r for r in parallel_cost.run(args)}
+
+
+def assert_close(row, key):
+    assert 0.95 <= row[key] <= 1.05, (f"{row['name']} {key}={row[key]:.3f}: analytic {row['comm_analytic_parts']} "
+                                      f"measured by phase {row['comm_by_phase']}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)  # ~30 s on an idle machine; the first test runs the workers
+@pytest.mark.parametrize("layout", ["dp2_zero1", "mp2_sp"])
+def test_counted_bytes_match_analytic(layout):
+    row = rows()[layout]
+    assert row["comm_bytes"] > 0 and row["state_bytes"] > 0
+    assert_close(row, "comm_ratio")
+    assert_close(row, "state_ratio")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)  # ~30 s on an idle machine; the first test runs the workers
+def test_mp2_model_state_matches_analytic():
+    assert_close(rows()["mp2"], "state_ratio")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)  # ~30 s on an idle machine; the first test runs the workers
+def test_mp2_communication_beyond_analytic_is_exactly_the_known_excess():
+    row = rows()["mp2"]
+    assert set(row["known_excess"]["comm"]) == {"tp_qkv_input_grad_allreduces"}
+    assert row["comm_explained_ratio"] == pytest.approx(1.0, abs=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)  # ~30 s on an idle machine; the first test runs the workers
+@pytest.mark.xfail(strict=True, reason="paratrain/parallel/tensor.py without sequence parallel: q, k and v "
+                   "(and cross-attention k, v) each all-reduce their input gradient in backward (DTensor.from_local "
+                   "per ColwiseParallel); Megatron needs one all-reduce per attention input")
+def test_mp2_communication_matches_analytic():
+    assert_close(rows()["mp2"], "comm_ratio")
