@@ -81,6 +81,10 @@ class Section:
 def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
     """Convert ``value`` (from TOML or the command line) to the type of the field it sets."""
     kind = type(current) if current is not None else None
+    if f.name == "layer_stages":
+        if isinstance(value, list) or callable(value):
+            return value
+        raise TypeError("expected a list with the stage of each layer, or a function")
     if f.name == "recompute":
         if isinstance(value, str):
             value = _parse_literal(value)
@@ -183,6 +187,7 @@ class EmbeddingOpParallelConfig(OpParallelConfig):
 
 
 RecomputeSpec = Union[str, bool, list, Callable[[int, int, "ParallelConfig"], str]]
+StageSpec = Union[list, Callable[[int, int, "ParallelConfig"], int]]
 
 
 @dataclass
@@ -194,7 +199,10 @@ class ParallelConfig(Section):
     state (1), gradients (2) and parameters (3) over the data-parallel ranks.
     ``recompute`` is ``none``/``full``/``selective``, a bool, a list with one mode per
     layer, or a function ``(layer_id, offset, config) -> mode`` like MindSpore's
-    ``lambda_func``.
+    ``lambda_func``. ``layer_stages`` places layers on pipeline stages: empty for an
+    even split (embeddings and head counted as one layer each), a list with the
+    stage of every layer, or a function ``(layer_id, offset, config) -> stage``; with
+    ``virtual_pipeline_stage`` v > 1 the values are virtual stages 0..pp*v-1.
     """
 
     SECTION = "parallel"
@@ -211,6 +219,7 @@ class ParallelConfig(Section):
     recompute: RecomputeSpec = "none"
     vocab_emb_dp: bool = True
     sequence_parallel: bool = False
+    layer_stages: StageSpec = field(default_factory=list)
 
     @property
     def dp(self) -> int:
@@ -468,6 +477,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         problems.append(f"model has {m.num_layers} layers, fewer than parallel.pipeline_stage={p.pipeline_stage}"
                         + (f" x virtual_pipeline_stage={p.virtual_pipeline_stage}" if p.virtual_pipeline_stage > 1 else "")
                         + f": use pipeline_stage <= {m.num_layers // p.virtual_pipeline_stage} or add layers")
+    problems += _pipeline_problems(p, m.num_layers)
     split = p.data_parallel * p.micro_batch_num
     if t.global_batch_size % split:
         problems.append(f"train.global_batch_size={t.global_batch_size} is not divisible by parallel.data_parallel="
@@ -497,6 +507,30 @@ def _recompute_problems(p: ParallelConfig, num_layers: int) -> list[str]:
                     f"{', '.join(RECOMPUTE_MODES)} for each of the {num_layers} layers"]
         return []
     return [f"parallel.recompute={spec!r} must be a mode name, a bool, a list or a function"]
+
+
+def _pipeline_problems(p: ParallelConfig, num_layers: int) -> list[str]:
+    problems = []
+    chunks = p.pipeline_stage * p.virtual_pipeline_stage
+    single = p.pipeline_schedule in ("gpipe", "1f1b")
+    if p.pipeline_stage > 1 and single and p.virtual_pipeline_stage != 1:
+        problems.append(f"parallel.pipeline_schedule={p.pipeline_schedule!r} runs one stage per rank, but "
+                        f"virtual_pipeline_stage={p.virtual_pipeline_stage}: use interleaved_1f1b or set it to 1")
+    if p.pipeline_schedule == "zbv_zero_bubble" and p.virtual_pipeline_stage != 2:
+        problems.append(f"parallel.pipeline_schedule='zbv_zero_bubble' needs virtual_pipeline_stage=2, "
+                        f"got {p.virtual_pipeline_stage}")
+    if p.pipeline_stage > 1 and p.micro_batch_num < p.pipeline_stage:
+        problems.append(f"parallel.micro_batch_num={p.micro_batch_num} is fewer than pipeline_stage="
+                        f"{p.pipeline_stage}: stages would idle; use micro_batch_num >= {p.pipeline_stage}")
+    if not single and p.pipeline_stage > 1 and p.micro_batch_num % p.pipeline_stage:
+        problems.append(f"parallel.micro_batch_num={p.micro_batch_num} must be a multiple of pipeline_stage="
+                        f"{p.pipeline_stage} for {p.pipeline_schedule}")
+    stages = p.layer_stages
+    if isinstance(stages, list) and stages:
+        if len(stages) != num_layers or stages != sorted(stages) or set(stages) != set(range(chunks)):
+            problems.append(f"parallel.layer_stages={stages} must give each of the {num_layers} layers a stage, "
+                            f"in order, using every stage 0..{chunks - 1} (pipeline_stage x virtual_pipeline_stage)")
+    return problems
 
 
 def check(cfg: Config, world_size: int | None = None) -> Config:

@@ -60,6 +60,10 @@ class Layout:
         return self.mesh["dp_replicate", "dp_shard"]
 
     @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group("pp") if self.mesh is not None and self.config.pipeline_stage > 1 else None
+
+    @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.mesh.get_group(self.dp_dim) if self.mesh is not None and self.dp_size > 1 else None
 
@@ -67,4 +71,10 @@ class Layout:
         """Sum ``tensor`` over the data-parallel ranks (in place; returned for chaining)."""
         if self.dp_group is not None:
             dist.all_reduce(tensor, group=self.dp_group)
+        return tensor
+
+    def all_reduce_pp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the pipeline stages (in place; returned for chaining)."""
+        if self.pp_group is not None:
+            dist.all_reduce(tensor, group=self.pp_group)
         return tensor

@@ -5,6 +5,7 @@ import logging
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -57,23 +58,30 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
 
 
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, counted: set[int] | None = None,
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip all gradients by one global L2 norm; returns the norm before clipping.
 
     Gradients may mix plain tensors and DTensors on different meshes (TP without
     sequence parallel leaves LayerNorms plain): the norm is taken per (mesh,
-    placements) group, made whole, and the groups combined.
+    placements) group, made whole, and the groups combined. With pipeline stages the
+    squares are summed over ``group``; ``counted`` (parameter ids) leaves out copies
+    of a parameter held by several stages.
     """
     groups: dict = {}
     for p in parameters:
         if p.grad is not None:
             key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
             groups.setdefault(key, []).append(p)
-    squares = []
+    total = torch.zeros(())
     for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+        grads = [p.grad for p in params if counted is None or id(p) in counted]
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads)
+            total += (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    total = total.sqrt()
     if max_norm > 0:
         for params in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

@@ -6,8 +6,6 @@ import time
 
 import torch
 
-from torch.distributed.tensor import DTensor
-
 from paratrain.config import Config, check
 from paratrain.data import ShardedBatches, build_dataset
 from paratrain.distributed import init_from_env
@@ -16,7 +14,8 @@ from paratrain.metrics import MetricsLogger
 from paratrain.models import build_model, token_loss_sum
 from paratrain.optim import build_optimizer, build_scheduler, clip_grad_norm
 from paratrain.parallel import parallelize
-from paratrain.parallel.loss import loss_context
+from paratrain.parallel.loss import loss_context, whole
+from paratrain.parallel.pipeline import Pipeline
 from paratrain.precision import LossScaler, autocast
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,7 +39,9 @@ class Trainer:
         self.layout = Layout(cfg.parallel, world_size)
         torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then shards it
         model = build_model(cfg.model).to(DTYPES[cfg.model.dtype])
-        self.model = parallelize(model, cfg.parallel, self.layout)
+        parallel = parallelize(model, cfg.parallel, self.layout, loss_fn=self._loss)
+        self.pipeline = parallel if isinstance(parallel, Pipeline) else None
+        self.model = self.pipeline.modules if self.pipeline else parallel  # every parameter of this rank
         torch.manual_seed(cfg.run.seed + self.layout.dp_rank)  # dropout: shared by tensor-parallel peers
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
@@ -72,29 +73,24 @@ class Trainer:
     def train_step(self) -> dict:
         start = time.perf_counter()
         batch = self.data.batch(self.step)
-        pad, dp_size = self.cfg.model.pad_token_id, self.layout.dp_size
-        num_tokens = self.layout.all_reduce_dp((batch["labels"] != pad).sum())
-        micro_batches = [dict(zip(batch, parts)) for parts in
-                         zip(*(v.chunk(self.cfg.parallel.micro_batch_num) for v in batch.values()))]
+        num_tokens = self.layout.all_reduce_dp((batch["labels"] != self.cfg.model.pad_token_id).sum())
         self.model.train()
-        loss = torch.zeros(())
-        for i, micro in enumerate(micro_batches):
-            self._sync_gradients(last_micro_batch=i == len(micro_batches) - 1)
-            labels = micro.pop("labels")
-            with loss_context(self.cfg.parallel):
-                with autocast(self.cfg.train.mixed_precision):
-                    logits = self.model(**micro)
-                micro_loss = token_loss_sum(logits.float(), labels, pad) / num_tokens
-                # data parallel averages gradients where we want their sum
-                (micro_loss * (dp_size * self.loss_scaler.scale)).backward()
-            loss += _whole(micro_loss.detach())
+        if self.pipeline:
+            with loss_context(self.cfg.parallel), autocast(self.cfg.train.mixed_precision):
+                loss = self.pipeline.step(batch, {"num_tokens": num_tokens})
+        else:
+            loss = self._forward_backward(batch, num_tokens)
+        loss /= self.layout.dp_size * self.loss_scaler.scale
         self.layout.all_reduce_dp(loss)
+        self.layout.all_reduce_pp(loss)  # only the last stage has it
         if not math.isfinite(loss.item()):
             raise TrainingDiverged(f"loss is {loss.item()} at step {self.step + 1}: lower train.lr, "
                                    f"raise train.warmup_steps or check the data")
         lr = self.scheduler.get_last_lr()[0]
         self.loss_scaler.unscale_(self.model.parameters())
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip).item()
+        counted = self.pipeline.counted_in_norm() if self.pipeline else None
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip, counted,
+                                   self.layout.pp_group).item()
         if not self.loss_scaler.update(grad_norm):  # an fp16 overflow skips the update and the LR step
             self.optimizer.step()
             self.scheduler.step()
@@ -108,11 +104,29 @@ class Trainer:
             record.update(loss_scale=self.loss_scaler.scale, skipped_steps=self.loss_scaler.skipped_steps)
         return record
 
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's summed token loss over the global batch's token count, times the data-parallel
+        size (gradient reduction averages where a sum is wanted) and the fp16 loss scale."""
+        scale = self.layout.dp_size * self.loss_scaler.scale
+        return token_loss_sum(logits.float(), labels, self.cfg.model.pad_token_id) * (scale / num_tokens)
+
+    def _forward_backward(self, batch: dict[str, torch.Tensor], num_tokens: torch.Tensor) -> torch.Tensor:
+        """Gradient accumulation over ``micro_batch_num`` micro-batches; returns the summed (scaled) loss."""
+        micro_batches = [dict(zip(batch, parts)) for parts in
+                         zip(*(v.chunk(self.cfg.parallel.micro_batch_num) for v in batch.values()))]
+        loss = torch.zeros(())
+        for i, micro in enumerate(micro_batches):
+            self._sync_gradients(last_micro_batch=i == len(micro_batches) - 1)
+            labels = micro.pop("labels")
+            with loss_context(self.cfg.parallel):
+                with autocast(self.cfg.train.mixed_precision):
+                    logits = self.model(**micro)
+                micro_loss = self._loss(logits, labels, num_tokens)
+                micro_loss.backward()
+            loss += whole(micro_loss.detach())
+        return loss
+
     def _sync_gradients(self, last_micro_batch: bool) -> None:
         """With ZeRO < 3, reduce gradients once per step, after the last micro-batch."""
         if hasattr(self.model, "set_requires_gradient_sync") and self.cfg.parallel.effective_zero_stage < 3:
             self.model.set_requires_gradient_sync(last_micro_batch)
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

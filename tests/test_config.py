@@ -19,7 +19,8 @@ def test_defaults_are_valid():
 
 
 def test_world_size_must_equal_product():
-    msg = only_problem(4, parallel={"dp": 2, "mp": 2, "pp": 2}, model={"encoder_layers": 2, "decoder_layers": 2})
+    msg = only_problem(4, parallel={"dp": 2, "mp": 2, "pp": 2, "micro_batch_num": 2},
+                       model={"encoder_layers": 2, "decoder_layers": 2})
     assert "data_parallel=2" in msg and "model_parallel=2" in msg and "pipeline_stage=2" in msg
     assert "= 8" in msg and "world size 4" in msg
 
@@ -44,7 +45,7 @@ def test_vocab_divisible_only_when_sharded():
 
 
 def test_fewer_layers_than_stages():
-    msg = only_problem(parallel={"pipeline_stage": 4}, model={"encoder_layers": 1, "decoder_layers": 2})
+    msg = only_problem(parallel={"pipeline_stage": 4, "micro_batch_num": 4}, model={"encoder_layers": 1, "decoder_layers": 2})
     assert "3 layers" in msg and "pipeline_stage=4" in msg
 
 
@@ -122,3 +123,16 @@ def test_tied_embeddings_with_model_parallel_need_sharded_vocab():
     msg = only_problem(parallel={"mp": 2}, model={"tie_embeddings": True})
     assert "tie_embeddings=true" in msg and "model_parallel=2" in msg and "vocab_emb_dp=false" in msg
     assert problems_for(parallel={"mp": 2, "vocab_emb_dp": False}, model={"tie_embeddings": True}) == []
+
+
+def test_pipeline_rules():
+    msg = only_problem(parallel={"pp": 2}, model={"encoder_layers": 2, "decoder_layers": 2})
+    assert "micro_batch_num=1" in msg and "pipeline_stage=2" in msg
+    msg = only_problem(parallel={"pp": 2, "micro_batch_num": 2, "virtual_pipeline_stage": 2, "pipeline_schedule": "1f1b"},
+                       model={"encoder_layers": 2, "decoder_layers": 2})
+    assert "virtual_pipeline_stage=2" in msg and "interleaved_1f1b" in msg
+    msg = only_problem(parallel={"pp": 2, "micro_batch_num": 2, "layer_stages": [0, 1, 0, 1]},
+                       model={"encoder_layers": 2, "decoder_layers": 2})
+    assert "layer_stages=[0, 1, 0, 1]" in msg and "4 layers" in msg
+    assert problems_for(parallel={"pp": 2, "micro_batch_num": 2, "layer_stages": [0, 0, 0, 1]},
+                        model={"encoder_layers": 2, "decoder_layers": 2}) == []

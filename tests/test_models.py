@@ -98,6 +98,7 @@ def test_loss_ignores_pad_and_blocks_are_ordered():
     full = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
     assert torch.allclose(token_loss_sum(logits, labels, PAD), full[labels.flatten() != PAD].sum())
     model = Seq2SeqModel(CFG)
-    names = pipeline_blocks(model)
-    assert names[0] == "transformer.encoder.layers.0" and names[-1] == "transformer.decoder.layers.1"
-    assert all(model.get_submodule(n) is not None for n in names)
+    blocks = pipeline_blocks(model)
+    assert blocks[0] == ("transformer.encoder.layers.0", 0, 0)
+    assert blocks[-1] == ("transformer.decoder.layers.1", 1, 2)
+    assert all(model.get_submodule(name) is not None for name, _, _ in blocks)

@@ -28,6 +28,17 @@ LAYOUTS = {  # name: (world size, parallel section, model section)
     "dp2_mp2_zero3": (4, {"dp": 2, "mp": 2, "zero_stage": 3, "micro_batch_num": 2}, {}),
     "gpt_dp2_mp2_zero3_sp_full": (4, {"dp": 2, "mp": 2, "zero_stage": 3, "sequence_parallel": True,
                                       "recompute": "full"}, GPT),
+    "pp2_gpipe": (2, {"pp": 2, "micro_batch_num": 2, "pipeline_schedule": "gpipe"}, {}),
+    "pp2_1f1b": (2, {"pp": 2, "micro_batch_num": 4, "pipeline_schedule": "1f1b"}, {}),
+    "pp2_interleaved_v2": (2, {"pp": 2, "micro_batch_num": 4, "pipeline_schedule": "interleaved_1f1b",
+                               "virtual_pipeline_stage": 2}, {}),
+    "pp2_uneven_split": (2, {"pp": 2, "micro_batch_num": 2, "layer_stages": [0, 0, 0, 1]}, {}),
+    "gpt_pp2_tied": (2, {"pp": 2, "micro_batch_num": 2}, {**GPT, "tie_embeddings": True}),
+    "pp4": (4, {"pp": 4, "micro_batch_num": 4}, {}),
+    "pp2_dp2_zero3": (4, {"pp": 2, "dp": 2, "zero_stage": 3, "micro_batch_num": 2}, {}),
+    "pp2_mp2_tied_vocab_sharded": (4, {"pp": 2, "mp": 2, "vocab_emb_dp": False, "micro_batch_num": 2},
+                                   {"tie_embeddings": True}),
+    "dp2_mp2_pp2_tutorial": (8, {"dp": 2, "mp": 2, "pp": 2, "micro_batch_num": 4}, {}),
 }
 
 
@@ -66,3 +77,18 @@ def test_layout_matches_one_process(name, tmp_root, tmp_path):
     for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, reference), 1):
         assert loss == pytest.approx(want_loss, rel=1e-4), f"{name}: loss at step {step}"
         assert norm == pytest.approx(want_norm, rel=1e-4), f"{name}: grad norm at step {step}"
+
+
+def test_even_split_counts_embeddings_and_head():
+    from paratrain.config import ParallelConfig
+    from paratrain.models import build_model
+    from paratrain.parallel.pipeline import chunk_rank, layer_chunks
+
+    model = build_model(tiny_config(model={"encoder_layers": 3, "decoder_layers": 2}).model)
+    assert layer_chunks(model, ParallelConfig(pipeline_stage=2)) == [0, 0, 0, 1, 1]  # 1+3 | 2+1 units
+    assert layer_chunks(model, ParallelConfig(pipeline_stage=4)) == [0, 1, 1, 2, 3]  # units 2, 2, 1, 2
+    assert layer_chunks(model, ParallelConfig(pipeline_stage=5)) == [0, 1, 2, 3, 4]  # layers only, none empty
+    by_function = ParallelConfig(pipeline_stage=2, layer_stages=lambda layer_id, offset, cfg: int(offset > 0))
+    assert layer_chunks(model, by_function) == [0, 0, 0, 1, 1]
+    zbv = ParallelConfig(pipeline_stage=2, virtual_pipeline_stage=2, pipeline_schedule="zbv_zero_bubble")
+    assert [chunk_rank(c, zbv) for c in range(4)] == [0, 1, 1, 0]

@@ -234,7 +234,7 @@ class Seq2SeqModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.pad_token_id = cfg.pad_token_id
+        self.pad_token_id, self.num_encoder_layers = cfg.pad_token_id, cfg.encoder_layers
         word = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.src_embed = Embeddings(word, cfg.src_seq_length, cfg.hidden_size, cfg.hidden_dropout)
         self.tgt_embed = Embeddings(word, cfg.tgt_seq_length, cfg.hidden_size, cfg.hidden_dropout)
@@ -314,10 +314,15 @@ TP_PLAN = {
 }
 
 
-def pipeline_blocks(model: nn.Module) -> list[str]:
-    """Names of the model's layers in execution order, for splitting into pipeline stages."""
+def pipeline_blocks(model: nn.Module) -> list[tuple[str, int, int]]:
+    """(name, layer_id, offset) of each layer the model holds, in execution order.
+
+    ``offset`` counts the layers of the stacks before this one (the decoder's offset
+    is the number of encoder layers), as in MindSpore's ``lambda_func(layer_id, offset)``.
+    A pipeline stage holds only some layers; the names stay those of the whole model.
+    """
     if isinstance(model, Seq2SeqModel):
-        t = model.transformer
-        return ([f"transformer.encoder.layers.{i}" for i in range(len(t.encoder.layers))]
-                + [f"transformer.decoder.layers.{i}" for i in range(len(t.decoder.layers))])
-    return [f"layers.{i}" for i in range(len(model.layers))]
+        encoder, decoder = model.transformer.encoder.layers, model.transformer.decoder.layers
+        return ([(f"transformer.encoder.layers.{k}", int(k), 0) for k in encoder._modules]
+                + [(f"transformer.decoder.layers.{k}", int(k), model.num_encoder_layers) for k in decoder._modules])
+    return [(f"layers.{k}", int(k), 0) for k in model.layers._modules]

@@ -31,14 +31,18 @@ def layer_groups(layers: list[nn.Module], num_groups: int) -> list[list[nn.Modul
 
 
 def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout,
-                        mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
-    """Shard (or replicate) ``model`` over the data-parallel ranks as ``zero_stage`` says."""
+                        mp_policy: MixedPrecisionPolicy | None = None, root: nn.Module | None = None) -> nn.Module:
+    """Shard (or replicate) ``model`` over the data-parallel ranks as ``zero_stage`` says.
+
+    ``root`` (default ``model``) is the module whose forward runs the rest: a pipeline
+    stage module wrapping ``model``.
+    """
     reshard = config.effective_zero_stage == 3
     kwargs = {"mesh": layout.fsdp_mesh, "reshard_after_forward": reshard}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    layers = [model.get_submodule(name) for name in pipeline_blocks(model)]
+    layers = [model.get_submodule(name) for name, _, _ in pipeline_blocks(model)]
     for group in layer_groups(layers, config.gradient_aggregation_group):
         fully_shard(group, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(root if root is not None else model, **kwargs)
     return model

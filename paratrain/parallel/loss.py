@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from paratrain.config import ParallelConfig
@@ -16,3 +18,8 @@ from paratrain.config import ParallelConfig
 def loss_context(config: ParallelConfig):
     """``loss_parallel()`` when the head is vocab-sharded (model_parallel > 1), else a no-op."""
     return loss_parallel() if config.model_parallel > 1 else contextlib.nullcontext()
+
+
+def whole(loss: torch.Tensor) -> torch.Tensor:
+    """A loss value as a plain tensor (under ``loss_parallel`` it is a replicated DTensor)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss

@@ -1,7 +1,8 @@
 """The one entry point: ``parallelize(model, config, layout)``.
 
-Order (as torchtitan): tensor parallel -> recompute -> data parallel / ZeRO. Each
-step is applied only when its dimension is used, so one process gets the plain model.
+Order (as torchtitan): pipeline split -> tensor parallel -> recompute -> data
+parallel / ZeRO (the last three on each pipeline chunk). Each step is applied only
+when its dimension is used, so one process gets the plain model.
 """
 from __future__ import annotations
 
@@ -10,15 +11,27 @@ from torch import nn
 from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
 from paratrain.parallel.data import apply_data_parallel
+from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import apply_tensor_parallel
 
 
-def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout) -> nn.Module:
-    """Split ``model`` (built identically on every rank) over ``layout``'s mesh, in place."""
+def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_fn=None) -> nn.Module | Pipeline:
+    """Split ``model`` (built identically on every rank) over ``layout``'s mesh.
+
+    Returns the model, sharded in place, or with ``pipeline_stage > 1`` a ``Pipeline``
+    of this rank's chunks whose schedule calls ``loss_fn(logits, labels, **loss_kwargs)``.
+    """
+    if config.pipeline_stage > 1:
+        return Pipeline(model, config, layout, lambda chunk, stage: _parallelize_chunk(chunk, config, layout, stage),
+                        loss_fn)
+    return _parallelize_chunk(model, config, layout)
+
+
+def _parallelize_chunk(model: nn.Module, config: ParallelConfig, layout: Layout, root: nn.Module | None = None):
     if config.model_parallel > 1:
         apply_tensor_parallel(model, config, layout.tp_mesh)
     apply_recompute(model, config)
     if config.data_parallel > 1:
-        apply_data_parallel(model, config, layout)
+        apply_data_parallel(model, config, layout, root=root)
     return model

@@ -14,9 +14,9 @@ from paratrain.models.transformer import ScaledDotProductAttention, pipeline_blo
 
 
 def apply_recompute(model: nn.Module, config: ParallelConfig) -> nn.Module:
-    """Wrap each layer (in pipeline order, layer_id counting from 0) as its recompute mode says."""
-    for layer_id, name in enumerate(pipeline_blocks(model)):
-        mode = config.recompute_mode(layer_id)
+    """Wrap each layer as its recompute mode says."""
+    for name, layer_id, offset in pipeline_blocks(model):
+        mode = config.recompute_mode(layer_id, offset)
         parent_name, _, child = name.rpartition(".")
         parent, layer = model.get_submodule(parent_name), model.get_submodule(name)
         if mode == "full":

@@ -5,7 +5,9 @@ all-reduce per attention and per FFN in forward). The output head is column-shar
 and its logits stay vocab-sharded for the vocab-parallel loss (``loss.py``). With
 ``vocab_emb_dp=false`` the embedding table's vocab rows are sharded too.
 
-With ``sequence_parallel`` the residual stream between sublayers is sharded along
+Attention and FFN inputs are marked replicated once per module, so backward sums
+their gradients over the tp ranks once. With ``sequence_parallel`` the residual
+stream between sublayers is sharded along
 the sequence: LayerNorms and dropout run on 1/mp of the tokens, attention and FFN
 inputs are all-gathered, and their outputs reduce-scattered instead of all-reduced.
 """
@@ -47,9 +49,11 @@ def tensor_parallel_plan(model: nn.Module, config: ParallelConfig) -> dict:
             plan[name] = SequenceParallel(use_local_output=True)
         elif sp and kind == "scatter":
             plan[name] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
-        elif sp and isinstance(kind, tuple) and kind[0] == "gather":
+        elif isinstance(kind, tuple) and kind[0] == "gather":
+            # also without sequence parallel: q, k and v then share one input DTensor, so backward
+            # all-reduces the input gradient once instead of once per projection
             inputs = kind[1]
-            plan[name] = PrepareModuleInput(input_layouts=(Shard(1),) * inputs,
+            plan[name] = PrepareModuleInput(input_layouts=(stream,) * inputs,
                                             desired_input_layouts=(Replicate(),) * inputs)
     return plan
 
@@ -61,7 +65,15 @@ def apply_tensor_parallel(model: nn.Module, config: ParallelConfig, tp_mesh: Dev
     parallelize_module(model, tp_mesh, tensor_parallel_plan(model, config))
     if tied:
         head.weight = word.weight
+    if word is not None and not config.vocab_emb_dp:
+        word.weight.register_post_accumulate_grad_hook(_gradient_like_parameter)
     return model
+
+
+def _gradient_like_parameter(param) -> None:
+    """The sharded embedding's backward leaves a replicated (V, H) gradient: keep only this rank's rows."""
+    if param.grad.placements != param.placements:
+        param.grad = param.grad.redistribute(param.device_mesh, param.placements)
 
 
 def _word_embedding(model: nn.Module) -> nn.Embedding | None:
