@@ -417,13 +417,7 @@ def known_excess(cfg) -> dict:
     comm, state, small = {}, {}, {}
     if mp > 1:
         t = tp_shapes(cfg)
-        if not p.sequence_parallel:
-            # q_proj, k_proj, v_proj are separate ColwiseParallel modules: each DTensor.from_local
-            # all-reduces its own input gradient in backward (Partial -> Replicate) where one
-            # all-reduce of their sum would do: 2 extra per self-attention, 1 extra per cross-attention
-            comm["tp_qkv_input_grad_allreduces"] = micro * ar * (
-                t["enc_layers"] * 2 * t["a_src"] + t["dec_layers"] * (2 * t["a_tgt"] + t["a_src"]))
-        elif not p.vocab_emb_dp:
+        if p.sequence_parallel and not p.vocab_emb_dp:
             # vocab-sharded embedding under SP: its partial output is all-reduced, then split along
             # the sequence, where a reduce-scatter would do
             comm["tp_sp_embedding_allreduce_not_reduce_scatter"] = micro * half * sum(t["embed_calls"])
@@ -431,12 +425,6 @@ def known_excess(cfg) -> dict:
             # the Partial LayerNorm grads stay Partial in .grad: clip_grad_norm all-reduces them for
             # the norm and the optimizer step all-reduces them again (FSDP2 reduces them once when dp > 1)
             small["grad_norm"] = ar * param_split(cfg)["norm"]
-        if not p.vocab_emb_dp and dp == 1:
-            # DTensor's embedding backward gives a Replicate (full V x H) grad for the Shard(0) table
-            # (FSDP2 redistributes it to the shard when dp > 1)
-            m = cfg.model
-            b = 4 if m.dtype == "float32" else 2
-            state["vocab_embedding_full_grad"] = m.vocab_size * m.hidden_size * b * (1 - 1 / mp)
     return {"comm": comm, "state": state, "small": small}
 
 
