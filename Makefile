@@ -14,9 +14,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# dp2 x mp2 on 4 CPU processes; one log per rank in runs/demo-<time>/
+# dp2 x mp2 x pp2 on 8 CPU processes; one log per rank in runs/demo-<time>/
 demo: install
-	$(BIN)/paratrain launch --nproc-per-node 4 --name demo-$$(date +%Y%m%d-%H%M%S) -- train --config examples/demo.toml
+	$(BIN)/paratrain launch --nproc-per-node 8 --name demo-$$(date +%Y%m%d-%H%M%S) -- train --config examples/demo.toml
 
 SAMPLE := runs/data/sample
 demo-translation: install
