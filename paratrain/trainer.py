@@ -55,6 +55,9 @@ class Trainer:
             cfg.save(self.run_dir / "config.toml")
         self.metrics = MetricsLogger(self.run_dir, cfg.metrics, cfg.train.steps, enabled=self.is_main)
         self.step = 0
+        from paratrain.checkpoint import Checkpointer
+        self.checkpointer = Checkpointer(self)  # checkpoint.dir, default <run dir>/checkpoints
+        self.step = self.checkpointer.resume()  # checkpoint.resume: "auto" | path | "none"
 
     def train(self) -> list[dict]:
         """Run until ``train.steps``; returns every step's record."""
@@ -66,6 +69,7 @@ class Trainer:
                 if self.metrics.should_log(self.step):
                     self.metrics.log(record)
                 self.step += 1
+                self.checkpointer.maybe_save(self.step)
         finally:
             self.metrics.close()
         return history

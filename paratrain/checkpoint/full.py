@@ -1,0 +1,89 @@
+"""Whole tensors out of a sliced checkpoint in one process: export to safetensors, and ``info``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from paratrain.checkpoint.storage import INTEGRATED_FILE, dcp_load, read_meta, resolve, tensor_entries, verify
+
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optim."
+
+
+def load_full_tensors(path: str | Path, prefix: str = MODEL_PREFIX) -> dict[str, torch.Tensor]:
+    """Every tensor of checkpoint ``path`` whose key starts with ``prefix``, whole, keyed without it.
+
+    Reads the DCP shards of all ranks in this process (no process group needed, none used).
+    """
+    path = resolve(path)
+    _, metadata = verify(path)
+    state = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
+             for key, entry in tensor_entries(metadata).items() if key.startswith(prefix)}
+    dcp_load(state, path, no_dist=True)
+    return {key[len(prefix):]: value for key, value in state.items()}
+
+
+def export(path: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write the model of checkpoint ``path`` to one ``.safetensors`` file with plain parameter names.
+
+    Load it with ``model.load_state_dict(safetensors.torch.load_file(out))``. Tied or
+    shared weights appear under each of their names (as in ``model.state_dict()``).
+    """
+    from safetensors.torch import save_file
+
+    path = resolve(path)
+    meta = read_meta(path)
+    tensors = load_full_tensors(path)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+              metadata={"step": str(meta["step"]), "config": json.dumps(meta["config"])})
+    tmp.replace(out)
+    return out
+
+
+def info(path: str | Path) -> dict:
+    """What a checkpoint holds: step, layout, and every tensor with its shape, dtype and bytes."""
+    path = resolve(path)
+    meta, metadata = verify(path)
+    tensors = {}
+    for key, entry in sorted(tensor_entries(metadata).items()):
+        numel = 1
+        for s in entry.size:
+            numel *= s
+        tensors[key] = {"shape": list(entry.size), "dtype": str(entry.properties.dtype).removeprefix("torch."),
+                        "bytes": numel * entry.properties.dtype.itemsize, "shards": len(entry.chunks)}
+    files = meta.get("files", {})
+    return {"path": str(path), "step": meta["step"], "layout": meta["layout"], "saved_at": meta.get("saved_at"),
+            "integrated": INTEGRATED_FILE in files, "disk_bytes": sum(files.values()),
+            "tensors": tensors}
+
+
+def format_info(summary: dict, all_tensors: bool = False) -> str:
+    lay = summary["layout"]
+    lines = [f"checkpoint {summary['path']}",
+             f"  step           {summary['step']}",
+             f"  saved at       {summary['saved_at']}",
+             f"  layout         world {lay['world_size']}: dp {lay['data_parallel']} x mp {lay['model_parallel']} "
+             f"x pp {lay['pipeline_stage']}, zero stage {lay['zero_stage']}",
+             f"  on disk        {summary['disk_bytes'] / 2**20:.2f} MiB"
+             + (" (with model.safetensors)" if summary["integrated"] else "")]
+    groups = {"model": MODEL_PREFIX, "optimizer": OPTIM_PREFIX}
+    for title, prefix in groups.items():
+        items = {k[len(prefix):]: v for k, v in summary["tensors"].items() if k.startswith(prefix)}
+        total = sum(v["bytes"] for v in items.values())
+        numel = sum(v["bytes"] // max(1, torch.empty((), dtype=getattr(torch, v["dtype"])).element_size())
+                    for v in items.values())
+        lines.append(f"  {title:<14} {len(items)} tensors, {numel:,} elements, {total / 2**20:.2f} MiB")
+        if title == "model" or all_tensors:
+            width = max((len(k) for k in items), default=0)
+            for name, v in items.items():
+                shape = "x".join(map(str, v["shape"])) or "scalar"
+                lines.append(f"    {name:<{width}}  {shape:>12}  {v['dtype']:<8} {v['bytes']:>10,} B"
+                             f"  {v['shards']} shard{'s' if v['shards'] != 1 else ''}")
+    return "\n".join(lines)
