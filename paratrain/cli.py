@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_subcommand(sub)
     from paratrain.data import commands as data_commands
     data_commands.add_subcommands(sub)
+    from paratrain.plan import commands as plan_commands
+    plan_commands.add_subcommand(sub)
     from paratrain.checkpoint import commands as checkpoint_commands
     checkpoint_commands.add_subcommands(sub)
     return parser

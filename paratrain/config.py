@@ -220,6 +220,7 @@ class ParallelConfig(Section):
     vocab_emb_dp: bool = True
     sequence_parallel: bool = False
     layer_stages: StageSpec = field(default_factory=list)
+    auto: bool = False  # the trainer picks the layout for its world size (paratrain.plan.choose_layout)
 
     @property
     def dp(self) -> int:
@@ -483,7 +484,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         problems.append(f"train.global_batch_size={t.global_batch_size} is not divisible by parallel.data_parallel="
                         f"{p.data_parallel} x parallel.micro_batch_num={p.micro_batch_num} = {split}: "
                         f"use a multiple of {split} such as {max(split, t.global_batch_size // split * split)}")
-    if world_size is not None and p.world_size != world_size:
+    if world_size is not None and p.world_size != world_size and not p.auto:
         problems.append(f"parallel.data_parallel={p.data_parallel} x model_parallel={p.model_parallel} x "
                         f"pipeline_stage={p.pipeline_stage} = {p.world_size} does not equal the world size "
                         f"{world_size}: launch {p.world_size} processes or change the parallel sizes")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import torch
@@ -35,6 +36,11 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         rank, world_size = init_from_env()
+        if cfg.parallel.auto:  # parallel.auto: the planner picks the layout for this world size
+            from paratrain.plan import choose_layout
+            cfg.parallel, why = choose_layout(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+            if rank == 0:
+                print(why, flush=True)
         self.cfg = check(cfg, world_size)
         self.layout = Layout(cfg.parallel, world_size)
         torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then shards it

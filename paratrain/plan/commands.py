@@ -1,0 +1,130 @@
+"""``paratrain plan``: rank the layouts of a model on a cluster, or count one layout's bytes in a dry run."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+from paratrain.plan import cost
+
+UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20,
+         "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_bytes(text: str) -> float:
+    """"80GiB", "80GB", "80 gb", "85899345920" -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in UNITS:
+        raise ValueError(f"cannot read a memory size from {text!r}: write e.g. 80GiB or 80GB")
+    return float(match.group(1)) * UNITS[match.group(2).lower()]
+
+
+def add_subcommand(sub) -> None:
+    p = sub.add_parser("plan", help="predict memory and step time of layouts and rank them",
+                       description="Rank layouts (data/model/pipeline parallel, micro-batches, ZeRO, recompute, "
+                                   "sequence parallel) of a model on N devices by predicted step time; or, with "
+                                   "--dry-run, count one layout's per-rank bytes on the meta device.")
+    p.add_argument("--config", help="TOML config (its [model], [train] and [parallel] are used); "
+                                    "override keys as --model.hidden_size=... ")
+    p.add_argument("--devices", type=int, help="number of devices (default: the config's dp x mp x pp)")
+    p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument("--device-memory", default="80GiB", help="memory of one device, e.g. 80GiB or 40GB")
+    p.add_argument("--peak-tflops", type=float, default=312.0, help="peak dense TFLOP/s of one device")
+    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak the matmuls reach")
+    p.add_argument("--intra-bw", type=float, default=200.0, help="GB/s per device inside a node (NVLink)")
+    p.add_argument("--inter-bw", type=float, default=25.0, help="GB/s per device across nodes (network)")
+    p.add_argument("--global-batch", type=int, help="global batch size (default: train.global_batch_size)")
+    p.add_argument("--top", type=int, default=10, help="rows of the table")
+    p.add_argument("--json", action="store_true", help="print every layout considered as a JSON list")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the config's own layout on the meta device under a fake process group of "
+                        "--devices ranks and compare its per-rank bytes to the cost model")
+    p.set_defaults(func=cmd_plan)
+
+
+def _config(args, rest):
+    from paratrain.cli import _split_overrides
+    from paratrain.config import Config
+
+    overrides = _split_overrides(rest)
+    if args.global_batch:
+        overrides.append(f"train.global_batch_size={args.global_batch}")
+    return Config.load(args.config, overrides)
+
+
+def hardware(args, devices: int):
+    from paratrain.plan.search import Hardware
+
+    return Hardware(devices, args.devices_per_node, parse_bytes(args.device_memory), args.peak_tflops * 1e12,
+                    args.intra_bw * 1e9, args.inter_bw * 1e9, args.efficiency)
+
+
+def cmd_plan(args, rest) -> int:
+    cfg = _config(args, rest)
+    devices = args.devices or cfg.parallel.world_size
+    if args.dry_run:
+        return _dry_run(cfg, devices, args.json)
+    from paratrain.plan.search import search
+
+    hw = hardware(args, devices)
+    rows = search(cfg, hw)
+    if args.json:
+        json.dump(rows, sys.stdout, indent=None, default=str)
+        sys.stdout.write("\n")
+        return 0
+    print_table(cfg, hw, rows, args.top)
+    return 0
+
+
+def print_table(cfg, hw, rows: list[dict], top: int) -> None:
+    m = cfg.model
+    print(f"model: {m.kind}, {cost.model_params(m) / 1e9:.3g} B parameters, {m.num_layers} layers, hidden "
+          f"{m.hidden_size}; {hw.devices} devices ({hw.devices_per_node} per node, {hw.device_memory / cost.GiB:.0f} "
+          f"GiB, {hw.peak_flops / 1e12:g} TFLOP/s); global batch {cfg.train.global_batch_size}")
+    head = (f"{'#':>4} {'dp':>5} {'mp':>3} {'pp':>3} {'micro':>5} {'mbs':>4} {'zero':>4} {'recompute':>9} {'sp':>3} "
+            f"{'schedule':>16} {'mem GiB':>8} {'step s':>8} {'MFU':>6}  feasible")
+    print(head)
+    print("-" * len(head))
+
+    def line(r):
+        mem = f"{r['memory_gib']:8.1f}" if r["memory_gib"] is not None else f"{'-':>8}"
+        step = f"{r['step_time_s']:8.2f}" if r["step_time_s"] is not None else f"{'-':>8}"
+        mfu = f"{r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else f"{'-':>6}"
+        sched = r["pipeline_schedule"] + (f"(v={r['virtual_pipeline_stage']})" if r["virtual_pipeline_stage"] > 1 else "")
+        print(f"{r['rank']:>4} {r['data_parallel']:>5} {r['model_parallel']:>3} {r['pipeline_stage']:>3} "
+              f"{r['micro_batch_num']:>5} {r['micro_batch_size']:>4} {r['zero_stage']:>4} {r['recompute']:>9} "
+              f"{'yes' if r['sequence_parallel'] else 'no':>3} {sched:>16} {mem} {step} {mfu}  "
+              f"{'yes' if r['feasible'] else 'no'}")
+
+    feasible = [r for r in rows if r["feasible"]]
+    for r in feasible[:top]:
+        line(r)
+    infeasible = [r for r in rows if not r["feasible"]]
+    print(f"\n{len(feasible)} feasible of {len(rows)} layouts considered.")
+    if infeasible:
+        print("Best infeasible layouts (least memory first) and why:")
+        for r in infeasible[:min(top, 5)]:
+            line(r)
+            print(f"       reason: {r['reason']}")
+
+
+def _dry_run(cfg, devices: int, as_json: bool) -> int:
+    from paratrain.plan.dryrun import dry_run
+
+    counted = dry_run(cfg, devices)
+    predicted = cost.stage_states(cfg.model, cfg.parallel)
+    rows = []
+    for c, p in zip(counted, predicted):
+        rows.append({"rank": c["rank"], "pp_rank": c["pp_rank"], "params": c["params"], "grads": c["grads"],
+                     "optimizer": c["optimizer"], "predicted_params": p.params, "predicted_grads": p.grads,
+                     "predicted_optimizer": p.optimizer, "equal": (c["params"], c["grads"], c["optimizer"])
+                     == (p.params, p.grads, p.optimizer)})
+    if as_json:
+        print(json.dumps(rows))
+    else:
+        print(f"dry run on {devices} fake ranks (meta device), first rank of each pipeline stage:")
+        print(f"{'rank':>6} {'stage':>5} {'params B':>14} {'predicted':>14} {'optimizer B':>14} {'predicted':>14}  equal")
+        for r in rows:
+            print(f"{r['rank']:>6} {r['pp_rank']:>5} {r['params']:>14} {r['predicted_params']:>14} "
+                  f"{r['optimizer']:>14} {r['predicted_optimizer']:>14}  {r['equal']}")
+    return 0 if all(r["equal"] for r in rows) else 1

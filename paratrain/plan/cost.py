@@ -1,0 +1,394 @@
+"""Per-rank cost model of one layout: model-state bytes, activation bytes, step time.
+
+Everything is derived from the model's shapes and from how paratrain shards (see
+``paratrain/parallel``), without building the model:
+
+- Parameters: Megatron's tensor-parallel split as ``TP_PLAN`` declares it (q/k/v/fc1
+  weight and bias and the head column-sharded, out_proj/fc2 weights row-sharded, their
+  biases, LayerNorms and position tables replicated, the word table sharded only with
+  ``vocab_emb_dp=false``); shards follow ``torch.chunk`` (rank 0 holds the largest).
+  ZeRO stages 1-3 (FSDP2 ``fully_shard`` over dp) shard dim 0 of each local tensor
+  again; stage 0 keeps it whole. Pipeline chunks follow ``layer_chunks``' even split
+  (embeddings and head count as a layer each) and hold what ``_prune`` leaves them,
+  including the extra word-table copies of the encoder-decoder and of a tied head.
+- Gradients: same placement as the parameters at rest. Optimizer: AdamW exp_avg and
+  exp_avg_sq like the parameter plus a 4-byte ``step`` per tensor (fused AdamW).
+- Transient model state (peak, on top of the above): stages 1-2 gather every parameter
+  of the rank in forward and keep it until backward; with gradient accumulation
+  (micro_batch_num > 1 without pipeline) or a pipeline (which keeps FSDP2 unsharded
+  across micro-batches) the gradients are accumulated unsharded too. Stage 3 holds about
+  two layer groups' whole parameters (prefetch) unless a pipeline keeps them gathered.
+- Activations: tensors autograd saves per layer and micro-batch, for paratrain's
+  modules with ``scaled_dot_product_attention`` (flash / memory-efficient kernels: no
+  (T, T) scores are kept), see ``layer_activation_bytes``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from paratrain.config import Config, ModelConfig, ParallelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GiB = 1024 ** 3
+
+
+def chunk_size(n: int, k: int, rank: int = 0) -> int:
+    """Length of ``rank``'s piece when ``torch.chunk`` splits ``n`` into ``k`` (DTensor Shard, FSDP2)."""
+    if k <= 1:
+        return n
+    c = -(-n // k)
+    return max(0, min(c, n - rank * c))
+
+
+# --- parameters ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple
+    tp: str = "replicate"  # "col" (Shard(0)), "row" (Shard(1)), "vocab" (Shard(0) if not vocab_emb_dp), "replicate"
+    part: str = "layer"  # layer | word | input_embed | target_embed | encoder_norm | head
+
+
+def _linear(name: str, out_f: int, in_f: int, style: str, bias: bool = True) -> list[Param]:
+    out = [Param(f"{name}.weight", (out_f, in_f), style)]
+    if bias:
+        out.append(Param(f"{name}.bias", (out_f,), "col" if style == "col" else "replicate"))
+    return out
+
+
+def _norm(name: str, h: int, part: str = "layer") -> list[Param]:
+    return [Param(f"{name}.weight", (h,), part=part), Param(f"{name}.bias", (h,), part=part)]
+
+
+def _attention(name: str, h: int) -> list[Param]:
+    return (_linear(f"{name}.q_proj", h, h, "col") + _linear(f"{name}.k_proj", h, h, "col")
+            + _linear(f"{name}.v_proj", h, h, "col") + _linear(f"{name}.out_proj", h, h, "row"))
+
+
+def _ffn(name: str, h: int, f: int) -> list[Param]:
+    return _linear(f"{name}.fc1", f, h, "col") + _linear(f"{name}.fc2", h, f, "row")
+
+
+def layer_params(m: ModelConfig, decoder: bool) -> list[Param]:
+    """Parameters of one encoder/GPT layer or one encoder-decoder decoder layer (names relative to the layer)."""
+    h = m.hidden_size
+    if not decoder:
+        return (_norm("attn_branch.norm", h) + _norm("ffn_branch.norm", h) + _attention("attn", h)
+                + _ffn("ffn", h, m.ffn_hidden_size))
+    return (_norm("self_attn_branch.norm", h) + _norm("cross_attn_branch.norm", h) + _norm("ffn_branch.norm", h)
+            + _attention("self_attn", h) + _attention("cross_attn", h) + _ffn("ffn", h, m.ffn_hidden_size))
+
+
+def other_params(m: ModelConfig) -> list[Param]:
+    """Parameters outside the layers, tagged with the pipeline part that holds them."""
+    h, v = m.hidden_size, m.vocab_size
+    if m.kind == "gpt":
+        out = [Param("embed.word.embedding.weight", (v, h), "vocab", "word"),
+               Param("embed.position.weight", (m.seq_length, h), part="input_embed")]
+        out += _norm("norm", h, "head")
+    else:
+        out = [Param("src_embed.word.embedding.weight", (v, h), "vocab", "word"),
+               Param("src_embed.position.weight", (m.src_seq_length, h), part="input_embed"),
+               Param("tgt_embed.position.weight", (m.tgt_seq_length, h), part="target_embed")]
+        out += _norm("transformer.encoder.norm", h, "encoder_norm") + _norm("transformer.decoder.norm", h, "head")
+    if not m.tie_embeddings:
+        out.append(Param("head.weight", (v, h), "col", "head"))
+    return out
+
+
+def local_numel(p: Param, par: ParallelConfig, tp_rank: int = 0, dp_rank: int = 0) -> int:
+    """Elements of ``p`` this rank holds at rest."""
+    shape = list(p.shape)
+    tp = par.model_parallel
+    if p.tp == "col" or (p.tp == "vocab" and not par.vocab_emb_dp):
+        shape[0] = chunk_size(shape[0], tp, tp_rank)
+    elif p.tp == "row":
+        shape[1] = chunk_size(shape[1], tp, tp_rank)
+    if par.effective_zero_stage > 0 and par.data_parallel > 1:
+        shape[0] = chunk_size(shape[0], par.data_parallel, dp_rank)
+    return math.prod(shape)
+
+
+def tp_numel(p: Param, par: ParallelConfig) -> int:
+    """Elements of ``p`` on tensor-parallel rank 0 before data-parallel sharding (what FSDP gathers)."""
+    return local_numel(p, ParallelConfig(model_parallel=par.model_parallel, vocab_emb_dp=par.vocab_emb_dp))
+
+
+def layer_blocks(m: ModelConfig) -> list[tuple[bool, int, int]]:
+    """(is_decoder_layer, layer_id, offset) of every layer in execution order (``pipeline_blocks``)."""
+    if m.kind == "gpt":
+        return [(False, i, 0) for i in range(m.decoder_layers)]
+    return ([(False, i, 0) for i in range(m.encoder_layers)]
+            + [(True, i, m.encoder_layers) for i in range(m.decoder_layers)])
+
+
+def chunk_of_layers(m: ModelConfig, par: ParallelConfig) -> list[int]:
+    """The chunk of every layer: ``paratrain.parallel.pipeline.layer_chunks`` without building the model."""
+    blocks = layer_blocks(m)
+    chunks = par.pipeline_stage * par.virtual_pipeline_stage
+    if callable(par.layer_stages):
+        return [par.layer_stages(layer_id, offset, par) for _, layer_id, offset in blocks]
+    if par.layer_stages:
+        return list(par.layer_stages)
+    for units, first in ((len(blocks) + 2, 1), (len(blocks), 0)):
+        bounds = [round(c * units / chunks) for c in range(chunks + 1)]
+        owner = [next(c for c in range(chunks) if bounds[c] <= u + first < bounds[c + 1]) for u in range(len(blocks))]
+        if set(owner) == set(range(chunks)):
+            return owner
+    raise ValueError(f"cannot split {len(blocks)} layers into {chunks} pipeline chunks")
+
+
+def chunk_rank(chunk: int, par: ParallelConfig) -> int:
+    pp = par.pipeline_stage
+    if par.pipeline_schedule == "zbv_zero_bubble" and chunk >= pp:
+        return 2 * pp - 1 - chunk
+    return chunk % pp
+
+
+def chunk_parts(m: ModelConfig, owner: list[int], chunk: int) -> set[str]:
+    """What besides its layers a chunk holds (``pipeline._parts`` + what ``_prune`` keeps)."""
+    if not owner or max(owner) == 0:
+        return {"input_embed", "word", "head"} | ({"target_embed", "encoder_norm"} if m.kind == "transformer" else set())
+    parts = set()
+    if chunk == 0:
+        parts |= {"input_embed", "word"}
+    if chunk == max(owner):
+        parts |= {"head"} | ({"word"} if m.tie_embeddings else set())
+    if m.kind == "transformer" and chunk == owner[m.encoder_layers]:
+        parts |= {"target_embed", "encoder_norm", "word"}
+    return parts
+
+
+@dataclass
+class StageState:
+    """Model-state bytes of one pipeline rank (tensor/data-parallel rank 0: the largest shards)."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    tensors: int = 0
+    whole_params: int = 0  # this rank's tensor-parallel shard, before ZeRO sharding (what FSDP gathers)
+    group_params: int = 0  # the largest gradient_aggregation_group's whole parameters
+    layers: list = field(default_factory=list)  # (chunk, is_decoder, layer_id) held
+    parts: list = field(default_factory=list)  # parts set per chunk
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = None) -> list[StageState]:
+    """Model-state bytes at rest of every pipeline rank (tp rank 0, dp rank 0)."""
+    b = param_bytes or DTYPE_BYTES[m.dtype]
+    blocks = layer_blocks(m)
+    owner = chunk_of_layers(m, par) if par.pipeline_stage > 1 else [0] * len(blocks)
+    num_chunks = par.pipeline_stage * par.virtual_pipeline_stage if par.pipeline_stage > 1 else 1
+    enc, dec = layer_params(m, False), layer_params(m, True)
+    local = {k: (sum(local_numel(p, par) for p in ps), sum(tp_numel(p, par) for p in ps), len(ps))
+             for k, ps in ((False, enc), (True, dec))}
+    others = other_params(m)
+    stages = [StageState() for _ in range(par.pipeline_stage)]
+    for chunk in range(num_chunks):
+        st = stages[chunk_rank(chunk, par) if par.pipeline_stage > 1 else 0]
+        parts = chunk_parts(m, owner, chunk)
+        st.parts.append(parts)
+        held = [blk for blk, o in zip(blocks, owner) if o == chunk]
+        st.layers += [(chunk, d, i) for d, i, _ in held]
+        n_local = sum(local[d][0] for d, _, _ in held)
+        n_whole = sum(local[d][1] for d, _, _ in held)
+        tensors = sum(local[d][2] for d, _, _ in held)
+        for p in others:
+            if p.part in parts:
+                n_local += local_numel(p, par)
+                n_whole += tp_numel(p, par)
+                tensors += 1
+        st.params += n_local * b
+        st.whole_params += n_whole * b
+        st.tensors += tensors
+        groups = max(1, min(par.gradient_aggregation_group, len(held)))
+        per_group = max(1, math.ceil(len(held) / groups)) if held else 0
+        st.group_params = max(st.group_params, per_group * max(local[True][1], local[False][1]) * b)
+    for st in stages:
+        st.grads = st.params
+        st.optimizer = 2 * st.params + 4 * st.tensors
+    return stages
+
+
+def model_params(m: ModelConfig) -> int:
+    """Number of parameters of the whole (unsplit) model."""
+    n = sum(math.prod(p.shape) for p in other_params(m))
+    for d, _, _ in layer_blocks(m):
+        n += sum(math.prod(p.shape) for p in layer_params(m, d))
+    return n
+
+
+# --- activations --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """How activations are stored: element bytes, dropout-mask bytes per element (0: no dropout)."""
+
+    elem: int = 4
+    hidden_mask: float = 0.0  # residual / FFN dropout (GPU: bool mask, 1 byte)
+    ln_stats: int = 4  # LayerNorm mean + rstd are fp32
+
+
+def activation_spec(cfg: Config) -> ActivationSpec:
+    m = cfg.model
+    elem = 2 if (cfg.train.mixed_precision != "none" or m.dtype != "float32") else 4
+    return ActivationSpec(elem=elem, hidden_mask=1.0 if m.hidden_dropout > 0 else 0.0)
+
+
+def _branch_attention(n_q: int, n_kv: int, h: int, heads: int, b: int, t: int, sp: bool, mode: str,
+                      spec: ActivationSpec, kv_gathered: bool) -> float:
+    """Saved bytes of one residual branch with attention: norm, q/k/v, core, out_proj, dropout."""
+    e, ss = spec.elem, (t if sp else 1)
+    out = n_q * h * e / ss + 2 * n_q * spec.ln_stats / ss  # LayerNorm input, mean, rstd
+    out += n_q * h * e  # LayerNorm output (gathered under SP), kept by q (and k, v for self-attention)
+    if kv_gathered:  # cross-attention under SP: the encoder output gathered again in every layer
+        out += n_kv * h * e
+    out += (n_q + 2 * n_kv) * h * e / t  # q, k, v (kept by the attention core, or by its recompute)
+    if mode != "selective":
+        out += n_q * h * e / t + (n_q // max(1, b)) * b * (heads // t) * 4  # core output + logsumexp (fp32)
+    out += n_q * h * e / t  # out_proj input (heads merged: a copy)
+    out += n_q * h * spec.hidden_mask / ss  # residual dropout mask
+    return out
+
+
+def _branch_ffn(n: int, h: int, f: int, t: int, sp: bool, spec: ActivationSpec) -> float:
+    e, ss = spec.elem, (t if sp else 1)
+    out = n * h * e / ss + 2 * n * spec.ln_stats / ss + n * h * e  # LayerNorm input + stats, output
+    out += 2 * n * f * e / t  # activation input, fc2 input
+    out += n * f * spec.hidden_mask / t + n * h * spec.hidden_mask / ss  # FFN and residual dropout masks
+    return out
+
+
+def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, decoder: bool, mode: str,
+                           spec: ActivationSpec) -> float:
+    """Bytes one layer keeps for backward per micro-batch on one tensor-parallel rank.
+
+    ``full``: only the layer input; ``selective``: the attention core output and its
+    statistics are recomputed (q, k, v stay); ``none``: everything below.
+    """
+    t, sp, h, b = par.model_parallel, par.sequence_parallel, m.hidden_size, micro_batch
+    if m.kind == "gpt":
+        n_q = n_kv = b * m.seq_length
+    else:
+        n_kv = b * m.src_seq_length
+        n_q = b * (m.tgt_seq_length if decoder else m.src_seq_length)
+    if mode == "full":
+        return n_q * h * spec.elem / (t if sp else 1)
+    out = _branch_attention(n_q, n_q, h, m.num_heads, b, t, sp, mode, spec, False)
+    if decoder:
+        out += _branch_attention(n_q, n_kv, h, m.num_heads, b, t, sp, mode, spec, sp)
+    return out + _branch_ffn(n_q, h, m.ffn_hidden_size, t, sp, spec)
+
+
+def extra_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, parts: set[str],
+                           spec: ActivationSpec) -> float:
+    """Bytes kept outside the layers per micro-batch: ids, masks, embeddings, final norms, logits, loss."""
+    t, sp, h, b, e = par.model_parallel, par.sequence_parallel, m.hidden_size, micro_batch, spec.elem
+    ss = t if sp else 1
+    lengths = [m.seq_length] if m.kind == "gpt" else [m.src_seq_length, m.tgt_seq_length]
+    out = sum(b * s * 8 for s in lengths)  # token ids (int64)
+    out += sum(b * s * s for s in lengths)  # boolean attention masks (B, 1, T, T)
+    if m.kind == "transformer":
+        out += b * m.tgt_seq_length * m.src_seq_length  # cross-attention mask
+    if "input_embed" in parts:
+        out += b * lengths[0] * h * spec.hidden_mask / ss
+    if "target_embed" in parts:
+        n_src = b * m.src_seq_length
+        out += b * m.tgt_seq_length * h * spec.hidden_mask / ss
+        out += n_src * h * e / ss + 2 * n_src * spec.ln_stats / ss  # encoder norm input + stats
+        out += n_src * h * e / ss  # encoder output (memory), kept by the decoder's k/v projections
+    if "head" in parts:
+        n = b * lengths[-1]
+        out += n * h * e / ss + 2 * n * spec.ln_stats / ss + n * h * e  # final norm input, output (gathered)
+        out += n * chunk_size(m.vocab_size, t) * 4  # log-softmax output (fp32) kept by the loss
+    return out
+
+
+def in_flight(par: ParallelConfig, stage: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in units of the rank's
+    whole activations per micro-batch (interleaved: chunk-micro-batches / chunks per rank)."""
+    pp, m, v = par.pipeline_stage, par.micro_batch_num, par.virtual_pipeline_stage
+    if pp == 1:
+        return 1
+    s = par.pipeline_schedule
+    if s == "gpipe" or s == "looped_bfs":
+        return m
+    if s == "1f1b":
+        return min(m, pp - stage)
+    # interleaved 1F1B and the zero-bubble schedules: torch's warm-up count + 1, per chunk
+    warmup = (v - 1) * pp + 2 * (pp - 1 - stage)
+    return min(m * v, warmup + 1) / v
+
+
+def bubble_micro_batches(par: ParallelConfig) -> float:
+    """Idle time of a pipeline rank per step, in micro-batch (forward + backward of its chunks) units."""
+    pp, v = par.pipeline_stage, par.virtual_pipeline_stage
+    if pp == 1:
+        return 0.0
+    if par.pipeline_schedule in ("gpipe", "1f1b"):
+        return pp - 1
+    if par.pipeline_schedule in ("interleaved_zero_bubble", "zbv_zero_bubble"):
+        return (pp - 1) / (3 * v)  # B/W split fills most of the bubble
+    return (pp - 1) / v
+
+
+def recompute_modes(par: ParallelConfig, m: ModelConfig) -> list[str]:
+    return [par.recompute_mode(i, off) for _, i, off in layer_blocks(m)]
+
+
+def stage_activation_bytes(cfg: Config, par: ParallelConfig, stage: int, st: StageState,
+                           spec: ActivationSpec | None = None, modes: list[str] | None = None) -> dict:
+    """Peak activation bytes of one pipeline rank: micro-batches in flight x per-micro-batch bytes,
+    plus, under full or selective recompute, one layer's whole activations while it is recomputed."""
+    m = cfg.model
+    spec = spec or activation_spec(cfg)
+    b = -(-cfg.train.global_batch_size // (par.data_parallel * par.micro_batch_num))
+    modes = modes or recompute_modes(par, m)
+    offset = m.encoder_layers if m.kind == "transformer" else 0
+    counts: dict = {}
+    for _, d, i in st.layers:
+        key = (d, modes[i + offset if d else i])
+        counts[key] = counts.get(key, 0) + 1
+    per_micro, recompute_peak = 0.0, 0.0
+    for (d, mode), n in counts.items():
+        per_micro += n * layer_activation_bytes(m, par, b, d, mode, spec)
+        if mode != "none":
+            recompute_peak = max(recompute_peak, layer_activation_bytes(m, par, b, d, "none", spec))
+    parts = set().union(*st.parts) if st.parts else set()
+    per_micro += extra_activation_bytes(m, par, b, parts, spec)
+    flight = in_flight(par, stage)
+    return {"per_micro_batch": per_micro, "in_flight": flight, "recompute_peak": recompute_peak,
+            "total": per_micro * flight + recompute_peak}
+
+
+# --- FLOPs and time -----------------------------------------------------------------------------
+
+def layer_flops(m: ModelConfig, decoder: bool, batch: int) -> dict:
+    """Forward FLOPs of one layer for ``batch`` sequences: matmuls and attention (scores + mix)."""
+    h, f = m.hidden_size, m.ffn_hidden_size
+    if m.kind == "gpt":
+        s_q = s_kv = m.seq_length
+    else:
+        s_kv = m.src_seq_length
+        s_q = m.tgt_seq_length if decoder else m.src_seq_length
+    n_q, n_kv = batch * s_q, batch * s_kv
+    dense = 2 * n_q * 4 * h * h + 2 * n_q * 2 * h * f
+    core = 4 * n_q * s_q * h
+    if decoder:
+        dense += 2 * n_q * 2 * h * h + 2 * n_kv * 2 * h * h
+        core += 4 * n_q * s_kv * h
+    return {"dense": dense, "core": core}
+
+
+def model_flops(m: ModelConfig, batch: int) -> float:
+    """Model FLOPs of one training step on ``batch`` sequences (3 x forward, no recompute)."""
+    fwd = sum(sum(layer_flops(m, d, batch).values()) for d, _, _ in layer_blocks(m))
+    tokens = batch * (m.seq_length if m.kind == "gpt" else m.tgt_seq_length)
+    fwd += 2 * tokens * m.hidden_size * m.vocab_size
+    return 3 * fwd

@@ -1,0 +1,70 @@
+"""Dry run at scale: paratrain's real sharding applied on the meta device under a fake process group.
+
+For each pipeline stage, this process joins a fake process group (``torch.testing._internal.
+distributed.fake_pg``: collectives return at once, nothing is sent) as that stage's first rank
+(tensor- and data-parallel rank 0, which holds the largest shards), builds the model on the
+meta device and runs ``paratrain.parallel.parallelize`` exactly as the trainer does. The local
+shards of the parameters then give the rank's parameter bytes with no memory and no devices;
+gradients take the same placement and AdamW adds two states of the same size and a 4-byte step
+per tensor.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.distributed as dist
+
+from paratrain.config import Config
+
+
+def _local_bytes(t) -> int:
+    from torch.distributed.tensor import DTensor
+
+    t = t._local_tensor if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process; run the dry run alone")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
+    """Model-state bytes of global ``rank`` from the real sharding on the meta device."""
+    from paratrain.mesh import Layout
+    from paratrain.models import build_model
+    from paratrain.parallel import parallelize
+    from paratrain.parallel.pipeline import Pipeline
+
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    with fake_process_group(rank, world_size):
+        layout = Layout(cfg.parallel, world_size)
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
+        model = model.to(dtype)
+        out = parallelize(model, cfg.parallel, layout, loss_fn=lambda *a, **k: None)
+        modules = out.modules if isinstance(out, Pipeline) else out
+        params = list({id(p): p for p in modules.parameters()}.values())
+        nbytes = sum(_local_bytes(p) for p in params)
+        return {"rank": rank, "pp_rank": layout.pp_rank, "params": nbytes, "grads": nbytes,
+                "optimizer": 2 * nbytes + 4 * len(params), "tensors": len(params),
+                "total": 4 * nbytes + 4 * len(params)}
+
+
+def dry_run(cfg: Config, world_size: int | None = None) -> list[dict]:
+    """Per pipeline stage (its first rank), the model-state bytes counted on the meta device."""
+    p = cfg.parallel
+    world_size = world_size or p.world_size
+    stride = world_size // p.pipeline_stage
+    return [dry_run_rank(cfg, stage * stride, world_size) for stage in range(p.pipeline_stage)]

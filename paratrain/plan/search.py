@@ -1,0 +1,248 @@
+"""Layouts: evaluate one (memory per device, step time, MFU, feasibility), enumerate and rank them, and
+choose one for a job (``parallel.auto``).
+
+Step time of one rank = (micro_batch_num + bubble) x (compute + tensor-parallel + pipeline
+communication of one micro-batch) + data-parallel communication, where compute is the rank's
+hardware FLOPs (recompute included) over peak x efficiency and communication is ring volume over
+the bandwidth of the link class the group spans. The mesh is ("pp", "dp", "tp") with tp innermost:
+a tp group stays inside a node when tp <= devices_per_node, a dp group when dp x tp <= devices_per_node,
+pipeline neighbours when the whole job fits one node.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from paratrain.config import Config, ParallelConfig, validate
+from paratrain.plan import cost
+
+FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "zero_stage", "recompute",
+          "sequence_parallel")
+
+
+@dataclass
+class Hardware:
+    devices: int
+    devices_per_node: int = 8
+    device_memory: float = 80e9  # bytes
+    peak_flops: float = 312e12  # per device, in the training dtype
+    intra_bw: float = 200e9  # bytes/s of bus bandwidth per device inside a node
+    inter_bw: float = 25e9  # bytes/s per device across nodes
+    efficiency: float = 0.5  # fraction of peak the matmuls reach
+    reserve: float = 0.05  # fraction of device memory kept free (allocator fragmentation, workspaces)
+
+    @property
+    def usable_memory(self) -> float:
+        return self.device_memory * (1 - self.reserve)
+
+
+def _bw(hw: Hardware, span: int) -> float:
+    """Bandwidth of a group whose members lie within ``span`` consecutive ranks."""
+    return hw.intra_bw if span <= hw.devices_per_node else hw.inter_bw
+
+
+def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None = None) -> dict:
+    """Memory per device, predicted step time and MFU of one layout (``par``) of ``cfg``'s model.
+
+    A layout that breaks a configuration rule (e.g. a global batch not divisible by data_parallel)
+    is still costed, with the micro-batch rounded up, and reported infeasible with the rule.
+    """
+    m = cfg.model
+    dp, tp, pp, mb = par.data_parallel, par.model_parallel, par.pipeline_stage, par.micro_batch_num
+    gb = cfg.train.global_batch_size
+    row = {k: getattr(par, k) for k in FIELDS}
+    row["zero_stage"] = par.effective_zero_stage
+    b = -(-gb // (dp * mb))
+    row.update(pipeline_schedule=par.pipeline_schedule if pp > 1 else "none",
+               virtual_pipeline_stage=par.virtual_pipeline_stage, micro_batch_size=b)
+    problems = validate(_with(cfg, par), dp * tp * pp)
+    if m.num_heads % tp or m.hidden_size % tp or m.ffn_hidden_size % tp or pp * par.virtual_pipeline_stage > m.num_layers:
+        row.update(feasible=False, reason="; ".join(problems), memory_gib=None, step_time_s=None, mfu=None)
+        return row
+    spec = cost.activation_spec(cfg)
+    pbytes = cost.DTYPE_BYTES[m.dtype]
+    key = (dp, tp, pp, par.effective_zero_stage > 0, par.virtual_pipeline_stage, par.pipeline_schedule,
+           par.vocab_emb_dp, par.gradient_aggregation_group)
+    states = cache.get(key) if cache is not None else None
+    if states is None:
+        states = cost.stage_states(m, par, pbytes)
+        if cache is not None:
+            cache[key] = states
+    modes = cost.recompute_modes(par, m)
+    zero, accumulate = par.effective_zero_stage, (mb > 1 or pp > 1)
+    worst = None
+    for stage, st in enumerate(states):
+        act = cost.stage_activation_bytes(cfg, par, stage, st, spec, modes)
+        if zero in (1, 2) or (zero == 3 and pp > 1):  # whole parameters gathered, gradients accumulated whole
+            transient = st.whole_params + (st.whole_params if accumulate else st.group_params)
+        elif zero == 3:
+            transient = 3 * st.group_params  # two groups' parameters (prefetch) and one group's gradients
+        else:
+            transient = 0
+        total = st.total + transient + act["total"]
+        if worst is None or total > worst[0]:
+            worst = (total, stage, st, act, transient)
+    total, stage, st, act, transient = worst
+    offset = m.encoder_layers if m.kind == "transformer" else 0
+    ring = 2 * (tp - 1) / tp if tp > 1 else 0.0
+    per_layer = {}
+    for d in (False, True):
+        f = cost.layer_flops(m, d, b)
+        tokens = b * (m.seq_length if m.kind == "gpt" else (m.tgt_seq_length if d else m.src_seq_length))
+        for mode in ("none", "selective", "full"):
+            fwd = f["dense"] + f["core"]
+            extra = fwd if mode == "full" else (f["core"] if mode == "selective" else 0)
+            collectives = (7 if d else 4) + ((3 if d else 2) if mode == "full" else 0)  # TP all-reduces
+            per_layer[(d, mode)] = ((3 * fwd + extra) / tp, collectives * tokens * m.hidden_size * spec.elem)
+    tokens_b = b * (m.seq_length if m.kind == "gpt" else m.tgt_seq_length)
+    times = []
+    for s in states:
+        flops, tp_bytes = 0.0, 0.0
+        for _, d, i in s.layers:
+            fl, by = per_layer[(d, modes[i + offset if d else i])]
+            flops, tp_bytes = flops + fl, tp_bytes + by
+        if any("head" in parts for parts in s.parts):
+            flops += 3 * 2 * tokens_b * m.hidden_size * m.vocab_size / tp
+            tp_bytes += tokens_b * m.hidden_size * spec.elem + 3 * tokens_b * 4
+        times.append((flops / (hw.peak_flops * hw.efficiency) + ring * tp_bytes / _bw(hw, tp), flops))
+    t_micro = max(t for t, _ in times)
+    pp_time = 0.0
+    if pp > 1:  # forward activation and backward gradient over each boundary, per micro-batch
+        boundary = tokens_b * m.hidden_size * spec.elem / (tp if par.sequence_parallel else 1)
+        if m.kind == "transformer":
+            boundary *= 2  # encoder output + decoder state
+        pp_time = 2 * boundary * par.virtual_pipeline_stage / _bw(hw, dp * tp * pp)
+    dp_volume = 0.0
+    if dp > 1:
+        f = (dp - 1) / dp
+        whole = max(s.whole_params for s in states)
+        dp_volume = 2 * f * whole if zero < 3 else 3 * f * whole * (1 if pp > 1 else mb)
+    dp_time = dp_volume / _bw(hw, dp * tp)
+    bubble = cost.bubble_micro_batches(par)
+    step = (mb + bubble) * (t_micro + pp_time) + dp_time
+    mfu = cost.model_flops(m, gb) / (step * hw.devices * hw.peak_flops)
+    fits = total <= hw.usable_memory
+    memory = (f"needs {total / cost.GiB:.1f} GiB on pipeline rank {stage} > {hw.usable_memory / cost.GiB:.1f} GiB "
+              f"usable: model state {st.total / cost.GiB:.1f} (params {st.params / cost.GiB:.1f}, grads "
+              f"{st.grads / cost.GiB:.1f}, optimizer {st.optimizer / cost.GiB:.1f}), gathered by ZeRO "
+              f"{transient / cost.GiB:.1f}, activations {act['total'] / cost.GiB:.1f} ({act['in_flight']:g} "
+              f"micro-batches of {act['per_micro_batch'] / cost.GiB:.2f})")
+    reasons = ([] if fits else [memory]) + problems
+    row.update(feasible=not reasons, reason="; ".join(reasons), memory_gib=total / cost.GiB, memory_bytes=int(total),
+               step_time_s=step, mfu=mfu,
+               breakdown={"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "zero_gathered": transient,
+                          "activations": act["total"], "in_flight": act["in_flight"],
+                          "compute_s": (mb + bubble) * max(fl for _, fl in times) / (hw.peak_flops * hw.efficiency),
+                          "bubble_micro_batches": bubble, "dp_comm_s": dp_time, "pp_comm_s": (mb + bubble) * pp_time,
+                          "worst_stage": stage})
+    return row
+
+
+def _with(cfg: Config, par: ParallelConfig) -> Config:
+    out = copy.copy(cfg)
+    out.parallel = par
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: Config, devices: int, micro_batch_sizes=(1, 2, 4, 8, 16, 32),
+               zero_stages=(0, 1, 3), recomputes=("none", "selective", "full")) -> list[ParallelConfig]:
+    """Every layout worth considering for ``devices``: dp x tp x pp = devices, tp dividing the heads,
+    micro-batch sizes from ``micro_batch_sizes``, 1F1B and interleaved 1F1B (2 chunks per rank)."""
+    m, gb = cfg.model, cfg.train.global_batch_size
+    base = cfg.parallel
+    out = []
+    for tp in _divisors(devices):
+        if m.num_heads % tp or m.hidden_size % tp or m.ffn_hidden_size % tp:
+            continue
+        for pp in _divisors(devices // tp):
+            if pp > m.num_layers:
+                continue
+            dp = devices // tp // pp
+            if gb % dp:  # still listed (infeasible: the batch does not split), one plain layout
+                out.append(dataclasses.replace(base, data_parallel=dp, model_parallel=tp, pipeline_stage=pp,
+                                               micro_batch_num=max(pp, 1), pipeline_schedule="1f1b",
+                                               virtual_pipeline_stage=1, zero_stage=0, optimizer_shard=False,
+                                               recompute="none", sequence_parallel=False, layer_stages=[]))
+                continue
+            local = gb // dp
+            sizes = sorted({b for b in micro_batch_sizes if local % b == 0} | ({local} if pp == 1 else set()))
+            for b in sizes:
+                mb = local // b
+                if pp > 1 and mb < pp:
+                    continue
+                schedules = [("1f1b", 1)]
+                if pp > 1 and mb % pp == 0 and m.num_layers >= 2 * pp:
+                    schedules.append(("interleaved_1f1b", 2))
+                for sched, v in schedules:
+                    for zero in (zero_stages if dp > 1 else (0,)):
+                        for rc in recomputes:
+                            for sp in ((False, True) if tp > 1 else (False,)):
+                                out.append(dataclasses.replace(
+                                    base, data_parallel=dp, model_parallel=tp, pipeline_stage=pp, micro_batch_num=mb,
+                                    pipeline_schedule=sched, virtual_pipeline_stage=v, zero_stage=zero,
+                                    optimizer_shard=False, recompute=rc, sequence_parallel=sp, layer_stages=[]))
+    return out
+
+
+def rank_key(row: dict):
+    """Feasible first, then by step time; infeasible ones by how much memory they need."""
+    if row["feasible"]:
+        return (0, row["step_time_s"], row["memory_gib"])
+    return (1, row["memory_gib"] if row["memory_gib"] is not None else math.inf, 0)
+
+
+def search(cfg: Config, hw: Hardware, **kwargs) -> list[dict]:
+    """Every candidate layout evaluated, best first."""
+    cache: dict = {}
+    rows = [evaluate(cfg, par, hw, cache) for par in candidates(cfg, hw.devices, **kwargs)]
+    rows.sort(key=rank_key)
+    for i, row in enumerate(rows):
+        row["rank"] = i + 1
+    return rows
+
+
+def choose_layout(cfg: Config, world_size: int, devices_per_node: int | None = None,
+                  hw: Hardware | None = None) -> tuple[ParallelConfig, str]:
+    """The best layout of ``cfg``'s model for ``world_size`` processes, and why (for ``parallel.auto``).
+
+    Keeps the user's non-searched settings (vocab_emb_dp, gradient_aggregation_group...). The
+    hardware defaults to an 80 GB, 312 TFLOP/s device; on a machine without CUDA the memory is
+    taken as unlimited and only the predicted step time ranks layouts.
+    """
+    if hw is None:
+        hw = default_hardware(world_size, devices_per_node or world_size)
+    rows = search(cfg, hw)
+    if not rows:
+        raise ValueError(f"no layout of this model fits {world_size} processes (global batch "
+                         f"{cfg.train.global_batch_size}, {cfg.model.num_heads} heads)")
+    best = rows[0]
+    if not best["feasible"]:
+        raise ValueError(f"no layout fits in memory on {world_size} devices; the smallest: {best['reason']}")
+    par = dataclasses.replace(cfg.parallel, auto=True, **{k: best[k] for k in FIELDS},
+                              optimizer_shard=False, pipeline_schedule=best["pipeline_schedule"]
+                              if best["pipeline_stage"] > 1 else cfg.parallel.pipeline_schedule,
+                              virtual_pipeline_stage=best["virtual_pipeline_stage"], layer_stages=[])
+    feasible = sum(r["feasible"] for r in rows)
+    why = (f"parallel.auto: chose data_parallel={par.data_parallel} model_parallel={par.model_parallel} "
+           f"pipeline_stage={par.pipeline_stage} micro_batch_num={par.micro_batch_num} zero_stage={par.zero_stage} "
+           f"recompute={par.recompute} sequence_parallel={par.sequence_parallel}: predicted step "
+           f"{best['step_time_s']:.3g} s, {best['memory_gib']:.2f} GiB per device, the fastest of {feasible} "
+           f"feasible layouts out of {len(rows)} on {world_size} devices ({devices_per_node or world_size} per node)")
+    return par, why
+
+
+def default_hardware(world_size: int, devices_per_node: int) -> Hardware:
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return Hardware(world_size, devices_per_node, device_memory=props.total_memory)
+    # CPU (gloo): matmuls at ~50 GFLOP/s a core, collectives ~0.5 GB/s; memory is not the limit here
+    return Hardware(world_size, devices_per_node, device_memory=math.inf, peak_flops=1e11, intra_bw=0.5e9,
+                    inter_bw=0.1e9, efficiency=0.6)

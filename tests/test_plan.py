@@ -1,0 +1,264 @@
+"""Planner: cost model vs the real sharding (meta-device dry run, real gloo steps), activations vs the tensors
+autograd saves, the GPT-3 175B search, ``parallel.auto``."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratrain.config import Config, check, validate
+from paratrain.plan import cost
+from paratrain.plan.search import Hardware, choose_layout, evaluate, search
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small(kind, tie=False, **parallel):
+    return Config.from_dict({
+        "model": {"kind": kind, "vocab_size": 60, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 64,
+                  "encoder_layers": 3, "decoder_layers": 4, "tie_embeddings": tie},
+        "parallel": parallel, "train": {"global_batch_size": 64}})
+
+
+# layouts whose per-rank bytes the dry run counts: uneven dp (3), vocab sharding, tied head copies, pipelines
+DRY_LAYOUTS = [
+    ("gpt", False, {"dp": 4}),
+    ("gpt", False, {"dp": 3, "mp": 2, "zero_stage": 1}),
+    ("gpt", True, {"pp": 3, "mp": 2, "vocab_emb_dp": False, "micro_batch_num": 6}),
+    ("transformer", False, {"dp": 4, "zero_stage": 3}),
+    ("transformer", False, {"mp": 4, "vocab_emb_dp": False}),
+    ("transformer", False, {"pp": 2, "dp": 2, "mp": 2, "zero_stage": 1, "micro_batch_num": 4}),
+    ("transformer", False, {"pp": 2, "virtual_pipeline_stage": 2, "pipeline_schedule": "interleaved_1f1b",
+                            "micro_batch_num": 4}),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,tie,parallel", DRY_LAYOUTS)
+def test_dry_run_counts_equal_cost_model(kind, tie, parallel):
+    from paratrain.plan.dryrun import dry_run
+
+    cfg = small(kind, tie, **parallel)
+    counted = dry_run(cfg)
+    predicted = cost.stage_states(cfg.model, cfg.parallel)
+    assert len(counted) == len(predicted) == cfg.parallel.pipeline_stage
+    for c, p in zip(counted, predicted):
+        assert (c["params"], c["tensors"], c["optimizer"]) == (p.params, p.tensors, p.optimizer), (c, p)
+
+
+@pytest.mark.timeout(120)
+def test_dry_run_512_ranks():
+    """dp 8 x mp 8 x pp 8 on a fake process group of 512 ranks: every stage's bytes as predicted."""
+    from paratrain.plan.dryrun import dry_run
+
+    cfg = Config.from_dict({
+        "model": {"kind": "gpt", "vocab_size": 1000, "hidden_size": 256, "num_heads": 8, "ffn_hidden_size": 1024,
+                  "decoder_layers": 16, "seq_length": 128},
+        "parallel": {"dp": 8, "mp": 8, "pp": 8, "zero_stage": 1, "micro_batch_num": 8, "vocab_emb_dp": False},
+        "train": {"global_batch_size": 64}})
+    counted = dry_run(cfg, 512)
+    predicted = cost.stage_states(cfg.model, cfg.parallel)
+    assert [c["rank"] for c in counted] == [64 * s for s in range(8)]
+    assert [c["params"] for c in counted] == [p.params for p in predicted]
+    assert [c["optimizer"] for c in counted] == [p.optimizer for p in predicted]
+    whole = cost.model_params(cfg.model) * 4
+    assert sum(c["params"] for c in counted) < whole / 8  # sharded over mp and dp
+
+
+def test_layer_split_matches_pipeline_module():
+    """The planner's stage split is the one paratrain.parallel.pipeline.layer_chunks makes."""
+    from paratrain.models import build_model
+    from paratrain.parallel.pipeline import layer_chunks
+
+    for kind in ("gpt", "transformer"):
+        for pp, v in ((2, 1), (3, 1), (2, 2), (4, 1)) + (((7, 1), (3, 2)) if kind == "transformer" else ()):
+            cfg = small(kind, pp=pp, virtual_pipeline_stage=v)
+            with torch.device("meta"):
+                model = build_model(cfg.model)
+            assert cost.chunk_of_layers(cfg.model, cfg.parallel) == layer_chunks(model, cfg.parallel)
+
+
+# --- real training steps: parameters, gradients and AdamW state measured by bench/parallel_cost ----
+
+MEASURED = {"dp2_zero0": {"dp": 2}, "dp2_zero1": {"dp": 2, "zero_stage": 1}, "dp2_zero3": {"dp": 2, "zero_stage": 3},
+            "mp2": {"mp": 2}, "mp2_sp": {"mp": 2, "sequence_parallel": True},
+            "mp2_vocab_sharded": {"mp": 2, "vocab_emb_dp": False}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_measured_state_bytes_equal_prediction(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    import parallel_cost
+    from multiprocess import run_distributed
+
+    a = parallel_cost.parse_args(["--vocab", "62", "--hidden", "32", "--heads", "4", "--ffn", "64", "--layers", "1",
+                                  "--length", "8", "--batch", "4", "--steps", "1"])
+    configs = {name: parallel_cost.make_config(a, "transformer", par, str(tmp_path / name))
+               for name, par in MEASURED.items()}
+    ranks = run_distributed(parallel_cost.measure, 2, configs, 1, timeout=280)
+    for name, cfg in configs.items():
+        p = cost.stage_states(cfg.model, cfg.parallel)[0]
+        got = ranks[0][name]["state"]  # rank 0 holds the largest shards
+        assert got["params"] == p.params, name
+        assert got["grads"] == p.grads, name
+        assert sum(got["optimizer"].values()) == p.optimizer, name
+
+
+# --- activations: bytes autograd keeps, per recompute mode --------------------------------------
+
+def saved_bytes(model, fn):
+    """Run ``fn``; bytes of the distinct storages autograd saved (parameters excluded) plus what
+    non-reentrant checkpoints keep (their inputs)."""
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def note(t):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    def pack(t):
+        note(t)
+        return t
+
+    original = cw.CheckpointWrapper.forward
+
+    def forward(self, *args, **kwargs):
+        for value in (*args, *kwargs.values()):
+            note(value)
+        return original(self, *args, **kwargs)
+
+    cw.CheckpointWrapper.forward = forward
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+    finally:
+        cw.CheckpointWrapper.forward = original
+    return out, sum(seen.values())
+
+
+@pytest.mark.parametrize("kind", ["gpt", "transformer"])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_activation_bytes_within_15_percent(kind, mode):
+    from paratrain.models import build_model, token_loss_sum
+    from paratrain.parallel.recompute import apply_recompute
+
+    cfg = Config.from_dict({
+        "model": {"kind": kind, "vocab_size": 256, "hidden_size": 64, "num_heads": 4, "ffn_hidden_size": 256,
+                  "encoder_layers": 2, "decoder_layers": 3, "seq_length": 64, "src_seq_length": 48,
+                  "tgt_seq_length": 32, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+        "parallel": {"recompute": mode}, "train": {"global_batch_size": 4}})
+    torch.manual_seed(0)
+    model = apply_recompute(build_model(cfg.model), cfg.parallel).train()
+    g = torch.Generator().manual_seed(0)
+    lengths = ("seq_length",) if kind == "gpt" else ("src_seq_length", "tgt_seq_length")
+    names = ("input_ids",) if kind == "gpt" else ("src_ids", "tgt_in_ids")
+    batch = {n: torch.randint(1, 256, (4, getattr(cfg.model, l)), generator=g) for n, l in zip(names, lengths)}
+    labels = torch.randint(1, 256, (4, getattr(cfg.model, lengths[-1])), generator=g)
+    loss, measured = saved_bytes(model, lambda: token_loss_sum(model(**batch), labels, 0))
+    loss.backward()
+    st = cost.stage_states(cfg.model, cfg.parallel)[0]
+    predicted = cost.stage_activation_bytes(cfg, cfg.parallel, 0, st)["per_micro_batch"]
+    assert abs(predicted / measured - 1) <= 0.15, (predicted, measured)
+
+
+def test_recompute_and_sequence_parallel_shrink_activations():
+    cfg = Config.from_dict({"model": {"kind": "gpt", "hidden_size": 1024, "num_heads": 16, "ffn_hidden_size": 4096,
+                                      "decoder_layers": 4, "seq_length": 1024, "vocab_size": 1000},
+                            "train": {"global_batch_size": 8}})
+    spec = cost.activation_spec(cfg)
+    values = {}
+    for mode in ("none", "selective", "full"):
+        for sp in (False, True):
+            par = cfg.parallel.__class__(model_parallel=4, sequence_parallel=sp)
+            values[mode, sp] = cost.layer_activation_bytes(cfg.model, par, 2, False, mode, spec)
+    assert values["full", False] < values["selective", False] < values["none", False]
+    assert values["none", True] < values["none", False] and values["full", True] == values["full", False] / 4
+
+
+def test_in_flight_per_schedule():
+    from paratrain.config import ParallelConfig
+
+    assert cost.in_flight(ParallelConfig(pipeline_stage=4, micro_batch_num=8, pipeline_schedule="gpipe"), 0) == 8
+    p = ParallelConfig(pipeline_stage=4, micro_batch_num=8, pipeline_schedule="1f1b")
+    assert [cost.in_flight(p, s) for s in range(4)] == [4, 3, 2, 1]
+    p = ParallelConfig(pipeline_stage=4, micro_batch_num=8, pipeline_schedule="interleaved_1f1b",
+                       virtual_pipeline_stage=2)
+    assert cost.in_flight(p, 0) == (4 + 6 + 1) / 2 and cost.in_flight(p, 3) == (4 + 1) / 2
+    assert cost.bubble_micro_batches(p) == 1.5
+
+
+# --- the search ---------------------------------------------------------------------------------
+
+GPT3 = ["--model.kind=gpt", "--model.vocab_size=51200", "--model.hidden_size=12288", "--model.num_heads=96",
+        "--model.ffn_hidden_size=49152", "--model.decoder_layers=96", "--model.seq_length=2048",
+        "--train.mixed_precision=bf16"]
+
+
+@pytest.mark.timeout(240)
+def test_gpt3_175b_on_1024_devices(capsys):
+    from paratrain.cli import main
+
+    assert main(["plan", *GPT3, "--devices", "1024", "--devices-per-node", "8", "--device-memory", "80GB",
+                 "--peak-tflops", "312", "--global-batch", "1536", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) > 1000
+    for field in ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "zero_stage", "recompute",
+                  "sequence_parallel", "memory_gib", "step_time_s", "mfu", "feasible", "reason"):
+        assert all(field in r for r in rows), field
+    pure_dp = [r for r in rows if r["model_parallel"] == 1 and r["pipeline_stage"] == 1 and r["zero_stage"] == 0]
+    assert pure_dp and all(not r["feasible"] and r["memory_gib"] > 1000 for r in pure_dp)  # ~2.6 TB of state alone
+    megatron = [r for r in rows if (r["model_parallel"], r["pipeline_stage"], r["data_parallel"]) == (8, 16, 8)]
+    assert any(r["feasible"] for r in megatron)
+    best = rows[0]
+    assert best["feasible"] and 0.2 < best["mfu"] <= 0.5  # the efficiency (0.5) bounds MFU
+    assert all(r["feasible"] for r in rows[:5]) and rows[0]["step_time_s"] <= rows[4]["step_time_s"]
+    infeasible = [r for r in rows if not r["feasible"]]
+    assert all(r["reason"] for r in infeasible)
+
+
+def test_plan_table_and_infeasible_reasons(capsys):
+    from paratrain.cli import main
+
+    assert main(["plan", "--model.kind=gpt", "--model.hidden_size=2048", "--model.num_heads=16",
+                 "--model.ffn_hidden_size=8192", "--model.decoder_layers=24", "--model.seq_length=1024",
+                 "--model.vocab_size=50000", "--devices", "16", "--device-memory", "16GiB", "--global-batch", "64",
+                 "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "feasible of" in out and "reason: needs" in out
+
+
+def test_evaluate_reports_config_problems():
+    cfg = small("gpt")
+    par = cfg.parallel.__class__(data_parallel=3, model_parallel=1)
+    row = evaluate(cfg, par, Hardware(3))
+    assert not row["feasible"] and "global_batch_size=64 is not divisible" in row["reason"]
+
+
+def test_choose_layout_and_auto_validation():
+    cfg = small("gpt", auto=True)
+    assert not [p for p in validate(cfg, 4) if "world size" in p]  # auto: dp x mp x pp need not match yet
+    hw = Hardware(4, 4, device_memory=1e12, peak_flops=1e11, intra_bw=1e9, inter_bw=1e8)
+    par, why = choose_layout(cfg, 4, 4, hw)
+    assert par.world_size == 4 and par.auto and "chose" in why
+    cfg.parallel = par
+    check(cfg, 4)
+    best = search(small("gpt"), hw)[0]
+    assert (par.data_parallel, par.model_parallel, par.pipeline_stage) == (
+        best["data_parallel"], best["model_parallel"], best["pipeline_stage"])
+
+
+def test_trainer_with_parallel_auto(tmp_path, capsys):
+    from conftest import tiny_config
+    from paratrain.trainer import Trainer
+
+    cfg = tiny_config(run={"dir": str(tmp_path / "run")}, parallel={"auto": True, "data_parallel": 4},
+                      train={"steps": 1})
+    trainer = Trainer(cfg)
+    assert trainer.cfg.parallel.world_size == 1
+    assert "parallel.auto: chose" in capsys.readouterr().out
+    trainer.train()
