@@ -48,10 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_subcommand(sub)
     from paratrain.data import commands as data_commands
     data_commands.add_subcommands(sub)
-    from paratrain.plan import commands as plan_commands
-    plan_commands.add_subcommand(sub)
+    from paratrain.metrics import report
+    report.add_subcommands(sub)  # plot, summary
     from paratrain.checkpoint import commands as checkpoint_commands
     checkpoint_commands.add_subcommands(sub)
+    from paratrain.plan import commands as plan_commands
+    plan_commands.add_subcommand(sub)
     return parser
 
 

@@ -343,8 +343,10 @@ class MetricsConfig(Section):
     SECTION = "metrics"
     log_steps: int = 10
     tensorboard: bool = False
-    breakdown: bool = False
+    breakdown: bool = False  # forward / backward / optimizer / communication / pipeline idle per step
     log_format: str = "default"  # default | mindspore
+    peak_tflops: float = 0.0  # per device, for mfu; 0: GPU table (bf16) or a CPU matmul measured at start
+    progress: bool = True  # progress bar with ETA on rank 0 when stdout is a terminal
 
 
 @dataclass

@@ -11,7 +11,7 @@ from paratrain.config import Config, check
 from paratrain.data import ShardedBatches, build_dataset
 from paratrain.distributed import init_from_env
 from paratrain.mesh import Layout
-from paratrain.metrics import MetricsLogger
+from paratrain.metrics import MetricsLogger, StepTimer
 from paratrain.models import build_model, token_loss_sum
 from paratrain.optim import build_optimizer, build_scheduler, clip_grad_norm
 from paratrain.parallel import parallelize
@@ -60,6 +60,7 @@ class Trainer:
         if self.is_main:
             cfg.save(self.run_dir / "config.toml")
         self.metrics = MetricsLogger(self.run_dir, cfg.metrics, cfg.train.steps, enabled=self.is_main)
+        self.timer = StepTimer(cfg.metrics, cfg.model, self.pipeline, self.layout.dp_size)  # mfu, memory, breakdown
         self.step = 0
         from paratrain.checkpoint import Checkpointer
         self.checkpointer = Checkpointer(self)  # checkpoint.dir, default <run dir>/checkpoints
@@ -81,12 +82,22 @@ class Trainer:
         return history
 
     def train_step(self) -> dict:
+        """One optimizer step; its record gets mfu, memory and (``metrics.breakdown``) the time breakdown."""
+        with self.timer.step():
+            record = self._train_step()
+        record = self.timer.finish(record)
+        self.metrics.advance(record)  # progress bar
+        return record
+
+    def _train_step(self) -> dict:
         start = time.perf_counter()
         batch = self.data.batch(self.step)
+        self.timer.observe_batch(batch)
         num_tokens = self.layout.all_reduce_dp((batch["labels"] != self.cfg.model.pad_token_id).sum())
         self.model.train()
         if self.pipeline:
-            with loss_context(self.cfg.parallel), autocast(self.cfg.train.mixed_precision):
+            with loss_context(self.cfg.parallel), autocast(self.cfg.train.mixed_precision), \
+                    self.timer.phase("pipeline"):
                 loss = self.pipeline.step(batch, {"num_tokens": num_tokens})
         else:
             loss = self._forward_backward(batch, num_tokens)
@@ -97,14 +108,15 @@ class Trainer:
             raise TrainingDiverged(f"loss is {loss.item()} at step {self.step + 1}: lower train.lr, "
                                    f"raise train.warmup_steps or check the data")
         lr = self.scheduler.get_last_lr()[0]
-        self.loss_scaler.unscale_(self.model.parameters())
-        counted = self.pipeline.counted_in_norm() if self.pipeline else None
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip, counted,
-                                   self.layout.pp_group).item()
-        if not self.loss_scaler.update(grad_norm):  # an fp16 overflow skips the update and the LR step
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.timer.phase("optimizer"):
+            self.loss_scaler.unscale_(self.model.parameters())
+            counted = self.pipeline.counted_in_norm() if self.pipeline else None
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip, counted,
+                                       self.layout.pp_group).item()
+            if not self.loss_scaler.update(grad_norm):  # an fp16 overflow skips the update and the LR step
+                self.optimizer.step()
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         step_time = time.perf_counter() - start
         tokens = int(num_tokens)
         record = {"step": self.step + 1, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
@@ -129,10 +141,12 @@ class Trainer:
             self._sync_gradients(last_micro_batch=i == len(micro_batches) - 1)
             labels = micro.pop("labels")
             with loss_context(self.cfg.parallel):
-                with autocast(self.cfg.train.mixed_precision):
-                    logits = self.model(**micro)
-                micro_loss = self._loss(logits, labels, num_tokens)
-                micro_loss.backward()
+                with self.timer.phase("forward"):
+                    with autocast(self.cfg.train.mixed_precision):
+                        logits = self.model(**micro)
+                    micro_loss = self._loss(logits, labels, num_tokens)
+                with self.timer.phase("backward"):
+                    micro_loss.backward()
             loss += whole(micro_loss.detach())
         return loss
 

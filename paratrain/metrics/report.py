@@ -1,0 +1,171 @@
+"""``paratrain plot RUN_DIR [RUN_DIR ...] [--out DIR]`` and ``paratrain summary RUN_DIR``: read ``metrics.jsonl`` back.
+
+plot writes ``loss.png``, ``throughput.png`` (tokens/s and MFU) and, when the runs
+were trained with ``metrics.breakdown = true``, ``breakdown.png`` (one stacked bar per
+run: mean share of the step in forward, backward, optimizer, communication, pipeline
+idle, other); several runs are overlaid, labelled by their directory names.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+PARTS = ("forward", "backward", "optimizer", "comm", "pipeline_idle", "other")
+COLORS = {"forward": "#4c72b0", "backward": "#55a868", "optimizer": "#c44e52", "comm": "#8172b2",
+          "pipeline_idle": "#ccb974", "other": "#bbbbbb"}
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: is {run_dir} a paratrain run directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def mean_breakdown(records: list[dict]) -> dict[str, float] | None:
+    """Mean seconds per part over the logged steps, leaving out the first (warm-up) when there are others."""
+    rows = [r["breakdown"] for r in records if "breakdown" in r]
+    if len(rows) > 1:
+        rows = rows[1:]
+    if not rows:
+        return None
+    return {part: sum(b[f"{part}_s"] for b in rows) / len(rows) for part in PARTS}
+
+
+def plot(run_dirs: list[Path], out: Path | None = None) -> list[Path]:
+    """Write the figures of one or more runs; returns the PNG paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {Path(d).resolve().name or str(d): read_records(Path(d)) for d in run_dirs}
+    out = Path(out) if out is not None else Path(run_dirs[0])
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, records in runs.items():
+        ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", label=name)
+    ax.set(xlabel="step", ylabel="loss", title="Training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    written.append(_save(fig, out / "loss.png"))
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, records in runs.items():
+        steps = [r["step"] for r in records]
+        ax1.plot(steps, [r["tokens_per_s"] for r in records], marker=".", label=name)
+        ax2.plot(steps, [100 * r.get("mfu", 0.0) for r in records], marker=".", label=name)
+    ax1.set(xlabel="step", ylabel="tokens / s", title="Throughput")
+    ax2.set(xlabel="step", ylabel="MFU (%)", title="Model FLOPs utilization")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    written.append(_save(fig, out / "throughput.png"))
+
+    breakdowns = {name: b for name, records in runs.items() if (b := mean_breakdown(records))}
+    if breakdowns:
+        fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(breakdowns) + 3), 4.5))
+        names = list(breakdowns)
+        bottom = [0.0] * len(names)
+        for part in PARTS:
+            values = [breakdowns[n][part] for n in names]
+            bars = ax.bar(names, values, bottom=bottom, color=COLORS[part], label=part.replace("_", " "))
+            for bar, value, base, name in zip(bars, values, bottom, names):
+                share = 100 * value / sum(breakdowns[name].values())
+                if share >= 4:
+                    ax.text(bar.get_x() + bar.get_width() / 2, base + value / 2, f"{share:.0f}%",
+                            ha="center", va="center", fontsize=8, color="white")
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set(ylabel="seconds per step (mean)", title="Step time breakdown")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
+        written.append(_save(fig, out / "breakdown.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def summary_rows(run_dir: Path) -> list[tuple[str, str]]:
+    """(name, value) rows describing a run: layout, steps, loss, speed, MFU, memory, breakdown."""
+    records = read_records(run_dir)
+    rows = [("run", str(run_dir))]
+    config = Path(run_dir) / "config.toml"
+    if config.exists():
+        import tomllib
+        cfg = tomllib.loads(config.read_text())
+        m, p = cfg.get("model", {}), cfg.get("parallel", {})
+        rows.append(("model", f"{m.get('kind')} hidden {m.get('hidden_size')} heads {m.get('num_heads')} "
+                              f"layers {m.get('encoder_layers', 0) if m.get('kind') == 'transformer' else 0}"
+                              f"+{m.get('decoder_layers')}"))
+        rows.append(("layout", f"dp {p.get('data_parallel', 1)} x mp {p.get('model_parallel', 1)} x "
+                               f"pp {p.get('pipeline_stage', 1)}, micro-batches {p.get('micro_batch_num', 1)}"))
+    if not records:
+        return rows + [("records", "none")]
+    timed = records[1:] if len(records) > 1 else records  # the first logged step includes warm-up
+    mean = lambda key: sum(r.get(key, 0.0) for r in timed) / len(timed)  # noqa: E731
+    last = records[-1]
+    rows += [("steps logged", f"{len(records)} (last step {last['step']})"),
+             ("loss first / last / min", f"{records[0]['loss']:.4f} / {last['loss']:.4f} / "
+                                         f"{min(r['loss'] for r in records):.4f}"),
+             ("step time (mean)", f"{mean('step_time_s'):.4f} s"),
+             ("tokens/s (mean)", f"{mean('tokens_per_s'):,.0f}"),
+             ("samples/s (mean)", f"{mean('samples_per_s'):,.1f}")]
+    if "mfu" in last:
+        rows += [("MFU (mean)", f"{100 * mean('mfu'):.2f} %  ({mean('tflops'):.4f} TFLOP/s)"),
+                 ("peak memory", f"{max(r.get('memory_mb', 0.0) for r in records):,.0f} MB"),
+                 ("skipped steps", str(last.get("skipped_steps", 0)))]
+    breakdown = mean_breakdown(records)
+    if breakdown:
+        total = sum(breakdown.values()) or 1.0
+        rows += [(f"  {part.replace('_', ' ')}", f"{breakdown[part]:.4f} s  {100 * breakdown[part] / total:5.1f} %")
+                 for part in PARTS]
+    return rows
+
+
+def summary(run_dir: Path, file=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"paratrain run {Path(run_dir).resolve().name}", show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    for name, value in summary_rows(Path(run_dir)):
+        table.add_row(name, value)
+    Console(file=file or sys.stdout).print(table)
+
+
+def cmd_plot(args, rest) -> int:
+    try:
+        for path in plot([Path(d) for d in args.run_dirs], Path(args.out) if args.out else None):
+            print(path)
+    except FileNotFoundError as exc:
+        print(f"paratrain plot: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_summary(args, rest) -> int:
+    try:
+        summary(Path(args.run_dir))
+    except FileNotFoundError as exc:
+        print(f"paratrain summary: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def add_subcommands(sub) -> None:
+    plot_parser = sub.add_parser("plot", help="PNG figures (loss, throughput, time breakdown) of one or more runs")
+    plot_parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    plot_parser.add_argument("--out", help="folder for the PNGs (default: the first RUN_DIR)")
+    plot_parser.set_defaults(func=cmd_plot)
+    summary_parser = sub.add_parser("summary", help="a table of one run's metrics")
+    summary_parser.add_argument("run_dir", metavar="RUN_DIR")
+    summary_parser.set_defaults(func=cmd_summary)
