@@ -8,7 +8,7 @@ import time
 import torch
 
 from paratrain.config import Config, check
-from paratrain.data import ShardedBatches, build_dataset
+from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.distributed import init_from_env
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from paratrain.config import Config
-from paratrain.data import ShardedBatches, build_dataset
+from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.data.cifar import write_cifar_bin
 from paratrain.models.resnet import ResNet, build_resnet
 

@@ -5,7 +5,7 @@ import torch
 
 from paratrain.cli import main
 from paratrain.config import Config, ConfigError
-from paratrain.data import ShardedBatches, build_dataset
+from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.data.cifar import CifarDataset, write_cifar_bin
 from paratrain.data.datasets import TextDataset
 from paratrain.data.sample_corpus import write_sample

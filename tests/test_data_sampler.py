@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from paratrain.data import ShardedBatches
+from paratrain.data.loader import ShardedBatches
 from paratrain.data.sampler import DistributedSampler
 
 

@@ -1,0 +1,89 @@
+"""Batches for the trainer: each data-parallel rank reads its rows of every global batch."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from paratrain.config import Config, ConfigError
+from paratrain.data.cifar import CifarDataset
+from paratrain.data.datasets import TextDataset, TranslationDataset
+from paratrain.data.sampler import DistributedSampler
+from paratrain.data.synthetic import SyntheticLM, SyntheticTranslation
+from paratrain.data.tokenizer import Tokenizer, lines_of
+
+
+class ShardedBatches:
+    """Step -> this data-parallel rank's rows of the global batch (B / dp rows, in rank order).
+
+    A synthetic source makes any global batch from (seed, step). A dataset (one
+    with ``rows``) is ordered by a ``DistributedSampler`` seeded with ``seed``;
+    this rank reads only its own rows. ``state_dict``/``load_state_dict`` hold
+    the next step, so a resumed run reads exactly the batches that come next.
+    """
+
+    def __init__(self, source, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1):
+        self.source, self.global_batch_size = source, global_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.sampler = None
+        if hasattr(source, "rows"):
+            self.sampler = DistributedSampler(len(source), global_batch_size, dp_rank, dp_size,
+                                              seed=getattr(source, "seed", 0), shuffle=getattr(source, "shuffle", True),
+                                              lengths=getattr(source, "lengths", None),
+                                              bucket_size=getattr(source, "bucket_size", 0))
+        self.next_step = 0
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        self.next_step = step + 1
+        if self.sampler is not None:
+            return self.source.rows(self.sampler.indices(step), self.sampler.global_indices(step))
+        rows = self.global_batch_size // self.dp_size
+        full = self.source.global_batch(step, self.global_batch_size)
+        return {k: v[self.dp_rank * rows : (self.dp_rank + 1) * rows] for k, v in full.items()}
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict() | {"step": self.next_step} if self.sampler else {"step": self.next_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.sampler is not None:
+            self.sampler.load_state_dict(state)
+        self.next_step = int(state["step"])
+
+
+def load_tokenizer(cfg: Config) -> Tokenizer:
+    """``data.tokenizer``, trained on ``data.path`` with ``model.vocab_size`` tokens and saved there if absent."""
+    path = Path(cfg.data.tokenizer or Path(cfg.data.path).with_name("tokenizer.json"))
+    if not path.is_file():
+        Tokenizer.train(lines_of([cfg.data.path]), cfg.model.vocab_size).save(path)
+    tokenizer = Tokenizer.load(path)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError([f"tokenizer {path} has {tokenizer.vocab_size} tokens, more than model.vocab_size="
+                           f"{cfg.model.vocab_size}: set model.vocab_size={tokenizer.vocab_size} or retrain it smaller"])
+    return tokenizer
+
+
+def build_dataset(cfg: Config):
+    """The batch source named by ``cfg.data.kind`` for ``cfg.model.kind``.
+
+    Datasets carry their order settings (``seed``, ``shuffle``, ``bucket_size``)
+    for the ``ShardedBatches`` that reads them.
+    """
+    d, m = cfg.data, cfg.model
+    if d.problems():
+        raise ConfigError(d.problems())
+    if d.kind == "synthetic":
+        if m.kind == "gpt":
+            return SyntheticLM(m, cfg.run.seed)
+        return SyntheticTranslation(m, cfg.run.seed, d.task, d.min_length)
+    if d.kind == "translation":
+        dataset = TranslationDataset(d.path, load_tokenizer(cfg), m.src_seq_length, m.tgt_seq_length,
+                                     d.too_long, d.dynamic_padding)
+    elif d.kind == "text":
+        dataset = TextDataset(d.path, None if d.path.endswith(".npy") else load_tokenizer(cfg), m.seq_length)
+    else:
+        dataset = CifarDataset(d.path, train=True)
+    if d.bucket_size and not hasattr(dataset, "lengths"):
+        raise ConfigError([f"data.bucket_size={d.bucket_size}: {d.kind} examples all have one length, "
+                           f"bucketing applies to translation only; set data.bucket_size=0"])
+    dataset.seed, dataset.shuffle, dataset.bucket_size = cfg.run.seed, d.shuffle, d.bucket_size
+    return dataset
