@@ -24,7 +24,7 @@ import tomli_w
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 RECOMPUTE_MODES = ("none", "full", "selective")
 MIXED_PRECISION = ("none", "bf16", "fp16")
-MODEL_KINDS = ("transformer", "gpt")
+MODEL_KINDS = ("transformer", "gpt", "resnet")
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("gelu", "relu")
 
@@ -164,6 +164,11 @@ class ModelConfig(Section):
     @property
     def num_layers(self) -> int:
         return self.decoder_layers + (self.encoder_layers if self.kind == "transformer" else 0)
+
+    @property
+    def ignore_index(self) -> int:
+        """Target value that does not count in the loss: padding, or none for image classes."""
+        return -100 if self.kind == "resnet" else self.pad_token_id
 
     def sequence_lengths(self) -> dict[str, int]:
         if self.kind == "gpt":
@@ -457,6 +462,9 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if problems:  # the rules below divide by these sizes
         return problems
 
+    if m.kind == "resnet" and (p.model_parallel > 1 or p.pipeline_stage > 1):
+        problems.append(f"model.kind='resnet' trains with data parallelism only, got parallel.model_parallel="
+                        f"{p.model_parallel} and pipeline_stage={p.pipeline_stage}: set both to 1")
     if m.hidden_size % m.num_heads:
         problems.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}: "
                         f"use num_heads in {_divisors(m.hidden_size)}")

@@ -93,7 +93,7 @@ class Trainer:
         start = time.perf_counter()
         batch = self.data.batch(self.step)
         self.timer.observe_batch(batch)
-        num_tokens = self.layout.all_reduce_dp((batch["labels"] != self.cfg.model.pad_token_id).sum())
+        num_tokens = self.layout.all_reduce_dp((batch["labels"] != self.cfg.model.ignore_index).sum())
         self.model.train()
         if self.pipeline:
             with loss_context(self.cfg.parallel), autocast(self.cfg.train.mixed_precision), \
@@ -130,7 +130,7 @@ class Trainer:
         """A micro-batch's summed token loss over the global batch's token count, times the data-parallel
         size (gradient reduction averages where a sum is wanted) and the fp16 loss scale."""
         scale = self.layout.dp_size * self.loss_scaler.scale
-        return token_loss_sum(logits.float(), labels, self.cfg.model.pad_token_id) * (scale / num_tokens)
+        return token_loss_sum(logits.float(), labels, self.cfg.model.ignore_index) * (scale / num_tokens)
 
     def _forward_backward(self, batch: dict[str, torch.Tensor], num_tokens: torch.Tensor) -> torch.Tensor:
         """Gradient accumulation over ``micro_batch_num`` micro-batches; returns the summed (scaled) loss."""

@@ -1,5 +1,6 @@
 """ResNet on batches from a CIFAR-10 binary file: shapes, learning, SyncBatchNorm conversion."""
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -43,3 +44,31 @@ def test_normalization_can_be_replaced_from_outside():
     assert sum(isinstance(m, nn.GroupNorm) for m in grouped.modules()) == 9
     assert not any(isinstance(m, nn.BatchNorm2d) for m in grouped.modules())
     assert grouped(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def resnet_config(tmp_path, run_dir, **parallel):
+    return Config.from_dict({"run": {"dir": str(run_dir)}, "data": {"kind": "cifar10", "path": str(tmp_path)},
+                             "model": {"kind": "resnet", "hidden_size": 4, "encoder_layers": 1},
+                             "parallel": parallel, "metrics": {"log_steps": 100},
+                             "train": {"global_batch_size": 16, "steps": 5, "lr": 1e-2, "warmup_steps": 1}})
+
+
+def resnet_losses(cfg):
+    from paratrain.trainer import Trainer
+
+    return [(r["loss"], r["grad_norm"]) for r in Trainer(cfg).train()]
+
+
+def test_resnet_data_parallel_matches_one_process(tmp_path):
+    """Batch-norm statistics are all-reduced over the data-parallel ranks, so dp2 equals one process."""
+    from multiprocess import run_distributed
+
+    rng = np.random.default_rng(1)
+    labels = np.arange(32) % 10
+    images = (labels[:, None, None, None] * 20 + rng.integers(0, 40, (32, 3, 32, 32))).astype(np.uint8)
+    write_cifar_bin(tmp_path / "data_batch_1.bin", images, labels)
+    want = resnet_losses(resnet_config(tmp_path, tmp_path / "one"))
+    assert want[-1][0] < want[0][0]
+    got = run_distributed(resnet_losses, 2, resnet_config(tmp_path, tmp_path / "dp2", data_parallel=2))[0]
+    for (loss, norm), (want_loss, want_norm) in zip(got, want):
+        assert loss == pytest.approx(want_loss, rel=1e-4) and norm == pytest.approx(want_norm, rel=1e-4)

@@ -49,6 +49,8 @@ def gpt_flops(cfg: ModelConfig, batch_size: int, seq_length: int) -> float:
 
 def batch_flops(cfg: ModelConfig, batch: dict[str, torch.Tensor], replicas: int = 1) -> float:
     """Training FLOPs of one step on ``batch`` (this rank's share) times ``replicas`` data-parallel ranks."""
+    if "images" in batch:
+        return 0.0  # convolution FLOPs are not counted: no MFU for the ResNet example
     if "input_ids" in batch:
         b, s = batch["input_ids"].shape
         return replicas * gpt_flops(cfg, b, s)

@@ -1,4 +1,14 @@
 """Plain single-device models; parallelism is applied from outside."""
-from paratrain.models.transformer import GPTModel, Seq2SeqModel, build_model, token_loss_sum
+from torch import nn
+
+from paratrain.config import ModelConfig
+from paratrain.models.resnet import build_resnet
+from paratrain.models.transformer import GPTModel, Seq2SeqModel, token_loss_sum
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The model named by ``cfg.kind`` with fresh weights (seed the RNG first)."""
+    return {"transformer": Seq2SeqModel, "gpt": GPTModel, "resnet": build_resnet}[cfg.kind](cfg)
+
 
 __all__ = ["GPTModel", "Seq2SeqModel", "build_model", "token_loss_sum"]

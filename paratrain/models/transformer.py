@@ -284,17 +284,13 @@ def init_weights(model: nn.Module, std: float = 0.02) -> None:
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Summed cross-entropy over the non-pad targets: logits (B, T, V), labels (B, T) -> scalar.
+    """Summed cross-entropy over the non-pad targets: logits (B, T, V), labels (B, T) -> scalar
+    (or logits (B, C), labels (B,) for a classifier).
 
     Divided by the non-pad token count of the global batch it gives the loss of
     that batch whatever the split into ranks and micro-batches.
     """
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="sum")
-
-
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """The model named by ``cfg.kind`` with fresh weights (seed the RNG first)."""
-    return Seq2SeqModel(cfg) if cfg.kind == "transformer" else GPTModel(cfg)
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=ignore_index, reduction="sum")
 
 
 # --- Parallel plan: what ``paratrain.parallel`` may split, declared in one place. ---
@@ -325,4 +321,4 @@ def pipeline_blocks(model: nn.Module) -> list[tuple[str, int, int]]:
         encoder, decoder = model.transformer.encoder.layers, model.transformer.decoder.layers
         return ([(f"transformer.encoder.layers.{k}", int(k), 0) for k in encoder._modules]
                 + [(f"transformer.decoder.layers.{k}", int(k), model.num_encoder_layers) for k in decoder._modules])
-    return [(f"layers.{k}", int(k), 0) for k in model.layers._modules]
+    return [(f"layers.{k}", int(k), 0) for k in model.layers._modules]  # GPT blocks, ResNet blocks
