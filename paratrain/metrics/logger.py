@@ -20,6 +20,8 @@ def format_record(r: dict, total_steps: int, log_format: str = "default") -> str
             f"grad_norm {r['grad_norm']:.3f} | {r['step_time_s']:.3f} s/step | {r['tokens_per_s']:,.0f} tok/s")
     if "mfu" in r:
         line += f" | mfu {100 * r['mfu']:.2f}% | mem {r['memory_mb']:,.0f} MB"
+    if "bleu" in r:
+        line += f" | bleu {r['bleu']:.2f}"
     if r.get("skipped_steps"):
         line += f" | skipped {r['skipped_steps']}"
     if "breakdown" in r:
@@ -75,7 +77,7 @@ class MetricsLogger:
             self.writer.flush()
         line = self.format(record)
         if self.progress is not None:
-            self.progress.console.print(line, highlight=False, markup=False)
+            self.progress.console.print(line, highlight=False, markup=False, soft_wrap=True)
         else:
             print(line, file=sys.stdout, flush=True)
 
