@@ -32,6 +32,7 @@ class Hardware:
     inter_bw: float = 25e9  # bytes/s per device across nodes
     efficiency: float = 0.5  # fraction of peak the matmuls reach
     reserve: float = 0.05  # fraction of device memory kept free (allocator fragmentation, workspaces)
+    mem_bw: float = 2e12  # bytes/s of device memory: elementwise ops and the optimizer step are bound by it
 
     @property
     def usable_memory(self) -> float:
@@ -72,9 +73,10 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
             cache[key] = states
     modes = cost.recompute_modes(par, m)
     zero, accumulate = par.effective_zero_stage, (mb > 1 or pp > 1)
-    worst = None
+    worst, act_micro = None, []
     for stage, st in enumerate(states):
         act = cost.stage_activation_bytes(cfg, par, stage, st, spec, modes)
+        act_micro.append(act["per_micro_batch"] + act["recompute_peak"])
         if zero in (1, 2) or (zero == 3 and pp > 1):  # whole parameters gathered, gradients accumulated whole
             transient = st.whole_params + (st.whole_params if accumulate else st.group_params)
         elif zero == 3:
@@ -106,7 +108,9 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         if any("head" in parts for parts in s.parts):
             flops += 3 * 2 * tokens_b * m.hidden_size * m.vocab_size / tp
             tp_bytes += tokens_b * m.hidden_size * spec.elem + 3 * tokens_b * 4
-        times.append((flops / (hw.peak_flops * hw.efficiency) + ring * tp_bytes / _bw(hw, tp), flops))
+        # elementwise work (norms, softmax, activations, dropout) streams the saved activations ~3 times
+        memory_time = 3 * act_micro[len(times)] / hw.mem_bw
+        times.append((flops / (hw.peak_flops * hw.efficiency) + memory_time + ring * tp_bytes / _bw(hw, tp), flops))
     t_micro = max(t for t, _ in times)
     pp_time = 0.0
     if pp > 1:  # forward activation and backward gradient over each boundary, per micro-batch
@@ -121,10 +125,12 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         dp_volume = 2 * f * whole if zero < 3 else 3 * f * whole * (1 if pp > 1 else mb)
     dp_time = dp_volume / _bw(hw, dp * tp)
     bubble = cost.bubble_micro_batches(par)
-    step = (mb + bubble) * (t_micro + pp_time) + dp_time
+    # AdamW reads parameter, gradient and two states and writes three of them
+    optimizer_time = max(7 * s.params for s in states) / hw.mem_bw
+    step = (mb + bubble) * (t_micro + pp_time) + dp_time + optimizer_time
     mfu = cost.model_flops(m, gb) / (step * hw.devices * hw.peak_flops)
     fits = total <= hw.usable_memory
-    memory = (f"needs {total / cost.GiB:.1f} GiB on pipeline rank {stage} > {hw.usable_memory / cost.GiB:.1f} GiB "
+    memory = (f"needs {total / cost.GiB:.2f} GiB on pipeline rank {stage} > {hw.usable_memory / cost.GiB:.2f} GiB "
               f"usable: model state {st.total / cost.GiB:.1f} (params {st.params / cost.GiB:.1f}, grads "
               f"{st.grads / cost.GiB:.1f}, optimizer {st.optimizer / cost.GiB:.1f}), gathered by ZeRO "
               f"{transient / cost.GiB:.1f}, activations {act['total'] / cost.GiB:.1f} ({act['in_flight']:g} "
@@ -136,6 +142,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
                           "activations": act["total"], "in_flight": act["in_flight"],
                           "compute_s": (mb + bubble) * max(fl for _, fl in times) / (hw.peak_flops * hw.efficiency),
                           "bubble_micro_batches": bubble, "dp_comm_s": dp_time, "pp_comm_s": (mb + bubble) * pp_time,
+                          "optimizer_s": optimizer_time,
                           "worst_stage": stage})
     return row
 
@@ -245,4 +252,4 @@ def default_hardware(world_size: int, devices_per_node: int) -> Hardware:
         return Hardware(world_size, devices_per_node, device_memory=props.total_memory)
     # CPU (gloo): matmuls at ~50 GFLOP/s a core, collectives ~0.5 GB/s; memory is not the limit here
     return Hardware(world_size, devices_per_node, device_memory=math.inf, peak_flops=1e11, intra_bw=0.5e9,
-                    inter_bw=0.1e9, efficiency=0.6)
+                    inter_bw=0.1e9, efficiency=0.6, mem_bw=5e9)
