@@ -289,6 +289,7 @@ class TrainConfig(Section):
     grad_clip: float = 1.0
     mixed_precision: str = "none"
     initial_loss_scale: float = 65536.0  # fp16 only
+    eval_steps: int = 0  # BLEU on data.eval_path every this many steps (encoder-decoder, translation data); 0 = off
 
 
 @dataclass
@@ -309,6 +310,7 @@ class DataConfig(Section):
     tokenizer: str = ""
     num_workers: int = 0
     eval_path: str = ""  # held-out source<TAB>target pairs for BLEU
+    eval_samples: int = 200  # how many of the held-out pairs (the first ones) BLEU decodes
     shuffle: bool = True
     bucket_size: int = 0  # length bucketing: sort windows of this many global batches by length; 0 = off
     dynamic_padding: bool = False  # pad each global batch to its longest example, not the model lengths
@@ -489,6 +491,10 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                         + (f" x virtual_pipeline_stage={p.virtual_pipeline_stage}" if p.virtual_pipeline_stage > 1 else "")
                         + f": use pipeline_stage <= {m.num_layers // p.virtual_pipeline_stage} or add layers")
     problems += _pipeline_problems(p, m.num_layers)
+    if m.kind == "transformer" and p.pipeline_stage > 1 and "zero_bubble" in p.pipeline_schedule:
+        problems.append(f"parallel.pipeline_schedule={p.pipeline_schedule!r} cannot run the encoder-decoder: "
+                        f"PyTorch's split weight-gradient pass fails on the encoder output carried across "
+                        f"stages; use 1f1b or interleaved_1f1b (zero-bubble schedules run with model.kind='gpt')")
     split = p.data_parallel * p.micro_batch_num
     if t.global_batch_size % split:
         problems.append(f"train.global_batch_size={t.global_batch_size} is not divisible by parallel.data_parallel="

@@ -136,3 +136,10 @@ def test_pipeline_rules():
     assert "layer_stages=[0, 1, 0, 1]" in msg and "4 layers" in msg
     assert problems_for(parallel={"pp": 2, "micro_batch_num": 2, "layer_stages": [0, 0, 0, 1]},
                         model={"encoder_layers": 2, "decoder_layers": 2}) == []
+
+
+def test_zero_bubble_schedules_are_refused_for_the_encoder_decoder():
+    parallel = {"pp": 2, "micro_batch_num": 2, "virtual_pipeline_stage": 2, "pipeline_schedule": "zbv_zero_bubble"}
+    msg = only_problem(parallel=parallel, model={"encoder_layers": 2, "decoder_layers": 2})
+    assert "zbv_zero_bubble" in msg and "encoder-decoder" in msg and "1f1b" in msg
+    assert problems_for(parallel=parallel, model={"kind": "gpt", "decoder_layers": 4}) == []

@@ -34,6 +34,8 @@ LAYOUTS = {  # name: (world size, parallel section, model section)
                                "virtual_pipeline_stage": 2}, {}),
     "pp2_uneven_split": (2, {"pp": 2, "micro_batch_num": 2, "layer_stages": [0, 0, 0, 1]}, {}),
     "gpt_pp2_tied": (2, {"pp": 2, "micro_batch_num": 2}, {**GPT, "tie_embeddings": True}),
+    "gpt_pp2_zbv_zero_bubble": (2, {"pp": 2, "micro_batch_num": 4, "pipeline_schedule": "zbv_zero_bubble",
+                                    "virtual_pipeline_stage": 2}, {**GPT, "decoder_layers": 4}),
     "pp4": (4, {"pp": 4, "micro_batch_num": 4}, {}),
     "pp2_dp2_zero3": (4, {"pp": 2, "dp": 2, "zero_stage": 3, "micro_batch_num": 2}, {}),
     "pp2_mp2_tied_vocab_sharded": (4, {"pp": 2, "mp": 2, "vocab_emb_dp": False, "micro_batch_num": 2},
