@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint_commands.add_subcommands(sub)
     from paratrain.plan import commands as plan_commands
     plan_commands.add_subcommand(sub)
+    from paratrain import translation
+    translation.add_subcommand(sub)  # translate
     return parser
 
 

@@ -1,6 +1,9 @@
 """Translation quality: greedy decoding with the encoder-decoder and corpus BLEU with sacrebleu."""
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+
 import sacrebleu
 import torch
 
@@ -34,7 +37,10 @@ def greedy_decode(model: Seq2SeqModel, src_ids: torch.Tensor, max_length: int) -
     done = torch.zeros(len(src_ids), dtype=torch.bool, device=src_ids.device)
     for step in range(max_length):
         hidden = t.decoder(model.tgt_embed(tokens[:, -1:], start=step), memory, None, memory_mask, caches)
-        next_token = model.head(hidden[:, -1]).argmax(-1).masked_fill(done, PAD)
+        logits = model.head(hidden[:, -1])
+        if hasattr(logits, "full_tensor"):  # tensor parallel: the head's output is a vocab-sharded DTensor
+            logits = logits.full_tensor()
+        next_token = logits.argmax(-1).masked_fill(done, PAD)
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
         done |= next_token == EOS
         if done.all():
@@ -61,3 +67,113 @@ def evaluate_bleu(model: Seq2SeqModel, tokenizer: Tokenizer, pairs: list[tuple[s
     hypotheses = translate(model, tokenizer, [s for s, _ in pairs], src_seq_length, tgt_seq_length)
     return {"bleu": bleu(hypotheses, [t for _, t in pairs]),
             "examples": [{"source": s, "reference": t, "hypothesis": h} for (s, t), h in list(zip(pairs, hypotheses))[:3]]}
+
+
+class TranslateError(RuntimeError):
+    """A checkpoint or tokenizer that ``paratrain translate`` cannot use; the message says why."""
+
+
+def translate_lines(model: Seq2SeqModel, tokenizer: Tokenizer, lines: list[str], src_seq_length: int,
+                    tgt_seq_length: int, batch_size: int = 64) -> list[str]:
+    """One translation per line; blank lines stay blank."""
+    idx = [i for i, line in enumerate(lines) if line.strip()]
+    out = [""] * len(lines)
+    for i, hyp in zip(idx, translate(model, tokenizer, [lines[i].strip() for i in idx], src_seq_length,
+                                     tgt_seq_length, batch_size)):
+        out[i] = hyp
+    return out
+
+
+def translation_tokenizer(cfg) -> Tokenizer:
+    """The tokenizer a translation config names (``data.tokenizer``, else tokenizer.json next to data.path);
+    unlike training, never trains one: a missing file is a TranslateError."""
+    path = Path(cfg.data.tokenizer or (Path(cfg.data.path).with_name("tokenizer.json") if cfg.data.path else ""))
+    if not cfg.data.tokenizer and not cfg.data.path or not path.is_file():
+        raise TranslateError(f"tokenizer {str(path) or '(none configured)'} not found: the checkpoint's config names "
+                             f"data.tokenizer={cfg.data.tokenizer!r}; pass --data.tokenizer=PATH to the one used "
+                             f"in training")
+    tokenizer = Tokenizer.load(path)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise TranslateError(f"tokenizer {path} has {tokenizer.vocab_size} tokens, more than the model's "
+                             f"vocab_size={cfg.model.vocab_size}: it is not the tokenizer this model was trained with")
+    return tokenizer
+
+
+def load_translation_model(checkpoint: str | Path, config: str | Path | None = None, overrides: list[str] = ()):
+    """(plain Seq2SeqModel in eval mode, Config, Tokenizer) from a checkpoint, in this one process.
+
+    ``checkpoint`` is a ``step_*`` directory, a checkpoints directory or a run directory
+    (the newest checkpoint). The config stored with the checkpoint is used, with
+    ``overrides`` (``section.key=value``) applied; ``config`` (a TOML file) replaces it.
+    """
+    from paratrain.checkpoint.full import load_full_tensors
+    from paratrain.checkpoint.storage import read_meta, resolve
+    from paratrain.config import Config
+    from paratrain.models import build_model
+
+    path = resolve(checkpoint)
+    meta = read_meta(path)
+    cfg = Config.load(config, overrides) if config else Config.from_dict(meta["config"], overrides)
+    if cfg.model.kind != "transformer":
+        raise TranslateError(f"checkpoint {path} holds a {cfg.model.kind!r} model; paratrain translate needs the "
+                             f"encoder-decoder (model.kind = \"transformer\")")
+    tokenizer = translation_tokenizer(cfg)
+    model = build_model(cfg.model)
+    try:
+        model.load_state_dict(load_full_tensors(path))
+    except RuntimeError as exc:
+        raise TranslateError(f"checkpoint {path} does not fit the configured model: {exc}") from None
+    return model.eval(), cfg, tokenizer
+
+
+class BleuEvaluator:
+    """BLEU of greedy translations of the first ``data.eval_samples`` held-out pairs, every ``train.eval_steps``.
+
+    Every rank decodes (under FSDP and tensor parallelism the forward is collective);
+    only rank 0's record gets ``bleu``.
+    """
+
+    def __init__(self, trainer, tokenizer: Tokenizer, pairs: list[tuple[str, str]]):
+        self.trainer, self.tokenizer, self.pairs = trainer, tokenizer, pairs
+        self.every = trainer.cfg.train.eval_steps
+
+    @classmethod
+    def for_trainer(cls, trainer) -> "BleuEvaluator | None":
+        """The evaluator of a run, or None (with one warning on rank 0 when eval_steps is set but cannot apply)."""
+        from paratrain.data.loader import load_tokenizer
+        from paratrain.data.wmt14 import read_pairs
+
+        cfg = trainer.cfg
+        if cfg.train.eval_steps <= 0:
+            return None
+        why = None
+        if cfg.model.kind != "transformer" or cfg.data.kind != "translation":
+            why = (f"BLEU needs the encoder-decoder on a translation dataset (model.kind={cfg.model.kind!r}, "
+                   f"data.kind={cfg.data.kind!r})")
+        elif trainer.pipeline is not None:
+            why = "BLEU is not computed under pipeline parallelism (parallel.pipeline_stage > 1)"
+        elif not cfg.data.eval_path:
+            why = "BLEU needs held-out pairs: set data.eval_path"
+        if why:
+            if trainer.is_main:
+                warnings.warn(f"train.eval_steps={cfg.train.eval_steps}: {why}; no BLEU in this run", stacklevel=3)
+            return None
+        return cls(trainer, load_tokenizer(cfg), read_pairs(cfg.data.eval_path)[: cfg.data.eval_samples])
+
+    def __call__(self, step: int, record: dict) -> None:
+        """At a multiple of eval_steps (``step`` counts from 1), decode and put ``bleu`` in rank 0's ``record``."""
+        if step % self.every or not self.pairs:
+            return
+        model, m = self.trainer.model, self.trainer.cfg.model
+        root_sharded = hasattr(model, "unshard")  # FSDP2 root: its own parameters (embeddings, head) stay sharded
+        if root_sharded:
+            model.unshard()
+        try:
+            hypotheses = translate(model, self.tokenizer, [s for s, _ in self.pairs], m.src_seq_length,
+                                   m.tgt_seq_length)
+        finally:
+            if root_sharded:
+                model.reshard()
+            model.train()
+        if self.trainer.is_main:
+            record["bleu"] = bleu(hypotheses, [t for _, t in self.pairs])

@@ -69,17 +69,25 @@ class Trainer:
     def train(self) -> list[dict]:
         """Run until ``train.steps``; returns every step's record."""
         history = []
+        evaluate = self.bleu_evaluator()  # None unless train.eval_steps applies (warns once if it cannot)
         try:
             while self.step < self.cfg.train.steps:
                 record = self.train_step()
+                if evaluate is not None:
+                    evaluate(self.step + 1, record)  # every rank decodes; rank 0's record gets "bleu"
                 history.append(record)
-                if self.metrics.should_log(self.step):
+                if self.metrics.should_log(self.step) or "bleu" in record:
                     self.metrics.log(record)
                 self.step += 1
                 self.checkpointer.maybe_save(self.step)
         finally:
             self.metrics.close()
         return history
+
+    def bleu_evaluator(self):
+        """BLEU on held-out pairs every ``train.eval_steps`` (paratrain.evaluate.BleuEvaluator), or None."""
+        from paratrain.evaluate import BleuEvaluator
+        return BleuEvaluator.for_trainer(self)
 
     def train_step(self) -> dict:
         """One optimizer step; its record gets mfu, memory and (``metrics.breakdown``) the time breakdown."""
