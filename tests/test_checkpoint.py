@@ -242,8 +242,10 @@ def _four_ranks(root):
     start = resumed.step
     resumed_losses = losses(resumed.train())
     zero3 = Trainer(config(f"{root}/zero3", {"dp": 4, "zero_stage": 3}, resume=f"{root}/full/checkpoints/step_00000004"))
+    pipeline = Trainer(config(f"{root}/pp2", {"dp": 2, "pp": 2, "micro_batch_num": 2},
+                              resume=f"{root}/full/checkpoints/step_00000004"))
     return {"full": full, "start": start, "resumed": resumed_losses, "zero3_start": zero3.step,
-            "zero3": losses(zero3.train())}
+            "zero3": losses(zero3.train()), "pp2_start": pipeline.step, "pp2": losses(pipeline.train())}
 
 
 @functools.cache
@@ -270,11 +272,12 @@ def test_resume_dp2_mp2_is_bit_exact(four):
 
 
 @pytest.mark.slow
-def test_reshard_dp2_mp2_to_dp4_zero3_and_one_process(four, one_process, tmp_path):
+def test_reshard_dp2_mp2_to_dp4_zero3_pp2_and_one_process(four, one_process, tmp_path):
     root, r = four
     want = r["full"][SAVE:]
-    assert r["zero3_start"] == SAVE
+    assert r["zero3_start"] == SAVE and r["pp2_start"] == SAVE
     assert r["zero3"] == pytest.approx(want, rel=1e-4)
+    assert r["pp2"] == pytest.approx(want, rel=1e-4)  # pipeline stages load their layers by whole-model names
     single = Trainer(config(tmp_path, resume=str(ckpt(root / "full", 4))))  # no process group at all
     assert single.step == SAVE
     assert losses(single.train()) == pytest.approx(want, rel=1e-4)
