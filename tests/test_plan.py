@@ -257,8 +257,18 @@ def test_trainer_with_parallel_auto(tmp_path, capsys):
     from paratrain.trainer import Trainer
 
     cfg = tiny_config(run={"dir": str(tmp_path / "run")}, parallel={"auto": True, "data_parallel": 4},
-                      train={"steps": 1})
+                      train={"steps": 1}, metrics={"peak_tflops": 1.0, "progress": False})
     trainer = Trainer(cfg)
     assert trainer.cfg.parallel.world_size == 1
     assert "parallel.auto: chose" in capsys.readouterr().out
-    trainer.train()
+    assert trainer.cfg.parallel.recompute == "none"  # memory is no limit here, recompute only costs time
+
+
+def test_plan_dry_run_command(capsys):
+    from paratrain.cli import main
+
+    code = main(["plan", "--dry-run", "--devices", "8", "--json", "--model.kind=transformer", "--parallel.dp=2",
+                 "--parallel.mp=2", "--parallel.pp=2", "--parallel.micro_batch_num=2", "--parallel.zero_stage=3",
+                 "--train.global_batch_size=8"])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and [r["rank"] for r in rows] == [0, 4] and all(r["equal"] for r in rows)

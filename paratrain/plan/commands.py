@@ -87,8 +87,8 @@ def print_table(cfg, hw, rows: list[dict], top: int) -> None:
     print("-" * len(head))
 
     def line(r):
-        mem = f"{r['memory_gib']:8.1f}" if r["memory_gib"] is not None else f"{'-':>8}"
-        step = f"{r['step_time_s']:8.2f}" if r["step_time_s"] is not None else f"{'-':>8}"
+        mem = f"{r['memory_gib']:8.3g}" if r["memory_gib"] is not None else f"{'-':>8}"
+        step = f"{r['step_time_s']:8.3g}" if r["step_time_s"] is not None else f"{'-':>8}"
         mfu = f"{r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else f"{'-':>6}"
         sched = r["pipeline_schedule"] + (f"(v={r['virtual_pipeline_stage']})" if r["virtual_pipeline_stage"] > 1 else "")
         print(f"{r['rank']:>4} {r['data_parallel']:>5} {r['model_parallel']:>3} {r['pipeline_stage']:>3} "

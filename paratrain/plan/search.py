@@ -33,6 +33,7 @@ class Hardware:
     efficiency: float = 0.5  # fraction of peak the matmuls reach
     reserve: float = 0.05  # fraction of device memory kept free (allocator fragmentation, workspaces)
     mem_bw: float = 2e12  # bytes/s of device memory: elementwise ops and the optimizer step are bound by it
+    layer_overhead: float = 3e-5  # seconds per layer and micro-batch (kernel launches, collective latency)
 
     @property
     def usable_memory(self) -> float:
@@ -76,7 +77,8 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     worst, act_micro = None, []
     for stage, st in enumerate(states):
         act = cost.stage_activation_bytes(cfg, par, stage, st, spec, modes)
-        act_micro.append(act["per_micro_batch"] + act["recompute_peak"])
+        produced = cost.stage_activation_bytes(cfg, par, stage, st, spec, ["none"] * len(modes))["per_micro_batch"]
+        act_micro.append(produced * (4 if "full" in modes else 3))  # bytes streamed by elementwise work
         if zero in (1, 2) or (zero == 3 and pp > 1):  # whole parameters gathered, gradients accumulated whole
             transient = st.whole_params + (st.whole_params if accumulate else st.group_params)
         elif zero == 3:
@@ -108,8 +110,9 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         if any("head" in parts for parts in s.parts):
             flops += 3 * 2 * tokens_b * m.hidden_size * m.vocab_size / tp
             tp_bytes += tokens_b * m.hidden_size * spec.elem + 3 * tokens_b * 4
-        # elementwise work (norms, softmax, activations, dropout) streams the saved activations ~3 times
-        memory_time = 3 * act_micro[len(times)] / hw.mem_bw
+        # elementwise work (norms, softmax, activations, dropout) streams the activations ~3 times (4 with
+        # full recompute); each layer costs a fixed overhead per micro-batch
+        memory_time = act_micro[len(times)] / hw.mem_bw + len(s.layers) * hw.layer_overhead
         times.append((flops / (hw.peak_flops * hw.efficiency) + memory_time + ring * tp_bytes / _bw(hw, tp), flops))
     t_micro = max(t for t, _ in times)
     pp_time = 0.0
@@ -252,4 +255,4 @@ def default_hardware(world_size: int, devices_per_node: int) -> Hardware:
         return Hardware(world_size, devices_per_node, device_memory=props.total_memory)
     # CPU (gloo): matmuls at ~50 GFLOP/s a core, collectives ~0.5 GB/s; memory is not the limit here
     return Hardware(world_size, devices_per_node, device_memory=math.inf, peak_flops=1e11, intra_bw=0.5e9,
-                    inter_bw=0.1e9, efficiency=0.6, mem_bw=5e9)
+                    inter_bw=0.1e9, efficiency=0.6, mem_bw=5e9, layer_overhead=1e-3)
