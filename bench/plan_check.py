@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--bw", type=float, default=0.7, help="gloo bus bandwidth, GB/s")
     p.add_argument("--mem-bw", type=float, default=4.0, help="memory bandwidth of one thread, GB/s")
     p.add_argument("--layer-overhead", type=float, default=1e-3, help="seconds per layer and micro-batch")
+    p.add_argument("--latency", type=float, default=3e-3, help="seconds per gloo collective (1-7 ms measured)")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
             n = world(LAYOUTS[name])
             measured = run_distributed(measure, n, cfg, timeout=900)[0]
             hw = Hardware(n, n, device_memory=math.inf, peak_flops=peak, intra_bw=a.bw * 1e9, inter_bw=a.bw * 1e9,
-                          efficiency=1.0, mem_bw=a.mem_bw * 1e9, layer_overhead=a.layer_overhead)
+                          efficiency=1.0, mem_bw=a.mem_bw * 1e9, layer_overhead=a.layer_overhead, latency=a.latency)
             predicted = evaluate(cfg, cfg.parallel, hw)["step_time_s"]
             rows.append({"layout": name, "world_size": n, "measured_s": measured, "predicted_s": predicted})
             print(f"{name:24} world {n}  measured {measured:7.3f} s  predicted {predicted:7.3f} s  "

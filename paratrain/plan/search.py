@@ -33,7 +33,8 @@ class Hardware:
     efficiency: float = 0.5  # fraction of peak the matmuls reach
     reserve: float = 0.05  # fraction of device memory kept free (allocator fragmentation, workspaces)
     mem_bw: float = 2e12  # bytes/s of device memory: elementwise ops and the optimizer step are bound by it
-    layer_overhead: float = 3e-5  # seconds per layer and micro-batch (kernel launches, collective latency)
+    layer_overhead: float = 3e-5  # seconds per layer and micro-batch (kernel launches)
+    latency: float = 2e-5  # seconds of start-up per collective
 
     @property
     def usable_memory(self) -> float:
@@ -99,20 +100,21 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
             fwd = f["dense"] + f["core"]
             extra = fwd if mode == "full" else (f["core"] if mode == "selective" else 0)
             collectives = (7 if d else 4) + ((3 if d else 2) if mode == "full" else 0)  # TP all-reduces
-            per_layer[(d, mode)] = ((3 * fwd + extra) / tp, collectives * tokens * m.hidden_size * spec.elem)
+            calls = collectives * (2 if par.sequence_parallel else 1) if tp > 1 else 0  # SP: gather + scatter
+            per_layer[(d, mode)] = ((3 * fwd + extra) / tp, collectives * tokens * m.hidden_size * spec.elem, calls)
     tokens_b = b * (m.seq_length if m.kind == "gpt" else m.tgt_seq_length)
     times = []
     for s in states:
-        flops, tp_bytes = 0.0, 0.0
+        flops, tp_bytes, calls = 0.0, 0.0, 0
         for _, d, i in s.layers:
-            fl, by = per_layer[(d, modes[i + offset if d else i])]
-            flops, tp_bytes = flops + fl, tp_bytes + by
+            fl, by, n = per_layer[(d, modes[i + offset if d else i])]
+            flops, tp_bytes, calls = flops + fl, tp_bytes + by, calls + n
         if any("head" in parts for parts in s.parts):
             flops += 3 * 2 * tokens_b * m.hidden_size * m.vocab_size / tp
             tp_bytes += tokens_b * m.hidden_size * spec.elem + 3 * tokens_b * 4
         # elementwise work (norms, softmax, activations, dropout) streams the activations ~3 times (4 with
         # full recompute); each layer costs a fixed overhead per micro-batch
-        memory_time = act_micro[len(times)] / hw.mem_bw + len(s.layers) * hw.layer_overhead
+        memory_time = act_micro[len(times)] / hw.mem_bw + len(s.layers) * hw.layer_overhead + calls * hw.latency
         times.append((flops / (hw.peak_flops * hw.efficiency) + memory_time + ring * tp_bytes / _bw(hw, tp), flops))
     t_micro = max(t for t, _ in times)
     pp_time = 0.0
@@ -127,6 +129,9 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         whole = max(s.whole_params for s in states)
         dp_volume = 2 * f * whole if zero < 3 else 3 * f * whole * (1 if pp > 1 else mb)
     dp_time = dp_volume / _bw(hw, dp * tp)
+    if dp > 1:  # one gather and/or reduction per layer group (gradient_aggregation_group buckets)
+        groups = min(par.gradient_aggregation_group, max(len(s.layers) for s in states)) + 1
+        dp_time += groups * (3 * (1 if pp > 1 else mb) if zero == 3 else (2 if zero else 1)) * hw.latency
     bubble = cost.bubble_micro_batches(par)
     # AdamW reads parameter, gradient and two states and writes three of them
     optimizer_time = max(7 * s.params for s in states) / hw.mem_bw
@@ -255,4 +260,4 @@ def default_hardware(world_size: int, devices_per_node: int) -> Hardware:
         return Hardware(world_size, devices_per_node, device_memory=props.total_memory)
     # CPU (gloo): matmuls at ~50 GFLOP/s a core, collectives ~0.5 GB/s; memory is not the limit here
     return Hardware(world_size, devices_per_node, device_memory=math.inf, peak_flops=1e11, intra_bw=0.5e9,
-                    inter_bw=0.1e9, efficiency=0.6, mem_bw=5e9, layer_overhead=1e-3)
+                    inter_bw=0.1e9, efficiency=0.6, mem_bw=5e9, layer_overhead=1e-3, latency=3e-3)
