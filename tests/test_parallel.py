@@ -84,13 +84,14 @@ def test_layout_matches_one_process(name, tmp_root, tmp_path):
 def test_even_split_counts_embeddings_and_head():
     from paratrain.config import ParallelConfig
     from paratrain.models import build_model
+    from paratrain.models.transformer import pipeline_blocks
     from paratrain.parallel.pipeline import chunk_rank, layer_chunks
 
     model = build_model(tiny_config(model={"encoder_layers": 3, "decoder_layers": 2}).model)
-    assert layer_chunks(model, ParallelConfig(pipeline_stage=2)) == [0, 0, 0, 1, 1]  # 1+3 | 2+1 units
-    assert layer_chunks(model, ParallelConfig(pipeline_stage=4)) == [0, 1, 1, 2, 3]  # units 2, 2, 1, 2
-    assert layer_chunks(model, ParallelConfig(pipeline_stage=5)) == [0, 1, 2, 3, 4]  # layers only, none empty
+    assert layer_chunks(pipeline_blocks(model), ParallelConfig(pipeline_stage=2)) == [0, 0, 0, 1, 1]  # 1+3 | 2+1 units
+    assert layer_chunks(pipeline_blocks(model), ParallelConfig(pipeline_stage=4)) == [0, 1, 1, 2, 3]  # units 2, 2, 1, 2
+    assert layer_chunks(pipeline_blocks(model), ParallelConfig(pipeline_stage=5)) == [0, 1, 2, 3, 4]  # layers only, none empty
     by_function = ParallelConfig(pipeline_stage=2, layer_stages=lambda layer_id, offset, cfg: int(offset > 0))
-    assert layer_chunks(model, by_function) == [0, 0, 0, 1, 1]
+    assert layer_chunks(pipeline_blocks(model), by_function) == [0, 0, 0, 1, 1]
     zbv = ParallelConfig(pipeline_stage=2, virtual_pipeline_stage=2, pipeline_schedule="zbv_zero_bubble")
     assert [chunk_rank(c, zbv) for c in range(4)] == [0, 1, 1, 0]

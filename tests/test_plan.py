@@ -67,8 +67,9 @@ def test_dry_run_512_ranks():
 
 
 def test_layer_split_matches_pipeline_module():
-    """The planner's stage split is the one paratrain.parallel.pipeline.layer_chunks makes."""
+    """The planner's layer list (from the config alone) splits like the built model's."""
     from paratrain.models import build_model
+    from paratrain.models.transformer import pipeline_blocks
     from paratrain.parallel.pipeline import layer_chunks
 
     for kind in ("gpt", "transformer"):
@@ -76,7 +77,7 @@ def test_layer_split_matches_pipeline_module():
             cfg = small(kind, pp=pp, virtual_pipeline_stage=v)
             with torch.device("meta"):
                 model = build_model(cfg.model)
-            assert cost.chunk_of_layers(cfg.model, cfg.parallel) == layer_chunks(model, cfg.parallel)
+            assert cost.chunk_of_layers(cfg.model, cfg.parallel) == layer_chunks(pipeline_blocks(model), cfg.parallel)
 
 
 # --- real training steps: parameters, gradients and AdamW state measured by bench/parallel_cost ----

@@ -34,13 +34,12 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": S
              "zbv_zero_bubble": ScheduleZBVZeroBubble}
 
 
-def layer_chunks(model: nn.Module, config: ParallelConfig) -> list[int]:
-    """The chunk (virtual stage, 0..pp*v-1) of every layer, in execution order.
+def layer_chunks(blocks: list[tuple], config: ParallelConfig) -> list[int]:
+    """The chunk (virtual stage, 0..pp*v-1) of every layer, for ``pipeline_blocks``' (name, layer_id, offset).
 
     Default: an even split in which the embeddings and the head count as one layer
     each; else the user's ``layer_stages`` list or function.
     """
-    blocks = pipeline_blocks(model)
     chunks = config.pipeline_stage * config.virtual_pipeline_stage
     if callable(config.layer_stages):
         return [config.layer_stages(layer_id, offset, config) for _, layer_id, offset in blocks]
@@ -62,18 +61,19 @@ def chunk_rank(chunk: int, config: ParallelConfig) -> int:
     return chunk % pp
 
 
-def _parts(model: nn.Module, owner: list[int], chunk: int, tied: bool) -> set[str]:
-    """What besides its layers a chunk holds: embeddings, norms, head, a copy of the word table."""
+def chunk_parts(owner: list[int], chunk: int, tied: bool, num_encoder_layers: int | None = None) -> set[str]:
+    """What besides its layers a chunk holds: embeddings, norms, head, a copy of the word table.
+
+    ``owner``: the chunk of every layer; ``num_encoder_layers``: None for a decoder-only model.
+    """
     last = max(owner)
     parts = set()
     if chunk == 0:
         parts |= {"input_embed", "word"}
     if chunk == last:
         parts |= {"head"} | ({"word"} if tied else set())
-    if isinstance(model, Seq2SeqModel):
-        first_decoder = owner[model.num_encoder_layers]
-        if chunk == first_decoder:
-            parts |= {"target_embed", "encoder_norm", "word"}
+    if num_encoder_layers is not None and chunk == owner[num_encoder_layers]:
+        parts |= {"target_embed", "encoder_norm", "word"}
     return parts
 
 
@@ -168,11 +168,13 @@ class Pipeline:
     def __init__(self, model: nn.Module, config: ParallelConfig, layout: Layout, parallelize_chunk, loss_fn):
         self.config, self.layout = config, layout
         _layers_as_dicts(model)
-        owner = layer_chunks(model, config)
-        names = [name for name, _, _ in pipeline_blocks(model)]
+        blocks = pipeline_blocks(model)
+        owner = layer_chunks(blocks, config)
+        names = [name for name, _, _ in blocks]
         num_chunks = config.pipeline_stage * config.virtual_pipeline_stage
         tied = model.head.weight is _word_table(model)
-        parts = [_parts(model, owner, c, tied) for c in range(num_chunks)]
+        encoder_layers = model.num_encoder_layers if isinstance(model, Seq2SeqModel) else None
+        parts = [chunk_parts(owner, c, tied, encoder_layers) for c in range(num_chunks)]
         self.word_holders = sorted({chunk_rank(c, config) for c in range(num_chunks) if "word" in parts[c]})
         stage_class = Seq2SeqStage if isinstance(model, Seq2SeqModel) else GPTStage
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

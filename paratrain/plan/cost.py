@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 from paratrain.config import Config, ModelConfig, ParallelConfig
+from paratrain.parallel.pipeline import chunk_parts, chunk_rank, layer_chunks
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GiB = 1024 ** 3
@@ -125,40 +126,13 @@ def layer_blocks(m: ModelConfig) -> list[tuple[bool, int, int]]:
 
 
 def chunk_of_layers(m: ModelConfig, par: ParallelConfig) -> list[int]:
-    """The chunk of every layer: ``paratrain.parallel.pipeline.layer_chunks`` without building the model."""
-    blocks = layer_blocks(m)
-    chunks = par.pipeline_stage * par.virtual_pipeline_stage
-    if callable(par.layer_stages):
-        return [par.layer_stages(layer_id, offset, par) for _, layer_id, offset in blocks]
-    if par.layer_stages:
-        return list(par.layer_stages)
-    for units, first in ((len(blocks) + 2, 1), (len(blocks), 0)):
-        bounds = [round(c * units / chunks) for c in range(chunks + 1)]
-        owner = [next(c for c in range(chunks) if bounds[c] <= u + first < bounds[c + 1]) for u in range(len(blocks))]
-        if set(owner) == set(range(chunks)):
-            return owner
-    raise ValueError(f"cannot split {len(blocks)} layers into {chunks} pipeline chunks")
+    """The chunk of every layer, as ``paratrain.parallel.pipeline`` splits them, without building the model."""
+    return layer_chunks(layer_blocks(m), par)
 
 
-def chunk_rank(chunk: int, par: ParallelConfig) -> int:
-    pp = par.pipeline_stage
-    if par.pipeline_schedule == "zbv_zero_bubble" and chunk >= pp:
-        return 2 * pp - 1 - chunk
-    return chunk % pp
-
-
-def chunk_parts(m: ModelConfig, owner: list[int], chunk: int) -> set[str]:
-    """What besides its layers a chunk holds (``pipeline._parts`` + what ``_prune`` keeps)."""
-    if not owner or max(owner) == 0:
-        return {"input_embed", "word", "head"} | ({"target_embed", "encoder_norm"} if m.kind == "transformer" else set())
-    parts = set()
-    if chunk == 0:
-        parts |= {"input_embed", "word"}
-    if chunk == max(owner):
-        parts |= {"head"} | ({"word"} if m.tie_embeddings else set())
-    if m.kind == "transformer" and chunk == owner[m.encoder_layers]:
-        parts |= {"target_embed", "encoder_norm", "word"}
-    return parts
+def model_chunk_parts(m: ModelConfig, owner: list[int], chunk: int) -> set[str]:
+    """What besides its layers a chunk holds, as ``paratrain.parallel.pipeline.chunk_parts`` says."""
+    return chunk_parts(owner, chunk, m.tie_embeddings, m.encoder_layers if m.kind == "transformer" else None)
 
 
 @dataclass
@@ -192,7 +166,7 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
     stages = [StageState() for _ in range(par.pipeline_stage)]
     for chunk in range(num_chunks):
         st = stages[chunk_rank(chunk, par) if par.pipeline_stage > 1 else 0]
-        parts = chunk_parts(m, owner, chunk)
+        parts = model_chunk_parts(m, owner, chunk)
         st.parts.append(parts)
         held = [blk for blk, o in zip(blocks, owner) if o == chunk]
         st.layers += [(chunk, d, i) for d, i, _ in held]
