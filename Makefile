@@ -29,7 +29,12 @@ test: install
 	$(BIN)/python -m pytest -q tests
 
 bench: install
+	mkdir -p runs/bench
 	$(BIN)/python bench/step_time.py --json runs/bench/step_time.json
+	$(BIN)/python bench/parallel_cost.py --json runs/bench/parallel_cost.json
+	$(BIN)/python bench/pipeline_bubble.py --json runs/bench/pipeline_bubble.json
+	$(BIN)/python bench/checkpoint_io.py --json runs/bench/checkpoint_io.json
+	$(BIN)/python bench/plan_check.py --json runs/bench/plan_check.json
 
 clean:
 	rm -rf runs .pytest_cache
