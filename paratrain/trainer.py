@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from paratrain.checkpoint import Checkpointer
 from paratrain.config import Config, check
 from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.distributed import init_from_env
@@ -62,7 +63,6 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, cfg.metrics, cfg.train.steps, enabled=self.is_main)
         self.timer = StepTimer(cfg.metrics, cfg.model, self.pipeline, self.layout.dp_size)  # mfu, memory, breakdown
         self.step = 0
-        from paratrain.checkpoint import Checkpointer
         self.checkpointer = Checkpointer(self)  # checkpoint.dir, default <run dir>/checkpoints
         self.step = self.checkpointer.resume()  # checkpoint.resume: "auto" | path | "none"
 
