@@ -340,10 +340,11 @@ def tp_shapes(cfg) -> dict:
     if m.kind == "gpt":
         a = batch * m.seq_length * m.hidden_size * b
         return {"a_src": a, "a_tgt": a, "enc_layers": m.decoder_layers, "dec_layers": 0, "embed_calls": [a],
-                "tokens": batch * m.seq_length}
+                "positions": [m.seq_length * m.hidden_size * b], "tokens": batch * m.seq_length}
     a_src, a_tgt = (batch * length * m.hidden_size * b for length in (m.src_seq_length, m.tgt_seq_length))
     return {"a_src": a_src, "a_tgt": a_tgt, "enc_layers": m.encoder_layers, "dec_layers": m.decoder_layers,
-            "embed_calls": [a_src, a_tgt], "tokens": batch * m.tgt_seq_length}
+            "embed_calls": [a_src, a_tgt], "tokens": batch * m.tgt_seq_length,
+            "positions": [length * m.hidden_size * b for length in (m.src_seq_length, m.tgt_seq_length)]}
 
 
 def analytic_comm(cfg) -> dict:
@@ -358,7 +359,8 @@ def analytic_comm(cfg) -> dict:
     backward). Vocab-parallel loss: 3 all-reduces of B*T fp32 (max, sum of exp, target logit).
     A vocab-sharded embedding all-reduces its partial lookups (SP: reduce-scatter forward and
     all-gather backward); a replicated one under SP all-gathers its output gradient. With SP the
-    LayerNorm gradients (partial sums over the sequence shards) are all-reduced once.
+    LayerNorm gradients (partial sums over the sequence shards) are all-reduced once, and the
+    position table's gradient (L*H per table, each rank adds its rows) is all-gathered.
 
     Data parallel (FSDP2 over dp, f = (dp-1)/dp, P = parameter bytes of this rank's tensor-parallel
     shard): stage 0 all-reduces the gradients (2fP); stages 1-2 all-gather the parameters once and
@@ -381,6 +383,8 @@ def analytic_comm(cfg) -> dict:
             comp["tp_embedding"] = micro * half * sum(t["embed_calls"])
         if p.sequence_parallel:  # LayerNorm grads are partial sums over the sequence shards
             comp["tp_sp_norm_grads"] = ar * split["norm"]
+            # each rank adds only its rows of the (L, H) position table: backward all-gathers that grad
+            comp["tp_sp_position_grads"] = micro * half * sum(t["positions"])
     if dp > 1:
         f = (dp - 1) / dp
         params = split["params"]  # P_local: the parameter bytes of this rank's tensor-parallel shard
@@ -412,19 +416,12 @@ def known_excess(cfg) -> dict:
     are listed so that measured = analytic + excess can be checked to the byte.
     """
     p = cfg.parallel
-    dp, mp, micro = p.data_parallel, p.model_parallel, p.micro_batch_num
-    ar, half = 2 * (mp - 1) / mp, (mp - 1) / mp
     comm, state, small = {}, {}, {}
-    if mp > 1:
-        t = tp_shapes(cfg)
-        if p.sequence_parallel and not p.vocab_emb_dp:
-            # vocab-sharded embedding under SP: its partial output is all-reduced, then split along
-            # the sequence, where a reduce-scatter would do
-            comm["tp_sp_embedding_allreduce_not_reduce_scatter"] = micro * half * sum(t["embed_calls"])
-        if p.sequence_parallel and dp == 1:
-            # the Partial LayerNorm grads stay Partial in .grad: clip_grad_norm all-reduces them for
-            # the norm and the optimizer step all-reduces them again (FSDP2 reduces them once when dp > 1)
-            small["grad_norm"] = ar * param_split(cfg)["norm"]
+    if p.model_parallel > 1 and p.sequence_parallel and p.data_parallel == 1:
+        ar = 2 * (p.model_parallel - 1) / p.model_parallel
+        # the Partial LayerNorm grads stay Partial in .grad: clip_grad_norm all-reduces them for
+        # the norm and the optimizer step all-reduces them again (FSDP2 reduces them once when dp > 1)
+        small["grad_norm"] = ar * param_split(cfg)["norm"]
     return {"comm": comm, "state": state, "small": small}
 
 

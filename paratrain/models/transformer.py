@@ -300,12 +300,13 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
 #   vocab: embedding rows sharded (only when vocab_emb_dp=false);
 #   head: output projection column-sharded, logits stay sharded for the vocab-parallel loss.
 # With sequence_parallel the residual stream is sharded along the sequence:
-#   norm: LayerNorm on sequence shards; scatter: the embedding output is split along the
-#   sequence; ("gather", n): the module's n positional inputs are gathered first.
+#   norm: LayerNorm on sequence shards; position: the position table's rows split along the
+#   sequence (the word embedding then yields sequence shards too);
+#   ("gather", n): the module's n positional inputs are gathered first.
 TP_PLAN = {
     "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "out_proj": "rowwise",
     "fc1": "colwise", "fc2": "rowwise", "word.embedding": "vocab", "head": "head",
-    "norm": "norm", "src_embed": "scatter", "tgt_embed": "scatter", "embed": "scatter",
+    "norm": "norm", "position": "position",
     "attn": ("gather", 1), "self_attn": ("gather", 1), "cross_attn": ("gather", 2), "ffn": ("gather", 1),
 }
 

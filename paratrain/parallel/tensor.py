@@ -41,14 +41,16 @@ def tensor_parallel_plan(model: nn.Module, config: ParallelConfig) -> dict:
             plan[name] = ColwiseParallel()
         elif kind == "rowwise":
             plan[name] = RowwiseParallel(output_layouts=stream)
-        elif kind == "vocab" and not config.vocab_emb_dp:
-            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif kind == "vocab" and not config.vocab_emb_dp:  # with SP the partial rows are reduce-scattered
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        elif sp and kind == "vocab":
+            plan[name] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
         elif kind == "head":
             plan[name] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
         elif sp and kind == "norm":
             plan[name] = SequenceParallel(use_local_output=True)
-        elif sp and kind == "scatter":
-            plan[name] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+        elif sp and kind == "position":  # (S, H) table output: keep this rank's sequence rows
+            plan[name] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
         elif isinstance(kind, tuple) and kind[0] == "gather":
             # also without sequence parallel: q, k and v then share one input DTensor, so backward
             # all-reduces the input gradient once instead of once per projection
