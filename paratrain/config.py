@@ -308,7 +308,6 @@ class DataConfig(Section):
     min_length: int = 4
     path: str = ""
     tokenizer: str = ""
-    num_workers: int = 0
     eval_path: str = ""  # held-out source<TAB>target pairs for BLEU
     eval_samples: int = 200  # how many of the held-out pairs (the first ones) BLEU decodes
     shuffle: bool = True
