@@ -58,8 +58,8 @@ class Trainer:
         self.is_main = rank == 0
         if self.is_main and self.data.sampler is not None and self.data.sampler.lengths is not None:
             steps = min(cfg.train.steps, 1000)
-            print(f"data: {self.data.sampler.padding_fraction(steps):.1%} padding in the first {steps} batches "
-                  f"(bucket_size={cfg.data.bucket_size})", flush=True)
+            print(f"data: {self.data.sampler.padding_fraction(steps):.1%} padding in the first {steps} global batches "
+                  f"padded to their longest example (bucket_size={cfg.data.bucket_size})", flush=True)
         self.run_dir = cfg.run.path
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
