@@ -67,7 +67,9 @@ def cmd_launch(args, rest: list[str]) -> int:
     topo = None if hosts else _topology(args)
     if args.dry_run:
         return _dry_run(args, name, job_dir, words, hosts, topo)
-    if not os.environ.get("PARATRAIN_JOB_PREPARED") and (job_dir / "job.json").exists():
+    # nodes other than the first record themselves in node{R}.json beside the first node's job.json
+    other_node = bool(os.environ.get("PARATRAIN_COORDINATED") or (topo and topo.node_rank > 0))
+    if not other_node and not os.environ.get("PARATRAIN_JOB_PREPARED") and (job_dir / "job.json").exists():
         old = Job.from_file(job_dir / "job.json")
         if old.shown_state() in joblib.ACTIVE:
             raise JobError(f"job {name!r} is {old.shown_state()} (pid {old.launcher_pid}): stop it or pick another --name")
@@ -76,7 +78,7 @@ def cmd_launch(args, rest: list[str]) -> int:
               hosts=[h.name for h in hosts] if hosts else [], nnodes=len(hosts) if hosts else topo.nnodes,
               node_rank=0 if hosts else topo.node_rank,
               nproc_per_node=hosts[0].slots if hosts else topo.nproc_per_node)
-    if os.environ.get("PARATRAIN_COORDINATED") or (topo and topo.node_rank > 0):
+    if other_node:
         job.record = f"node{job.node_rank}.json"
     elif os.environ.get("PARATRAIN_JOB_PREPARED") and job.path.exists():
         job.start_time = Job.from_file(job.path).start_time  # when --detach was asked
