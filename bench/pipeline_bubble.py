@@ -136,8 +136,7 @@ def _timed(events: list, kind: str, fn, chunk_of=None):
 
 def _instrument(pipeline, events: list) -> None:
     schedule = pipeline.schedule
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    for stage in stages:
+    for stage in pipeline.stages:
         for kind, attr in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"),
                            ("W", "backward_weight_one_chunk")):
             setattr(stage, attr, _timed(events, kind, getattr(stage, attr), stage.stage_index))
@@ -193,7 +192,7 @@ def measure(a: argparse.Namespace, group: list[dict]) -> list[dict]:
             def loss_fn(logits, labels, num_tokens):
                 return token_loss_sum(logits.float(), labels, pad) / num_tokens
 
-            pipeline = parallelize(build_model(cfg.model), cfg.parallel, layout, loss_fn=loss_fn)
+            parts, pipeline = parallelize(build_model(cfg.model), cfg.parallel, layout, loss_fn=loss_fn)
             g = torch.Generator().manual_seed(1)
             ids = torch.randint(1, cfg.model.vocab_size, (cfg.train.global_batch_size, a.length + 1), generator=g)
             batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
@@ -206,13 +205,13 @@ def measure(a: argparse.Namespace, group: list[dict]) -> list[dict]:
                 start = time.perf_counter()
                 pipeline.step(batch, loss_kwargs)
                 end = time.perf_counter()
-                for module in pipeline.modules:
+                for module in parts:
                     module.zero_grad(set_to_none=True)
                 if step >= a.warmup:
                     mine = [e for e in events if e[2] >= start]
                     steps.append({"start": start, "end": end, "events": mine})
                     events.clear()
-            out.append({"ok": True, "rank": rank, "steps": steps, "chunks": [c for c, _ in pipeline.chunks]})
+            out.append({"ok": True, "rank": rank, "steps": steps, "chunks": pipeline.chunk_ids})
         except Exception as e:  # noqa: BLE001 -- reported per case, the rest of the group is not run
             out.append({"ok": False, "rank": rank, "error": f"{type(e).__name__}: {str(e).strip()[:600]}"})
             break

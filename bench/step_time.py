@@ -35,6 +35,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paratrain.config import ModelConfig, TrainConfig  # noqa: E402
+from paratrain.metrics.flops import transformer_flops  # noqa: E402
 from paratrain.models import Seq2SeqModel, token_loss_sum  # noqa: E402
 from paratrain.optim import build_optimizer, clip_grad_norm  # noqa: E402
 
@@ -112,12 +113,16 @@ def torch_step_fn(a, train_cfg):
 
 # --- the paratrain side (mirrors Trainer.train_step with micro_batch_num = 1) ------------------
 
+def model_config(a) -> ModelConfig:
+    """The encoder-decoder both sides build."""
+    return ModelConfig(kind="transformer", vocab_size=a.vocab, hidden_size=a.hidden, num_heads=a.heads,
+                       ffn_hidden_size=a.ffn, encoder_layers=a.layers, decoder_layers=a.layers,
+                       src_seq_length=a.length, tgt_seq_length=a.length, hidden_dropout=0.0,
+                       attention_dropout=0.0, hidden_act=a.activation, pad_token_id=PAD)
+
+
 def paratrain_step_fn(a, train_cfg):
-    cfg = ModelConfig(kind="transformer", vocab_size=a.vocab, hidden_size=a.hidden, num_heads=a.heads,
-                      ffn_hidden_size=a.ffn, encoder_layers=a.layers, decoder_layers=a.layers,
-                      src_seq_length=a.length, tgt_seq_length=a.length, hidden_dropout=0.0,
-                      attention_dropout=0.0, hidden_act=a.activation, pad_token_id=PAD)
-    model = Seq2SeqModel(cfg)
+    model = Seq2SeqModel(model_config(a))
     opt = build_optimizer(model, train_cfg)
 
     def step(src, tgt_in, labels):
@@ -133,21 +138,7 @@ def paratrain_step_fn(a, train_cfg):
     return model, step
 
 
-# --- FLOPs and peak ----------------------------------------------------------------------------
-
-def step_flops(a) -> float:
-    """Matmul FLOPs of one training step: 3 x the forward's (2 per multiply-add).
-
-    Encoder layer: q/k/v/out projections, QK^T and AV, FFN. Decoder layer: the same
-    self-attention, cross-attention (q/out over the target, k/v over the source),
-    FFN. Plus the vocab head. Masked (causal) attention entries are counted in full.
-    """
-    b, s, t, h, f, v = a.batch, a.length, a.length, a.hidden, a.ffn, a.vocab
-    enc = 2 * b * s * (4 * h * h + 2 * s * h + 2 * h * f)
-    dec = 2 * b * t * (4 * h * h + 2 * t * h + 2 * h * f) + 2 * b * (2 * t * h * h + 2 * s * h * h + 2 * t * s * h)
-    head = 2 * b * t * h * v
-    return 3.0 * (a.layers * (enc + dec) + head)
-
+# --- peak ----------------------------------------------------------------------------------------
 
 def peak_gflops(n: int, repeats: int = 5) -> float:
     x, y = torch.randn(n, n), torch.randn(n, n)
@@ -188,7 +179,7 @@ def main(argv=None) -> dict:
             times[name].append(time.perf_counter() - start)
     peaks.append(peak_gflops(a.peak_size))
 
-    flops = step_flops(a)
+    flops = transformer_flops(model_config(a), a.batch, a.length, a.length)  # paratrain's one FLOP model
     p_s, t_s = statistics.median(times["paratrain"]), statistics.median(times["torch"])
     result = {
         "paratrain_s": p_s, "torch_s": t_s, "ratio": p_s / t_s,

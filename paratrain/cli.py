@@ -1,34 +1,35 @@
-"""The ``paratrain`` command."""
+"""The ``paratrain`` command.
+
+Each package registers its own subcommands with a ``register(subparsers)`` function;
+a subcommand's function takes the parsed arguments and returns the exit code. Those
+that accept config overrides (``--section.key=value``) say so with
+``set_defaults(overrides=True)`` and find them in ``args.overrides``; any other
+leftover argument is refused with the command's usage. A ``UserError`` anywhere is
+reported here, once: one message, exit code 2, no traceback.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from paratrain.config import Config, ConfigError
+from paratrain.config import Config, parse_overrides
+from paratrain.errors import UserError
+
+COMMAND_MODULES = ("paratrain.launch", "paratrain.doctor", "paratrain.data.commands", "paratrain.metrics.commands",
+                   "paratrain.checkpoint.commands", "paratrain.plan.commands", "paratrain.translation")
 
 
-def _split_overrides(rest: list[str]) -> list[str]:
-    """``--section.key=value`` or ``--section.key value`` -> ``section.key=value``."""
-    overrides, i = [], 0
-    while i < len(rest):
-        arg = rest[i]
-        if not arg.startswith("--") or "." not in arg.split("=")[0]:
-            raise ConfigError([f"unexpected argument {arg!r}: overrides look like --section.key=value"])
-        if "=" in arg:
-            overrides.append(arg[2:])
-        elif i + 1 < len(rest):
-            overrides.append(f"{arg[2:]}={rest[i + 1]}")
-            i += 1
-        else:
-            raise ConfigError([f"override {arg} has no value: write {arg}=VALUE"])
-        i += 1
-    return overrides
-
-
-def cmd_train(args, rest: list[str]) -> int:
+def cmd_train(args) -> int:
+    cfg = Config.load(args.config, args.overrides)
+    from paratrain.distributed import init_from_env
     from paratrain.trainer import Trainer, TrainingDiverged
 
-    cfg = Config.load(args.config, _split_overrides(rest))
+    rank, world_size = init_from_env()
+    if cfg.parallel.auto:  # the planner picks the layout for this world size before the trainer is built
+        from paratrain.plan import resolve_auto
+        print_main = print if rank == 0 else (lambda *a, **k: None)
+        resolve_auto(cfg, world_size, report=lambda why: print_main(why, flush=True))
     try:
         Trainer(cfg).train()
     except TrainingDiverged as exc:
@@ -37,25 +38,22 @@ def cmd_train(args, rest: list[str]) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paratrain", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``train`` to the ``paratrain`` subcommands."""
     train = sub.add_parser("train", help="train in this process group (one process unless launched)")
     train.add_argument("--config", help="TOML config file; any key can be overridden as --section.key=value")
-    train.set_defaults(func=cmd_train)
-    from paratrain import doctor, launch
-    launch.add_subcommands(sub)
-    doctor.add_subcommand(sub)
-    from paratrain.data import commands as data_commands
-    data_commands.add_subcommands(sub)
-    from paratrain.metrics import report
-    report.add_subcommands(sub)  # plot, summary
-    from paratrain.checkpoint import commands as checkpoint_commands
-    checkpoint_commands.add_subcommands(sub)
-    from paratrain.plan import commands as plan_commands
-    plan_commands.add_subcommand(sub)
-    from paratrain import translation
-    translation.add_subcommand(sub)  # translate
+    train.set_defaults(func=cmd_train, overrides=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paratrain", description="Train Transformer models on many devices "
+                                                                    "with one parallel config.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    for command in sub.choices.values():  # each keeps its own parser for its usage line
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -63,8 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:
-        return args.func(args, rest)
-    except ConfigError as exc:
+        if getattr(args, "overrides", False):
+            args.overrides = parse_overrides(rest)
+        elif rest:
+            args.command_parser.print_usage(sys.stderr)
+            print(f"paratrain {args.command}: unrecognized arguments: {' '.join(rest)}", file=sys.stderr)
+            return 2
+        return args.func(args)
+    except UserError as exc:
         print(f"paratrain: {exc}", file=sys.stderr)
         return 2
 

@@ -21,6 +21,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 import tomli_w
 
+from paratrain.errors import UserError
+
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 RECOMPUTE_MODES = ("none", "full", "selective")
 MIXED_PRECISION = ("none", "bf16", "fp16")
@@ -29,7 +31,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("gelu", "relu")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """Every rule a configuration breaks, each with the numbers and a fix."""
 
     def __init__(self, problems: list[str]):
@@ -110,6 +112,24 @@ def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
     if kind is str and not isinstance(value, str):
         return str(value)
     return value
+
+
+def parse_overrides(args: list[str]) -> list[str]:
+    """Command-line overrides ``--section.key=value`` or ``--section.key value`` -> ``section.key=value``."""
+    overrides, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ConfigError([f"unexpected argument {arg!r}: overrides look like --section.key=value"])
+        if "=" in arg:
+            overrides.append(arg[2:])
+        elif i + 1 < len(args):
+            overrides.append(f"{arg[2:]}={args[i + 1]}")
+            i += 1
+        else:
+            raise ConfigError([f"override {arg} has no value: write {arg}=VALUE"])
+        i += 1
+    return overrides
 
 
 def _parse_literal(text: str) -> Any:
@@ -225,7 +245,7 @@ class ParallelConfig(Section):
     vocab_emb_dp: bool = True
     sequence_parallel: bool = False
     layer_stages: StageSpec = field(default_factory=list)
-    auto: bool = False  # the trainer picks the layout for its world size (paratrain.plan.choose_layout)
+    auto: bool = False  # `paratrain train` picks the layout for its world size (paratrain.plan.resolve_auto)
 
     @property
     def dp(self) -> int:
@@ -422,8 +442,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate(cfg: Config, world_size: int | None = None) -> list[str]:
-    """Every rule ``cfg`` breaks, each naming the fields, the numbers and a fix."""
+def validate(cfg: Config, world_size: int | None = None, resolved: bool = False) -> list[str]:
+    """Every rule ``cfg`` breaks, each naming the fields, the numbers and a fix.
+
+    With ``parallel.auto`` the parallel sizes need not match ``world_size`` yet, unless the layout
+    is ``resolved`` (``paratrain.plan.resolve_auto``), as the trainer needs it.
+    """
     m, p, t = cfg.model, cfg.parallel, cfg.train
     problems: list[str] = []
 
@@ -499,7 +523,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         problems.append(f"train.global_batch_size={t.global_batch_size} is not divisible by parallel.data_parallel="
                         f"{p.data_parallel} x parallel.micro_batch_num={p.micro_batch_num} = {split}: "
                         f"use a multiple of {split} such as {max(split, t.global_batch_size // split * split)}")
-    if world_size is not None and p.world_size != world_size and not p.auto:
+    if world_size is not None and p.world_size != world_size and (resolved or not p.auto):
         problems.append(f"parallel.data_parallel={p.data_parallel} x model_parallel={p.model_parallel} x "
                         f"pipeline_stage={p.pipeline_stage} = {p.world_size} does not equal the world size "
                         f"{world_size}: launch {p.world_size} processes or change the parallel sizes")
@@ -549,9 +573,9 @@ def _pipeline_problems(p: ParallelConfig, num_layers: int) -> list[str]:
     return problems
 
 
-def check(cfg: Config, world_size: int | None = None) -> Config:
-    """Raise ConfigError listing every violation, or return ``cfg``."""
-    problems = validate(cfg, world_size)
+def check(cfg: Config, world_size: int | None = None, resolved: bool = False) -> Config:
+    """Raise ConfigError listing every violation (see ``validate``), or return ``cfg``."""
+    problems = validate(cfg, world_size, resolved)
     if problems:
         raise ConfigError(problems)
     return cfg

@@ -18,10 +18,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-
-def backend() -> str:
-    """NCCL when CUDA is present, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+from paratrain.device import backend, device
 
 
 def collective_timeout(default_s: float = 600.0) -> float:
@@ -52,20 +49,8 @@ def init_from_env(timeout_s: float | None = None) -> tuple[int, int]:
     if world_size == 1:
         return 0, 1
     install_stack_dumps()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if device().type == "cuda":
+        torch.cuda.set_device(device())
     timeout = collective_timeout() if timeout_s is None else timeout_s
     dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def is_main() -> bool:
-    return rank() == 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import subprocess
+import sys
 import time
 
 SIZES_MB = (1 / 1024, 1.0)  # 1 KB (latency), 1 MB, then --size-mb
@@ -35,13 +37,13 @@ def environment() -> list[tuple[str, str]]:
     return rows
 
 
-def check_all_reduce(world: int, rank: int) -> list[str]:
-    """Problems found when all-reducing known values (sum and average, fp32 and int64); [] if exact."""
+def check_all_reduce(world: int, rank: int, device="cpu") -> list[str]:
+    """Problems found when all-reducing known values on ``device`` (sum and average, fp32 and int64); [] if exact."""
     import torch
     import torch.distributed as dist
 
     problems = []
-    base = torch.arange(1024, dtype=torch.float32)
+    base = torch.arange(1024, dtype=torch.float32, device=device)
     for dtype, op, expected in ((torch.float32, dist.ReduceOp.SUM, base * world * (world + 1) / 2),
                                 (torch.int64, dist.ReduceOp.SUM, (base * world * (world + 1) / 2).long()),
                                 (torch.float32, dist.ReduceOp.AVG, base * (world + 1) / 2)):
@@ -84,12 +86,13 @@ def bus_bandwidth(size_mb: float, device, min_time_s: float = 0.5, max_iters: in
 
 def worker(args) -> int:
     """The check run by every rank of a launched job; rank 0 prints the report."""
-    import torch
     import torch.distributed as dist
 
-    from paratrain import distributed
+    from paratrain.device import device as run_device
+    from paratrain.distributed import init_from_env
 
-    rank, world = distributed.init_from_env()
+    rank, world = init_from_env()
+    device = run_device()
     say = print if rank == 0 else (lambda *a, **k: None)
     for key, value in environment():
         say(f"{key:>14}: {value}")
@@ -100,14 +103,13 @@ def worker(args) -> int:
     dist.all_gather_object(hosts, socket.gethostname())
     say(f"{'rendezvous':>14}: ok, {world} ranks on {len(set(hosts))} host(s): "
         + ", ".join(f"{r}@{h}" for r, h in enumerate(hosts)))
-    problems = check_all_reduce(world, rank)
+    problems = check_all_reduce(world, rank, device)
     everyone = [None] * world
     dist.all_gather_object(everyone, problems)
     problems = [p for ps in everyone for p in ps]
     say(f"{'all_reduce':>14}: " + ("ok (sum, avg; float32, int64; exact)" if not problems else "FAILED"))
     for problem in problems:
         say(f"{'':>14}  {problem}")
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     for size in (*SIZES_MB, args.size_mb):
         seconds, busbw = bus_bandwidth(size, device)
         say(f"{'bandwidth':>14}: {size * 2**20:>12,.0f} bytes  {seconds * 1e3:8.2f} ms  bus {busbw:6.2f} GB/s", flush=True)
@@ -120,17 +122,16 @@ def worker(args) -> int:
     return 1 if problems else 0
 
 
-def cmd_doctor(args, rest: list[str]) -> int:
+def cmd_doctor(args) -> int:
     if "WORLD_SIZE" in os.environ or not (args.hostfile or (args.nproc_per_node or 1) > 1):
         return worker(args)
-    from paratrain.cli import main
-
-    launch = ["launch", "--name", args.name or f"doctor-{time.strftime('%Y%m%d-%H%M%S')}"]
+    launch = [sys.executable, "-m", "paratrain", "launch", "--name",
+              args.name or f"doctor-{time.strftime('%Y%m%d-%H%M%S')}"]
     launch += ["--hostfile", args.hostfile] if args.hostfile else ["--nproc-per-node", str(args.nproc_per_node)]
-    return main([*launch, "--", "doctor", f"--size-mb={args.size_mb:g}", f"--duration={args.duration:g}"])
+    return subprocess.call([*launch, "--", "doctor", f"--size-mb={args.size_mb:g}", f"--duration={args.duration:g}"])
 
 
-def add_subcommand(sub) -> None:
+def register(sub) -> None:
     """Add ``doctor`` to the ``paratrain`` subcommand parser."""
     p = sub.add_parser("doctor", help="environment report, rendezvous + all-reduce check, all-reduce bandwidth")
     p.add_argument("--nproc-per-node", type=int, help="check this many ranks on this machine")

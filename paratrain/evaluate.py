@@ -6,8 +6,12 @@ from pathlib import Path
 
 import sacrebleu
 import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from paratrain.data.synthetic import BOS, EOS, PAD
+from paratrain.errors import UserError
 from paratrain.data.tokenizer import Tokenizer
 from paratrain.models.transformer import Seq2SeqModel
 
@@ -23,22 +27,19 @@ def bleu(hypotheses: list[str], references: list[str]) -> float:
 def greedy_decode(model: Seq2SeqModel, src_ids: torch.Tensor, max_length: int) -> torch.Tensor:
     """Most likely next token, one at a time: src_ids (B, S) -> tokens (B, <= max_length), PAD after EOS.
 
-    The source is encoded once; each step feeds only the newest token to the
-    decoder, whose self-attention keeps earlier keys/values in a cache
-    (MindSpore's ``use_past``). ``max_length`` is at most the model's tgt_seq_length.
+    The source is encoded once; each step feeds only the newest token to the model's
+    decoder, whose self-attention keeps earlier keys/values in a cache (MindSpore's
+    ``use_past``). ``max_length`` is at most the model's tgt_seq_length.
     """
     model.eval()
-    t = model.transformer
     src_pad = src_ids == model.pad_token_id
-    memory = t.encoder(model.src_embed(src_ids), t.padding_mask(src_pad, src_ids.shape[1]))
-    memory_mask = t.padding_mask(src_pad, 1)
-    caches = [{} for _ in t.decoder.layers]
+    memory = model.encode(src_ids)
+    caches: dict = {}
     tokens = torch.full((len(src_ids), 1), BOS, dtype=torch.long, device=src_ids.device)
     done = torch.zeros(len(src_ids), dtype=torch.bool, device=src_ids.device)
     for step in range(max_length):
-        hidden = t.decoder(model.tgt_embed(tokens[:, -1:], start=step), memory, None, memory_mask, caches)
-        logits = model.head(hidden[:, -1])
-        if hasattr(logits, "full_tensor"):  # tensor parallel: the head's output is a vocab-sharded DTensor
+        logits = model.decode(tokens[:, -1:], memory, src_pad, caches=caches, start=step)[:, -1]
+        if isinstance(logits, DTensor):  # tensor parallel: the head's output is vocab-sharded
             logits = logits.full_tensor()
         next_token = logits.argmax(-1).masked_fill(done, PAD)
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
@@ -61,15 +62,7 @@ def translate(model: Seq2SeqModel, tokenizer: Tokenizer, sentences: list[str], s
     return out
 
 
-def evaluate_bleu(model: Seq2SeqModel, tokenizer: Tokenizer, pairs: list[tuple[str, str]], src_seq_length: int,
-                  tgt_seq_length: int) -> dict:
-    """BLEU of greedy translations of the sources in ``pairs`` against their targets, and a few examples."""
-    hypotheses = translate(model, tokenizer, [s for s, _ in pairs], src_seq_length, tgt_seq_length)
-    return {"bleu": bleu(hypotheses, [t for _, t in pairs]),
-            "examples": [{"source": s, "reference": t, "hypothesis": h} for (s, t), h in list(zip(pairs, hypotheses))[:3]]}
-
-
-class TranslateError(RuntimeError):
+class TranslateError(UserError, RuntimeError):
     """A checkpoint or tokenizer that ``paratrain translate`` cannot use; the message says why."""
 
 
@@ -127,53 +120,57 @@ def load_translation_model(checkpoint: str | Path, config: str | Path | None = N
 
 
 class BleuEvaluator:
-    """BLEU of greedy translations of the first ``data.eval_samples`` held-out pairs, every ``train.eval_steps``.
+    """BLEU of greedy translations of held-out ``pairs`` every ``every`` steps.
 
     Every rank decodes (under FSDP and tensor parallelism the forward is collective);
-    only rank 0's record gets ``bleu``.
+    only the main rank's record gets ``bleu``.
     """
 
-    def __init__(self, trainer, tokenizer: Tokenizer, pairs: list[tuple[str, str]]):
-        self.trainer, self.tokenizer, self.pairs = trainer, tokenizer, pairs
-        self.every = trainer.cfg.train.eval_steps
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, pairs: list[tuple[str, str]], every: int,
+                 src_seq_length: int, tgt_seq_length: int, is_main: bool):
+        self.model, self.tokenizer, self.pairs, self.every = model, tokenizer, pairs, every
+        self.lengths, self.is_main = (src_seq_length, tgt_seq_length), is_main
 
-    @classmethod
-    def for_trainer(cls, trainer) -> "BleuEvaluator | None":
-        """The evaluator of a run, or None (with one warning on rank 0 when eval_steps is set but cannot apply)."""
-        from paratrain.data.loader import load_tokenizer
-        from paratrain.data.wmt14 import read_pairs
-
-        cfg = trainer.cfg
-        if cfg.train.eval_steps <= 0:
-            return None
-        why = None
-        if cfg.model.kind != "transformer" or cfg.data.kind != "translation":
-            why = (f"BLEU needs the encoder-decoder on a translation dataset (model.kind={cfg.model.kind!r}, "
-                   f"data.kind={cfg.data.kind!r})")
-        elif trainer.pipeline is not None:
-            why = "BLEU is not computed under pipeline parallelism (parallel.pipeline_stage > 1)"
-        elif not cfg.data.eval_path:
-            why = "BLEU needs held-out pairs: set data.eval_path"
-        if why:
-            if trainer.is_main:
-                warnings.warn(f"train.eval_steps={cfg.train.eval_steps}: {why}; no BLEU in this run", stacklevel=3)
-            return None
-        return cls(trainer, load_tokenizer(cfg), read_pairs(cfg.data.eval_path)[: cfg.data.eval_samples])
+    def due(self, step: int) -> bool:
+        """Whether ``step`` (counting from 1) is evaluated: a multiple of ``every``."""
+        return step % self.every == 0 and bool(self.pairs)
 
     def __call__(self, step: int, record: dict) -> None:
-        """At a multiple of eval_steps (``step`` counts from 1), decode and put ``bleu`` in rank 0's ``record``."""
-        if step % self.every or not self.pairs:
+        """When ``step`` is ``due``, decode and put ``bleu`` in the main rank's record."""
+        if not self.due(step):
             return
-        model, m = self.trainer.model, self.trainer.cfg.model
-        root_sharded = hasattr(model, "unshard")  # FSDP2 root: its own parameters (embeddings, head) stay sharded
+        root_sharded = isinstance(self.model, FSDPModule)  # its own parameters (embeddings, head) stay sharded
         if root_sharded:
-            model.unshard()
+            self.model.unshard()
         try:
-            hypotheses = translate(model, self.tokenizer, [s for s, _ in self.pairs], m.src_seq_length,
-                                   m.tgt_seq_length)
+            hypotheses = translate(self.model, self.tokenizer, [s for s, _ in self.pairs], *self.lengths)
         finally:
             if root_sharded:
-                model.reshard()
-            model.train()
-        if self.trainer.is_main:
+                self.model.reshard()
+            self.model.train()
+        if self.is_main:
             record["bleu"] = bleu(hypotheses, [t for _, t in self.pairs])
+
+
+def bleu_evaluator(cfg, model_parts: list[nn.Module], pipelined: bool, is_main: bool) -> BleuEvaluator | None:
+    """The BLEU evaluator a run's config asks for (``train.eval_steps``), or None -- with one warning on the
+    main rank when eval_steps is set but cannot apply."""
+    from paratrain.data.loader import load_tokenizer
+    from paratrain.data.wmt14 import read_pairs
+
+    if cfg.train.eval_steps <= 0:
+        return None
+    why = None
+    if cfg.model.kind != "transformer" or cfg.data.kind != "translation":
+        why = (f"BLEU needs the encoder-decoder on a translation dataset (model.kind={cfg.model.kind!r}, "
+               f"data.kind={cfg.data.kind!r})")
+    elif pipelined:
+        why = "BLEU is not computed under pipeline parallelism (parallel.pipeline_stage > 1)"
+    elif not cfg.data.eval_path:
+        why = "BLEU needs held-out pairs: set data.eval_path"
+    if why:
+        if is_main:
+            warnings.warn(f"train.eval_steps={cfg.train.eval_steps}: {why}; no BLEU in this run", stacklevel=2)
+        return None
+    return BleuEvaluator(model_parts[0], load_tokenizer(cfg), read_pairs(cfg.data.eval_path)[: cfg.data.eval_samples],
+                         cfg.train.eval_steps, cfg.model.src_seq_length, cfg.model.tgt_seq_length, is_main)

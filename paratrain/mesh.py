@@ -11,21 +11,23 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paratrain.config import ParallelConfig
+from paratrain.device import device
 
 
 class Layout:
-    """A ParallelConfig placed on the processes of this job: mesh, groups and this rank's coordinates."""
+    """A ParallelConfig placed on the processes of this job: its device, mesh, groups and this rank's
+    coordinates."""
 
     def __init__(self, config: ParallelConfig, world_size: int = 1):
         self.config = config
         self.world_size = world_size
+        self.device = device()
         self.mesh: DeviceMesh | None = None
         if world_size > 1:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
             sharded = config.effective_zero_stage > 0
             shape = (config.pipeline_stage, 1 if sharded else config.data_parallel,
                      config.data_parallel if sharded else 1, config.model_parallel)
-            self.mesh = init_device_mesh(device, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+            self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
 
     def _coordinate(self, dim: str) -> int:
         return self.mesh.get_local_rank(dim) if self.mesh is not None else 0

@@ -6,15 +6,14 @@ import math
 
 import torch
 
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from paratrain.device import DTYPES
 
 
-def autocast(mixed_precision: str):
+def autocast(mixed_precision: str, device: torch.device):
     """Forward in bf16/fp16 where safe (matmuls), fp32 elsewhere; parameters stay fp32."""
     if mixed_precision == "none":
         return contextlib.nullcontext()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.autocast(device, dtype=COMPUTE_DTYPES[mixed_precision])
+    return torch.autocast(device.type, dtype=DTYPES[mixed_precision])
 
 
 class LossScaler:
@@ -38,11 +37,14 @@ class LossScaler:
                 if p.grad is not None:
                     p.grad.mul_(1.0 / self.scale)
 
-    def update(self, grad_norm: float) -> bool:
-        """Record one step from its (unscaled) gradient norm; returns True when it must be skipped."""
+    def update(self, grad_norm: torch.Tensor) -> bool:
+        """Record one step from its (unscaled) gradient norm; returns True when it must be skipped.
+
+        With fp16 this reads the norm on the host: the one step-time synchronisation the skip decision needs.
+        """
         if not self.enabled:
             return False
-        if not math.isfinite(grad_norm):
+        if not math.isfinite(grad_norm.item()):
             self.scale /= 2
             self.good_steps = 0
             self.skipped_steps += 1

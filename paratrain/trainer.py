@@ -2,25 +2,26 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import torch
+from torch import nn
 
 from paratrain.checkpoint import Checkpointer
 from paratrain.config import Config, check
 from paratrain.data.loader import ShardedBatches, build_dataset
+from paratrain.device import DTYPES
 from paratrain.distributed import init_from_env
+from paratrain.evaluate import bleu_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
 from paratrain.models import build_model, token_loss_sum
 from paratrain.optim import build_optimizer, build_scheduler, clip_grad_norm
 from paratrain.parallel import parallelize
 from paratrain.parallel.loss import loss_context, whole
-from paratrain.parallel.pipeline import Pipeline
 from paratrain.precision import LossScaler, autocast
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ON_DEVICE = ("loss", "grad_norm", "tokens")  # record values that stay on the device until a logged step
 
 
 class TrainingDiverged(RuntimeError):
@@ -28,27 +29,26 @@ class TrainingDiverged(RuntimeError):
 
 
 class Trainer:
-    """Trains the model a Config describes and logs one record per step.
+    """Trains the model a finished Config describes (``parallel.auto`` already resolved) and logs one
+    record per step.
 
     The loss of a step is the summed token cross-entropy of every micro-batch
     divided by the non-pad target tokens of the whole global batch, so it does
-    not depend on how the batch is split.
+    not depend on how the batch is split. Loss, gradient norm and token count stay
+    on the device and reach the host together at logged steps (``metrics.log_steps``),
+    checkpoints and evaluations, so other steps do not wait for the device.
     """
 
     def __init__(self, cfg: Config):
         rank, world_size = init_from_env()
-        if cfg.parallel.auto:  # parallel.auto: the planner picks the layout for this world size
-            from paratrain.plan import choose_layout
-            cfg.parallel, why = choose_layout(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-            if rank == 0:
-                print(why, flush=True)
-        self.cfg = check(cfg, world_size)
+        self.cfg = check(cfg, world_size, resolved=True)
         self.layout = Layout(cfg.parallel, world_size)
+        self.device = self.layout.device
         torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then shards it
         model = build_model(cfg.model).to(DTYPES[cfg.model.dtype])
-        parallel = parallelize(model, cfg.parallel, self.layout, loss_fn=self._loss)
-        self.pipeline = parallel if isinstance(parallel, Pipeline) else None
-        self.model = self.pipeline.modules if self.pipeline else parallel  # every parameter of this rank
+        self.model_parts, self.pipeline = parallelize(model, cfg.parallel, self.layout, loss_fn=self._loss)
+        # every parameter of this rank as one module
+        self.model = self.model_parts[0] if len(self.model_parts) == 1 else nn.ModuleList(self.model_parts)
         torch.manual_seed(cfg.run.seed + self.layout.dp_rank)  # dropout: shared by tensor-parallel peers
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
@@ -65,50 +65,82 @@ class Trainer:
         if self.is_main:
             cfg.save(self.run_dir / "config.toml")
         self.metrics = MetricsLogger(self.run_dir, cfg.metrics, cfg.train.steps, enabled=self.is_main)
-        self.timer = StepTimer(cfg.metrics, cfg.model, self.pipeline, self.layout.dp_size)  # mfu, memory, breakdown
-        self.step = 0
-        self.checkpointer = Checkpointer(self)  # checkpoint.dir, default <run dir>/checkpoints
+        self.timer = StepTimer(cfg.metrics, cfg.model, self.pipeline, self.layout.dp_size, self.device)
+        if self.is_main:
+            print(f"mfu: peak {self.timer.peak_tflops:.4g} TFLOP/s for the job ({self.timer.peak_source})", flush=True)
+        self.checkpointer = Checkpointer(cfg, self.layout, self.model_parts, self.optimizer, self.scheduler,
+                                         {"loss_scaler": self.loss_scaler, "data": self.data})
         self.step = self.checkpointer.resume()  # checkpoint.resume: "auto" | path | "none"
+        self.evaluator = bleu_evaluator(cfg, self.model_parts, self.pipeline is not None, self.is_main)
+        self._pending: list[dict] = []  # records whose device values are not on the host yet
+        self._window_start, self._outside = time.perf_counter(), 0.0
 
     def train(self) -> list[dict]:
         """Run until ``train.steps``; returns every step's record."""
         history = []
-        evaluate = self.bleu_evaluator()  # None unless train.eval_steps applies (warns once if it cannot)
+        self._window_start, self._outside = time.perf_counter(), 0.0
         try:
             while self.step < self.cfg.train.steps:
                 record = self.train_step()
-                if evaluate is not None:
-                    evaluate(self.step + 1, record)  # every rank decodes; rank 0's record gets "bleu"
                 history.append(record)
-                if self.metrics.should_log(self.step) or "bleu" in record:
-                    self.metrics.log(record)
                 self.step += 1
+                self.metrics.advance(self.step)
+                outside = time.perf_counter()  # time between steps: not part of any step's time
+                if self.evaluator is not None:
+                    self.evaluator(self.step, record)  # every rank decodes; the main rank's record gets "bleu"
+                if self.metrics.should_log(self.step - 1) or "bleu" in record:
+                    self.metrics.log(record)
                 self.checkpointer.maybe_save(self.step)
+                self._outside += time.perf_counter() - outside
         finally:
             self.metrics.close()
         return history
 
-    def bleu_evaluator(self):
-        """BLEU on held-out pairs every ``train.eval_steps`` (paratrain.evaluate.BleuEvaluator), or None."""
-        from paratrain.evaluate import BleuEvaluator
-        return BleuEvaluator.for_trainer(self)
+    def _to_host(self, records: list[dict]) -> None:
+        """Bring the records' device values to the host in one copy and finish them (rates, mfu, memory).
+
+        Their step times are shares of the wall time since the last such point (the device
+        has finished their work now), minus the time spent between steps.
+        """
+        values = torch.stack([r[k].double() for r in records for k in ON_DEVICE]).tolist()
+        now = time.perf_counter()
+        window = now - self._window_start - self._outside
+        host = sum(r["step_time_s"] for r in records)
+        self._window_start, self._outside = now, 0.0
+        for i, r in enumerate(records):
+            r.update(zip(ON_DEVICE, values[i * len(ON_DEVICE):(i + 1) * len(ON_DEVICE)]))
+            r["tokens"] = int(r["tokens"])
+            if not math.isfinite(r["loss"]):
+                raise TrainingDiverged(f"loss is {r['loss']} at step {r['step']}: lower train.lr, "
+                                       f"raise train.warmup_steps or check the data")
+            r["step_time_s"] *= window / host if host > 0 else 1.0
+            r.update(tokens_per_s=r["tokens"] / r["step_time_s"],
+                     samples_per_s=self.cfg.train.global_batch_size / r["step_time_s"])
+            self.timer.rates(r)
 
     def train_step(self) -> dict:
-        """One optimizer step; its record gets mfu, memory and (``metrics.breakdown``) the time breakdown."""
+        """One optimizer step. Its record's loss, grad norm and token count stay device tensors until a
+        step that is logged, saved, evaluated or the last: then they and those of the steps before it
+        come to the host together. With ``metrics.breakdown`` the record gets the time breakdown."""
+        start = time.perf_counter()
         with self.timer.step():
             record = self._train_step()
-        record = self.timer.finish(record)
-        self.metrics.advance(record)  # progress bar
+        record["step_time_s"] = time.perf_counter() - start
+        self._pending.append(self.timer.finish(record))
+        step = record["step"]
+        if (self.metrics.should_log(step - 1) or self.checkpointer.due(step) or step == self.cfg.train.steps
+                or (self.evaluator is not None and self.evaluator.due(step))):
+            self._to_host(self._pending)
+            self._pending = []
         return record
 
     def _train_step(self) -> dict:
-        start = time.perf_counter()
-        batch = self.data.batch(self.step)
-        self.timer.observe_batch(batch)
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in self.data.batch(self.step).items()}
+        flops = self.timer.observe_batch(batch)
         num_tokens = self.layout.all_reduce_dp((batch["labels"] != self.cfg.model.ignore_index).sum())
         self.model.train()
         if self.pipeline:
-            with loss_context(self.cfg.parallel), autocast(self.cfg.train.mixed_precision), \
+            with loss_context(self.cfg.parallel), autocast(self.cfg.train.mixed_precision, self.device), \
                     self.timer.phase("pipeline"):
                 loss = self.pipeline.step(batch, {"num_tokens": num_tokens})
         else:
@@ -116,24 +148,18 @@ class Trainer:
         loss /= self.layout.dp_size * self.loss_scaler.scale
         self.layout.all_reduce_dp(loss)
         self.layout.all_reduce_pp(loss)  # only the last stage has it
-        if not math.isfinite(loss.item()):
-            raise TrainingDiverged(f"loss is {loss.item()} at step {self.step + 1}: lower train.lr, "
-                                   f"raise train.warmup_steps or check the data")
         lr = self.scheduler.get_last_lr()[0]
         with self.timer.phase("optimizer"):
             self.loss_scaler.unscale_(self.model.parameters())
             counted = self.pipeline.counted_in_norm() if self.pipeline else None
             grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip, counted,
-                                       self.layout.pp_group).item()
+                                       self.layout.pp_group)
             if not self.loss_scaler.update(grad_norm):  # an fp16 overflow skips the update and the LR step
                 self.optimizer.step()
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        step_time = time.perf_counter() - start
-        tokens = int(num_tokens)
-        record = {"step": self.step + 1, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
-                  "step_time_s": step_time, "tokens": tokens, "tokens_per_s": tokens / step_time,
-                  "samples_per_s": self.cfg.train.global_batch_size / step_time}
+        record = {"step": self.step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": num_tokens,
+                  "flops": flops}
         if self.loss_scaler.enabled:
             record.update(loss_scale=self.loss_scaler.scale, skipped_steps=self.loss_scaler.skipped_steps)
         return record
@@ -148,13 +174,13 @@ class Trainer:
         """Gradient accumulation over ``micro_batch_num`` micro-batches; returns the summed (scaled) loss."""
         micro_batches = [dict(zip(batch, parts)) for parts in
                          zip(*(v.chunk(self.cfg.parallel.micro_batch_num) for v in batch.values()))]
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=self.device)
         for i, micro in enumerate(micro_batches):
             self._sync_gradients(last_micro_batch=i == len(micro_batches) - 1)
             labels = micro.pop("labels")
             with loss_context(self.cfg.parallel):
                 with self.timer.phase("forward"):
-                    with autocast(self.cfg.train.mixed_precision):
+                    with autocast(self.cfg.train.mixed_precision, self.device):
                         logits = self.model(**micro)
                     micro_loss = self._loss(logits, labels, num_tokens)
                 with self.timer.phase("backward"):

@@ -8,23 +8,17 @@ import argparse
 import sys
 from pathlib import Path
 
+from paratrain.errors import UserError
 
-def cmd_translate(args, rest: list[str]) -> int:
-    from paratrain.cli import _split_overrides
 
-    overrides = _split_overrides(rest)  # a ConfigError here is reported by paratrain.cli.main (exit 2)
+def cmd_translate(args) -> int:
     try:
         lines = Path(args.input).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        print(f"paratrain: cannot read --input {args.input}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    from paratrain.checkpoint.storage import CheckpointError
-    from paratrain.evaluate import TranslateError, load_translation_model, translate_lines
-    try:
-        model, cfg, tokenizer = load_translation_model(args.checkpoint, args.config, overrides)
-    except (CheckpointError, TranslateError) as exc:
-        print(f"paratrain: {exc}", file=sys.stderr)
-        return 2
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read --input {args.input}: {getattr(exc, 'strerror', None) or exc}") from None
+    from paratrain.evaluate import load_translation_model, translate_lines
+
+    model, cfg, tokenizer = load_translation_model(args.checkpoint, args.config, args.overrides)
     out = translate_lines(model, tokenizer, lines, cfg.model.src_seq_length, cfg.model.tgt_seq_length,
                           args.batch_size)
     text = "".join(line + "\n" for line in out)
@@ -38,7 +32,7 @@ def cmd_translate(args, rest: list[str]) -> int:
     return 0
 
 
-def add_subcommand(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     """Register ``translate`` on the ``paratrain`` command."""
     p = sub.add_parser("translate", help="translate a file line by line with a trained encoder-decoder checkpoint "
                                          "(greedy decoding with a key/value cache, one process)")
@@ -49,4 +43,4 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="TOML config to use instead of the one stored with the checkpoint; "
                                     "either can be overridden as --section.key=value (e.g. --data.tokenizer=PATH)")
     p.add_argument("--batch-size", type=int, default=64, help="sentences decoded together (default 64)")
-    p.set_defaults(func=cmd_translate)
+    p.set_defaults(func=cmd_translate, overrides=True)

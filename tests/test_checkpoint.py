@@ -155,8 +155,8 @@ def _killed_save(run_dir):
     torch.set_num_threads(1)
     seen = []
 
-    def fault(self, stage):
-        if stage == "shards_written" and self.trainer.step == 8:
+    def fault(self, stage, step):
+        if stage == "shards_written" and step == 8:
             (Path(run_dir) / "losses.json").write_text(json.dumps(seen))
             os._exit(9)
     core.Checkpointer._fault_point = fault
@@ -288,8 +288,6 @@ def test_pipeline_chunks_keep_original_names(one_process, tmp_path):
     """Chunks as a pipeline stage holds them (copies of the model with the other layers removed,
     the word table held by both) save and load through the same code, by original names."""
     import copy
-    from types import SimpleNamespace
-
     from torch import nn
 
     from paratrain.checkpoint import Checkpointer
@@ -297,18 +295,16 @@ def test_pipeline_chunks_keep_original_names(one_process, tmp_path):
     from paratrain.precision import LossScaler
     full = one_process["full"]
     first, last = copy.deepcopy(full.model), copy.deepcopy(full.model)
-    first.transformer.decoder.layers, first.head = nn.ModuleList(), None
-    last.transformer.encoder.layers, last.src_embed.position = nn.ModuleList(), None
+    first.transformer.decoder.layers, first.head = nn.ModuleDict(), None
+    last.transformer.encoder.layers, last.src_embed.position = nn.ModuleDict(), None
     for chunk in (first, last):
         for p in chunk.parameters():
             p.data.zero_()
     stage = nn.ModuleList([first, last])
     cfg = config(tmp_path)
     optimizer = build_optimizer(stage, cfg.train)
-    fake = SimpleNamespace(cfg=cfg, layout=full.layout, model=stage, optimizer=optimizer,
-                           scheduler=build_scheduler(optimizer, cfg.train), loss_scaler=LossScaler(False),
-                           data=full.data, run_dir=tmp_path, step=0)
-    checkpointer = Checkpointer(fake)
+    checkpointer = Checkpointer(cfg, full.layout, [first, last], optimizer, build_scheduler(optimizer, cfg.train),
+                                {"loss_scaler": LossScaler(False), "data": full.data})
     checkpointer.load(ckpt(one_process["root"] / "full", 8))
     want = full.model.state_dict()
     for chunk in (first, last):

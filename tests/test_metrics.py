@@ -76,14 +76,17 @@ def test_flops_count_every_matmul_weight():
     b, s, h, layers = 3, 7, cfg.hidden_size, cfg.decoder_layers
     assert gpt_flops(cfg, b, s) == 6 * b * s * weights + 12 * b * h * layers * s * s
 
-    cfg = tiny_config().model  # encoder-decoder: encoder weights see source tokens, decoder + head target ones
+    # encoder-decoder: encoder weights and the cross-attention K/V projections see source tokens (the
+    # memory), the rest of the decoder and the head target ones
+    cfg = tiny_config().model
     model = build_model(cfg)
-    encoder = sum(m.weight.numel() for m in model.transformer.encoder.modules() if isinstance(m, nn.Linear))
-    decoder = sum(m.weight.numel() for m in model.transformer.decoder.modules() if isinstance(m, nn.Linear))
-    decoder += model.head.weight.numel()
+    linears = {name: m.weight.numel() for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    source_side = sum(n for name, n in linears.items() if name.startswith("transformer.encoder.")
+                      or name.endswith(("cross_attn.k_proj", "cross_attn.v_proj")))
+    target_side = sum(linears.values()) - source_side
     S, T, L = 5, 6, cfg.decoder_layers
     attention = 12 * b * h * (cfg.encoder_layers * S * S + L * (T * T + T * S))
-    assert transformer_flops(cfg, b, S, T) == 6 * b * (S * encoder + T * decoder) + attention
+    assert transformer_flops(cfg, b, S, T) == 6 * b * (S * source_side + T * target_side) + attention
 
 
 def test_gpu_table_and_override():

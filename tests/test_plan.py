@@ -253,13 +253,15 @@ def test_choose_layout_and_auto_validation():
         best["data_parallel"], best["model_parallel"], best["pipeline_stage"])
 
 
-def test_trainer_with_parallel_auto(tmp_path, capsys):
+def test_parallel_auto_resolved_before_the_trainer(tmp_path, capsys):
     from conftest import tiny_config
     from paratrain.trainer import Trainer
 
+    from paratrain.plan import resolve_auto
+
     cfg = tiny_config(run={"dir": str(tmp_path / "run")}, parallel={"auto": True, "data_parallel": 4},
                       train={"steps": 1}, metrics={"peak_tflops": 1.0, "progress": False})
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_auto(cfg, 1))  # what `paratrain train` does before building the trainer
     assert trainer.cfg.parallel.world_size == 1
     assert "parallel.auto: chose" in capsys.readouterr().out
     assert trainer.cfg.parallel.recompute == "none"  # memory is no limit here, recompute only costs time

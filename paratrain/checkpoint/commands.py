@@ -3,35 +3,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 
-def cmd_export(args, rest: list[str]) -> int:
-    import torch
+def cmd_export(args) -> int:
+    from paratrain.checkpoint import export
+    from paratrain.device import DTYPES
 
-    from paratrain.checkpoint import CheckpointError, export
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    try:
-        out = export(args.checkpoint, args.out, dtype=dtype)
-    except CheckpointError as exc:
-        print(f"paratrain: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
+    print(f"wrote {export(args.checkpoint, args.out, dtype=DTYPES[args.dtype] if args.dtype else None)}")
     return 0
 
 
-def cmd_info(args, rest: list[str]) -> int:
-    from paratrain.checkpoint import CheckpointError, format_info, info
-    try:
-        summary = info(args.checkpoint)
-    except CheckpointError as exc:
-        print(f"paratrain: {exc}", file=sys.stderr)
-        return 2
+def cmd_info(args) -> int:
+    from paratrain.checkpoint import format_info, info
+
+    summary = info(args.checkpoint)
     print(json.dumps(summary, indent=1) if args.json else format_info(summary, all_tensors=args.all))
     return 0
 
 
-def add_subcommands(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     """Register ``export`` and ``checkpoint info`` on the ``paratrain`` command."""
     exp = sub.add_parser("export", help="write a checkpoint's model to one .safetensors file (plain parameter names)")
     exp.add_argument("checkpoint", help="a checkpoint directory (step_*), or a checkpoints/run directory: the newest")

@@ -1,16 +1,15 @@
 """Saving and resuming a training run: sliced per rank through DCP, atomic, reshardable.
 
-The trainer hands over itself; the checkpointer reads what it needs when it saves or
-loads, so a trainer may change its parts between the two:
+The trainer hands the checkpointer what it saves (as torchtitan's CheckpointManager):
 
-- ``model`` and ``optimizer``; or pipeline chunks: ``model_parts`` (or a ``model`` that is an
-  ``nn.ModuleList`` of chunks) under one ``optimizer``, or with ``optimizers``, one per part.
+- ``model_parts``: the model, or this rank's pipeline chunks, under one ``optimizer``.
   A pipeline chunk that holds only some layers, under their original parameter names,
   saves and loads through the same code: every rank contributes the keys it holds,
   DCP's index is their union (a tied table held by two stages is one entry), and on
   load each rank asks for its own keys only, whatever layout wrote them.
-- ``scheduler``, ``loss_scaler``, ``data`` (``state_dict``/``load_state_dict``), ``layout``,
-  ``cfg``, ``run_dir`` and ``step``.
+- the LR ``scheduler`` (its counters), and ``states``: named objects with
+  ``state_dict``/``load_state_dict`` (loss scale, data position);
+- the run's ``Config`` and ``Layout``, recorded with the checkpoint.
 
 Model and optimizer state come from ``torch.distributed.checkpoint.state_dict``
 (``get_state_dict``/``set_state_dict``, optimizer state flattened to
@@ -42,6 +41,10 @@ from paratrain.checkpoint.storage import (DCP_METADATA, FORMAT_VERSION, INTEGRAT
                                           TMP_PREFIX, CheckpointError, dcp_load, dcp_save, fsync_dir, newest_complete, rank_file_name, resolve, step_dir_name,
                                           step_dirs, tensor_entries, verify, write_atomic)
 
+from paratrain.config import Config
+from paratrain.device import device
+from paratrain.mesh import Layout
+
 log = logging.getLogger("paratrain.checkpoint")
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -62,14 +65,14 @@ def _all_ok(ok: bool) -> bool:
     """True when ``ok`` holds on every rank."""
     if not dist.is_initialized():
         return ok
-    flag = torch.tensor([1 if ok else 0])
+    flag = torch.tensor([1 if ok else 0], device=device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
-def layout_dict(trainer) -> dict:
+def layout_dict(layout: Layout) -> dict:
     """The layout a run uses, with every rank's (pp, dp, tp) coordinates."""
-    cfg, layout = trainer.cfg.parallel, trainer.layout
+    cfg = layout.config
     rank, world = _rank_world()
     coords = [layout.pp_rank, layout.dp_rank, layout.tp_rank]
     if dist.is_initialized():
@@ -107,60 +110,47 @@ def _like(value, template):
 
 
 class Checkpointer:
-    """Saves every ``checkpoint.save_steps`` steps and resumes a trainer from a checkpoint."""
+    """Saves every ``checkpoint.save_steps`` steps and resumes a run from a checkpoint.
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        ckpt = trainer.cfg.checkpoint
-        self.cfg = ckpt
-        self.root = Path(ckpt.dir) if ckpt.dir else Path(trainer.run_dir) / "checkpoints"
+    ``model_parts``: the model, or this rank's pipeline chunks, all under ``optimizer``;
+    ``states``: name -> object with ``state_dict``/``load_state_dict`` saved with them.
+    """
+
+    def __init__(self, config: Config, layout: Layout, model_parts: list[nn.Module],
+                 optimizer: torch.optim.Optimizer, scheduler, states: dict):
+        self.config, self.layout = config, layout
+        self.model_parts, self.optimizer, self.scheduler, self.states = model_parts, optimizer, scheduler, states
+        self.cfg = config.checkpoint
+        self.root = Path(self.cfg.dir) if self.cfg.dir else config.run.path / "checkpoints"
         self.last_saved_step: int | None = None
         self.resumed_from: Path | None = None
 
     # --- what is saved --------------------------------------------------------------------
 
-    def _groups(self) -> list[tuple[nn.Module, torch.optim.Optimizer, bool]]:
-        """(module, its optimizer, whether its first name component is a part index to strip).
-
-        One model: ``[(model, optimizer, False)]``. Parts (``model_parts``, or a ``model`` that
-        is an ``nn.ModuleList`` of pipeline chunks) under one optimizer: one ``ModuleList``
-        over them whose leading index is stripped, so keys are the original parameter names.
-        Parts with one optimizer each (``optimizers``): one group per part.
-        """
-        t = self.trainer
-        parts = getattr(t, "model_parts", None)
-        if parts is None:
-            parts = list(t.model) if isinstance(t.model, nn.ModuleList) else None
-        if parts is None:
-            return [(t.model, t.optimizer, False)]
-        optimizers = getattr(t, "optimizers", None)
-        if optimizers and len(optimizers) == len(parts) and len(parts) > 1:
-            return [(part, opt, False) for part, opt in zip(parts, optimizers)]
-        return [(nn.ModuleList(parts), t.optimizer, True)]
-
-    def _collect(self) -> list[tuple[nn.Module, torch.optim.Optimizer, dict, dict, dict[str, str]]]:
-        """Per group: (module, optimizer, model state, optimizer state, group key -> saved key)."""
-        out = []
-        for module, optimizer, strip in self._groups():
-            msd = get_model_state_dict(module, options=OPTIONS)
-            osd = get_optimizer_state_dict(module, optimizer, options=OPTIONS)
-            names = {k: MODEL_PREFIX + (k.split(".", 1)[1] if strip else k) for k in msd}
-            for k in osd:
-                kind, rest = k.split(".", 1)  # "state" | "param_groups", then <fqn>.<name>
-                names[k] = OPTIM_PREFIX + kind + "." + (rest.split(".", 1)[1] if strip else rest)
-            out.append((module, optimizer, msd, osd, names))
-        return out
+    def _collect(self) -> tuple[nn.Module, dict, dict, dict[str, str]]:
+        """(module, model state, optimizer state, state key -> saved key). The module is the model, or one
+        ``ModuleList`` over the parts whose leading index is stripped from the keys, so that keys are the
+        parameter names of the whole model."""
+        strip = len(self.model_parts) > 1
+        module = nn.ModuleList(self.model_parts) if strip else self.model_parts[0]
+        msd = get_model_state_dict(module, options=OPTIONS)
+        osd = get_optimizer_state_dict(module, self.optimizer, options=OPTIONS)
+        names = {k: MODEL_PREFIX + (k.split(".", 1)[1] if strip else k) for k in msd}
+        for k in osd:
+            kind, rest = k.split(".", 1)  # "state" | "param_groups", then <fqn>.<name>
+            names[k] = OPTIM_PREFIX + kind + "." + (rest.split(".", 1)[1] if strip else rest)
+        return module, msd, osd, names
 
     def _state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors for DCP keyed model.<fqn> / optim.<key>, the optimizer's non-tensor entries keyed
         without the optim. prefix). A weight held twice (a tied table in two chunks) is saved once."""
         tensors, settings = {}, {}
-        for _, _, msd, osd, names in self._collect():
-            for key, value in (msd | osd).items():
-                if isinstance(value, torch.Tensor):
-                    tensors.setdefault(names[key], value)
-                else:
-                    settings.setdefault(names[key][len(OPTIM_PREFIX):], value)
+        _, msd, osd, names = self._collect()
+        for key, value in (msd | osd).items():
+            if isinstance(value, torch.Tensor):
+                tensors.setdefault(names[key], value)
+            else:
+                settings.setdefault(names[key][len(OPTIM_PREFIX):], value)
         return tensors, settings
 
     def _rng_state(self) -> dict[str, torch.Tensor]:
@@ -172,14 +162,16 @@ class Checkpointer:
 
     # --- saving ---------------------------------------------------------------------------
 
-    def maybe_save(self, step: int) -> Path | None:
-        """Save when ``step`` is a multiple of ``checkpoint.save_steps`` (0: never)."""
-        if self.cfg.save_steps > 0 and step % self.cfg.save_steps == 0 and step != self.last_saved_step:
-            return self.save(step)
-        return None
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is to be saved: a multiple of ``checkpoint.save_steps`` (0: never), not saved yet."""
+        return self.cfg.save_steps > 0 and step % self.cfg.save_steps == 0 and step != self.last_saved_step
 
-    def _fault_point(self, stage: str) -> None:
-        """Hook for fault-injection tests (a save killed at ``stage``); does nothing."""
+    def maybe_save(self, step: int) -> Path | None:
+        """Save ``step`` if it is ``due``."""
+        return self.save(step) if self.due(step) else None
+
+    def _fault_point(self, stage: str, step: int) -> None:
+        """Hook for fault-injection tests (the save of ``step`` killed at ``stage``); does nothing."""
 
     def save(self, step: int) -> Path:
         """Write checkpoint ``step`` atomically; every rank calls it. Returns the final directory."""
@@ -193,7 +185,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-        layout = layout_dict(self.trainer)  # collective: also orders the mkdir before any write
+        layout = layout_dict(self.layout)  # collective: also orders the mkdir before any write
         tensors, settings = self._state()
         if dist.is_initialized():  # pipeline stages hold different parameters: rank 0 records them all
             gathered = [None] * world
@@ -205,10 +197,10 @@ class Checkpointer:
             random.getstate())})
         with open(rank_file, "rb+") as f:
             os.fsync(f.fileno())
-        self._fault_point("rank_state_written")
+        self._fault_point("rank_state_written", step)
         dcp_save(tensors, tmp)
         # dcp.save returns once every rank's shards are written and rank 0 wrote .metadata
-        self._fault_point("shards_written")
+        self._fault_point("shards_written", step)
         _barrier()  # every rank file is in place
 
         ok, error = True, None
@@ -228,19 +220,18 @@ class Checkpointer:
 
     def _commit(self, step: int, tmp: Path, final: Path, layout: dict, settings: dict) -> None:
         """Rank 0, after every rank finished writing: finish the directory, rename, point ``latest`` at it."""
-        t = self.trainer
         missing = [rank_file_name(r) for r in range(layout["world_size"]) if not (tmp / rank_file_name(r)).is_file()]
         if missing or not (tmp / DCP_METADATA).is_file():
             raise CheckpointError(f"checkpoint {tmp}: files missing after all ranks saved: "
                                   f"{missing or [DCP_METADATA]}")
         if self.cfg.integrated_save:
             # the whole model from the shards just written: same code path as `paratrain export`
-            _write_meta(tmp, step, t, layout, settings, files={})
+            self._write_meta(tmp, step, layout, settings, files={})
             export(tmp, tmp / INTEGRATED_FILE)
-        (tmp / "config.toml").write_text(t.cfg.to_toml())
+        (tmp / "config.toml").write_text(self.config.to_toml())
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file() and p.name != META_FILE}
-        _write_meta(tmp, step, t, layout, settings, files)
-        self._fault_point("meta_written")
+        self._write_meta(tmp, step, layout, settings, files)
+        self._fault_point("meta_written", step)
         fsync_dir(tmp)
         if final.exists():  # a checkpoint of this step from an earlier run, never pointed at or superseded
             old = final.with_name(TMP_PREFIX + "old-" + final.name)
@@ -249,9 +240,26 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         tmp.rename(final)
         fsync_dir(self.root)
-        self._fault_point("renamed")
+        self._fault_point("renamed", step)
         write_atomic(self.root / LATEST, final.name + "\n")
         self._prune(keep=final)
+
+    def _write_meta(self, directory: Path, step: int, layout: dict, settings: dict, files: dict) -> None:
+        sched = self.scheduler
+        meta = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "layout": layout,
+            "config": self.config.to_dict(),
+            "scheduler": {"last_epoch": sched.last_epoch, "_step_count": sched._step_count,
+                          "last_lr": sched.get_last_lr()[0]},
+            **{name: state.state_dict() for name, state in self.states.items()},
+            "optimizer_settings": {k: _json_value(v) for k, v in settings.items()},
+            "torch_version": torch.__version__,
+            "files": files,
+        }
+        write_atomic(directory / META_FILE, json.dumps(meta, indent=1, default=str))
 
     def _prune(self, keep: Path) -> None:
         """Keep the ``keep_max`` newest complete checkpoints; drop leftovers of killed saves."""
@@ -269,11 +277,11 @@ class Checkpointer:
         """Apply ``checkpoint.resume`` ("auto" | a path | "none"); returns the step to continue from."""
         spec = (self.cfg.resume or "none").strip()
         if spec.lower() == "none":
-            return self.trainer.step
+            return 0
         if spec.lower() == "auto":
             path = self._agreed_auto_path()
             if path is None:
-                return self.trainer.step
+                return 0
         else:
             path = resolve(spec)
         return self.load(path)
@@ -286,28 +294,27 @@ class Checkpointer:
             found = newest_complete(self.root)
             step = int(found.name.split("_")[1]) if found is not None else -1
         if dist.is_initialized():
-            box = torch.tensor([step], dtype=torch.int64)
+            box = torch.tensor([step], dtype=torch.int64, device=device())
             dist.broadcast(box, src=0)
             step = int(box.item())
         return None if step < 0 else self.root / step_dir_name(step)
 
     def load(self, path: str | Path) -> int:
-        """Load checkpoint ``path`` into the trainer (any layout that wrote it); returns its step."""
+        """Load checkpoint ``path`` (any layout wrote it) into the parts, optimizer, scheduler and states;
+        returns its step."""
         from safetensors import safe_open
 
         start = time.perf_counter()
         path = Path(path)
         meta, metadata = verify(path)  # on every rank: all raise the same error, none waits for the others
-        t = self.trainer
         rank, world = _rank_world()
         saved_keys = tensor_entries(metadata)
 
-        groups = self._collect()
+        module, msd, osd, names = self._collect()
         wanted: dict[str, torch.Tensor] = {}
-        for _, _, msd, osd, names in groups:
-            for key, value in (msd | osd).items():
-                if isinstance(value, torch.Tensor):
-                    wanted.setdefault(names[key], value)
+        for key, value in (msd | osd).items():
+            if isinstance(value, torch.Tensor):
+                wanted.setdefault(names[key], value)
         missing = [k for k in wanted if k not in saved_keys]
         if missing:
             raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors this model needs, e.g. "
@@ -325,26 +332,24 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path}: reading the shards failed: {exc}") from exc
 
         settings = meta["optimizer_settings"]
-        for module, optimizer, msd, osd, names in groups:
-            for sd in (msd, osd):
-                for key, value in list(sd.items()):
-                    name = names[key]
-                    if isinstance(value, torch.Tensor):
-                        if wanted[name] is not value:  # a second copy of a tied weight
-                            value.copy_(wanted[name])
-                    elif name[len(OPTIM_PREFIX):] in settings:
-                        sd[key] = _like(settings[name[len(OPTIM_PREFIX):]], value)
-            set_model_state_dict(module, msd, options=OPTIONS)
-            set_optimizer_state_dict(module, optimizer, osd, options=OPTIONS)
+        for sd in (msd, osd):
+            for key, value in list(sd.items()):
+                name = names[key]
+                if isinstance(value, torch.Tensor):
+                    if wanted[name] is not value:  # a second copy of a tied weight
+                        value.copy_(wanted[name])
+                elif name[len(OPTIM_PREFIX):] in settings:
+                    sd[key] = _like(settings[name[len(OPTIM_PREFIX):]], value)
+        set_model_state_dict(module, msd, options=OPTIONS)
+        set_optimizer_state_dict(module, self.optimizer, osd, options=OPTIONS)
 
+        # scheduler counters only: base_lrs follow the config and the param groups of this layout
         sched = meta["scheduler"]
-        for scheduler in getattr(t, "schedulers", None) or [t.scheduler]:
-            # counters only: base_lrs follow the config and the param groups of this layout
-            scheduler.last_epoch = sched["last_epoch"]
-            scheduler._step_count = sched["_step_count"]
-            scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
-        t.loss_scaler.load_state_dict(meta["loss_scaler"])
-        t.data.load_state_dict(meta["data"])
+        self.scheduler.last_epoch = sched["last_epoch"]
+        self.scheduler._step_count = sched["_step_count"]
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        for name, state in self.states.items():
+            state.load_state_dict(meta[name])
 
         source_rank = self._rng_source(meta["layout"], rank)
         rank_file = path / rank_file_name(source_rank)
@@ -361,40 +366,21 @@ class Checkpointer:
         except Exception as exc:
             raise CheckpointError(f"checkpoint {path}: {rank_file} is unreadable ({exc})") from None
 
-        t.step = int(meta["step"])
+        step = int(meta["step"])
         self.resumed_from = path
-        self.last_saved_step = t.step
+        self.last_saved_step = step
         if rank == 0:
             saved = meta["layout"]
             log.warning("checkpoint: resumed from %s (step %d, saved under dp %d x mp %d x pp %d, zero %d) in %.2f s",
-                        path, t.step, saved["data_parallel"], saved["model_parallel"], saved["pipeline_stage"],
+                        path, step, saved["data_parallel"], saved["model_parallel"], saved["pipeline_stage"],
                         saved["zero_stage"], time.perf_counter() - start)
-        return t.step
+        return step
 
     def _rng_source(self, saved: dict, rank: int) -> int:
         """Whose RNG state this rank continues: its own in the same layout; otherwise the saved rank
         with the same data-parallel index (dropout streams are per dp rank, shared by tp peers)."""
-        now = layout_dict(self.trainer)
+        now = layout_dict(self.layout)
         if _same_layout(saved, now):
             return rank
         dp = now["ranks"][rank]["dp"] % saved["data_parallel"]
         return next((r for r, c in enumerate(saved["ranks"]) if c["dp"] == dp and c["tp"] == 0 and c["pp"] == 0), 0)
-
-
-def _write_meta(directory: Path, step: int, trainer, layout: dict, settings: dict, files: dict) -> None:
-    sched = trainer.scheduler
-    meta = {
-        "format": FORMAT_VERSION,
-        "step": step,
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "layout": layout,
-        "config": trainer.cfg.to_dict(),
-        "scheduler": {"last_epoch": sched.last_epoch, "_step_count": sched._step_count,
-                      "last_lr": sched.get_last_lr()[0]},
-        "loss_scaler": trainer.loss_scaler.state_dict(),
-        "data": trainer.data.state_dict(),
-        "optimizer_settings": {k: _json_value(v) for k, v in settings.items()},
-        "torch_version": torch.__version__,
-        "files": files,
-    }
-    write_atomic(directory / META_FILE, json.dumps(meta, indent=1, default=str))

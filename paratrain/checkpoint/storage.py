@@ -39,6 +39,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from paratrain.errors import UserError
+
 log = logging.getLogger("paratrain.checkpoint")
 
 META_FILE = "paratrain.json"
@@ -50,7 +52,7 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used; the message names the directory or file and why."""
 
 

@@ -16,6 +16,8 @@ import re
 import tarfile
 from pathlib import Path
 
+from paratrain.errors import UserError
+
 _ATTR = re.compile(r"""(\w+)\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s>]+))""")
 _DOC = re.compile(r"<doc\b([^>]*)>(.*?)</doc\s*>", re.S | re.I)
 _SEG = re.compile(r"<seg\b([^>]*)>(.*?)</seg\s*>", re.S | re.I)
@@ -23,7 +25,7 @@ _LAYOUT_TAG = re.compile(r"</?(?:p|hl)\b[^>]*>", re.I)
 _SET_TAG = re.compile(r"</?(?:srcset|refset|tstset)\b[^>]*>", re.I)
 
 
-class SgmError(ValueError):
+class SgmError(UserError, ValueError):
     """A newstest file that cannot be read or paired; the message names the file, document and segment."""
 
 

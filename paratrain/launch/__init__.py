@@ -49,12 +49,10 @@ def _topology(args):
                              args.master_addr, args.master_port or 29500)
 
 
-def cmd_launch(args, rest: list[str]) -> int:
+def cmd_launch(args) -> int:
     args.words = args.words[1:] if args.words[:1] == ["--"] else args.words
-    if rest or not args.words:
-        print(f"paratrain launch: unexpected {rest}" if rest else
-              "paratrain launch: give the command to run after '--', e.g. -- train --config c.toml", file=sys.stderr)
-        return 2
+    if not args.words:
+        raise JobError("give the command to run after '--', e.g. -- train --config c.toml")
     slurm = slurm_from_env()
     name = joblib.check_name(args.name or (f"slurm-{slurm.job_id}" if slurm and slurm.nnodes > 1 and args.nnodes is None
                                             else joblib.new_name(args.words)))
@@ -148,7 +146,7 @@ def _detach(args, job: Job) -> int:
     return 0
 
 
-def cmd_jobs(args, rest: list[str]) -> int:
+def cmd_jobs(args) -> int:
     jobs = joblib.list_jobs()
     if args.name:
         jobs = [j for j in jobs if j.name in args.name]
@@ -156,7 +154,7 @@ def cmd_jobs(args, rest: list[str]) -> int:
     return 0
 
 
-def cmd_logs(args, rest: list[str]) -> int:
+def cmd_logs(args) -> int:
     job = joblib.load(args.name)
     if not 0 <= args.rank < job.world_size:
         raise JobError(f"job {job.name} has ranks 0..{job.world_size - 1}, not {args.rank}")
@@ -167,23 +165,12 @@ def cmd_logs(args, rest: list[str]) -> int:
     return 0
 
 
-def cmd_stop(args, rest: list[str]) -> int:
+def cmd_stop(args) -> int:
     joblib.stop(joblib.load(args.name), grace_s=args.grace)
     return 0
 
 
-def _errors_to_exit(func):
-    """Run a subcommand; a HostError or JobError becomes a one-line message and exit code 2."""
-    def run(args, rest):
-        try:
-            return func(args, rest)
-        except (HostError, JobError) as exc:
-            print(f"paratrain {args.command_name}: {exc}", file=sys.stderr)
-            return 2
-    return run
-
-
-def add_subcommands(sub) -> None:
+def register(sub) -> None:
     """Add ``launch``, ``jobs``, ``logs`` and ``stop`` to the ``paratrain`` subcommand parser."""
     p = sub.add_parser("launch", help="start a job: one process per rank with torchrun, on one or many nodes",
                        description="Start NAME: every rank runs 'python -m paratrain COMMAND...'.")
@@ -202,20 +189,20 @@ def add_subcommands(sub) -> None:
     p.add_argument("--collective-timeout", type=float, help="seconds before a stuck collective fails (default 600)")
     p.add_argument("words", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                    help="the paratrain subcommand each rank runs, e.g. -- train --config c.toml")
-    p.set_defaults(func=_errors_to_exit(cmd_launch), command_name="launch")
+    p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("jobs", help="list jobs: state, ranks, elapsed time, last step and loss")
     p.add_argument("name", nargs="*", help="only these jobs")
-    p.set_defaults(func=_errors_to_exit(cmd_jobs), command_name="jobs")
+    p.set_defaults(func=cmd_jobs)
 
     p = sub.add_parser("logs", help="print a rank's log of a job")
     p.add_argument("name")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--tail", type=int, default=100, help="number of last lines to print (default 100)")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
-    p.set_defaults(func=_errors_to_exit(cmd_logs), command_name="logs")
+    p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("stop", help="stop a job: SIGTERM to every rank, then SIGKILL after a grace period")
     p.add_argument("name")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)")
-    p.set_defaults(func=_errors_to_exit(cmd_stop), command_name="stop")
+    p.set_defaults(func=cmd_stop)

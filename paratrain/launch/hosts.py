@@ -16,12 +16,14 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from paratrain.errors import UserError
+
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
 _USER = re.compile(r"[A-Za-z_][A-Za-z0-9._-]{0,31}")
 
 
-class HostError(ValueError):
+class HostError(UserError, ValueError):
     """A hostfile, rank table or host list that cannot be used; the message names the file and line."""
 
 

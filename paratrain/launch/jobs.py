@@ -16,11 +16,13 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from paratrain.errors import UserError
+
 ACTIVE = ("starting", "running")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-class JobError(ValueError):
+class JobError(UserError, ValueError):
     """A job that does not exist, a bad job name, or an operation its state does not allow."""
 
 

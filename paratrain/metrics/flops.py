@@ -5,6 +5,7 @@ costs 2mkn forward and twice that backward, so every weight used once per token
 costs 6 FLOPs per token per step; attention adds QK^T and (softmax)V, 4·Tq·Tk·H
 forward per layer and batch row, times 3 for training. Embedding lookups, norms,
 softmax and the loss are not counted; padded positions are (the matmuls run on them).
+This is the one FLOP model: the trainer's MFU and the planner (``paratrain.plan``) use it.
 """
 from __future__ import annotations
 
@@ -28,23 +29,50 @@ GPU_PEAK_TFLOPS = [
 ]
 
 
-def transformer_flops(cfg: ModelConfig, batch_size: int, src_length: int, tgt_length: int) -> float:
-    """Training FLOPs (forward + backward) of the encoder-decoder on a (batch, src) x (batch, tgt) batch."""
-    h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
-    encoder = cfg.encoder_layers * (4 * h * h + 2 * h * f)  # q, k, v, out + ffn weights used per source token
-    decoder = cfg.decoder_layers * (8 * h * h + 2 * h * f) + h * v  # + cross-attention and the head
-    dense = 6 * batch_size * (src_length * encoder + tgt_length * decoder)
-    attention = 12 * batch_size * h * (cfg.encoder_layers * src_length ** 2
-                                       + cfg.decoder_layers * (tgt_length ** 2 + tgt_length * src_length))
-    return float(dense + attention)
+def layer_flops(m: ModelConfig, decoder: bool, batch: int, lengths: tuple[int, int] | None = None) -> dict:
+    """Forward FLOPs of one layer on ``batch`` sequences: its weight matmuls (``dense``) and attention's
+    QK^T and (softmax)V (``core``).
+
+    ``lengths``: (source, target) lengths of the encoder-decoder, or (seq, seq) of GPT; default the
+    configured ones. Encoder and GPT layers see their own sequence; a decoder layer's self-attention
+    and FFN see the target, its cross-attention queries target positions while its K and V
+    projections run over the source (the memory).
+    """
+    h, f = m.hidden_size, m.ffn_hidden_size
+    if lengths is None:
+        lengths = (m.seq_length,) * 2 if m.kind == "gpt" else (m.src_seq_length, m.tgt_seq_length)
+    source, target = lengths
+    own = target if decoder else source
+    n = batch * own
+    dense = 2 * n * (4 * h * h + 2 * h * f)
+    core = 4 * n * own * h
+    if decoder:
+        dense += 2 * n * 2 * h * h + 2 * batch * source * 2 * h * h  # cross-attention q, out | k, v
+        core += 4 * n * source * h
+    return {"dense": dense, "core": core}
+
+
+def model_flops(m: ModelConfig, batch: int, lengths: tuple[int, int] | None = None) -> float:
+    """Training FLOPs (forward + backward = 3 x forward, no recompute) of one step on ``batch`` sequences;
+    ``lengths`` as in ``layer_flops``. Layers plus the output head over the target tokens."""
+    if m.kind == "gpt":
+        layers = [False] * m.decoder_layers
+    else:
+        layers = [False] * m.encoder_layers + [True] * m.decoder_layers
+    forward = sum(sum(layer_flops(m, d, batch, lengths).values()) for d in layers)
+    target = (lengths or (m.seq_length if m.kind == "gpt" else m.tgt_seq_length,) * 2)[1]
+    forward += 2 * batch * target * m.hidden_size * m.vocab_size
+    return float(3 * forward)
 
 
 def gpt_flops(cfg: ModelConfig, batch_size: int, seq_length: int) -> float:
     """Training FLOPs of the decoder-only model on a (batch, seq) batch."""
-    h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
-    per_token = cfg.decoder_layers * (4 * h * h + 2 * h * f) + h * v
-    return float(6 * batch_size * seq_length * per_token
-                 + 12 * batch_size * h * cfg.decoder_layers * seq_length ** 2)
+    return model_flops(cfg, batch_size, (seq_length, seq_length))
+
+
+def transformer_flops(cfg: ModelConfig, batch_size: int, src_length: int, tgt_length: int) -> float:
+    """Training FLOPs of the encoder-decoder on a (batch, src) x (batch, tgt) batch."""
+    return model_flops(cfg, batch_size, (src_length, tgt_length))
 
 
 def batch_flops(cfg: ModelConfig, batch: dict[str, torch.Tensor], replicas: int = 1) -> float:
@@ -58,30 +86,27 @@ def batch_flops(cfg: ModelConfig, batch: dict[str, torch.Tensor], replicas: int 
     return replicas * transformer_flops(cfg, b, s, batch["tgt_in_ids"].shape[1])
 
 
-def config_flops(cfg: ModelConfig, global_batch_size: int) -> float:
-    """Training FLOPs of one step at the configured (maximum) sequence lengths."""
-    if cfg.kind == "gpt":
-        return gpt_flops(cfg, global_batch_size, cfg.seq_length)
-    return transformer_flops(cfg, global_batch_size, cfg.src_seq_length, cfg.tgt_seq_length)
-
-
 def gpu_peak_tflops(name: str) -> float | None:
     """The table's bf16 peak for a CUDA device name, or None if it is not listed."""
     return next((peak for key, peak in GPU_PEAK_TFLOPS if key.lower() in name.lower()), None)
 
 
-def measure_cpu_peak_tflops(size: int = 512, dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:
-    """Best matmul rate of this process on the CPU (TFLOP/s) with its current thread count."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+def measure_cpu_peak_tflops(size: int = 512, trials: int = 5, seconds: float = 0.06) -> float:
+    """Best matmul rate of this process on the CPU (TFLOP/s) with its current thread count: the fastest
+    single (size x size) fp32 matmul over ``trials`` timed windows of ``seconds``, so that a passing load
+    lowers at most some windows."""
+    a = torch.randn(size, size, dtype=torch.float32, device="cpu")
+    b = torch.randn(size, size, dtype=torch.float32, device="cpu")
     torch.mm(a, b)  # warm-up
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while True:
-        start = time.perf_counter()
-        torch.mm(a, b)
-        elapsed = time.perf_counter() - start
-        best = max(best, 2 * size ** 3 / elapsed / 1e12)
-        if time.perf_counter() > deadline:
-            return best
+    best = 0.0
+    for _ in range(trials):
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * size ** 3 / (time.perf_counter() - start) / 1e12)
+        time.sleep(seconds / 2)
+    return best
 
 
 def device_peak_tflops(override: float = 0.0) -> tuple[float, str]:
@@ -94,7 +119,8 @@ def device_peak_tflops(override: float = 0.0) -> tuple[float, str]:
         if peak is not None:
             return peak, f"table ({name})"
         return 0.0, f"unknown GPU {name!r}: set metrics.peak_tflops"
-    return measure_cpu_peak_tflops(), "measured CPU matmul"
+    return measure_cpu_peak_tflops(), (f"fastest 512x512 fp32 CPU matmul in 5 trials at start, "
+                                      f"{torch.get_num_threads()} threads")
 
 
 def memory_mb() -> float:
@@ -102,11 +128,3 @@ def memory_mb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2 ** 20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def memory_kind() -> str:
-    return "cuda_max_allocated" if torch.cuda.is_available() else "rss_peak"
-
-
-__all__ = ["GPU_PEAK_TFLOPS", "batch_flops", "config_flops", "device_peak_tflops", "gpt_flops", "memory_mb",
-           "measure_cpu_peak_tflops", "transformer_flops"]

@@ -55,6 +55,7 @@ class MetricsLogger:
             self.writer = SummaryWriter(log_dir=str(run_dir))
         self.progress = self._progress_bar() if enabled and cfg.progress and sys.stdout.isatty() else None
         self._task = None
+        self._info = ""  # the progress bar's text: the last logged loss and throughput
 
     def _progress_bar(self):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
@@ -76,20 +77,20 @@ class MetricsLogger:
                 self.writer.add_scalar(key, value, record["step"])
             self.writer.flush()
         line = self.format(record)
+        self._info = f"loss {record['loss']:.4f} {record['tokens_per_s']:,.0f} tok/s"
         if self.progress is not None:
             self.progress.console.print(line, highlight=False, markup=False, soft_wrap=True)
         else:
             print(line, file=sys.stdout, flush=True)
 
-    def advance(self, record: dict) -> None:
-        """Move the progress bar to the record's step (every step, not only logged ones)."""
+    def advance(self, step: int) -> None:
+        """Move the progress bar to ``step`` (every step, not only logged ones)."""
         if self.progress is None:
             return
         if self._task is None:
             self.progress.start()
-            self._task = self.progress.add_task("train", total=self.total_steps, completed=record["step"] - 1, info="")
-        self.progress.update(self._task, completed=record["step"],
-                             info=f"loss {record['loss']:.4f} {record['tokens_per_s']:,.0f} tok/s")
+            self._task = self.progress.add_task("train", total=self.total_steps, completed=step - 1, info="")
+        self.progress.update(self._task, completed=step, info=self._info)
 
     def format(self, r: dict) -> str:
         return format_record(r, self.total_steps, self.cfg.log_format)

@@ -11,15 +11,21 @@ import json
 import sys
 from pathlib import Path
 
+from paratrain.errors import UserError
+
 PARTS = ("forward", "backward", "optimizer", "comm", "pipeline_idle", "other")
 COLORS = {"forward": "#4c72b0", "backward": "#55a868", "optimizer": "#c44e52", "comm": "#8172b2",
           "pipeline_idle": "#ccb974", "other": "#bbbbbb"}
 
 
+class MetricsNotFound(UserError, FileNotFoundError):
+    """A run directory without ``metrics.jsonl``."""
+
+
 def read_records(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: is {run_dir} a paratrain run directory?")
+        raise MetricsNotFound(f"{path} not found: is {run_dir} a paratrain run directory?")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -140,32 +146,3 @@ def summary(run_dir: Path, file=None) -> None:
     for name, value in summary_rows(Path(run_dir)):
         table.add_row(name, value)
     Console(file=file or sys.stdout).print(table)
-
-
-def cmd_plot(args, rest) -> int:
-    try:
-        for path in plot([Path(d) for d in args.run_dirs], Path(args.out) if args.out else None):
-            print(path)
-    except FileNotFoundError as exc:
-        print(f"paratrain plot: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def cmd_summary(args, rest) -> int:
-    try:
-        summary(Path(args.run_dir))
-    except FileNotFoundError as exc:
-        print(f"paratrain summary: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def add_subcommands(sub) -> None:
-    plot_parser = sub.add_parser("plot", help="PNG figures (loss, throughput, time breakdown) of one or more runs")
-    plot_parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    plot_parser.add_argument("--out", help="folder for the PNGs (default: the first RUN_DIR)")
-    plot_parser.set_defaults(func=cmd_plot)
-    summary_parser = sub.add_parser("summary", help="a table of one run's metrics")
-    summary_parser.add_argument("run_dir", metavar="RUN_DIR")
-    summary_parser.set_defaults(func=cmd_summary)

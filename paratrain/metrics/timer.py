@@ -90,19 +90,23 @@ class StepTimer:
     """Per-step timing phases plus what the record needs besides the loss: MFU, memory, skipped steps.
 
     ``cfg`` is the ``[metrics]`` section; ``pipeline`` a ``paratrain.parallel.pipeline.Pipeline`` or None.
+    The peak FLOP/s of the job for ``mfu`` is taken at start (``peak_source`` says how); a CPU peak
+    is measured per rank (each its own share of the cores) and summed.
     """
 
-    def __init__(self, cfg: MetricsConfig, model: ModelConfig, pipeline=None, dp_size: int = 1):
+    def __init__(self, cfg: MetricsConfig, model: ModelConfig, pipeline=None, dp_size: int = 1,
+                 device: torch.device | None = None):
         self.enabled, self.model_cfg, self.dp_size = cfg.breakdown, model, dp_size
-        peak, self.peak_source = F.device_peak_tflops(cfg.peak_tflops)
+        self.device = device or torch.device("cpu")
+        self.local_peak, self.peak_source = F.device_peak_tflops(cfg.peak_tflops)
+        self.measured = cfg.peak_tflops <= 0 and self.device.type == "cpu"
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if dist.is_initialized() and not torch.cuda.is_available() and cfg.peak_tflops <= 0:
-            total = torch.tensor([peak], dtype=torch.float64)  # each CPU rank measured its own share
+        if dist.is_initialized() and self.measured:
+            total = torch.tensor([self.local_peak], dtype=torch.float64, device=self.device)
             dist.all_reduce(total)
             self.peak_tflops = float(total)
         else:
-            self.peak_tflops = peak * world
-        self.flops = 0.0
+            self.peak_tflops = self.local_peak * world
         self._stack: list[list] = []  # [phase, time it (re)started]
         self.times: dict[str, float] = defaultdict(float)
         self.comm: dict[str, float] = defaultdict(float)  # communication time by the phase it ran in
@@ -110,9 +114,9 @@ class StepTimer:
         if self.enabled:
             self._clock = _comm_clock_class()(self)
             with self._clock:  # the first dispatch mode imports a lot: not inside the first step
-                torch.zeros(1).add_(1)
+                torch.zeros(1, device=self.device).add_(1)
             if pipeline is not None:
-                self._time_pipeline_stages(pipeline)
+                pipeline.time_compute(self._timed)
 
     # --- phases ---------------------------------------------------------------------------------
 
@@ -159,18 +163,6 @@ class StepTimer:
     def add_comm(self, seconds: float) -> None:
         self.comm[self._stack[-1][0] if self._stack else "other"] += seconds
 
-    def _time_pipeline_stages(self, pipeline) -> None:
-        """Wrap the stages' forward/backward and the schedule's loss so they count as forward/backward."""
-        schedule = pipeline.schedule
-        stages = getattr(schedule, "_stages", None) or [schedule._stage]
-        targets = [(stage, attr, phase) for stage in stages for attr, phase in
-                   (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
-                    ("backward_weight_one_chunk", "backward"))]
-        targets.append((schedule, "_compute_loss", "forward"))
-        for obj, attr, phase in targets:
-            if hasattr(obj, attr):
-                setattr(obj, attr, self._timed(getattr(obj, attr), phase))
-
     def _timed(self, method, phase: str):
         def timed(*args, **kwargs):
             with self._phase(phase):
@@ -179,9 +171,9 @@ class StepTimer:
 
     # --- the record -----------------------------------------------------------------------------
 
-    def observe_batch(self, batch: dict[str, torch.Tensor]) -> None:
+    def observe_batch(self, batch: dict[str, torch.Tensor]) -> float:
         """The step's model FLOPs, from this rank's batch shapes times the data-parallel ranks."""
-        self.flops = F.batch_flops(self.model_cfg, batch, self.dp_size)
+        return F.batch_flops(self.model_cfg, batch, self.dp_size)
 
     def breakdown(self) -> dict[str, float]:
         """``<part>_s`` and ``<part>_pct`` for each of PARTS, over the measured step time ``step_s``."""
@@ -200,19 +192,36 @@ class StepTimer:
             out[f"{part}_pct"] = 100.0 * max(seconds[part], 0.0) / self.wall if self.wall > 0 else 0.0
         return out
 
+    def _raise_peak(self, achieved: float) -> None:
+        """A step ran faster than the peak: the start-up measurement was slowed by load. Measure again
+        (this rank's share, scaling the job's total) and never take a peak below a rate achieved."""
+        if self.measured:
+            again = F.measure_cpu_peak_tflops()
+            if again > self.local_peak:
+                self.peak_tflops *= again / self.local_peak
+                self.local_peak = again
+                self.peak_source += f"; measured again at {again:.3g} TFLOP/s when a step beat it"
+        self.peak_tflops = max(self.peak_tflops, achieved)
+
     def finish(self, record: dict) -> dict:
-        """Add ``mfu``, ``tflops``, ``memory_mb``, ``skipped_steps`` and (breakdown on) ``breakdown`` to a record."""
-        step_time = record["step_time_s"]
-        achieved = self.flops / step_time / 1e12 if step_time > 0 else 0.0
-        record["tflops"] = achieved
-        record["mfu"] = achieved / self.peak_tflops if self.peak_tflops > 0 else 0.0
-        memory = F.memory_mb()
-        if self.enabled and dist.is_initialized():  # a synchronization point: breakdown only
-            peak = torch.tensor([memory], dtype=torch.float64)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            memory = float(peak)
-        record["memory_mb"] = memory
-        record.setdefault("skipped_steps", 0)
+        """At the end of a step: its ``breakdown`` (when on) and the job's peak memory so far."""
         if self.enabled:
+            peak = torch.tensor([F.memory_mb()], dtype=torch.float64, device=self.device)
+            if dist.is_initialized():  # a synchronization point: breakdown only
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            record["memory_mb"] = float(peak)
             record["breakdown"] = self.breakdown()
+        return record
+
+    def rates(self, record: dict) -> dict:
+        """Once the record's step time is known: ``tflops``, ``mfu`` (of the record's ``flops``), ``memory_mb``
+        (this rank's, unless the breakdown measured the job's) and ``skipped_steps``."""
+        step_time = record["step_time_s"]
+        achieved = record["flops"] / step_time / 1e12 if step_time > 0 else 0.0
+        if achieved > self.peak_tflops > 0:
+            self._raise_peak(achieved)
+        record["tflops"] = achieved
+        record["mfu"] = min(1.0, achieved / self.peak_tflops) if self.peak_tflops > 0 else 0.0
+        record.setdefault("memory_mb", F.memory_mb())
+        record.setdefault("skipped_steps", 0)
         return record

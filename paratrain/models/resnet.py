@@ -61,6 +61,7 @@ class ResNet(nn.Module):
             channels = out
         self.layers = nn.Sequential(*stages)
         self.head = nn.Linear(channels, num_classes)
+        self.layer_stacks = {"layers": 0}  # the blocks data parallelism groups (paratrain.models.transformer)
         for module in self.modules():
             if isinstance(module, nn.Conv2d):
                 nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")

@@ -1,8 +1,10 @@
 """Plain single-device Transformer models ("Attention Is All You Need"), no collectives.
 
 Shapes: B batch, S source length, T target length, H hidden size, V vocab size.
-Parallelism is applied from outside by ``paratrain.parallel.parallelize`` using the
-plan declared at the bottom of this file (``TP_PLAN``, ``pipeline_blocks``).
+Parallelism is applied from outside by ``paratrain.parallel.parallelize`` using what the
+models declare: the tensor-parallel plan at the bottom of this file (``TP_PLAN``) and each
+model's ``layer_stacks`` and ``pipeline_parts`` (how its layers and other parts split into
+pipeline chunks, read by ``pipeline_blocks`` and ``paratrain.parallel.pipeline``).
 """
 from __future__ import annotations
 
@@ -182,35 +184,41 @@ class DecoderLayer(nn.Module):
 
 
 class TransformerEncoder(nn.Module):
-    """A stack of encoder layers and a final LayerNorm: (B, S, H) -> (B, S, H)."""
+    """A stack of encoder layers and a final LayerNorm: (B, S, H) -> (B, S, H).
+
+    In a pipeline chunk the stack holds some layers only, and the norm only where the decoder starts.
+    """
 
     def __init__(self, cfg: ModelConfig, num_layers: int):
         super().__init__()
-        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(num_layers))
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in range(num_layers)})
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
 
     def forward(self, x, mask=None):
-        for layer in self.layers:
+        for layer in self.layers.values():
             x = layer(x, mask)
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
 
 
 class TransformerDecoder(nn.Module):
-    """A stack of decoder layers and a final LayerNorm: (B, T, H), memory (B, S, H) -> (B, T, H)."""
+    """A stack of decoder layers and a final LayerNorm: (B, T, H), memory (B, S, H) -> (B, T, H).
+
+    In a pipeline chunk the stack holds some layers only, and the norm only in the last chunk.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.decoder_layers)})
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
 
-    def forward(self, x, memory, self_mask=None, memory_mask=None, caches: list[dict] | None = None):
-        for i, layer in enumerate(self.layers):
-            x = layer(x, memory, self_mask, memory_mask, None if caches is None else caches[i])
-        return self.norm(x)
+    def forward(self, x, memory, self_mask=None, memory_mask=None, caches: dict[str, dict] | None = None):
+        for key, layer in self.layers.items():
+            x = layer(x, memory, self_mask, memory_mask, None if caches is None else caches.setdefault(key, {}))
+        return self.norm(x) if self.norm is not None else x
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder on embedded inputs: src (B, S, H), tgt (B, T, H), pad masks (B, S), (B, T) -> (B, T, H)."""
+    """The encoder and decoder stacks and their masks; ``Seq2SeqModel`` runs them (see its ``forward``)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -218,23 +226,27 @@ class Transformer(nn.Module):
         self.decoder = TransformerDecoder(cfg)
         self.padding_mask, self.causal_mask = AttentionMask(causal=False), AttentionMask(causal=True)
 
-    def forward(self, src, tgt, src_pad, tgt_pad):
-        # lengths come from the (B, S) / (B, T) pad masks: src and tgt may be sequence-sharded
-        memory = self.encoder(src, self.padding_mask(src_pad, src_pad.shape[1]))
-        self_mask = self.causal_mask(tgt_pad, tgt_pad.shape[1])
-        return self.decoder(tgt, memory, self_mask, self.padding_mask(src_pad, tgt_pad.shape[1]))
-
 
 class Seq2SeqModel(nn.Module):
     """The tutorial's translation network: shared word table, Transformer, output head.
 
     src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V). Pass logits and labels
     to ``token_loss_sum`` for the loss over non-pad target tokens.
+
+    A pipeline chunk is this model with the layers and parts of other chunks removed
+    (``None``); it gets what the chunk before it computed as ``hidden`` -- (encoder
+    state,) inside the encoder, (memory, decoder state) inside the decoder -- and
+    returns its own ``hidden`` unless it holds the head.
     """
+
+    # where the parts other than layers go when the layers are split into pipeline chunks:
+    # with the first layer, the last, or a named one
+    pipeline_parts = {"src_embed": "first", "transformer.encoder.norm": "transformer.decoder.layers.0",
+                      "tgt_embed": "transformer.decoder.layers.0", "transformer.decoder.norm": "last", "head": "last"}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.pad_token_id, self.num_encoder_layers = cfg.pad_token_id, cfg.encoder_layers
+        self.pad_token_id = cfg.pad_token_id
         word = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.src_embed = Embeddings(word, cfg.src_seq_length, cfg.hidden_size, cfg.hidden_dropout)
         self.tgt_embed = Embeddings(word, cfg.tgt_seq_length, cfg.hidden_size, cfg.hidden_dropout)
@@ -242,16 +254,51 @@ class Seq2SeqModel(nn.Module):
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = word.embedding.weight
+        # the layer stacks, with the number of layers before each (MindSpore's lambda_func offset)
+        self.layer_stacks = {"transformer.encoder.layers": 0, "transformer.decoder.layers": cfg.encoder_layers}
         init_weights(self)
 
-    def forward(self, src_ids, tgt_in_ids):
-        src_pad, tgt_pad = src_ids == self.pad_token_id, tgt_in_ids == self.pad_token_id
-        hidden = self.transformer(self.src_embed(src_ids), self.tgt_embed(tgt_in_ids), src_pad, tgt_pad)
-        return self.head(hidden)
+    def forward(self, src_ids, tgt_in_ids, hidden: tuple = ()):
+        src_pad = src_ids == self.pad_token_id
+        if len(hidden) < 2:  # the encoder has not finished
+            memory = self.encode(src_ids, *hidden)
+            if self.tgt_embed is None:  # it goes on in the next chunk
+                return (memory,)
+            hidden = (memory, None)
+        memory, x = hidden
+        out = self.decode(tgt_in_ids, memory, src_pad, x)
+        return out if self.head is not None else (memory, out)
+
+    def encode(self, src_ids, hidden=None):
+        """src_ids (B, S) -> memory (B, S, H); ``hidden``: the encoder state an earlier chunk reached."""
+        x = self.src_embed(src_ids) if hidden is None else hidden
+        pad = src_ids == self.pad_token_id
+        return self.transformer.encoder(x, self.transformer.padding_mask(pad, pad.shape[1]))
+
+    def decode(self, tgt_ids, memory, src_pad, hidden=None, caches: dict | None = None, start: int = 0):
+        """tgt_ids (B, T) over memory (B, S, H) -> logits (B, T, V), or the decoder state without the head.
+
+        ``hidden``: the decoder state an earlier chunk reached. With ``caches`` (greedy decoding,
+        MindSpore's ``use_past``) ``tgt_ids`` are the new positions from ``start`` on, and the
+        keys/values of the earlier ones come from the caches, so no causal mask is needed.
+        """
+        t = self.transformer
+        x = self.tgt_embed(tgt_ids, start) if hidden is None else hidden
+        # lengths come from the (B, S) / (B, T) ids: embedded inputs may be sequence-sharded
+        length = tgt_ids.shape[1]
+        self_mask = t.causal_mask(tgt_ids == self.pad_token_id, length) if caches is None else None
+        x = t.decoder(x, memory, self_mask, t.padding_mask(src_pad, length), caches)
+        return self.head(x) if self.head is not None else x
 
 
 class GPTModel(nn.Module):
-    """Decoder-only language model: input_ids (B, S) -> logits (B, S, V)."""
+    """Decoder-only language model: input_ids (B, S) -> logits (B, S, V).
+
+    A pipeline chunk gets the hidden state (B, S, H) of the chunk before it as ``hidden``
+    and returns its own unless it holds the head.
+    """
+
+    pipeline_parts = {"embed": "first", "norm": "last", "head": "last"}  # see Seq2SeqModel
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -259,19 +306,20 @@ class GPTModel(nn.Module):
         self.embed = Embeddings(VocabEmbedding(cfg.vocab_size, cfg.hidden_size), cfg.seq_length,
                                 cfg.hidden_size, cfg.hidden_dropout)
         self.causal_mask = AttentionMask(causal=True)
-        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in range(cfg.decoder_layers)})
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.word.embedding.weight
+        self.layer_stacks = {"layers": 0}  # see Seq2SeqModel
         init_weights(self)
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, hidden: tuple = ()):
         mask = self.causal_mask(input_ids == self.pad_token_id, input_ids.shape[1])
-        x = self.embed(input_ids)
-        for layer in self.layers:
+        x = hidden[0] if hidden else self.embed(input_ids)
+        for layer in self.layers.values():
             x = layer(x, mask)
-        return self.head(self.norm(x))
+        return self.head(self.norm(x)) if self.head is not None else x
 
 
 def init_weights(model: nn.Module, std: float = 0.02) -> None:
@@ -312,14 +360,11 @@ TP_PLAN = {
 
 
 def pipeline_blocks(model: nn.Module) -> list[tuple[str, int, int]]:
-    """(name, layer_id, offset) of each layer the model holds, in execution order.
+    """(name, layer_id, offset) of each layer the model holds, in execution order, from its ``layer_stacks``.
 
     ``offset`` counts the layers of the stacks before this one (the decoder's offset
     is the number of encoder layers), as in MindSpore's ``lambda_func(layer_id, offset)``.
-    A pipeline stage holds only some layers; the names stay those of the whole model.
+    A pipeline chunk holds only some layers; the names stay those of the whole model.
     """
-    if isinstance(model, Seq2SeqModel):
-        encoder, decoder = model.transformer.encoder.layers, model.transformer.decoder.layers
-        return ([(f"transformer.encoder.layers.{k}", int(k), 0) for k in encoder._modules]
-                + [(f"transformer.decoder.layers.{k}", int(k), model.num_encoder_layers) for k in decoder._modules])
-    return [(f"layers.{k}", int(k), 0) for k in model.layers._modules]  # GPT blocks, ResNet blocks
+    return [(f"{stack}.{key}", int(key), offset) for stack, offset in model.layer_stacks.items()
+            for key in model.get_submodule(stack)._modules]

@@ -16,16 +16,20 @@ from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import apply_tensor_parallel
 
 
-def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_fn=None) -> nn.Module | Pipeline:
+def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout,
+                loss_fn=None) -> tuple[list[nn.Module], Pipeline | None]:
     """Split ``model`` (built identically on every rank) over ``layout``'s mesh.
 
-    Returns the model, sharded in place, or with ``pipeline_stage > 1`` a ``Pipeline``
-    of this rank's chunks whose schedule calls ``loss_fn(logits, labels, **loss_kwargs)``.
+    Returns ``(model_parts, pipeline)``: this rank's model chunks -- the model itself,
+    sharded in place, when ``pipeline_stage`` is 1 -- and the ``Pipeline`` whose
+    schedule runs a step over them (calling ``loss_fn(logits, labels, **loss_kwargs)``),
+    or None without pipeline parallelism.
     """
     if config.pipeline_stage > 1:
-        return Pipeline(model, config, layout, lambda chunk, stage: _parallelize_chunk(chunk, config, layout, stage),
-                        loss_fn)
-    return _parallelize_chunk(model, config, layout)
+        pipeline = Pipeline(model, config, layout, lambda chunk, stage: _parallelize_chunk(chunk, config, layout, stage),
+                            loss_fn)
+        return pipeline.parts, pipeline
+    return [_parallelize_chunk(model, config, layout)], None
 
 
 def _parallelize_chunk(model: nn.Module, config: ParallelConfig, layout: Layout, root: nn.Module | None = None):

@@ -4,8 +4,9 @@
 ``dryrun`` (the real sharding on the meta device under a fake process group), ``commands``
 (``paratrain plan``).
 """
-from paratrain.plan.cost import model_flops, model_params, stage_states
-from paratrain.plan.search import Hardware, candidates, choose_layout, evaluate, search
+from paratrain.metrics.flops import model_flops
+from paratrain.plan.cost import model_params, stage_states
+from paratrain.plan.search import Hardware, candidates, choose_layout, evaluate, resolve_auto, search
 
-__all__ = ["Hardware", "candidates", "choose_layout", "evaluate", "search", "model_flops", "model_params",
+__all__ = ["Hardware", "candidates", "choose_layout", "evaluate", "resolve_auto", "search", "model_flops", "model_params",
            "stage_states"]

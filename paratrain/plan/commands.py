@@ -19,7 +19,7 @@ def parse_bytes(text: str) -> float:
     return float(match.group(1)) * UNITS[match.group(2).lower()]
 
 
-def add_subcommand(sub) -> None:
+def register(sub) -> None:
     p = sub.add_parser("plan", help="predict memory and step time of layouts and rank them",
                        description="Rank layouts (data/model/pipeline parallel, micro-batches, ZeRO, recompute, "
                                    "sequence parallel) of a model on N devices by predicted step time; or, with "
@@ -39,14 +39,13 @@ def add_subcommand(sub) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="build the config's own layout on the meta device under a fake process group of "
                         "--devices ranks and compare its per-rank bytes to the cost model")
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=cmd_plan, overrides=True)
 
 
-def _config(args, rest):
-    from paratrain.cli import _split_overrides
+def _config(args):
     from paratrain.config import Config
 
-    overrides = _split_overrides(rest)
+    overrides = list(args.overrides)
     if args.global_batch:
         overrides.append(f"train.global_batch_size={args.global_batch}")
     return Config.load(args.config, overrides)
@@ -59,8 +58,8 @@ def hardware(args, devices: int):
                     args.intra_bw * 1e9, args.inter_bw * 1e9, args.efficiency)
 
 
-def cmd_plan(args, rest) -> int:
-    cfg = _config(args, rest)
+def cmd_plan(args) -> int:
+    cfg = _config(args)
     devices = args.devices or cfg.parallel.world_size
     if args.dry_run:
         return _dry_run(cfg, devices, args.json)

@@ -9,7 +9,7 @@ Everything is derived from the model's shapes and from how paratrain shards (see
   ``vocab_emb_dp=false``); shards follow ``torch.chunk`` (rank 0 holds the largest).
   ZeRO stages 1-3 (FSDP2 ``fully_shard`` over dp) shard dim 0 of each local tensor
   again; stage 0 keeps it whole. Pipeline chunks follow ``layer_chunks``' even split
-  (embeddings and head count as a layer each) and hold what ``_prune`` leaves them,
+  (embeddings and head count as a layer each) and hold the parts the model places there,
   including the extra word-table copies of the encoder-decoder and of a tied head.
 - Gradients: same placement as the parameters at rest. Optimizer: AdamW exp_avg and
   exp_avg_sq like the parameter plus a 4-byte ``step`` per tensor (fused AdamW).
@@ -28,7 +28,8 @@ import math
 from dataclasses import dataclass, field
 
 from paratrain.config import Config, ModelConfig, ParallelConfig
-from paratrain.parallel.pipeline import chunk_parts, chunk_rank, layer_chunks
+from paratrain.models.transformer import GPTModel, Seq2SeqModel
+from paratrain.parallel.pipeline import chunk_rank, layer_chunks, part_chunks
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GiB = 1024 ** 3
@@ -130,9 +131,28 @@ def chunk_of_layers(m: ModelConfig, par: ParallelConfig) -> list[int]:
     return layer_chunks(layer_blocks(m), par)
 
 
+# the role in this cost model of each part the models declare in ``pipeline_parts``
+PART_ROLES = {"embed": "input_embed", "src_embed": "input_embed", "tgt_embed": "target_embed",
+              "transformer.encoder.norm": "encoder_norm", "norm": "head", "transformer.decoder.norm": "head",
+              "head": "head"}
+
+
+def layer_names(m: ModelConfig) -> list[str]:
+    """The names of the model's layers in execution order (``pipeline_blocks``)."""
+    if m.kind == "gpt":
+        return [f"layers.{i}" for i in range(m.decoder_layers)]
+    return ([f"transformer.encoder.layers.{i}" for i in range(m.encoder_layers)]
+            + [f"transformer.decoder.layers.{i}" for i in range(m.decoder_layers)])
+
+
 def model_chunk_parts(m: ModelConfig, owner: list[int], chunk: int) -> set[str]:
-    """What besides its layers a chunk holds, as ``paratrain.parallel.pipeline.chunk_parts`` says."""
-    return chunk_parts(owner, chunk, m.tie_embeddings, m.encoder_layers if m.kind == "transformer" else None)
+    """The roles of what besides its layers a chunk holds, placed as the model's ``pipeline_parts`` say
+    (``paratrain.parallel.pipeline.part_chunks``), and "word" when it holds a copy of the word table."""
+    parts = (GPTModel if m.kind == "gpt" else Seq2SeqModel).pipeline_parts
+    held = {PART_ROLES[p] for p, c in part_chunks(parts, layer_names(m), owner).items() if c == chunk}
+    if held & {"input_embed", "target_embed"} or (m.tie_embeddings and "head" in held):
+        held.add("word")
+    return held
 
 
 @dataclass
@@ -339,30 +359,3 @@ def stage_activation_bytes(cfg: Config, par: ParallelConfig, stage: int, st: Sta
     flight = in_flight(par, stage)
     return {"per_micro_batch": per_micro, "in_flight": flight, "recompute_peak": recompute_peak,
             "total": per_micro * flight + recompute_peak}
-
-
-# --- FLOPs and time -----------------------------------------------------------------------------
-
-def layer_flops(m: ModelConfig, decoder: bool, batch: int) -> dict:
-    """Forward FLOPs of one layer for ``batch`` sequences: matmuls and attention (scores + mix)."""
-    h, f = m.hidden_size, m.ffn_hidden_size
-    if m.kind == "gpt":
-        s_q = s_kv = m.seq_length
-    else:
-        s_kv = m.src_seq_length
-        s_q = m.tgt_seq_length if decoder else m.src_seq_length
-    n_q, n_kv = batch * s_q, batch * s_kv
-    dense = 2 * n_q * 4 * h * h + 2 * n_q * 2 * h * f
-    core = 4 * n_q * s_q * h
-    if decoder:
-        dense += 2 * n_q * 2 * h * h + 2 * n_kv * 2 * h * h
-        core += 4 * n_q * s_kv * h
-    return {"dense": dense, "core": core}
-
-
-def model_flops(m: ModelConfig, batch: int) -> float:
-    """Model FLOPs of one training step on ``batch`` sequences (3 x forward, no recompute)."""
-    fwd = sum(sum(layer_flops(m, d, batch).values()) for d, _, _ in layer_blocks(m))
-    tokens = batch * (m.seq_length if m.kind == "gpt" else m.tgt_seq_length)
-    fwd += 2 * tokens * m.hidden_size * m.vocab_size
-    return 3 * fwd

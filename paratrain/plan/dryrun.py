@@ -41,21 +41,19 @@ def fake_process_group(rank: int, world_size: int):
 
 def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
     """Model-state bytes of global ``rank`` from the real sharding on the meta device."""
+    from paratrain.device import DTYPES
     from paratrain.mesh import Layout
     from paratrain.models import build_model
     from paratrain.parallel import parallelize
-    from paratrain.parallel.pipeline import Pipeline
 
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     with fake_process_group(rank, world_size):
         layout = Layout(cfg.parallel, world_size)
         with torch.device("meta"):
             model = build_model(cfg.model)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-        model = model.to(dtype)
-        out = parallelize(model, cfg.parallel, layout, loss_fn=lambda *a, **k: None)
-        modules = out.modules if isinstance(out, Pipeline) else out
-        params = list({id(p): p for p in modules.parameters()}.values())
+        model = model.to(DTYPES[cfg.model.dtype])
+        parts, _ = parallelize(model, cfg.parallel, layout, loss_fn=lambda *a, **k: None)
+        params = list({id(p): p for part in parts for p in part.parameters()}.values())
         nbytes = sum(_local_bytes(p) for p in params)
         return {"rank": rank, "pp_rank": layout.pp_rank, "params": nbytes, "grads": nbytes,
                 "optimizer": 2 * nbytes + 4 * len(params), "tensors": len(params),

@@ -13,9 +13,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
-from paratrain.config import Config, ParallelConfig, validate
+from paratrain.config import Config, ConfigError, ParallelConfig, validate
+from paratrain.metrics.flops import layer_flops, model_flops
 from paratrain.plan import cost
 
 FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "zero_stage", "recompute",
@@ -94,7 +96,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     ring = 2 * (tp - 1) / tp if tp > 1 else 0.0
     per_layer = {}
     for d in (False, True):
-        f = cost.layer_flops(m, d, b)
+        f = layer_flops(m, d, b)
         tokens = b * (m.seq_length if m.kind == "gpt" else (m.tgt_seq_length if d else m.src_seq_length))
         for mode in ("none", "selective", "full"):
             fwd = f["dense"] + f["core"]
@@ -136,7 +138,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     # AdamW reads parameter, gradient and two states and writes three of them
     optimizer_time = max(7 * s.params for s in states) / hw.mem_bw
     step = (mb + bubble) * (t_micro + pp_time) + dp_time + optimizer_time
-    mfu = cost.model_flops(m, gb) / (step * hw.devices * hw.peak_flops)
+    mfu = model_flops(m, gb) / (step * hw.devices * hw.peak_flops)
     fits = total <= hw.usable_memory
     memory = (f"needs {total / cost.GiB:.2f} GiB on pipeline rank {stage} > {hw.usable_memory / cost.GiB:.2f} GiB "
               f"usable: model state {st.total / cost.GiB:.1f} (params {st.params / cost.GiB:.1f}, grads "
@@ -234,11 +236,12 @@ def choose_layout(cfg: Config, world_size: int, devices_per_node: int | None = N
         hw = default_hardware(world_size, devices_per_node or world_size)
     rows = search(cfg, hw)
     if not rows:
-        raise ValueError(f"no layout of this model fits {world_size} processes (global batch "
-                         f"{cfg.train.global_batch_size}, {cfg.model.num_heads} heads)")
+        raise ConfigError([f"parallel.auto: no layout of this model fits {world_size} processes (global batch "
+                           f"{cfg.train.global_batch_size}, {cfg.model.num_heads} heads)"])
     best = rows[0]
     if not best["feasible"]:
-        raise ValueError(f"no layout fits in memory on {world_size} devices; the smallest: {best['reason']}")
+        raise ConfigError([f"parallel.auto: no layout fits in memory on {world_size} devices; the smallest: "
+                           f"{best['reason']}"])
     par = dataclasses.replace(cfg.parallel, auto=True, **{k: best[k] for k in FIELDS},
                               optimizer_shard=False, pipeline_schedule=best["pipeline_schedule"]
                               if best["pipeline_stage"] > 1 else cfg.parallel.pipeline_schedule,
@@ -250,6 +253,14 @@ def choose_layout(cfg: Config, world_size: int, devices_per_node: int | None = N
            f"{best['step_time_s']:.3g} s, {best['memory_gib']:.2f} GiB per device, the fastest of {feasible} "
            f"feasible layouts out of {len(rows)} on {world_size} devices ({devices_per_node or world_size} per node)")
     return par, why
+
+
+def resolve_auto(cfg: Config, world_size: int, report=print) -> Config:
+    """With ``parallel.auto``: put the layout ``choose_layout`` picks for ``world_size`` processes into
+    ``cfg.parallel`` (``auto`` stays set, recording that it was planned) and ``report`` why."""
+    cfg.parallel, why = choose_layout(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    report(why)
+    return cfg
 
 
 def default_hardware(world_size: int, devices_per_node: int) -> Hardware:

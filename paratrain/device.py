@@ -1,0 +1,33 @@
+"""The one place that decides a run's device, its collective backend and the torch dtypes of config names.
+
+``PARATRAIN_DEVICE`` = ``auto`` (default: ``cuda:LOCAL_RANK`` when CUDA is present, else the CPU),
+``cpu`` or ``cuda``. The collective backend follows the device: NCCL on CUDA, gloo on the CPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from paratrain.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "bf16": torch.bfloat16, "fp16": torch.float16}  # model.dtype and train.mixed_precision names
+CHOICES = ("auto", "cpu", "cuda")
+
+
+def device() -> torch.device:
+    """This process's device, from ``PARATRAIN_DEVICE`` and ``LOCAL_RANK``."""
+    choice = os.environ.get("PARATRAIN_DEVICE", "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise UserError(f"PARATRAIN_DEVICE={choice!r} is not one of {', '.join(CHOICES)}")
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("PARATRAIN_DEVICE=cuda but torch sees no CUDA device: unset it or use cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def backend() -> str:
+    """The collective backend of this process's device: ``nccl`` on CUDA, ``gloo`` on the CPU."""
+    return "nccl" if device().type == "cuda" else "gloo"

@@ -1,0 +1,131 @@
+"""The shape of the code: no import cycle among paratrain's modules, one FLOP model shared by the trainer and
+the planner, MFU never above 100 %, and one way the command line reports user errors."""
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, tiny_config
+
+PACKAGE = ROOT / "paratrain"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """paratrain module -> the paratrain modules it imports anywhere in its file (functions included)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                # `from pkg import sub` imports pkg, and the submodule when there is one
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            # a module's own parent packages are being imported already: not an edge
+            ancestors = {name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)}
+            edges |= {t for t in targets if t in modules and t != name and t not in ancestors}
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_in_paratrain():
+    graph = import_graph()
+    assert {"paratrain.config", "paratrain.parallel"} <= graph["paratrain.trainer"]  # the walk sees imports
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+    assert [m for m, edges in graph.items() if "paratrain.cli" in edges] == ["paratrain.__main__"]  # the entry points
+    assert "paratrain.plan" not in graph["paratrain.trainer"] and "paratrain.plan.search" not in graph["paratrain.trainer"]
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_trainer_and_planner_count_the_same_flops(tmp_path):
+    """The FLOPs the trainer reports for a step of the encoder-decoder with source and target of different
+    lengths are the planner's for that global batch."""
+    from paratrain.plan import model_flops
+    from paratrain.trainer import Trainer
+
+    cfg = tiny_config(run={"dir": str(tmp_path)}, model={"src_seq_length": 12, "tgt_seq_length": 8},
+                      train={"steps": 1}, metrics={"progress": False})
+    record = Trainer(cfg).train()[0]
+    planned = model_flops(cfg.model, cfg.train.global_batch_size)
+    assert record["flops"] == planned
+    swapped = tiny_config(model={"src_seq_length": 8, "tgt_seq_length": 12}).model
+    assert model_flops(swapped, cfg.train.global_batch_size) != planned  # the lengths are counted where they act
+
+
+def test_mfu_never_above_one_when_the_start_peak_was_too_low(tmp_path):
+    """A peak measured under load at start: a faster step re-measures it and mfu stays <= 1."""
+    from paratrain.trainer import Trainer
+
+    trainer = Trainer(tiny_config(run={"dir": str(tmp_path)}, train={"steps": 3}, metrics={"progress": False}))
+    trainer.timer.peak_tflops = trainer.timer.local_peak = 1e-9
+    history = trainer.train()
+    assert all(0 < r["mfu"] <= 1.0 for r in history)
+    assert trainer.timer.peak_tflops > 1e-6 and "measured again" in trainer.timer.peak_source
+
+
+def test_user_errors_are_one_line_and_leftover_arguments_are_refused(tmp_path, capsys):
+    from paratrain.cli import main
+
+    assert main(["checkpoint", "info", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("paratrain: ") and "Traceback" not in err and len(err.splitlines()) == 1
+    assert main(["summary", str(tmp_path), "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "usage: paratrain summary" in err and "unrecognized arguments: --bogus" in err
+    assert main(["jobs", "--section.key=1"]) == 2 and "unrecognized" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, expected", [("cpu", "cpu"), ("auto", "cpu")])
+def test_one_device_choice(monkeypatch, value, expected):
+    import torch
+
+    from paratrain.device import backend, device
+    from paratrain.errors import UserError
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the choice on a machine without CUDA")
+    monkeypatch.setenv("PARATRAIN_DEVICE", value)
+    assert device().type == expected and backend() == "gloo"
+    monkeypatch.setenv("PARATRAIN_DEVICE", "cuda")
+    with pytest.raises(UserError, match="no CUDA device"):
+        device()
+    monkeypatch.setenv("PARATRAIN_DEVICE", "tpu")
+    with pytest.raises(UserError, match="not one of auto, cpu, cuda"):
+        device()
