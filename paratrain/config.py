@@ -240,7 +240,7 @@ class ParallelConfig(Section):
     virtual_pipeline_stage: int = 1
     optimizer_shard: bool = False
     zero_stage: int = 0
-    gradient_aggregation_group: int = 4
+    gradient_aggregation_group: int = 0  # 0: each layer is its own group (one FSDP unit per block)
     recompute: RecomputeSpec = "none"
     vocab_emb_dp: bool = True
     sequence_parallel: bool = False
@@ -277,6 +277,10 @@ class ParallelConfig(Section):
     def embedding_dp_mp_config(self) -> EmbeddingOpParallelConfig:
         return EmbeddingOpParallelConfig(self.data_parallel, self.model_parallel, self.vocab_emb_dp)
 
+    def aggregation_groups(self, num_layers: int) -> int:
+        """Groups of consecutive layers gathered and reduced together among ``num_layers`` (at least 1)."""
+        return max(1, min(self.gradient_aggregation_group or num_layers, num_layers))
+
     def recompute_mode(self, layer_id: int, offset: int = 0) -> str:
         """The recompute mode of one layer (``offset``: layers before this stack)."""
         spec = self.recompute
@@ -308,6 +312,7 @@ class TrainConfig(Section):
     eps: float = 1e-8
     grad_clip: float = 1.0
     mixed_precision: str = "none"
+    compile: bool = False  # torch.compile each layer (after tensor parallel and recompute, before FSDP)
     initial_loss_scale: float = 65536.0  # fp16 only
     eval_steps: int = 0  # BLEU on data.eval_path every this many steps (encoder-decoder, translation data); 0 = off
 
@@ -467,7 +472,10 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if m.kind == "transformer":
         positive(m, ["encoder_layers"])
     positive(p, ["data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num",
-                 "virtual_pipeline_stage", "gradient_aggregation_group"])
+                 "virtual_pipeline_stage"])
+    if p.gradient_aggregation_group < 0:
+        problems.append(f"parallel.gradient_aggregation_group={p.gradient_aggregation_group} must be 0 (one group "
+                        f"per layer) or a number of groups")
     positive(t, ["global_batch_size", "steps", "lr"])
     if t.warmup_steps < 0 or t.min_lr < 0 or t.weight_decay < 0 or t.grad_clip < 0:
         problems.append(f"train.warmup_steps={t.warmup_steps}, min_lr={t.min_lr}, weight_decay={t.weight_decay} "

@@ -16,9 +16,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CHOICES = ("auto", "cpu", "cuda")
 
 
-def device() -> torch.device:
-    """This process's device, from ``PARATRAIN_DEVICE`` and ``LOCAL_RANK``."""
-    choice = os.environ.get("PARATRAIN_DEVICE", "auto").strip().lower() or "auto"
+def device(choice: str | None = None) -> torch.device:
+    """This process's device: ``choice`` (auto, cpu or cuda; default ``PARATRAIN_DEVICE``) and ``LOCAL_RANK``."""
+    choice = (choice or os.environ.get("PARATRAIN_DEVICE", "auto")).strip().lower() or "auto"
     if choice not in CHOICES:
         raise UserError(f"PARATRAIN_DEVICE={choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
@@ -31,3 +31,12 @@ def device() -> torch.device:
 def backend() -> str:
     """The collective backend of this process's device: ``nccl`` on CUDA, ``gloo`` on the CPU."""
     return "nccl" if device().type == "cuda" else "gloo"
+
+
+def configure(dev: torch.device) -> None:
+    """This process's settings for ``dev``: on a GPU it is the current CUDA device and fp32 matmuls use
+    TF32 tensor cores (bf16/fp16 runs are unaffected)."""
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True

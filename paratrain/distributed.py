@@ -15,10 +15,9 @@ import faulthandler
 import os
 import signal
 
-import torch
 import torch.distributed as dist
 
-from paratrain.device import backend, device
+from paratrain.device import backend, configure, device
 
 
 def collective_timeout(default_s: float = 600.0) -> float:
@@ -49,8 +48,7 @@ def init_from_env(timeout_s: float | None = None) -> tuple[int, int]:
     if world_size == 1:
         return 0, 1
     install_stack_dumps()
-    if device().type == "cuda":
-        torch.cuda.set_device(device())
+    configure(device())
     timeout = collective_timeout() if timeout_s is None else timeout_s
     dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()

@@ -24,15 +24,18 @@ def environment() -> list[tuple[str, str]]:
     import torch
     import torch.distributed as dist
 
+    from paratrain.device import backend
+
     rows = [("host", socket.gethostname()), ("python", platform.python_version()),
             ("platform", platform.platform()), ("torch", torch.__version__),
             ("cpu cores", str(os.cpu_count())), ("torch threads", str(torch.get_num_threads()))]
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         rows += [("cuda", str(torch.version.cuda)), ("devices", f"{len(names)}: {', '.join(names)}"),
-                 ("nccl", ".".join(map(str, torch.cuda.nccl.version()))), ("backend", "nccl")]
+                 ("nccl", ".".join(map(str, torch.cuda.nccl.version())))]
     else:
-        rows += [("cuda", "not available"), ("devices", "cpu"), ("backend", "gloo")]
+        rows += [("cuda", "not available"), ("devices", "cpu")]
+    rows.append(("backend", backend()))
     rows.append(("gloo", "available" if dist.is_gloo_available() else "MISSING"))
     return rows
 

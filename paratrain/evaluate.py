@@ -52,13 +52,14 @@ def greedy_decode(model: Seq2SeqModel, src_ids: torch.Tensor, max_length: int) -
 def translate(model: Seq2SeqModel, tokenizer: Tokenizer, sentences: list[str], src_seq_length: int,
               tgt_seq_length: int, batch_size: int = 64) -> list[str]:
     """Greedy translations of ``sentences`` (sources longer than src_seq_length tokens are cut)."""
+    device = next(model.parameters()).device
     out = []
     for start in range(0, len(sentences), batch_size):
         rows = [ids[:src_seq_length] for ids in tokenizer.encode_batch(sentences[start : start + batch_size])]
-        src = torch.full((len(rows), max(map(len, rows))), PAD, dtype=torch.long)
+        src = torch.full((len(rows), max(map(len, rows))), PAD, dtype=torch.long, device="cpu")
         for i, ids in enumerate(rows):
-            src[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        out += tokenizer.decode_batch(greedy_decode(model, src, tgt_seq_length).tolist())
+            src[i, : len(ids)] = torch.tensor(ids, dtype=torch.long, device="cpu")
+        out += tokenizer.decode_batch(greedy_decode(model, src.to(device, non_blocking=True), tgt_seq_length).tolist())
     return out
 
 
@@ -92,8 +93,9 @@ def translation_tokenizer(cfg) -> Tokenizer:
     return tokenizer
 
 
-def load_translation_model(checkpoint: str | Path, config: str | Path | None = None, overrides: list[str] = ()):
-    """(plain Seq2SeqModel in eval mode, Config, Tokenizer) from a checkpoint, in this one process.
+def load_translation_model(checkpoint: str | Path, config: str | Path | None = None, overrides: list[str] = (),
+                           device: torch.device | str = "cpu"):
+    """(plain Seq2SeqModel in eval mode on ``device``, Config, Tokenizer) from a checkpoint, in this one process.
 
     ``checkpoint`` is a ``step_*`` directory, a checkpoints directory or a run directory
     (the newest checkpoint). The config stored with the checkpoint is used, with
@@ -116,7 +118,7 @@ def load_translation_model(checkpoint: str | Path, config: str | Path | None = N
         model.load_state_dict(load_full_tensors(path))
     except RuntimeError as exc:
         raise TranslateError(f"checkpoint {path} does not fit the configured model: {exc}") from None
-    return model.eval(), cfg, tokenizer
+    return model.to(device).eval(), cfg, tokenizer
 
 
 class BleuEvaluator:

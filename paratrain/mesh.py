@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paratrain.config import ParallelConfig
-from paratrain.device import device
+from paratrain.device import configure, device
 
 
 class Layout:
@@ -22,6 +22,7 @@ class Layout:
         self.config = config
         self.world_size = world_size
         self.device = device()
+        configure(self.device)
         self.mesh: DeviceMesh | None = None
         if world_size > 1:
             sharded = config.effective_zero_stage > 0

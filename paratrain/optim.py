@@ -59,21 +59,21 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch
 
 
 def clip_grad_norm(parameters, max_norm: float, counted: set[int] | None = None,
-                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                   group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
     """Clip all gradients by one global L2 norm; returns the norm before clipping.
 
     Gradients may mix plain tensors and DTensors on different meshes (TP without
     sequence parallel leaves LayerNorms plain): the norm is taken per (mesh,
     placements) group, made whole, and the groups combined. With pipeline stages the
     squares are summed over ``group``; ``counted`` (parameter ids) leaves out copies
-    of a parameter held by several stages.
+    of a parameter held by several stages. The norm stays on ``device`` (the gradients').
     """
     groups: dict = {}
     for p in parameters:
         if p.grad is not None:
             key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
             groups.setdefault(key, []).append(p)
-    total = torch.zeros(())
+    total = torch.zeros((), device=device)
     for params in groups.values():
         grads = [p.grad for p in params if counted is None or id(p) in counted]
         if grads:

@@ -18,6 +18,7 @@ from paratrain.metrics import MetricsLogger, StepTimer
 from paratrain.models import build_model, token_loss_sum
 from paratrain.optim import build_optimizer, build_scheduler, clip_grad_norm
 from paratrain.parallel import parallelize
+from paratrain.parallel.deferred_init import materialize, record_init
 from paratrain.parallel.loss import loss_context, whole
 from paratrain.precision import LossScaler, autocast
 
@@ -44,17 +45,22 @@ class Trainer:
         self.cfg = check(cfg, world_size, resolved=True)
         self.layout = Layout(cfg.parallel, world_size)
         self.device = self.layout.device
-        torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then shards it
-        model = build_model(cfg.model).to(DTYPES[cfg.model.dtype])
-        self.model_parts, self.pipeline = parallelize(model, cfg.parallel, self.layout, loss_fn=self._loss)
+        # the model is built on the meta device, parallelized, and only this rank's shards are materialized,
+        # with the values a plain build from this seed has (paratrain.parallel.deferred_init)
+        torch.manual_seed(cfg.run.seed)
+        record = record_init(lambda: build_model(cfg.model))
+        self.model_parts, self.pipeline = parallelize(record.model.to(DTYPES[cfg.model.dtype]), cfg.parallel,
+                                                      self.layout, loss_fn=self._loss, train=cfg.train)
+        torch.manual_seed(cfg.run.seed)
+        materialize(self.model_parts, record, self.device)
         # every parameter of this rank as one module
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else nn.ModuleList(self.model_parts)
         torch.manual_seed(cfg.run.seed + self.layout.dp_rank)  # dropout: shared by tensor-parallel peers
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.loss_scaler = LossScaler(cfg.train.mixed_precision == "fp16", cfg.train.initial_loss_scale)
-        self.data = ShardedBatches(build_dataset(cfg), cfg.train.global_batch_size,
-                                   self.layout.dp_rank, self.layout.dp_size)
+        self.data = ShardedBatches(build_dataset(cfg), cfg.train.global_batch_size, self.layout.dp_rank,
+                                   self.layout.dp_size, self.device, cfg.model.pad_token_id)
         self.is_main = rank == 0
         if self.is_main and self.data.sampler is not None and self.data.sampler.lengths is not None:
             steps = min(cfg.train.steps, 1000)
@@ -135,7 +141,7 @@ class Trainer:
         return record
 
     def _train_step(self) -> dict:
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in self.data.batch(self.step).items()}
+        batch = self.data.batch(self.step)
         flops = self.timer.observe_batch(batch)
         num_tokens = self.layout.all_reduce_dp((batch["labels"] != self.cfg.model.ignore_index).sum())
         self.model.train()
@@ -153,7 +159,7 @@ class Trainer:
             self.loss_scaler.unscale_(self.model.parameters())
             counted = self.pipeline.counted_in_norm() if self.pipeline else None
             grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip, counted,
-                                       self.layout.pp_group)
+                                       self.layout.pp_group, self.device)
             if not self.loss_scaler.update(grad_norm):  # an fp16 overflow skips the update and the LR step
                 self.optimizer.step()
                 self.scheduler.step()

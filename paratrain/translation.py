@@ -18,7 +18,9 @@ def cmd_translate(args) -> int:
         raise UserError(f"cannot read --input {args.input}: {getattr(exc, 'strerror', None) or exc}") from None
     from paratrain.evaluate import load_translation_model, translate_lines
 
-    model, cfg, tokenizer = load_translation_model(args.checkpoint, args.config, args.overrides)
+    from paratrain.device import device
+
+    model, cfg, tokenizer = load_translation_model(args.checkpoint, args.config, args.overrides, device(args.device))
     out = translate_lines(model, tokenizer, lines, cfg.model.src_seq_length, cfg.model.tgt_seq_length,
                           args.batch_size)
     text = "".join(line + "\n" for line in out)
@@ -43,4 +45,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="TOML config to use instead of the one stored with the checkpoint; "
                                     "either can be overridden as --section.key=value (e.g. --data.tokenizer=PATH)")
     p.add_argument("--batch-size", type=int, default=64, help="sentences decoded together (default 64)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help="where to decode (default: $PARATRAIN_DEVICE, else auto: the GPU when there is one)")
     p.set_defaults(func=cmd_translate, overrides=True)

@@ -3,8 +3,8 @@ from torch import nn
 
 from paratrain.config import ModelConfig
 from paratrain.data.synthetic import PAD
-from paratrain.models.transformer import (EncoderLayer, GPTModel, Seq2SeqModel, VocabEmbedding, attention_mask,
-                                          pipeline_blocks, token_loss_sum)
+from paratrain.models.transformer import (CAUSAL, EncoderLayer, GPTModel, Seq2SeqModel, VocabEmbedding,
+                                          attention_mask, pipeline_blocks, token_loss_sum)
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, num_heads=4, ffn_hidden_size=64, encoder_layers=2,
                   decoder_layers=2, src_seq_length=10, tgt_seq_length=9, seq_length=12, hidden_dropout=0.0,
@@ -18,11 +18,21 @@ def test_vocab_embedding_returns_table():
     assert torch.equal(out[0, 1], table[2])
 
 
-def test_attention_mask_padding_times_causal():
+def test_causal_attention_needs_no_padding_mask_at_the_end():
+    """Causal self-attention runs as SDPA's is_causal (the flash kernel on GPU): with padding at the end of
+    each sequence its outputs at real tokens equal those under the explicit padding x causal mask."""
     key_pad = torch.tensor([[False, False, True]])
-    mask = attention_mask(key_pad, causal=True, query_length=3)
-    assert mask.shape == (1, 1, 3, 3)
-    assert mask[0, 0].tolist() == [[True, False, False], [True, True, False], [True, True, False]]
+    assert attention_mask(key_pad, causal=True, query_length=3) is CAUSAL
+    padding = attention_mask(key_pad, causal=False, query_length=3)
+    assert padding.shape == (1, 1, 3, 3) and padding[0, 0].tolist() == [[True, True, False]] * 3
+    torch.manual_seed(0)
+    layer = EncoderLayer(CFG).eval()
+    pad = torch.tensor([[False] * 7 + [True] * 2, [False] * 4 + [True] * 5])
+    x = torch.randn(2, 9, CFG.hidden_size)
+    explicit = torch.ones(9, 9, dtype=torch.bool).tril()[None, None] & ~pad[:, None, None, :]
+    want, got = layer(x, explicit), layer(x, CAUSAL)
+    assert torch.allclose(got[~pad], want[~pad], atol=1e-6)
+    assert not torch.allclose(got[pad], want[pad], atol=1e-3)  # pad positions differ: the check can fail
 
 
 def test_pad_positions_do_not_change_non_pad_outputs():

@@ -105,7 +105,7 @@ def _like(value, template):
     if isinstance(template, tuple) and isinstance(value, list):
         return tuple(_like(v, t) for v, t in zip(value, template))
     if isinstance(template, torch.Tensor):
-        return torch.tensor(value, dtype=template.dtype)
+        return torch.tensor(value, dtype=template.dtype, device=template.device)
     return value
 
 
@@ -154,10 +154,10 @@ class Checkpointer:
         return tensors, settings
 
     def _rng_state(self) -> dict[str, torch.Tensor]:
+        """The random state of the host and of this rank's GPU (dropout draws there)."""
         state = {"torch_cpu": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            for i, s in enumerate(torch.cuda.get_rng_state_all()):
-                state[f"torch_cuda_{i}"] = s
+        if self.layout.device.type == "cuda":
+            state["torch_cuda"] = torch.cuda.get_rng_state(self.layout.device)
         return state
 
     # --- saving ---------------------------------------------------------------------------
@@ -356,9 +356,8 @@ class Checkpointer:
         try:
             with safe_open(str(rank_file), "pt") as f:
                 torch.set_rng_state(f.get_tensor("torch_cpu"))
-                cuda = sorted(k for k in f.keys() if k.startswith("torch_cuda_"))
-                if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-                    torch.cuda.set_rng_state_all([f.get_tensor(k) for k in cuda])
+                if "torch_cuda" in f.keys() and self.layout.device.type == "cuda":
+                    torch.cuda.set_rng_state(f.get_tensor("torch_cuda"), self.layout.device)
                 python_random = json.loads(f.metadata()["python_random"])
                 random.setstate((python_random[0], tuple(python_random[1]), python_random[2]))
         except FileNotFoundError:

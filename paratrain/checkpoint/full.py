@@ -19,7 +19,7 @@ def load_full_tensors(path: str | Path, prefix: str = MODEL_PREFIX) -> dict[str,
     """
     path = resolve(path)
     _, metadata = verify(path)
-    state = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
+    state = {key: torch.empty(entry.size, dtype=entry.properties.dtype, device="cpu")
              for key, entry in tensor_entries(metadata).items() if key.startswith(prefix)}
     dcp_load(state, path, no_dist=True)
     return {key[len(prefix):]: value for key, value in state.items()}
@@ -77,7 +77,7 @@ def format_info(summary: dict, all_tensors: bool = False) -> str:
     for title, prefix in groups.items():
         items = {k[len(prefix):]: v for k, v in summary["tensors"].items() if k.startswith(prefix)}
         total = sum(v["bytes"] for v in items.values())
-        numel = sum(v["bytes"] // max(1, torch.empty((), dtype=getattr(torch, v["dtype"])).element_size())
+        numel = sum(v["bytes"] // max(1, getattr(torch, v["dtype"]).itemsize)
                     for v in items.values())
         lines.append(f"  {title:<14} {len(items)} tensors, {numel:,} elements, {total / 2**20:.2f} MiB")
         if title == "model" or all_tensors:

@@ -260,7 +260,8 @@ def dcp_save(state: dict, path: Path) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     no_dist = not dist.is_initialized()
-    with warnings.catch_warnings():
+    # DCP plans shard offsets of 2D (FSDP x TP) tensors with host tensors made on the default device
+    with warnings.catch_warnings(), torch.device("cpu"):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process is intended
         dcp.save(state, storage_writer=FileSystemWriter(path, single_file_per_rank=True, sync_files=True),
                  no_dist=no_dist)
@@ -274,6 +275,6 @@ def dcp_load(state: dict, path: Path, no_dist: bool | None = None) -> None:
     import torch.distributed.checkpoint as dcp
 
     no_dist = (not dist.is_initialized()) if no_dist is None else no_dist
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.device("cpu"):  # see dcp_save
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=TensorOnlyLoadPlanner(), no_dist=no_dist)

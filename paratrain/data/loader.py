@@ -1,30 +1,41 @@
 """Batches for the trainer: each data-parallel rank reads its rows of every global batch."""
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from paratrain.config import Config, ConfigError
+from paratrain.errors import UserError
 from paratrain.data.cifar import CifarDataset
 from paratrain.data.datasets import TextDataset, TranslationDataset
 from paratrain.data.sampler import DistributedSampler
-from paratrain.data.synthetic import SyntheticLM, SyntheticTranslation
+from paratrain.data.synthetic import CPU, SyntheticLM, SyntheticTranslation
 from paratrain.data.tokenizer import Tokenizer, lines_of
 
 
 class ShardedBatches:
-    """Step -> this data-parallel rank's rows of the global batch (B / dp rows, in rank order).
+    """Step -> this data-parallel rank's rows of the global batch (B / dp rows, in rank order), on ``device``.
 
-    A synthetic source makes any global batch from (seed, step). A dataset (one
-    with ``rows``) is ordered by a ``DistributedSampler`` seeded with ``seed``;
-    this rank reads only its own rows. ``state_dict``/``load_state_dict`` hold
-    the next step, so a resumed run reads exactly the batches that come next.
+    A synthetic source makes any rows of any global batch from (seed, step, row). A dataset
+    (one with ``rows``) is ordered by a ``DistributedSampler`` seeded with ``seed``; this
+    rank reads only its own rows. While a step runs, the next step's rows are made on the
+    host by a background thread (pinned for a fast copy when the device is a GPU) and
+    copied with ``non_blocking``. ``state_dict``/``load_state_dict`` hold the next step,
+    so a resumed run reads exactly the batches that come next.
+
+    Causal inputs (``input_ids``, ``tgt_in_ids``) must be padded at the end of each row
+    with ``pad_token_id``: the models' causal attention does not mask padding.
     """
 
-    def __init__(self, source, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1):
+    CAUSAL_INPUTS = ("input_ids", "tgt_in_ids")
+
+    def __init__(self, source, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 device: torch.device = CPU, pad_token_id: int | None = None):
         self.source, self.global_batch_size = source, global_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.device, self.pad_token_id = device, pad_token_id
         self.sampler = None
         if hasattr(source, "rows"):
             self.sampler = DistributedSampler(len(source), global_batch_size, dp_rank, dp_size,
@@ -32,14 +43,33 @@ class ShardedBatches:
                                               lengths=getattr(source, "lengths", None),
                                               bucket_size=getattr(source, "bucket_size", 0))
         self.next_step = 0
+        self._workers = ThreadPoolExecutor(1, thread_name_prefix="paratrain-data")
+        self._ahead: tuple[int, Future] | None = None  # (step, its rows being made)
+
+    def host_rows(self, step: int) -> dict[str, torch.Tensor]:
+        """This rank's rows of global batch ``step``, on the host."""
+        if self.sampler is not None:
+            rows = self.source.rows(self.sampler.indices(step), self.sampler.global_indices(step))
+        else:
+            per_rank = self.global_batch_size // self.dp_size
+            rows = self.source.batch_rows(step, self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+        for key in self.CAUSAL_INPUTS:
+            ids = rows.get(key)
+            if ids is not None and self.pad_token_id is not None and \
+                    bool(((ids[:, :-1] == self.pad_token_id) & (ids[:, 1:] != self.pad_token_id)).any()):
+                raise DataError(f"{key} of step {step} has padding ({self.pad_token_id}) before a token: pad "
+                                f"each sequence at its end (causal attention does not mask padding)")
+        if self.device.type == "cuda":
+            rows = {k: v.pin_memory() for k, v in rows.items()}
+        return rows
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
+        """Rows of step ``step`` on the device; starts making those of ``step + 1``."""
+        ahead, self._ahead = self._ahead, None
+        rows = ahead[1].result() if ahead is not None and ahead[0] == step else self.host_rows(step)
+        self._ahead = (step + 1, self._workers.submit(self.host_rows, step + 1))
         self.next_step = step + 1
-        if self.sampler is not None:
-            return self.source.rows(self.sampler.indices(step), self.sampler.global_indices(step))
-        rows = self.global_batch_size // self.dp_size
-        full = self.source.global_batch(step, self.global_batch_size)
-        return {k: v[self.dp_rank * rows : (self.dp_rank + 1) * rows] for k, v in full.items()}
+        return {k: v.to(self.device, non_blocking=True) for k, v in rows.items()}
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict() | {"step": self.next_step} if self.sampler else {"step": self.next_step}
@@ -48,6 +78,11 @@ class ShardedBatches:
         if self.sampler is not None:
             self.sampler.load_state_dict(state)
         self.next_step = int(state["step"])
+        self._ahead = None
+
+
+class DataError(UserError, ValueError):
+    """Data the trainer cannot use as it is; the message says what to change."""
 
 
 def load_tokenizer(cfg: Config) -> Tokenizer:

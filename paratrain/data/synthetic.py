@@ -1,7 +1,8 @@
 """Learnable data made in-process from a seed, so training needs no download.
 
-Every global batch is a pure function of (seed, step): any rank can produce its
-share of any step, which makes data order exact across restarts and layouts.
+Every row of every global batch is a pure function of (seed, step, row): a rank
+makes only its own rows of any step, which keeps data order exact across
+restarts and layouts. Tensors are made on the host (``device="cpu"``).
 """
 from __future__ import annotations
 
@@ -11,17 +12,21 @@ from paratrain.config import ModelConfig
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 NUM_SPECIAL = 4
+CPU = torch.device("cpu")
 
 
-def _generator(seed: int, step: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+def _generator(*key: int) -> torch.Generator:
+    seed = 0
+    for k in key:
+        seed = (seed * 1_000_003 + k) % 2**63
+    return torch.Generator(device=CPU).manual_seed(seed)
 
 
 class SyntheticTranslation:
-    """Seq2seq task on random token strings of random length, padded with PAD.
+    """Seq2seq task on random token strings of random length, padded with PAD at the end.
 
     ``reverse``: target is the source reversed; ``copy``: target equals source.
-    A global batch: src_ids (B, S); tgt_in_ids (B, T) = BOS + target; labels (B, T) = target + EOS.
+    Rows of a global batch: src_ids (b, S); tgt_in_ids (b, T) = BOS + target; labels (b, T) = target + EOS.
     """
 
     def __init__(self, model: ModelConfig, seed: int, task: str = "reverse", min_length: int = 4):
@@ -32,46 +37,55 @@ class SyntheticTranslation:
         self.max_length = min(self.src_len, self.tgt_len - 1)
         self.min_length = min(min_length, self.max_length)
 
-    def global_batch(self, step: int, batch_size: int) -> dict[str, torch.Tensor]:
-        g = _generator(self.seed, step)
-        lengths = torch.randint(self.min_length, self.max_length + 1, (batch_size,), generator=g)
-        tokens = torch.randint(NUM_SPECIAL, self.vocab_size, (batch_size, self.max_length), generator=g)
-        positions = torch.arange(self.max_length)
+    def batch_rows(self, step: int, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Rows ``start``..``stop - 1`` of global batch ``step``."""
+        n = stop - start
+        lengths = torch.empty(n, dtype=torch.long, device=CPU)
+        tokens = torch.empty(n, self.max_length, dtype=torch.long, device=CPU)
+        for i, row in enumerate(range(start, stop)):
+            g = _generator(self.seed, step, row)
+            lengths[i] = torch.randint(self.min_length, self.max_length + 1, (), generator=g, device=CPU)
+            tokens[i] = torch.randint(NUM_SPECIAL, self.vocab_size, (self.max_length,), generator=g, device=CPU)
+        positions = torch.arange(self.max_length, device=CPU)
         valid = positions[None, :] < lengths[:, None]
-        src = torch.full((batch_size, self.src_len), PAD)
+        src = torch.full((n, self.src_len), PAD, device=CPU)
         src[:, : self.max_length] = tokens.masked_fill(~valid, PAD)
         if self.task == "reverse":  # reverse the valid prefix of each row
             index = (lengths[:, None] - 1 - positions[None, :]).clamp(min=0)
             target = tokens.gather(1, index).masked_fill(~valid, PAD)
         else:
             target = src[:, : self.max_length]
-        tgt_in = torch.full((batch_size, self.tgt_len), PAD)
-        labels = torch.full((batch_size, self.tgt_len), PAD)
+        tgt_in = torch.full((n, self.tgt_len), PAD, device=CPU)
+        labels = torch.full((n, self.tgt_len), PAD, device=CPU)
         tgt_in[:, 0] = BOS
         tgt_in[:, 1 : self.max_length + 1] = target
         labels[:, : self.max_length] = target
-        labels[torch.arange(batch_size), lengths] = EOS
+        labels[torch.arange(n, device=CPU), lengths] = EOS
         return {"src_ids": src, "tgt_in_ids": tgt_in, "labels": labels}
 
 
 class SyntheticLM:
     """Token streams from a fixed random Markov chain (each token has ``branching`` successors).
 
-    A global batch: input_ids (B, S), labels (B, S) = input_ids shifted by one.
+    Rows of a global batch: input_ids (b, S), labels (b, S) = input_ids shifted by one.
     A model that learns the chain reaches loss ln(branching), far below ln(V).
     """
 
     def __init__(self, model: ModelConfig, seed: int, branching: int = 2):
         self.seed, self.seq_length, self.vocab_size = seed, model.seq_length, model.vocab_size
-        g = _generator(seed, -1)
         span = self.vocab_size - NUM_SPECIAL
-        self.successors = NUM_SPECIAL + torch.randint(0, span, (self.vocab_size, branching), generator=g)
+        self.successors = NUM_SPECIAL + torch.randint(0, span, (self.vocab_size, branching),
+                                                      generator=_generator(seed, -1), device=CPU)
 
-    def global_batch(self, step: int, batch_size: int) -> dict[str, torch.Tensor]:
-        g = _generator(self.seed, step)
-        choices = torch.randint(0, self.successors.shape[1], (batch_size, self.seq_length), generator=g)
-        tokens = torch.empty(batch_size, self.seq_length + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(NUM_SPECIAL, self.vocab_size, (batch_size,), generator=g)
+    def batch_rows(self, step: int, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Rows ``start``..``stop - 1`` of global batch ``step``."""
+        n, branching = stop - start, self.successors.shape[1]
+        choices = torch.empty(n, self.seq_length, dtype=torch.long, device=CPU)
+        tokens = torch.empty(n, self.seq_length + 1, dtype=torch.long, device=CPU)
+        for i, row in enumerate(range(start, stop)):
+            g = _generator(self.seed, step, row)
+            tokens[i, 0] = torch.randint(NUM_SPECIAL, self.vocab_size, (), generator=g, device=CPU)
+            choices[i] = torch.randint(0, branching, (self.seq_length,), generator=g, device=CPU)
         for t in range(self.seq_length):
             tokens[:, t + 1] = self.successors[tokens[:, t], choices[:, t]]
         return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:].clone()}

@@ -109,12 +109,13 @@ def measure_cpu_peak_tflops(size: int = 512, trials: int = 5, seconds: float = 0
     return best
 
 
-def device_peak_tflops(override: float = 0.0) -> tuple[float, str]:
-    """(peak TFLOP/s of this rank's device, where it came from): the override, the GPU table or a CPU measurement."""
+def device_peak_tflops(override: float = 0.0, device: torch.device | str = "cpu") -> tuple[float, str]:
+    """(peak TFLOP/s of ``device``, where it came from): the override, the GPU table or a CPU measurement."""
+    device = torch.device(device)
     if override > 0:
         return override, "metrics.peak_tflops"
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
         peak = gpu_peak_tflops(name)
         if peak is not None:
             return peak, f"table ({name})"
@@ -123,8 +124,9 @@ def device_peak_tflops(override: float = 0.0) -> tuple[float, str]:
                                       f"{torch.get_num_threads()} threads")
 
 
-def memory_mb() -> float:
-    """Peak memory of this rank in MB: CUDA max allocated, else the process's peak resident set."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2 ** 20
+def memory_mb(device: torch.device | str = "cpu") -> float:
+    """Peak memory of this rank in MB: CUDA max allocated on a GPU, else the process's peak resident set."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

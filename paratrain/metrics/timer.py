@@ -9,8 +9,9 @@ When it is on:
   inner phases';
 * a ``TorchDispatchMode`` active during the step times every collective
   (``c10d.*``, ``_c10d_functional.*``) until it completes (it waits for the
-  collective right there), so time spent communicating is taken out of the phase it
-  ran in and reported as exposed communication. Point-to-point sends/receives of
+  collective right there; on a GPU with CUDA events around it, read when the step is
+  over), so time spent communicating is taken out of the phase it ran in and reported
+  as exposed communication. Point-to-point sends/receives of
   the pipeline are not timed: waiting for a neighbour stage is pipeline idle time;
 * for a pipeline step (``phase("pipeline")`` around ``Pipeline.step``) the stages'
   forward and backward (``forward_one_chunk``, ``backward_one_chunk``,
@@ -37,10 +38,10 @@ NOT_TIMED = {"send", "recv_", "recv_any_source_", "_wrap_tensor_autograd"}  # p2
 _NULL = contextlib.nullcontext()
 
 
-def synchronize() -> None:
+def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (the breakdown's synchronization point; nothing to wait for on CPU)."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _wait(namespace: str, name: str, out) -> None:
@@ -77,10 +78,18 @@ def _comm_clock_class():
             name = func._schema.name.split("::")[-1]
             if name in NOT_TIMED:
                 return func(*args, **kwargs)
-            start = time.perf_counter()
-            out = func(*args, **kwargs)
-            _wait(func.namespace, name, out)
-            self.timer.add_comm(time.perf_counter() - start)
+            if self.timer.device.type == "cuda":  # the collective runs on the device: time it there
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = func(*args, **kwargs)
+                _wait(func.namespace, name, out)  # the current stream waits for the collective's
+                end.record()
+                self.timer.add_comm((start, end))
+            else:
+                start = time.perf_counter()
+                out = func(*args, **kwargs)
+                _wait(func.namespace, name, out)
+                self.timer.add_comm(time.perf_counter() - start)
             return out
 
     return CommClock
@@ -98,7 +107,7 @@ class StepTimer:
                  device: torch.device | None = None):
         self.enabled, self.model_cfg, self.dp_size = cfg.breakdown, model, dp_size
         self.device = device or torch.device("cpu")
-        self.local_peak, self.peak_source = F.device_peak_tflops(cfg.peak_tflops)
+        self.local_peak, self.peak_source = F.device_peak_tflops(cfg.peak_tflops, self.device)
         self.measured = cfg.peak_tflops <= 0 and self.device.type == "cpu"
         world = dist.get_world_size() if dist.is_initialized() else 1
         if dist.is_initialized() and self.measured:
@@ -110,6 +119,7 @@ class StepTimer:
         self._stack: list[list] = []  # [phase, time it (re)started]
         self.times: dict[str, float] = defaultdict(float)
         self.comm: dict[str, float] = defaultdict(float)  # communication time by the phase it ran in
+        self._comm_events: list[tuple] = []  # (phase, start, end) CUDA events of this step's collectives
         self.wall = 0.0
         if self.enabled:
             self._clock = _comm_clock_class()(self)
@@ -126,7 +136,7 @@ class StepTimer:
 
     @contextlib.contextmanager
     def _phase(self, name: str):
-        synchronize()
+        synchronize(self.device)
         now = time.perf_counter()
         if self._stack:
             outer = self._stack[-1]
@@ -135,7 +145,7 @@ class StepTimer:
         try:
             yield
         finally:
-            synchronize()
+            synchronize(self.device)
             now = time.perf_counter()
             inner, started = self._stack.pop()
             self.times[inner] += now - started
@@ -151,17 +161,25 @@ class StepTimer:
         self.times.clear()
         self.comm.clear()
         self._stack.clear()
-        synchronize()
+        self._comm_events.clear()
+        synchronize(self.device)
         start = time.perf_counter()
         try:
             with self._clock:
                 yield
         finally:
-            synchronize()
+            synchronize(self.device)
             self.wall = time.perf_counter() - start
+            for phase, begin, end in self._comm_events:
+                self.comm[phase] += begin.elapsed_time(end) / 1e3
 
-    def add_comm(self, seconds: float) -> None:
-        self.comm[self._stack[-1][0] if self._stack else "other"] += seconds
+    def add_comm(self, elapsed) -> None:
+        """A collective's time, in seconds or as a pair of CUDA events read once the step is over."""
+        phase = self._stack[-1][0] if self._stack else "other"
+        if isinstance(elapsed, tuple):
+            self._comm_events.append((phase, *elapsed))
+        else:
+            self.comm[phase] += elapsed
 
     def _timed(self, method, phase: str):
         def timed(*args, **kwargs):
@@ -206,7 +224,7 @@ class StepTimer:
     def finish(self, record: dict) -> dict:
         """At the end of a step: its ``breakdown`` (when on) and the job's peak memory so far."""
         if self.enabled:
-            peak = torch.tensor([F.memory_mb()], dtype=torch.float64, device=self.device)
+            peak = torch.tensor([F.memory_mb(self.device)], dtype=torch.float64, device=self.device)
             if dist.is_initialized():  # a synchronization point: breakdown only
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             record["memory_mb"] = float(peak)
@@ -222,6 +240,6 @@ class StepTimer:
             self._raise_peak(achieved)
         record["tflops"] = achieved
         record["mfu"] = min(1.0, achieved / self.peak_tflops) if self.peak_tflops > 0 else 0.0
-        record.setdefault("memory_mb", F.memory_mb())
+        record.setdefault("memory_mb", F.memory_mb(self.device))
         record.setdefault("skipped_steps", 0)
         return record

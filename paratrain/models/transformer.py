@@ -40,33 +40,34 @@ class Embeddings(nn.Module):
         return self.dropout(self.word(ids)[0] + self.position(positions))
 
 
-def attention_mask(key_pad: torch.Tensor | None, causal: bool, query_length: int) -> torch.Tensor | None:
-    """Boolean mask (B, 1, Tq, Tk), True where a query may attend: key padding x causal.
+CAUSAL = "causal"  # the mask of causal self-attention: SDPA's is_causal, no mask tensor (the flash kernel on GPU)
 
-    Query rows at pad positions still see the valid keys so no row is empty; their
-    outputs are never used (the loss ignores pad targets).
+
+def attention_mask(key_pad: torch.Tensor | None, causal: bool, query_length: int) -> torch.Tensor | str | None:
+    """What a query may attend: ``CAUSAL`` for causal self-attention, else a boolean key-padding mask
+    (B, 1, Tq, Tk), True where a query may attend, or None without padding.
+
+    Causal self-attention needs no padding mask: sequences are padded at the end (the data
+    loader checks it), so a real token's query never reaches a padded key; the outputs at pad
+    positions are never used (the loss ignores pad targets). Query rows at pad positions of a
+    padding mask still see the valid keys, so no row is empty.
     """
-    if key_pad is None and not causal:
-        return None
-    key_length = key_pad.shape[1] if key_pad is not None else query_length
-    device = key_pad.device if key_pad is not None else None
-    allowed = torch.ones(query_length, key_length, dtype=torch.bool, device=device)
     if causal:
-        allowed = allowed.tril()
-    allowed = allowed[None, None]
-    if key_pad is not None:
-        allowed = allowed & ~key_pad[:, None, None, :]
-    return allowed
+        return CAUSAL
+    if key_pad is None:
+        return None
+    allowed = torch.ones(query_length, key_pad.shape[1], dtype=torch.bool, device=key_pad.device)
+    return allowed[None, None] & ~key_pad[:, None, None, :]
 
 
 class AttentionMask(nn.Module):
-    """MindSpore-style mask module: key_pad (B, Tk) bool -> (B, 1, Tq, Tk), see ``attention_mask``."""
+    """Mask module: key_pad (B, Tk) bool -> ``CAUSAL`` or (B, 1, Tq, Tk), see ``attention_mask``."""
 
     def __init__(self, causal: bool):
         super().__init__()
         self.causal = causal
 
-    def forward(self, key_pad: torch.Tensor | None, query_length: int) -> torch.Tensor | None:
+    def forward(self, key_pad: torch.Tensor | None, query_length: int) -> torch.Tensor | str | None:
         return attention_mask(key_pad, self.causal, query_length)
 
 
@@ -80,8 +81,11 @@ class ScaledDotProductAttention(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+    def forward(self, q, k, v, mask: torch.Tensor | str | None) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        if mask is CAUSAL:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
 
 
 class MultiHeadAttention(nn.Module):
@@ -218,13 +222,13 @@ class TransformerDecoder(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The encoder and decoder stacks and their masks; ``Seq2SeqModel`` runs them (see its ``forward``)."""
+    """The encoder and decoder stacks and their padding mask; ``Seq2SeqModel`` runs them (see its ``forward``)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.encoder = TransformerEncoder(cfg, cfg.encoder_layers)
         self.decoder = TransformerDecoder(cfg)
-        self.padding_mask, self.causal_mask = AttentionMask(causal=False), AttentionMask(causal=True)
+        self.padding_mask = AttentionMask(causal=False)
 
 
 class Seq2SeqModel(nn.Module):
@@ -286,7 +290,7 @@ class Seq2SeqModel(nn.Module):
         x = self.tgt_embed(tgt_ids, start) if hidden is None else hidden
         # lengths come from the (B, S) / (B, T) ids: embedded inputs may be sequence-sharded
         length = tgt_ids.shape[1]
-        self_mask = t.causal_mask(tgt_ids == self.pad_token_id, length) if caches is None else None
+        self_mask = CAUSAL if caches is None else None
         x = t.decoder(x, memory, self_mask, t.padding_mask(src_pad, length), caches)
         return self.head(x) if self.head is not None else x
 
@@ -305,7 +309,6 @@ class GPTModel(nn.Module):
         self.pad_token_id = cfg.pad_token_id
         self.embed = Embeddings(VocabEmbedding(cfg.vocab_size, cfg.hidden_size), cfg.seq_length,
                                 cfg.hidden_size, cfg.hidden_dropout)
-        self.causal_mask = AttentionMask(causal=True)
         self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in range(cfg.decoder_layers)})
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -315,10 +318,9 @@ class GPTModel(nn.Module):
         init_weights(self)
 
     def forward(self, input_ids, hidden: tuple = ()):
-        mask = self.causal_mask(input_ids == self.pad_token_id, input_ids.shape[1])
         x = hidden[0] if hidden else self.embed(input_ids)
         for layer in self.layers.values():
-            x = layer(x, mask)
+            x = layer(x, CAUSAL)
         return self.head(self.norm(x)) if self.head is not None else x
 
 

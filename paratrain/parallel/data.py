@@ -12,7 +12,8 @@ What each ``zero_stage`` keeps on a rank (P = parameter bytes, dp ranks) and sen
      3P(dp-1)/dp, in exchange for only one layer group's whole parameters alive at a time.
 ``optimizer_shard=true`` means stage 1. Batch-norm layers (ResNet) normalise with the
 statistics of the whole data-parallel batch, as one process would. ``gradient_aggregation_group`` sets how many
-groups of consecutive layers are gathered and reduced together (communication buckets).
+groups of consecutive layers are gathered and reduced together (communication buckets); by default
+(0) each layer is its own FSDP unit, so one layer's parameters are gathered at a time.
 """
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ from paratrain.models.transformer import pipeline_blocks
 
 
 def layer_groups(layers: list[nn.Module], num_groups: int) -> list[list[nn.Module]]:
-    """Split ``layers`` into at most ``num_groups`` contiguous groups of near-equal size."""
-    num_groups = max(1, min(num_groups, len(layers)))
+    """Split ``layers`` into ``num_groups`` contiguous groups of near-equal size."""
     bounds = [round(i * len(layers) / num_groups) for i in range(num_groups + 1)]
     return [layers[a:b] for a, b in zip(bounds, bounds[1:])]
 
@@ -41,13 +41,13 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
     ``root`` (default ``model``) is the module whose forward runs the rest: a pipeline
     stage module wrapping ``model``.
     """
-    sync_batch_norm(model, layout.dp_group)
+    sync_batch_norm(model, layout.dp_group, layout.device)
     reshard = config.effective_zero_stage == 3
     kwargs = {"mesh": layout.fsdp_mesh, "reshard_after_forward": reshard}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     layers = [model.get_submodule(name) for name, _, _ in pipeline_blocks(model)]
-    for group in layer_groups(layers, config.gradient_aggregation_group):
+    for group in layer_groups(layers, config.aggregation_groups(len(layers))):
         fully_shard(group, **kwargs)
     fully_shard(root if root is not None else model, **kwargs)
     return model
@@ -82,14 +82,16 @@ class GlobalBatchNorm(nn.BatchNorm2d):
             + self.bias.view(shape)
 
 
-def sync_batch_norm(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
-    """Replace every BatchNorm2d of ``model`` by one with global-batch statistics over ``group``."""
-    if torch.cuda.is_available():
+def sync_batch_norm(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> nn.Module:
+    """Replace every BatchNorm2d of ``model`` by one with global-batch statistics over ``group``:
+    torch's SyncBatchNorm when the run's ``device`` is a GPU, else ``GlobalBatchNorm``."""
+    if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model, group)
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if type(child) is nn.BatchNorm2d:
-                synced = GlobalBatchNorm(child.num_features, group, eps=child.eps, momentum=child.momentum)
+                synced = GlobalBatchNorm(child.num_features, group, eps=child.eps, momentum=child.momentum,
+                                         device=child.weight.device)
                 synced.load_state_dict(child.state_dict())
                 setattr(parent, name, synced)
     return model

@@ -201,7 +201,7 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
         st.params += n_local * b
         st.whole_params += n_whole * b
         st.tensors += tensors
-        groups = max(1, min(par.gradient_aggregation_group, len(held)))
+        groups = par.aggregation_groups(len(held))
         per_group = max(1, math.ceil(len(held) / groups)) if held else 0
         st.group_params = max(st.group_params, per_group * max(local[True][1], local[False][1]) * b)
     for st in stages:

@@ -132,7 +132,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         dp_volume = 2 * f * whole if zero < 3 else 3 * f * whole * (1 if pp > 1 else mb)
     dp_time = dp_volume / _bw(hw, dp * tp)
     if dp > 1:  # one gather and/or reduction per layer group (gradient_aggregation_group buckets)
-        groups = min(par.gradient_aggregation_group, max(len(s.layers) for s in states)) + 1
+        groups = par.aggregation_groups(max(len(s.layers) for s in states)) + 1
         dp_time += groups * (3 * (1 if pp > 1 else mb) if zero == 3 else (2 if zero else 1)) * hw.latency
     bubble = cost.bubble_micro_batches(par)
     # AdamW reads parameter, gradient and two states and writes three of them
@@ -266,8 +266,10 @@ def resolve_auto(cfg: Config, world_size: int, report=print) -> Config:
 def default_hardware(world_size: int, devices_per_node: int) -> Hardware:
     import torch
 
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
+    from paratrain.device import device
+
+    if device().type == "cuda":
+        props = torch.cuda.get_device_properties(device())
         return Hardware(world_size, devices_per_node, device_memory=props.total_memory)
     # CPU (gloo): matmuls at ~50 GFLOP/s a core, collectives ~0.5 GB/s; memory is not the limit here
     return Hardware(world_size, devices_per_node, device_memory=math.inf, peak_flops=1e11, intra_bw=0.5e9,

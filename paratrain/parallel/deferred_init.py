@@ -1,0 +1,185 @@
+"""Model initialisation without the whole model on any host: build on the meta device, parallelize,
+then materialise only this rank's shards, with exactly the values a plain build on the CPU draws.
+
+``record_init(build)`` builds the model on the meta device while recording, in order, every
+operation that gives a parameter or buffer its values: its factory (``torch.empty``,
+``torch.zeros``...) and the in-place initialisers that follow (``normal_``, ``uniform_``,
+``fill_``, ``zero_``, and in-place arithmetic such as ``mul_``). Once the model is
+parallelized (tensor parallel, FSDP, pipeline chunks -- all on the meta device),
+``materialize(parts, record, device)`` allocates this rank's shards on ``device`` and replays
+the record on the CPU from the same seed, one tensor at a time: a tensor is made in full, as
+the plain build made it, this rank's shard of it is copied in, and it is freed. Every tensor
+is replayed, held by this rank or not, so the random stream is consumed as the plain build
+consumed it. Host memory peaks at the largest tensor, not the model.
+
+A build that draws random numbers into anything but its own parameters and buffers, or
+computes a parameter from other tensors, cannot be replayed and is refused with the reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# in-place initialisers whose result does not depend on the tensor's previous values
+OVERWRITES = {"normal_", "uniform_", "fill_", "zero_", "random_", "bernoulli_", "exponential_", "geometric_",
+              "log_normal_", "cauchy_"}
+ALIASES = {"detach", "alias", "view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "as_strided"}
+
+
+class DeferredInitError(RuntimeError):
+    """The model's construction does something ``materialize`` cannot replay; the message says what."""
+
+
+@dataclass
+class Step:
+    """One recorded operation on the tensor ``name``: made by a factory, or changed in place."""
+
+    name: str
+    func: object
+    args: tuple
+    kwargs: dict
+    meta: torch.Tensor  # the tensor as the build had it (shape, dtype)
+    make: bool = False  # a factory: the tensor is made afresh
+    overwrite: bool = False  # an in-place op that ignores the previous values
+
+
+@dataclass
+class InitRecord:
+    """What ``record_init`` saw: the built model (on the meta device) and the steps that set its tensors."""
+
+    model: nn.Module
+    steps: list[Step] = field(default_factory=list)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+
+def _storage(t: torch.Tensor):
+    return t.untyped_storage()._cdata
+
+
+def record_init(build) -> InitRecord:
+    """``build()`` (a model constructor) on the meta device, with the record of how its tensors got their values."""
+    recorder = _Recorder()
+    with torch.device("meta"), recorder:
+        model = build()
+    names = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        names.setdefault(_storage(t), name)
+    record = InitRecord(model)
+    for func, args, kwargs, out in recorder.ops:
+        op = func._schema.name.split("::")[-1]
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        random = torch.Tag.nondeterministic_seeded in func.tags
+        if op in ALIASES:
+            continue
+        if not tensors:  # a factory
+            if isinstance(out, torch.Tensor) and _storage(out) in names:
+                record.steps.append(Step(names[_storage(out)], func, args, kwargs, out, make=True))
+            elif random:
+                raise DeferredInitError(f"the model's construction draws random numbers ({op}) outside its "
+                                        f"parameters and buffers: it cannot be initialised shard by shard")
+            continue
+        target = names.get(_storage(tensors[0]))
+        if op.endswith("_") and target is None and random:
+            # a tensor the build drew into and then dropped (a head weight replaced by the tied table):
+            # replayed into a scratch tensor, for the random numbers it took
+            target = f"(dropped tensor {_storage(tensors[0])})"
+        if op.endswith("_") and target is not None:
+            if len(tensors) > 1:
+                raise DeferredInitError(f"{target} is initialised from another tensor ({op}): it cannot be "
+                                        f"initialised shard by shard")
+            record.steps.append(Step(target, func, args[1:], kwargs, tensors[0], overwrite=op in OVERWRITES))
+        elif random or (isinstance(out, torch.Tensor) and _storage(out) in names):
+            raise DeferredInitError(f"the model's construction computes {names.get(_storage(out), 'a tensor')} "
+                                    f"with {op} from other tensors: it cannot be initialised shard by shard")
+    return record
+
+
+def _tensors_by_name(parts: list[nn.Module]) -> dict[str, list[torch.Tensor]]:
+    """Parameters and buffers of the parts under their names in the whole model (recompute wrappers left out)."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for part in parts:
+        for name, t in [*part.named_parameters(), *part.named_buffers()]:
+            out.setdefault(name.replace(_CHECKPOINT_PREFIX, ""), []).append(t)
+    return out
+
+
+def _tied_parameters(part: nn.Module) -> list[tuple[nn.Module, str, tuple[nn.Module, str]]]:
+    """(module, attribute, (module, attribute) holding the same parameter first) for every tied parameter."""
+    first, ties = {}, []
+    for module in part.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) in first:
+                ties.append((module, name, first[id(p)]))
+            else:
+                first[id(p)] = (module, name)
+    return ties
+
+
+@torch.no_grad()
+def _copy_shard(target: torch.Tensor, full: torch.Tensor) -> None:
+    if isinstance(target, DTensor):
+        full = full.to(target.device_mesh.device_type)
+        shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target.to_local().copy_(shard)
+    else:
+        target.copy_(full)
+
+
+def materialize(parts: list[nn.Module], record: InitRecord, device: torch.device) -> None:
+    """Allocate ``parts`` (built by ``record_init``, parallelized on the meta device) on ``device`` and give
+    them their values by replaying ``record`` from the current CPU random state (seed it as the plain build was)."""
+    for part in parts:
+        ties = _tied_parameters(part)
+        hooks = {name: list(p._post_accumulate_grad_hooks.values()) for name, p in part.named_parameters()
+                 if getattr(p, "_post_accumulate_grad_hooks", None)}
+        part.to_empty(device=device)
+        for module, name, (source, source_name) in ties:  # to_empty gives each holder its own copy
+            setattr(module, name, getattr(source, source_name))
+        for name, functions in hooks.items():  # to_empty makes new tensors: hooks registered on the old are gone
+            p = part.get_parameter(name)
+            p._post_accumulate_grad_hooks = None
+            for function in functions:
+                p.register_post_accumulate_grad_hook(function)
+    targets = _tensors_by_name(parts)
+    unset = sorted(set(targets) - {step.name for step in record.steps})
+    if unset:
+        raise DeferredInitError(f"no recorded initialisation for {', '.join(unset[:4])}: were they made "
+                                f"outside the build that record_init ran?")
+    last, needed = {}, set()  # last step of each tensor; steps whose result a later in-place op reads
+    for i, step in enumerate(record.steps):
+        if step.name in last and not (step.make or step.overwrite):
+            needed.add(last[step.name])
+        last[step.name] = i
+    live: dict[str, torch.Tensor] = {}
+    for i, step in enumerate(record.steps):
+        if step.make:
+            kwargs = {**step.kwargs, "device": torch.device("cpu")}
+            live[step.name] = step.func(*step.args, **kwargs)
+        else:
+            if step.overwrite or step.name not in live:
+                live[step.name] = torch.empty(step.meta.shape, dtype=step.meta.dtype, device="cpu")
+            step.func(live[step.name], *step.args, **step.kwargs)
+        if last[step.name] == i:
+            for target in targets.get(step.name, []):
+                _copy_shard(target, live[step.name])
+        if i not in needed:
+            live.pop(step.name)

@@ -1,0 +1,103 @@
+"""The GPU fast path, checked on the CPU: no host synchronisation on steps that are not logged, the next batch
+made while a step runs (only this rank's rows), padding checks, one FSDP unit per block and FSDP's mixed
+precision, and the model initialised shard by shard with the values of a plain build."""
+import pytest
+import torch
+
+from conftest import tiny_config
+from multiprocess import run_distributed
+
+
+def test_steps_that_are_not_logged_do_not_wait_for_the_device(tmp_path, monkeypatch):
+    from paratrain.trainer import Trainer
+
+    trainer = Trainer(tiny_config(run={"dir": str(tmp_path)}, train={"steps": 4},
+                                  metrics={"log_steps": 4, "progress": False}))
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: reads.append(_n) or _o(
+            self, *a, **k))
+    records = []
+    for _ in range(3):
+        records.append(trainer.train_step())
+        trainer.step += 1
+    assert reads == [] and all(isinstance(r["loss"], torch.Tensor) for r in records)
+    trainer.train_step()  # step 4 is logged: the four steps' values come to the host in one copy
+    assert reads == ["tolist"] and all(isinstance(r["loss"], float) for r in records)
+
+
+def test_next_batch_is_made_while_the_step_runs_and_only_this_ranks_rows():
+    from paratrain.data.loader import ShardedBatches
+    from paratrain.data.synthetic import SyntheticLM
+
+    source = SyntheticLM(tiny_config(model={"kind": "gpt"}).model, seed=3)
+    whole = ShardedBatches(source, 8)
+    rank1 = ShardedBatches(source, 8, dp_rank=1, dp_size=2)
+    batch = rank1.batch(5)
+    assert rank1._ahead is not None and rank1._ahead[0] == 6  # step 6 is being made
+    assert torch.equal(batch["input_ids"], whole.host_rows(5)["input_ids"][4:])
+    assert torch.equal(rank1.batch(6)["input_ids"], whole.host_rows(6)["input_ids"][4:])
+
+
+def test_padding_before_a_token_is_refused():
+    from paratrain.data.loader import DataError, ShardedBatches
+
+    class LeftPadded:
+        def batch_rows(self, step, start, stop):
+            ids = torch.tensor([[0, 0, 5, 6]] * (stop - start), device="cpu")
+            return {"input_ids": ids, "labels": ids}
+
+    with pytest.raises(DataError, match="input_ids of step 0 has padding \\(0\\) before a token"):
+        ShardedBatches(LeftPadded(), 2, pad_token_id=0).batch(0)
+
+
+def _fsdp_units(zero_stage, mixed_precision):
+    from torch.distributed.fsdp import FSDPModule
+
+    from paratrain.config import TrainConfig
+    from paratrain.mesh import Layout
+    from paratrain.models import build_model
+    from paratrain.parallel import parallelize
+    from paratrain.distributed import init_from_env
+
+    _, world = init_from_env()
+    cfg = tiny_config(model={"kind": "gpt", "decoder_layers": 3}, parallel={"dp": 2, "zero_stage": zero_stage})
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    (part,), _ = parallelize(model, cfg.parallel, Layout(cfg.parallel, world),
+                             train=TrainConfig(mixed_precision=mixed_precision))
+    units = [name for name, m in part.named_modules() if isinstance(m, FSDPModule)]
+    policies = {str(m._get_fsdp_state()._mp_policy.param_dtype) for m in part.modules() if isinstance(m, FSDPModule)}
+    return units, policies
+
+
+@pytest.mark.slow
+def test_one_fsdp_unit_per_block_and_mixed_precision_gathers_bf16():
+    (units, policies), _ = run_distributed(_fsdp_units, 2, 3, "bf16", timeout=120)
+    assert units == ["", "layers.0", "layers.1", "layers.2"] and policies == {"torch.bfloat16"}
+    (units, policies), _ = run_distributed(_fsdp_units, 2, 0, "none", timeout=120)
+    assert len(units) == 4 and policies == {"None"}
+
+
+def test_shard_by_shard_init_gives_the_plain_build(tmp_path):
+    """The trainer builds on the meta device and materialises its parts from the recorded init: the weights
+    are those of ``build_model`` after ``torch.manual_seed(seed)``, tied weights still tied."""
+    from paratrain.models import build_model
+    from paratrain.parallel.deferred_init import DeferredInitError, record_init
+    from paratrain.trainer import Trainer
+
+    cfg = tiny_config(run={"dir": str(tmp_path)}, model={"tie_embeddings": True})
+    trainer = Trainer(cfg)
+    torch.manual_seed(cfg.run.seed)
+    plain = build_model(cfg.model)
+    got = trainer.model.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in plain.state_dict().items())
+    assert trainer.model.head.weight is trainer.model.src_embed.word.embedding.weight
+
+    class DrawsOutside(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(3) * 2)  # drawn into a temporary: not replayable
+    with pytest.raises(DeferredInitError, match="draws random numbers \\(randn\\)"):
+        record_init(DrawsOutside)
