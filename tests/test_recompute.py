@@ -55,7 +55,7 @@ def test_gradients_equal_without_recompute_with_dropout(kind, attention_dropout,
     assert got.keys() == want.keys()
     for name, grad in got.items():
         assert torch.allclose(grad, want[name], rtol=0, atol=1e-6), name
-    # so the masks matter: the recompute redrew the same ones
+    # other dropout masks give another loss: the recompute redrew the forward's masks
     assert loss_and_grads(cfg, "none", dropout_seed=2)[0] != want_loss
 
 

@@ -264,7 +264,7 @@ def _branch_ffn(n: int, h: int, f: int, t: int, sp: bool, spec: ActivationSpec) 
     return out
 
 
-def _branch_output(n: int, h: int, t: int, sp: bool, spec: ActivationSpec) -> float:
+def _selective_branch_output(n: int, h: int, t: int, sp: bool, spec: ActivationSpec) -> float:
     """What selective recompute keeps of a branch's last projection (out_proj, fc2): its output
     (partial sums under tensor parallel) and the all-reduce (SP: reduce-scatter) of it."""
     out = n * h * spec.elem
@@ -277,12 +277,12 @@ def _selective_attention(n_q: int, n_kv: int, h: int, heads: int, b: int, t: int
                          spec: ActivationSpec) -> float:
     """Bytes selective recompute keeps of one attention branch: q, k, v, the kernel's outputs, out_proj's."""
     return ((n_q + 2 * n_kv) * h * spec.elem / t + _attention_kernel(n_q, h, heads, b, t, spec)
-            + _branch_output(n_q, h, t, sp, spec))
+            + _selective_branch_output(n_q, h, t, sp, spec))
 
 
 def _selective_ffn(n: int, h: int, f: int, t: int, sp: bool, spec: ActivationSpec) -> float:
     """Bytes selective recompute keeps of the FFN branch: the outputs of fc1 and fc2."""
-    return n * f * spec.elem / t + _branch_output(n, h, t, sp, spec)
+    return n * f * spec.elem / t + _selective_branch_output(n, h, t, sp, spec)
 
 
 def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, decoder: bool, mode: str,
