@@ -41,7 +41,8 @@ def loss_and_grads(cfg, mode, dropout_seed=1):
     torch.manual_seed(dropout_seed)
     loss = token_loss_sum(model(**inputs), labels, 0)
     loss.backward()
-    return loss.item(), {name.replace("._checkpoint_wrapped_module", ""): p.grad for name, p in model.named_parameters()}
+    grads = {name.replace("._checkpoint_wrapped_module", ""): p.grad for name, p in model.named_parameters()}
+    return loss.item(), grads
 
 
 @pytest.mark.parametrize("kind", ["gpt", "transformer"])
@@ -126,7 +127,8 @@ def test_attention_kernels_with_dropout_are_recomputed():
     random stream from the layer's start: every dropout mask after it would change."""
     q = torch.zeros(1, 1, 2, 4)
     policy = functools.partial(recompute.selective_policy, None)
-    flash, efficient = aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default
+    flash = aten._scaled_dot_product_flash_attention.default
+    efficient = aten._scaled_dot_product_efficient_attention.default
     assert policy(flash, q, q, q, 0.0) == CheckpointPolicy.MUST_SAVE
     assert policy(flash, q, q, q, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE
     assert policy(efficient, q, q, q, None, True) == CheckpointPolicy.MUST_SAVE
@@ -147,7 +149,8 @@ LAYOUTS = {  # name: (world size, parallel section, model section); compared wit
 }
 DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
 SAME_LAYOUT_WITH_DROPOUT = {  # compared with each other: the recompute redraws the masks on sharded activations
-    mode: (2, {"mp": 2, "sequence_parallel": True, "recompute": mode}, {**GPT, **DROPOUT}) for mode in ("none", "selective")}
+    mode: (2, {"mp": 2, "sequence_parallel": True, "recompute": mode}, {**GPT, **DROPOUT})
+    for mode in ("none", "selective")}
 
 
 def config(tmp_dir, parallel, model):
