@@ -110,13 +110,19 @@ def test_measured_state_bytes_equal_prediction(tmp_path):
 
 # --- activations: bytes autograd keeps, per recompute mode --------------------------------------
 
-def saved_bytes(model, fn):
-    """Run ``fn``; bytes of the distinct storages autograd saved (parameters excluded) plus what
-    non-reentrant checkpoints keep (their inputs)."""
-    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+def saved_bytes(build, run):
+    """``run(build())``; returns its result and the bytes of the distinct storages kept for backward:
+    what autograd saved (parameters excluded), the inputs of non-reentrant checkpoints and the op
+    outputs that selective recompute's policy keeps."""
+    from unittest import mock
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from paratrain.parallel import recompute
+
+    params, seen = set(), {}
 
     def note(t):
         if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
@@ -126,19 +132,26 @@ def saved_bytes(model, fn):
         note(t)
         return t
 
-    original = cw.CheckpointWrapper.forward
+    original_forward, original_policy = cw.CheckpointWrapper.forward, recompute.selective_policy
 
     def forward(self, *args, **kwargs):
         for value in (*args, *kwargs.values()):
             note(value)
-        return original(self, *args, **kwargs)
+        return original_forward(self, *args, **kwargs)
 
-    cw.CheckpointWrapper.forward = forward
-    try:
+    def policy(ctx, func, *args, **kwargs):
+        decision = original_policy(ctx, func, *args, **kwargs)
+        if decision == CheckpointPolicy.MUST_SAVE:
+            for t in tree_leaves(ctx.op_output):
+                note(t)
+        return decision
+
+    with mock.patch.object(cw.CheckpointWrapper, "forward", forward), \
+            mock.patch.object(recompute, "selective_policy", policy):
+        model = build()
+        params.update(p.untyped_storage().data_ptr() for p in model.parameters())
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = fn()
-    finally:
-        cw.CheckpointWrapper.forward = original
+            out = run(model)
     return out, sum(seen.values())
 
 
@@ -154,13 +167,13 @@ def test_activation_bytes_within_15_percent(kind, mode):
                   "tgt_seq_length": 32, "hidden_dropout": 0.0, "attention_dropout": 0.0},
         "parallel": {"recompute": mode}, "train": {"global_batch_size": 4}})
     torch.manual_seed(0)
-    model = apply_recompute(build_model(cfg.model), cfg.parallel).train()
     g = torch.Generator().manual_seed(0)
     lengths = ("seq_length",) if kind == "gpt" else ("src_seq_length", "tgt_seq_length")
     names = ("input_ids",) if kind == "gpt" else ("src_ids", "tgt_in_ids")
     batch = {n: torch.randint(1, 256, (4, getattr(cfg.model, l)), generator=g) for n, l in zip(names, lengths)}
     labels = torch.randint(1, 256, (4, getattr(cfg.model, lengths[-1])), generator=g)
-    loss, measured = saved_bytes(model, lambda: token_loss_sum(model(**batch), labels, 0))
+    loss, measured = saved_bytes(lambda: apply_recompute(build_model(cfg.model), cfg.parallel).train(),
+                                 lambda model: token_loss_sum(model(**batch), labels, 0))
     loss.backward()
     st = cost.stage_states(cfg.model, cfg.parallel)[0]
     predicted = cost.stage_activation_bytes(cfg, cfg.parallel, 0, st)["per_micro_batch"]

@@ -235,7 +235,12 @@ def activation_spec(cfg: Config) -> ActivationSpec:
     return ActivationSpec(elem=elem, hidden_mask=1.0 if m.hidden_dropout > 0 else 0.0)
 
 
-def _branch_attention(n_q: int, n_kv: int, h: int, heads: int, b: int, t: int, sp: bool, mode: str,
+def _attention_kernel(n_q: int, h: int, heads: int, b: int, t: int, spec: ActivationSpec) -> float:
+    """Outputs of the fused attention kernel: the attention output and its logsumexp (fp32)."""
+    return n_q * h * spec.elem / t + (n_q // max(1, b)) * b * (heads // t) * 4
+
+
+def _branch_attention(n_q: int, n_kv: int, h: int, heads: int, b: int, t: int, sp: bool,
                       spec: ActivationSpec, kv_gathered: bool) -> float:
     """Saved bytes of one residual branch with attention: norm, q/k/v, core, out_proj, dropout."""
     e, ss = spec.elem, (t if sp else 1)
@@ -243,15 +248,15 @@ def _branch_attention(n_q: int, n_kv: int, h: int, heads: int, b: int, t: int, s
     out += n_q * h * e  # LayerNorm output (gathered under SP), kept by q (and k, v for self-attention)
     if kv_gathered:  # cross-attention under SP: the encoder output gathered again in every layer
         out += n_kv * h * e
-    out += (n_q + 2 * n_kv) * h * e / t  # q, k, v (kept by the attention core, or by its recompute)
-    if mode != "selective":
-        out += n_q * h * e / t + (n_q // max(1, b)) * b * (heads // t) * 4  # core output + logsumexp (fp32)
+    out += (n_q + 2 * n_kv) * h * e / t  # q, k, v (kept by the attention core)
+    out += _attention_kernel(n_q, h, heads, b, t, spec)
     out += n_q * h * e / t  # out_proj input (heads merged: a copy)
     out += n_q * h * spec.hidden_mask / ss  # residual dropout mask
     return out
 
 
 def _branch_ffn(n: int, h: int, f: int, t: int, sp: bool, spec: ActivationSpec) -> float:
+    """Saved bytes of the FFN residual branch: norm, fc1, activation, fc2, dropouts."""
     e, ss = spec.elem, (t if sp else 1)
     out = n * h * e / ss + 2 * n * spec.ln_stats / ss + n * h * e  # LayerNorm input + stats, output
     out += 2 * n * f * e / t  # activation input, fc2 input
@@ -259,12 +264,35 @@ def _branch_ffn(n: int, h: int, f: int, t: int, sp: bool, spec: ActivationSpec) 
     return out
 
 
+def _selective_branch_output(n: int, h: int, t: int, sp: bool, spec: ActivationSpec) -> float:
+    """What selective recompute keeps of a branch's last projection (out_proj, fc2): its output
+    (partial sums under tensor parallel) and the all-reduce (SP: reduce-scatter) of it."""
+    out = n * h * spec.elem
+    if t > 1:
+        out += n * h * spec.elem / (t if sp else 1)
+    return out
+
+
+def _selective_attention(n_q: int, n_kv: int, h: int, heads: int, b: int, t: int, sp: bool,
+                         spec: ActivationSpec) -> float:
+    """Bytes selective recompute keeps of one attention branch: q, k, v, the kernel's outputs, out_proj's."""
+    return ((n_q + 2 * n_kv) * h * spec.elem / t + _attention_kernel(n_q, h, heads, b, t, spec)
+            + _selective_branch_output(n_q, h, t, sp, spec))
+
+
+def _selective_ffn(n: int, h: int, f: int, t: int, sp: bool, spec: ActivationSpec) -> float:
+    """Bytes selective recompute keeps of the FFN branch: the outputs of fc1 and fc2."""
+    return n * f * spec.elem / t + _selective_branch_output(n, h, t, sp, spec)
+
+
 def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, decoder: bool, mode: str,
                            spec: ActivationSpec) -> float:
     """Bytes one layer keeps for backward per micro-batch on one tensor-parallel rank.
 
-    ``full``: only the layer input; ``selective``: the attention core output and its
-    statistics are recomputed (q, k, v stay); ``none``: everything below.
+    ``full``: only the layer input; ``selective``: the layer input and the outputs of the ops
+    ``paratrain.parallel.recompute.SAVED_OPS`` names (matmuls, the attention kernel, the
+    tensor-parallel collectives), not those of LayerNorm, GELU, dropout or the adds;
+    ``none``: everything autograd saves.
     """
     t, sp, h, b = par.model_parallel, par.sequence_parallel, m.hidden_size, micro_batch
     if m.kind == "gpt":
@@ -272,11 +300,17 @@ def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int
     else:
         n_kv = b * m.src_seq_length
         n_q = b * (m.tgt_seq_length if decoder else m.src_seq_length)
+    layer_input = n_q * h * spec.elem / (t if sp else 1)
     if mode == "full":
-        return n_q * h * spec.elem / (t if sp else 1)
-    out = _branch_attention(n_q, n_q, h, m.num_heads, b, t, sp, mode, spec, False)
+        return layer_input
+    if mode == "selective":
+        out = layer_input + _selective_attention(n_q, n_q, h, m.num_heads, b, t, sp, spec)
+        if decoder:
+            out += _selective_attention(n_q, n_kv, h, m.num_heads, b, t, sp, spec)
+        return out + _selective_ffn(n_q, h, m.ffn_hidden_size, t, sp, spec)
+    out = _branch_attention(n_q, n_q, h, m.num_heads, b, t, sp, spec, False)
     if decoder:
-        out += _branch_attention(n_q, n_kv, h, m.num_heads, b, t, sp, mode, spec, sp)
+        out += _branch_attention(n_q, n_kv, h, m.num_heads, b, t, sp, spec, sp)
     return out + _branch_ffn(n_q, h, m.ffn_hidden_size, t, sp, spec)
 
 
