@@ -72,10 +72,8 @@ class AttentionMask(nn.Module):
 
 
 class ScaledDotProductAttention(nn.Module):
-    """The attention core softmax(QK^T/sqrt(d)) V: (B, heads, Tq, d) x (B, heads, Tk, d) -> (B, heads, Tq, d).
-
-    A module of its own so selective recompute can wrap just this part.
-    """
+    """The attention core softmax(QK^T/sqrt(d)) V: (B, heads, Tq, d) x (B, heads, Tk, d) -> (B, heads, Tq, d),
+    with a padding mask, ``CAUSAL`` (SDPA's is_causal) or neither."""
 
     def __init__(self, dropout: float):
         super().__init__()

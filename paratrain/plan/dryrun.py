@@ -1,6 +1,6 @@
 """Dry run at scale: paratrain's real sharding applied on the meta device under a fake process group.
 
-For each pipeline stage, this process joins a fake process group (``torch.testing._internal.
+For each pipeline stage, a child process joins a fake process group (``torch.testing._internal.
 distributed.fake_pg``: collectives return at once, nothing is sent) as that stage's first rank
 (tensor- and data-parallel rank 0, which holds the largest shards), builds the model on the
 meta device and runs ``paratrain.parallel.parallelize`` exactly as the trainer does. The local
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -61,8 +63,14 @@ def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
 
 
 def dry_run(cfg: Config, world_size: int | None = None) -> list[dict]:
-    """Per pipeline stage (its first rank), the model-state bytes counted on the meta device."""
+    """Per pipeline stage (its first rank), the model-state bytes counted on the meta device.
+
+    Each stage runs in a child process: torch.distributed keeps state from a fake process group
+    (seen: a later real tensor-parallel run in the same process then trained with wrong values).
+    """
     p = cfg.parallel
     world_size = world_size or p.world_size
     stride = world_size // p.pipeline_stage
-    return [dry_run_rank(cfg, stage * stride, world_size) for stage in range(p.pipeline_stage)]
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as child:
+        return [child.submit(dry_run_rank, cfg, stage * stride, world_size).result()
+                for stage in range(p.pipeline_stage)]
