@@ -5,17 +5,19 @@ synthetic batches, in bf16 mixed precision (fp32 master weights, bf16 compute), 
 AdamW and LR schedule (``paratrain.optim``) and global-norm clipping at ``train.grad_clip``. The
 paratrain side is ``Trainer(cfg).train()``; the plain side is the loop a PyTorch user writes
 (``torch.autocast``, ``F.cross_entropy``, ``clip_grad_norm_``). Each side runs its warm-up steps, then
-its timed steps between two ``torch.cuda.synchronize`` calls. The sides run one after the other in this
-process (never both in memory); a side's peak memory is ``torch.cuda.max_memory_allocated`` since it
-started. MFU is the achieved model FLOP/s (``paratrain.metrics.flops.gpt_flops``: 6 x weights x tokens
-plus attention) over the device's dense bf16 peak (``gpu_peak_tflops``, or ``--peak-tflops``).
+its timed steps between two ``torch.cuda.synchronize`` calls. The sides run one after the other in
+this process (never both in memory); a side's peak memory is ``torch.cuda.max_memory_allocated``
+from its start, less what was allocated then. MFU is the achieved model FLOP/s
+(``paratrain.metrics.flops.gpt_flops``: 6 x weights x tokens plus attention) over the device's dense
+bf16 peak (``gpu_peak_tflops``, or ``--peak-tflops``).
 
-Model: ~1.04 B parameters (hidden 2048, 18 layers, 16 heads, ffn 8192, vocab 32000, seq 2048), micro
-batch 8 x 2048 tokens. ``paratrain plan`` puts one device at 37 GiB for that (26 GiB at micro batch 4,
-58 GiB at 16), so it fits an 80 GB GPU with room for the allocator and kernel workspaces.
-``--quick``: a GPT-2-small-sized model (0.135 B, seq 1024, micro batch 16: 10 GiB). ``--device cpu --quick``: a tiny fp32
-model on the CPU, MFU against a measured fp32 matmul peak -- a check of this script, not a benchmark.
-Without CUDA (and without ``--device cpu``) it says why it did not run and exits 0.
+Model: 1.04 B parameters (hidden 2048, 18 layers, 16 heads, ffn 8192, vocab 32000, seq 2048), micro
+batch 8 x 2048 tokens: ``paratrain plan`` predicts 37 GiB on one device (26 GiB at micro batch 4,
+58 GiB at 16), which leaves an 80 GB GPU room for the fp32 logits of the loss, the allocator and
+kernel workspaces. ``--quick``: a GPT-2-small-sized model (0.135 B, seq 1024, micro batch 16:
+10 GiB predicted). ``--device cpu --quick``: a tiny fp32 model on the CPU, MFU against a measured
+fp32 matmul peak -- a check of this script, not a benchmark. Without CUDA (and without
+``--device cpu``) it says why it did not run and exits 0.
 
     python bench/gpu_throughput.py [--quick] [--device cuda|cpu] [--json PATH] [--micro-batch B]
                                    [--steps N] [--warmup N] [--compile] [--peak-tflops T]
@@ -98,27 +100,35 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+def reset_peak_memory(device: torch.device) -> float:
+    """Start measuring a side's peak memory; returns the bytes already allocated (normally none)."""
+    if device.type != "cuda":
+        return 0.0
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """CUDA max allocated since the last reset; on the CPU the process's peak resident set so far."""
+def peak_memory_mb(device: torch.device, start: float) -> float:
+    """CUDA max allocated since ``reset_peak_memory`` above what was there then; on the CPU the process's
+    peak resident set so far."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        return (torch.cuda.max_memory_allocated(device) - start) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def num_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+def measured(seconds: float, device: torch.device, memory_start: float, model: torch.nn.Module,
+             loss_first, loss_last) -> dict:
+    """What a side reports: its timed seconds, peak memory, parameter count and first and last loss."""
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return {"seconds": seconds, "peak_memory_mb": peak_memory_mb(device, memory_start), "params": params,
+            "loss_first": float(loss_first), "loss_last": float(loss_last)}
 
 
 def run_paratrain(cfg: Config, device: torch.device, warmup: int) -> dict:
     """``Trainer(cfg).train()``; the clock runs from the end of the warm-up steps to the end of the last."""
-    reset_peak_memory(device)
+    memory_start = reset_peak_memory(device)
     trainer = Trainer(cfg)
     train_step, clock = trainer.train_step, {}
 
@@ -131,14 +141,13 @@ def run_paratrain(cfg: Config, device: torch.device, warmup: int) -> dict:
     trainer.train_step = timed_step
     history = trainer.train()
     synchronize(device)
-    seconds = time.perf_counter() - clock["start"]
-    return {"seconds": seconds, "peak_memory_mb": peak_memory_mb(device), "params": num_params(trainer.model),
-            "loss_first": float(history[0]["loss"]), "loss_last": float(history[-1]["loss"])}
+    return measured(time.perf_counter() - clock["start"], device, memory_start, trainer.model,
+                    history[0]["loss"], history[-1]["loss"])
 
 
 def run_torch(cfg: Config, device: torch.device, warmup: int, compile: bool) -> dict:
     """The plain PyTorch loop over the same model, batches, optimizer and clipping, timed the same way."""
-    reset_peak_memory(device)
+    memory_start = reset_peak_memory(device)
     torch.manual_seed(cfg.run.seed)
     with device:
         model = GPTModel(cfg.model)
@@ -164,9 +173,7 @@ def run_torch(cfg: Config, device: torch.device, warmup: int, compile: bool) -> 
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     synchronize(device)
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_memory_mb": peak_memory_mb(device), "params": num_params(model),
-            "loss_first": float(losses[0]), "loss_last": float(losses[-1])}
+    return measured(time.perf_counter() - start, device, memory_start, model, losses[0], losses[-1])
 
 
 def device_peak(device: torch.device, override: float) -> tuple[float | None, str]:
@@ -228,7 +235,6 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_throughput-") as run_dir:
         cfg = bench_config(a, run_dir)
         sides = {"paratrain": run_paratrain(cfg, device, a.warmup)}
-        gc.collect()
         sides["torch"] = run_torch(cfg, device, a.warmup, a.compile)
     result = {
         "ran": True, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -237,7 +243,7 @@ def main(argv=None) -> int:
         "micro_batch": cfg.train.global_batch_size, "seq_length": cfg.model.seq_length,
         "precision": cfg.train.mixed_precision if cfg.train.mixed_precision != "none" else "fp32",
         "compile": a.compile, "steps": a.steps, "warmup": a.warmup,
-        "memory": "torch.cuda.max_memory_allocated per side" if device.type == "cuda"
+        "memory": "torch.cuda.max_memory_allocated of each side" if device.type == "cuda"
                   else "process peak resident set so far (CPU: not reset between sides)",
         **{side: rates(run, cfg, a.steps, peak) for side, run in sides.items()},
     }

@@ -16,7 +16,7 @@ GPT = {"kind": "gpt", "vocab_size": 512, "hidden_size": 256, "num_heads": 4, "ff
 def gpt_config(run_dir: Path, steps: int, parallel: dict | None = None, **sections):
     """bf16 GPT on the synthetic Markov chain, 16 x 256 tokens a step, logged every 4 steps."""
     return tiny_config(run={"dir": str(run_dir)}, model=GPT, parallel=parallel or {},
-                       train={"steps": steps, "global_batch_size": 16, "lr": 3e-3, "warmup_steps": 2,
+                       train={"steps": steps, "global_batch_size": 16, "lr": 1e-3, "warmup_steps": 2,
                               "mixed_precision": "bf16"},
                        metrics={"log_steps": 4, "progress": False}, **sections)
 

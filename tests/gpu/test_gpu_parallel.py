@@ -10,8 +10,8 @@ All runs are bf16 mixed precision, the precision the GPU path is for. Tolerances
   look for moves the numbers by far more: a gradient scaled by the data-parallel or micro-batch count
   (grad norm x2 or more), a missing or doubled reduction, a shard in the wrong place.
 - Resume 1e-3 relative: a GPU run is not bit-reproducible (flash attention's backward accumulates with
-  atomics), so "the same losses" means within that noise (~1e-5); a lost optimizer state, LR schedule
-  or data position changes the next losses by ~1e-2.
+  atomics), so "the same losses" means within that noise, expected far below 1e-3 over 4 steps from
+  the same state; a lost optimizer state, LR schedule or data position changes the next losses by ~1e-2.
 
 Each run is a fresh group of spawned processes (rank r on cuda:r) with a time limit.
 """
@@ -59,17 +59,36 @@ def one_gpu(tmp_path_factory):
     return result
 
 
-@pytest.mark.timeout(360)
+@pytest.fixture(scope="module")
+def two_gpus(tmp_path_factory):
+    """name -> the ranks' results of that layout, each trained once for the tests that read it."""
+    runs = {}
+
+    def run(name):
+        if name not in runs:
+            root = tmp_path_factory.mktemp(name)
+            runs[name] = run_spawned(train_layout, 2, gpt_config(root / "run", STEPS, LAYOUTS[name]), root=root,
+                                     timeout=300)
+        return runs[name]
+    return run
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_layout_matches_one_gpu(name, one_gpu, tmp_path):
-    ranks = run_spawned(train_layout, 2, gpt_config(tmp_path / name, STEPS, LAYOUTS[name]), root=tmp_path,
-                        timeout=300)
+def test_layout_starts_from_one_gpu_weights(name, one_gpu, two_gpus):
+    ranks = two_gpus(name)
     assert [r["devices"] for r in ranks] == [{"cuda:0"}, {"cuda:1"}]  # each rank on its own GPU
     initial = {k: v for r in ranks for k, v in r["initial"].items()}  # pipeline stages hold different layers
     assert initial.keys() == one_gpu["initial"].keys()
     for key, want in one_gpu["initial"].items():
-        assert torch.equal(initial[key], want), f"{name}: initial {key} differs from the one-GPU run"
-    for step, (got, want) in enumerate(zip(ranks[0]["history"], one_gpu["history"], strict=True), 1):
+        assert torch.equal(initial[key], want), \
+            f"{name}: initial {key} differs from the one-GPU run by up to {(initial[key] - want).abs().max():.3g}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_follows_one_gpu_losses(name, one_gpu, two_gpus):
+    for step, (got, want) in enumerate(zip(two_gpus(name)[0]["history"], one_gpu["history"], strict=True), 1):
         assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_RTOL), f"{name}: loss at step {step}"
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=NORM_RTOL), f"{name}: grad norm at step {step}"
 
