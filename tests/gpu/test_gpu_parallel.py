@@ -37,8 +37,8 @@ LAYOUTS = {
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter this rank holds, whole (gathered from its shards), on the CPU, by name."""
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu()
+    """A copy of every parameter this rank holds, whole (gathered from its shards), on the CPU, by name."""
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", torch.float32, copy=True)
             for name, p in model.named_parameters()}
 
 
