@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo demo-translation test bench clean
+.PHONY: install demo demo-translation test gpu-test bench bench-gpu clean
 
 install: $(STAMP)
 
@@ -25,8 +25,13 @@ demo-translation: install
 		--input $(SAMPLE)/train/sample.en_fr.txt --vocab-size 1000 --out $(SAMPLE)/tokenizer.json
 	$(BIN)/paratrain train --config examples/translation.toml
 
+# the CPU suite, also on a CUDA machine: the device is forced to the CPU and tests/gpu left out
 test: install
-	$(BIN)/python -m pytest -q tests
+	PARATRAIN_DEVICE=cpu $(BIN)/python -m pytest -q tests --ignore=tests/gpu
+
+# the GPU suite (tests/gpu): every test is skipped, with the reason, where CUDA or enough GPUs are missing
+gpu-test: install
+	PARATRAIN_DEVICE=cuda $(BIN)/python -m pytest -v -rs tests/gpu
 
 bench: install
 	mkdir -p runs/bench
@@ -35,6 +40,11 @@ bench: install
 	$(BIN)/python bench/pipeline_bubble.py --json runs/bench/pipeline_bubble.json
 	$(BIN)/python bench/checkpoint_io.py --json runs/bench/checkpoint_io.json
 	$(BIN)/python bench/plan_check.py --json runs/bench/plan_check.json
+
+# one GPU, bf16: paratrain's Trainer against a plain PyTorch loop of the same ~1B GPT (exits 0 without CUDA)
+bench-gpu: install
+	mkdir -p runs/bench
+	PARATRAIN_DEVICE=cuda $(BIN)/python bench/gpu_throughput.py --json runs/bench/gpu_throughput.json
 
 clean:
 	rm -rf runs .pytest_cache

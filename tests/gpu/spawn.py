@@ -1,0 +1,62 @@
+"""Run a function on N GPUs: one spawned process per rank (never forked: CUDA cannot be used in a forked
+child), joined into one process group through the torchrun variables, results back by rank."""
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from multiprocess import free_port
+
+
+def gpu_env(root: Path) -> dict[str, str]:
+    """The environment of a GPU worker: CUDA named explicitly (``auto`` would fall back to the CPU), temporary
+    files, compile caches and job directories under ``root``, and collectives that fail instead of hanging."""
+    return {"PARATRAIN_DEVICE": "cuda", "TMPDIR": str(root), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+            "PARATRAIN_HOME": str(root / "runs"), "PARATRAIN_COLLECTIVE_TIMEOUT": "120"}
+
+
+def _rank_main(rank: int, world_size: int, port: int, env: dict, fn, args: tuple, result_dir: str) -> None:
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    try:
+        result = fn(*args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(Path(result_dir) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_spawned(fn, world_size: int, *args, root: Path, timeout: float = 300.0) -> list:
+    """``fn(*args)`` on ranks 0..world_size-1 (rank r on ``cuda:r``) in the ``gpu_env(root)`` environment;
+    returns the results by rank.
+
+    ``fn`` must be importable (a module-level function). A failed rank raises here with its traceback
+    (the others are stopped); ranks still running after ``timeout`` seconds are killed and named.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    result_dir = Path(tempfile.mkdtemp(prefix="results-", dir=root))
+    context = mp.start_processes(_rank_main, args=(world_size, free_port(), gpu_env(root), fn, args, str(result_dir)),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                alive = [r for r, p in enumerate(context.processes) if p.is_alive()]
+                raise TimeoutError(f"ranks {alive} of {world_size} did not finish in {timeout:.0f} s")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+    results = []
+    for rank in range(world_size):
+        with open(result_dir / f"rank{rank}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    return results

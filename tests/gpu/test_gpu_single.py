@@ -1,0 +1,118 @@
+"""One GPU: a bf16 GPT trains with every tensor on CUDA, and its causal attention runs flash attention.
+
+Each test runs in a spawned process, so this pytest process never initialises CUDA.
+"""
+import pytest
+import torch
+
+from gpu.gpt import GPT, devices, gpt_config, local, numbers
+from gpu.spawn import run_spawned
+from paratrain.config import ModelConfig
+from paratrain.data.synthetic import NUM_SPECIAL
+from paratrain.models import build_model
+from paratrain.trainer import Trainer
+
+FUSED_SDPA = {"aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_cudnn_attention"}
+UNFUSED_SDPA = {"aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_attention_math"}
+
+
+def bf16_training(run_dir):
+    """Worker: 20 bf16 steps; the devices and dtypes the optimizer saw at every step, and those left after."""
+    trainer = Trainer(gpt_config(run_dir, steps=20))
+    seen = {"grad_devices": set(), "grad_dtypes": set(), "missing_grads": set(), "head_dtypes": set()}
+    names = {p: name for name, p in trainer.model.named_parameters()}
+
+    def before_optimizer_step(optimizer, args, kwargs):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        seen["missing_grads"] |= {names.get(p, "?") for p in params if p.grad is None}
+        grads = [p.grad for p in params if p.grad is not None]
+        seen["grad_devices"] |= devices(grads)
+        seen["grad_dtypes"] |= {str(local(g).dtype) for g in grads}
+
+    trainer.optimizer.register_step_pre_hook(before_optimizer_step)
+    trainer.model.get_submodule("head").register_forward_hook(
+        lambda module, inputs, output: seen["head_dtypes"].add(str(output.dtype)))
+    history = trainer.train()
+    params = list(trainer.model.parameters())
+    state = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {**seen, "history": numbers(history), "param_devices": devices(params),
+            "param_dtypes": {str(local(p).dtype) for p in params},
+            "param_mb": sum(local(p).numel() * local(p).element_size() for p in params) / 2**20,
+            "buffer_devices": devices(trainer.model.buffers()), "state_devices": devices(state)}
+
+
+@pytest.mark.timeout(300)
+def test_bf16_gpt_trains_on_one_gpu(tmp_path):
+    (r,) = run_spawned(bf16_training, 1, tmp_path / "run", root=tmp_path, timeout=240)
+    assert r["param_devices"] == {"cuda:0"}, r["param_devices"]
+    assert r["buffer_devices"] <= {"cuda:0"}, r["buffer_devices"]
+    assert r["state_devices"] == {"cuda:0"}, r["state_devices"]  # AdamW moments and (fused) step counts
+    assert not r["missing_grads"], f"parameters without a gradient at an optimizer step: {r['missing_grads']}"
+    assert r["grad_devices"] == {"cuda:0"}, r["grad_devices"]
+    # bf16 mixed precision: fp32 master weights and gradients, bf16 compute
+    assert r["param_dtypes"] == {"torch.float32"} and r["grad_dtypes"] == {"torch.float32"}
+    assert r["head_dtypes"] == {"torch.bfloat16"}, r["head_dtypes"]
+    history = r["history"]
+    assert [int(h["step"]) for h in history] == list(range(1, 21))
+    for h in history:  # CUDA max allocated: at least the weights themselves
+        assert h["memory_mb"] >= r["param_mb"] > 0, (h["step"], h["memory_mb"], r["param_mb"])
+    losses = [h["loss"] for h in history]
+    assert all(loss == loss for loss in losses), losses  # no NaN
+    assert max(losses[-3:]) < min(losses[:3]) - 1.0, losses  # ln 512 = 6.2 at start; the chain is learnable
+
+
+def attention_ops(prof) -> tuple[set[str], set[str]]:
+    """(aten scaled-dot-product ops, CUDA kernel names) recorded by a torch.profiler run."""
+    events = prof.events()
+    ops = {e.name for e in events if e.name.startswith("aten::_scaled_dot_product")}
+    kernels = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA}
+    return ops, kernels
+
+
+def forced_flash_attention(cfg: ModelConfig):
+    """Worker: forward and backward of the GPT in bf16 with only the flash kernel allowed, profiled."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    with device:
+        model = build_model(cfg)
+    ids = torch.randint(NUM_SPECIAL, cfg.vocab_size, (4, cfg.seq_length), device=device)  # no padding
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        try:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    logits = model(ids)
+                logits.float().logsumexp(-1).mean().backward()
+        except RuntimeError as exc:  # "No available kernel": e.g. an explicit mask reached SDPA
+            raise AssertionError(f"flash attention cannot run the GPT's causal attention: {exc}") from None
+        torch.cuda.synchronize(device)
+    return attention_ops(prof)
+
+
+def trainer_attention(run_dir):
+    """Worker: the attention ops and kernels of two ordinary bf16 training steps (default SDPA dispatch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    trainer = Trainer(gpt_config(run_dir, steps=2))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        trainer.train()
+    return attention_ops(prof)
+
+
+@pytest.mark.timeout(300)
+def test_flash_attention_runs_the_causal_path(tmp_path):
+    (ops, kernels) = run_spawned(forced_flash_attention, 1, ModelConfig(**GPT), root=tmp_path, timeout=240)[0]
+    assert "aten::_scaled_dot_product_flash_attention" in ops, ops
+    assert any("flash_attention_backward" in op for op in ops), ops
+    assert any("flash" in k.lower() for k in kernels), sorted(kernels)[:40]
+
+
+@pytest.mark.timeout(300)
+def test_training_uses_a_fused_attention_kernel(tmp_path):
+    """Flash (or cuDNN, which recent PyTorch may prefer on Hopper) without forcing; a memory-efficient or math
+    kernel on this path means SDPA was given an explicit mask."""
+    (ops, _kernels) = run_spawned(trainer_attention, 1, tmp_path / "run", root=tmp_path, timeout=240)[0]
+    assert ops & FUSED_SDPA, ops
+    assert not ops & UNFUSED_SDPA, ops

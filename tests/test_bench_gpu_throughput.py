@@ -1,0 +1,41 @@
+"""bench/gpu_throughput.py: without CUDA it says why and exits 0; on the CPU (--device cpu --quick) both sides
+run and the ratio is theirs (no timing thresholds)."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import PYTHON, ROOT
+
+
+def bench(tmp_path, *args, **env) -> subprocess.CompletedProcess:
+    cmd = [PYTHON, str(ROOT / "bench" / "gpu_throughput.py"), "--json", str(tmp_path / "out.json"), *args]
+    return subprocess.run(cmd, cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=220)
+
+
+@pytest.mark.timeout(240)
+def test_without_cuda_says_why_and_exits_0(tmp_path):
+    proc = bench(tmp_path, CUDA_VISIBLE_DEVICES="")  # no GPU, also on a machine that has some
+    assert proc.returncode == 0, proc.stderr
+    assert "not run: CUDA is not available" in proc.stdout
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["ran"] is False and "CUDA is not available" in result["reason"]
+
+
+@pytest.mark.timeout(240)
+def test_cpu_quick_runs_both_sides(tmp_path):
+    proc = bench(tmp_path, "--device", "cpu", "--quick", "--steps", "2", "--warmup", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "ratio paratrain/torch tokens/s" in proc.stdout
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["ran"] is True and result["precision"] == "fp32" and result["steps"] == 2
+    p, t = result["paratrain"], result["torch"]
+    for side in (p, t):
+        for key in ("tokens_per_s", "tflops", "mfu", "peak_memory_mb", "step_time_s"):
+            assert side[key] > 0, key
+    assert p["params"] == t["params"] == result["params"]  # the same model on both sides
+    assert p["loss_first"] == pytest.approx(t["loss_first"], rel=1e-2)  # same model and seed, same first batch
+    assert result["ratio"] == pytest.approx(p["tokens_per_s"] / t["tokens_per_s"])
+    tokens = result["micro_batch"] * result["seq_length"] * result["steps"]
+    assert p["tokens_per_s"] == pytest.approx(tokens / p["seconds"])
