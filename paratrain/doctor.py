@@ -87,9 +87,10 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from paratrain import distributed
+    from paratrain import distributed, progress
 
     rank, world = distributed.init_from_env()
+    progress.start(rank)
     say = print if rank == 0 else (lambda *a, **k: None)
     for key, value in environment():
         say(f"{key:>14}: {value}")
@@ -111,9 +112,11 @@ def worker(args) -> int:
     for size in (*SIZES_MB, args.size_mb):
         seconds, busbw = bus_bandwidth(size, device)
         say(f"{'bandwidth':>14}: {size * 2**20:>12,.0f} bytes  {seconds * 1e3:8.2f} ms  bus {busbw:6.2f} GB/s", flush=True)
-    end = time.monotonic() + args.duration
+    end, step = time.monotonic() + args.duration, 0
     while rank0_says(time.monotonic() < end, device):
         seconds, busbw = bus_bandwidth(args.size_mb, device, min_time_s=1.0)
+        step += 1
+        progress.step_done(step)  # one soak measurement is a step
         say(f"{'soak':>14}: {args.size_mb:g} MB all_reduce {seconds * 1e3:8.2f} ms  bus {busbw:6.2f} GB/s", flush=True)
     dist.barrier()
     dist.destroy_process_group()

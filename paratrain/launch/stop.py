@@ -1,0 +1,122 @@
+"""Stopping a job on every node: the stop request file, and ``paratrain stop``.
+
+``paratrain stop`` writes ``stop.json`` into the job's (shared) run directory.
+The launcher of every node, the hostfile coordinator included, watches for it
+and stops its own ranks: SIGTERM, then SIGKILL after the request's grace period
+(at once with ``--now``), and records the outcome. ``stop`` itself signals only
+processes recorded on the host it runs on (``socket.gethostname()``): the ranks
+of a launcher that is gone, and after the grace period whatever is left there.
+A pid recorded by another host means nothing here and is never signalled.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from paratrain.launch.jobs import ACTIVE, Job, JobError, load, pid_alive
+
+STOP_FILE = "stop.json"
+CONFIRM_S = 10.0  # after the grace period, how long launchers get to record the outcome
+
+
+@dataclass
+class StopRequest:
+    """What ``stop.json`` asks of every launcher of a job."""
+
+    now: bool = False  # SIGKILL at once, no graceful save
+    grace_s: float = 10.0  # SIGTERM -> SIGKILL
+    reason: str = "paratrain stop"
+    host: str = field(default_factory=socket.gethostname)
+    time: float = field(default_factory=time.time)
+
+
+def request(job_dir: str | Path, stop: StopRequest) -> None:
+    """Ask every launcher of the job in ``job_dir`` to stop its ranks."""
+    path = Path(job_dir) / STOP_FILE
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(asdict(stop)) + "\n")
+    os.replace(tmp, path)
+
+
+def pending(job_dir: str | Path, since: float) -> StopRequest | None:
+    """The stop request of ``job_dir`` made at or after ``since`` (a launcher's start), if any."""
+    try:
+        stop = StopRequest(**json.loads((Path(job_dir) / STOP_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None  # none, or one being replaced
+    return stop if stop.time >= since else None
+
+
+def signal_pid(pid: int, sig: int) -> bool:
+    """Send ``sig`` to ``pid``; False if it no longer exists."""
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def stop(job: Job, grace_s: float = 10.0, now: bool = False, out=None) -> Job:
+    """Stop every node of ``job`` and wait for their launchers to record it; returns the final record."""
+    out = out or sys.stdout
+    if job.state not in ACTIVE:  # a "lost" job (launcher gone) may have ranks left to stop
+        raise JobError(f"job {job.name!r} is not running (state {job.shown_state()})")
+    here = socket.gethostname()
+    nodes, unreadable = job.node_records()
+    for problem in unreadable:
+        print(f"{job.name}: {problem}; that node acts on the stop request alone", file=out)
+    request(job.dir, StopRequest(now=now, grace_s=grace_s))
+    ours = [r for r in (job, *nodes) if r.host == here and r.state in ACTIVE]
+    launchers, ranks, orphans = {}, {}, {}  # who -> pid; orphans: ranks whose launcher here is gone
+    for record in ours:
+        has_launcher = pid_alive(record.launcher_pid)
+        if has_launcher:
+            launchers[f"launcher of {_node(record)}"] = record.launcher_pid
+        for rank, pid in sorted(record.pids.items(), key=lambda kv: int(kv[0])):
+            ranks[f"rank {rank}"] = pid
+            if not has_launcher:
+                orphans[f"rank {rank}"] = pid
+    for pid in (ranks if now else orphans).values():
+        signal_pid(pid, signal.SIGKILL if now else signal.SIGTERM)
+        signal_pid(pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
+    start, killed = time.monotonic(), []
+    remote = [r for r in (job, *nodes) if r.host != here]
+    while time.monotonic() < start + grace_s + CONFIRM_S:
+        if time.monotonic() > start + grace_s:
+            killed += [who for who, pid in orphans.items() if pid_alive(pid) and signal_pid(pid, signal.SIGKILL)]
+        if not any(map(pid_alive, [*launchers.values(), *ranks.values()])) and not _active(remote):
+            break
+        time.sleep(0.2)
+    killed += [who for who, pid in {**ranks, **launchers}.items() if pid_alive(pid) and signal_pid(pid, signal.SIGKILL)]
+    if killed:
+        print(f"{job.name}: SIGKILL after {grace_s:g} s grace: {', '.join(killed)}", file=out)
+    for record in _active(remote):
+        print(f"{job.name}: {_node(record)} on {record.host} has not recorded its stop yet "
+              f"(it acts on {Path(job.dir) / STOP_FILE})", file=out)
+    final = load(job.name)
+    if final.state in ACTIVE and final.host == here:  # its launcher was gone or had to be killed
+        final.finish("stopped", 128 + (signal.SIGKILL if now or killed else signal.SIGTERM))
+    print(f"{job.name}: {final.outcome}", file=out)
+    return final
+
+
+def _node(record: Job) -> str:
+    return "the coordinator" if record.coordinates else f"node {record.node_rank}"
+
+
+def _active(records: list[Job]) -> list[Job]:
+    """Those of ``records`` whose file still says they are starting or running."""
+    active = []
+    for record in records:
+        try:
+            if Job.from_file(record.path).state in ACTIVE:
+                active.append(record)
+        except JobError:
+            continue  # a damaged record cannot be waited for
+    return active
