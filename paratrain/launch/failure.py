@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 STALE_HEARTBEATS = 4  # a rank that missed this many heartbeats has stopped
-_TIMEOUT = re.compile(r"timed?[ _-]?out", re.IGNORECASE)
+TIMED_OUT = re.compile(r"timed?[ _-]?out", re.IGNORECASE)  # gloo "Timed out waiting", NCCL "timeout", store errors
 
 
 def first_failure(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
@@ -34,7 +34,7 @@ def describe_failure(job: Job, rank: int, exitcode: int, lines: int = 20) -> str
 
 def timed_out(job: Job, rank: int, lines: int = 40) -> bool:
     """Whether the end of the rank's log reports a timeout (gloo's "Timed out waiting", NCCL's watchdog)."""
-    return any(_TIMEOUT.search(line) for line in tail(job.log_path(rank), lines))
+    return any(TIMED_OUT.search(line) for line in tail(job.log_path(rank), lines))
 
 
 def describe_laggards(records: dict[int, Progress], at: float, failed_rank: int) -> str | None:

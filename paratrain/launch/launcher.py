@@ -37,7 +37,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 from paratrain import progress
 from paratrain.launch import rendezvous
 from paratrain.launch import stop as stoplib
-from paratrain.launch.failure import describe_failure, describe_laggards, first_failure, timed_out
+from paratrain.launch.failure import TIMED_OUT, describe_failure, describe_laggards, first_failure, timed_out
 from paratrain.launch.hosts import Host, Topology
 from paratrain.launch.jobs import Job
 from paratrain.launch.stop import StopRequest
@@ -207,9 +207,8 @@ def _watch(job: Job, topo: Topology, agent: _Agent, signals: _StopSignals, progr
                 seen.join_expired = True
                 break
             if time.monotonic() >= next_report:
-                print(f"paratrain launch: job {job.name}: waited {time.monotonic() - started:.0f} s of "
-                      f"{join_timeout_s:g} s (--join-timeout) for {rendezvous.waiting_for(job, master)}",
-                      file=sys.stderr, flush=True)
+                waited = rendezvous.still_waiting(job, master, time.monotonic() - started, join_timeout_s)
+                print(f"paratrain launch: job {job.name}: {waited}", file=sys.stderr, flush=True)
                 next_report += report_every
     return seen
 
@@ -254,11 +253,13 @@ def _outcome(job: Job, topo: Topology, agent: _Agent, seen: _Watched, join_timeo
     """(state, exit code, rank -> exit code, failing rank, failure message) of a finished watch."""
     my_ranks = range(topo.node_rank * topo.nproc_per_node, (topo.node_rank + 1) * topo.nproc_per_node)
     stop_code = 128 + (signal.SIGKILL if seen.stop and seen.stop.now else signal.SIGTERM)
-    if not job.pids and (seen.join_expired or isinstance(agent.error, DistError)):
-        cause = f" (torchrun: {str(agent.error).splitlines()[0]})" if agent.error else ""
-        master = f"{topo.master_addr}:{topo.master_port}"
-        return ("failed", 1, {}, None, f"{rendezvous.waiting_for(job, master)}; they did not join within "
-                f"{join_timeout_s:g} s (--join-timeout){cause}")
+    master = f"{topo.master_addr}:{topo.master_port}"
+    error = str(agent.error).strip().splitlines()[0] if agent.error is not None and str(agent.error).strip() else ""
+    if not job.pids and (seen.join_expired or (isinstance(agent.error, DistError) and TIMED_OUT.search(error))):
+        return "failed", 1, {}, None, rendezvous.not_joined(job, master, join_timeout_s) + (f" (torchrun: {error})"
+                                                                                            if error else "")
+    if not job.pids and isinstance(agent.error, DistError):
+        return "failed", 1, {}, None, f"the rendezvous at {master} failed: {error}"
     if seen.stop is not None and not job.pids:
         return "stopped", stop_code, {}, None, ""
     if isinstance(agent.error, ChildFailedError):
@@ -273,7 +274,7 @@ def _outcome(job: Job, topo: Topology, agent: _Agent, seen: _Watched, join_timeo
             message = f"{hung}\n{message}" if hung else message
         return "failed", 1, codes, rank, message
     if agent.error is not None:
-        return "failed", 1, {}, None, f"{type(agent.error).__name__}: {str(agent.error).strip().splitlines()[0]}"
+        return "failed", 1, {}, None, f"{type(agent.error).__name__}: {error}"
     return "succeeded", 0, dict.fromkeys(my_ranks, 0), None, ""
 
 

@@ -40,9 +40,18 @@ def missing_nodes(job: Job) -> str:
     return ("node " if len(names) == 1 else "nodes ") + ", ".join(names)
 
 
-def waiting_for(job: Job, master: str) -> str:
-    """Who the rendezvous at ``master`` (``addr:port``) is waiting for, for a progress or error message."""
+def still_waiting(job: Job, master: str, waited_s: float, timeout_s: float) -> str:
+    """The line a launcher prints while the rendezvous at ``master`` (``addr:port``) waits for other nodes."""
+    missing = missing_nodes(job)
+    who = f"{missing} (no launcher record in {job.dir})" if missing else "the other nodes (their launchers are up)"
+    return f"waited {waited_s:.0f} s of {timeout_s:g} s (--join-timeout) for {who} to join the rendezvous at {master}"
+
+
+def not_joined(job: Job, master: str, timeout_s: float) -> str:
+    """Why a launch gave up waiting for the other nodes, naming them where the records tell."""
     missing = missing_nodes(job)
     if missing:
-        return f"{missing}: no launcher record in {job.dir}"
-    return f"every node's launcher is up but not all reached the rendezvous at {master}"
+        return (f"{missing} did not join the rendezvous at {master} within {timeout_s:g} s (--join-timeout): "
+                f"no launcher record in {job.dir}")
+    return (f"not every node reached the rendezvous at {master} within {timeout_s:g} s (--join-timeout), "
+            "though every node's launcher is up: is the address reachable from every node?")
