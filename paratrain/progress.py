@@ -4,8 +4,9 @@ A rank started by ``paratrain launch`` finds ``$PARATRAIN_PROGRESS_DIR`` set. It
 after joining its process group, :func:`step_done` after every step and :func:`saved` after every
 checkpoint; a daemon thread rewrites ``rank{R}.json`` in that directory every :data:`HEARTBEAT_S`
 seconds (atomically, without fsync). :func:`step_done` only stores an integer, so the training loop pays
-nothing and never waits for a device. The launcher reads the records (:func:`read`) to name the rank that
-stopped making progress when a collective times out, and to report the step of the checkpoint saved by
+nothing and never waits for a device. A rank asked to stop (SIGTERM/SIGINT) that saved a checkpoint ends
+with ``sys.exit(progress.stopped(step))``. The launcher reads the records (:func:`read`) to name the rank
+that stopped making progress when a collective times out, and to report the step of the checkpoint saved by
 ranks that exit with :data:`EXIT_STOPPED`.
 
 This module imports nothing heavy, so the trainer, ``doctor`` and the launcher can all use it.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -108,6 +110,20 @@ def saved(step: int) -> None:
     if _reporter is not None:
         _reporter.record.saved_step = step
         _reporter.write()
+
+
+def stopped(saved_step: int) -> int:
+    """Record that this rank stops on request after saving a checkpoint of ``saved_step``; returns
+    :data:`EXIT_STOPPED`, the exit code to end the process with.
+
+    From here on SIGTERM and SIGINT are ignored: when the first rank exits, torchrun's agent sends SIGTERM to
+    the others, and Python restores the default handlers while it exits, so a rank that saved would otherwise
+    die of that signal on its way out and no longer look saved.
+    """
+    saved(saved_step)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    return EXIT_STOPPED
 
 
 def read(directory: str | Path) -> dict[int, Progress]:

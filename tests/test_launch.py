@@ -9,26 +9,33 @@ from pathlib import Path
 
 import pytest
 
-from paratrain import cli
+from paratrain import cli, progress
 from paratrain.launch import jobs as J
 from paratrain.launch.jobs import Job
 
 PYTHON = sys.executable
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
+def use_registry(tmp_path, monkeypatch) -> Path:
+    """Point PARATRAIN_HOME at ``tmp_path/runs``, outside any Slurm job or coordinated launch; returns it."""
     monkeypatch.setenv("PARATRAIN_HOME", str(tmp_path / "runs"))
     for var in ("SLURM_JOB_ID", "SLURM_NODEID", "PARATRAIN_COORDINATED", "PARATRAIN_JOB_PREPARED"):
         monkeypatch.delenv(var, raising=False)
     return tmp_path / "runs"
 
 
-def sleeper(ignore_term: bool = False) -> subprocess.Popen:
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    return use_registry(tmp_path, monkeypatch)
+
+
+def sleeper(ignore_term: bool = False, rank_of: Path | None = None) -> subprocess.Popen:
+    """A process that sleeps; with ``rank_of`` (a job directory) its environment makes it a rank of that job."""
     code = "import signal, time\n"
     code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else ""
     code += "print('ready', flush=True)\ntime.sleep(120)\n"
-    proc = subprocess.Popen([PYTHON, "-c", code], stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, progress.DIR_ENV: str(rank_of / "progress")} if rank_of else None
+    proc = subprocess.Popen([PYTHON, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline() == "ready\n"  # its SIGTERM handler is in place
     return proc
 
@@ -70,7 +77,7 @@ def test_logs_prints_a_rank(home, capsys):
 
 @pytest.mark.timeout(60)
 def test_stop_terms_then_kills_the_ranks_of_a_launcher_that_is_gone(home, capsys):
-    rank0, stubborn = sleeper(), sleeper(ignore_term=True)
+    rank0, stubborn = sleeper(rank_of=home / "s"), sleeper(ignore_term=True, rank_of=home / "s")
     try:
         fake_job(home, "s", state="running", launcher_pid=2**22 + 12345, pids={"0": rank0.pid, "1": stubborn.pid})
         start = time.monotonic()

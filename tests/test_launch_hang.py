@@ -40,7 +40,8 @@ def test_progress_records_step_collectives_heartbeat_and_saved_step(tmp_path):
 def test_laggards_are_the_ranks_behind_then_the_silent_ones():
     now = 1000.0
     fresh = dict(heartbeat=now - 0.5)
-    behind = {0: Progress(0, step=3, collectives=41, **fresh), 1: Progress(1, step=3, collectives=40, heartbeat=now - 9),
+    behind = {0: Progress(0, step=3, collectives=41, **fresh),
+              1: Progress(1, step=3, collectives=40, heartbeat=now - 9),
               2: Progress(2, step=3, collectives=41, **fresh)}
     assert describe_laggards(behind, now, failed_rank=0) == (
         "rank 1 stopped making progress at step 3, collective 40 (last heartbeat 9 s before rank 0 failed); "

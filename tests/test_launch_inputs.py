@@ -1,6 +1,7 @@
 """Issue 17 E: bad input to launch/jobs/logs/stop ends in one line and exit code 2, never a traceback,
 and one damaged job record never hides the other jobs."""
 import pytest
+from test_launch import use_registry
 
 from paratrain import cli
 from paratrain.launch.jobs import Job
@@ -8,10 +9,7 @@ from paratrain.launch.jobs import Job
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("PARATRAIN_HOME", str(tmp_path / "runs"))
-    for var in ("SLURM_JOB_ID", "SLURM_NODEID", "PARATRAIN_COORDINATED", "PARATRAIN_JOB_PREPARED"):
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path / "runs"
+    return use_registry(tmp_path, monkeypatch)
 
 
 def refused(capsys, *argv) -> str:

@@ -12,6 +12,7 @@ import time
 
 import pytest
 from multiprocess import free_port
+from test_launch import sleeper, use_registry, wait_for
 
 from paratrain import cli, progress
 from paratrain.launch import jobs as J
@@ -22,36 +23,18 @@ PYTHON = sys.executable
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("PARATRAIN_HOME", str(tmp_path / "runs"))
-    for var in ("SLURM_JOB_ID", "SLURM_NODEID", "PARATRAIN_COORDINATED", "PARATRAIN_JOB_PREPARED"):
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path / "runs"
-
-
-def sleeper() -> subprocess.Popen:
-    proc = subprocess.Popen([PYTHON, "-c", "import time; print('ready', flush=True); time.sleep(120)"],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline() == "ready\n"
-    return proc
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    return use_registry(tmp_path, monkeypatch)
 
 
 @pytest.mark.timeout(60)
 def test_stop_never_signals_a_pid_another_host_recorded(home, capsys):
-    """The reproduction: node 1 (another host) recorded pids that here belong to an unrelated process."""
-    bystander, rank0 = sleeper(), sleeper()
+    """The reproduction: node 1 (another host) recorded pids that here belong to an unrelated process; and a pid
+    recorded here but reused since by an unrelated process is left alone too."""
+    bystander, reused, rank0 = sleeper(), sleeper(), sleeper(rank_of=home / "mn")
     try:
         (home / "mn").mkdir(parents=True)
         Job(name="mn", dir=str(home / "mn"), nnodes=2, state="running", launcher_pid=2**22 + 5,
-            pids={"0": rank0.pid}).save()  # node 0, here, its launcher gone: stop signals its rank itself
+            pids={"0": rank0.pid, "2": reused.pid}).save()  # node 0, here, its launcher gone: stop signals its rank
         node1 = Job(name="mn", dir=str(home / "mn"), host="other-host", nnodes=2, node_rank=1, state="running",
                     launcher_pid=bystander.pid, pids={"1": bystander.pid}, record="node1.json")
         node1.save()
@@ -67,12 +50,12 @@ def test_stop_never_signals_a_pid_another_host_recorded(home, capsys):
         assert cli.main(["stop", "mn", "--grace", "2"]) == 0
         remote.join()
         assert rank0.wait(5) == -signal.SIGTERM
-        assert bystander.poll() is None  # alive: never signalled
+        assert bystander.poll() is None and reused.poll() is None  # alive: never signalled
         assert requests[0]["grace_s"] == 2 and requests[0]["now"] is False
         assert "mn: stopped" in capsys.readouterr().out
         assert J.load("mn").state == "stopped"
     finally:
-        for proc in (bystander, rank0):
+        for proc in (bystander, reused, rank0):
             proc.kill()
             proc.wait()
 
@@ -155,8 +138,7 @@ while not terms:
     time.sleep(0.05)
 Path(os.environ[progress.DIR_ENV], f"sigterm{os.environ['RANK']}").touch()
 time.sleep(float(os.environ["SAVE_S"]))  # saving a checkpoint takes a while
-progress.saved(3)
-sys.exit(progress.EXIT_STOPPED)
+sys.exit(progress.stopped(3))
 """
 
 LAUNCHER = """
@@ -201,9 +183,9 @@ def test_launcher_forwards_a_stop_to_its_ranks_and_waits_for_their_save(tmp_path
         assert time.monotonic() - start < 15
     finally:
         launcher.kill()
-    assert launcher.returncode == code, stderr
     job = J.load("saver")
-    assert (job.state, job.exit_codes, job.saved_step) == ("stopped", {"0": codes, "1": codes}, saved)
+    assert (job.state, job.exit_codes, job.saved_step) == ("stopped", {"0": codes, "1": codes}, saved), stderr
+    assert launcher.returncode == code, stderr
     got_sigterm = sorted(p.name for p in (job_dir / "progress").glob("sigterm*"))
     assert got_sigterm == ([] if how == "stop --now" else ["sigterm0", "sigterm1"])
     if saved:

@@ -107,8 +107,8 @@ def cmd_launch(args, rest: list[str]) -> int:
         env = launcher.forwarded_env(joblib.jobs_home())
         return launcher.run_hosts(job, [launcher.node_command(host, argv, os.getcwd(), env)
                                         for host, argv in _node_argvs(args, name, hosts, words)])
-    return launcher.run_node(job, topo, launcher.rank_command(words), console=not os.environ.get("PARATRAIN_JOB_PREPARED"),
-                             join_timeout_s=args.join_timeout)
+    return launcher.run_node(job, topo, launcher.rank_command(words),
+                             console=not os.environ.get("PARATRAIN_JOB_PREPARED"), join_timeout_s=args.join_timeout)
 
 
 def _argv(args, name: str) -> list[str]:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 ACTIVE = ("starting", "running")
+PROGRESS_DIR = "progress"  # in a job's directory: the ranks' progress records (paratrain.progress)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -174,7 +175,8 @@ def _has_type(value, hint) -> bool:
     if origin is list:
         return isinstance(value, list) and all(_has_type(v, args[0]) for v in value)
     if origin is dict:
-        return isinstance(value, dict) and all(_has_type(k, args[0]) and _has_type(v, args[1]) for k, v in value.items())
+        return isinstance(value, dict) and all(_has_type(k, args[0]) and _has_type(v, args[1])
+                                               for k, v in value.items())
     if hint is type(None):
         return value is None
     if isinstance(value, bool):

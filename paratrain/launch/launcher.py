@@ -39,7 +39,7 @@ from paratrain.launch import rendezvous
 from paratrain.launch import stop as stoplib
 from paratrain.launch.failure import TIMED_OUT, describe_failure, describe_laggards, first_failure, timed_out
 from paratrain.launch.hosts import Host, Topology
-from paratrain.launch.jobs import Job
+from paratrain.launch.jobs import PROGRESS_DIR, Job
 from paratrain.launch.stop import StopRequest
 
 # Merges stderr into stdout (one log per rank) and execs the rank's command with
@@ -97,6 +97,11 @@ def torchrun_args(topo: Topology, name: str, command: list[str], join_timeout_s:
             "--no-python", *RANK_WRAPPER, *command]
 
 
+def _node_ranks(topo: Topology) -> range:
+    """The global ranks this node runs."""
+    return range(topo.node_rank * topo.nproc_per_node, (topo.node_rank + 1) * topo.nproc_per_node)
+
+
 def _child_ranks() -> dict[str, int]:
     """Global rank -> pid of this process's live children that carry a RANK (Linux /proc; {} elsewhere)."""
     ranks, me = {}, str(os.getpid())
@@ -139,7 +144,8 @@ class _StopSignals:
         """The stop asked of this launcher: a ``stop.json`` made since the job started, or a signal it got."""
         asked = stoplib.pending(job.dir, since=job.start_time)
         if asked is None and self.received:
-            asked = StopRequest(grace_s=SHUTDOWN_TIMEOUT_S, reason=f"the launcher got {signal.Signals(self.received[0]).name}")
+            name = signal.Signals(self.received[0]).name
+            asked = StopRequest(grace_s=SHUTDOWN_TIMEOUT_S, reason=f"the launcher got {name}")
         return asked
 
 
@@ -180,7 +186,7 @@ def _watch(job: Job, topo: Topology, agent: _Agent, signals: _StopSignals, progr
     the first rank ends, and report (then give up on) nodes that do not join."""
     seen, started = _Watched(), time.monotonic()
     report_every = min(rendezvous.REPORT_EVERY_S, join_timeout_s / 2)
-    next_report, kill_at = started + report_every, None
+    next_report, kill_at, signalled = started + report_every, 0.0, set()
     master = f"{topo.master_addr}:{topo.master_port}"
     while agent.is_alive():
         agent.join(POLL_S)
@@ -192,16 +198,18 @@ def _watch(job: Job, topo: Topology, agent: _Agent, signals: _StopSignals, progr
             seen.progress_at_first_exit = (progress.read(progress_dir), time.time())
             _signal_ranks(ranks.values(), signal.SIGCONT)  # a stopped rank acts on the agent's SIGTERM only then
         if seen.stop is None and (stop := signals.request(job)) is not None:
-            seen.stop = stop
-            print(f"paratrain launch: job {job.name}: stopping ({seen.stop.reason}"
-                  f"{', now' if seen.stop.now else f', grace {seen.stop.grace_s:g} s'})", file=sys.stderr, flush=True)
-            if not job.pids:
+            seen.stop, kill_at = stop, time.monotonic() + (0 if stop.now else stop.grace_s)
+            print(f"paratrain launch: job {job.name}: stopping ({stop.reason}"
+                  f"{', now' if stop.now else f', grace {stop.grace_s:g} s'})", file=sys.stderr, flush=True)
+        if seen.stop is not None:
+            if not job.pids and topo.nnodes > 1:
                 break  # still waiting for the other nodes: nothing to stop
-            _signal_ranks(ranks.values(), signal.SIGKILL if seen.stop.now else signal.SIGTERM)
-            _signal_ranks(ranks.values(), signal.SIGCONT)
-            kill_at = time.monotonic() + (0 if seen.stop.now else seen.stop.grace_s)
-        if kill_at is not None and time.monotonic() > kill_at:
-            _signal_ranks(ranks.values(), signal.SIGKILL)
+            new = [pid for pid in ranks.values() if pid not in signalled]  # ranks may start while stopping
+            _signal_ranks(new, signal.SIGKILL if seen.stop.now else signal.SIGTERM)
+            _signal_ranks(new, signal.SIGCONT)
+            signalled.update(new)
+            if time.monotonic() > kill_at:
+                _signal_ranks(ranks.values(), signal.SIGKILL)
         if not job.pids and topo.nnodes > 1:
             if time.monotonic() - started > join_timeout_s + rendezvous.MARGIN_S:
                 seen.join_expired = True
@@ -223,8 +231,8 @@ def run_node(job: Job, topo: Topology, command: list[str], console: bool, join_t
     config, cmd, cmd_args = config_from_args(parser.parse_args(torchrun_args(topo, job.name, command, join_timeout_s)))
     config.logs_specs = RankLogs(Path(job.dir), console)
     config.log_line_prefix_template = "[rank${rank}]: "
-    my_ranks = range(topo.node_rank * topo.nproc_per_node, (topo.node_rank + 1) * topo.nproc_per_node)
-    progress_dir = Path(job.dir) / "progress"
+    my_ranks = _node_ranks(topo)
+    progress_dir = Path(job.dir) / PROGRESS_DIR
     progress.clear(progress_dir, my_ranks)
     os.environ[progress.DIR_ENV] = str(progress_dir)
     job.state = "starting"
@@ -251,13 +259,13 @@ def run_node(job: Job, topo: Topology, command: list[str], console: bool, join_t
 
 def _outcome(job: Job, topo: Topology, agent: _Agent, seen: _Watched, join_timeout_s: float) -> tuple:
     """(state, exit code, rank -> exit code, failing rank, failure message) of a finished watch."""
-    my_ranks = range(topo.node_rank * topo.nproc_per_node, (topo.node_rank + 1) * topo.nproc_per_node)
+    my_ranks = _node_ranks(topo)
     stop_code = 128 + (signal.SIGKILL if seen.stop and seen.stop.now else signal.SIGTERM)
     master = f"{topo.master_addr}:{topo.master_port}"
     error = str(agent.error).strip().splitlines()[0] if agent.error is not None and str(agent.error).strip() else ""
     if not job.pids and (seen.join_expired or (isinstance(agent.error, DistError) and TIMED_OUT.search(error))):
-        return "failed", 1, {}, None, rendezvous.not_joined(job, master, join_timeout_s) + (f" (torchrun: {error})"
-                                                                                            if error else "")
+        cause = f" (torchrun: {error})" if error else ""
+        return "failed", 1, {}, None, rendezvous.not_joined(job, master, join_timeout_s) + cause
     if not job.pids and isinstance(agent.error, DistError):
         return "failed", 1, {}, None, f"the rendezvous at {master} failed: {error}"
     if seen.stop is not None and not job.pids:

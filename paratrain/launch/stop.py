@@ -19,7 +19,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from paratrain.launch.jobs import ACTIVE, Job, JobError, load, pid_alive
+from paratrain import progress
+from paratrain.launch.jobs import ACTIVE, PROGRESS_DIR, Job, JobError, load, pid_alive
 
 STOP_FILE = "stop.json"
 CONFIRM_S = 10.0  # after the grace period, how long launchers get to record the outcome
@@ -72,28 +73,19 @@ def stop(job: Job, grace_s: float = 10.0, now: bool = False, out=None) -> Job:
     for problem in unreadable:
         print(f"{job.name}: {problem}; that node acts on the stop request alone", file=out)
     request(job.dir, StopRequest(now=now, grace_s=grace_s))
-    ours = [r for r in (job, *nodes) if r.host == here and r.state in ACTIVE]
-    launchers, ranks, orphans = {}, {}, {}  # who -> pid; orphans: ranks whose launcher here is gone
-    for record in ours:
-        has_launcher = pid_alive(record.launcher_pid)
-        if has_launcher:
-            launchers[f"launcher of {_node(record)}"] = record.launcher_pid
-        for rank, pid in sorted(record.pids.items(), key=lambda kv: int(kv[0])):
-            ranks[f"rank {rank}"] = pid
-            if not has_launcher:
-                orphans[f"rank {rank}"] = pid
+    launchers, ranks, orphans = _local_processes([r for r in (job, *nodes) if r.host == here], job.dir)
     for pid in (ranks if now else orphans).values():
         signal_pid(pid, signal.SIGKILL if now else signal.SIGTERM)
         signal_pid(pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
-    start, killed = time.monotonic(), []
     remote = [r for r in (job, *nodes) if r.host != here]
+    start, killed = time.monotonic(), {}
     while time.monotonic() < start + grace_s + CONFIRM_S:
-        if time.monotonic() > start + grace_s:
-            killed += [who for who, pid in orphans.items() if pid_alive(pid) and signal_pid(pid, signal.SIGKILL)]
+        if time.monotonic() > start + grace_s and not killed:
+            killed = _kill(orphans)
         if not any(map(pid_alive, [*launchers.values(), *ranks.values()])) and not _active(remote):
             break
         time.sleep(0.2)
-    killed += [who for who, pid in {**ranks, **launchers}.items() if pid_alive(pid) and signal_pid(pid, signal.SIGKILL)]
+    killed.update(_kill({**ranks, **launchers}))
     if killed:
         print(f"{job.name}: SIGKILL after {grace_s:g} s grace: {', '.join(killed)}", file=out)
     for record in _active(remote):
@@ -104,6 +96,42 @@ def stop(job: Job, grace_s: float = 10.0, now: bool = False, out=None) -> Job:
         final.finish("stopped", 128 + (signal.SIGKILL if now or killed else signal.SIGTERM))
     print(f"{job.name}: {final.outcome}", file=out)
     return final
+
+
+def _local_processes(records: list[Job], job_dir: str) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """(launchers alive, ranks, ranks whose launcher is gone) of the active ``records``, as who -> pid.
+
+    A recorded rank counts only while its pid still runs a rank of this job: a pid reused since by another
+    process is left alone.
+    """
+    launchers, ranks, orphans = {}, {}, {}
+    for record in records:
+        if record.state not in ACTIVE:
+            continue
+        has_launcher = pid_alive(record.launcher_pid)
+        if has_launcher:
+            launchers[f"launcher of {_node(record)}"] = record.launcher_pid
+        for rank, pid in sorted(record.pids.items(), key=lambda kv: int(kv[0])):
+            if is_rank_of(pid, job_dir):
+                ranks[f"rank {rank}"] = pid
+                if not has_launcher:
+                    orphans[f"rank {rank}"] = pid
+    return launchers, ranks, orphans
+
+
+def is_rank_of(pid: int, job_dir: str | Path) -> bool:
+    """Whether ``pid`` is a rank launched for the job in ``job_dir``: its environment names the job's progress
+    directory (Linux /proc; False where it cannot be read)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"{progress.DIR_ENV}={Path(job_dir) / PROGRESS_DIR}".encode() in environ
+
+
+def _kill(targets: dict[str, int]) -> dict[str, int]:
+    """SIGKILL those of ``targets`` still alive; returns them."""
+    return {who: pid for who, pid in targets.items() if pid_alive(pid) and signal_pid(pid, signal.SIGKILL)}
 
 
 def _node(record: Job) -> str:
