@@ -133,7 +133,7 @@ class Job:
         return self.state
 
     @property
-    def coordinates(self) -> bool:
+    def is_coordinator(self) -> bool:
         """True for the record of a hostfile/rank-table launch, whose nodes keep their own records."""
         return bool(self.hosts)
 

@@ -18,7 +18,7 @@ def _other_records(job: Job) -> tuple[dict[int, Job], Job | None]:
         first = Job.from_file(main) if main.exists() else None
     except JobError:
         first = None
-    if first is not None and first.coordinates:
+    if first is not None and first.is_coordinator:
         coordinator = first
     elif first is not None and first.state in ACTIVE:
         records[first.node_rank] = first

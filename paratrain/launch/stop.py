@@ -135,7 +135,7 @@ def _kill(targets: dict[str, int]) -> dict[str, int]:
 
 
 def _node(record: Job) -> str:
-    return "the coordinator" if record.coordinates else f"node {record.node_rank}"
+    return "the coordinator" if record.is_coordinator else f"node {record.node_rank}"
 
 
 def _active(records: list[Job]) -> list[Job]:
