@@ -73,22 +73,26 @@ def stop(job: Job, grace_s: float = 10.0, now: bool = False, out=None) -> Job:
     for problem in unreadable:
         print(f"{job.name}: {problem}; that node acts on the stop request alone", file=out)
     request(job.dir, StopRequest(now=now, grace_s=grace_s))
-    launchers, ranks, orphans = _local_processes([r for r in (job, *nodes) if r.host == here], job.dir)
+    records = [job, *nodes]
+    launchers, ranks, orphans = _local_processes([r for r in records if r.host == here], job.dir)
     for pid in (ranks if now else orphans).values():
         signal_pid(pid, signal.SIGKILL if now else signal.SIGTERM)
         signal_pid(pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
-    remote = [r for r in (job, *nodes) if r.host != here]
     start, killed = time.monotonic(), {}
     while time.monotonic() < start + grace_s + CONFIRM_S:
         if time.monotonic() > start + grace_s and not killed:
             killed = _kill(orphans)
-        if not any(map(pid_alive, [*launchers.values(), *ranks.values()])) and not _active(remote):
+        # done when every launcher that can record its stop has, and the processes here have exited
+        recording = [r for r in _active(records) if r.host != here or pid_alive(r.launcher_pid)]
+        if not recording and not any(map(pid_alive, [*launchers.values(), *orphans.values()])):
             break
         time.sleep(0.2)
-    killed.update(_kill({**ranks, **launchers}))
+    # a launcher that recorded its stop is left to finish exiting; one that did not, and its ranks, are killed
+    stuck_launchers, stuck_ranks, _ = _local_processes([r for r in _active(records) if r.host == here], job.dir)
+    killed.update(_kill({**orphans, **stuck_ranks, **stuck_launchers}))
     if killed:
         print(f"{job.name}: SIGKILL after {grace_s:g} s grace: {', '.join(killed)}", file=out)
-    for record in _active(remote):
+    for record in _active([r for r in records if r.host != here]):
         print(f"{job.name}: {_node(record)} on {record.host} has not recorded its stop yet "
               f"(it acts on {Path(job.dir) / STOP_FILE})", file=out)
     final = load(job.name)
