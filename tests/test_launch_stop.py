@@ -45,6 +45,7 @@ def test_stop_never_signals_a_pid_another_host_recorded(home, capsys):
             requests.append(json.loads((home / "mn" / "stop.json").read_text()))
             node1.finish("stopped", 143)
 
+        cli.build_parser()  # its imports (torch too) may take longer than node1_launcher waits
         remote = threading.Thread(target=node1_launcher)
         remote.start()
         assert cli.main(["stop", "mn", "--grace", "2"]) == 0
