@@ -91,10 +91,12 @@ def worker(args) -> int:
     """The check run by every rank of a launched job; rank 0 prints the report."""
     import torch.distributed as dist
 
+    from paratrain import progress
     from paratrain.device import device as run_device
     from paratrain.distributed import init_from_env
 
     rank, world = init_from_env()
+    progress.start(rank)
     device = run_device()
     say = print if rank == 0 else (lambda *a, **k: None)
     for key, value in environment():
@@ -116,9 +118,11 @@ def worker(args) -> int:
     for size in (*SIZES_MB, args.size_mb):
         seconds, busbw = bus_bandwidth(size, device)
         say(f"{'bandwidth':>14}: {size * 2**20:>12,.0f} bytes  {seconds * 1e3:8.2f} ms  bus {busbw:6.2f} GB/s", flush=True)
-    end = time.monotonic() + args.duration
+    end, step = time.monotonic() + args.duration, 0
     while rank0_says(time.monotonic() < end, device):
         seconds, busbw = bus_bandwidth(args.size_mb, device, min_time_s=1.0)
+        step += 1
+        progress.step_done(step)  # one soak measurement is a step
         say(f"{'soak':>14}: {args.size_mb:g} MB all_reduce {seconds * 1e3:8.2f} ms  bus {busbw:6.2f} GB/s", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -9,26 +9,33 @@ from pathlib import Path
 
 import pytest
 
-from paratrain import cli
+from paratrain import cli, progress
 from paratrain.launch import jobs as J
 from paratrain.launch.jobs import Job
 
 PYTHON = sys.executable
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
+def use_registry(tmp_path, monkeypatch) -> Path:
+    """Point PARATRAIN_HOME at ``tmp_path/runs``, outside any Slurm job or coordinated launch; returns it."""
     monkeypatch.setenv("PARATRAIN_HOME", str(tmp_path / "runs"))
     for var in ("SLURM_JOB_ID", "SLURM_NODEID", "PARATRAIN_COORDINATED", "PARATRAIN_JOB_PREPARED"):
         monkeypatch.delenv(var, raising=False)
     return tmp_path / "runs"
 
 
-def sleeper(ignore_term: bool = False) -> subprocess.Popen:
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    return use_registry(tmp_path, monkeypatch)
+
+
+def sleeper(ignore_term: bool = False, rank_of: Path | None = None) -> subprocess.Popen:
+    """A process that sleeps; with ``rank_of`` (a job directory) its environment makes it a rank of that job."""
     code = "import signal, time\n"
     code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else ""
     code += "print('ready', flush=True)\ntime.sleep(120)\n"
-    proc = subprocess.Popen([PYTHON, "-c", code], stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, progress.DIR_ENV: str(rank_of / "progress")} if rank_of else None
+    proc = subprocess.Popen([PYTHON, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline() == "ready\n"  # its SIGTERM handler is in place
     return proc
 
@@ -69,20 +76,21 @@ def test_logs_prints_a_rank(home, capsys):
 
 
 @pytest.mark.timeout(60)
-def test_stop_terms_then_kills_after_grace(home, capsys):
-    launcher, rank0, stubborn = sleeper(), sleeper(), sleeper(ignore_term=True)
+def test_stop_terms_then_kills_the_ranks_of_a_launcher_that_is_gone(home, capsys):
+    rank0, stubborn = sleeper(rank_of=home / "s"), sleeper(ignore_term=True, rank_of=home / "s")
     try:
-        fake_job(home, "s", state="running", launcher_pid=launcher.pid, pids={"0": rank0.pid, "1": stubborn.pid})
+        fake_job(home, "s", state="running", launcher_pid=2**22 + 12345, pids={"0": rank0.pid, "1": stubborn.pid})
+        cli.build_parser()  # imports every subcommand (torch too) before the timing
         start = time.monotonic()
         assert cli.main(["stop", "s", "--grace", "1.5"]) == 0
         assert 1.5 <= time.monotonic() - start < 10
-        assert launcher.wait(5) == -signal.SIGTERM and rank0.wait(5) == -signal.SIGTERM
+        assert rank0.wait(5) == -signal.SIGTERM
         assert stubborn.wait(5) == -signal.SIGKILL
         assert "SIGKILL after 1.5 s grace: rank 1" in capsys.readouterr().out
         assert J.load("s").state == "stopped"
         assert cli.main(["stop", "s"]) == 2  # nothing left to stop
     finally:
-        for proc in (launcher, rank0, stubborn):
+        for proc in (rank0, stubborn):
             proc.kill()
             proc.wait()
 

@@ -1,7 +1,8 @@
 """``paratrain launch | jobs | logs | stop``: named jobs started with torchrun on one or many nodes.
 
 ``hosts`` reads hostfiles, rank tables and Slurm allocations, ``jobs`` keeps the
-job records, ``launcher`` runs torchrun on a node or ssh on every node.
+job records, ``launcher`` runs torchrun on a node or ssh on every node, ``stop``
+asks every node to stop, ``failure`` and ``rendezvous`` say what went wrong.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 from paratrain.launch import jobs as joblib
+from paratrain.launch import stop as stoplib
 from paratrain.launch.hosts import (HostError, Topology, parse_hostfile, parse_rank_table, select_hosts,
                                     slurm_from_env)
 from paratrain.launch.jobs import Job, JobError
@@ -29,7 +31,7 @@ def _launch_flags(args, name: str, **overrides) -> list[str]:
     """The ``paratrain launch`` options that repeat this launch (for --detach and for each node)."""
     values = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes, "node_rank": args.node_rank,
               "master_addr": args.master_addr, "master_port": args.master_port,
-              "collective_timeout": args.collective_timeout, **overrides}
+              "collective_timeout": args.collective_timeout, "join_timeout": args.join_timeout, **overrides}
     argv = [f"--{key.replace('_', '-')}={value}" for key, value in values.items() if value is not None]
     return [*argv, f"--name={name}"]
 
@@ -49,10 +51,19 @@ def _topology(args):
                              args.master_addr, args.master_port or 29500)
 
 
+def _check_numbers(args) -> None:
+    """Refuse counts and durations that cannot work, before anything starts."""
+    for flag in ("nproc_per_node", "nnodes", "master_port", "collective_timeout", "join_timeout"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise JobError(f"--{flag.replace('_', '-')} must be positive, got {value:g}")
+
+
 def cmd_launch(args) -> int:
     args.words = args.words[1:] if args.words[:1] == ["--"] else args.words
     if not args.words:
         raise JobError("give the command to run after '--', e.g. -- train --config c.toml")
+    _check_numbers(args)
     slurm = slurm_from_env()
     name = joblib.check_name(args.name or (f"slurm-{slurm.job_id}" if slurm and slurm.nnodes > 1 and args.nnodes is None
                                             else joblib.new_name(args.words)))
@@ -68,8 +79,11 @@ def cmd_launch(args) -> int:
     # nodes other than the first record themselves in node{R}.json beside the first node's job.json
     other_node = bool(os.environ.get("PARATRAIN_COORDINATED") or (topo and topo.node_rank > 0))
     if not other_node and not os.environ.get("PARATRAIN_JOB_PREPARED") and (job_dir / "job.json").exists():
-        old = Job.from_file(job_dir / "job.json")
-        if old.shown_state() in joblib.ACTIVE:
+        try:
+            old = Job.from_file(job_dir / "job.json")
+        except joblib.UnreadableRecord:
+            old = None  # a damaged record is replaced
+        if old is not None and old.shown_state() in joblib.ACTIVE:
             raise JobError(f"job {name!r} is {old.shown_state()} (pid {old.launcher_pid}): stop it or pick another --name")
     job_dir.mkdir(parents=True, exist_ok=True)
     job = Job(name=name, dir=str(job_dir), command=words, argv=_argv(args, name), run_dir=_run_dir(words, job_dir),
@@ -91,7 +105,8 @@ def cmd_launch(args) -> int:
         env = launcher.forwarded_env(joblib.jobs_home())
         return launcher.run_hosts(job, [launcher.node_command(host, argv, os.getcwd(), env)
                                         for host, argv in _node_argvs(args, name, hosts, words)])
-    return launcher.run_node(job, topo, words, console=not os.environ.get("PARATRAIN_JOB_PREPARED"))
+    return launcher.run_node(job, topo, launcher.rank_command(words),
+                             console=not os.environ.get("PARATRAIN_JOB_PREPARED"), join_timeout_s=args.join_timeout)
 
 
 def _argv(args, name: str) -> list[str]:
@@ -124,7 +139,8 @@ def _dry_run(args, name, job_dir, words, hosts, topo) -> int:
 
     print(f"# job {name}: run directory {job_dir}")
     if not hosts:
-        print(shlex.join(["torchrun", *launcher.torchrun_args(topo, name, words)]))
+        print(shlex.join(["torchrun", *launcher.torchrun_args(topo, name, launcher.rank_command(words),
+                                                              args.join_timeout)]))
         return 0
     env = launcher.forwarded_env(joblib.jobs_home())
     for i, (host, argv) in enumerate(_node_argvs(args, name, hosts, words)):
@@ -147,9 +163,8 @@ def _detach(args, job: Job) -> int:
 
 
 def cmd_jobs(args) -> int:
-    jobs = joblib.list_jobs()
-    if args.name:
-        jobs = [j for j in jobs if j.name in args.name]
+    names = [joblib.check_name(name) for name in args.name]
+    jobs = [j for j in joblib.list_jobs() if not names or j.name in names]
     print(joblib.format_table(jobs) if jobs else f"no jobs in {joblib.jobs_home()}")
     return 0
 
@@ -166,7 +181,9 @@ def cmd_logs(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    joblib.stop(joblib.load(args.name), grace_s=args.grace)
+    if args.grace < 0:
+        raise JobError(f"--grace must be 0 or more seconds, got {args.grace:g}")
+    stoplib.stop(joblib.load(args.name), grace_s=args.grace, now=args.now)
     return 0
 
 
@@ -187,6 +204,8 @@ def register(sub) -> None:
     p.add_argument("--detach", action="store_true", help="run in the background, surviving the terminal")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun / per-node ssh commands, start nothing")
     p.add_argument("--collective-timeout", type=float, help="seconds before a stuck collective fails (default 600)")
+    p.add_argument("--join-timeout", type=float, default=600.0,
+                   help="seconds a multi-node launch waits for every node to join before it gives up (default 600)")
     p.add_argument("words", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                    help="the paratrain subcommand each rank runs, e.g. -- train --config c.toml")
     p.set_defaults(func=cmd_launch)
@@ -202,7 +221,9 @@ def register(sub) -> None:
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     p.set_defaults(func=cmd_logs)
 
-    p = sub.add_parser("stop", help="stop a job: SIGTERM to every rank, then SIGKILL after a grace period")
+    p = sub.add_parser("stop", help="stop a job on every node: SIGTERM to every rank (which may save), "
+                                    "SIGKILL after a grace period")
     p.add_argument("name")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)")
+    p.add_argument("--now", action="store_true", help="SIGKILL at once, without the graceful save")
     p.set_defaults(func=cmd_stop)

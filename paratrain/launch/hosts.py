@@ -238,9 +238,11 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 def _read(path: str | Path) -> str:
     try:
-        return Path(path).read_text()
+        return Path(path).read_bytes().decode("utf-8")
     except OSError as exc:
         raise HostError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise HostError(f"{path}: not UTF-8 text (byte {exc.start}); is this a hostfile or rank table?") from None
 
 
 def _line_of(text: str, server) -> int | str:

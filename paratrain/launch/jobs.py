@@ -1,29 +1,42 @@
-"""Job records: ``job.json`` in each job's run directory, listing, logs and stop.
+"""Job records: ``job.json`` in each job's run directory, listing and logs.
 
 The registry is one directory (``$PARATRAIN_HOME``, default ``runs``) holding
 one run directory per job name. A launcher process owns its job's record and
-rewrites it atomically as the job moves through its states.
+rewrites it atomically as the job moves through its states; the launchers of
+the other nodes of a multi-node job keep ``node{R}.json`` beside it. A record
+that cannot be read (damaged, edited by hand) is reported as unreadable and
+never hides the other jobs.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-import signal
 import socket
 import sys
 import time
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from paratrain.errors import UserError
 
 ACTIVE = ("starting", "running")
+PROGRESS_DIR = "progress"  # in a job's directory: the ranks' progress records (paratrain.progress)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class JobError(UserError, ValueError):
     """A job that does not exist, a bad job name, or an operation its state does not allow."""
+
+
+class UnreadableRecord(JobError):
+    """A ``job.json`` or ``node{R}.json`` that is not a job record; ``reason`` says why."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path}: unreadable ({reason})")
+        self.path, self.reason = path, reason
 
 
 def jobs_home() -> Path:
@@ -32,6 +45,7 @@ def jobs_home() -> Path:
 
 
 def check_name(name: str) -> str:
+    """Return ``name`` if it can name a job directory, else raise a JobError saying what is allowed."""
     if not _NAME.fullmatch(name):
         raise JobError(f"job name {name!r}: use letters, digits, '.', '_' and '-' (starting with a letter or digit)")
     return name
@@ -66,6 +80,7 @@ class Job:
     exit_codes: dict[str, int] = field(default_factory=dict)  # global rank -> exit code (-N: signal N)
     failing_rank: int | None = None
     failure: str = ""
+    saved_step: int | None = None  # stopped after every rank saved a checkpoint of this step
     record: str = "job.json"  # node{R}.json for a node of a job another process owns
 
     @property
@@ -83,14 +98,31 @@ class Job:
 
     @classmethod
     def from_file(cls, path: Path) -> "Job":
-        data = json.loads(path.read_text())
+        """The record in ``path``; an UnreadableRecord if it is not valid UTF-8 JSON with fields of the right types."""
+        try:
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except OSError as exc:
+            raise UnreadableRecord(path, f"cannot read: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise UnreadableRecord(path, f"not UTF-8 text (byte {exc.start})") from None
+        except json.JSONDecodeError as exc:
+            raise UnreadableRecord(path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        if not isinstance(data, dict):
+            raise UnreadableRecord(path, f"a JSON {type(data).__name__}, not an object")
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if f.name not in data:
+                if f.name in ("name", "dir"):
+                    raise UnreadableRecord(path, f"no {f.name!r}")
+            elif not _has_type(data[f.name], hints[f.name]):
+                raise UnreadableRecord(path, f"{f.name!r} is {json.dumps(data[f.name])[:40]}, not {hints[f.name]}")
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
     def finish(self, state: str, exit_code: int, exit_codes: dict[int, int] | None = None,
-               failing_rank: int | None = None, failure: str = "") -> None:
+               failing_rank: int | None = None, failure: str = "", saved_step: int | None = None) -> None:
         self.state, self.exit_code, self.end_time = state, exit_code, time.time()
         self.exit_codes.update({str(r): c for r, c in (exit_codes or {}).items()})
-        self.failing_rank, self.failure = failing_rank, failure
+        self.failing_rank, self.failure, self.saved_step = failing_rank, failure, saved_step
         self.save()
 
     def log_path(self, rank: int) -> Path:
@@ -102,19 +134,34 @@ class Job:
             return "lost"
         return self.state
 
-    def all_pids(self) -> dict[int, int]:
-        """Rank -> pid over this record and the other nodes' ``node{R}.json`` records."""
-        pids = {int(r): p for r, p in self.pids.items()}
-        for node in Path(self.dir).glob("node*.json"):
-            pids.update({int(r): p for r, p in Job.from_file(node).pids.items()})
-        return pids
+    @property
+    def is_coordinator(self) -> bool:
+        """True for the record of a hostfile/rank-table launch, whose nodes keep their own records."""
+        return bool(self.hosts)
+
+    @property
+    def outcome(self) -> str:
+        """``stopped, saved at step N`` for a job stopped after saving, else its state."""
+        if self.state == "stopped" and self.saved_step is not None:
+            return f"stopped, saved at step {self.saved_step}"
+        return self.state
+
+    def node_records(self) -> tuple[list["Job"], list[UnreadableRecord]]:
+        """The ``node{R}.json`` records beside this one, and the problems of those that cannot be read."""
+        records, problems = [], []
+        for path in sorted(Path(self.dir).glob("node*.json")):
+            try:
+                records.append(Job.from_file(path))
+            except UnreadableRecord as exc:
+                problems.append(exc)
+        return records, problems
 
     def last_metrics(self) -> dict:
         """The last ``metrics.jsonl`` record of the run directory ({} if none yet)."""
         path = Path(self.run_dir or self.dir) / "metrics.jsonl"
         last = {}
         if path.exists():
-            for line in path.read_text().splitlines():
+            for line in path.read_text(errors="replace").splitlines():
                 try:
                     last = json.loads(line)
                 except json.JSONDecodeError:
@@ -122,7 +169,25 @@ class Job:
         return last
 
 
+def _has_type(value, hint) -> bool:
+    """Whether a JSON value fits a field's type hint (``int``, ``float | None``, ``dict[str, int]``...)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_has_type(value, arg) for arg in args)
+    if origin is list:
+        return isinstance(value, list) and all(_has_type(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_has_type(k, args[0]) and _has_type(v, args[1])
+                                               for k, v in value.items())
+    if hint is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return hint is bool
+    return isinstance(value, (int, float)) if hint is float else isinstance(value, hint)
+
+
 def load(name: str) -> Job:
+    """The job called ``name``; a JobError naming the registry's jobs if there is none."""
     path = jobs_home() / check_name(name) / "job.json"
     if not path.exists():
         known = ", ".join(j.name for j in list_jobs()) or "none"
@@ -130,10 +195,24 @@ def load(name: str) -> Job:
     return Job.from_file(path)
 
 
-def list_jobs() -> list[Job]:
-    """Every job of the registry, oldest first."""
+@dataclass
+class Unreadable:
+    """A job directory whose ``job.json`` cannot be read, as ``paratrain jobs`` lists it."""
+
+    name: str
+    reason: str
+    start_time: float  # the record's modification time
+
+
+def list_jobs() -> list[Job | Unreadable]:
+    """Every job of the registry, oldest first; a damaged record becomes an :class:`Unreadable` entry."""
     home = jobs_home()
-    jobs = [Job.from_file(p) for p in home.glob("*/job.json")] if home.is_dir() else []
+    jobs = []
+    for path in home.glob("*/job.json") if home.is_dir() else []:
+        try:
+            jobs.append(Job.from_file(path))
+        except UnreadableRecord as exc:
+            jobs.append(Unreadable(path.parent.name, exc.reason, path.stat().st_mtime))
     return sorted(jobs, key=lambda j: j.start_time)
 
 
@@ -164,12 +243,19 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def format_table(jobs: list[Job]) -> str:
-    """The ``paratrain jobs`` table, then what went wrong in each failed job."""
+def format_table(jobs: list[Job | Unreadable]) -> str:
+    """The ``paratrain jobs`` table, then notes: what went wrong in each failed job, where stopped jobs saved,
+    why a record is unreadable."""
     rows = [("NAME", "STATE", "RANKS", "START", "ELAPSED", "STEP", "LOSS", "EXIT")]
     notes = []
     for job in jobs:
+        if isinstance(job, Unreadable):
+            rows.append((job.name, "unreadable", "", "", "", "", "", ""))
+            notes.append(f"{job.name}: unreadable ({job.reason})")
+            continue
         state = job.shown_state()
+        if state == "stopped" and job.saved_step is not None:
+            notes.append(f"{job.name}: {job.outcome}")
         metrics = job.last_metrics()
         end = job.end_time or (time.time() if state in ACTIVE else job.start_time)
         exit_text = "" if job.exit_code is None else str(job.exit_code)
@@ -203,33 +289,3 @@ def follow(job: Job, rank: int, out=None, poll_s: float = 0.5) -> None:
         if not active:
             return
         time.sleep(poll_s)
-
-
-def stop(job: Job, grace_s: float = 10.0, out=None) -> None:
-    """SIGTERM the launcher and every rank, wait up to ``grace_s``, SIGKILL what is left; state ``stopped``."""
-    out = out or sys.stdout
-    if job.shown_state() not in ACTIVE:
-        raise JobError(f"job {job.name!r} is not running (state {job.shown_state()})")
-    if job.host != socket.gethostname():
-        raise JobError(f"job {job.name!r} was launched on {job.host}: run 'paratrain stop' there")
-    targets = {"launcher": job.launcher_pid, **{f"rank {r}": p for r, p in sorted(job.all_pids().items())}}
-    for pid in targets.values():
-        _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(pid_alive(p) for p in targets.values()):
-        time.sleep(0.2)
-    killed = [who for who, pid in targets.items() if pid_alive(pid) and _signal(pid, signal.SIGKILL)]
-    if killed:
-        print(f"{job.name}: SIGKILL after {grace_s:g} s grace: {', '.join(killed)}", file=out)
-    job = load(job.name)  # the launcher may have recorded exit codes on its way out
-    job.finish("stopped", job.exit_code if job.exit_code is not None else -signal.SIGTERM,
-               failing_rank=None, failure="")
-    print(f"{job.name}: stopped", file=out)
-
-
-def _signal(pid: int, sig: int) -> bool:
-    try:
-        os.kill(pid, sig)
-        return True
-    except ProcessLookupError:
-        return False

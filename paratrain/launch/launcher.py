@@ -4,10 +4,20 @@ Each rank runs ``python -u -m paratrain <words>``; its stdout and stderr go to
 ``rank{R}.log`` and its environment to ``env{R}.log`` in the job directory
 (a torchrun :class:`LogsSpecs`). torchrun's agent stops the other ranks as soon
 as one fails (``--max-restarts 0``); the launcher then names the rank, its exit
-code and the end of its log, records them in ``job.json`` and exits non-zero.
+code and the end of its log (and, after a collective timeout, the rank that
+stopped making progress), records them in ``job.json`` and exits non-zero.
+
+torchrun's agent runs in a thread so that this process keeps its signals: a
+SIGTERM, SIGINT or SIGHUP, or a ``stop.json`` request, is forwarded to the
+ranks as SIGTERM (SIGKILL with ``stop --now``), and the launcher waits the
+grace period for them to save and exit before killing what is left. Ranks that
+exit with :data:`paratrain.progress.EXIT_STOPPED` make the job "stopped, saved
+at step N". A multi-node launch that is still waiting for other nodes says who
+is missing every 30 s and gives up after ``--join-timeout`` seconds.
 """
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import signal
@@ -15,22 +25,32 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException, Std
+from torch.distributed import DistError
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
 
+from paratrain import progress
+from paratrain.launch import rendezvous
+from paratrain.launch import stop as stoplib
+from paratrain.launch.failure import TIMED_OUT, describe_failure, describe_laggards, first_failure, timed_out
 from paratrain.launch.hosts import Host, Topology
-from paratrain.launch.jobs import Job, tail
+from paratrain.launch.jobs import PROGRESS_DIR, Job
+from paratrain.launch.stop import StopRequest
 
 # Merges stderr into stdout (one log per rank) and execs the rank's command with
 # its arguments passed as "$@", so nothing in them is ever parsed by the shell.
 RANK_WRAPPER = ["/bin/sh", "-c", 'exec "$@" 2>&1', "paratrain-rank"]
-SHUTDOWN_TIMEOUT_S = 15  # SIGTERM -> SIGKILL for the ranks left when one fails
+SHUTDOWN_TIMEOUT_S = 15  # SIGTERM -> SIGKILL for the ranks left when one fails, or when the launcher is signalled
+SSH_MARGIN_S = 5.0  # past a node's grace period, how long the coordinator waits for its ssh session to end
+POLL_S = 0.3
 FORWARDED_ENV = ("PYTHONPATH", "PARATRAIN_COLLECTIVE_TIMEOUT")
 FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class RankLogs(LogsSpecs):
@@ -60,20 +80,30 @@ class RankLogs(LogsSpecs):
                         tee_stderrs={}, error_files=errors)
 
 
-def torchrun_args(topo: Topology, name: str, words: list[str]) -> list[str]:
-    """The torchrun command line (without ``torchrun``) that runs ``python -m paratrain <words>`` per rank."""
+def rank_command(words: list[str]) -> list[str]:
+    """What every rank runs for ``paratrain launch -- <words>``."""
+    return [sys.executable, "-u", "-m", "paratrain", *words]
+
+
+def torchrun_args(topo: Topology, name: str, command: list[str], join_timeout_s: float) -> list[str]:
+    """The torchrun command line (without ``torchrun``) that runs ``command`` once per rank."""
     if topo.master_addr is None:  # one machine: a c10d store on a free port, like --standalone
         where = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", name]
-    else:
-        where = ["--nnodes", str(topo.nnodes), "--node-rank", str(topo.node_rank),
-                 "--master-addr", topo.master_addr, "--master-port", str(topo.master_port)]
+    else:  # static rendezvous: node 0's store waits for the others, theirs retry connecting, both give up then
+        where = ["--nnodes", str(topo.nnodes), "--node-rank", str(topo.node_rank), "--master-addr", topo.master_addr,
+                 "--master-port", str(topo.master_port), "--rdzv-conf", f"timeout={max(1, round(join_timeout_s))}"]
     return [*where, "--nproc-per-node", str(topo.nproc_per_node), "--max-restarts", "0",
             "--log-dir", os.devnull, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-            "--no-python", *RANK_WRAPPER, sys.executable, "-u", "-m", "paratrain", *words]
+            "--no-python", *RANK_WRAPPER, *command]
+
+
+def _node_ranks(topo: Topology) -> range:
+    """The global ranks this node runs."""
+    return range(topo.node_rank * topo.nproc_per_node, (topo.node_rank + 1) * topo.nproc_per_node)
 
 
 def _child_ranks() -> dict[str, int]:
-    """Global rank -> pid of this process's children that carry a RANK (Linux /proc; {} elsewhere)."""
+    """Global rank -> pid of this process's live children that carry a RANK (Linux /proc; {} elsewhere)."""
     ranks, me = {}, str(os.getpid())
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -88,59 +118,179 @@ def _child_ranks() -> dict[str, int]:
     return ranks
 
 
-def _record_pids(job: Job, done: threading.Event) -> None:
-    """Keep ``job.pids`` equal to the running ranks until ``done`` (workers start after the rendezvous)."""
-    while not done.wait(0.3):
-        pids = {**job.pids, **_child_ranks()}  # ranks that already exited keep their pid
-        if pids != job.pids:
-            job.pids, job.state = pids, "running"
+def _signal_ranks(pids, sig: int) -> None:
+    """Send ``sig`` to each rank's process group (torchrun starts every rank in a session of its own)."""
+    for pid in pids:
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class _StopSignals:
+    """While active, SIGTERM/SIGINT/SIGHUP are recorded in ``received`` instead of ending the process."""
+
+    def __enter__(self) -> "_StopSignals":
+        self.received: list[int] = []
+        self.previous = {sig: signal.signal(sig, lambda signum, frame: self.received.append(signum))
+                         for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def request(self, job: Job) -> StopRequest | None:
+        """The stop asked of this launcher: a ``stop.json`` made since the job started, or a signal it got."""
+        asked = stoplib.pending(job.dir, since=job.start_time)
+        if asked is None and self.received:
+            name = signal.Signals(self.received[0]).name
+            asked = StopRequest(grace_s=SHUTDOWN_TIMEOUT_S, reason=f"the launcher got {name}")
+        return asked
+
+
+class _ChildThreadWarning(logging.Filter):
+    """Drops torchrun's warning that it cannot install signal handlers in a thread: the launcher handles them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "running on a child thread" not in record.getMessage()
+
+
+class _Agent(threading.Thread):
+    """torchrun's elastic agent, run in a thread; ``error`` is what it raised (None: every rank exited 0)."""
+
+    def __init__(self, config, cmd, cmd_args):
+        super().__init__(name="torchrun-agent", daemon=True)  # a daemon: a rendezvous wait must not keep us alive
+        self.launch, self.cmd_args = elastic_launch(config, cmd), cmd_args
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.launch(*self.cmd_args)
+        except BaseException as exc:  # handed to the main thread, which reports it
+            self.error = exc
+
+
+@dataclass
+class _Watched:
+    """What the launcher saw while its ranks ran."""
+
+    stop: StopRequest | None = None
+    progress_at_first_exit: tuple[dict[int, progress.Progress], float] | None = None  # (records, when)
+    join_expired: bool = False
+
+
+def _watch(job: Job, topo: Topology, agent: _Agent, signals: _StopSignals, progress_dir: Path,
+           join_timeout_s: float) -> _Watched:
+    """Until the agent ends: record the rank pids, act on stop requests, snapshot the progress records when
+    the first rank ends, and report (then give up on) nodes that do not join."""
+    seen, started = _Watched(), time.monotonic()
+    report_every = min(rendezvous.REPORT_EVERY_S, join_timeout_s / 2)
+    next_report, kill_at, signalled = started + report_every, 0.0, set()
+    master = f"{topo.master_addr}:{topo.master_port}"
+    while agent.is_alive():
+        agent.join(POLL_S)
+        ranks = _child_ranks()
+        if {**job.pids, **ranks} != job.pids:  # ranks that already exited keep their pid
+            job.pids, job.state = {**job.pids, **ranks}, "running"
             job.save()
+        if job.pids and seen.progress_at_first_exit is None and len(ranks) < len(job.pids):
+            seen.progress_at_first_exit = (progress.read(progress_dir), time.time())
+            _signal_ranks(ranks.values(), signal.SIGCONT)  # a stopped rank acts on the agent's SIGTERM only then
+        if seen.stop is None and (stop := signals.request(job)) is not None:
+            seen.stop, kill_at = stop, time.monotonic() + (0 if stop.now else stop.grace_s)
+            print(f"paratrain launch: job {job.name}: stopping ({stop.reason}"
+                  f"{', now' if stop.now else f', grace {stop.grace_s:g} s'})", file=sys.stderr, flush=True)
+        if seen.stop is not None:
+            if not job.pids and topo.nnodes > 1:
+                break  # still waiting for the other nodes: nothing to stop
+            new = [pid for pid in ranks.values() if pid not in signalled]  # ranks may start while stopping
+            _signal_ranks(new, signal.SIGKILL if seen.stop.now else signal.SIGTERM)
+            _signal_ranks(new, signal.SIGCONT)
+            signalled.update(new)
+            if time.monotonic() > kill_at:
+                _signal_ranks(ranks.values(), signal.SIGKILL)
+        if not job.pids and topo.nnodes > 1:
+            if time.monotonic() - started > join_timeout_s + rendezvous.MARGIN_S:
+                seen.join_expired = True
+                break
+            if time.monotonic() >= next_report:
+                waited = rendezvous.still_waiting(job, master, time.monotonic() - started, join_timeout_s)
+                print(f"paratrain launch: job {job.name}: {waited}", file=sys.stderr, flush=True)
+                next_report += report_every
+    return seen
 
 
-def describe_failure(job: Job, rank: int, exitcode: int, lines: int = 20) -> str:
-    """``rank R (pid P on HOST) exited with code C (SIGNAL)`` and the last lines of its log."""
-    cause = f"exited with code {exitcode}"
-    if exitcode < 0:
-        cause = f"was killed by {signal.Signals(-exitcode).name} (exit code {exitcode})"
-    log = job.log_path(rank)
-    last = "\n".join(f"    {line}" for line in tail(log, lines)) or "    (empty)"
-    return f"rank {rank} (pid {job.pids.get(str(rank), '?')} on {job.host}) {cause}; last lines of {log}:\n{last}"
+def run_node(job: Job, topo: Topology, command: list[str], console: bool, join_timeout_s: float) -> int:
+    """Run ``command`` on this node's ranks under torchrun until they end; record the outcome in ``job``.
 
-
-def run_node(job: Job, topo: Topology, words: list[str], console: bool) -> int:
-    """Run this node's ranks under torchrun until they end; record the outcome in ``job``. Returns the exit code."""
+    Returns the launcher's exit code: 0, :data:`~paratrain.progress.EXIT_STOPPED` when every rank stopped
+    after saving, 128 + signal when stopped otherwise, 1 when a rank failed or nodes did not join.
+    """
     parser = get_args_parser()
-    config, cmd, cmd_args = config_from_args(parser.parse_args(torchrun_args(topo, job.name, words)))
+    config, cmd, cmd_args = config_from_args(parser.parse_args(torchrun_args(topo, job.name, command, join_timeout_s)))
     config.logs_specs = RankLogs(Path(job.dir), console)
     config.log_line_prefix_template = "[rank${rank}]: "
+    my_ranks = _node_ranks(topo)
+    progress_dir = Path(job.dir) / PROGRESS_DIR
+    progress.clear(progress_dir, my_ranks)
+    os.environ[progress.DIR_ENV] = str(progress_dir)
     job.state = "starting"
     job.save()
-    done = threading.Event()
-    watcher = threading.Thread(target=_record_pids, args=(job, done), daemon=True)
-    watcher.start()
-    outcome: tuple = ("succeeded", 0, {int(r): 0 for r in range(topo.node_rank * topo.nproc_per_node,
-                                                               (topo.node_rank + 1) * topo.nproc_per_node)})
+    agent = _Agent(config, cmd, cmd_args)
+    quiet = _ChildThreadWarning()
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
     try:
-        elastic_launch(config, cmd)(*cmd_args)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        codes = {r: f.exitcode for r, f in exc.failures.items()}
-        outcome = ("failed", 1, codes, rank, failure.exitcode)
-    except SignalException as exc:
-        outcome = ("stopped", 128 + exc.sigval, {})
+        with _StopSignals() as signals:
+            agent.start()
+            seen = _watch(job, topo, agent, signals, progress_dir, join_timeout_s)
     finally:
-        done.set()
-        watcher.join()
-    state, code, codes, *failed = outcome
-    if failed:
-        rank, exitcode = failed
-        message = describe_failure(job, rank, exitcode)
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(quiet)
+    state, code, codes, failing_rank, message = _outcome(job, topo, agent, seen, join_timeout_s)
+    saved = _saved_step(progress_dir, my_ranks) if state == "stopped" and code == progress.EXIT_STOPPED else None
+    job.finish(state, code, codes, failing_rank=failing_rank, failure=message if state == "failed" else "",
+               saved_step=saved)
+    if state == "failed":
         print(f"paratrain launch: job {job.name} failed: {message}", file=sys.stderr, flush=True)
-        job.finish(state, code, codes, failing_rank=rank, failure=message)
     else:
-        job.finish(state, code, codes)
-        print(f"paratrain launch: job {job.name} {state}; logs in {job.dir}", file=sys.stderr, flush=True)
+        print(f"paratrain launch: job {job.name} {job.outcome}; logs in {job.dir}", file=sys.stderr, flush=True)
     return code
+
+
+def _outcome(job: Job, topo: Topology, agent: _Agent, seen: _Watched, join_timeout_s: float) -> tuple:
+    """(state, exit code, rank -> exit code, failing rank, failure message) of a finished watch."""
+    my_ranks = _node_ranks(topo)
+    stop_code = 128 + (signal.SIGKILL if seen.stop and seen.stop.now else signal.SIGTERM)
+    master = f"{topo.master_addr}:{topo.master_port}"
+    error = str(agent.error).strip().splitlines()[0] if agent.error is not None and str(agent.error).strip() else ""
+    if not job.pids and (seen.join_expired or (isinstance(agent.error, DistError) and TIMED_OUT.search(error))):
+        cause = f" (torchrun: {error})" if error else ""
+        return "failed", 1, {}, None, rendezvous.not_joined(job, master, join_timeout_s) + cause
+    if not job.pids and isinstance(agent.error, DistError):
+        return "failed", 1, {}, None, f"the rendezvous at {master} failed: {error}"
+    if seen.stop is not None and not job.pids:
+        return "stopped", stop_code, {}, None, ""
+    if isinstance(agent.error, ChildFailedError):
+        codes = {rank: 0 for rank in my_ranks} | {r: f.exitcode for r, f in agent.error.failures.items()}
+        rank, failure = first_failure(agent.error.failures)
+        if seen.stop is not None or failure.exitcode == progress.EXIT_STOPPED:
+            saved = all(c == progress.EXIT_STOPPED for c in codes.values())
+            return "stopped", progress.EXIT_STOPPED if saved else stop_code, codes, None, ""
+        message = describe_failure(job, rank, failure.exitcode)
+        if timed_out(job, rank) and seen.progress_at_first_exit is not None:
+            hung = describe_laggards(*seen.progress_at_first_exit, failed_rank=rank)
+            message = f"{hung}\n{message}" if hung else message
+        return "failed", 1, codes, rank, message
+    if agent.error is not None:
+        return "failed", 1, {}, None, f"{type(agent.error).__name__}: {error}"
+    return "succeeded", 0, dict.fromkeys(my_ranks, 0), None, ""
+
+
+def _saved_step(progress_dir: Path, ranks: range) -> int | None:
+    """The step every one of ``ranks`` reported saving last (the lowest if they differ), None if one did not."""
+    records = progress.read(progress_dir)
+    steps = [records[r].saved_step if r in records else None for r in ranks]
+    return None if None in steps else min(steps)
 
 
 def node_command(host: Host, argv: list[str], cwd: str, env: dict[str, str]) -> list[str]:
@@ -159,36 +309,47 @@ def forwarded_env(home: Path) -> dict[str, str]:
 
 
 def run_hosts(job: Job, commands: list[list[str]], poll_s: float = 0.5) -> int:
-    """Start every node's ssh command; when one fails, terminate the others. Returns the exit code."""
+    """Start every node's ssh command and wait for them; returns the exit code (as :func:`run_node`'s).
+
+    A stop (``stop.json``, or a signal to this process) and a failed node are passed on to every node through
+    ``stop.json`` in the shared run directory: ending an ssh client does not end what it started remotely.
+    """
     procs = [subprocess.Popen(cmd, stdin=subprocess.DEVNULL) for cmd in commands]
     job.state = "running"
     job.save()
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
-    while any(p.poll() is None for p in procs) and not stopping and all(p.returncode in (None, 0) for p in procs):
-        time.sleep(poll_s)
+    stop, first_failed, give_up_at = None, None, None
+    with _StopSignals() as signals:
+        while any(p.poll() is None for p in procs) and (give_up_at is None or time.monotonic() < give_up_at):
+            if give_up_at is None:
+                stop = signals.request(job)
+                first_failed = next((i for i, p in enumerate(procs) if p.returncode not in (None, 0)), None)
+                if stop is not None or first_failed is not None:
+                    stoplib.request(job.dir, stop or StopRequest(grace_s=SHUTDOWN_TIMEOUT_S, reason="a node failed"))
+                    grace = 0 if stop is not None and stop.now else (stop or StopRequest()).grace_s
+                    give_up_at = time.monotonic() + grace + SSH_MARGIN_S
+            time.sleep(poll_s)
     for p in procs:
         if p.poll() is None:
             p.terminate()
-    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-    nodes = [Job.from_file(p) for p in sorted(Path(job.dir).glob("node*.json"))]
-    job.pids = {r: pid for node in nodes for r, pid in node.pids.items()}
+            p.wait()
+    nodes, _ = job.node_records()
     codes = {int(r): c for node in nodes for r, c in node.exit_codes.items()}
-    failed = next((n for n in nodes if n.failing_rank is not None), None)
-    if stopping:
-        job.finish("stopped", 128 + stopping[0], codes)
-        return 128 + stopping[0]
-    bad = [f"node {i} ({job.hosts[i]}) exited with code {p.returncode}" for i, p in enumerate(procs) if p.returncode]
-    if failed is not None or bad:
-        message = failed.failure if failed else bad[0]
+    failed = next((n for n in nodes if n.state == "failed"), None)
+    if stop is None and first_failed is None:
+        first_failed = next((i for i, p in enumerate(procs) if p.returncode not in (0, progress.EXIT_STOPPED)), None)
+    if stop is not None or (failed is None and nodes and all(n.state == "stopped" for n in nodes)):
+        saved = [n.saved_step for n in nodes]
+        if len(nodes) == len(procs) and None not in saved:
+            job.finish("stopped", progress.EXIT_STOPPED, codes, saved_step=min(saved))
+        else:
+            job.finish("stopped", 128 + (signal.SIGKILL if stop is not None and stop.now else signal.SIGTERM), codes)
+        print(f"paratrain launch: job {job.name} {job.outcome}", file=sys.stderr, flush=True)
+        return job.exit_code
+    if failed is not None or first_failed is not None:
+        message = (f"node {failed.node_rank} ({job.hosts[failed.node_rank]}): {failed.failure}" if failed else
+                   f"node {first_failed} ({job.hosts[first_failed]}) exited with code {procs[first_failed].returncode}")
         print(f"paratrain launch: job {job.name} failed: {message}", file=sys.stderr, flush=True)
         job.finish("failed", 1, codes, failing_rank=failed.failing_rank if failed else None, failure=message)
         return 1
     job.finish("succeeded", 0, codes)
     return 0
-
