@@ -30,11 +30,17 @@ def cmd_train(args) -> int:
         from paratrain.plan import resolve_auto
         print_main = print if rank == 0 else (lambda *a, **k: None)
         resolve_auto(cfg, world_size, report=lambda why: print_main(why, flush=True))
+    trainer = Trainer(cfg)
     try:
-        Trainer(cfg).train()
+        trainer.train()
     except TrainingDiverged as exc:
         print(f"paratrain: training stopped: {exc}", file=sys.stderr)
         return 3
+    if trainer.stopped_at is not None:
+        if rank == 0:
+            print(f"paratrain: stopped on request, saved at step {trainer.stopped_at}", file=sys.stderr, flush=True)
+        from paratrain import progress
+        return progress.stopped(trainer.stopped_at)
     return 0
 
 

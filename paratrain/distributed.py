@@ -52,3 +52,47 @@ def init_from_env(timeout_s: float | None = None) -> tuple[int, int]:
     timeout = collective_timeout() if timeout_s is None else timeout_s
     dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
+
+
+class StopRequest:
+    """SIGTERM or SIGINT on any rank asks every rank to stop at the same step boundary.
+
+    The signal only sets a flag. Each step, ``agreed()`` starts an all-reduce (max) of this
+    rank's flag on a gloo group of its own, so it never waits for a GPU, and reads the one it
+    started a step earlier: every rank learns the same answer at the same step, one step after
+    the signal. ``close()`` puts the previous handlers back.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, world_size: int):
+        import torch
+
+        self.requested = False
+        self.flag = torch.zeros(1, dtype=torch.int32, device="cpu")
+        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self.pending: tuple[dist.Work, torch.Tensor] | None = None
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """Whether every rank is to stop now."""
+        if self.group is None:
+            return self.requested
+        stop = False
+        if self.pending is not None:
+            work, flag = self.pending
+            work.wait()
+            stop = bool(flag.item())  # a host tensor of the gloo group: no device synchronisation
+        flag = self.flag.clone().fill_(int(self.requested))
+        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        return stop
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

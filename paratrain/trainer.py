@@ -11,7 +11,8 @@ from paratrain.checkpoint import Checkpointer
 from paratrain.config import Config, check
 from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.device import DTYPES
-from paratrain.distributed import init_from_env
+from paratrain import progress
+from paratrain.distributed import StopRequest, init_from_env
 from paratrain.evaluate import bleu_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
@@ -42,6 +43,7 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         rank, world_size = init_from_env()
+        progress.start(rank)
         self.cfg = check(cfg, world_size, resolved=True)
         self.layout = Layout(cfg.parallel, world_size)
         self.device = self.layout.device
@@ -78,29 +80,51 @@ class Trainer:
                                          {"loss_scaler": self.loss_scaler, "data": self.data})
         self.step = self.checkpointer.resume()  # checkpoint.resume: "auto" | path | "none"
         self.evaluator = bleu_evaluator(cfg, self.model_parts, self.pipeline is not None, self.is_main)
+        self.world_size = world_size
+        self.stopped_at: int | None = None  # the step saved when a stop was asked (SIGTERM/SIGINT)
         self._pending: list[dict] = []  # records whose device values are not on the host yet
         self._window_start, self._outside = time.perf_counter(), 0.0
 
     def train(self) -> list[dict]:
-        """Run until ``train.steps``; returns every step's record."""
+        """Run until ``train.steps``, or until a stop is asked (SIGTERM/SIGINT on any rank: every rank stops
+        at the same step, saves it and sets ``stopped_at``); returns every step's record. With checkpoints
+        on (``checkpoint.save_steps``) the last step is always saved."""
         history = []
         self._window_start, self._outside = time.perf_counter(), 0.0
+        stop = StopRequest(self.world_size)
         try:
             while self.step < self.cfg.train.steps:
                 record = self.train_step()
                 history.append(record)
                 self.step += 1
+                progress.step_done(self.step)
                 self.metrics.advance(self.step)
                 outside = time.perf_counter()  # time between steps: not part of any step's time
                 if self.evaluator is not None:
                     self.evaluator(self.step, record)  # every rank decodes; the main rank's record gets "bleu"
                 if self.metrics.should_log(self.step - 1) or "bleu" in record:
                     self.metrics.log(record)
-                self.checkpointer.maybe_save(self.step)
+                stopping = stop.agreed()
+                if self.checkpointer.maybe_save(self.step) is not None:
+                    progress.saved(self.step)
+                if stopping:
+                    self._to_host(self._pending)
+                    self._pending = []
+                    self._save_last()
+                    self.stopped_at = self.step
+                    break
                 self._outside += time.perf_counter() - outside
+            if self.cfg.checkpoint.save_steps > 0:
+                self._save_last()
         finally:
+            stop.close()
             self.metrics.close()
         return history
+
+    def _save_last(self) -> None:
+        if self.checkpointer.last_saved_step != self.step:
+            self.checkpointer.save(self.step)
+            progress.saved(self.step)
 
     def _to_host(self, records: list[dict]) -> None:
         """Bring the records' device values to the host in one copy and finish them (rates, mfu, memory).
