@@ -161,7 +161,7 @@ def run_torch(cfg: Config, device: torch.device, warmup: int, compile: bool) -> 
         if step == warmup:
             synchronize(device)
             start = time.perf_counter()
-        batch = {k: v.to(device, non_blocking=True) for k, v in data.global_batch(step, batch_size).items()}
+        batch = {k: v.to(device, non_blocking=True) for k, v in data.batch_rows(step, 0, batch_size).items()}
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = forward(batch["input_ids"])
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),

@@ -70,9 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "overrides", False):
             args.overrides = parse_overrides(rest)
         elif rest:
-            args.command_parser.print_usage(sys.stderr)
-            print(f"paratrain {args.command}: unrecognized arguments: {' '.join(rest)}", file=sys.stderr)
-            return 2
+            usage = args.command_parser.format_usage().strip().removeprefix("usage: ")
+            raise UserError(f"{args.command}: unexpected {' '.join(rest)}; usage: {usage}")
         return args.func(args)
     except UserError as exc:
         print(f"paratrain: {exc}", file=sys.stderr)

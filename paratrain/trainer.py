@@ -211,8 +211,8 @@ class Trainer:
             with loss_context(self.cfg.parallel):
                 with self.timer.phase("forward"):
                     with autocast(self.cfg.train.mixed_precision, self.device):
-                        logits = self.model(**micro)
-                    micro_loss = self._loss(logits, labels, num_tokens)
+                        # the logits (B x T x V) are not kept: backward frees them as soon as it can
+                        micro_loss = self._loss(self.model(**micro), labels, num_tokens)
                 with self.timer.phase("backward"):
                     micro_loss.backward()
             loss += whole(micro_loss.detach())

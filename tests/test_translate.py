@@ -9,7 +9,7 @@ from conftest import tiny_config
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny encoder-decoder trained 5 steps on a tiny generated corpus: BLEU every 2 steps, log every 3,
-    a checkpoint at step 4."""
+    checkpoints at step 4 and at the last step, 5."""
     from paratrain.data.sample_corpus import write_sample
     from paratrain.data.tokenizer import train_tokenizer
     from paratrain.trainer import Trainer
@@ -48,9 +48,10 @@ def test_translate_cli_writes_one_line_per_input_line(trained, tmp_path, capsys)
     assert main(["translate", "--checkpoint", str(trained["run"]), "--input", str(src), "--output", str(out)]) == 0
     lines = out.read_text(encoding="utf-8").split("\n")
     assert lines[-1] == "" and len(lines[:-1]) == 4 and lines[1] == ""
-    checkpoint = trained["run"] / "checkpoints" / "step_00000004"
+    checkpoint = trained["run"] / "checkpoints" / "step_00000005"
     assert main(["translate", "--checkpoint", str(checkpoint), "--input", str(src)]) == 0
-    assert capsys.readouterr().out == out.read_text(encoding="utf-8")  # the newest checkpoint is step 4
+    # the newest checkpoint is step 5: the last step is always saved
+    assert capsys.readouterr().out == out.read_text(encoding="utf-8")
 
 
 def test_translate_refuses_missing_checkpoint_and_tokenizer(trained, tmp_path, capsys):
