@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo demo-translation test bench clean
+.PHONY: install demo demo-translation test bench bench-peers clean
 
 install: $(STAMP)
 
@@ -35,6 +35,12 @@ bench: install
 	$(BIN)/python bench/pipeline_bubble.py --json runs/bench/pipeline_bubble.json
 	$(BIN)/python bench/checkpoint_io.py --json runs/bench/checkpoint_io.json
 	$(BIN)/python bench/plan_check.py --json runs/bench/plan_check.json
+
+# paratrain's ZeRO stages and pipeline vs torch DDP/FSDP2 and DeepSpeed (installed on first use into
+# runs/bench/peers-venv); ARGS=--quick for a ~10-minute pass
+bench-peers: install
+	mkdir -p runs/bench
+	$(BIN)/python bench/peers.py --json runs/bench/peers.json $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache
