@@ -15,10 +15,12 @@ Each rank of each job runs ``--warmup`` steps, then ``--steps`` timed steps, the
 under a ``TorchDispatchMode`` that counts the bytes every collective sends (bench/parallel_cost.py's
 counter; ring formula, point-to-point sends count their whole tensor), so counting slows no timed
 step. Before each step the ranks meet at a barrier, so a step's time on a rank runs from a common
-start to that rank's end. Per rank it records step times, losses, and the peak resident set over
-the timed steps: VmHWM from /proc/self/status after resetting it (``echo 5 > /proc/self/clear_refs``)
-just before the first timed step, or ru_maxrss (peak since the process started) where that reset
-is refused; the JSON says which.
+start to that rank's end. Per rank it records step times (wall clock, and the CPU time of all the
+rank's threads, gloo's included: work done, little changed by other processes competing for the
+cores, unlike waiting), losses, and the peak resident set over the timed steps: VmHWM from
+/proc/self/status after resetting it (``echo 5 > /proc/self/clear_refs``) just before the first
+timed step, or ru_maxrss (peak since the process started) where that reset is refused; the JSON
+says which.
 
 Losses are checked first: every system's per-step loss (mean over ranks; all steps, all repeats)
 is compared with ``torch_ddp``'s; one further than ``--tolerance`` (relative) is reported as a
@@ -33,6 +35,8 @@ each stage (time: the fastest, memory: the smallest) and paratrain zero 0 / torc
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import re
@@ -64,15 +68,20 @@ SYSTEMS = {
                       "parallel": {"pipeline_stage": 2, "micro_batch_num": 4}},
     "deepspeed_zero0": {"runner": "deepspeed", "stage": "zero0", "zero": {"stage": 0}},
     "deepspeed_zero1": {"runner": "deepspeed", "stage": "zero1", "zero": {"stage": 1}},
-    "deepspeed_zero2": {"runner": "deepspeed", "stage": "zero1", "zero": {"stage": 2, "reduce_scatter": True}},
+    # reduce_scatter=true (the default) still all-reduces each bucket while use_multi_rank_bucket_allreduce
+    # is on (the default); off, each rank's partition is reduced to it: the bytes of a reduce-scatter
+    "deepspeed_zero2": {"runner": "deepspeed", "stage": "zero1", "zero": {"stage": 2}},
+    "deepspeed_zero2_reduce": {"runner": "deepspeed", "stage": "zero1",
+                               "zero": {"stage": 2, "reduce_scatter": True, "use_multi_rank_bucket_allreduce": False}},
     "deepspeed_zero2_allreduce": {"runner": "deepspeed", "stage": "zero1",
                                   "zero": {"stage": 2, "reduce_scatter": False}},
-    # DeepSpeed's default keeps gathered parameters for reuse within 1e9 elements: for this model all
-    # of them from forward to backward. "free" releases them after forward (3P sent, like FSDP2's
-    # reshard_after_forward=True) and shards small parameters too.
+    # DeepSpeed's default keeps gathered parameters it will reuse within 1e9 elements, and never releases
+    # prefetched ones: for this model all stay gathered from forward to backward. "free" releases them
+    # after use (no reuse distance, no prefetch) and shards small parameters too, so backward gathers
+    # again, as FSDP2's reshard_after_forward=True does.
     "deepspeed_zero3": {"runner": "deepspeed", "stage": "zero3", "zero": {"stage": 3}},
     "deepspeed_zero3_free": {"runner": "deepspeed", "stage": "zero3",
-                             "zero": {"stage": 3, "stage3_max_reuse_distance": 0,
+                             "zero": {"stage": 3, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0,
                                       "stage3_param_persistence_threshold": 0}},
     "deepspeed_pp2": {"runner": "deepspeed_pipe", "stage": "pipeline", "num_stages": 2, "micro_batch_num": 4},
 }
@@ -80,7 +89,8 @@ REFERENCE = "torch_ddp"
 # ratio -> (paratrain system, the peers it is divided by: the best of them)
 RATIOS = {
     "zero0": ("paratrain_zero0", ["deepspeed_zero0"]),
-    "zero1": ("paratrain_zero1", ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_allreduce"]),
+    "zero1": ("paratrain_zero1", ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_reduce",
+                                  "deepspeed_zero2_allreduce"]),
     "zero3": ("paratrain_zero3", ["deepspeed_zero3", "deepspeed_zero3_free"]),
     "pipeline": ("paratrain_pp2", ["deepspeed_pp2"]),
     "ddp": ("paratrain_zero0", ["torch_ddp"]),
@@ -426,24 +436,23 @@ def run_worker(job: dict) -> dict:
     else:
         step = {"torch": torch_system, "deepspeed": deepspeed_system, "deepspeed_pipe": deepspeed_pipe_system}[runner](job)
 
-    losses, times = [], []
-    method = None
+    warmup, timed = job["warmup"], slice(job["warmup"], total - 1)
+    counter = _counter_class()()
+    losses, times, cpu_times = [], [], []
     for s, (ids, labels) in enumerate(batches):
-        if s == job["warmup"]:
+        if s == warmup:
+            gc.collect()
             method = reset_peak_rss()
-        counter = _counter_class()() if s == total - 1 else None
-        dist.barrier()
-        begin = time.perf_counter()
-        if counter is None:
-            losses.append(step(ids, labels))
-        else:
-            with counter:
-                losses.append(step(ids, labels))
-        times.append(time.perf_counter() - begin)
-        if s == total - 2:
+        if s == total - 1:  # the counted step, after the timed ones
             peak = peak_rss_kb(method)
-    return {"rank": rank, "load": load, "losses": losses, "times": times[job["warmup"]:total - 1],
-            "warmup_times": times[:job["warmup"]], "counted_step_time": times[-1], "peak_rss_kb": peak,
+        dist.barrier()
+        begin, cpu_begin = time.perf_counter(), time.process_time()
+        with counter if s == total - 1 else contextlib.nullcontext():
+            losses.append(step(ids, labels))
+        times.append(time.perf_counter() - begin)
+        cpu_times.append(time.process_time() - cpu_begin)  # all threads of this rank, gloo's included
+    return {"rank": rank, "load": load, "losses": losses, "times": times[timed], "cpu_times": cpu_times[timed],
+            "warmup_times": times[:warmup], "counted_step_time": times[-1], "peak_rss_kb": peak,
             "memory_method": method, "rss_kb": _status_kb("VmRSS"), "comm": count_bytes(counter.events)}
 
 
@@ -524,6 +533,7 @@ def build_report(names: list[str], runs: dict[str, list], common: dict, toleranc
         losses = [[statistics.fmean(step) for step in zip(*(rank["losses"] for rank in ranks))] for ranks in good]
         diff = max(abs(x - y) / abs(y) for run in losses for x, y in zip(run, ref_losses))
         per_repeat = [max(statistics.median(rank["times"]) for rank in ranks) for ranks in good]
+        cpu_per_repeat = [max(statistics.median(rank["cpu_times"]) for rank in ranks) for ranks in good]
         comm = defaultdict(lambda: {"bytes": 0.0, "calls": 0})
         for rank in good[-1]:
             for kind, c in rank["comm"].items():
@@ -531,6 +541,7 @@ def build_report(names: list[str], runs: dict[str, list], common: dict, toleranc
         systems[name] = entry | {
             "losses_agree": diff <= tolerance, "max_loss_rel_diff": diff, "losses": losses[0],
             "step_time_s": statistics.median(per_repeat), "repeat_step_time_s": per_repeat,
+            "cpu_time_s": statistics.median(cpu_per_repeat), "repeat_cpu_time_s": cpu_per_repeat,
             "step_times_s": [[rank["times"] for rank in ranks] for ranks in good],
             "peak_rss_mb": [max(ranks[r]["peak_rss_kb"] for ranks in good) / 1024 for r in range(len(good[0]))],
             "rss_end_mb": [good[-1][r]["rss_kb"] / 1024 for r in range(len(good[0]))],
@@ -546,6 +557,7 @@ def build_report(names: list[str], runs: dict[str, list], common: dict, toleranc
             continue
         me = systems[ours]
         ratios[key] = {"paratrain": ours, "time_peer": fast, "time": me["step_time_s"] / systems[fast]["step_time_s"],
+                       "cpu_time": me["cpu_time_s"] / systems[fast]["cpu_time_s"],
                        "memory_peer": small, "memory": me["max_peak_rss_mb"] / systems[small]["max_peak_rss_mb"],
                        "bytes": me["total_bytes_per_step"] / max(systems[fast]["total_bytes_per_step"], 1.0)}
     agreeing = [s["max_loss_rel_diff"] for s in systems.values() if s["max_loss_rel_diff"] is not None]
@@ -585,8 +597,8 @@ def print_report(report: dict) -> None:
     systems = report["systems"]
     print(f"\nGPT {report['params'] / 1e6:.1f} M parameters, {report['warmup']} warm-up + {report['steps']} timed "
           f"steps; losses compared with {report['reference']} (tolerance {report['tolerance']:g} relative)")
-    head = (f"{'system':27} {'step s':>7} {'repeats s':>15} {'peak RSS MB r0/r1':>18} {'MB sent/step':>12} "
-            f"{'loss diff':>9}  {'load':>5}  bytes by collective")
+    head = (f"{'system':27} {'step s':>7} {'repeats s':>15} {'cpu s':>6} {'peak RSS MB r0/r1':>18} "
+            f"{'MB sent/step':>12} {'loss diff':>9}  {'load':>9}  bytes by collective")
     print(head)
     print("-" * len(head))
     for name, s in systems.items():
@@ -597,11 +609,11 @@ def print_report(report: dict) -> None:
         repeats = ",".join(f"{t:.3f}" for t in s["repeat_step_time_s"])
         rss = "/".join(f"{m:.0f}" for m in s["peak_rss_mb"])
         load = ",".join(f"{x[0]:.1f}" for x in s["load"])
-        print(f"{name:27} {s['step_time_s']:7.3f} {repeats:>15} {rss:>18} {s['total_bytes_per_step'] / 1e6:12.1f} "
-              f"{s['max_loss_rel_diff']:9.1e}  {load:>5}  {_kinds(s)}{flag}")
+        print(f"{name:27} {s['step_time_s']:7.3f} {repeats:>15} {s['cpu_time_s']:6.2f} {rss:>18} "
+              f"{s['total_bytes_per_step'] / 1e6:12.1f} {s['max_loss_rel_diff']:9.1e}  {load:>9}  {_kinds(s)}{flag}")
     print("\nratios (paratrain / best peer; time: fastest peer, memory: smallest peak RSS):")
     for key, r in report["ratios"].items():
-        print(f"  {key:14} time {r['time']:.3f} ({r['paratrain']} / {r['time_peer']})   "
+        print(f"  {key:14} time {r['time']:.3f} ({r['paratrain']} / {r['time_peer']}, cpu {r['cpu_time']:.3f})   "
               f"memory {r['memory']:.3f} (/ {r['memory_peer']})   bytes {r['bytes']:.3f}")
     print("\nwhere the difference comes from:")
     for key, line in report["diagnosis"].items():
