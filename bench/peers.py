@@ -573,23 +573,35 @@ def _kinds(entry: dict) -> str:
 
 
 def diagnose(systems: dict, ratios: dict, param_bytes: int) -> dict[str, str]:
-    """One line per stage: where the measured difference to the peer lies (bytes, calls, memory in units of P)."""
+    """One line per ratio: where the measured difference lies.
+
+    More CPU time per step means more work (copies, extra passes over the gradients); the same CPU
+    time with more wall time means waiting (communication not overlapped with compute, or other
+    processes' load, given with each); bytes and calls show what goes on the wire; memory is given
+    in units of P, the fp32 parameter bytes, since extra copies of parameters or gradients come in P.
+    """
     lines = {}
     for key, r in ratios.items():
         me, peer = systems[r["paratrain"]], systems[r["time_peer"]]
-        dt = me["step_time_s"] - peer["step_time_s"]
         dm = me["max_peak_rss_mb"] - systems[r["memory_peer"]]["max_peak_rss_mb"]
         db = me["total_bytes_per_step"] - peer["total_bytes_per_step"]
         calls = sum(c["calls"] for c in me["bytes_per_step"].values())
         peer_calls = sum(c["calls"] for c in peer["bytes_per_step"].values())
-        if abs(db) > 0.02 * max(peer["total_bytes_per_step"], 1.0):
-            wire = f"it sends {db / 1e6:+.1f} MB/step ({_kinds(me)} vs {_kinds(peer)})"
+        if r["cpu_time"] > 1.03:
+            why = "more work per step (copies, extra passes)"
+        elif r["time"] > 1.03:
+            why = "the same work, so the wall time is waiting (communication not overlapped, or load)"
         else:
-            wire = (f"same bytes on the wire ({me['total_bytes_per_step'] / 1e6:.1f} MB/step, {calls} vs {peer_calls}"
-                    f" collectives), so the time is in copies and in how much communication overlaps compute")
-        lines[key] = (f"{r['paratrain']} vs {r['time_peer']}: {dt:+.3f} s/step ({r['time']:.3f}x); {wire}; "
-                      f"peak RSS {dm:+.0f} MB vs {r['memory_peer']} ({dm * 2 ** 20 / param_bytes:+.2f} P, "
-                      f"P = {param_bytes / 2 ** 20:.0f} MB of fp32 parameters: copies or allocator caching)")
+            why = "no slower"
+        if abs(db) > 0.02 * max(peer["total_bytes_per_step"], 1.0):
+            wire = f"sends {db / 1e6:+.1f} MB/step ({_kinds(me)} vs {_kinds(peer)})"
+        else:
+            wire = f"same bytes ({me['total_bytes_per_step'] / 1e6:.1f} MB/step in {calls} vs {peer_calls} collectives)"
+        load = "/".join(f"{statistics.fmean(x[0] for x in s['load']):.1f}" for s in (me, peer))
+        lines[key] = (f"{r['paratrain']} vs {r['time_peer']}: wall {me['step_time_s'] - peer['step_time_s']:+.2f} "
+                      f"s/step ({r['time']:.2f}x, load {load}), CPU {me['cpu_time_s'] - peer['cpu_time_s']:+.2f} s/step "
+                      f"({r['cpu_time']:.2f}x): {why}; {wire}; peak RSS {dm:+.0f} MB vs {r['memory_peer']} "
+                      f"({dm * 2 ** 20 / param_bytes:+.2f} P, P = {param_bytes / 2 ** 20:.0f} MB)")
     return lines
 
 
