@@ -30,7 +30,7 @@ peak RSS of each rank (max over repeats), bytes sent per step by collective (max
 the load average at the start of each job. ``ratios``: paratrain / the best DeepSpeed variant of
 each stage (time: the fastest, memory: the smallest) and paratrain zero 0 / torch DDP.
 
-    python bench/peers.py [--quick] [--json PATH] [--systems a,b] [--repeats N] [--steps N]
+    python bench/peers.py [--quick] [--json PATH] [--systems a,b] [--repeats N] [--steps N] [--mmap-threshold B]
 """
 from __future__ import annotations
 
@@ -120,6 +120,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--venv", type=Path, default=ROOT / "runs" / "bench" / "peers-venv",
                    help="DeepSpeed's virtual environment (made on first use)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
+    p.add_argument("--mmap-threshold", type=int,
+                   help="run every rank with glibc's MALLOC_MMAP_THRESHOLD_ fixed at this many bytes: without it glibc "
+                        "raises the threshold (up to 32 MB) as large blocks are freed and serves later ones from its "
+                        "heap, whose free space it keeps, so peak RSS also measures each system's allocation pattern")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # one rank of one job (under torchrun)
     a = p.parse_args(argv)
     for key, full, quick in (("repeats", 2, 1), ("steps", 6, 3), ("warmup", 2, 1)):
@@ -475,12 +479,16 @@ def torchrun_launch(job: dict, python: str, env: dict, log: Path, timeout: float
     cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
            "--worker", str(job_path)]
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the job's own session: torchrun and its two ranks
-            proc.wait()
+            proc.terminate()  # torchrun stops its ranks (each in a session of its own) on SIGTERM
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             raise RuntimeError(f"did not finish in {timeout:.0f} s (log {log})") from None
     if code != 0:
         tail = log.read_text().splitlines()[-15:]
@@ -645,6 +653,8 @@ def main(argv=None) -> int:
     tmp.mkdir(parents=True, exist_ok=True)
     env = os.environ | {"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
                         "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    if a.mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
     ds_python = None
     if any(SYSTEMS[n]["runner"].startswith("deepspeed") for n in names):
         ds_python = str(ensure_deepspeed(a.venv.resolve()))
@@ -662,7 +672,7 @@ def main(argv=None) -> int:
 
     runs = run_all(a, names, common, launch)
     report = build_report(names, runs, common, a.tolerance)
-    report.update(quick=a.quick, repeats=a.repeats, deepspeed=DEEPSPEED, torch=TORCH)
+    report.update(quick=a.quick, repeats=a.repeats, deepspeed=DEEPSPEED, torch=TORCH, mmap_threshold=a.mmap_threshold)
     print_report(report)
     if a.quick and a.repeats < 2:
         print("quick pass: 1 repeat, so times are single runs")
