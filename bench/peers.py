@@ -20,7 +20,8 @@ rank's threads, gloo's included: work done, little changed by other processes co
 cores, unlike waiting), losses, and the peak resident set over the timed steps: VmHWM from
 /proc/self/status after resetting it (``echo 5 > /proc/self/clear_refs``) just before the first
 timed step, or ru_maxrss (peak since the process started) where that reset is refused; the JSON
-says which.
+says which. After the timed steps it also reads how much freed memory glibc's heap keeps (mallinfo2):
+resident memory that no tensor holds, which comes from a system's allocation pattern.
 
 Losses are checked first: every system's per-step loss (mean over ranks; all steps, all repeats)
 is compared with ``torch_ddp``'s; one further than ``--tolerance`` (relative) is reported as a
@@ -229,6 +230,21 @@ def peak_rss_kb(method: str) -> int:
     import resource
 
     return _status_kb("VmHWM") if method.startswith("VmHWM") else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def heap_free_kb() -> int | None:
+    """Memory the program freed that glibc's heap keeps (mallinfo2's fordblks, all arenas), or None elsewhere."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = MallInfo2
+    return mallinfo2().fordblks // 1024
 
 
 def _gpt_part(job: dict, *names: str):
@@ -448,7 +464,7 @@ def run_worker(job: dict) -> dict:
             gc.collect()
             method = reset_peak_rss()
         if s == total - 1:  # the counted step, after the timed ones
-            peak = peak_rss_kb(method)
+            peak, heap_free = peak_rss_kb(method), heap_free_kb()
         dist.barrier()
         begin, cpu_begin = time.perf_counter(), time.process_time()
         with counter if s == total - 1 else contextlib.nullcontext():
@@ -457,7 +473,8 @@ def run_worker(job: dict) -> dict:
         cpu_times.append(time.process_time() - cpu_begin)  # all threads of this rank, gloo's included
     return {"rank": rank, "load": load, "losses": losses, "times": times[timed], "cpu_times": cpu_times[timed],
             "warmup_times": times[:warmup], "counted_step_time": times[-1], "peak_rss_kb": peak,
-            "memory_method": method, "rss_kb": _status_kb("VmRSS"), "comm": count_bytes(counter.events)}
+            "memory_method": method, "rss_kb": _status_kb("VmRSS"), "heap_free_kb": heap_free,
+            "comm": count_bytes(counter.events)}
 
 
 def worker_main(job_path: Path) -> None:
@@ -553,6 +570,7 @@ def build_report(names: list[str], runs: dict[str, list], common: dict, toleranc
             "step_times_s": [[rank["times"] for rank in ranks] for ranks in good],
             "peak_rss_mb": [max(ranks[r]["peak_rss_kb"] for ranks in good) / 1024 for r in range(len(good[0]))],
             "rss_end_mb": [good[-1][r]["rss_kb"] / 1024 for r in range(len(good[0]))],
+            "heap_free_mb": max((rank["heap_free_kb"] or 0) / 1024 for ranks in good for rank in ranks),
             "max_peak_rss_mb": max(rank["peak_rss_kb"] for ranks in good for rank in ranks) / 1024,
             "bytes_per_step": dict(comm), "total_bytes_per_step": sum(c["bytes"] for c in comm.values()),
             "load": [ranks[0]["load"] for ranks in good], "memory_method": good[0][0]["memory_method"]}
@@ -606,10 +624,13 @@ def diagnose(systems: dict, ratios: dict, param_bytes: int) -> dict[str, str]:
         else:
             wire = f"same bytes ({me['total_bytes_per_step'] / 1e6:.1f} MB/step in {calls} vs {peer_calls} collectives)"
         load = "/".join(f"{statistics.fmean(x[0] for x in s['load']):.1f}" for s in (me, peer))
+        small = systems[r["memory_peer"]]
         lines[key] = (f"{r['paratrain']} vs {r['time_peer']}: wall {me['step_time_s'] - peer['step_time_s']:+.2f} "
                       f"s/step ({r['time']:.2f}x, load {load}), CPU {me['cpu_time_s'] - peer['cpu_time_s']:+.2f} s/step "
                       f"({r['cpu_time']:.2f}x): {why}; {wire}; peak RSS {dm:+.0f} MB vs {r['memory_peer']} "
-                      f"({dm * 2 ** 20 / param_bytes:+.2f} P, P = {param_bytes / 2 ** 20:.0f} MB)")
+                      f"({dm * 2 ** 20 / param_bytes:+.2f} P, P = {param_bytes / 2 ** 20:.0f} MB), of which freed memory "
+                      f"glibc's heap keeps after the timed steps: {me['heap_free_mb'] - small['heap_free_mb']:+.0f} MB "
+                      f"({me['heap_free_mb']:.0f} vs {small['heap_free_mb']:.0f})")
     return lines
 
 
