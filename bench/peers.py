@@ -203,8 +203,8 @@ def prepare(a: argparse.Namespace) -> dict:
         source = SyntheticLM(cfg.model, cfg.run.seed)
         batches = [source.global_batch(s, a.batch) for s in range(steps)]
         ids, labels = (torch.stack([b[k] for b in batches]) for k in ("input_ids", "labels"))
-        # DeepSpeed's pipeline blocks see no token ids: they build a causal mask without padding
-        assert not (ids == PAD).any() and not (labels == PAD).any()
+        if (ids == PAD).any() or (labels == PAD).any():  # DeepSpeed's pipeline blocks assume no padding
+            raise ValueError("the synthetic batches hold padding: DeepSpeed's pipeline blocks would mask differently")
         torch.save({"input_ids": ids, "labels": labels}, data)
     params = sum(v.numel() for v in torch.load(init, mmap=True).values())
     return {"model": model, "init": str(init), "data": str(data), "warmup": a.warmup, "steps": a.steps,
@@ -536,9 +536,10 @@ def run_all(a: argparse.Namespace, names: list[str], common: dict, launch) -> di
     return runs
 
 
-def _best(report: dict, names: list[str], key: str) -> str | None:
-    usable = [n for n in names if n in report and report[n]["losses_agree"] and report[n].get(key) is not None]
-    return min(usable, key=lambda n: report[n][key]) if usable else None
+def _best(systems: dict, names: list[str], key: str) -> str | None:
+    """The system among ``names`` with the smallest ``key`` whose losses agree, or None."""
+    usable = [n for n in names if n in systems and systems[n]["losses_agree"] and systems[n].get(key) is not None]
+    return min(usable, key=lambda n: systems[n][key]) if usable else None
 
 
 def build_report(names: list[str], runs: dict[str, list], common: dict, tolerance: float) -> dict:
@@ -550,8 +551,7 @@ def build_report(names: list[str], runs: dict[str, list], common: dict, toleranc
         if ok_runs[reference] else None
     for name in names:
         good = ok_runs[name]
-        entry = {**{k: SYSTEMS[name][k] for k in ("runner", "stage")},
-                 "errors": [r["error"] for r in runs[name] if isinstance(r, dict)]}
+        entry = {**SYSTEMS[name], "errors": [r["error"] for r in runs[name] if isinstance(r, dict)]}
         if not good or ref_losses is None:
             systems[name] = entry | {"losses_agree": False, "max_loss_rel_diff": None}
             continue
@@ -586,9 +586,9 @@ def build_report(names: list[str], runs: dict[str, list], common: dict, toleranc
                        "cpu_time": me["cpu_time_s"] / systems[fast]["cpu_time_s"],
                        "memory_peer": small, "memory": me["max_peak_rss_mb"] / systems[small]["max_peak_rss_mb"],
                        "bytes": me["total_bytes_per_step"] / max(systems[fast]["total_bytes_per_step"], 1.0)}
-    agreeing = [s["max_loss_rel_diff"] for s in systems.values() if s["max_loss_rel_diff"] is not None]
+    diffs = [s["max_loss_rel_diff"] for s in systems.values() if s["max_loss_rel_diff"] is not None]
     return {"systems": systems, "ratios": ratios, "reference": reference, "tolerance": tolerance,
-            "max_loss_rel_diff": max(agreeing) if agreeing else None, "params": common["params"],
+            "max_loss_rel_diff": max(diffs) if diffs else None, "params": common["params"],
             "model": common["model"], "warmup": common["warmup"], "steps": common["steps"],
             "diagnosis": diagnose(systems, ratios, common["params"] * 4)}
 
