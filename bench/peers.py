@@ -693,7 +693,8 @@ def main(argv=None) -> int:
 
     runs = run_all(a, names, common, launch)
     report = build_report(names, runs, common, a.tolerance)
-    report.update(quick=a.quick, repeats=a.repeats, deepspeed=DEEPSPEED, torch=TORCH, mmap_threshold=a.mmap_threshold)
+    report.update(quick=a.quick, repeats=a.repeats, deepspeed=DEEPSPEED, torch=TORCH, mmap_threshold=a.mmap_threshold,
+                  runs=runs)  # every rank's own measurements, for another look
     print_report(report)
     if a.quick and a.repeats < 2:
         print("quick pass: 1 repeat, so times are single runs")
