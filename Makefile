@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo demo-translation test gpu-test bench bench-gpu clean
+.PHONY: install demo demo-translation test gpu-test bench bench-gpu bench-peers clean
 
 install: $(STAMP)
 
@@ -45,6 +45,12 @@ bench: install
 bench-gpu: install
 	mkdir -p runs/bench
 	PARATRAIN_DEVICE=cuda $(BIN)/python bench/gpu_throughput.py --json runs/bench/gpu_throughput.json
+
+# paratrain's ZeRO stages and pipeline vs torch DDP/FSDP2 and DeepSpeed (installed on first use into
+# runs/bench/peers-venv); ARGS=--quick for a ~10-minute pass
+bench-peers: install
+	mkdir -p runs/bench
+	$(BIN)/python bench/peers.py --json runs/bench/peers.json $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache
