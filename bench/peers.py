@@ -201,7 +201,7 @@ def prepare(a: argparse.Namespace) -> dict:
         torch.save(build_model(cfg.model).state_dict(), init)
     if not data.exists():
         source = SyntheticLM(cfg.model, cfg.run.seed)
-        batches = [source.global_batch(s, a.batch) for s in range(steps)]
+        batches = [source.batch_rows(s, 0, a.batch) for s in range(steps)]
         ids, labels = (torch.stack([b[k] for b in batches]) for k in ("input_ids", "labels"))
         if (ids == PAD).any() or (labels == PAD).any():  # DeepSpeed's pipeline blocks assume no padding
             raise ValueError("the synthetic batches hold padding: DeepSpeed's pipeline blocks would mask differently")
@@ -326,7 +326,7 @@ def paratrain_system(job: dict, batches: list[tuple]):
     def step(ids, labels) -> float:  # the trainer makes this same batch itself (checked above)
         record = trainer.train_step()
         trainer.step += 1
-        return record["loss"]
+        return float(record["loss"])  # read every step, as the other systems' loss.item()
 
     return step
 
