@@ -129,3 +129,14 @@ def test_one_device_choice(monkeypatch, value, expected):
     monkeypatch.setenv("PARATRAIN_DEVICE", "tpu")
     with pytest.raises(UserError, match="not one of auto, cpu, cuda"):
         device()
+
+
+def test_the_command_line_lists_its_commands_without_torch():
+    """jobs, logs and stop answer at once: building the parser imports no torch (it costs seconds)."""
+    import subprocess
+
+    from conftest import PYTHON
+
+    code = "import sys; from paratrain.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr

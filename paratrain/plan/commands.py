@@ -5,8 +5,6 @@ import json
 import re
 import sys
 
-from paratrain.plan import cost
-
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20,
          "gib": 2 ** 30, "tib": 2 ** 40}
 
@@ -76,6 +74,8 @@ def cmd_plan(args) -> int:
 
 
 def print_table(cfg, hw, rows: list[dict], top: int) -> None:
+    from paratrain.plan import cost
+
     m = cfg.model
     print(f"model: {m.kind}, {cost.model_params(m) / 1e9:.3g} B parameters, {m.num_layers} layers, hidden "
           f"{m.hidden_size}; {hw.devices} devices ({hw.devices_per_node} per node, {hw.device_memory / cost.GiB:.0f} "
@@ -108,6 +108,7 @@ def print_table(cfg, hw, rows: list[dict], top: int) -> None:
 
 
 def _dry_run(cfg, devices: int, as_json: bool) -> int:
+    from paratrain.plan import cost
     from paratrain.plan.dryrun import dry_run
 
     counted = dry_run(cfg, devices)
