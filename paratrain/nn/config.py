@@ -78,9 +78,8 @@ def check_divisible(owner: str, model_parallel: int, **sizes: int) -> None:
     """Refuse sizes the tensor-parallel split cannot cut evenly, naming each argument."""
     bad = [f"{name}={value}" for name, value in sizes.items() if value % model_parallel]
     if bad:
-        raise UserError(f"{owner}: {', '.join(bad)} not divisible by parallel_config.model_parallel="
-                        f"{model_parallel}: use sizes that are multiples of {model_parallel} or a smaller "
-                        f"model_parallel")
+        raise UserError(f"{owner}: {', '.join(bad)} must be divisible by parallel_config.model_parallel="
+                        f"{model_parallel}: use multiples of {model_parallel} or a smaller model_parallel")
 
 
 def refuse_unsupported(owner: str, use_past: bool = False, moe_config: MoEConfig = default_moe_config) -> None:
