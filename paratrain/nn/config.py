@@ -10,12 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from paratrain.config import (EmbeddingOpParallelConfig, OpParallelConfig, ParallelConfig,
-                              TransformerRecomputeConfig)
+# the configs live in paratrain.config; MindSpore users import them from nn.transformer, so they are here too
+from paratrain.config import (EmbeddingOpParallelConfig, OpParallelConfig, ParallelConfig,  # noqa: F401
+                              TransformerOpParallelConfig, TransformerRecomputeConfig)
 from paratrain.device import DTYPES
 from paratrain.errors import UserError
-
-TransformerOpParallelConfig = ParallelConfig
 
 default_transformer_config = TransformerOpParallelConfig()
 default_dpmp_config = OpParallelConfig()
@@ -46,23 +45,15 @@ def to_dtype(value, name: str, owner: str) -> torch.dtype:
                     f"torch.bfloat16 or their names 'float32', 'float16', 'bfloat16'")
 
 
-def op_config(parallel_config, owner: str) -> OpParallelConfig:
-    """The per-operator view (data_parallel, model_parallel) of any of the parallel configs."""
+def op_config(parallel_config, owner: str, embedding: bool = False) -> OpParallelConfig:
+    """The per-operator view (data_parallel, model_parallel, and vocab_emb_dp with ``embedding``) of any
+    of the parallel configs."""
+    view = EmbeddingOpParallelConfig if embedding else OpParallelConfig
     if isinstance(parallel_config, ParallelConfig):
-        return parallel_config.dp_mp_config
-    if isinstance(parallel_config, OpParallelConfig):
+        return parallel_config.embedding_dp_mp_config if embedding else parallel_config.dp_mp_config
+    if isinstance(parallel_config, view):
         return parallel_config
-    raise UserError(f"{owner}: parallel_config must be an OpParallelConfig or a TransformerOpParallelConfig, "
-                    f"got {type(parallel_config).__name__}")
-
-
-def embedding_config(parallel_config, owner: str) -> EmbeddingOpParallelConfig:
-    """The embedding view (data_parallel, model_parallel, vocab_emb_dp) of any of the parallel configs."""
-    if isinstance(parallel_config, ParallelConfig):
-        return parallel_config.embedding_dp_mp_config
-    if isinstance(parallel_config, EmbeddingOpParallelConfig):
-        return parallel_config
-    raise UserError(f"{owner}: parallel_config must be an EmbeddingOpParallelConfig or a TransformerOpParallelConfig, "
+    raise UserError(f"{owner}: parallel_config must be an {view.__name__} or a TransformerOpParallelConfig, "
                     f"got {type(parallel_config).__name__}")
 
 

@@ -26,7 +26,7 @@ from paratrain.errors import UserError
 from paratrain.models import transformer as models
 from paratrain.nn.cell import Cell
 from paratrain.nn.config import (check_divisible, check_rate, default_dpmp_config, default_embedding_parallel_config,
-                                 embedding_config, op_config, refuse_unsupported, to_dtype)
+                                 op_config, refuse_unsupported, to_dtype)
 
 MASKED_SCORE = -10000.0  # added to the scores of keys a query may not attend (MindSpore's value)
 
@@ -116,7 +116,7 @@ class VocabEmbedding(models.VocabEmbedding, Cell):
                  param_init="normal"):
         super().__init__(vocab_size, embedding_size)
         self.vocab_size, self.embedding_size = vocab_size, embedding_size
-        config = embedding_config(parallel_config, "VocabEmbedding")
+        config = op_config(parallel_config, "VocabEmbedding", embedding=True)
         self.model_parallel = 1 if config.vocab_emb_dp else config.model_parallel
         check_divisible("VocabEmbedding", self.model_parallel, vocab_size=vocab_size)
         initialize(self.embedding.weight, param_init, "VocabEmbedding")

@@ -11,6 +11,8 @@ places it on a pipeline stage, sets its recompute mode and its gradient communic
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -142,6 +144,20 @@ class TransformerDecoderLayer(Cell):
         return _residual(x, normed, self.output(normed), post), layer_present
 
 
+def _stack(layer_class: type, args: dict, owner: str) -> nn.ModuleList:
+    """A stack's ``num_layers`` layers, built from the stack's arguments ``args`` that ``layer_class`` takes,
+    each passed to ``lambda_func`` as it is built."""
+    config = stack_config(args["parallel_config"], owner)
+    lambda_func = args["lambda_func"] or _get_lambda_func()
+    layer_args = {name: args[name] for name in inspect.signature(layer_class).parameters if name != "parallel_config"}
+    blocks = nn.ModuleList()
+    for i in range(args["num_layers"]):
+        block = layer_class(**layer_args, parallel_config=config.dp_mp_config)
+        lambda_func(block, layer_id=i, offset=args["offset"], parallel_config=config, layers=args["num_layers"])
+        blocks.append(block)
+    return blocks
+
+
 class TransformerEncoder(Cell):
     """``num_layers`` TransformerEncoderLayers in ``blocks``: hidden_states (B, S, H), attention_mask (B, S, S)
     -> ``(output (B, S, H), one (key, value) per layer)``.
@@ -157,20 +173,8 @@ class TransformerEncoder(Cell):
                  softmax_compute_type=torch.float32, param_init_type=torch.float32, lambda_func=None, offset: int = 0,
                  use_past: bool = False, moe_config=default_moe_config, parallel_config=default_transformer_config):
         super().__init__()
-        config = stack_config(parallel_config, "TransformerEncoder")
-        lambda_func = lambda_func or _get_lambda_func()
-        layer_args = dict(batch_size=batch_size, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
-                          num_heads=num_heads, attention_dropout_rate=attention_dropout_rate,
-                          hidden_dropout_rate=hidden_dropout_rate, post_layernorm_residual=post_layernorm_residual,
-                          layernorm_compute_type=layernorm_compute_type, softmax_compute_type=softmax_compute_type,
-                          param_init_type=param_init_type, hidden_act=hidden_act, use_past=use_past,
-                          moe_config=moe_config, parallel_config=config.dp_mp_config)
         self.num_layers = num_layers
-        self.blocks = nn.ModuleList()
-        for i in range(num_layers):
-            block = TransformerEncoderLayer(seq_length=seq_length, **layer_args)
-            lambda_func(block, layer_id=i, offset=offset, parallel_config=config, layers=num_layers)
-            self.blocks.append(block)
+        self.blocks = _stack(TransformerEncoderLayer, locals(), "TransformerEncoder")
 
     def forward(self, hidden_states, attention_mask=None, init_reset=True, batch_valid_length=None):
         present_layer = ()
@@ -195,21 +199,8 @@ class TransformerDecoder(Cell):
                  param_init_type=torch.float32, hidden_act="gelu", lambda_func=None, use_past: bool = False,
                  offset: int = 0, moe_config=default_moe_config, parallel_config=default_transformer_config):
         super().__init__()
-        config = stack_config(parallel_config, "TransformerDecoder")
-        lambda_func = lambda_func or _get_lambda_func()
-        layer_args = dict(batch_size=batch_size, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
-                          num_heads=num_heads, attention_dropout_rate=attention_dropout_rate,
-                          hidden_dropout_rate=hidden_dropout_rate, post_layernorm_residual=post_layernorm_residual,
-                          layernorm_compute_type=layernorm_compute_type, softmax_compute_type=softmax_compute_type,
-                          param_init_type=param_init_type, hidden_act=hidden_act, use_past=use_past,
-                          moe_config=moe_config, parallel_config=config.dp_mp_config)
         self.num_layers = num_layers
-        self.blocks = nn.ModuleList()
-        for i in range(num_layers):
-            block = TransformerDecoderLayer(src_seq_length=src_seq_length, tgt_seq_length=tgt_seq_length,
-                                            **layer_args)
-            lambda_func(block, layer_id=i, offset=offset, parallel_config=config, layers=num_layers)
-            self.blocks.append(block)
+        self.blocks = _stack(TransformerDecoderLayer, locals(), "TransformerDecoder")
 
     def forward(self, hidden_states, attention_mask=None, encoder_output=None, memory_mask=None, init_reset=True,
                 batch_valid_length=None):
