@@ -137,6 +137,7 @@ def test_a_padded_key_never_changes_a_real_query():
     noisy = model(noisy_src, enc_mask, noisy_tgt, dec_mask, memory_mask)[0]
     real = tgt_real.bool()
     assert torch.equal(out[real], noisy[real])
+    assert torch.equal(model(src, enc_mask.bool(), tgt, dec_mask.bool(), memory_mask.bool())[0], out)  # bool masks
     assert not torch.equal(out[~real], noisy[~real])  # the padded rows did change: the check can fail
     assert torch.isfinite(noisy).all()  # a padded query attends nothing and still gets a finite output
     # a later real token does change an earlier one's output without the causal mask: the mask matters

@@ -9,12 +9,13 @@ of one rank, where "colwise" Linears hold a slice of their output features and "
 slice of their input features -- so no reshape names the number of heads or ffn features: the
 sharded dimension is always ``-1`` next to the per-head size.
 
-Dense layers compute in their parameters' dtype (``param_init_type``; inputs are cast to it and
-outputs back to the input's dtype). MindSpore's ``compute_dtype=float16`` -- half-precision
-matmuls, softmax and LayerNorm in fp32 -- is the trainer's ``mixed_precision`` here (autocast),
-so ``compute_dtype`` is accepted and recorded only. The attention softmax runs inside
-``scaled_dot_product_attention``, in fp32 for fp32 inputs and with fp32 accumulation for half
-ones.
+Dtypes: dense layers compute in their parameters' dtype (``param_init_type``; inputs are cast to
+it, outputs back to the input's dtype) and LayerNorms in ``layernorm_compute_type``. MindSpore's
+``compute_dtype=float16`` (half-precision matmuls while softmax and LayerNorm stay fp32) is what
+the trainer's ``mixed_precision`` does here (autocast), so ``compute_dtype`` is accepted and
+recorded only, and so is ``softmax_compute_type``: the softmax runs inside
+``scaled_dot_product_attention`` in the dtype of the queries and keys (the fused GPU kernels
+accumulate in fp32).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.errors import UserError
-from paratrain.models import transformer as models
+from paratrain.models import transformer as builtin  # the built-in models' lookup and attention core
 from paratrain.nn.cell import Cell
 from paratrain.nn.config import (check_divisible, check_rate, default_dpmp_config, default_embedding_parallel_config,
                                  op_config, refuse_unsupported, to_dtype)
@@ -104,7 +105,7 @@ class _LayerNorm(nn.LayerNorm):
                             self.eps).to(x.dtype)
 
 
-class VocabEmbedding(models.VocabEmbedding, Cell):
+class VocabEmbedding(builtin.VocabEmbedding, Cell):
     """Token lookup: input_ids (B, T) -> (embeddings (B, T, E), embedding table (V, E)).
 
     With ``parallel_config.vocab_emb_dp=False`` and model_parallel > 1 the table's rows (the
@@ -184,7 +185,8 @@ class MultiHeadAttention(Cell):
     ``(key (B, h, d, Tk), value (B, h, Tk, d))``. ``dense1``/``dense2``/``dense3`` (query, key,
     value) are split colwise -- whole heads per rank -- and ``projection`` rowwise over
     model_parallel. Dropout: ``attention_dropout_rate`` on the attention probabilities,
-    ``hidden_dropout_rate`` on the output.
+    ``hidden_dropout_rate`` on the output. ``key_past``, ``value_past`` and ``batch_valid_length``
+    belong to incremental decoding (``use_past``, refused) and are ignored.
     """
 
     def __init__(self, batch_size: int, src_seq_length: int, tgt_seq_length: int, hidden_size: int, num_heads: int,
@@ -205,7 +207,7 @@ class MultiHeadAttention(Cell):
         self.softmax_dtype = to_dtype(softmax_compute_type, "softmax_compute_type", owner)
         dtype = to_dtype(param_init_type, "param_init_type", owner)
         self.dense1, self.dense2, self.dense3 = (dense(hidden_size, hidden_size, dtype) for _ in range(3))
-        self.core = models.ScaledDotProductAttention(attention_dropout_rate)
+        self.core = builtin.ScaledDotProductAttention(attention_dropout_rate)
         self.projection = dense(hidden_size, hidden_size, dtype)
         self.dropout = nn.Dropout(hidden_dropout_rate)
 

@@ -3,7 +3,9 @@ TransformerDecoderLayer, TransformerEncoder, TransformerDecoder, Transformer.
 
 Shapes: B batch, S source length, T target length, H hidden size; masks are float or bool
 (B, Tq, Tk) with 1 where a query may attend a key. Every layer returns ``(output, layer_present)``
-with the projected keys and values of its attentions (see ``MultiHeadAttention``).
+with the projected keys and values of its attentions (see ``MultiHeadAttention``). The
+``init_reset`` and ``batch_valid_length`` inputs belong to incremental decoding (``use_past``,
+refused) and are ignored.
 
 The layers are the units the parallel runtime wraps (FSDP unit, recompute); the stacks keep them
 in an ``nn.ModuleList`` named ``blocks`` and call ``lambda_func`` on each as it is built, which
