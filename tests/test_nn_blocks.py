@@ -305,6 +305,18 @@ def test_the_forward_traces_with_torch_export():
         torch.testing.assert_close(exported.module()(*args)[0], model(*args)[0])
 
 
+def test_a_users_net_splits_into_pipeline_stages():
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    torch.manual_seed(0)
+    net = CopyNet(16, 8, encoder_layers=1, decoder_layers=2)
+    src, tgt_in = torch.randint(2, 16, (4, 8)), torch.randint(1, 16, (4, 8))
+    args = (src, tgt_in, src, (src != 0).float())
+    pipe = pipeline(net, mb_args=args, split_spec={"transformer.decoder.blocks.1": SplitPoint.BEGINNING})
+    assert pipe.num_stages == 2
+    torch.testing.assert_close(pipe(*args)[0], net(*args))
+
+
 # --- lambda_func: pipeline stages, recompute, communication groups ----------------------------------------
 
 def test_default_lambda_func_places_layers_as_mindspore():
