@@ -176,3 +176,83 @@ def _place_branching():
 def test_data_dependent_control_flow_is_refused():
     message = run_distributed(_place_branching, 2, timeout=120)[0]
     assert message.startswith("the net's forward cannot be split into pipeline stages:"), message
+
+
+# --- the tutorial's shape: paratrain.nn blocks, lambda_func stages, a head placed by its attribute ---------------
+
+def build_tutorial(par):
+    import paratrain.nn as pnn
+    from paratrain.config import ParallelConfig
+    cfg = ParallelConfig(**par)
+    class EmbeddingLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.word = pnn.VocabEmbedding(40, 32, parallel_config=cfg.embedding_dp_mp_config)
+            self.position = pnn.VocabEmbedding(16, 32, parallel_config=cfg.embedding_dp_mp_config)
+            self.dropout = nn.Dropout(0.0)
+        def forward(self, ids, positions):
+            w, table = self.word(ids)
+            p, _ = self.position(positions)
+            return self.dropout(w + p), table
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.src_embedding, self.tgt_embedding = EmbeddingLayer(), EmbeddingLayer()
+            self.transformer = pnn.Transformer(hidden_size=32, batch_size=8, ffn_hidden_size=64, src_seq_length=8, tgt_seq_length=8,
+                encoder_layers=2, decoder_layers=2, num_heads=4, attention_dropout_rate=0.0, hidden_dropout_rate=0.0, parallel_config=cfg)
+            self.head = nn.Linear(32, 40, bias=False)
+            self.head.pipeline_stage = cfg.pipeline_stage - 1
+            self.mask = pnn.AttentionMask(8)
+            self.loss = pnn.CrossEntropyLoss(parallel_config=cfg.dp_mp_config)
+        def forward(self, src, src_pos, src_mask, tgt, tgt_pos, tgt_mask, labels):
+            x, _ = self.src_embedding(src, src_pos)
+            y, _ = self.tgt_embedding(tgt, tgt_pos)
+            enc_mask = src_mask[:, None, :] * src_mask[:, :, None]
+            memory_mask = tgt_mask[:, :, None] * src_mask[:, None, :]
+            out, _, _ = self.transformer(x, enc_mask, y, self.mask(tgt_mask), memory_mask)
+            logits = self.head(out).reshape(-1, 40)
+            return self.loss(logits, labels.reshape(-1), tgt_mask.reshape(-1))
+    return Net(), cfg
+
+def tutorial_batches(n=4):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        src = torch.randint(1, 40, (8, 8), generator=g); tgt = torch.randint(1, 40, (8, 8), generator=g)
+        lengths = torch.randint(3, 9, (8,), generator=g)
+        mask = (torch.arange(8)[None] < lengths[:, None]).float()
+        pos = torch.arange(8).expand(8, 8).contiguous()
+        out.append((src, pos, mask, tgt, pos, mask, torch.randint(1, 40, (8, 8), generator=g)))
+    return out
+
+def train_tutorial(par):
+    from paratrain.distributed import init_from_env
+    from paratrain.mesh import Layout
+    from paratrain.parallel.user import place_net
+    torch.set_num_threads(1)
+    _, world = init_from_env()
+    torch.manual_seed(0)
+    net, cfg = build_tutorial(par)
+    bs = tutorial_batches()
+    placed = place_net(net, cfg, Layout(cfg, world), bs[0])
+    opt = torch.optim.AdamW([p for _, p in placed.named_parameters()], lr=1e-2)
+    out = []
+    for b in bs:
+        loss = placed.train_step(b); norm = placed.clip_grad_norm(1.0); opt.step(); opt.zero_grad()
+        out.append((float(loss), float(norm)))
+    return out
+
+
+TUTORIAL_LAYOUTS = {"mp2_vocab_sharded": {"model_parallel": 2, "vocab_emb_dp": False},
+                    "dp2_mp2_pp2": {"data_parallel": 2, "model_parallel": 2, "pipeline_stage": 2, "micro_batch_num": 4}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TUTORIAL_LAYOUTS)
+def test_tutorial_net_matches_one_process(name):
+    parallel = TUTORIAL_LAYOUTS[name]
+    world = parallel.get("data_parallel", 1) * parallel.get("model_parallel", 1) * parallel.get("pipeline_stage", 1)
+    want = train_tutorial({})
+    got = run_distributed(train_tutorial, world, parallel, timeout=400)[0]
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g == pytest.approx(w, rel=1e-4), f"{name}: step {step + 1}"

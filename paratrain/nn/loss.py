@@ -31,6 +31,8 @@ class CrossEntropyLoss(Cell):
     dimension) are reduced vocab-parallel; the result is the same plain tensor on every rank.
     """
 
+    supports_sum_and_count = True  # paratrain.parallel.user switches it to the global-batch token mean
+
     def __init__(self, parallel_config=default_dpmp_config):
         super().__init__()
         op_config(parallel_config, "CrossEntropyLoss")

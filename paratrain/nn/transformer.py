@@ -70,6 +70,8 @@ class TransformerEncoderLayer(Cell):
     """Self-attention then FFN, each behind a LayerNorm with a residual add:
     x (B, S, H) or (B*S, H), input_mask (B, S, S) -> ``(output shaped like x, (key, value))``."""
 
+    is_transformer_layer = True  # a unit of recompute and FSDP for paratrain.parallel.user
+
     def __init__(self, batch_size: int, hidden_size: int, ffn_hidden_size: int, num_heads: int, seq_length: int,
                  attention_dropout_rate: float = 0.1, hidden_dropout_rate: float = 0.1,
                  post_layernorm_residual: bool = False, layernorm_compute_type=torch.float32,
@@ -106,6 +108,8 @@ class TransformerDecoderLayer(Cell):
     Without ``encoder_output`` the cross-attention is skipped (and only the self-attention's key and
     value are returned), as in MindSpore.
     """
+
+    is_transformer_layer = True  # see TransformerEncoderLayer
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_heads: int, batch_size: int, src_seq_length: int,
                  tgt_seq_length: int, attention_dropout_rate: float = 0.1, hidden_dropout_rate: float = 0.1,
