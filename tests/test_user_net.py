@@ -180,65 +180,78 @@ def test_data_dependent_control_flow_is_refused():
 
 # --- the tutorial's shape: paratrain.nn blocks, lambda_func stages, a head placed by its attribute ---------------
 
-def build_tutorial(par):
-    import paratrain.nn as pnn
-    from paratrain.config import ParallelConfig
-    cfg = ParallelConfig(**par)
-    class EmbeddingLayer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.word = pnn.VocabEmbedding(40, 32, parallel_config=cfg.embedding_dp_mp_config)
-            self.position = pnn.VocabEmbedding(16, 32, parallel_config=cfg.embedding_dp_mp_config)
-            self.dropout = nn.Dropout(0.0)
-        def forward(self, ids, positions):
-            w, table = self.word(ids)
-            p, _ = self.position(positions)
-            return self.dropout(w + p), table
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.src_embedding, self.tgt_embedding = EmbeddingLayer(), EmbeddingLayer()
-            self.transformer = pnn.Transformer(hidden_size=32, batch_size=8, ffn_hidden_size=64, src_seq_length=8, tgt_seq_length=8,
-                encoder_layers=2, decoder_layers=2, num_heads=4, attention_dropout_rate=0.0, hidden_dropout_rate=0.0, parallel_config=cfg)
-            self.head = nn.Linear(32, 40, bias=False)
-            self.head.pipeline_stage = cfg.pipeline_stage - 1
-            self.mask = pnn.AttentionMask(8)
-            self.loss = pnn.CrossEntropyLoss(parallel_config=cfg.dp_mp_config)
-        def forward(self, src, src_pos, src_mask, tgt, tgt_pos, tgt_mask, labels):
-            x, _ = self.src_embedding(src, src_pos)
-            y, _ = self.tgt_embedding(tgt, tgt_pos)
-            enc_mask = src_mask[:, None, :] * src_mask[:, :, None]
-            memory_mask = tgt_mask[:, :, None] * src_mask[:, None, :]
-            out, _, _ = self.transformer(x, enc_mask, y, self.mask(tgt_mask), memory_mask)
-            logits = self.head(out).reshape(-1, 40)
-            return self.loss(logits, labels.reshape(-1), tgt_mask.reshape(-1))
-    return Net(), cfg
+class EmbeddingLayer(nn.Module):
+    """The tutorial's embedding: word + position tables (VocabEmbedding), ids (B, T) -> (B, T, H) and the table."""
+
+    def __init__(self, parallel_config):
+        import paratrain.nn as pnn
+
+        super().__init__()
+        self.word = pnn.VocabEmbedding(40, 32, parallel_config=parallel_config.embedding_dp_mp_config)
+        self.position = pnn.VocabEmbedding(16, 32, parallel_config=parallel_config.embedding_dp_mp_config)
+
+    def forward(self, ids, positions):
+        word, table = self.word(ids)
+        return word + self.position(positions)[0], table
+
+
+class TutorialNet(nn.Module):
+    """The tutorial's translation net: embeddings, Transformer, a Linear head on the last stage, masked loss."""
+
+    def __init__(self, parallel_config):
+        import paratrain.nn as pnn
+
+        super().__init__()
+        self.src_embedding, self.tgt_embedding = EmbeddingLayer(parallel_config), EmbeddingLayer(parallel_config)
+        self.transformer = pnn.Transformer(hidden_size=32, batch_size=8, ffn_hidden_size=64, src_seq_length=8,
+                                           tgt_seq_length=8, encoder_layers=2, decoder_layers=2, num_heads=4,
+                                           attention_dropout_rate=0.0, hidden_dropout_rate=0.0,
+                                           parallel_config=parallel_config)
+        self.head = nn.Linear(32, 40, bias=False)
+        self.head.pipeline_stage = parallel_config.pipeline_stage - 1
+        self.mask = pnn.AttentionMask(8)
+        self.loss = pnn.CrossEntropyLoss(parallel_config=parallel_config.dp_mp_config)
+
+    def forward(self, src, src_pos, src_mask, tgt, tgt_pos, tgt_mask, labels):
+        x, _ = self.src_embedding(src, src_pos)
+        y, _ = self.tgt_embedding(tgt, tgt_pos)
+        encoder_mask = src_mask[:, None, :] * src_mask[:, :, None]
+        memory_mask = tgt_mask[:, :, None] * src_mask[:, None, :]
+        out, _, _ = self.transformer(x, encoder_mask, y, self.mask(tgt_mask), memory_mask)
+        return self.loss(self.head(out).reshape(-1, 40), labels.reshape(-1), tgt_mask.reshape(-1))
+
 
 def tutorial_batches(n=4):
     g = torch.Generator().manual_seed(1)
+    positions = torch.arange(8).expand(8, 8).contiguous()
     out = []
     for _ in range(n):
-        src = torch.randint(1, 40, (8, 8), generator=g); tgt = torch.randint(1, 40, (8, 8), generator=g)
-        lengths = torch.randint(3, 9, (8,), generator=g)
-        mask = (torch.arange(8)[None] < lengths[:, None]).float()
-        pos = torch.arange(8).expand(8, 8).contiguous()
-        out.append((src, pos, mask, tgt, pos, mask, torch.randint(1, 40, (8, 8), generator=g)))
+        src, tgt, labels = (torch.randint(1, 40, (8, 8), generator=g) for _ in range(3))
+        mask = (torch.arange(8)[None] < torch.randint(3, 9, (8,), generator=g)[:, None]).float()
+        out.append((src, positions, mask, tgt, positions, mask, labels))
     return out
 
-def train_tutorial(par):
+
+def train_tutorial(parallel: dict):
+    """(loss, gradient norm) of each step of the tutorial net placed on ``parallel``."""
+    from paratrain.config import ParallelConfig
     from paratrain.distributed import init_from_env
     from paratrain.mesh import Layout
     from paratrain.parallel.user import place_net
+
     torch.set_num_threads(1)
     _, world = init_from_env()
     torch.manual_seed(0)
-    net, cfg = build_tutorial(par)
-    bs = tutorial_batches()
-    placed = place_net(net, cfg, Layout(cfg, world), bs[0])
-    opt = torch.optim.AdamW([p for _, p in placed.named_parameters()], lr=1e-2)
+    config = ParallelConfig(**parallel)
+    batches = tutorial_batches()
+    placed = place_net(TutorialNet(config), config, Layout(config, world), batches[0])
+    optimizer = torch.optim.AdamW([p for _, p in placed.named_parameters()], lr=1e-2)
     out = []
-    for b in bs:
-        loss = placed.train_step(b); norm = placed.clip_grad_norm(1.0); opt.step(); opt.zero_grad()
+    for batch in batches:
+        loss = placed.train_step(batch)
+        norm = placed.clip_grad_norm(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
         out.append((float(loss), float(norm)))
     return out
 
