@@ -5,7 +5,7 @@ Each block is a ``Cell`` that declares how it splits over ``model_parallel`` and
 pipeline stage and recompute mode; ``paratrain``'s parallel runtime applies them from outside
 (see ``paratrain.nn.cell``). Plain torch modules in a user's net stay data-parallel.
 """
-from paratrain.nn.cell import Cell
+from paratrain.nn.cell import Cell, PipelineCell
 from paratrain.nn.config import (EmbeddingOpParallelConfig, MoEConfig, OpParallelConfig, TransformerOpParallelConfig,
                                  TransformerRecomputeConfig, default_dpmp_config, default_embedding_parallel_config,
                                  default_moe_config, default_transformer_config)
@@ -14,7 +14,7 @@ from paratrain.nn.loss import CrossEntropyLoss
 from paratrain.nn.transformer import (Transformer, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
                                       TransformerEncoderLayer)
 
-__all__ = ["Cell", "TransformerOpParallelConfig", "OpParallelConfig", "EmbeddingOpParallelConfig",
+__all__ = ["Cell", "PipelineCell", "TransformerOpParallelConfig", "OpParallelConfig", "EmbeddingOpParallelConfig",
            "TransformerRecomputeConfig", "MoEConfig", "default_transformer_config", "default_dpmp_config",
            "default_embedding_parallel_config", "default_moe_config", "VocabEmbedding", "AttentionMask",
            "FeedForward", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",

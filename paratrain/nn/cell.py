@@ -50,3 +50,27 @@ class Cell(nn.Module):
     def parallel_plan(self) -> dict[str, str]:
         """Tensor-parallel split of this cell's direct Linear/Embedding children by name; ``{}``: none."""
         return {}
+
+
+class PipelineCell(nn.Module):
+    """MindSpore's ``PipelineCell(network, micro_size)``: ``network`` trained in ``micro_size`` micro-batches
+    over the pipeline stages its cells' ``pipeline_stage`` attributes set.
+
+    ``forward(*batch)`` is the network's on the whole batch (one device); ``paratrain.train.Model``
+    places the network and runs the micro-batches. The wrapper adds nothing to parameter names.
+    """
+
+    def __init__(self, network: nn.Module, micro_size: int):
+        super().__init__()
+        if micro_size < 1:
+            raise ValueError(f"PipelineCell: micro_size={micro_size} must be at least 1")
+        self.network, self.micro_size = network, micro_size
+        self.placed = None  # set by paratrain.train.Model once the network is placed on the layout
+
+    def forward(self, *batch):
+        return self.network(*batch)
+
+    def infer_param_pipeline_stage(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) of every parameter this rank holds: its pipeline stage's once placed, else all."""
+        source = self.placed if self.placed is not None else self.network
+        return list(source.named_parameters())
