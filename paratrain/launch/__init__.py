@@ -33,6 +33,8 @@ def _check_train_config(words: list[str], world_size: int) -> None:
     from paratrain.config import Config, check, parse_overrides
 
     args, rest = build_parser().parse_known_args(words)
+    if args.config is not None and not Path(args.config).is_file():
+        return  # it may exist on the nodes that run it only; their ranks report it otherwise
     check(Config.load(args.config, parse_overrides(rest)), world_size)
 
 
