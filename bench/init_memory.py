@@ -84,7 +84,7 @@ def initialise(a: argparse.Namespace, deferred: bool) -> dict:
     local = [p.to_local() if isinstance(p, DTensor) else p for p in parts[0].parameters()]
     return {"peak_above_start_mib": _peak_mib() - before, "seconds": seconds,
             "local_mib": sum(t.numel() * t.element_size() for t in local) / MiB,
-            "fingerprint": [float(t.double().sum()) for t in local]}
+            "fingerprint": [float(t.detach().double().sum()) for t in local]}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,290 @@
+"""A user's own net on any layout: ``place_net(net, config, layout, example_batch)``.
+
+The net is a plain ``nn.Module`` whose ``forward(*batch)`` returns its loss, built from
+``paratrain.nn`` blocks and plain torch layers. What is split comes from the net itself:
+
+- **Tensor parallel**: every module with a ``parallel_plan()`` method (the ``paratrain.nn``
+  blocks) names its own Linear/Embedding submodules and their split over ``model_parallel``:
+  ``colwise`` (output features), ``rowwise`` (input features, outputs summed) or
+  ``vocab_rows`` (embedding rows, lookups summed). Everything else is replicated and
+  data-parallel, as MindSpore does with ops that have no strategy.
+- **Layers**: modules marked ``is_transformer_layer`` are the units of recompute and of FSDP
+  (their own ``recompute_mode``, set by ``recompute()`` or MindSpore's ``lambda_func``, or the
+  config's ``recompute`` for all of them).
+- **Pipeline** (``pipeline_stage > 1``): ``pipeline_stage`` attributes set on any submodule say
+  where each stage starts, in the order the forward runs them. The forward is traced with
+  ``torch.distributed.pipelining`` (torch.export) at those points, so tensors computed on one
+  stage reach the later stages that use them; a forward that cannot be traced (data-dependent
+  Python control flow...) is refused with torch's reason. Each rank keeps its stage's module,
+  then tensor parallel, recompute and FSDP are applied to it. Parameter names stay the net's.
+- **Loss**: token losses that declare ``supports_sum_and_count`` (``paratrain.nn.CrossEntropyLoss``)
+  get ``reduction = "sum_and_count"`` and return (sum, count), so the loss of a step is the mean
+  over every masked token of the global batch whatever the layout; a net returning any other
+  scalar has it averaged over micro-batches and replicas.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import SplitPoint, pipeline as trace_pipeline
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from paratrain.config import ParallelConfig
+from paratrain.errors import UserError
+from paratrain.mesh import Layout
+from paratrain.optim import clip_grad_norm
+from paratrain.parallel.data import apply_data_parallel
+from paratrain.parallel.pipeline import SCHEDULES
+from paratrain.parallel.recompute import apply_recompute
+from paratrain.parallel.tensor import _gradient_like_parameter
+
+
+class UnsplittableNet(UserError):
+    """A net that cannot be split into the pipeline stages its ``pipeline_stage`` attributes ask for."""
+
+
+def _styles(kind: str):
+    if kind == "colwise":
+        return ColwiseParallel()
+    if kind == "rowwise":
+        return RowwiseParallel()
+    if kind == "vocab_rows":
+        return RowwiseParallel(input_layouts=Replicate())
+    raise UserError(f"unknown tensor-parallel kind {kind!r} in a parallel_plan: use colwise, rowwise or vocab_rows")
+
+
+def tensor_parallel_plan(net: nn.Module) -> dict[str, str]:
+    """Module name -> split kind, from every ``parallel_plan()`` the net's modules declare."""
+    plan = {}
+    for name, module in net.named_modules():
+        if hasattr(module, "parallel_plan"):
+            prefix = f"{name}." if name else ""
+            plan.update({prefix + child: kind for child, kind in module.parallel_plan().items()})
+    return plan
+
+
+def _layer_stacks(net: nn.Module) -> dict[str, int]:
+    """The containers of the net's layers with the layers before each (MindSpore's offset)."""
+    stacks, count = {}, 0
+    for name, module in net.named_modules():
+        if getattr(module, "is_transformer_layer", False):
+            parent = name.rpartition(".")[0]
+            if parent not in stacks:
+                stacks[parent] = count
+            count += 1
+    return stacks
+
+
+def stage_starts(net: nn.Module, example: tuple, stages: int) -> dict[str, SplitPoint]:
+    """Where each pipeline stage after the first begins: the first module (in forward order) whose
+    ``pipeline_stage`` (set on it, not inherited) is that stage."""
+    order = []
+    hooks = [module.register_forward_pre_hook(lambda m, args, name=name: order.append((name, m.pipeline_stage)))
+             for name, module in net.named_modules() if "pipeline_stage" in vars(module)]
+    try:
+        with torch.no_grad():
+            net(*example)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    starts, current = {}, 0
+    for name, stage in order:
+        if not 0 <= stage < stages:
+            raise UnsplittableNet(f"{name}.pipeline_stage={stage} is not in 0..{stages - 1} "
+                                  f"(parallel.pipeline_stage={stages})")
+        if stage < current:
+            raise UnsplittableNet(f"{name} runs after a module of stage {current} but has pipeline_stage={stage}: "
+                                  f"stages must follow the order the forward runs the modules")
+        if stage > current:
+            starts[name], current = SplitPoint.BEGINNING, stage
+    missing = sorted(set(range(1, stages)) - {s for _, s in order})
+    if missing:
+        raise UnsplittableNet(f"no module has pipeline_stage in {missing}: set module.pipeline_stage (or pass "
+                              f"a lambda_func) so that every stage 0..{stages - 1} holds layers")
+    return starts
+
+
+class PlacedNet:
+    """A user's net placed on a layout: this rank's modules (``parts``) and one training step over a global batch.
+
+    ``train_step(batch)`` runs forward and backward of a global batch (a tuple of tensors,
+    the net's forward arguments, batch first): this rank keeps its data-parallel rows and
+    splits them into ``micro_batch_num`` micro-batches. Gradients end up as those of the
+    global-batch loss on one device; the loss is returned as a device tensor.
+    """
+
+    def __init__(self, net: nn.Module, config: ParallelConfig, layout: Layout, example: tuple):
+        self.config, self.layout, self.device = config, layout, layout.device
+        self.summed = _sum_and_count(net)
+        net.to(self.device)
+        self.pipeline = None
+        if config.pipeline_stage > 1:
+            self.parts = [self._pipeline_stage(net, example)]
+        else:
+            self.parts = [self._parallelize(net, net)]
+        self._counts: list[torch.Tensor] = []
+
+    # --- placing ----------------------------------------------------------------------------
+
+    def _parallelize(self, module: nn.Module, originals: nn.Module, root: nn.Module | None = None) -> nn.Module:
+        """Tensor parallel, recompute and data parallel on ``module`` (the net or a traced stage of it)."""
+        config = self.config
+        if config.model_parallel > 1:
+            for name, kind in tensor_parallel_plan(originals).items():
+                if not _has(module, name):
+                    continue
+                original = originals.get_submodule(name)
+                parent, _, child = name.rpartition(".")
+                module.get_submodule(parent).register_module(child, original)  # a traced leaf: the real layer again
+                parallelize_module(original, self.layout.tp_mesh, _styles(kind))
+                if kind == "vocab_rows":
+                    original.weight.register_post_accumulate_grad_hook(_gradient_like_parameter)
+        module.layer_stacks = {s: o for s, o in _layer_stacks(originals).items() if _has(module, s)}
+        layers = [originals.get_submodule(n) for n, m in originals.named_modules() if getattr(m, "is_transformer_layer", 0)]
+        if any(getattr(layer, "recompute_mode", "none") != "none" for layer in layers):
+            config = _with_layer_recompute(config, layers)
+        apply_recompute(module, config)
+        if config.data_parallel > 1:
+            apply_data_parallel(module, config, self.layout, root=root)
+        return module
+
+    def _pipeline_stage(self, net: nn.Module, example: tuple) -> nn.Module:
+        config, layout = self.config, self.layout
+        micro = tuple(t[: t.shape[0] // (config.data_parallel * config.micro_batch_num)].to(self.device)
+                      for t in example)
+        try:
+            pipe = trace_pipeline(_InputsOnFirstStage(net), micro,
+                                  split_spec=stage_starts(net, micro, config.pipeline_stage))
+        except UnsplittableNet:
+            raise
+        except Exception as exc:  # torch.export's own message says what it could not trace
+            raise UnsplittableNet(f"the net's forward cannot be split into pipeline stages: "
+                                  f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}") from exc
+        if pipe.num_stages != config.pipeline_stage:
+            raise UnsplittableNet(f"the traced forward has {pipe.num_stages} stages, not {config.pipeline_stage}")
+        index = layout.pp_rank
+        stage_module = pipe.get_stage_module(index)
+        self._parallelize(stage_module, net, root=stage_module)
+        stage = pipe.build_stage(index, self.device, group=layout.pp_group)
+        self.is_first, self.is_last = index == 0, index == config.pipeline_stage - 1
+        schedule = SCHEDULES[config.pipeline_schedule]
+        if schedule not in (SCHEDULES["gpipe"], SCHEDULES["1f1b"]):
+            raise UserError(f"parallel.pipeline_schedule={config.pipeline_schedule!r}: a user's traced net runs "
+                            f"one stage per rank; use gpipe or 1f1b")
+        self.pipeline = schedule(stage, n_microbatches=config.micro_batch_num, loss_fn=self._micro_loss,
+                                 scale_grads=False)
+        return stage_module
+
+    # --- a step -----------------------------------------------------------------------------
+
+    def _micro_loss(self, output: torch.Tensor, target=None) -> torch.Tensor:
+        """What backward runs on for one micro-batch: its loss sum times the replicas (FSDP averages
+        gradients over them; the count is kept to divide by later), or its mean over the micro-batches."""
+        output = output.reshape(-1)
+        if self.summed:
+            self._counts.append(output[1].detach())
+            return output[0] * self.config.data_parallel
+        return output[0] / self.config.micro_batch_num
+
+    def train_step(self, batch: tuple) -> torch.Tensor:
+        """Forward and backward of one global batch; returns its loss (a device tensor)."""
+        config, layout = self.config, self.layout
+        rows = batch[0].shape[0] // config.data_parallel
+        mine = tuple(t[layout.dp_rank * rows:(layout.dp_rank + 1) * rows].to(self.device, non_blocking=True)
+                     for t in batch)
+        self._counts = []
+        if self.pipeline is not None:
+            losses = [] if self.is_last else None
+            target = torch.zeros(rows, device=self.device) if self.is_last else None
+            self.pipeline.step(*mine if self.is_first else (), target=target, losses=losses)
+            scaled = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+        else:
+            micro_batches = list(zip(*(t.chunk(config.micro_batch_num) for t in mine)))
+            scaled = torch.zeros((), device=self.device)
+            for i, micro in enumerate(micro_batches):
+                self._sync_gradients(last=i == len(micro_batches) - 1)
+                loss = self._micro_loss(self.parts[0](*micro))
+                loss.backward()
+                scaled += loss.detach()
+        if self.summed:
+            total = layout.all_reduce_dp(scaled / config.data_parallel)  # the loss sum of the global batch
+            count = torch.stack(self._counts).sum() if self._counts else torch.zeros((), device=self.device)
+            count = layout.all_reduce_pp(layout.all_reduce_dp(count))  # only the last stage counted
+            self._scale_gradients(1.0 / count)
+            total = total / count
+        else:
+            total = layout.all_reduce_dp(scaled) / config.data_parallel
+        return layout.all_reduce_pp(total)  # only the last stage has it
+
+    def _sync_gradients(self, last: bool) -> None:
+        module = self.parts[0]
+        if hasattr(module, "set_requires_gradient_sync") and self.config.effective_zero_stage < 3:
+            module.set_requires_gradient_sync(last)
+
+    @torch.no_grad()
+    def _scale_gradients(self, factor: torch.Tensor) -> None:
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor.to_local() if isinstance(factor, DTensor) else factor)
+
+    def parameters(self):
+        return itertools.chain.from_iterable(part.parameters() for part in self.parts)
+
+    def named_parameters(self):
+        """(name in the whole net, this rank's parameter)."""
+        for part in self.parts:
+            yield from part.named_parameters()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm over every rank's parameters; returns the norm before clipping."""
+        return clip_grad_norm(list(self.parameters()), max_norm, None, self.layout.pp_group, self.device)
+
+
+class _InputsOnFirstStage(nn.Module):
+    """The net under its own parameter names, with every input passed through the first stage: a traced
+    pipeline hands root inputs to the first stage only, so a later stage that uses one (labels, a mask)
+    receives it from the stage before."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        for name, child in net.named_children():
+            self.register_module(name, child)
+        self._forward = net.forward
+
+    def forward(self, *inputs):
+        # 1-d: the schedule concatenates the last stage's outputs of the micro-batches
+        return self._forward(*(x.clone() for x in inputs)).reshape(-1)
+
+
+def place_net(net: nn.Module, config: ParallelConfig, layout: Layout, example_batch: tuple) -> PlacedNet:
+    """Place ``net`` (built identically on every rank) on ``layout``; ``example_batch`` is one global batch."""
+    return PlacedNet(net, config, layout, example_batch)
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _sum_and_count(net: nn.Module) -> bool:
+    """Switch the net's token losses that can (``supports_sum_and_count``: paratrain.nn's CrossEntropyLoss) to
+    return (sum, count); whether it has any."""
+    losses = [m for m in net.modules() if getattr(m, "supports_sum_and_count", False)]
+    for loss in losses:
+        loss.reduction = "sum_and_count"
+    return bool(losses)
+
+
+def _with_layer_recompute(config: ParallelConfig, layers: list[nn.Module]) -> ParallelConfig:
+    """``config`` with one recompute mode per layer: the layer's own where set, else the config's."""
+    import dataclasses
+
+    modes = [getattr(layer, "recompute_mode", "none") for layer in layers]
+    modes = [m if m != "none" else config.recompute_mode(i) for i, m in enumerate(modes)]
+    return dataclasses.replace(config, recompute=modes)

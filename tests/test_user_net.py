@@ -1,0 +1,178 @@
+"""A user's own net on any layout (paratrain.parallel.user.place_net): tensor parallel where its modules declare a
+plan, pipeline stages from ``pipeline_stage`` attributes (the forward traced), FSDP over data parallel; every
+layout trains with the losses and gradient norms of one process. Plain torch modules sit between the blocks."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multiprocess import run_distributed
+
+
+class Block(nn.Module):
+    """A residual MLP block that declares its tensor-parallel split, as paratrain.nn's blocks do."""
+
+    is_transformer_layer = True
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def parallel_plan(self):
+        return {"fc1": "colwise", "fc2": "rowwise"}
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab, hidden):
+        super().__init__()
+        self.table = nn.Embedding(vocab, hidden)
+
+    def parallel_plan(self):
+        return {"table": "vocab_rows"}
+
+    def forward(self, ids):
+        return self.table(ids)
+
+
+class TokenLoss(nn.Module):
+    """Mean cross-entropy over masked tokens, or (sum, count) when the runtime asks, as paratrain.nn's loss."""
+
+    supports_sum_and_count = True
+
+    def __init__(self):
+        super().__init__()
+        self.reduction = "mean"
+
+    def forward(self, logits, labels, mask):
+        total = (F.cross_entropy(logits, labels, reduction="none") * mask).sum()
+        return torch.stack([total, mask.sum()]) if self.reduction == "sum_and_count" else total / mask.sum()
+
+
+class Net(nn.Module):
+    """ids, labels, mask (B, T) -> the mean token loss; ``mine`` is a plain torch layer of the user's own."""
+
+    def __init__(self, vocab=32, hidden=16, layers=4):
+        super().__init__()
+        self.embedding, self.mine = Embedding(vocab, hidden), nn.Linear(hidden, hidden)
+        self.blocks = nn.ModuleList(Block(hidden) for _ in range(layers))
+        self.head, self.loss = nn.Linear(hidden, vocab), TokenLoss()
+
+    def forward(self, ids, labels, mask):
+        x = self.mine(self.embedding(ids))
+        for block in self.blocks:
+            x = block(x)
+        return self.loss(self.head(x).flatten(0, 1), labels.flatten(), mask.flatten())
+
+
+def _batches(steps=4):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 32, (8, 6), generator=g), torch.randint(0, 32, (8, 6), generator=g),
+             (torch.rand(8, 6, generator=g) > 0.2).float()) for _ in range(steps)]
+
+
+def train(parallel: dict, steps=4):
+    """(loss, gradient norm) of each step of the tiny net placed on ``parallel``."""
+    from paratrain.config import ParallelConfig
+    from paratrain.distributed import init_from_env
+    from paratrain.mesh import Layout
+    from paratrain.parallel.user import place_net
+
+    torch.set_num_threads(1)
+    _, world = init_from_env()
+    torch.manual_seed(0)
+    net = Net()
+    stages = parallel.get("pipeline_stage", 1)
+    for i, block in enumerate(net.blocks):
+        block.pipeline_stage = i * stages // len(net.blocks)
+    batches = _batches(steps)
+    config = ParallelConfig(**parallel)
+    placed = place_net(net, config, Layout(config, world), batches[0])
+    optimizer = torch.optim.AdamW([p for _, p in placed.named_parameters()], lr=1e-2)
+    out = []
+    for batch in batches:
+        loss = placed.train_step(batch)
+        norm = placed.clip_grad_norm(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append((float(loss), float(norm)))
+    return out
+
+
+LAYOUTS = {
+    "dp2": {"data_parallel": 2},
+    "mp2": {"model_parallel": 2},
+    "dp2_mp2_zero3_micro2": {"data_parallel": 2, "model_parallel": 2, "zero_stage": 3, "micro_batch_num": 2},
+    "pp2": {"pipeline_stage": 2, "micro_batch_num": 2},
+    "dp2_mp2_pp2": {"data_parallel": 2, "model_parallel": 2, "pipeline_stage": 2, "micro_batch_num": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return train({})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_user_net_matches_one_process(name, one_process):
+    parallel = LAYOUTS[name]
+    world = parallel.get("data_parallel", 1) * parallel.get("model_parallel", 1) * parallel.get("pipeline_stage", 1)
+    got = run_distributed(train, world, parallel, timeout=300)[0]
+    assert one_process[-1][0] < one_process[0][0] or one_process[-1] != one_process[0]
+    for step, (g, want) in enumerate(zip(got, one_process)):
+        assert g == pytest.approx(want, rel=1e-4), f"{name}: step {step + 1}"
+
+
+def test_declared_plan_and_stage_starts():
+    from paratrain.parallel.user import stage_starts, tensor_parallel_plan
+
+    net = Net()
+    assert tensor_parallel_plan(net) == {"embedding.table": "vocab_rows", **{f"blocks.{i}.{n}": k for i in range(4)
+                                                                            for n, k in (("fc1", "colwise"), ("fc2", "rowwise"))}}
+    net.head.pipeline_stage = 1  # the blocks are stage 0 by default; a user's module starts stage 1
+    assert list(stage_starts(net, _batches(1)[0], 2)) == ["head"]
+
+
+def test_a_forward_that_cannot_be_split_is_refused_with_the_reason():
+    from paratrain.parallel.user import UnsplittableNet, stage_starts
+
+    net = Net()
+    net.blocks[0].pipeline_stage, net.blocks[1].pipeline_stage = 1, 0
+    with pytest.raises(UnsplittableNet, match="blocks.1 runs after a module of stage 1"):
+        stage_starts(net, _batches(1)[0], 2)
+    net = Net()
+    with pytest.raises(UnsplittableNet, match=r"no module has pipeline_stage in \[1\]"):
+        stage_starts(net, _batches(1)[0], 2)
+
+
+class Branching(Net):
+    def forward(self, ids, labels, mask):
+        if ids.sum() > 100:  # data-dependent Python control flow: no single graph to split
+            ids = ids.flip(1)
+        return super().forward(ids, labels, mask)
+
+
+def _place_branching():
+    from paratrain.config import ParallelConfig
+    from paratrain.distributed import init_from_env
+    from paratrain.mesh import Layout
+    from paratrain.parallel.user import UnsplittableNet, place_net
+
+    _, world = init_from_env()
+    net = Branching()
+    net.blocks[2].pipeline_stage = net.blocks[3].pipeline_stage = 1
+    config = ParallelConfig(pipeline_stage=2, micro_batch_num=2)
+    try:
+        place_net(net, config, Layout(config, world), _batches(1)[0])
+    except UnsplittableNet as exc:
+        return str(exc)
+    return "placed"
+
+
+@pytest.mark.slow
+def test_data_dependent_control_flow_is_refused():
+    message = run_distributed(_place_branching, 2, timeout=120)[0]
+    assert message.startswith("the net's forward cannot be split into pipeline stages:"), message
