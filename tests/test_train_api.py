@@ -1,13 +1,9 @@
-"""paratrain.train: MindSpore's Model.train, callbacks, ModelCheckpoint and weights-only loading for a user's net.
-
-Single-process tests place the net with a stand-in for ``paratrain.parallel.user.place_net`` (the net itself,
-forward + backward per global batch), so they check what Model.train adds: the loop, the step counts, the
-printed lines, the optimizer rebuild, the checkpoints.
-"""
+"""paratrain.train: MindSpore's Model.train, callbacks, ModelCheckpoint and weights-only loading for a user's net:
+in one process against a plain torch loop, and data-parallel on two processes against one."""
+import contextlib
 import copy
+import io
 import re
-import sys
-import types
 
 import pytest
 import torch
@@ -19,7 +15,7 @@ from paratrain import (TransformerOpParallelConfig, load_checkpoint, load_param_
                        set_auto_parallel_context)
 from paratrain.errors import UserError
 from paratrain.train import (Callback, CheckpointConfig, LossMonitor, Model, ModelCheckpoint, TimeMonitor,
-                             rebuild_optimizer)
+                             group_names, rebuild_optimizer)
 
 
 class Net(nn.Module):
@@ -33,35 +29,21 @@ class Net(nn.Module):
         return F.mse_loss(self.fc2(torch.tanh(self.norm(self.fc1(x)))), y)
 
 
-class Placed:
-    """Stand-in for place_net's result in one process: the net itself."""
+class Recording(Net):
+    """The net, noting the batches it is given."""
 
-    def __init__(self, net):
-        self.net, self.parts, self.batches = net, [net], []
+    def __init__(self):
+        super().__init__()
+        self.seen = []
 
-    def train_step(self, batch):
-        self.batches.append(batch)
-        loss = self.net(*batch)
-        loss.backward()
-        return loss.detach()
-
-    def named_parameters(self):
-        return self.net.named_parameters()
+    def forward(self, x, y):
+        self.seen.append(x)
+        return super().forward(x, y)
 
 
 @pytest.fixture(autouse=True)
-def placed(monkeypatch):
-    """Installs the stand-in place_net; returns the calls it got (net, parallel config, layout, batch)."""
-    calls = []
-    module = types.ModuleType("paratrain.parallel.user")
-
-    def place_net(net, parallel_config, layout, example_batch):
-        calls.append((net, parallel_config, layout, example_batch))
-        return Placed(net)
-
-    module.place_net = place_net
-    monkeypatch.setitem(sys.modules, "paratrain.parallel.user", module)
-    yield calls
+def fresh_context():
+    yield
     reset_auto_parallel_context()
 
 
@@ -145,7 +127,7 @@ def test_optimizer_rebuilt_with_class_groups_and_hyperparameters():
                             lr=1e-2, betas=(0.8, 0.95), eps=1e-6, amsgrad=True)
     # this rank holds copies of everything but fc2: its group is dropped
     here = [(n, nn.Parameter(p.detach().clone())) for n, p in net.named_parameters() if not n.startswith("fc2")]
-    rebuilt = rebuild_optimizer(opt, net, here)
+    rebuilt = rebuild_optimizer(opt, group_names(opt, net), here)
     assert type(rebuilt) is torch.optim.AdamW and rebuilt.defaults == opt.defaults
     assert len(rebuilt.param_groups) == 2
     copies = dict(here)
@@ -155,20 +137,20 @@ def test_optimizer_rebuilt_with_class_groups_and_hyperparameters():
         assert {k: v for k, v in new.items() if k != "params"} == {k: v for k, v in old.items() if k != "params"}
 
     sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True)
-    again = rebuild_optimizer(sgd, net, net.named_parameters())
+    again = rebuild_optimizer(sgd, group_names(sgd, net), net.named_parameters())
     assert type(again) is torch.optim.SGD and again.defaults == sgd.defaults
     assert again.param_groups[0]["params"] == list(net.parameters())
 
     named = torch.optim.AdamW(net.named_parameters(), lr=1e-3)
-    kept = rebuild_optimizer(named, net, here)
+    kept = rebuild_optimizer(named, group_names(named, net), here)
     assert kept.param_groups[0]["param_names"] == [n for n, _ in here]
 
     with pytest.raises(UserError, match="not in the network"):
-        rebuild_optimizer(torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=1), net, net.named_parameters())
+        group_names(torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=1), net)
     net(*dataset(1)[0]).backward()
     sgd.step()
     with pytest.raises(UserError, match="taken steps"):
-        rebuild_optimizer(sgd, net, net.named_parameters())
+        group_names(sgd, net)
 
 
 def test_callbacks_see_mindspore_counts_in_both_hook_styles():
@@ -199,7 +181,7 @@ def test_callbacks_see_mindspore_counts_in_both_hook_styles():
                     ("step", 2, 1, 4), ("step", 2, 2, 5), ("epoch_end", 2, 5, 3), ("end", 5)]
 
 
-def test_sink_mode_calls_step_callbacks_once_per_sink(placed):
+def test_sink_mode_calls_step_callbacks_once_per_sink():
     steps = []
 
     class Steps(Callback):
@@ -208,14 +190,14 @@ def test_sink_mode_calls_step_callbacks_once_per_sink(placed):
 
     torch.manual_seed(0)
     data = dataset()
-    net = Net()
+    net = Recording()
     Model(net, optimizer=decay_optimizer(net)).train(2, data, callbacks=Steps(), dataset_sink_mode=True)
     assert steps == [(1, 3), (2, 6)]
     steps.clear()
-    model = Model(net, optimizer=decay_optimizer(net))
-    model.train(3, data, callbacks=Steps(), dataset_sink_mode=True, sink_size=2)
+    net.seen.clear()
+    Model(net, optimizer=decay_optimizer(net)).train(3, data, callbacks=Steps(), dataset_sink_mode=True, sink_size=2)
     assert steps == [(1, 2), (2, 4), (3, 6)]
-    drawn = [next(i for i, b in enumerate(data) if b is batch) for batch in model.train_network.batches]
+    drawn = [next(i for i, (x, _) in enumerate(data) if torch.equal(x, seen)) for seen in net.seen]
     assert drawn == [0, 1, 2, 0, 1, 2]  # sinks draw on through the dataset across epochs
 
 
@@ -280,7 +262,7 @@ def test_checkpoint_config_refuses_what_it_cannot_do():
         ModelCheckpoint(prefix="a/b")
 
 
-def test_model_reads_the_blocks_config_and_the_context(placed):
+def test_model_reads_the_blocks_config_and_the_context():
     class Blocks(Net):
         def __init__(self, config):
             super().__init__()
@@ -290,11 +272,11 @@ def test_model_reads_the_blocks_config_and_the_context(placed):
     set_auto_parallel_context(enable_parallel_optimizer=True)
     torch.manual_seed(0)
     net = Blocks(config)
-    Model(net, optimizer=decay_optimizer(net)).train(1, dataset(1))
-    _, used, layout, batch = placed[0]
+    model = Model(net, optimizer=decay_optimizer(net))
+    model.train(1, dataset(1))
+    used = model.train_network.config
     assert used.micro_batch_num == 2 and used.effective_zero_stage == 1 and used.data_parallel == 1
-    assert layout.config is used and config.effective_zero_stage == 0  # the user's config is left as it was
-    assert torch.equal(batch[0], dataset(1)[0][0])  # place_net got the first global batch
+    assert model.train_network.layout.config is used and config.effective_zero_stage == 0  # the user's is unchanged
 
 
 def test_model_refuses_what_it_cannot_do():
@@ -330,3 +312,49 @@ def test_load_param_into_a_parallel_net_takes_this_ranks_shard():
         assert missing == []
         assert local == params["weight"][2 * rank:2 * rank + 2].tolist()
         assert bias == params["bias"].tolist()
+
+
+def printed_losses(text):
+    """(epoch, step, loss) of every LossMonitor line."""
+    return [(int(e), int(s), float(loss)) for e, s, loss in re.findall(r"^epoch: (\d+) step: (\d+), loss is (\S+)$",
+                                                                           text, re.M)]
+
+
+def _train_data_parallel(directory, zero):
+    torch.manual_seed(0)
+    net = Net()
+    if zero:
+        set_auto_parallel_context(enable_parallel_optimizer=True)
+    model = Model(net, optimizer=decay_optimizer(net))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        model.train(2, dataset(), callbacks=[LossMonitor(), ModelCheckpoint(
+            prefix="dp", directory=directory, config=CheckpointConfig(save_checkpoint_steps=6))])
+    missing = load_param_into_net(model.train_network, load_checkpoint(directory))
+    fc1 = dict(model.train_network.named_parameters())["fc1.weight"]
+    return out.getvalue(), missing, list(fc1.to_local().shape)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("zero", [False, True], ids=["dp2", "dp2-zero1"])
+def test_data_parallel_on_two_ranks_prints_the_losses_of_one_process(tmp_path, zero):
+    torch.manual_seed(0)
+    net = Net()
+    out = io.StringIO()  # not capsys: the forked ranks would inherit its stderr, which has no file descriptor
+    with contextlib.redirect_stdout(out):
+        Model(net, optimizer=decay_optimizer(net)).train(2, dataset(), callbacks=[LossMonitor()])
+    one = printed_losses(out.getvalue())
+    assert len(one) == 6
+
+    results = run_distributed(_train_data_parallel, 2, str(tmp_path), zero)
+    (text0, missing0, local_shape), (text1, missing1, _) = results
+    two = printed_losses(text0)
+    assert [(e, s) for e, s, _ in two] == [(e, s) for e, s, _ in one] and text1 == ""  # rank 0 prints
+    for (_, _, a), (_, _, b) in zip(two, one):
+        assert a == pytest.approx(b, rel=1e-5)
+    assert local_shape == ([4, 4] if zero else [8, 4])  # enable_parallel_optimizer took effect: rows sharded
+    assert missing0 == missing1 == []  # each rank reloaded its shard
+    saved = load_checkpoint(tmp_path / "dp-2_3")
+    for name, param in net.named_parameters():  # the two-rank run saved what one process trained
+        assert torch.allclose(saved[name], param.detach(), rtol=1e-4, atol=1e-6), name

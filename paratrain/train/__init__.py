@@ -3,8 +3,8 @@
 (``load_checkpoint``, ``load_param_into_net``). ``paratrain.trainer`` is the built-in models' trainer."""
 from paratrain.train.callbacks import (Callback, CallbackParams, CheckpointConfig, LossMonitor, ModelCheckpoint,
                                        RunContext, TimeMonitor)
-from paratrain.train.model import Model, WithLoss, rebuild_optimizer
+from paratrain.train.model import Model, WithLoss, group_names, rebuild_optimizer
 from paratrain.train.serialization import load_checkpoint, load_param_into_net
 
 __all__ = ["Callback", "CallbackParams", "CheckpointConfig", "LossMonitor", "Model", "ModelCheckpoint", "RunContext",
-           "TimeMonitor", "WithLoss", "load_checkpoint", "load_param_into_net", "rebuild_optimizer"]
+           "TimeMonitor", "WithLoss", "group_names", "load_checkpoint", "load_param_into_net", "rebuild_optimizer"]

@@ -39,24 +39,31 @@ def parallel_configs(network: nn.Module) -> list[ParallelConfig]:
     return list(found.values())
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, named_parameters) -> torch.optim.Optimizer:
-    """``optimizer`` (built on the parameters of the unsharded ``net``) built again, same class, groups and
-    hyperparameters, on this rank's ``named_parameters`` (name in the whole net, parameter). Parameters
-    are matched by name; a group with none here is dropped; a group holding both plain and sharded
-    tensors is split by tensor kind, which multi-tensor kernels cannot mix."""
+def group_names(optimizer: torch.optim.Optimizer, net: nn.Module) -> list[list[str]]:
+    """The names in ``net`` of each parameter group's parameters (every name of a shared one); call it before
+    placing the net, which replaces its parameters."""
     if optimizer.state:
         raise UserError("Model: the optimizer has taken steps already; paratrain rebuilds it on this rank's "
                         "parameters without its state: give Model a fresh optimizer")
     names: dict[int, list[str]] = {}
     for name, param in net.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-    group_of: dict[str, int] = {}
-    for index, group in enumerate(optimizer.param_groups):
-        for param in group["params"]:
-            if id(param) not in names:
-                raise UserError(f"Model: the optimizer holds a parameter of shape {list(param.shape)} that is not in "
-                                f"the network: build the optimizer on the network's parameters")
-            group_of.update(dict.fromkeys(names[id(param)], index))
+    groups = []
+    for group in optimizer.param_groups:
+        foreign = [list(p.shape) for p in group["params"] if id(p) not in names]
+        if foreign:
+            raise UserError(f"Model: the optimizer holds parameters of shapes {foreign} that are not in the "
+                            f"network: build the optimizer on the network's parameters")
+        groups.append([name for p in group["params"] for name in names[id(p)]])
+    return groups
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]], named_parameters) -> torch.optim.Optimizer:
+    """``optimizer`` (built on the unsharded net) built again, same class, groups and hyperparameters, on this
+    rank's ``named_parameters`` (name in the whole net, parameter); ``names``: its groups' parameter names
+    (``group_names``). A group with no parameter here is dropped; a group holding both plain and sharded
+    tensors is split by tensor kind, which multi-tensor kernels cannot mix."""
+    group_of = {name: index for index, group in enumerate(names) for name in group}
     placed: list[dict[object, list[tuple[str, torch.Tensor]]]] = [{} for _ in optimizer.param_groups]
     seen: set[int] = set()
     for name, param in named_parameters:
@@ -112,7 +119,8 @@ class Model:
 
     ``network`` returns its loss, or with ``loss_fn`` its output, which ``loss_fn(output, label)`` turns
     into the loss (the label is the batch's last tensor). ``optimizer`` is a plain ``torch.optim``
-    optimizer built on the unsharded net; it is rebuilt on this rank's parameters (``rebuild_optimizer``).
+    optimizer built on the unsharded net; it is rebuilt on this rank's parameters (``rebuild_optimizer``),
+    its groups' parameters matched by name.
     After ``train``, ``train_network`` is the placed net and ``optimizer`` the rebuilt optimizer.
     """
 
@@ -201,8 +209,9 @@ class Model:
             from paratrain.parallel.user import place_net
 
             net = self.network if self.loss_fn is None else WithLoss(self.network, self.loss_fn)
+            names = group_names(self.optimizer, net)
             self.train_network = place_net(net, config, layout, batch)
-            self.optimizer = rebuild_optimizer(self.optimizer, net, self.train_network.named_parameters())
+            self.optimizer = rebuild_optimizer(self.optimizer, names, self.train_network.named_parameters())
             params.update(train_network=self.train_network, optimizer=self.optimizer)
         loss = self.train_network.train_step(batch)
         self.optimizer.step()
