@@ -67,7 +67,9 @@ class Section:
             if section is not cls and key in section.key_names():
                 return f" (did you mean {name}.{section.ALIASES.get(key, key)}?)"
         close = difflib.get_close_matches(key, cls.key_names(), n=1)
-        return f" (did you mean {cls.SECTION}.{close[0]}?)" if close else f" (known: {', '.join(sorted(cls.key_names()))})"
+        if close:
+            return f" (did you mean {cls.SECTION}.{close[0]}?)"
+        return f" (known: {', '.join(sorted(cls.key_names()))})"
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], problems: list[str]):
@@ -480,9 +482,9 @@ class Config:
 
 
 # MindSpore names that are no key here, and what to do instead
-_SIZES_DECIDE = "paratrain has no parallel mode: it follows from data_parallel, model_parallel and pipeline_stage"
 MINDSPORE_HINTS = {
-    "parallel_mode": f"{_SIZES_DECIDE}; a Python script may call paratrain.set_auto_parallel_context(parallel_mode=...)",
+    "parallel_mode": "paratrain has no parallel mode: it follows from data_parallel, model_parallel and "
+                     "pipeline_stage; a Python script may call paratrain.set_auto_parallel_context(parallel_mode=...)",
     "device_num": "the device count is the number of launched processes (paratrain launch --nproc-per-node); "
                   "parallel.data_parallel defaults to it divided by model_parallel x pipeline_stage",
     "full_batch": "always on: every rank reads the whole global batch and keeps its own rows",

@@ -1,4 +1,4 @@
-"""`paratrain launch -- script.py ARGS`: a user script on every rank, with the logs, record and fail-fast of a launch."""
+"""`paratrain launch -- script.py ARGS`: a user script on every rank, with a launch's logs, record and fail-fast."""
 import json
 import os
 import subprocess

@@ -172,7 +172,7 @@ class CheckpointConfig:
             "saved_network": (saved_network, None, "the trained network is saved"),
             "append_info": (append_info, None, "paratrain.json records the step and layout"),
             "enc_key": (enc_key, None, "checkpoints are not encrypted"),
-            "exception_save": (exception_save, False, "a failing rank ends the job: training resumes from the last saved step"),
+            "exception_save": (exception_save, False, "a failing rank ends the job: train again from the last save"),
         }
         for name, (value, default, why) in refused.items():
             if value != default:

@@ -58,7 +58,8 @@ def group_names(optimizer: torch.optim.Optimizer, net: nn.Module) -> list[list[s
     return groups
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]], named_parameters) -> torch.optim.Optimizer:
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]],
+                      named_parameters) -> torch.optim.Optimizer:
     """``optimizer`` (built on the unsharded net) built again, same class, groups and hyperparameters, on this
     rank's ``named_parameters`` (name in the whole net, parameter); ``names``: its groups' parameter names
     (``group_names``). A group with no parameter here is dropped; a group holding both plain and sharded
