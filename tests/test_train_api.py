@@ -358,3 +358,17 @@ def test_data_parallel_on_two_ranks_prints_the_losses_of_one_process(tmp_path, z
     saved = load_checkpoint(tmp_path / "dp-2_3")
     for name, param in net.named_parameters():  # the two-rank run saved what one process trained
         assert torch.allclose(saved[name], param.detach(), rtol=1e-4, atol=1e-6), name
+
+
+def test_a_second_train_call_goes_on_with_the_same_placed_net(capsys):
+    torch.manual_seed(0)
+    net, data = Net(), dataset()
+    reference = copy.deepcopy(net)
+    model = Model(net, optimizer=decay_optimizer(net))
+    model.train(1, data, callbacks=[LossMonitor()])
+    placed, optimizer = model.train_network, model.optimizer
+    model.train(1, data, callbacks=[LossMonitor()])
+    assert model.train_network is placed and model.optimizer is optimizer  # Adam's moments go on
+    losses = plain_losses(reference, data, 2)
+    printed = [float(line.rsplit(" ", 1)[1]) for line in capsys.readouterr().out.splitlines()]
+    assert printed == losses

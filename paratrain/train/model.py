@@ -134,6 +134,7 @@ class Model:
                             f"another dtype for lower precision")
         self.network, self.loss_fn, self.optimizer = network, loss_fn, optimizer
         self.train_network = None  # the placed net, from the first batch of ``train`` on
+        self._placement: tuple[ParallelConfig, Layout] | None = None  # kept for later ``train`` calls
 
     def train(self, epoch: int, train_dataset: Iterable, callbacks=None, dataset_sink_mode: bool = False,
               sink_size: int = -1) -> None:
@@ -151,8 +152,10 @@ class Model:
         if self.optimizer is None:
             raise UserError("Model.train needs an optimizer: Model(net, optimizer=torch.optim.AdamW(...))")
         rank, world_size = init_from_env()
-        config = parallel_config_for(parallel_configs(self.network), world_size)
-        layout = Layout(config, world_size)
+        if self._placement is None:
+            config = parallel_config_for(parallel_configs(self.network), world_size)
+            self._placement = config, Layout(config, world_size)
+        config, layout = self._placement
         sinks = dataset_sink_mode and sink_size > 0
         params = CallbackParams(
             network=self.network, train_network=self.train_network, loss_fn=self.loss_fn, optimizer=self.optimizer,
