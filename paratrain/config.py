@@ -102,9 +102,10 @@ def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
     if f.name == "recompute":
         if isinstance(value, str):
             value = _parse_literal(value)
-        if isinstance(value, (bool, str, dict, list)) or callable(value):
+        if isinstance(value, (bool, str, dict, list, TransformerRecomputeConfig)) or callable(value):
             return value
-        raise TypeError("expected none/full/selective, true/false, a per-layer list or a function")
+        raise TypeError("expected none/full/selective, true/false, a per-layer list, a function "
+                        "or a TransformerRecomputeConfig")
     if isinstance(value, str) and kind in (int, float, bool):
         value = _parse_literal(value)
     if kind is bool:
@@ -230,7 +231,27 @@ class _Derived(int):
 
 DERIVED = _Derived(1)
 
-RecomputeSpec = Union[str, bool, list, Callable[[int, int, "ParallelConfig"], str]]
+
+@dataclass
+class TransformerRecomputeConfig:
+    """MindSpore's recompute switch for the transformer blocks: ``recompute=True`` means full recompute.
+
+    The three communication options are accepted for compatibility: under full recompute a block's
+    tensor-parallel collectives run again in backward (``mp_comm_recompute=True``); the others have
+    no effect here.
+    """
+
+    recompute: bool = False
+    parallel_optimizer_comm_recompute: bool = False
+    mp_comm_recompute: bool = True
+    recompute_slice_activation: bool = False
+
+    @property
+    def mode(self) -> str:
+        return "full" if self.recompute else "none"
+
+
+RecomputeSpec = Union[str, bool, list, TransformerRecomputeConfig, Callable[[int, int, "ParallelConfig"], str]]
 StageSpec = Union[list, Callable[[int, int, "ParallelConfig"], int]]
 
 
@@ -244,8 +265,8 @@ class ParallelConfig(Section):
     ``zero_stage`` (or ``optimizer_shard=True``, meaning stage 1) shards optimizer
     state (1), gradients (2) and parameters (3) over the data-parallel ranks.
     ``recompute`` is ``none``/``full``/``selective``, a bool, a list with one mode per
-    layer, or a function ``(layer_id, offset, config) -> mode`` like MindSpore's
-    ``lambda_func``. ``layer_stages`` places layers on pipeline stages: empty for an
+    layer, a function ``(layer_id, offset, config) -> mode`` like MindSpore's
+    ``lambda_func``, or MindSpore's ``TransformerRecomputeConfig``. ``layer_stages`` places layers on pipeline stages: empty for an
     even split (embeddings and head counted as one layer each), a list with the
     stage of every layer, or a function ``(layer_id, offset, config) -> stage``; with
     ``virtual_pipeline_stage`` v > 1 the values are virtual stages 0..pp*v-1.
@@ -324,9 +345,17 @@ class ParallelConfig(Section):
             spec = spec(layer_id, offset, self)
         elif isinstance(spec, list):
             spec = spec[offset + layer_id]
+        if isinstance(spec, TransformerRecomputeConfig):
+            return spec.mode
         if isinstance(spec, bool):
             return "full" if spec else "none"
         return spec
+
+    def to_dict(self) -> dict[str, Any]:
+        values = super().to_dict()
+        if isinstance(self.recompute, TransformerRecomputeConfig):  # TOML has no objects: its mode says the same
+            values["recompute"] = self.recompute.mode
+        return values
 
 
 TransformerOpParallelConfig = ParallelConfig
@@ -603,7 +632,7 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
 
 def _recompute_problems(p: ParallelConfig, num_layers: int) -> list[str]:
     spec = p.recompute
-    if callable(spec) or isinstance(spec, bool):
+    if callable(spec) or isinstance(spec, (bool, TransformerRecomputeConfig)):
         return []
     if isinstance(spec, str):
         return [] if spec in RECOMPUTE_MODES else [

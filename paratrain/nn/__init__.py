@@ -1,0 +1,21 @@
+"""MindSpore's ``mindspore.nn.transformer`` blocks as plain ``torch.nn.Module``s, for users' own models.
+
+A port changes imports and torch idioms only (``Cell`` -> ``Module``, ``construct`` -> ``forward``).
+Each block is a ``Cell`` that declares how it splits over ``model_parallel`` and carries its
+pipeline stage and recompute mode; ``paratrain``'s parallel runtime applies them from outside
+(see ``paratrain.nn.cell``). Plain torch modules in a user's net stay data-parallel.
+"""
+from paratrain.nn.cell import Cell
+from paratrain.nn.config import (EmbeddingOpParallelConfig, MoEConfig, OpParallelConfig, TransformerOpParallelConfig,
+                                 TransformerRecomputeConfig, default_dpmp_config, default_embedding_parallel_config,
+                                 default_moe_config, default_transformer_config)
+from paratrain.nn.layers import AttentionMask, FeedForward, MultiHeadAttention, VocabEmbedding
+from paratrain.nn.loss import CrossEntropyLoss
+from paratrain.nn.transformer import (Transformer, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
+                                      TransformerEncoderLayer)
+
+__all__ = ["Cell", "TransformerOpParallelConfig", "OpParallelConfig", "EmbeddingOpParallelConfig",
+           "TransformerRecomputeConfig", "MoEConfig", "default_transformer_config", "default_dpmp_config",
+           "default_embedding_parallel_config", "default_moe_config", "VocabEmbedding", "AttentionMask",
+           "FeedForward", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
+           "TransformerEncoder", "TransformerDecoder", "Transformer", "CrossEntropyLoss"]

@@ -1,0 +1,52 @@
+"""``Cell``: the base of every block, carrying what the parallel runtime reads from outside.
+
+A block never calls a collective. It states, for the runtime to apply:
+
+- ``pipeline_stage``: the pipeline stage that runs it (set by ``lambda_func`` or by hand);
+- ``recompute_mode``: ``"none"``, ``"full"`` (redo its forward in backward) or ``"selective"``;
+- ``comm_fusion``: its gradient communication group (MindSpore's fusion index), None when unset;
+- ``parallel_plan()``: how its own direct ``nn.Linear`` / ``nn.Embedding`` children split over
+  ``model_parallel``, by child name: ``"colwise"`` (output features sharded, a local output),
+  ``"rowwise"`` (input features sharded, outputs summed) or ``"vocab_rows"`` (embedding rows sharded,
+  lookups summed); ``{}`` when nothing is split.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+class Cell(nn.Module):
+    """A ``torch.nn.Module`` with MindSpore's per-cell parallel settings (see the module docstring)."""
+
+    pipeline_stage = 0
+    recompute_mode = "none"
+    comm_fusion = None
+
+    def recompute(self, mode: bool | str = True, **mindspore_options) -> None:
+        """Recompute this cell's forward in backward: True means ``"full"``, False ``"none"``, or a mode name.
+
+        MindSpore's keyword options (``mp_comm_recompute``, ``parallel_optimizer_comm_recompute``,
+        ``recompute_slice_activation``) are accepted and change nothing: a recomputed cell redoes its
+        tensor-parallel collectives too.
+        """
+        unknown = set(mindspore_options) - {"mp_comm_recompute", "parallel_optimizer_comm_recompute",
+                                            "recompute_slice_activation"}
+        if unknown:
+            raise TypeError(f"recompute() got unexpected keyword arguments {sorted(unknown)}")
+        if isinstance(mode, bool):
+            mode = "full" if mode else "none"
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(RECOMPUTE_MODES)} (or True/False)")
+        self.recompute_mode = mode
+
+    def set_comm_fusion(self, fusion_type: int, recurse: bool = True) -> None:
+        """Put this cell's gradients (and, with ``recurse``, those of the cells inside it) in group ``fusion_type``."""
+        for cell in (self.modules() if recurse else [self]):
+            if isinstance(cell, Cell):
+                cell.comm_fusion = fusion_type
+
+    def parallel_plan(self) -> dict[str, str]:
+        """Tensor-parallel split of this cell's direct Linear/Embedding children by name; ``{}``: none."""
+        return {}

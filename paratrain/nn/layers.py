@@ -1,0 +1,247 @@
+"""MindSpore's transformer sub-blocks as plain modules: VocabEmbedding, AttentionMask, FeedForward,
+MultiHeadAttention.
+
+Shapes: B batch, T (Tq, Tk) sequence lengths, H hidden size, F ffn hidden size, V vocab size,
+h heads of size d = H / heads.
+
+Every forward also runs on one tensor-parallel shard of its block -- the heads and ffn features
+of one rank, where "colwise" Linears hold a slice of their output features and "rowwise" ones a
+slice of their input features -- so no reshape names the number of heads or ffn features: the
+sharded dimension is always ``-1`` next to the per-head size.
+
+Dtypes: dense layers compute in their parameters' dtype (``param_init_type``; inputs are cast to
+it, outputs back to the input's dtype) and LayerNorms in ``layernorm_compute_type``. MindSpore's
+``compute_dtype=float16`` (half-precision matmuls while softmax and LayerNorm stay fp32) is what
+the trainer's ``mixed_precision`` does here (autocast), so ``compute_dtype`` is accepted and
+recorded only, and so is ``softmax_compute_type``: the softmax runs inside
+``scaled_dot_product_attention`` in the dtype of the queries and keys (the fused GPU kernels
+accumulate in fp32).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.errors import UserError
+from paratrain.models import transformer as builtin  # the built-in models' lookup and attention core
+from paratrain.nn.cell import Cell
+from paratrain.nn.config import (check_divisible, check_rate, default_dpmp_config, default_embedding_parallel_config,
+                                 op_config, refuse_unsupported, to_dtype)
+
+MASKED_SCORE = -10000.0  # added to the scores of keys a query may not attend (MindSpore's value)
+
+
+class FastGelu(nn.Module):
+    """MindSpore's fast_gelu: x * sigmoid(1.702 x), elementwise."""
+
+    def forward(self, x):
+        return x * torch.sigmoid(1.702 * x)
+
+
+# MindSpore's activation names; its "gelu" is the tanh approximation
+ACTIVATIONS = {
+    "gelu": lambda: nn.GELU(approximate="tanh"), "fast_gelu": FastGelu, "relu": nn.ReLU, "relu6": nn.ReLU6,
+    "tanh": nn.Tanh, "elu": nn.ELU, "sigmoid": nn.Sigmoid, "prelu": nn.PReLU, "leakyrelu": lambda: nn.LeakyReLU(0.2),
+    "hswish": nn.Hardswish, "hsigmoid": nn.Hardsigmoid, "logsigmoid": nn.LogSigmoid,
+}
+
+# MindSpore's initializer names (Normal and TruncatedNormal: sigma 0.01, Uniform: scale 0.07)
+INITIALIZERS = {
+    "normal": lambda t: nn.init.normal_(t, std=0.01),
+    "truncatednormal": lambda t: nn.init.trunc_normal_(t, std=0.01, a=-0.02, b=0.02),
+    "uniform": lambda t: nn.init.uniform_(t, -0.07, 0.07),
+    "xavier_uniform": nn.init.xavier_uniform_,
+    "he_uniform": nn.init.kaiming_uniform_,
+    "zeros": nn.init.zeros_,
+    "ones": nn.init.ones_,
+}
+
+
+def activation(hidden_act, owner: str) -> nn.Module:
+    """A MindSpore activation name (case-insensitive) or an ``nn.Module`` class as a module."""
+    if isinstance(hidden_act, type) and issubclass(hidden_act, nn.Module):
+        return hidden_act()
+    if isinstance(hidden_act, str) and hidden_act.lower() in ACTIVATIONS:
+        return ACTIVATIONS[hidden_act.lower()]()
+    raise UserError(f"{owner}: hidden_act={hidden_act!r} is not one of {', '.join(ACTIVATIONS)} or an nn.Module class")
+
+
+@torch.no_grad()
+def initialize(tensor: torch.Tensor, param_init, owner: str) -> None:
+    """Fill ``tensor`` as MindSpore's ``initializer(param_init, shape)``: a name, a number or a tensor of values."""
+    if isinstance(param_init, torch.Tensor):
+        if param_init.shape != tensor.shape:
+            raise UserError(f"{owner}: param_init has shape {tuple(param_init.shape)}, the table needs "
+                            f"{tuple(tensor.shape)}")
+        tensor.copy_(param_init)
+    elif isinstance(param_init, (int, float)) and not isinstance(param_init, bool):
+        tensor.fill_(param_init)
+    elif isinstance(param_init, str) and param_init.lower() in INITIALIZERS:
+        INITIALIZERS[param_init.lower()](tensor)
+    else:
+        raise UserError(f"{owner}: param_init={param_init!r} is not one of {', '.join(INITIALIZERS)}, "
+                        f"a number or a tensor")
+
+
+def dense(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
+    """MindSpore's Dense defaults: weight normal(0, 0.01), bias zeros."""
+    linear = nn.Linear(in_features, out_features, dtype=dtype)
+    initialize(linear.weight, "normal", "Dense")
+    initialize(linear.bias, "zeros", "Dense")
+    return linear
+
+
+class _LayerNorm(nn.LayerNorm):
+    """LayerNorm over the last dim, computed in ``compute_type``: (..., H) -> (..., H) in the input's dtype."""
+
+    def __init__(self, hidden_size: int, compute_type: torch.dtype, param_init_type: torch.dtype, eps: float = 1e-5):
+        super().__init__(hidden_size, eps=eps, dtype=param_init_type)
+        self.compute_type = compute_type
+
+    def forward(self, x):
+        dtype = self.compute_type
+        return F.layer_norm(x.to(dtype), self.normalized_shape, self.weight.to(dtype), self.bias.to(dtype),
+                            self.eps).to(x.dtype)
+
+
+class VocabEmbedding(builtin.VocabEmbedding, Cell):
+    """Token lookup: input_ids (B, T) -> (embeddings (B, T, E), embedding table (V, E)).
+
+    With ``parallel_config.vocab_emb_dp=False`` and model_parallel > 1 the table's rows (the
+    vocabulary) are split over model_parallel and the lookups summed; otherwise it is replicated.
+    ``param_init``: MindSpore's initializer name ("normal": normal(0, 0.01)), a number or a tensor.
+    """
+
+    def __init__(self, vocab_size: int, embedding_size: int, parallel_config=default_embedding_parallel_config,
+                 param_init="normal"):
+        super().__init__(vocab_size, embedding_size)
+        self.vocab_size, self.embedding_size = vocab_size, embedding_size
+        config = op_config(parallel_config, "VocabEmbedding", embedding=True)
+        self.model_parallel = 1 if config.vocab_emb_dp else config.model_parallel
+        check_divisible("VocabEmbedding", self.model_parallel, vocab_size=vocab_size)
+        initialize(self.embedding.weight, param_init, "VocabEmbedding")
+
+    @property
+    def embedding_table(self) -> nn.Parameter:
+        """The (V, E) table under MindSpore's name."""
+        return self.embedding.weight
+
+    def parallel_plan(self) -> dict[str, str]:
+        return {"embedding": "vocab_rows"} if self.model_parallel > 1 else {}
+
+
+class AttentionMask(Cell):
+    """input_mask (B, T), nonzero for real tokens -> float (B, T, T): 1 where query i may attend key j,
+    i.e. j <= i and both are real tokens (causal and padding, as MindSpore's AttentionMask)."""
+
+    def __init__(self, seq_length: int, parallel_config=default_dpmp_config):
+        super().__init__()
+        op_config(parallel_config, "AttentionMask")
+        self.seq_length = seq_length
+
+    def forward(self, input_mask: torch.Tensor) -> torch.Tensor:
+        real = (input_mask != 0).float()
+        length = input_mask.shape[1]
+        causal = torch.ones(length, length, device=input_mask.device).tril()
+        return real[:, :, None] * real[:, None, :] * causal
+
+
+class FeedForward(Cell):
+    """Position-wise FFN as MindSpore's: dropout(projection(act(mapping(x)))), (B, T, H) or (B*T, H) -> same shape.
+
+    ``mapping`` (H -> F) is split colwise and ``projection`` (F -> H) rowwise over model_parallel.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, dropout_rate: float, hidden_act="gelu",
+                 expert_num: int = 1, expert_group_size: int | None = None, param_init_type=torch.float32,
+                 parallel_config=default_dpmp_config):
+        super().__init__()
+        owner = "FeedForward"
+        if expert_num > 1:
+            raise UserError(f"{owner}: expert_num={expert_num}: mixture of experts is not supported; use expert_num=1")
+        check_rate(owner, dropout_rate=dropout_rate)
+        self.model_parallel = op_config(parallel_config, owner).model_parallel
+        check_divisible(owner, self.model_parallel, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        dtype = to_dtype(param_init_type, "param_init_type", owner)
+        self.mapping = dense(hidden_size, ffn_hidden_size, dtype)
+        self.activation = activation(hidden_act, owner)
+        self.projection = dense(ffn_hidden_size, hidden_size, dtype)
+        self.dropout = nn.Dropout(dropout_rate)
+
+    def parallel_plan(self) -> dict[str, str]:
+        return {"mapping": "colwise", "projection": "rowwise"} if self.model_parallel > 1 else {}
+
+    def forward(self, x):
+        hidden = self.activation(self.mapping(x.to(self.mapping.weight.dtype)))
+        return self.dropout(self.projection(hidden)).to(x.dtype)
+
+
+class MultiHeadAttention(Cell):
+    """Multi-head attention of query (B, Tq, H) over key and value (B, Tk, H) (or (B*T, H) each) under
+    attention_mask (B, Tq, Tk), 1 where a query may attend a key (None: everywhere).
+
+    Returns ``(output, layer_present)``: output shaped like the query, and the projected
+    ``(key (B, h, d, Tk), value (B, h, Tk, d))``. ``dense1``/``dense2``/``dense3`` (query, key,
+    value) are split colwise -- whole heads per rank -- and ``projection`` rowwise over
+    model_parallel. Dropout: ``attention_dropout_rate`` on the attention probabilities,
+    ``hidden_dropout_rate`` on the output. ``key_past``, ``value_past`` and ``batch_valid_length``
+    belong to incremental decoding (``use_past``, refused) and are ignored.
+    """
+
+    def __init__(self, batch_size: int, src_seq_length: int, tgt_seq_length: int, hidden_size: int, num_heads: int,
+                 hidden_dropout_rate: float = 0.1, attention_dropout_rate: float = 0.1, compute_dtype=torch.float16,
+                 softmax_compute_type=torch.float32, param_init_type=torch.float32, use_past: bool = False,
+                 parallel_config=default_dpmp_config):
+        super().__init__()
+        owner = "MultiHeadAttention"
+        refuse_unsupported(owner, use_past)
+        check_rate(owner, hidden_dropout_rate=hidden_dropout_rate, attention_dropout_rate=attention_dropout_rate)
+        if hidden_size % num_heads:
+            raise UserError(f"{owner}: hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+        self.model_parallel = op_config(parallel_config, owner).model_parallel
+        check_divisible(owner, self.model_parallel, num_heads=num_heads)
+        self.batch_size, self.src_seq_length, self.tgt_seq_length = batch_size, src_seq_length, tgt_seq_length
+        self.hidden_size, self.n_head, self.size_per_head = hidden_size, num_heads, hidden_size // num_heads
+        self.compute_dtype = to_dtype(compute_dtype, "compute_dtype", owner)
+        self.softmax_dtype = to_dtype(softmax_compute_type, "softmax_compute_type", owner)
+        dtype = to_dtype(param_init_type, "param_init_type", owner)
+        self.dense1, self.dense2, self.dense3 = (dense(hidden_size, hidden_size, dtype) for _ in range(3))
+        self.core = builtin.ScaledDotProductAttention(attention_dropout_rate)
+        self.projection = dense(hidden_size, hidden_size, dtype)
+        self.dropout = nn.Dropout(hidden_dropout_rate)
+
+    def parallel_plan(self) -> dict[str, str]:
+        if self.model_parallel == 1:
+            return {}
+        return {"dense1": "colwise", "dense2": "colwise", "dense3": "colwise", "projection": "rowwise"}
+
+    def forward(self, query_tensor, key_tensor, value_tensor, attention_mask=None, key_past=None, value_past=None,
+                batch_valid_length=None):
+        shape, dtype = query_tensor.shape, query_tensor.dtype
+        batch = shape[0] if query_tensor.dim() == 3 else attention_mask.shape[0]
+        q, k, v = (self._heads(proj, x, batch) for proj, x in
+                   ((self.dense1, query_tensor), (self.dense2, key_tensor), (self.dense3, value_tensor)))
+        context = self.core(q, k, v, self._score_bias(attention_mask, q.dtype))
+        output = self.dropout(self.projection(context.transpose(1, 2).flatten(2)))
+        return output.reshape(shape).to(dtype), (k.transpose(-2, -1), v)
+
+    def _heads(self, proj: nn.Linear, x: torch.Tensor, batch: int) -> torch.Tensor:
+        """(B, T, H) or (B*T, H) -> (B, h, T, d), h being this rank's heads."""
+        x = x.reshape(batch, -1, x.shape[-1]).to(proj.weight.dtype)
+        return proj(x).unflatten(-1, (-1, self.size_per_head)).transpose(1, 2)
+
+    @staticmethod
+    def _score_bias(attention_mask, dtype) -> torch.Tensor | None:
+        """(B, Tq, Tk) mask -> (B, 1, Tq, Tk) added to the scores: 0 where allowed, MASKED_SCORE elsewhere.
+
+        A finite bias, as MindSpore's: a query row with no allowed key (a padded query) gets a
+        uniform softmax instead of NaN, and exp(MASKED_SCORE) is exactly 0 next to any allowed key.
+        """
+        if attention_mask is None:
+            return None
+        mask = attention_mask.to(dtype)
+        if mask.dim() == 3:
+            mask = mask.unsqueeze(1)
+        return (1.0 - mask) * MASKED_SCORE
+

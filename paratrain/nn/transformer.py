@@ -1,0 +1,271 @@
+"""MindSpore's transformer layers and stacks as plain modules: TransformerEncoderLayer,
+TransformerDecoderLayer, TransformerEncoder, TransformerDecoder, Transformer.
+
+Shapes: B batch, S source length, T target length, H hidden size; masks are float or bool
+(B, Tq, Tk) with 1 where a query may attend a key. Every layer returns ``(output, layer_present)``
+with the projected keys and values of its attentions (see ``MultiHeadAttention``). The
+``init_reset`` and ``batch_valid_length`` inputs belong to incremental decoding (``use_past``,
+refused) and are ignored.
+
+The layers are the units the parallel runtime wraps (FSDP unit, recompute); the stacks keep them
+in an ``nn.ModuleList`` named ``blocks`` and call ``lambda_func`` on each as it is built, which
+places it on a pipeline stage, sets its recompute mode and its gradient communication group.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from paratrain.errors import UserError
+from paratrain.nn.cell import Cell
+from paratrain.nn.config import (check_divisible, default_dpmp_config, default_moe_config, default_transformer_config,
+                                 op_config, refuse_unsupported, stack_config, to_dtype)
+from paratrain.nn.layers import FeedForward, MultiHeadAttention, _LayerNorm
+
+
+def _get_lambda_func(total_layer: int | None = None):
+    """MindSpore's default ``lambda_func(network, layer_id, offset, parallel_config, layers)``.
+
+    Layer ``layer_id + offset`` of ``layers`` (``total_layer`` when given: the encoder's and the
+    decoder's together in a Transformer) goes to pipeline stage
+    ``min((layer_id + offset) // (layers // pipeline_stage), pipeline_stage - 1)`` and to
+    communication group ``(layer_id + offset) // (layers // groups) + 1`` (``groups``:
+    ``gradient_aggregation_group``, one per layer when 0); it is recomputed as
+    ``parallel_config.recompute`` says for that layer.
+    """
+
+    def set_parallel_configure_for_layer(network: Cell, layer_id: int, offset: int, parallel_config, layers: int):
+        layers = total_layer or layers
+        stages = parallel_config.pipeline_stage
+        if layers < stages:
+            raise UserError(f"{layers} layers cannot fill pipeline_stage={stages} stages: use pipeline_stage <= {layers}")
+        index = layer_id + offset
+        network.pipeline_stage = min(index // max(layers // stages, 1), stages - 1)
+        network.set_comm_fusion(index // max(layers // parallel_config.aggregation_groups(layers), 1) + 1)
+        mode = parallel_config.recompute_mode(layer_id, offset)
+        if mode != "none":
+            network.recompute(mode)
+
+    return set_parallel_configure_for_layer
+
+
+def _residual(x, normed, update, post_layernorm_residual: bool):
+    """The residual add: onto the LayerNorm's output with ``post_layernorm_residual``, else onto its input."""
+    return (normed if post_layernorm_residual else x) + update
+
+
+def _check_layer(owner: str, hidden_size: int, ffn_hidden_size: int, num_heads: int, use_past: bool, moe_config,
+                 parallel_config) -> int:
+    """Refuse what a layer cannot build; returns its model_parallel."""
+    refuse_unsupported(owner, use_past, moe_config)
+    model_parallel = op_config(parallel_config, owner).model_parallel
+    check_divisible(owner, model_parallel, num_heads=num_heads, hidden_size=hidden_size,
+                    ffn_hidden_size=ffn_hidden_size)
+    return model_parallel
+
+
+class TransformerEncoderLayer(Cell):
+    """Self-attention then FFN, each behind a LayerNorm with a residual add:
+    x (B, S, H) or (B*S, H), input_mask (B, S, S) -> ``(output shaped like x, (key, value))``."""
+
+    def __init__(self, batch_size: int, hidden_size: int, ffn_hidden_size: int, num_heads: int, seq_length: int,
+                 attention_dropout_rate: float = 0.1, hidden_dropout_rate: float = 0.1,
+                 post_layernorm_residual: bool = False, layernorm_compute_type=torch.float32,
+                 softmax_compute_type=torch.float32, param_init_type=torch.float32, hidden_act="gelu",
+                 use_past: bool = False, moe_config=default_moe_config, parallel_config=default_dpmp_config):
+        super().__init__()
+        owner = "TransformerEncoderLayer"
+        _check_layer(owner, hidden_size, ffn_hidden_size, num_heads, use_past, moe_config, parallel_config)
+        norm_dtype = to_dtype(layernorm_compute_type, "layernorm_compute_type", owner)
+        dtype = to_dtype(param_init_type, "param_init_type", owner)
+        self.post_layernorm_residual = post_layernorm_residual
+        self.layernorm1 = _LayerNorm(hidden_size, norm_dtype, dtype)
+        self.attention = MultiHeadAttention(batch_size, seq_length, seq_length, hidden_size, num_heads,
+                                            hidden_dropout_rate, attention_dropout_rate,
+                                            softmax_compute_type=softmax_compute_type, param_init_type=dtype,
+                                            parallel_config=parallel_config)
+        self.layernorm2 = _LayerNorm(hidden_size, norm_dtype, dtype)
+        self.output = FeedForward(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act,
+                                  param_init_type=dtype, parallel_config=parallel_config)
+
+    def forward(self, x, input_mask=None, init_reset=True, batch_valid_length=None):
+        normed = self.layernorm1(x)
+        attention, layer_present = self.attention(normed, normed, normed, input_mask)
+        x = _residual(x, normed, attention, self.post_layernorm_residual)
+        normed = self.layernorm2(x)
+        return _residual(x, normed, self.output(normed), self.post_layernorm_residual), layer_present
+
+
+class TransformerDecoderLayer(Cell):
+    """Masked self-attention, cross-attention over the encoder output, then FFN, each behind a LayerNorm
+    with a residual add: hidden_stats (B, T, H), decoder_mask (B, T, T), encoder_output (B, S, H),
+    memory_mask (B, T, S) -> ``(output (B, T, H), (self key, self value, cross key, cross value))``.
+
+    Without ``encoder_output`` the cross-attention is skipped (and only the self-attention's key and
+    value are returned), as in MindSpore.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_heads: int, batch_size: int, src_seq_length: int,
+                 tgt_seq_length: int, attention_dropout_rate: float = 0.1, hidden_dropout_rate: float = 0.1,
+                 post_layernorm_residual: bool = False, use_past: bool = False, layernorm_compute_type=torch.float32,
+                 softmax_compute_type=torch.float32, param_init_type=torch.float32, hidden_act="gelu",
+                 moe_config=default_moe_config, parallel_config=default_dpmp_config):
+        super().__init__()
+        owner = "TransformerDecoderLayer"
+        _check_layer(owner, hidden_size, ffn_hidden_size, num_heads, use_past, moe_config, parallel_config)
+        norm_dtype = to_dtype(layernorm_compute_type, "layernorm_compute_type", owner)
+        dtype = to_dtype(param_init_type, "param_init_type", owner)
+        attention = dict(hidden_size=hidden_size, num_heads=num_heads, batch_size=batch_size,
+                         hidden_dropout_rate=hidden_dropout_rate, attention_dropout_rate=attention_dropout_rate,
+                         softmax_compute_type=softmax_compute_type, param_init_type=dtype,
+                         parallel_config=parallel_config)
+        self.post_layernorm_residual = post_layernorm_residual
+        self.layernorm1 = _LayerNorm(hidden_size, norm_dtype, dtype)
+        self.attention = MultiHeadAttention(src_seq_length=tgt_seq_length, tgt_seq_length=tgt_seq_length, **attention)
+        self.cross_attention_layernorm = _LayerNorm(hidden_size, norm_dtype, dtype)
+        self.cross_attention = MultiHeadAttention(src_seq_length=tgt_seq_length, tgt_seq_length=src_seq_length,
+                                                  **attention)
+        self.layernorm2 = _LayerNorm(hidden_size, norm_dtype, dtype)
+        self.output = FeedForward(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act,
+                                  param_init_type=dtype, parallel_config=parallel_config)
+
+    def forward(self, hidden_stats, decoder_mask=None, encoder_output=None, memory_mask=None, init_reset=True,
+                batch_valid_length=None):
+        x, post = hidden_stats, self.post_layernorm_residual
+        normed = self.layernorm1(x)
+        attention, layer_present = self.attention(normed, normed, normed, decoder_mask)
+        x = _residual(x, normed, attention, post)
+        if encoder_output is not None:
+            normed = self.cross_attention_layernorm(x)
+            attention, cross_present = self.cross_attention(normed, encoder_output, encoder_output, memory_mask)
+            x = _residual(x, normed, attention, post)
+            layer_present += cross_present
+        normed = self.layernorm2(x)
+        return _residual(x, normed, self.output(normed), post), layer_present
+
+
+def _stack(layer_class: type, args: dict, owner: str) -> nn.ModuleList:
+    """A stack's ``num_layers`` layers, built from the stack's arguments ``args`` that ``layer_class`` takes,
+    each passed to ``lambda_func`` as it is built."""
+    config = stack_config(args["parallel_config"], owner)
+    lambda_func = args["lambda_func"] or _get_lambda_func()
+    layer_args = {name: args[name] for name in inspect.signature(layer_class).parameters if name != "parallel_config"}
+    blocks = nn.ModuleList()
+    for i in range(args["num_layers"]):
+        block = layer_class(**layer_args, parallel_config=config.dp_mp_config)
+        lambda_func(block, layer_id=i, offset=args["offset"], parallel_config=config, layers=args["num_layers"])
+        blocks.append(block)
+    return blocks
+
+
+class TransformerEncoder(Cell):
+    """``num_layers`` TransformerEncoderLayers in ``blocks``: hidden_states (B, S, H), attention_mask (B, S, S)
+    -> ``(output (B, S, H), one (key, value) per layer)``.
+
+    ``lambda_func(network, layer_id, offset, parallel_config, layers)`` is called on each layer as it
+    is built (default: MindSpore's, see ``_get_lambda_func``); ``offset`` counts the layers before
+    this stack.
+    """
+
+    def __init__(self, batch_size: int, num_layers: int, hidden_size: int, ffn_hidden_size: int, seq_length: int,
+                 num_heads: int, attention_dropout_rate: float = 0.1, hidden_dropout_rate: float = 0.1,
+                 hidden_act="gelu", post_layernorm_residual: bool = False, layernorm_compute_type=torch.float32,
+                 softmax_compute_type=torch.float32, param_init_type=torch.float32, lambda_func=None, offset: int = 0,
+                 use_past: bool = False, moe_config=default_moe_config, parallel_config=default_transformer_config):
+        super().__init__()
+        self.num_layers = num_layers
+        self.blocks = _stack(TransformerEncoderLayer, locals(), "TransformerEncoder")
+
+    def forward(self, hidden_states, attention_mask=None, init_reset=True, batch_valid_length=None):
+        present_layer = ()
+        for block in self.blocks:
+            hidden_states, present = block(hidden_states, attention_mask, init_reset, batch_valid_length)
+            present_layer += (present,)
+        return hidden_states, present_layer
+
+
+class TransformerDecoder(Cell):
+    """``num_layers`` TransformerDecoderLayers in ``blocks``: hidden_states (B, T, H), attention_mask (B, T, T),
+    encoder_output (B, S, H), memory_mask (B, T, S) -> ``(output (B, T, H), one present tuple per layer)``.
+
+    ``lambda_func`` and ``offset`` as in ``TransformerEncoder`` (in a Transformer the offset is the
+    number of encoder layers).
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, hidden_size: int, ffn_hidden_size: int, src_seq_length: int,
+                 tgt_seq_length: int, num_heads: int, attention_dropout_rate: float = 0.1,
+                 hidden_dropout_rate: float = 0.1, post_layernorm_residual: bool = False,
+                 layernorm_compute_type=torch.float32, softmax_compute_type=torch.float32,
+                 param_init_type=torch.float32, hidden_act="gelu", lambda_func=None, use_past: bool = False,
+                 offset: int = 0, moe_config=default_moe_config, parallel_config=default_transformer_config):
+        super().__init__()
+        self.num_layers = num_layers
+        self.blocks = _stack(TransformerDecoderLayer, locals(), "TransformerDecoder")
+
+    def forward(self, hidden_states, attention_mask=None, encoder_output=None, memory_mask=None, init_reset=True,
+                batch_valid_length=None):
+        present_layer = ()
+        for block in self.blocks:
+            hidden_states, present = block(hidden_states, attention_mask, encoder_output, memory_mask, init_reset,
+                                           batch_valid_length)
+            present_layer += (present,)
+        return hidden_states, present_layer
+
+
+class Transformer(Cell):
+    """Encoder-decoder Transformer (pre-LayerNorm by default, no final LayerNorm, as MindSpore's):
+    encoder_inputs (B, S, H), encoder_masks (B, S, S), decoder_inputs (B, T, H), decoder_masks (B, T, T),
+    memory_mask (B, T, S) -> ``(output, encoder_layer_present, decoder_layer_present)``.
+
+    ``output`` is the decoder's (B, T, H), or the encoder's (B, S, H) when ``decoder_layers=0``.
+    With ``encoder_layers=0`` it is decoder-only: the decoder is a stack of self-attention layers
+    (``TransformerEncoderLayer`` blocks, a decoder layer without cross-attention) that reads
+    ``decoder_inputs``/``decoder_masks``, or ``encoder_inputs``/``encoder_masks`` when those are None,
+    and ``encoder_layer_present`` is None. The default ``lambda_func`` spreads the encoder's and
+    decoder's layers together evenly over the pipeline stages.
+    """
+
+    def __init__(self, hidden_size: int, batch_size: int, ffn_hidden_size: int, src_seq_length: int,
+                 tgt_seq_length: int, encoder_layers: int = 3, decoder_layers: int = 3, num_heads: int = 2,
+                 attention_dropout_rate: float = 0.1, hidden_dropout_rate: float = 0.1, hidden_act="gelu",
+                 post_layernorm_residual: bool = False, layernorm_compute_type=torch.float32,
+                 softmax_compute_type=torch.float32, param_init_type=torch.float32, lambda_func=None,
+                 use_past: bool = False, moe_config=default_moe_config, parallel_config=default_transformer_config):
+        super().__init__()
+        if encoder_layers < 0 or decoder_layers < 0 or encoder_layers + decoder_layers == 0:
+            raise UserError(f"Transformer: encoder_layers={encoder_layers} and decoder_layers={decoder_layers} "
+                            f"must not be negative, and at least one must be positive")
+        refuse_unsupported("Transformer", use_past, moe_config)
+        lambda_func = lambda_func or _get_lambda_func(total_layer=encoder_layers + decoder_layers)
+        common = dict(batch_size=batch_size, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
+                      num_heads=num_heads, attention_dropout_rate=attention_dropout_rate,
+                      hidden_dropout_rate=hidden_dropout_rate, hidden_act=hidden_act,
+                      post_layernorm_residual=post_layernorm_residual, layernorm_compute_type=layernorm_compute_type,
+                      softmax_compute_type=softmax_compute_type, param_init_type=param_init_type,
+                      lambda_func=lambda_func, moe_config=moe_config, parallel_config=parallel_config)
+        self.encoder = self.decoder = None
+        if encoder_layers > 0:
+            self.encoder = TransformerEncoder(num_layers=encoder_layers, seq_length=src_seq_length, **common)
+        if decoder_layers > 0 and self.encoder is None:
+            self.decoder = TransformerEncoder(num_layers=decoder_layers, seq_length=tgt_seq_length, **common)
+        elif decoder_layers > 0:
+            self.decoder = TransformerDecoder(num_layers=decoder_layers, src_seq_length=src_seq_length,
+                                              tgt_seq_length=tgt_seq_length, offset=encoder_layers, **common)
+
+    def forward(self, encoder_inputs, encoder_masks, decoder_inputs=None, decoder_masks=None, memory_mask=None,
+                init_reset=True, batch_valid_length=None):
+        output = encoder_output = encoder_layer_present = decoder_layer_present = None
+        if self.encoder is not None:
+            output, encoder_layer_present = self.encoder(encoder_inputs, encoder_masks, init_reset, batch_valid_length)
+            encoder_output = output
+        if self.decoder is not None and self.encoder is None:
+            if decoder_inputs is None:
+                decoder_inputs, decoder_masks = encoder_inputs, encoder_masks
+            output, decoder_layer_present = self.decoder(decoder_inputs, decoder_masks, init_reset, batch_valid_length)
+        elif self.decoder is not None:
+            output, decoder_layer_present = self.decoder(decoder_inputs, decoder_masks, encoder_output, memory_mask,
+                                                         init_reset, batch_valid_length)
+        return output, encoder_layer_present, decoder_layer_present
+
