@@ -372,3 +372,55 @@ def test_a_second_train_call_goes_on_with_the_same_placed_net(capsys):
     losses = plain_losses(reference, data, 2)
     printed = [float(line.rsplit(" ", 1)[1]) for line in capsys.readouterr().out.splitlines()]
     assert printed == losses
+
+
+class TutorialNet(nn.Module):
+    """The tutorial's shape of net from paratrain.nn blocks (decoder-only, tiny): the Transformer is given the
+    TransformerOpParallelConfig, which Model.train reads."""
+
+    def __init__(self, config, vocab=16, length=8):
+        from paratrain.nn import AttentionMask, CrossEntropyLoss, Transformer, VocabEmbedding
+
+        super().__init__()
+        self.embedding = VocabEmbedding(vocab, 16, parallel_config=config.embedding_dp_mp_config)
+        self.transformer = Transformer(hidden_size=16, batch_size=8, ffn_hidden_size=32, src_seq_length=length,
+                                       tgt_seq_length=length, encoder_layers=0, decoder_layers=2, num_heads=2,
+                                       attention_dropout_rate=0.0, hidden_dropout_rate=0.0, parallel_config=config)
+        self.attention_mask = AttentionMask(length)
+        self.loss = CrossEntropyLoss(parallel_config=config.dp_mp_config)
+
+    def forward(self, ids, labels, mask):
+        words, table = self.embedding(ids)
+        output = self.transformer(words, self.attention_mask(mask))[0]
+        return self.loss((output @ table.t()).flatten(0, 1), labels.flatten(), mask.flatten())
+
+
+def token_batches():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 16, (3, 8, 8), generator=g)
+    mask = (torch.arange(8) < torch.randint(4, 9, (3, 8, 1), generator=g)).float()
+    return [(i * m.long(), i.roll(1, -1) * m.long(), m) for i, m in zip(ids, mask)]
+
+
+def _train_tutorial_net(model_parallel):
+    torch.manual_seed(0)
+    net = TutorialNet(TransformerOpParallelConfig(model_parallel=model_parallel))
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        model.train(2, token_batches(), callbacks=[LossMonitor()])
+    return out.getvalue(), model.train_network.config.model_parallel
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_net_of_paratrain_nn_blocks_trains_model_parallel_as_one_process():
+    text, used = _train_tutorial_net(1)
+    one = printed_losses(text)
+    assert used == 1 and len(one) == 6 and one[-1][2] < one[0][2]
+    (text0, used0), (text1, _) = run_distributed(_train_tutorial_net, 2, 2)
+    assert used0 == 2 and text1 == ""  # the blocks' model_parallel=2 was read; rank 0 prints
+    two = printed_losses(text0)
+    assert [(e, s) for e, s, _ in two] == [(e, s) for e, s, _ in one]
+    for (_, _, a), (_, _, b) in zip(two, one):
+        assert a == pytest.approx(b, rel=1e-4)
