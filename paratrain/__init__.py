@@ -1,7 +1,18 @@
 """paratrain: train Transformer models on many devices with one parallel config."""
 from paratrain.config import (Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig,
                               TransformerOpParallelConfig, check, validate)
+from paratrain.context import (ParallelMode, get_auto_parallel_context, reset_auto_parallel_context,
+                               set_auto_parallel_context)
 
-__all__ = ["Config", "ConfigError", "DataConfig", "ModelConfig", "ParallelConfig", "TrainConfig",
-           "TransformerOpParallelConfig", "check", "validate"]
+__all__ = ["Config", "ConfigError", "DataConfig", "ModelConfig", "ParallelConfig", "ParallelMode", "TrainConfig",
+           "TransformerOpParallelConfig", "check", "get_auto_parallel_context", "load_checkpoint",
+           "load_param_into_net", "reset_auto_parallel_context", "set_auto_parallel_context", "validate"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # imported on first use: `import paratrain` (and the command line) stays without torch
+    if name in ("load_checkpoint", "load_param_into_net"):
+        from paratrain.train import serialization
+        return getattr(serialization, name)
+    raise AttributeError(f"module 'paratrain' has no attribute {name!r}")

@@ -54,10 +54,22 @@ class Section:
         key = cls.ALIASES.get(key, key)
         if key in {f.name for f in fields(cls)}:
             return key
-        close = difflib.get_close_matches(key, cls.key_names(), n=1)
-        hint = f" (did you mean {cls.SECTION}.{close[0]}?)" if close else f" (known: {', '.join(sorted(cls.key_names()))})"
-        problems.append(f"unknown key {cls.SECTION}.{key}{hint}")
+        problems.append(f"unknown key {cls.SECTION}.{key}{cls.hint(key)}")
         return None
+
+    @classmethod
+    def hint(cls, key: str) -> str:
+        """What to write instead of the unknown ``key``: a MindSpore name's counterpart, the key (or an alias)
+        in the section it belongs to, else the closest key here."""
+        if key in MINDSPORE_HINTS:
+            return f" ({MINDSPORE_HINTS[key]})"
+        for name, section in Config.sections().items():
+            if section is not cls and key in section.key_names():
+                return f" (did you mean {name}.{section.ALIASES.get(key, key)}?)"
+        close = difflib.get_close_matches(key, cls.key_names(), n=1)
+        if close:
+            return f" (did you mean {cls.SECTION}.{close[0]}?)"
+        return f" (known: {', '.join(sorted(cls.key_names()))})"
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], problems: list[str]):
@@ -82,7 +94,7 @@ class Section:
 
 def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
     """Convert ``value`` (from TOML or the command line) to the type of the field it sets."""
-    kind = type(current) if current is not None else None
+    kind = next((t for t in (bool, int, float, str) if isinstance(current, t)), None)
     if f.name == "layer_stages":
         if isinstance(value, list) or callable(value):
             return value
@@ -159,6 +171,7 @@ class ModelConfig(Section):
     """Sizes of the encoder-decoder ``transformer`` or the decoder-only ``gpt``."""
 
     SECTION = "model"
+    ALIASES = {"hidden_dropout_rate": "hidden_dropout", "attention_dropout_rate": "attention_dropout"}
     kind: str = "transformer"
     vocab_size: int = 64
     hidden_size: int = 64
@@ -212,6 +225,13 @@ class EmbeddingOpParallelConfig(OpParallelConfig):
     vocab_emb_dp: bool = True
 
 
+class _Derived(int):
+    """The value of ``data_parallel`` when not given: 1 until ``ParallelConfig.derive`` knows the world size."""
+
+
+DERIVED = _Derived(1)
+
+
 @dataclass
 class TransformerRecomputeConfig:
     """MindSpore's recompute switch for the transformer blocks: ``recompute=True`` means full recompute.
@@ -239,7 +259,9 @@ StageSpec = Union[list, Callable[[int, int, "ParallelConfig"], int]]
 class ParallelConfig(Section):
     """How the work is split; also importable as ``TransformerOpParallelConfig``.
 
-    ``data_parallel * model_parallel * pipeline_stage`` must equal the world size.
+    ``data_parallel * model_parallel * pipeline_stage`` must equal the world size; ``data_parallel``
+    not given is derived from it (``world_size // (model_parallel * pipeline_stage)``) by ``check``,
+    ``Layout`` and the trainer, and is 1 until then.
     ``zero_stage`` (or ``optimizer_shard=True``, meaning stage 1) shards optimizer
     state (1), gradients (2) and parameters (3) over the data-parallel ranks.
     ``recompute`` is ``none``/``full``/``selective``, a bool, a list with one mode per
@@ -251,8 +273,10 @@ class ParallelConfig(Section):
     """
 
     SECTION = "parallel"
-    ALIASES = {"dp": "data_parallel", "mp": "model_parallel", "tp": "model_parallel", "pp": "pipeline_stage"}
-    data_parallel: int = 1
+    ALIASES = {"dp": "data_parallel", "mp": "model_parallel", "tp": "model_parallel", "pp": "pipeline_stage",
+               "stage_num": "pipeline_stage", "pipeline_stages": "pipeline_stage",
+               "enable_parallel_optimizer": "optimizer_shard"}
+    data_parallel: int = DERIVED
     model_parallel: int = 1
     pipeline_stage: int = 1
     micro_batch_num: int = 1
@@ -266,6 +290,19 @@ class ParallelConfig(Section):
     sequence_parallel: bool = False
     layer_stages: StageSpec = field(default_factory=list)
     auto: bool = False  # `paratrain train` picks the layout for its world size (paratrain.plan.resolve_auto)
+
+    @property
+    def data_parallel_given(self) -> bool:
+        """False while ``data_parallel`` waits to be derived from the world size (see ``derive``)."""
+        return type(self.data_parallel) is not _Derived
+
+    def derive(self, world_size: int) -> "ParallelConfig":
+        """Set ``data_parallel``, when not given, to ``world_size // (model_parallel * pipeline_stage)`` (as
+        MindSpore's tutorial computes it); left as it is when that does not divide. Returns self."""
+        split = self.model_parallel * self.pipeline_stage
+        if not self.data_parallel_given and split > 0 and world_size % split == 0 and world_size >= split:
+            self.data_parallel = world_size // split
+        return self
 
     @property
     def dp(self) -> int:
@@ -388,11 +425,13 @@ class CheckpointConfig(Section):
     """When and where checkpoints are written and whether to resume."""
 
     SECTION = "checkpoint"
+    ALIASES = {"save_checkpoint_steps": "save_steps", "keep_checkpoint_max": "keep_max", "directory": "dir"}
     dir: str = ""  # default: <run dir>/checkpoints
     save_steps: int = 0
     keep_max: int = 3
     integrated_save: bool = False
     resume: str = "auto"
+    prefix: str = ""  # "": directories step_00000008; else MindSpore's <prefix>-<epoch>_<step> (one epoch here)
 
 
 @dataclass
@@ -471,6 +510,21 @@ class Config:
         Path(path).write_text(self.to_toml())
 
 
+# MindSpore names that are no key here, and what to do instead
+MINDSPORE_HINTS = {
+    "parallel_mode": "paratrain has no parallel mode: it follows from data_parallel, model_parallel and "
+                     "pipeline_stage; a Python script may call paratrain.set_auto_parallel_context(parallel_mode=...)",
+    "device_num": "the device count is the number of launched processes (paratrain launch --nproc-per-node); "
+                  "parallel.data_parallel defaults to it divided by model_parallel x pipeline_stage",
+    "full_batch": "always on: every rank reads the whole global batch and keeps its own rows",
+    "gradients_mean": "always on: the gradients are those of one device on the whole global batch",
+    "loss_repeated_mean": "always on: the loss is the mean over the global batch's tokens",
+    "batch_size": "did you mean train.global_batch_size?",
+    "learning_rate": "did you mean train.lr?",
+    "epoch_size": "paratrain counts optimizer steps: did you mean train.steps?",
+}
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -481,6 +535,8 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     With ``parallel.auto`` the parallel sizes need not match ``world_size`` yet, unless the layout
     is ``resolved`` (``paratrain.plan.resolve_auto``), as the trainer needs it.
     """
+    if world_size is not None and (resolved or not cfg.parallel.auto):
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel).derive(world_size))
     m, p, t = cfg.model, cfg.parallel, cfg.train
     problems: list[str] = []
 
@@ -559,7 +615,12 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         problems.append(f"train.global_batch_size={t.global_batch_size} is not divisible by parallel.data_parallel="
                         f"{p.data_parallel} x parallel.micro_batch_num={p.micro_batch_num} = {split}: "
                         f"use a multiple of {split} such as {max(split, t.global_batch_size // split * split)}")
-    if world_size is not None and p.world_size != world_size and (resolved or not p.auto):
+    if world_size is not None and not p.data_parallel_given and (resolved or not p.auto):
+        problems.append(f"parallel.model_parallel={p.model_parallel} x pipeline_stage={p.pipeline_stage} = "
+                        f"{p.model_parallel * p.pipeline_stage} does not divide the world size {world_size}, so "
+                        f"data_parallel (not given) cannot be derived: launch a multiple of "
+                        f"{p.model_parallel * p.pipeline_stage} processes or change the parallel sizes")
+    elif world_size is not None and p.world_size != world_size and (resolved or not p.auto):
         problems.append(f"parallel.data_parallel={p.data_parallel} x model_parallel={p.model_parallel} x "
                         f"pipeline_stage={p.pipeline_stage} = {p.world_size} does not equal the world size "
                         f"{world_size}: launch {p.world_size} processes or change the parallel sizes")
@@ -610,7 +671,10 @@ def _pipeline_problems(p: ParallelConfig, num_layers: int) -> list[str]:
 
 
 def check(cfg: Config, world_size: int | None = None, resolved: bool = False) -> Config:
-    """Raise ConfigError listing every violation (see ``validate``), or return ``cfg``."""
+    """Raise ConfigError listing every violation (see ``validate``), or return ``cfg``, its ``data_parallel``
+    derived from ``world_size`` when not given."""
+    if world_size is not None and (resolved or not cfg.parallel.auto):
+        cfg.parallel.derive(world_size)
     problems = validate(cfg, world_size, resolved)
     if problems:
         raise ConfigError(problems)

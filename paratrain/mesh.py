@@ -16,10 +16,10 @@ from paratrain.device import configure, device
 
 class Layout:
     """A ParallelConfig placed on the processes of this job: its device, mesh, groups and this rank's
-    coordinates."""
+    coordinates. A ``data_parallel`` not given is derived here from ``world_size``."""
 
     def __init__(self, config: ParallelConfig, world_size: int = 1):
-        self.config = config
+        self.config = config.derive(world_size)
         self.world_size = world_size
         self.device = device()
         configure(self.device)

@@ -16,6 +16,12 @@ from paratrain.config import TrainConfig
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
+def tensor_kind(param: torch.Tensor):
+    """What multi-tensor optimizer kernels cannot mix in one group: plain tensors, or DTensors per mesh and
+    placements."""
+    return (param.device_mesh, param.placements) if isinstance(param, DTensor) else None
+
+
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Parameter groups: matrices decay; biases and LayerNorm weights do not (as in the tutorial).
 
@@ -28,8 +34,7 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if not param.requires_grad:
             continue
         decays = not (name.endswith("bias") or id(param) in norm_params)
-        kind = (param.device_mesh, param.placements) if isinstance(param, DTensor) else None
-        groups.setdefault((decays, kind), []).append(param)
+        groups.setdefault((decays, tensor_kind(param)), []).append(param)
     return [{"params": params, "weight_decay": weight_decay if decays else 0.0}
             for (decays, _), params in groups.items()]
 
@@ -71,8 +76,7 @@ def clip_grad_norm(parameters, max_norm: float, counted: set[int] | None = None,
     groups: dict = {}
     for p in parameters:
         if p.grad is not None:
-            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-            groups.setdefault(key, []).append(p)
+            groups.setdefault(tensor_kind(p.grad), []).append(p)
     total = torch.zeros((), device=device)
     for params in groups.values():
         grads = [p.grad for p in params if counted is None or id(p) in counted]

@@ -317,3 +317,13 @@ def test_pipeline_chunks_keep_original_names(one_process, tmp_path):
     for name, value in resumed.model.state_dict().items():
         assert torch.equal(value, want[name]), name
     assert resumed.optimizer.state_dict()["state"][0]["exp_avg"].abs().sum() > 0
+
+
+def test_checkpoint_prefix_names_keeps_and_resumes_mindspore_style(tmp_path):
+    trainer = Trainer(config(tmp_path, keep_max=2, resume="none", prefix="net"))
+    (tmp_path / "checkpoints" / "step_00000009").mkdir(parents=True)  # another naming: neither pruned nor resumed
+    for step in (1, 2, 3):
+        trainer.checkpointer.save(step)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "net-1_2", "net-1_3", "step_00000009"]
+    assert Trainer(config(tmp_path, prefix="net")).step == 3

@@ -143,3 +143,43 @@ def test_zero_bubble_schedules_are_refused_for_the_encoder_decoder():
     msg = only_problem(parallel=parallel, model={"encoder_layers": 2, "decoder_layers": 2})
     assert "zbv_zero_bubble" in msg and "encoder-decoder" in msg and "1f1b" in msg
     assert problems_for(parallel=parallel, model={"kind": "gpt", "decoder_layers": 4}) == []
+
+
+def test_data_parallel_derived_from_the_world_size_when_not_given():
+    cfg = Config.from_dict({"parallel": {"model_parallel": 2, "pipeline_stage": 2, "micro_batch_num": 2}})
+    assert validate(cfg, world_size=8) == [] and not cfg.parallel.data_parallel_given  # validate changes nothing
+    assert check(cfg, world_size=8).parallel.data_parallel == 2 and cfg.parallel.data_parallel_given
+    assert TransformerOpParallelConfig(model_parallel=2).derive(6).data_parallel == 3
+    explicit = Config.from_dict({"parallel": {"dp": 1, "mp": 2}})
+    assert "= 2 does not equal the world size 4" in only_problem(4, parallel={"dp": 1, "mp": 2})
+    assert check(explicit).parallel.data_parallel == 1  # no world size: nothing derived
+    msg = only_problem(6, parallel={"mp": 4})
+    assert "does not divide the world size 6" in msg and "data_parallel (not given)" in msg
+
+
+def test_mindspore_names_are_aliases():
+    cfg = Config.from_dict({
+        "checkpoint": {"save_checkpoint_steps": 5, "keep_checkpoint_max": 2, "directory": "ck", "prefix": "net"},
+        "parallel": {"enable_parallel_optimizer": True, "stage_num": 2},
+        "model": {"hidden_dropout_rate": 0.2, "attention_dropout_rate": 0.3}}, ["parallel.pipeline_stages=2"])
+    c = cfg.checkpoint
+    assert (c.save_steps, c.keep_max, c.dir, c.prefix) == (5, 2, "ck", "net")
+    assert cfg.parallel.effective_zero_stage == 1 and cfg.parallel.pipeline_stage == 2
+    assert (cfg.model.hidden_dropout, cfg.model.attention_dropout) == (0.2, 0.3)
+
+
+@pytest.mark.parametrize("section,key,hint", [
+    ("parallel", "parallel_mode", "paratrain has no parallel mode: it follows from data_parallel, model_parallel and "
+                                  "pipeline_stage; a Python script may call paratrain.set_auto_parallel_context"),
+    ("parallel", "device_num", "--nproc-per-node"),
+    ("train", "save_checkpoint_steps", "did you mean checkpoint.save_steps?"),
+    ("train", "keep_max", "did you mean checkpoint.keep_max?"),
+    ("train", "enable_parallel_optimizer", "did you mean parallel.optimizer_shard?"),
+    ("parallel", "hidden_dropout_rate", "did you mean model.hidden_dropout?"),
+    ("train", "batch_size", "did you mean train.global_batch_size?"),
+])
+def test_mindspore_names_point_to_the_right_key(section, key, hint):
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict({section: {key: 1}})
+    assert f"unknown key {section}.{key} (" in str(err.value) and hint in str(err.value)
+    assert "did you mean parallel.data_parallel" not in str(err.value)

@@ -160,12 +160,12 @@ def test_dry_run_quotes_every_word_per_node(tmp_path, capsys, monkeypatch):
 
 
 def test_dry_run_single_node_uses_a_free_port(capsys):
-    code, out = dry_run(capsys, "--nproc-per-node", "3", "--dry-run", "--name", "one", "--", "train",
-                        "--run.dir", "elsewhere")
-    assert code == 0
+    code, out = dry_run(capsys, "--nproc-per-node", "4", "--dry-run", "--name", "one", "--", "train",
+                        "--run.dir", "elsewhere")  # 4: the default config's batch of 16 splits over 4 ranks
+    assert code == 0, out.err
     words = shlex.split(out.out.splitlines()[-1])
     assert words[words.index("--rdzv-endpoint") + 1] == "localhost:0"
-    assert "--master-port" not in words and words[words.index("--nproc-per-node") + 1] == "3"
+    assert "--master-port" not in words and words[words.index("--nproc-per-node") + 1] == "4"
     assert words[-3:] == ["train", "--run.dir", "elsewhere"]  # the user's run dir is kept
 
 

@@ -38,8 +38,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from paratrain.checkpoint.full import MODEL_PREFIX, OPTIM_PREFIX, export
 from paratrain.checkpoint.storage import (DCP_METADATA, FORMAT_VERSION, INTEGRATED_FILE, LATEST, META_FILE,
-                                          TMP_PREFIX, CheckpointError, dcp_load, dcp_save, fsync_dir, newest_complete, rank_file_name, resolve, step_dir_name,
-                                          step_dirs, tensor_entries, verify, write_atomic)
+                                          TMP_PREFIX, CheckpointError, checkpoint_name, dcp_load, dcp_save, fsync_dir,
+                                          newest_complete, parse_name, rank_file_name, resolve, step_dirs,
+                                          tensor_entries, verify, write_atomic)
 
 from paratrain.config import Config
 from paratrain.device import device
@@ -113,7 +114,10 @@ class Checkpointer:
     """Saves every ``checkpoint.save_steps`` steps and resumes a run from a checkpoint.
 
     ``model_parts``: the model, or this rank's pipeline chunks, all under ``optimizer``;
-    ``states``: name -> object with ``state_dict``/``load_state_dict`` saved with them.
+    ``scheduler``: the LR scheduler, or None; ``states``: name -> object with
+    ``state_dict``/``load_state_dict`` saved with them. Directories are named ``step_00000008``, or
+    ``<checkpoint.prefix>-1_8`` with a prefix (the trainer's run is one epoch); ``keep_max`` counts
+    those of the same prefix.
     """
 
     def __init__(self, config: Config, layout: Layout, model_parts: list[nn.Module],
@@ -173,13 +177,14 @@ class Checkpointer:
     def _fault_point(self, stage: str, step: int) -> None:
         """Hook for fault-injection tests (the save of ``step`` killed at ``stage``); does nothing."""
 
-    def save(self, step: int) -> Path:
-        """Write checkpoint ``step`` atomically; every rank calls it. Returns the final directory."""
+    def save(self, step: int, name: str | None = None) -> Path:
+        """Write checkpoint ``step`` atomically, as directory ``name`` (default: named after the step and
+        ``checkpoint.prefix``); every rank calls it. Returns the final directory."""
         from safetensors.torch import save_file
 
         start = time.perf_counter()
         rank, world = _rank_world()
-        name = step_dir_name(step)
+        name = name or checkpoint_name(step, self.cfg.prefix)
         tmp, final = self.root / (TMP_PREFIX + name), self.root / name
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -246,14 +251,15 @@ class Checkpointer:
 
     def _write_meta(self, directory: Path, step: int, layout: dict, settings: dict, files: dict) -> None:
         sched = self.scheduler
+        schedule = None if sched is None else {"last_epoch": sched.last_epoch, "_step_count": sched._step_count,
+                                               "last_lr": sched.get_last_lr()[0]}
         meta = {
             "format": FORMAT_VERSION,
             "step": step,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "layout": layout,
             "config": self.config.to_dict(),
-            "scheduler": {"last_epoch": sched.last_epoch, "_step_count": sched._step_count,
-                          "last_lr": sched.get_last_lr()[0]},
+            "scheduler": schedule,
             **{name: state.state_dict() for name, state in self.states.items()},
             "optimizer_settings": {k: _json_value(v) for k, v in settings.items()},
             "torch_version": torch.__version__,
@@ -266,7 +272,7 @@ class Checkpointer:
         for leftover in self.root.glob(TMP_PREFIX + "*"):
             shutil.rmtree(leftover, ignore_errors=True)
         if self.cfg.keep_max > 0:
-            complete = [p for _, p in step_dirs(self.root) if (p / META_FILE).is_file()]
+            complete = [p for _, p in step_dirs(self.root, self.cfg.prefix) if (p / META_FILE).is_file()]
             for path in complete[self.cfg.keep_max:]:
                 if path != keep:
                     shutil.rmtree(path, ignore_errors=True)
@@ -287,17 +293,18 @@ class Checkpointer:
         return self.load(path)
 
     def _agreed_auto_path(self) -> Path | None:
-        """The newest complete checkpoint, as rank 0 sees it (all ranks use the same one)."""
+        """The newest complete checkpoint of this prefix, as rank 0 sees it (all ranks use the same one)."""
         rank, _ = _rank_world()
-        step = -1
+        epoch, step = -1, -1
         if rank == 0:
-            found = newest_complete(self.root)
-            step = int(found.name.split("_")[1]) if found is not None else -1
+            found = newest_complete(self.root, prefix=self.cfg.prefix)
+            if found is not None:
+                _, epoch, step = parse_name(found.name)
         if dist.is_initialized():
-            box = torch.tensor([step], dtype=torch.int64, device=device())
+            box = torch.tensor([epoch, step], dtype=torch.int64, device=device())
             dist.broadcast(box, src=0)
-            step = int(box.item())
-        return None if step < 0 else self.root / step_dir_name(step)
+            epoch, step = box.tolist()
+        return None if step < 0 else self.root / checkpoint_name(step, self.cfg.prefix, epoch)
 
     def load(self, path: str | Path) -> int:
         """Load checkpoint ``path`` (any layout wrote it) into the parts, optimizer, scheduler and states;
@@ -345,9 +352,10 @@ class Checkpointer:
 
         # scheduler counters only: base_lrs follow the config and the param groups of this layout
         sched = meta["scheduler"]
-        self.scheduler.last_epoch = sched["last_epoch"]
-        self.scheduler._step_count = sched["_step_count"]
-        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        if self.scheduler is not None and sched is not None:
+            self.scheduler.last_epoch = sched["last_epoch"]
+            self.scheduler._step_count = sched["_step_count"]
+            self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
         for name, state in self.states.items():
             state.load_state_dict(meta[name])
 

@@ -1,6 +1,7 @@
 """On-disk format of a checkpoint, finding the newest complete one, and reading it safely.
 
-A checkpoint is one directory ``<checkpoint dir>/step_00000008``::
+A checkpoint is one directory ``<checkpoint dir>/step_00000008`` (with ``checkpoint.prefix``, or
+from ``paratrain.train.ModelCheckpoint``, MindSpore's ``<prefix>-<epoch>_<step in epoch>``)::
 
     .metadata              DCP's global index of every tensor shard (written by PyTorch)
     __<rank>_0.distcp      DCP shard files: each rank's own slices of model and optimizer tensors
@@ -49,6 +50,7 @@ LATEST = "latest"
 INTEGRATED_FILE = "model.safetensors"
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step_(\d+)$")
+NAMED_DIR = re.compile(r"^(.+)-(\d+)_(\d+)$")
 TMP_PREFIX = ".tmp-"
 
 
@@ -56,8 +58,18 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used; the message names the directory or file and why."""
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
+def checkpoint_name(step: int, prefix: str = "", epoch: int = 1) -> str:
+    """``step_00000008``; with a ``prefix`` MindSpore's ``<prefix>-<epoch>_<step>``, ``step`` counted in the epoch."""
+    return f"{prefix}-{epoch}_{step}" if prefix else f"step_{step:08d}"
+
+
+def parse_name(name: str) -> tuple[str, int, int] | None:
+    """(prefix, epoch, step) of a checkpoint directory name (``("", 0, step)`` for ``step_*``), None for others."""
+    if m := STEP_DIR.match(name):
+        return "", 0, int(m.group(1))
+    if m := NAMED_DIR.match(name):
+        return m.group(1), int(m.group(2)), int(m.group(3))
+    return None
 
 
 def rank_file_name(rank: int) -> str:
@@ -181,16 +193,18 @@ def tensor_entries(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
 
 # --- finding checkpoints ----------------------------------------------------------------------
 
-def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every ``step_*`` directory under ``root``, newest first."""
+def step_dirs(root: Path, prefix: str | None = "") -> list[tuple[tuple[int, int], Path]]:
+    """((epoch, step), path) of every checkpoint directory under ``root`` named with ``prefix`` (``""``:
+    ``step_*``; None: any), newest first."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [(parsed[1:], p) for p in root.iterdir()
+             if (parsed := parse_name(p.name)) and (prefix is None or parsed[0] == prefix) and p.is_dir()]
     return sorted(found, reverse=True)
 
 
-def newest_complete(root: Path, warn: bool = True) -> Path | None:
+def newest_complete(root: Path, warn: bool = True, prefix: str | None = None) -> Path | None:
     """The newest complete checkpoint under ``root``, skipping (with a warning) saves that were killed.
 
     Complete = renamed from its temporary name and holding ``paratrain.json``. A
@@ -201,7 +215,7 @@ def newest_complete(root: Path, warn: bool = True) -> Path | None:
     if warn and root.is_dir():
         for tmp in sorted(root.glob(TMP_PREFIX + "*")):
             log.warning("checkpoint: ignoring %s, a save that did not finish (job killed while saving?)", tmp)
-    for step, path in step_dirs(root):
+    for _, path in step_dirs(root, prefix):
         if (path / META_FILE).is_file():
             pointer = root / LATEST
             if warn and pointer.is_file() and pointer.read_text().strip() != path.name:
@@ -223,8 +237,8 @@ def resolve(path: str | Path) -> Path:
         found = newest_complete(root, warn=False)
         if found is not None:
             return found
-    raise CheckpointError(f"no checkpoint at {path}: expected a step_* directory holding {META_FILE}, "
-                          f"or a directory of them")
+    raise CheckpointError(f"no checkpoint at {path}: expected a step_* (or <prefix>-<epoch>_<step>) directory "
+                          f"holding {META_FILE}, or a directory of them")
 
 
 def fsync_dir(path: Path) -> None:

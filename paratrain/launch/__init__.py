@@ -20,6 +20,24 @@ from paratrain.launch.hosts import (HostError, Topology, parse_hostfile, parse_r
 from paratrain.launch.jobs import Job, JobError
 
 
+def is_script(words: list[str]) -> bool:
+    """Whether ``paratrain launch -- <words>`` runs a user script (first word ``*.py``), not a subcommand."""
+    return bool(words) and words[0].endswith(".py")
+
+
+def _check_train_config(words: list[str], world_size: int) -> None:
+    """Refuse a ``train`` command whose config breaks a rule for ``world_size`` ranks, before any rank starts."""
+    if words[:1] != ["train"]:
+        return
+    from paratrain.cli import build_parser
+    from paratrain.config import Config, check, parse_overrides
+
+    args, rest = build_parser().parse_known_args(words)
+    if args.config is not None and not Path(args.config).is_file():
+        return  # it may exist on the nodes that run it only; their ranks report it otherwise
+    check(Config.load(args.config, parse_overrides(rest)), world_size)
+
+
 def _with_run_dir(words: list[str], job_dir: Path) -> list[str]:
     """Add ``--run.dir=<job dir>`` to a ``train`` command that does not set its own."""
     if words[:1] != ["train"] or any(w == "--run.dir" or w.startswith("--run.dir=") for w in words):
@@ -64,9 +82,13 @@ def cmd_launch(args) -> int:
     if not args.words:
         raise JobError("give the command to run after '--', e.g. -- train --config c.toml")
     _check_numbers(args)
+    if is_script(args.words) and not Path(args.words[0]).is_file():
+        raise JobError(f"script {args.words[0]} does not exist (a first word ending in .py is a script that "
+                       f"every rank runs with python)")
     slurm = slurm_from_env()
+    named_by = [Path(args.words[0]).stem] if is_script(args.words) else args.words
     name = joblib.check_name(args.name or (f"slurm-{slurm.job_id}" if slurm and slurm.nnodes > 1 and args.nnodes is None
-                                            else joblib.new_name(args.words)))
+                                            else joblib.new_name(named_by)))
     job_dir = joblib.jobs_home() / name
     words = _with_run_dir(args.words, job_dir)
     hosts = None
@@ -74,6 +96,7 @@ def cmd_launch(args) -> int:
         hosts = parse_rank_table(args.rank_table) if args.rank_table else parse_hostfile(args.hostfile)
         hosts = select_hosts(hosts, args.include, args.exclude)
     topo = None if hosts else _topology(args)
+    _check_train_config(words, sum(h.slots for h in hosts) if hosts else topo.nproc_per_node * topo.nnodes)
     if args.dry_run:
         return _dry_run(args, name, job_dir, words, hosts, topo)
     # nodes other than the first record themselves in node{R}.json beside the first node's job.json
@@ -190,7 +213,8 @@ def cmd_stop(args) -> int:
 def register(sub) -> None:
     """Add ``launch``, ``jobs``, ``logs`` and ``stop`` to the ``paratrain`` subcommand parser."""
     p = sub.add_parser("launch", help="start a job: one process per rank with torchrun, on one or many nodes",
-                       description="Start NAME: every rank runs 'python -m paratrain COMMAND...'.")
+                       description="Start NAME: every rank runs 'python -m paratrain COMMAND...', or "
+                                   "'python SCRIPT.py ARGS...' when the first word after -- ends in .py.")
     p.add_argument("--nproc-per-node", type=int, help="ranks on each node (default: hostfile slots, Slurm GPUs, 1)")
     p.add_argument("--nnodes", type=int, help="number of nodes (start the launcher on each with its --node-rank)")
     p.add_argument("--node-rank", type=int, help="this node's index, 0..nnodes-1")
@@ -207,7 +231,8 @@ def register(sub) -> None:
     p.add_argument("--join-timeout", type=float, default=600.0,
                    help="seconds a multi-node launch waits for every node to join before it gives up (default 600)")
     p.add_argument("words", nargs=argparse.REMAINDER, metavar="-- COMMAND",
-                   help="the paratrain subcommand each rank runs, e.g. -- train --config c.toml")
+                   help="the paratrain subcommand each rank runs, e.g. -- train --config c.toml, "
+                        "or a Python script and its arguments, e.g. -- train.py --epochs 2")
     p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("jobs", help="list jobs: state, ranks, elapsed time, last step and loss")

@@ -1,6 +1,7 @@
 """Start a job: torchrun (``torch.distributed.run`` as a library) on this node, or ssh to every node.
 
-Each rank runs ``python -u -m paratrain <words>``; its stdout and stderr go to
+Each rank runs ``python -u -m paratrain <words>`` (``python -u <script.py> <args>`` when the
+first word is a script, whose folder is then importable as with ``python script.py``); its stdout and stderr go to
 ``rank{R}.log`` and its environment to ``env{R}.log`` in the job directory
 (a torchrun :class:`LogsSpecs`). torchrun's agent stops the other ranks as soon
 as one fails (``--max-restarts 0``); the launcher then names the rank, its exit
@@ -35,7 +36,7 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
 
 from paratrain import progress
-from paratrain.launch import rendezvous
+from paratrain.launch import is_script, rendezvous
 from paratrain.launch import stop as stoplib
 from paratrain.launch.failure import TIMED_OUT, describe_failure, describe_laggards, first_failure, timed_out
 from paratrain.launch.hosts import Host, Topology
@@ -81,8 +82,8 @@ class RankLogs(LogsSpecs):
 
 
 def rank_command(words: list[str]) -> list[str]:
-    """What every rank runs for ``paratrain launch -- <words>``."""
-    return [sys.executable, "-u", "-m", "paratrain", *words]
+    """What every rank runs for ``paratrain launch -- <words>``: a paratrain subcommand, or a user script."""
+    return [sys.executable, "-u", *words] if is_script(words) else [sys.executable, "-u", "-m", "paratrain", *words]
 
 
 def torchrun_args(topo: Topology, name: str, command: list[str], join_timeout_s: float) -> list[str]:

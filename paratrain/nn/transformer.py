@@ -180,6 +180,7 @@ class TransformerEncoder(Cell):
                  use_past: bool = False, moe_config=default_moe_config, parallel_config=default_transformer_config):
         super().__init__()
         self.num_layers = num_layers
+        self.parallel_config = parallel_config  # the layout paratrain.train.Model reads
         self.blocks = _stack(TransformerEncoderLayer, locals(), "TransformerEncoder")
 
     def forward(self, hidden_states, attention_mask=None, init_reset=True, batch_valid_length=None):
@@ -206,6 +207,7 @@ class TransformerDecoder(Cell):
                  offset: int = 0, moe_config=default_moe_config, parallel_config=default_transformer_config):
         super().__init__()
         self.num_layers = num_layers
+        self.parallel_config = parallel_config  # the layout paratrain.train.Model reads
         self.blocks = _stack(TransformerDecoderLayer, locals(), "TransformerDecoder")
 
     def forward(self, hidden_states, attention_mask=None, encoder_output=None, memory_mask=None, init_reset=True,

@@ -29,7 +29,10 @@ from paratrain.models.transformer import pipeline_blocks
 
 
 def layer_groups(layers: list[nn.Module], num_groups: int) -> list[list[nn.Module]]:
-    """Split ``layers`` into ``num_groups`` contiguous groups of near-equal size."""
+    """Split ``layers`` into ``num_groups`` contiguous groups of near-equal size (none without layers: a user's
+    net of plain modules)."""
+    if not layers:
+        return []
     bounds = [round(i * len(layers) / num_groups) for i in range(num_groups + 1)]
     return [layers[a:b] for a, b in zip(bounds, bounds[1:])]
 

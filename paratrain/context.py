@@ -1,0 +1,216 @@
+"""MindSpore's auto-parallel context: ``set_auto_parallel_context``, ``get_auto_parallel_context``,
+``reset_auto_parallel_context`` and ``ParallelMode``.
+
+Who decides what, when ``paratrain.train.Model`` places a net (``parallel_config_for``):
+
+- the sizes come from the ``TransformerOpParallelConfig`` given to the net's blocks
+  (``data_parallel``, ``model_parallel``, ``pipeline_stage``, ``micro_batch_num``, ``zero_stage``...);
+  a net without one trains data-parallel over every rank; ``data_parallel`` not given is
+  ``world_size // (model_parallel * pipeline_stage)``;
+- the context adds what only it says: ``enable_parallel_optimizer`` shards the optimizer (zero
+  stage 1; 2 with ``parallel_optimizer_config={"gradient_accumulation_shard": True}``),
+  ``pipeline_stages`` sets the stage count the blocks' config leaves at 1, ``parallel_mode``
+  restricts the layout (``data_parallel``: no model or pipeline parallelism; ``stand_alone``: one
+  process), ``device_num`` and ``global_rank`` must be this job's;
+- where both state a value they must agree: a contradiction is refused naming both, never
+  settled silently. An option paratrain cannot honour is refused when set, with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from paratrain.config import ConfigError, ParallelConfig
+from paratrain.errors import UserError
+
+
+class ParallelMode:
+    """MindSpore's parallel modes (the strings ``set_auto_parallel_context(parallel_mode=...)`` takes)."""
+
+    STAND_ALONE = "stand_alone"
+    DATA_PARALLEL = "data_parallel"
+    SEMI_AUTO_PARALLEL = "semi_auto_parallel"
+    AUTO_PARALLEL = "auto_parallel"
+    HYBRID_PARALLEL = "hybrid_parallel"
+    MODE_LIST = [STAND_ALONE, DATA_PARALLEL, HYBRID_PARALLEL, SEMI_AUTO_PARALLEL, AUTO_PARALLEL]
+
+
+# what get_auto_parallel_context answers for an option never set: paratrain's behaviour
+DEFAULTS: dict[str, Any] = {
+    "parallel_mode": ParallelMode.STAND_ALONE, "device_num": 1, "global_rank": 0, "gradients_mean": True,
+    "full_batch": True, "dataset_strategy": "full_batch", "loss_repeated_mean": True, "gradient_fp32_sync": True,
+    "enable_parallel_optimizer": False, "parallel_optimizer_config": {}, "pipeline_stages": 1,
+    "parameter_broadcast": False, "enable_alltoall": False,
+}
+OPTIMIZER_CONFIG_KEYS = ("gradient_accumulation_shard", "parallel_optimizer_threshold", "optimizer_weight_shard_size")
+_STRATEGY_FILES = "paratrain checkpoints load under any layout (they reshard), so no strategy file is needed"
+_COMM_BUCKETS = ("communication buckets are set by TransformerOpParallelConfig.gradient_aggregation_group or a "
+                 "block's set_comm_fusion(k)")
+REFUSED = {  # options that exist in MindSpore and have no counterpart here: why
+    "search_mode": "auto_parallel's strategy search is not offered (see parallel_mode)",
+    "auto_parallel_search_mode": "auto_parallel's strategy search is not offered (see parallel_mode)",
+    "strategy_ckpt_load_file": _STRATEGY_FILES, "strategy_ckpt_save_file": _STRATEGY_FILES,
+    "strategy_ckpt_config": _STRATEGY_FILES,
+    "all_reduce_fusion_config": _COMM_BUCKETS, "comm_fusion": _COMM_BUCKETS,
+}
+
+_values: dict[str, Any] = {}  # the options set, as given
+
+
+def _refuse(key: str, value: Any, why: str) -> UserError:
+    return UserError(f"set_auto_parallel_context({key}={value!r}): {why}")
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _refuse(key, value, "expected True or False")
+    return value
+
+
+def _only(key: str, value: Any, allowed: Any, why: str) -> Any:
+    if value != allowed:
+        raise _refuse(key, value, why)
+    return value
+
+
+def _check(key: str, value: Any) -> Any:
+    """``value`` if paratrain honours option ``key`` with it (checks against other options wait for
+    ``parallel_config_for``); a UserError with the reason otherwise."""
+    if key in REFUSED:
+        raise _refuse(key, value, REFUSED[key])
+    if key == "parallel_mode":
+        if value not in ParallelMode.MODE_LIST:
+            raise _refuse(key, value, f"expected one of {', '.join(ParallelMode.MODE_LIST)}")
+        if value == ParallelMode.AUTO_PARALLEL:
+            raise _refuse(key, value, "strategies are not searched: give the blocks a TransformerOpParallelConfig "
+                                      "and use semi_auto_parallel (`paratrain plan` ranks layouts for the built-in "
+                                      "models)")
+        if value == ParallelMode.HYBRID_PARALLEL:
+            raise _refuse(key, value, "paratrain inserts every collective itself, a net never calls one: use "
+                                      "semi_auto_parallel")
+        return value
+    if key in ("device_num", "global_rank"):
+        from paratrain import communication
+
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "device_num" else 0):
+            raise _refuse(key, value, "expected a positive integer" if key == "device_num" else "expected a rank")
+        actual = communication.get_group_size() if key == "device_num" else communication.get_rank()
+        if value != actual:
+            raise _refuse(key, value, f"this job's {'world size' if key == 'device_num' else 'rank'} is {actual}: "
+                                      f"it follows from the launch (paratrain launch --nproc-per-node)")
+        return value
+    if key == "pipeline_stages":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _refuse(key, value, "expected a positive integer")
+        return value
+    if key == "enable_parallel_optimizer":
+        return _bool(key, value)
+    if key == "gradients_mean":
+        return _bool(key, value)  # False is refused with data_parallel mode only (parallel_config_for)
+    if key == "full_batch":
+        return _only(key, _bool(key, value), True, "every rank gives Model.train the whole global batch and keeps "
+                                                   "its own rows; a rank reading only its rows is not offered")
+    if key == "dataset_strategy":
+        return _only(key, value, "full_batch", "only 'full_batch' is offered: every rank reads the whole global "
+                                               "batch and keeps its own rows")
+    if key == "loss_repeated_mean":
+        return _only(key, _bool(key, value), True, "the loss is always the mean over the whole global batch")
+    if key == "gradient_fp32_sync":
+        return _only(key, _bool(key, value), True, "gradients are always reduced in float32")
+    if key == "parameter_broadcast":
+        return _only(key, _bool(key, value), False, "parameters are not broadcast: build the net from the same "
+                                                    "seed on every rank (torch.manual_seed before building it)")
+    if key == "enable_alltoall":
+        return _only(key, _bool(key, value), False, "no layout here uses all-to-all")
+    if key == "parallel_optimizer_config":
+        return _optimizer_config(value)
+    raise _refuse(key, value, f"unknown option; known: {', '.join(sorted([*DEFAULTS, *REFUSED]))}")
+
+
+def _optimizer_config(value: Any) -> dict:
+    key = "parallel_optimizer_config"
+    if not isinstance(value, dict) or set(value) - set(OPTIMIZER_CONFIG_KEYS):
+        raise _refuse(key, value, f"expected a dict with keys among {', '.join(OPTIMIZER_CONFIG_KEYS)}")
+    _bool(f"{key}['gradient_accumulation_shard']", value.get("gradient_accumulation_shard", False))
+    if value.get("parallel_optimizer_threshold", 0) != 0:
+        raise _refuse(key, value, "every parameter is sharded whatever its size (FSDP): leave "
+                                  "parallel_optimizer_threshold out")
+    if value.get("optimizer_weight_shard_size", -1) != -1:
+        raise _refuse(key, value, "the optimizer is sharded over all data-parallel ranks: leave "
+                                  "optimizer_weight_shard_size out")
+    return dict(value)
+
+
+def set_auto_parallel_context(**kwargs) -> None:
+    """Set MindSpore's auto-parallel options; each takes effect in ``paratrain.train.Model`` or is refused
+    here (a UserError with the reason). Nothing is set when one option is refused."""
+    checked = {key: _check(key, value) for key, value in kwargs.items()}
+    _values.update(checked)
+
+
+def get_auto_parallel_context(key: str) -> Any:
+    """The value of option ``key``: as set, else what paratrain does."""
+    if key in _values:
+        return _values[key]
+    if key in DEFAULTS:
+        return DEFAULTS[key]
+    raise UserError(f"get_auto_parallel_context({key!r}): unknown option; known: {', '.join(sorted(DEFAULTS))}")
+
+
+def reset_auto_parallel_context() -> None:
+    """Forget every option set."""
+    _values.clear()
+
+
+LAYOUT_FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "effective_zero_stage")
+
+
+def parallel_config_for(configs: list[ParallelConfig], world_size: int) -> ParallelConfig:
+    """The layout of a user's net on ``world_size`` ranks: a copy of its blocks' config (``configs``; none:
+    data parallel over every rank) completed by the context; raises ConfigError listing every contradiction."""
+    problems = []
+    for other in configs[1:]:
+        differs = [f for f in LAYOUT_FIELDS if getattr(other, f) != getattr(configs[0], f)]
+        if differs:
+            problems.append("the net's blocks were given parallel configs that differ in " + ", ".join(
+                f"{f} ({getattr(configs[0], f)} and {getattr(other, f)})" for f in differs) + ": give them one")
+    config = dataclasses.replace(configs[0]) if configs else ParallelConfig()
+    mode = _values.get("parallel_mode")
+    if mode == ParallelMode.STAND_ALONE and world_size > 1:
+        problems.append(f"parallel_mode='stand_alone' runs one process, but the job has {world_size}: use "
+                        f"semi_auto_parallel (or data_parallel)")
+    if mode == ParallelMode.DATA_PARALLEL:
+        if config.model_parallel > 1 or config.pipeline_stage > 1 or _values.get("pipeline_stages", 1) > 1:
+            problems.append(f"parallel_mode='data_parallel' with model_parallel={config.model_parallel} and "
+                            f"pipeline_stage={max(config.pipeline_stage, _values.get('pipeline_stages', 1))}: use "
+                            f"semi_auto_parallel for model or pipeline parallelism")
+        if not _values.get("gradients_mean", False):
+            problems.append("parallel_mode='data_parallel' with gradients_mean=False (MindSpore's default) sums the "
+                            "ranks' gradients; paratrain's are those of one device on the whole global batch: set "
+                            "gradients_mean=True")
+    stages = _values.get("pipeline_stages")
+    if stages is not None:
+        if config.pipeline_stage == 1:
+            config.pipeline_stage = stages
+        elif config.pipeline_stage != stages:
+            problems.append(f"set_auto_parallel_context(pipeline_stages={stages}) contradicts the blocks' "
+                            f"TransformerOpParallelConfig(pipeline_stage={config.pipeline_stage}): make them equal")
+    shard = _values.get("enable_parallel_optimizer")
+    if shard:
+        stage = 2 if _values.get("parallel_optimizer_config", {}).get("gradient_accumulation_shard") else 1
+        config.zero_stage = max(config.effective_zero_stage, stage)
+    elif shard is False and config.effective_zero_stage > 0:
+        problems.append(f"set_auto_parallel_context(enable_parallel_optimizer=False) contradicts the blocks' "
+                        f"TransformerOpParallelConfig (zero_stage={config.effective_zero_stage}): make them agree")
+    config.derive(world_size)
+    split = config.model_parallel * config.pipeline_stage
+    if not config.data_parallel_given:
+        problems.append(f"model_parallel={config.model_parallel} x pipeline_stage={config.pipeline_stage} = {split} "
+                        f"does not divide the world size {world_size}: launch a multiple of {split} processes")
+    elif config.world_size != world_size:
+        problems.append(f"data_parallel={config.data_parallel} x model_parallel={config.model_parallel} x "
+                        f"pipeline_stage={config.pipeline_stage} = {config.world_size} does not equal the world size "
+                        f"{world_size}: launch {config.world_size} processes, or leave data_parallel out to derive it")
+    if problems:
+        raise ConfigError(problems)
+    return config

@@ -1,0 +1,225 @@
+"""MindSpore's training callbacks: ``Callback``, ``RunContext``, ``LossMonitor``, ``TimeMonitor``,
+``CheckpointConfig`` and ``ModelCheckpoint``, called by ``paratrain.train.Model`` on every rank."""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from paratrain.errors import UserError
+
+
+class CallbackParams(dict):
+    """What ``RunContext.original_args()`` gives: MindSpore's fields (``cur_epoch_num``, ``cur_step_num``,
+    ``batch_num``, ``epoch_num``, ``net_outputs``, ``network``, ``train_network``, ``optimizer``,
+    ``device_number``, ``parallel_mode``...) as attributes, plus paratrain's ``cur_step_in_epoch``,
+    ``rank``, ``layout`` and ``parallel_config``."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __setattr__(self, key, value):
+        self[key] = value
+
+
+class RunContext:
+    """Handed to every callback: ``original_args()`` and a way to stop training (``request_stop()``, to be
+    asked on every rank: ranks that did not ask would wait for the others)."""
+
+    def __init__(self, original_args: CallbackParams):
+        self._original_args = original_args
+        self._stop_requested = False
+
+    def original_args(self) -> CallbackParams:
+        return self._original_args
+
+    def request_stop(self) -> None:
+        self._stop_requested = True
+
+    def get_stop_requested(self) -> bool:
+        return self._stop_requested
+
+
+class Callback:
+    """Base of the callbacks: override MindSpore 2.x's ``on_train_*`` hooks, or the older ``begin``,
+    ``epoch_begin``, ``step_begin``, ``step_end``, ``epoch_end`` and ``end`` that they call. A callback is
+    a context manager entered for the whole of ``Model.train``."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def begin(self, run_context: RunContext) -> None:
+        """Once, before the first step."""
+
+    def epoch_begin(self, run_context: RunContext) -> None:
+        """Before each epoch."""
+
+    def step_begin(self, run_context: RunContext) -> None:
+        """Before each step (in sink mode: before each sink)."""
+
+    def step_end(self, run_context: RunContext) -> None:
+        """After each step (in sink mode: after each sink)."""
+
+    def epoch_end(self, run_context: RunContext) -> None:
+        """After each epoch."""
+
+    def end(self, run_context: RunContext) -> None:
+        """Once, after training."""
+
+    def on_train_begin(self, run_context: RunContext) -> None:
+        self.begin(run_context)
+
+    def on_train_epoch_begin(self, run_context: RunContext) -> None:
+        self.epoch_begin(run_context)
+
+    def on_train_step_begin(self, run_context: RunContext) -> None:
+        self.step_begin(run_context)
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        self.step_end(run_context)
+
+    def on_train_epoch_end(self, run_context: RunContext) -> None:
+        self.epoch_end(run_context)
+
+    def on_train_end(self, run_context: RunContext) -> None:
+        self.end(run_context)
+
+
+def _loss_value(outputs) -> float:
+    """The loss of ``net_outputs`` as a float (the first element of a tuple; the mean of a tensor)."""
+    if isinstance(outputs, (tuple, list)):
+        outputs = outputs[0]
+    if isinstance(outputs, torch.Tensor):
+        return float(outputs.detach().float().mean())
+    return float(outputs)
+
+
+class LossMonitor(Callback):
+    """Prints ``epoch: E step: S, loss is L`` every ``per_print_times`` steps (0: never), S counted within
+    the epoch, as MindSpore 2.x does; rank 0 prints. The loss is read from the device on those steps only,
+    and a NaN or infinite one stops training there."""
+
+    def __init__(self, per_print_times: int = 1):
+        if isinstance(per_print_times, bool) or not isinstance(per_print_times, int) or per_print_times < 0:
+            raise ValueError(f"LossMonitor: per_print_times must be an int >= 0, got {per_print_times!r}")
+        self._per_print_times = per_print_times
+        self._last_print_step = 0
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        params = run_context.original_args()
+        if self._per_print_times == 0 or params.cur_step_num - self._last_print_step < self._per_print_times:
+            return
+        self._last_print_step = params.cur_step_num
+        loss = _loss_value(params.net_outputs)
+        if math.isnan(loss) or math.isinf(loss):
+            raise ValueError(f"epoch: {params.cur_epoch_num} step: {params.cur_step_in_epoch}. Invalid loss, "
+                             f"terminating training.")
+        if params.rank == 0:
+            print(f"epoch: {params.cur_epoch_num} step: {params.cur_step_in_epoch}, loss is {loss}", flush=True)
+
+
+class TimeMonitor(Callback):
+    """Prints each epoch's time and time per step, ``epoch time: T ms, per step time: t ms``, on rank 0.
+    The steps are the epoch's batches (``batch_num``), else ``data_size``."""
+
+    def __init__(self, data_size: int | None = None):
+        self.data_size = data_size
+        self.epoch_time = time.time()
+
+    def on_train_epoch_begin(self, run_context: RunContext) -> None:
+        self.epoch_time = time.time()
+
+    def on_train_epoch_end(self, run_context: RunContext) -> None:
+        params = run_context.original_args()
+        if params.layout.device.type == "cuda":  # the epoch's work is queued: wait for it to end
+            torch.cuda.synchronize(params.layout.device)
+        epoch_ms = (time.time() - self.epoch_time) * 1000
+        steps = params.batch_num if isinstance(params.batch_num, int) and params.batch_num > 0 else self.data_size
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"TimeMonitor: the step count must be a positive int, got {steps!r}")
+        if params.rank == 0:
+            print(f"epoch time: {epoch_ms:5.3f} ms, per step time: {epoch_ms / steps:5.3f} ms", flush=True)
+
+
+class CheckpointConfig:
+    """MindSpore's checkpoint policy for ``ModelCheckpoint``: every ``save_checkpoint_steps`` steps, keep the
+    newest ``keep_checkpoint_max`` (0: all); ``integrated_save`` also writes the whole model as one
+    ``model.safetensors``. MindSpore's other options are accepted at their defaults only (refused with
+    the reason otherwise)."""
+
+    def __init__(self, save_checkpoint_steps: int = 1, save_checkpoint_seconds: int = 0, keep_checkpoint_max: int = 5,
+                 keep_checkpoint_per_n_minutes: int = 0, integrated_save: bool = True, async_save: bool = False,
+                 saved_network=None, append_info=None, enc_key=None, enc_mode: str = "AES-GCM",
+                 exception_save: bool = False):
+        for name, value in (("save_checkpoint_steps", save_checkpoint_steps), ("keep_checkpoint_max",
+                                                                              keep_checkpoint_max)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name[0] == "s" else 0):
+                raise UserError(f"CheckpointConfig({name}={value!r}): expected an integer "
+                                f"{'>= 1' if name[0] == 's' else '>= 0 (0: keep all)'}")
+        refused = {
+            "save_checkpoint_seconds": (save_checkpoint_seconds, 0, "ranks would disagree on when a time is up: "
+                                                                   "use save_checkpoint_steps"),
+            "keep_checkpoint_per_n_minutes": (keep_checkpoint_per_n_minutes, 0, "use keep_checkpoint_max"),
+            "async_save": (async_save, False, "checkpoints are written before training goes on"),
+            "saved_network": (saved_network, None, "the trained network is saved"),
+            "append_info": (append_info, None, "paratrain.json records the step and layout"),
+            "enc_key": (enc_key, None, "checkpoints are not encrypted"),
+            "exception_save": (exception_save, False, "a failing rank ends the job: train again from the last save"),
+        }
+        for name, (value, default, why) in refused.items():
+            if value != default:
+                raise UserError(f"CheckpointConfig({name}={value!r}) is not offered: {why}")
+        self.save_checkpoint_steps = save_checkpoint_steps
+        self.keep_checkpoint_max = keep_checkpoint_max
+        self.integrated_save = bool(integrated_save)
+
+
+class ModelCheckpoint(Callback):
+    """Saves the training network and optimizer as ``<directory>/<prefix>-<epoch>_<step in epoch>`` in
+    paratrain's sliced format (every rank writes its shards; it loads under any layout, and with
+    ``paratrain.load_checkpoint``), as MindSpore's ModelCheckpoint; the last step is always saved.
+    ``directory`` defaults to the working directory."""
+
+    def __init__(self, prefix: str = "CKP", directory: str | Path | None = None,
+                 config: CheckpointConfig | None = None):
+        if not isinstance(prefix, str) or not prefix or "/" in prefix:
+            raise UserError(f"ModelCheckpoint(prefix={prefix!r}): expected a non-empty name without '/'")
+        self.prefix = prefix
+        self.directory = Path(directory) if directory is not None else Path.cwd()
+        self.config = config or CheckpointConfig()
+        self._checkpointer = None
+        self._last_saved_step = 0
+
+    def _save(self, params: CallbackParams) -> None:
+        from paratrain.checkpoint import Checkpointer
+        from paratrain.checkpoint.storage import checkpoint_name
+        from paratrain.config import CheckpointConfig as CheckpointSection, Config
+
+        if self._checkpointer is None:
+            section = CheckpointSection(dir=str(self.directory), save_steps=self.config.save_checkpoint_steps,
+                                        keep_max=self.config.keep_checkpoint_max,
+                                        integrated_save=self.config.integrated_save, resume="none", prefix=self.prefix)
+            config = Config(parallel=params.parallel_config, checkpoint=section)
+            self._checkpointer = Checkpointer(config, params.layout, params.train_network.parts, params.optimizer,
+                                              None, {})
+        self._checkpointer.save(params.cur_step_num,
+                                checkpoint_name(params.cur_step_in_epoch, self.prefix, params.cur_epoch_num))
+        self._last_saved_step = params.cur_step_num
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        params = run_context.original_args()
+        if params.cur_step_num >= self._last_saved_step + self.config.save_checkpoint_steps:
+            self._save(params)
+
+    def on_train_end(self, run_context: RunContext) -> None:
+        params = run_context.original_args()
+        if params.cur_step_num > self._last_saved_step:
+            self._save(params)

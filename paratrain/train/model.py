@@ -1,0 +1,223 @@
+"""MindSpore's ``Model(net, loss_fn, optimizer).train(epoch, dataset, callbacks)`` for a user's own net on
+this job's layout (``paratrain.parallel.user.place_net``)."""
+from __future__ import annotations
+
+import inspect
+from contextlib import ExitStack
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from paratrain.config import ParallelConfig
+from paratrain.context import get_auto_parallel_context, parallel_config_for
+from paratrain.distributed import init_from_env
+from paratrain.errors import UserError
+from paratrain.mesh import Layout
+from paratrain.optim import tensor_kind
+from paratrain.train.callbacks import Callback, CallbackParams, RunContext
+
+
+class WithLoss(nn.Module):
+    """MindSpore's ``WithLossCell``: the loss of ``network(*inputs)`` against the batch's last tensor."""
+
+    def __init__(self, network: nn.Module, loss_fn: nn.Module):
+        super().__init__()
+        self.network, self.loss_fn = network, loss_fn
+
+    def forward(self, *batch):
+        return self.loss_fn(self.network(*batch[:-1]), batch[-1])
+
+
+def parallel_configs(network: nn.Module) -> list[ParallelConfig]:
+    """The distinct ``TransformerOpParallelConfig`` objects held by the net's modules (its blocks')."""
+    found: dict[int, ParallelConfig] = {}
+    for module in network.modules():
+        for value in vars(module).values():
+            if isinstance(value, ParallelConfig):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def group_names(optimizer: torch.optim.Optimizer, net: nn.Module) -> list[list[str]]:
+    """The names in ``net`` of each parameter group's parameters (every name of a shared one); call it before
+    placing the net, which replaces its parameters."""
+    if optimizer.state:
+        raise UserError("Model: the optimizer has taken steps already; paratrain rebuilds it on this rank's "
+                        "parameters without its state: give Model a fresh optimizer")
+    names: dict[int, list[str]] = {}
+    for name, param in net.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    groups = []
+    for group in optimizer.param_groups:
+        foreign = [list(p.shape) for p in group["params"] if id(p) not in names]
+        if foreign:
+            raise UserError(f"Model: the optimizer holds parameters of shapes {foreign} that are not in the "
+                            f"network: build the optimizer on the network's parameters")
+        groups.append([name for p in group["params"] for name in names[id(p)]])
+    return groups
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]],
+                      named_parameters) -> torch.optim.Optimizer:
+    """``optimizer`` (built on the unsharded net) built again, same class, groups and hyperparameters, on this
+    rank's ``named_parameters`` (name in the whole net, parameter); ``names``: its groups' parameter names
+    (``group_names``). A group with no parameter here is dropped; a group holding both plain and sharded
+    tensors is split by tensor kind, which multi-tensor kernels cannot mix."""
+    group_of = {name: index for index, group in enumerate(names) for name in group}
+    placed: list[dict[object, list[tuple[str, torch.Tensor]]]] = [{} for _ in optimizer.param_groups]
+    seen: set[int] = set()
+    for name, param in named_parameters:
+        if name in group_of and id(param) not in seen:
+            seen.add(id(param))
+            placed[group_of[name]].setdefault(tensor_kind(param), []).append((name, param))
+    groups = []
+    for group, kinds in zip(optimizer.param_groups, placed):
+        options = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        for members in kinds.values():
+            groups.append({**options, "params": [p for _, p in members]}
+                          | ({"param_names": [n for n, _ in members]} if "param_names" in group else {}))
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+
+def _as_batch(batch) -> tuple:
+    if isinstance(batch, torch.Tensor):
+        return (batch,)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch)
+    raise UserError(f"Model.train: a batch must be a tuple of tensors (the net's forward arguments), got "
+                    f"{type(batch).__name__}")
+
+
+class _Callbacks:
+    """The callbacks of one ``Model.train``, entered together and called in order."""
+
+    def __init__(self, callbacks):
+        callbacks = [] if callbacks is None else [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+        bad = [type(c).__name__ for c in callbacks if not isinstance(c, Callback)]
+        if bad:
+            raise UserError(f"Model.train: callbacks must be paratrain.train.Callback objects, got {', '.join(bad)}")
+        self.callbacks = callbacks
+        self._stack = ExitStack()
+
+    def __enter__(self) -> "_Callbacks":
+        for callback in self.callbacks:
+            self._stack.enter_context(callback)
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+    def call(self, hook: str, run_context: RunContext) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(run_context)
+
+
+class Model:
+    """Trains a user's net, as MindSpore's ``Model``, on the layout its blocks' ``TransformerOpParallelConfig``
+    and the auto-parallel context describe (``paratrain.context``), with the loss of one device.
+
+    ``network`` returns its loss, or with ``loss_fn`` its output, which ``loss_fn(output, label)`` turns
+    into the loss (the label is the batch's last tensor). ``optimizer`` is a plain ``torch.optim``
+    optimizer built on the unsharded net; it is rebuilt on this rank's parameters (``rebuild_optimizer``),
+    its groups' parameters matched by name.
+    After ``train``, ``train_network`` is the placed net and ``optimizer`` the rebuilt optimizer.
+    """
+
+    def __init__(self, network: nn.Module, loss_fn: nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, metrics=None, amp_level: str = "O0"):
+        if metrics is not None:
+            raise UserError("Model(metrics=...): metrics are for Model.eval, which paratrain does not offer")
+        if amp_level != "O0":
+            raise UserError(f"Model(amp_level={amp_level!r}): only 'O0' (float32) is offered; build the net in "
+                            f"another dtype for lower precision")
+        self.network, self.loss_fn, self.optimizer = network, loss_fn, optimizer
+        self.train_network = None  # the placed net, from the first batch of ``train`` on
+        self._placement: tuple[ParallelConfig, Layout] | None = None  # kept for later ``train`` calls
+
+    def train(self, epoch: int, train_dataset: Iterable, callbacks=None, dataset_sink_mode: bool = False,
+              sink_size: int = -1) -> None:
+        """Train ``epoch`` epochs over ``train_dataset``, an iterable of global batches (tuples of tensors: the
+        net's forward arguments, then the label with ``loss_fn``), iterated again each epoch; every rank
+        gives the whole global batch and keeps its rows. Callbacks see MindSpore's step counts: ``cur_step_num``
+        over the run, the step within the epoch in ``cur_step_in_epoch``. With ``dataset_sink_mode`` step
+        callbacks run once per sink: a whole epoch, or ``sink_size`` batches per epoch drawn on across
+        epochs."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
+            raise UserError(f"Model.train: epoch must be a positive int, got {epoch!r}")
+        if dataset_sink_mode and (isinstance(sink_size, bool) or not isinstance(sink_size, int)
+                                  or (sink_size < 1 and sink_size != -1)):
+            raise UserError(f"Model.train: sink_size must be -1 (the whole dataset) or positive, got {sink_size!r}")
+        if self.optimizer is None:
+            raise UserError("Model.train needs an optimizer: Model(net, optimizer=torch.optim.AdamW(...))")
+        rank, world_size = init_from_env()
+        if self._placement is None:
+            config = parallel_config_for(parallel_configs(self.network), world_size)
+            self._placement = config, Layout(config, world_size)
+        config, layout = self._placement
+        sinks = dataset_sink_mode and sink_size > 0
+        params = CallbackParams(
+            network=self.network, train_network=self.train_network, loss_fn=self.loss_fn, optimizer=self.optimizer,
+            epoch_num=epoch, batch_num=sink_size if sinks else len(train_dataset) if hasattr(train_dataset, "__len__")
+            else None,
+            cur_epoch_num=0, cur_step_num=0, cur_step_in_epoch=0, net_outputs=None, train_dataset=train_dataset,
+            dataset_sink_mode=dataset_sink_mode, mode="train", device_number=world_size, rank=rank,
+            parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout)
+        run_context = RunContext(params)
+        stream = self._stream(train_dataset) if sinks else None
+        with _Callbacks(callbacks) as hooks:
+            hooks.call("on_train_begin", run_context)
+            for current in range(1, epoch + 1):
+                params.update(cur_epoch_num=current, cur_step_in_epoch=0)
+                hooks.call("on_train_epoch_begin", run_context)
+                batches = (next(stream) for _ in range(sink_size)) if sinks else iter(train_dataset)
+                if dataset_sink_mode:
+                    hooks.call("on_train_step_begin", run_context)
+                for batch in batches:
+                    if not dataset_sink_mode:
+                        hooks.call("on_train_step_begin", run_context)
+                    params.net_outputs = self._step(_as_batch(batch), config, layout, params)
+                    params.cur_step_num += 1
+                    params.cur_step_in_epoch += 1
+                    if not dataset_sink_mode:
+                        hooks.call("on_train_step_end", run_context)
+                        if run_context.get_stop_requested():
+                            break
+                if params.cur_step_in_epoch == 0:
+                    raise UserError(f"Model.train: train_dataset gave no batch in epoch {params.cur_epoch_num}: "
+                                    f"it must be iterable again each epoch (a list, or an object with __iter__)")
+                if dataset_sink_mode:
+                    hooks.call("on_train_step_end", run_context)
+                if params.batch_num is None:
+                    params.batch_num = params.cur_step_in_epoch
+                hooks.call("on_train_epoch_end", run_context)
+                if run_context.get_stop_requested():
+                    break
+            hooks.call("on_train_end", run_context)
+
+    @staticmethod
+    def _stream(dataset: Iterable):
+        """The batches of ``dataset`` without end, iterating it again whenever it runs out."""
+        while True:
+            empty = True
+            for batch in dataset:
+                empty = False
+                yield batch
+            if empty:
+                raise UserError("Model.train: train_dataset gave no batch")
+
+    def _step(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams) -> torch.Tensor:
+        """One optimizer step on a global batch; places the net on the first. Returns the loss (on the device)."""
+        if self.train_network is None:
+            from paratrain.parallel.user import place_net
+
+            net = self.network if self.loss_fn is None else WithLoss(self.network, self.loss_fn)
+            names = group_names(self.optimizer, net)
+            self.train_network = place_net(net, config, layout, batch)
+            self.optimizer = rebuild_optimizer(self.optimizer, names, self.train_network.named_parameters())
+            params.update(train_network=self.train_network, optimizer=self.optimizer)
+        loss = self.train_network.train_step(batch)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss

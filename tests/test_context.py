@@ -1,0 +1,135 @@
+"""MindSpore's auto-parallel context and communication functions: each option takes effect or is refused."""
+import pytest
+
+from multiprocess import run_distributed
+from paratrain import (ConfigError, ParallelMode, TransformerOpParallelConfig, communication,
+                       get_auto_parallel_context, reset_auto_parallel_context, set_auto_parallel_context)
+from paratrain.context import parallel_config_for
+from paratrain.errors import UserError
+
+
+@pytest.fixture(autouse=True)
+def fresh_context():
+    reset_auto_parallel_context()
+    yield
+    reset_auto_parallel_context()
+
+
+def test_parallel_modes_are_mindspores_strings():
+    assert (ParallelMode.STAND_ALONE, ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL,
+            ParallelMode.AUTO_PARALLEL, ParallelMode.HYBRID_PARALLEL) == (
+        "stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel", "hybrid_parallel")
+
+
+def test_set_get_reset():
+    assert get_auto_parallel_context("parallel_mode") == "stand_alone"
+    assert get_auto_parallel_context("full_batch") is True  # paratrain's behaviour, whatever is set
+    set_auto_parallel_context(parallel_mode=ParallelMode.SEMI_AUTO_PARALLEL, gradients_mean=False, full_batch=True,
+                              loss_repeated_mean=True, device_num=1, enable_parallel_optimizer=True,
+                              parallel_optimizer_config={"gradient_accumulation_shard": True}, pipeline_stages=2)
+    assert get_auto_parallel_context("parallel_mode") == "semi_auto_parallel"
+    assert get_auto_parallel_context("pipeline_stages") == 2
+    assert get_auto_parallel_context("parallel_optimizer_config") == {"gradient_accumulation_shard": True}
+    reset_auto_parallel_context()
+    assert get_auto_parallel_context("pipeline_stages") == 1
+    with pytest.raises(UserError, match="unknown option"):
+        get_auto_parallel_context("nope")
+
+
+@pytest.mark.parametrize("options,reason", [
+    ({"parallel_mode": ParallelMode.AUTO_PARALLEL}, "strategies are not searched"),
+    ({"parallel_mode": ParallelMode.HYBRID_PARALLEL}, "inserts every collective"),
+    ({"parallel_mode": "model_parallel"}, "expected one of"),
+    ({"full_batch": False}, "keeps its own rows"),
+    ({"dataset_strategy": ((2, 1), (2, 1))}, "only 'full_batch'"),
+    ({"loss_repeated_mean": False}, "mean over the whole global batch"),
+    ({"gradient_fp32_sync": False}, "float32"),
+    ({"parameter_broadcast": True}, "same seed"),
+    ({"device_num": 8}, "world size is 1"),
+    ({"global_rank": 3}, "rank is 0"),
+    ({"pipeline_stages": 0}, "positive integer"),
+    ({"strategy_ckpt_save_file": "s.ckpt"}, "reshard"),
+    ({"comm_fusion": {"allreduce": {"mode": "auto"}}}, "gradient_aggregation_group"),
+    ({"parallel_optimizer_config": {"parallel_optimizer_threshold": 64}}, "whatever its size"),
+    ({"parallel_optimizer_config": {"optimizer_weight_shard_size": 2}}, "all data-parallel ranks"),
+    ({"enable_parallel_optimizer": "yes"}, "True or False"),
+    ({"grad_accumulation_step": 4}, "unknown option"),
+])
+def test_options_that_cannot_take_effect_are_refused_with_the_reason(options, reason):
+    with pytest.raises(UserError, match=reason) as err:
+        set_auto_parallel_context(**{"pipeline_stages": 2, **options})
+    assert next(iter(options)) in str(err.value)
+    assert get_auto_parallel_context("pipeline_stages") == 1  # a refused call sets nothing
+
+
+def test_data_parallel_derived_and_optimizer_shard_from_the_context():
+    config = parallel_config_for([], 4)
+    assert (config.data_parallel, config.model_parallel, config.effective_zero_stage) == (4, 1, 0)
+    set_auto_parallel_context(enable_parallel_optimizer=True)
+    assert parallel_config_for([], 4).effective_zero_stage == 1
+    set_auto_parallel_context(parallel_optimizer_config={"gradient_accumulation_shard": True})
+    assert parallel_config_for([], 4).effective_zero_stage == 2
+    blocks = TransformerOpParallelConfig(model_parallel=2, zero_stage=3)
+    assert parallel_config_for([blocks], 4).effective_zero_stage == 3  # already more sharded
+
+
+def test_pipeline_stages_from_the_context_unless_the_blocks_disagree():
+    blocks = TransformerOpParallelConfig(model_parallel=2, micro_batch_num=4)
+    set_auto_parallel_context(pipeline_stages=2)
+    config = parallel_config_for([blocks], 8)
+    assert (config.data_parallel, config.model_parallel, config.pipeline_stage) == (2, 2, 2)
+    assert blocks.pipeline_stage == 1 and not blocks.data_parallel_given  # the user's config is not changed
+    with pytest.raises(ConfigError, match="pipeline_stages=2.*pipeline_stage=4"):
+        parallel_config_for([TransformerOpParallelConfig(pipeline_stage=4)], 8)
+
+
+@pytest.mark.parametrize("blocks,context,world,reason", [
+    ({"optimizer_shard": True}, {"enable_parallel_optimizer": False}, 2, "enable_parallel_optimizer=False"),
+    ({"model_parallel": 2}, {"parallel_mode": "data_parallel", "gradients_mean": True}, 2, "use semi_auto_parallel"),
+    ({}, {"parallel_mode": "data_parallel"}, 2, "gradients_mean=False"),
+    ({}, {"parallel_mode": "stand_alone"}, 2, "runs one process"),
+    ({"model_parallel": 4}, {}, 6, "does not divide the world size 6"),
+    ({"data_parallel": 2}, {}, 4, "= 2 does not equal the world size 4"),
+])
+def test_contradictions_are_refused(blocks, context, world, reason):
+    set_auto_parallel_context(**context)
+    with pytest.raises(ConfigError, match=reason):
+        parallel_config_for([TransformerOpParallelConfig(**blocks)], world)
+
+
+def test_agreeing_context_and_blocks_pass():
+    set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True, enable_parallel_optimizer=True)
+    config = parallel_config_for([TransformerOpParallelConfig(data_parallel=2, optimizer_shard=True)], 2)
+    assert (config.data_parallel, config.effective_zero_stage) == (2, 1)
+
+
+def test_blocks_with_different_sizes_are_refused():
+    a, b = TransformerOpParallelConfig(model_parallel=2), TransformerOpParallelConfig(model_parallel=4)
+    with pytest.raises(ConfigError, match=r"model_parallel \(2 and 4\)"):
+        parallel_config_for([a, b], 8)
+
+
+def test_communication_in_one_process(monkeypatch):
+    communication.init()
+    assert (communication.get_rank(), communication.get_group_size()) == (0, 1)
+    assert communication.get_rank("hccl_world_group") == 0
+    with pytest.raises(UserError, match="only the group of all ranks"):
+        communication.get_group_size("my_group")
+    with pytest.raises(UserError, match="uses 'gloo'"):
+        communication.init("nccl")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert (communication.get_rank(), communication.get_group_size()) == (3, 4)  # torchrun's, before init()
+
+
+def _ranks():
+    import torch.distributed as dist
+
+    communication.init("gloo")
+    set_auto_parallel_context(device_num=2, global_rank=dist.get_rank())
+    return communication.get_rank(), communication.get_group_size(), dist.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_communication_on_two_ranks():
+    assert run_distributed(_ranks, 2) == [(0, 2, True), (1, 2, True)]

@@ -1,0 +1,426 @@
+"""paratrain.train: MindSpore's Model.train, callbacks, ModelCheckpoint and weights-only loading for a user's net:
+in one process against a plain torch loop, and data-parallel on two processes against one."""
+import contextlib
+import copy
+import io
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multiprocess import run_distributed
+from paratrain import (TransformerOpParallelConfig, load_checkpoint, load_param_into_net, reset_auto_parallel_context,
+                       set_auto_parallel_context)
+from paratrain.errors import UserError
+from paratrain.train import (Callback, CheckpointConfig, LossMonitor, Model, ModelCheckpoint, TimeMonitor,
+                             group_names, rebuild_optimizer)
+
+
+class Net(nn.Module):
+    """A user's net that returns its loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc2(torch.tanh(self.norm(self.fc1(x)))), y)
+
+
+class Recording(Net):
+    """The net, noting the batches it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x, y):
+        self.seen.append(x)
+        return super().forward(x, y)
+
+
+@pytest.fixture(autouse=True)
+def fresh_context():
+    yield
+    reset_auto_parallel_context()
+
+
+def dataset(batches=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(batches)]
+
+
+def decay_optimizer(net, optimizer=torch.optim.AdamW):
+    decay = [p for n, p in net.named_parameters() if n.endswith("weight") and not n.startswith("norm")]
+    rest = [p for n, p in net.named_parameters() if not (n.endswith("weight") and not n.startswith("norm"))]
+    return optimizer([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                     lr=1e-2, betas=(0.8, 0.95))
+
+
+def plain_losses(net, data, epochs, loss_of=lambda net, batch: net(*batch)):
+    """The losses of a plain loop: one optimizer step per batch."""
+    opt = decay_optimizer(net)
+    losses = []
+    for _ in range(epochs):
+        for batch in data:
+            loss = loss_of(net, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses
+
+
+def test_loss_monitor_prints_mindspore_lines_with_the_losses_of_a_plain_loop(capsys):
+    torch.manual_seed(0)
+    net, data = Net(), dataset()
+    reference = copy.deepcopy(net)
+    Model(net, optimizer=decay_optimizer(net)).train(2, data, callbacks=[LossMonitor()])
+    losses = plain_losses(reference, data, 2)
+    expected = [f"epoch: {1 + i // 3} step: {1 + i % 3}, loss is {loss}" for i, loss in enumerate(losses)]
+    assert capsys.readouterr().out.splitlines() == expected
+    for a, b in zip(net.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_loss_monitor_every_other_step_and_never(capsys):
+    torch.manual_seed(0)
+    net = Net()
+    Model(net, optimizer=decay_optimizer(net)).train(2, dataset(), callbacks=LossMonitor(2))
+    printed = [re.match(r"epoch: (\d) step: (\d), loss is [-\d.e]+$", line).groups()
+               for line in capsys.readouterr().out.splitlines()]
+    assert printed == [("1", "2"), ("2", "1"), ("2", "3")]  # global steps 2, 4, 6
+    Model(net, optimizer=decay_optimizer(net)).train(1, dataset(), callbacks=LossMonitor(0))
+    assert capsys.readouterr().out == ""
+    with pytest.raises(ValueError):
+        LossMonitor(-1)
+
+
+def test_loss_fn_gets_the_output_and_the_label(capsys):
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    reference = copy.deepcopy(backbone)
+    opt = torch.optim.AdamW(backbone.parameters(), lr=1e-2, betas=(0.8, 0.95))
+    model = Model(backbone, loss_fn=nn.MSELoss(), optimizer=opt)
+    model.train(1, dataset(), callbacks=[LossMonitor()])
+    printed = [float(line.rsplit(" ", 1)[1]) for line in capsys.readouterr().out.splitlines()]
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, betas=(0.8, 0.95))
+    expected = []
+    for x, y in dataset():
+        loss = F.mse_loss(reference(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        expected.append(loss.item())
+    assert printed == expected
+    assert [n for n, _ in model.train_network.named_parameters()][0] == "network.0.weight"
+
+
+def test_optimizer_rebuilt_with_class_groups_and_hyperparameters():
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW([{"params": [net.fc1.weight], "weight_decay": 0.1},
+                             {"params": [net.fc1.bias, net.norm.weight, net.norm.bias], "weight_decay": 0.0},
+                             {"params": list(net.fc2.parameters()), "lr": 5e-3}],
+                            lr=1e-2, betas=(0.8, 0.95), eps=1e-6, amsgrad=True)
+    # this rank holds copies of everything but fc2: its group is dropped
+    here = [(n, nn.Parameter(p.detach().clone())) for n, p in net.named_parameters() if not n.startswith("fc2")]
+    rebuilt = rebuild_optimizer(opt, group_names(opt, net), here)
+    assert type(rebuilt) is torch.optim.AdamW and rebuilt.defaults == opt.defaults
+    assert len(rebuilt.param_groups) == 2
+    copies = dict(here)
+    assert rebuilt.param_groups[0]["params"] == [copies["fc1.weight"]]
+    assert rebuilt.param_groups[1]["params"] == [copies["fc1.bias"], copies["norm.weight"], copies["norm.bias"]]
+    for new, old in zip(rebuilt.param_groups, opt.param_groups):
+        assert {k: v for k, v in new.items() if k != "params"} == {k: v for k, v in old.items() if k != "params"}
+
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    again = rebuild_optimizer(sgd, group_names(sgd, net), net.named_parameters())
+    assert type(again) is torch.optim.SGD and again.defaults == sgd.defaults
+    assert again.param_groups[0]["params"] == list(net.parameters())
+
+    named = torch.optim.AdamW(net.named_parameters(), lr=1e-3)
+    kept = rebuild_optimizer(named, group_names(named, net), here)
+    assert kept.param_groups[0]["param_names"] == [n for n, _ in here]
+
+    with pytest.raises(UserError, match="not in the network"):
+        group_names(torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=1), net)
+    net(*dataset(1)[0]).backward()
+    sgd.step()
+    with pytest.raises(UserError, match="taken steps"):
+        group_names(sgd, net)
+
+
+def test_callbacks_see_mindspore_counts_in_both_hook_styles():
+    seen = []
+
+    class Old(Callback):
+        def begin(self, rc):
+            seen.append(("begin", rc.original_args().cur_step_num))
+
+        def epoch_end(self, rc):
+            args = rc.original_args()
+            seen.append(("epoch_end", args.cur_epoch_num, args.cur_step_num, args.batch_num))
+
+    class New(Callback):
+        def on_train_step_end(self, rc):
+            args = rc.original_args()
+            seen.append(("step", args.cur_epoch_num, args.cur_step_in_epoch, args.cur_step_num))
+            if args.cur_step_num == 5:
+                rc.request_stop()
+
+        def on_train_end(self, rc):
+            seen.append(("end", rc.original_args().cur_step_num))
+
+    torch.manual_seed(0)
+    net = Net()
+    Model(net, optimizer=decay_optimizer(net)).train(3, dataset(), callbacks=[Old(), New()])
+    assert seen == [("begin", 0), ("step", 1, 1, 1), ("step", 1, 2, 2), ("step", 1, 3, 3), ("epoch_end", 1, 3, 3),
+                    ("step", 2, 1, 4), ("step", 2, 2, 5), ("epoch_end", 2, 5, 3), ("end", 5)]
+
+
+def test_sink_mode_calls_step_callbacks_once_per_sink():
+    steps = []
+
+    class Steps(Callback):
+        def step_end(self, rc):
+            steps.append((rc.original_args().cur_epoch_num, rc.original_args().cur_step_num))
+
+    torch.manual_seed(0)
+    data = dataset()
+    net = Recording()
+    Model(net, optimizer=decay_optimizer(net)).train(2, data, callbacks=Steps(), dataset_sink_mode=True)
+    assert steps == [(1, 3), (2, 6)]
+    steps.clear()
+    net.seen.clear()
+    Model(net, optimizer=decay_optimizer(net)).train(3, data, callbacks=Steps(), dataset_sink_mode=True, sink_size=2)
+    assert steps == [(1, 2), (2, 4), (3, 6)]
+    drawn = [next(i for i, (x, _) in enumerate(data) if torch.equal(x, seen)) for seen in net.seen]
+    assert drawn == [0, 1, 2, 0, 1, 2]  # sinks draw on through the dataset across epochs
+
+
+def test_time_monitor_prints_epoch_and_step_time(capsys):
+    torch.manual_seed(0)
+    net = Net()
+    Model(net, optimizer=decay_optimizer(net)).train(2, dataset(), callbacks=[TimeMonitor()])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        epoch_ms, step_ms = map(float, re.match(r"epoch time: ([\d.]+) ms, per step time: ([\d.]+) ms$", line).groups())
+        assert step_ms == pytest.approx(epoch_ms / 3, abs=1e-3)
+
+
+def test_model_checkpoint_names_keeps_and_loads(tmp_path):
+    torch.manual_seed(0)
+    net = Net()
+    config = CheckpointConfig(save_checkpoint_steps=2, keep_checkpoint_max=2)
+    Model(net, optimizer=decay_optimizer(net)).train(
+        2, dataset(), callbacks=[ModelCheckpoint(prefix="test", directory=tmp_path, config=config)])
+    # saved at steps 2, 4 and 6: test-1_2, test-2_1, test-2_3; the two newest are kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "test-2_1", "test-2_3"]
+    assert (tmp_path / "test-2_3" / "model.safetensors").is_file()  # integrated_save=True by default
+
+    trained = {n: p.detach().clone() for n, p in net.named_parameters()}
+    for source in (tmp_path / "test-2_3", tmp_path, tmp_path / "test-2_3" / "model.safetensors"):
+        params = load_checkpoint(source)
+        assert params.keys() == trained.keys()
+        assert all(torch.equal(params[n], trained[n]) for n in trained)
+
+    fresh = Net()
+    assert load_param_into_net(fresh, params) == []
+    assert all(torch.equal(p, trained[n]) for n, p in fresh.named_parameters())
+    bigger = nn.Module()
+    bigger.network, bigger.extra = Net(), nn.Linear(2, 2)  # a wrapper's prefix, and one parameter more
+    assert load_param_into_net(bigger, params) == ["extra.weight", "extra.bias"]
+    assert torch.equal(bigger.network.fc1.weight, trained["fc1.weight"])
+    assert load_checkpoint(tmp_path, filter_prefix="fc1").keys() == trained.keys() - {"fc1.weight", "fc1.bias"}
+    params["fc2.weight"] = torch.zeros(3, 3)
+    with pytest.raises(UserError, match="fc2.weight has shape"):
+        load_param_into_net(fresh, params)
+
+
+def test_last_step_is_saved_and_only_its_prefix_is_pruned(tmp_path):
+    (tmp_path / "other-9_9").mkdir()
+    torch.manual_seed(0)
+    net = Net()
+    config = CheckpointConfig(save_checkpoint_steps=2, keep_checkpoint_max=5, integrated_save=False)
+    Model(net, optimizer=decay_optimizer(net)).train(
+        1, dataset(5), callbacks=[ModelCheckpoint(prefix="test", directory=tmp_path, config=config)])
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "other-9_9", "test-1_2", "test-1_4", "test-1_5"]
+    assert not (tmp_path / "test-1_5" / "model.safetensors").exists()
+
+
+def test_checkpoint_config_refuses_what_it_cannot_do():
+    with pytest.raises(UserError, match="save_checkpoint_seconds"):
+        CheckpointConfig(save_checkpoint_seconds=60)
+    with pytest.raises(UserError, match="save_checkpoint_steps"):
+        CheckpointConfig(save_checkpoint_steps=0)
+    with pytest.raises(UserError, match="prefix"):
+        ModelCheckpoint(prefix="a/b")
+
+
+def test_model_reads_the_blocks_config_and_the_context():
+    class Blocks(Net):
+        def __init__(self, config):
+            super().__init__()
+            self.fc1.parallel_config = config  # as a block keeps the config it was given
+
+    config = TransformerOpParallelConfig(model_parallel=1, micro_batch_num=2)
+    set_auto_parallel_context(enable_parallel_optimizer=True)
+    torch.manual_seed(0)
+    net = Blocks(config)
+    model = Model(net, optimizer=decay_optimizer(net))
+    model.train(1, dataset(1))
+    used = model.train_network.config
+    assert used.micro_batch_num == 2 and used.effective_zero_stage == 1 and used.data_parallel == 1
+    assert model.train_network.layout.config is used and config.effective_zero_stage == 0  # the user's is unchanged
+
+
+def test_model_refuses_what_it_cannot_do():
+    net = Net()
+    with pytest.raises(UserError, match="metrics"):
+        Model(net, optimizer=decay_optimizer(net), metrics={"acc"})
+    with pytest.raises(UserError, match="amp_level"):
+        Model(net, optimizer=decay_optimizer(net), amp_level="O2")
+    with pytest.raises(UserError, match="needs an optimizer"):
+        Model(net).train(1, dataset())
+    with pytest.raises(UserError, match="no batch in epoch 2"):
+        Model(net, optimizer=decay_optimizer(net)).train(2, iter(dataset()))
+
+
+def _load_into_a_sharded_parameter(params):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    module = nn.Linear(3, 4)
+    module.weight = nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))
+    missing = load_param_into_net([module], params)
+    return missing, module.weight.to_local().tolist(), module.bias.tolist()  # tensors do not cross processes
+
+
+@pytest.mark.timeout(120)
+def test_load_param_into_a_parallel_net_takes_this_ranks_shard():
+    params = {"weight": torch.arange(12.0).reshape(4, 3), "bias": torch.tensor([1.0, 2.0, 3.0, 4.0])}
+    results = run_distributed(_load_into_a_sharded_parameter, 2, params)
+    for rank, (missing, local, bias) in enumerate(results):
+        assert missing == []
+        assert local == params["weight"][2 * rank:2 * rank + 2].tolist()
+        assert bias == params["bias"].tolist()
+
+
+def printed_losses(text):
+    """(epoch, step, loss) of every LossMonitor line."""
+    return [(int(e), int(s), float(loss)) for e, s, loss in re.findall(r"^epoch: (\d+) step: (\d+), loss is (\S+)$",
+                                                                           text, re.M)]
+
+
+def _train_data_parallel(directory, zero):
+    torch.manual_seed(0)
+    net = Net()
+    if zero:
+        set_auto_parallel_context(enable_parallel_optimizer=True)
+    model = Model(net, optimizer=decay_optimizer(net))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        model.train(2, dataset(), callbacks=[LossMonitor(), ModelCheckpoint(
+            prefix="dp", directory=directory, config=CheckpointConfig(save_checkpoint_steps=6))])
+    missing = load_param_into_net(model.train_network, load_checkpoint(directory))
+    fc1 = dict(model.train_network.named_parameters())["fc1.weight"]
+    return out.getvalue(), missing, list(fc1.to_local().shape)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("zero", [False, True], ids=["dp2", "dp2-zero1"])
+def test_data_parallel_on_two_ranks_prints_the_losses_of_one_process(tmp_path, zero):
+    torch.manual_seed(0)
+    net = Net()
+    out = io.StringIO()  # not capsys: the forked ranks would inherit its stderr, which has no file descriptor
+    with contextlib.redirect_stdout(out):
+        Model(net, optimizer=decay_optimizer(net)).train(2, dataset(), callbacks=[LossMonitor()])
+    one = printed_losses(out.getvalue())
+    assert len(one) == 6
+
+    results = run_distributed(_train_data_parallel, 2, str(tmp_path), zero)
+    (text0, missing0, local_shape), (text1, missing1, _) = results
+    two = printed_losses(text0)
+    assert [(e, s) for e, s, _ in two] == [(e, s) for e, s, _ in one] and text1 == ""  # rank 0 prints
+    for (_, _, a), (_, _, b) in zip(two, one):
+        assert a == pytest.approx(b, rel=1e-5)
+    assert local_shape == ([4, 4] if zero else [8, 4])  # enable_parallel_optimizer took effect: rows sharded
+    assert missing0 == missing1 == []  # each rank reloaded its shard
+    saved = load_checkpoint(tmp_path / "dp-2_3")
+    for name, param in net.named_parameters():  # the two-rank run saved what one process trained
+        assert torch.allclose(saved[name], param.detach(), rtol=1e-4, atol=1e-6), name
+
+
+def test_a_second_train_call_goes_on_with_the_same_placed_net(capsys):
+    torch.manual_seed(0)
+    net, data = Net(), dataset()
+    reference = copy.deepcopy(net)
+    model = Model(net, optimizer=decay_optimizer(net))
+    model.train(1, data, callbacks=[LossMonitor()])
+    placed, optimizer = model.train_network, model.optimizer
+    model.train(1, data, callbacks=[LossMonitor()])
+    assert model.train_network is placed and model.optimizer is optimizer  # Adam's moments go on
+    losses = plain_losses(reference, data, 2)
+    printed = [float(line.rsplit(" ", 1)[1]) for line in capsys.readouterr().out.splitlines()]
+    assert printed == losses
+
+
+class TutorialNet(nn.Module):
+    """The tutorial's shape of net from paratrain.nn blocks (decoder-only, tiny): the Transformer is given the
+    TransformerOpParallelConfig, which Model.train reads."""
+
+    def __init__(self, config, vocab=16, length=8):
+        from paratrain.nn import AttentionMask, CrossEntropyLoss, Transformer, VocabEmbedding
+
+        super().__init__()
+        self.embedding = VocabEmbedding(vocab, 16, parallel_config=config.embedding_dp_mp_config)
+        self.transformer = Transformer(hidden_size=16, batch_size=8, ffn_hidden_size=32, src_seq_length=length,
+                                       tgt_seq_length=length, encoder_layers=0, decoder_layers=2, num_heads=2,
+                                       attention_dropout_rate=0.0, hidden_dropout_rate=0.0, parallel_config=config)
+        self.attention_mask = AttentionMask(length)
+        self.loss = CrossEntropyLoss(parallel_config=config.dp_mp_config)
+
+    def forward(self, ids, labels, mask):
+        words, table = self.embedding(ids)
+        output = self.transformer(words, self.attention_mask(mask))[0]
+        return self.loss((output @ table.t()).flatten(0, 1), labels.flatten(), mask.flatten())
+
+
+def token_batches():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 16, (3, 8, 8), generator=g)
+    mask = (torch.arange(8) < torch.randint(4, 9, (3, 8, 1), generator=g)).float()
+    return [(i * m.long(), i.roll(1, -1) * m.long(), m) for i, m in zip(ids, mask)]
+
+
+def _train_tutorial_net(model_parallel):
+    torch.manual_seed(0)
+    net = TutorialNet(TransformerOpParallelConfig(model_parallel=model_parallel))
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        model.train(2, token_batches(), callbacks=[LossMonitor()])
+    return out.getvalue(), model.train_network.config.model_parallel
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_net_of_paratrain_nn_blocks_trains_model_parallel_as_one_process():
+    text, used = _train_tutorial_net(1)
+    one = printed_losses(text)
+    assert used == 1 and len(one) == 6 and one[-1][2] < one[0][2]
+    (text0, used0), (text1, _) = run_distributed(_train_tutorial_net, 2, 2)
+    assert used0 == 2 and text1 == ""  # the blocks' model_parallel=2 was read; rank 0 prints
+    two = printed_losses(text0)
+    assert [(e, s) for e, s, _ in two] == [(e, s) for e, s, _ in one]
+    for (_, _, a), (_, _, b) in zip(two, one):
+        assert a == pytest.approx(b, rel=1e-4)
