@@ -2,6 +2,7 @@
 this job's layout (``paratrain.parallel.user.place_net``)."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from contextlib import ExitStack
 from typing import Iterable
@@ -14,6 +15,7 @@ from paratrain.context import get_auto_parallel_context, parallel_config_for
 from paratrain.distributed import init_from_env
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
+from paratrain.nn import PipelineCell
 from paratrain.optim import tensor_kind
 from paratrain.train.callbacks import Callback, CallbackParams, RunContext
 
@@ -154,6 +156,8 @@ class Model:
         rank, world_size = init_from_env()
         if self._placement is None:
             config = parallel_config_for(parallel_configs(self.network), world_size)
+            if isinstance(self.network, PipelineCell):  # MindSpore's micro_size is the micro-batch count
+                config = dataclasses.replace(config, micro_batch_num=self.network.micro_size)
             self._placement = config, Layout(config, world_size)
         config, layout = self._placement
         sinks = dataset_sink_mode and sink_size > 0
@@ -212,9 +216,12 @@ class Model:
         if self.train_network is None:
             from paratrain.parallel.user import place_net
 
-            net = self.network if self.loss_fn is None else WithLoss(self.network, self.loss_fn)
+            net = self.network.network if isinstance(self.network, PipelineCell) else self.network
+            net = net if self.loss_fn is None else WithLoss(net, self.loss_fn)
             names = group_names(self.optimizer, net)
             self.train_network = place_net(net, config, layout, batch)
+            if isinstance(self.network, PipelineCell):
+                self.network.placed = self.train_network
             self.optimizer = rebuild_optimizer(self.optimizer, names, self.train_network.named_parameters())
             params.update(train_network=self.train_network, optimizer=self.optimizer)
         loss = self.train_network.train_step(batch)
