@@ -29,10 +29,11 @@ def _check_train_config(words: list[str], world_size: int) -> None:
     """Refuse a ``train`` command whose config breaks a rule for ``world_size`` ranks, before any rank starts."""
     if words[:1] != ["train"]:
         return
-    from paratrain.cli import build_parser
     from paratrain.config import Config, check, parse_overrides
 
-    args, rest = build_parser().parse_known_args(words)
+    train_args = argparse.ArgumentParser(prog="paratrain train", add_help=False)
+    train_args.add_argument("--config")
+    args, rest = train_args.parse_known_args(words[1:])
     if args.config is not None and not Path(args.config).is_file():
         return  # it may exist on the nodes that run it only; their ranks report it otherwise
     check(Config.load(args.config, parse_overrides(rest)), world_size)
