@@ -211,7 +211,7 @@ class Checkpointer:
         self.config, self.layout = config, layout
         self.model_parts, self.optimizer, self.scheduler, self.states = model_parts, optimizer, scheduler, states
         self.cfg = config.checkpoint
-        self.root = Path(self.cfg.dir) if self.cfg.dir else config.run.path / "checkpoints"
+        self.root = config.checkpoint_path
         self.last_saved_step: int | None = None
         self.resumed_from: Path | None = None
 
@@ -359,11 +359,10 @@ class Checkpointer:
         """Keep the ``keep_max`` newest complete checkpoints; drop leftovers of killed saves."""
         for leftover in self.root.glob(TMP_PREFIX + "*"):
             shutil.rmtree(leftover, ignore_errors=True)
-        if self.cfg.keep_max > 0:
-            complete = [p for _, p in step_dirs(self.root) if (p / META_FILE).is_file()]
-            for path in complete[self.cfg.keep_max:]:
-                if path != keep:
-                    shutil.rmtree(path, ignore_errors=True)
+        complete = [p for _, p in step_dirs(self.root) if (p / META_FILE).is_file()]
+        for path in complete[self.cfg.keep_max:]:
+            if path != keep:
+                shutil.rmtree(path, ignore_errors=True)
 
     # --- resuming -------------------------------------------------------------------------
 

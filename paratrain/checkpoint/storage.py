@@ -115,11 +115,11 @@ def read_dcp_metadata(path: Path) -> Metadata:
         with open(file, "rb") as f:
             metadata = _RestrictedUnpickler(f).load()
     except FileNotFoundError:
-        raise DamagedCheckpoint(f"checkpoint {path}: the DCP index {file} is missing") from None
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: the DCP index {file} is missing") from None
     except Exception as exc:  # truncated, corrupt or foreign pickle
-        raise DamagedCheckpoint(f"checkpoint {path}: the DCP index {file} is unreadable ({exc})") from None
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: the DCP index {file} is unreadable ({exc})") from None
     if not isinstance(metadata, Metadata):
-        raise DamagedCheckpoint(f"checkpoint {path}: {file} does not hold DCP metadata")
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: {file} does not hold DCP metadata")
     return metadata
 
 
