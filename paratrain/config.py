@@ -520,7 +520,7 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if cfg.checkpoint.keep_max < 1:
         problems.append(f"checkpoint.keep_max={cfg.checkpoint.keep_max} must be at least 1 (the newest "
                         f"checkpoints kept)")
-    if t.min_loss_scale > t.initial_loss_scale:
+    if 0 < t.initial_loss_scale < t.min_loss_scale:
         problems.append(f"train.min_loss_scale={t.min_loss_scale:g} is above train.initial_loss_scale="
                         f"{t.initial_loss_scale:g}: lower it (default 1)")
     for name in ("beta1", "beta2"):
@@ -528,7 +528,7 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
             problems.append(f"train.{name}={getattr(t, name)} is outside [0, 1): use e.g. 0.9 and 0.98")
     if not 0 <= cfg.run.seed < 2**63:
         problems.append(f"run.seed={cfg.run.seed} must be in [0, 2**63)")
-    if not 0 <= m.pad_token_id < m.vocab_size:
+    if m.vocab_size > 0 and not 0 <= m.pad_token_id < m.vocab_size:
         problems.append(f"model.pad_token_id={m.pad_token_id} is not a token id of model.vocab_size={m.vocab_size}")
     if m.layernorm_eps <= 0:
         problems.append(f"model.layernorm_eps={m.layernorm_eps} must be positive (e.g. 1e-5)")

@@ -253,6 +253,8 @@ CASES = {
     "tokenizer-vocab-too-small": (lambda f: ["tokenizer", "train", "--input", str(f.file("in.txt", "a b\n")),
                                              "--vocab-size", "10", "--out", str(f.root / "t.json")],
                                   "vocab_size=10 is too small"),
+    "hostfile-not-utf8": (lambda f: ["launch", "--hostfile", str(f.file("hosts", b"node1 slots=2\n\xff\xfe\n")),
+                                     "--", *f.train()], "hosts: not UTF-8 text"),
     # checkpoints, through train (an explicit resume of a damaged copy of a saved checkpoint)
     "resume-flipped-shard-byte": (lambda f: f.resume(lambda p: flip_byte(p / SHARD)),
                                   f"{SHARD} fails its checksum"),
@@ -398,12 +400,14 @@ def test_a_file_too_large_during_a_save_names_the_file(tmp_path):
 # --- damaged checkpoints and resume="auto" -------------------------------------------------------
 
 def trained(run_dir: Path, steps: int, *overrides: str):
-    """A Trainer of the BASE model for ``steps`` steps, saving every step, after ``train()``."""
+    """A Trainer of the BASE model for ``steps`` steps, saving every step, after ``train()``, and its losses."""
+    import tomllib
+
     from paratrain.config import Config
     from paratrain.trainer import Trainer
 
-    cfg = Config.load(Files(run_dir.parent).config, [f"run.dir={run_dir}", f"train.steps={steps}",
-                                                     "checkpoint.save_steps=1", *overrides])
+    cfg = Config.from_dict(tomllib.loads(BASE), [f"run.dir={run_dir}", f"train.steps={steps}",
+                                                 "checkpoint.save_steps=1", *overrides])
     trainer = Trainer(cfg)
     return trainer, [r["loss"] for r in trainer.train()]
 
@@ -436,6 +440,40 @@ def test_auto_resume_goes_back_to_the_newest_intact_checkpoint(tmp_path, four_st
     assert resumed == losses[2:]
 
 
+def _damaged_share_of_rank_1(root: str):
+    """dp2: 3 steps saved every step; then rank 1's shard of step 3 gets a flipped byte (rank 1 hashes it):
+    an explicit resume of step 3, then an auto resume of the copy, on both ranks."""
+    import torch.distributed as dist
+
+    from paratrain.checkpoint import CheckpointError
+
+    root = Path(root)
+    _, whole = trained(root / "run", 3, "parallel.data_parallel=2")
+    copy = root / "copy"
+    if dist.get_rank() == 0:
+        shutil.copytree(root / "run" / "checkpoints", copy / "checkpoints")
+        flip_byte(copy / "checkpoints" / "step_00000003" / "__1_0.distcp")
+    dist.barrier()
+    try:
+        trained(root / "other", 3, "parallel.data_parallel=2",
+                f"checkpoint.resume={copy / 'checkpoints' / 'step_00000003'}")
+        refused = None
+    except CheckpointError as exc:
+        refused = str(exc)
+    trainer, resumed = trained(copy, 3, "parallel.data_parallel=2")  # saves a new step 3 over the damaged one
+    return whole, trainer.checkpointer.resumed_from.name, resumed, refused
+
+
+@pytest.mark.slow
+def test_a_shard_damaged_in_another_ranks_share_is_found_on_every_rank(tmp_path):
+    from multiprocess import run_distributed
+
+    for whole, resumed_from, resumed, refused in run_distributed(_damaged_share_of_rank_1, 2, str(tmp_path),
+                                                                 timeout=240):
+        assert resumed_from == "step_00000002" and resumed == whole[2:]
+        assert refused is not None and "__1_0.distcp fails its checksum" in refused
+
+
 def test_auto_resume_refuses_when_every_checkpoint_is_damaged(tmp_path, four_steps):
     from paratrain.checkpoint import CheckpointError
 
@@ -460,6 +498,20 @@ def test_checkpoint_verify_names_the_damaged_file(tmp_path, four_steps, capsys):
     assert f"DAMAGED     checkpoint {run / 'checkpoints' / 'step_00000003'} is damaged: file" in out
     assert f"{SHARD} fails its checksum" in out and "incomplete  " in out and "1 intact, 1 damaged, 1 incomplete" in out
     assert cli.main(["checkpoint", "verify", str(run / "checkpoints" / "step_00000004")]) == 0
+
+
+def test_a_checkpoint_written_before_checksums_still_loads(tmp_path, four_steps, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(four_steps[0], run / "checkpoints")
+    for path in (run / "checkpoints").glob("step_*"):  # as format 1 wrote it: sizes only
+        meta = json.loads((path / "paratrain.json").read_text())
+        meta.pop("checksum")
+        meta.update(format=1, files={name: entry["bytes"] for name, entry in meta["files"].items()})
+        (path / "paratrain.json").write_text(json.dumps(meta))
+    assert cli.main(["checkpoint", "verify", str(run / "checkpoints" / "step_00000004")]) == 0
+    assert "sizes only" in capsys.readouterr().out
+    trainer, losses = trained(run, 5)
+    assert trainer.checkpointer.resumed_from.name == "step_00000004" and len(losses) == 1
 
 
 def test_every_file_of_a_checkpoint_has_its_checksum(four_steps):

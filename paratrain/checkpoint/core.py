@@ -59,11 +59,6 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _write_failed(final: Path, exc: OSError) -> str:
     where = f" ({exc.filename})" if exc.filename else ""
     return (f"cannot write checkpoint {final}: {exc.strerror or exc}{where}: free space or raise the file size "
@@ -302,7 +297,11 @@ class Checkpointer:
             gathered = [None] * world
             dist.all_gather_object(gathered, written)
             written = {k: v for part in gathered for k, v in part.items()}
-        _together(lambda: rank == 0 and self._commit(step, tmp, final, layout, settings, written), final)
+
+        def commit():
+            if rank == 0:
+                self._commit(step, tmp, final, layout, settings, written)
+        _together(commit, final)
         self.last_saved_step = step
         if rank == 0:
             log.info("checkpoint: saved %s in %.2f s", final, time.perf_counter() - start)
