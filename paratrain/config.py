@@ -443,6 +443,8 @@ class Config:
     def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> "Config":
         data = {}
         if path is not None:
+            if Path(path).exists() and not Path(path).is_dir() and not Path(path).is_file():  # /dev/zero, a fifo
+                raise ConfigError([f"config file {path} is not a regular file: give a .toml file"])
             try:
                 data = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
             except FileNotFoundError:

@@ -122,6 +122,7 @@ CASES = {
     "config-not-utf8": (lambda f: f.train(config=f.file("c.toml", b"[model]\nkind = \"\xff\xfe\"\n")),
                         "is not UTF-8 text (byte 0xff"),
     "config-binary": (lambda f: f.train(config=f.file("c.toml", bytes(range(256)) * 4)), "c.toml"),
+    "config-not-a-regular-file": (lambda f: f.train(config="/dev/zero"), "/dev/zero is not a regular file"),
     "config-bad-toml": (lambda f: f.train(config=f.file("c.toml", "[model\nkind=")), "is not valid TOML"),
     "config-unknown-section": (lambda f: f.train(config=f.file("c.toml", "[modle]\nkind='gpt'\n")),
                                "did you mean [model]"),
@@ -352,7 +353,11 @@ def test_the_table_is_large_and_every_case_can_pass_the_checks(tmp_path, monkeyp
     list key is accepted on the command line, and a valid launch reaches the point of starting ranks."""
     from paratrain.launch import launcher
 
+    from paratrain.preflight import train_config
+
     assert len(CASES) + len(LAUNCH_CASES) >= 60
+    parallel = train_config(["--parallel.layer_stages=[0,0,1,1]", '--parallel.recompute=["full","none"]']).parallel
+    assert parallel.layer_stages == [0, 0, 1, 1] and parallel.recompute == ["full", "none"]
     f = Files(tmp_path)
     assert cli.main(f.train("--model.decoder_layers=4", "--parallel.layer_stages=[0,0,0,0]")) == 0
     use_registry(tmp_path, monkeypatch)
