@@ -100,6 +100,12 @@ def cmd_launch(args) -> int:
     _check_train_config(words, sum(h.slots for h in hosts) if hosts else topo.nproc_per_node * topo.nnodes)
     if args.dry_run:
         return _dry_run(args, name, job_dir, words, hosts, topo)
+    if words[:1] == ["train"]:  # the checks each rank would make, once, before any rank starts
+        from paratrain import preflight
+
+        world, local = ((sum(h.slots for h in hosts), max(h.slots for h in hosts)) if hosts
+                        else (topo.nnodes * topo.nproc_per_node, topo.nproc_per_node))
+        preflight.check(preflight.train_config(words[1:]), world, local)
     # nodes other than the first record themselves in node{R}.json beside the first node's job.json
     other_node = bool(os.environ.get("PARATRAIN_COORDINATED") or (topo and topo.node_rank > 0))
     if not other_node and not os.environ.get("PARATRAIN_JOB_PREPARED") and (job_dir / "job.json").exists():
