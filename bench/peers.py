@@ -198,16 +198,15 @@ def prepare(a: argparse.Namespace) -> dict:
     a.out.mkdir(parents=True, exist_ok=True)
     tag = "_".join(str(v) for v in model.values())
     init, data = a.out / f"init_{tag}.pt", a.out / f"data_{tag}_{steps}.pt"
-    if not init.exists():
-        torch.manual_seed(cfg.run.seed)  # as paratrain's Trainer does
-        torch.save(build_model(cfg.model).state_dict(), init)
-    if not data.exists():
-        source = SyntheticLM(cfg.model, cfg.run.seed)
-        batches = [source.batch_rows(s, 0, a.batch) for s in range(steps)]
-        ids, labels = (torch.stack([b[k] for b in batches]) for k in ("input_ids", "labels"))
-        if (ids == PAD).any() or (labels == PAD).any():  # DeepSpeed's pipeline blocks assume no padding
-            raise ValueError("the synthetic batches hold padding: DeepSpeed's pipeline blocks would mask differently")
-        torch.save({"input_ids": ids, "labels": labels}, data)
+    # made anew each run: files left by another version of paratrain's model or data would fail the checks
+    torch.manual_seed(cfg.run.seed)  # as paratrain's Trainer does
+    torch.save(build_model(cfg.model).state_dict(), init)
+    source = SyntheticLM(cfg.model, cfg.run.seed)
+    batches = [source.batch_rows(s, 0, a.batch) for s in range(steps)]
+    ids, labels = (torch.stack([b[k] for b in batches]) for k in ("input_ids", "labels"))
+    if (ids == PAD).any() or (labels == PAD).any():  # DeepSpeed's pipeline blocks assume no padding
+        raise ValueError("the synthetic batches hold padding: DeepSpeed's pipeline blocks would mask differently")
+    torch.save({"input_ids": ids, "labels": labels}, data)
     params = sum(v.numel() for v in torch.load(init, mmap=True).values())
     return {"model": model, "init": str(init), "data": str(data), "warmup": a.warmup, "steps": a.steps,
             "params": params}

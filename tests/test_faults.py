@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, ROOT
+from conftest import PYTHON
 from paratrain import cli
 from test_launch import use_registry
 
