@@ -5,7 +5,9 @@
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 
 import torch
 
@@ -14,6 +16,8 @@ from paratrain.errors import UserError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "bf16": torch.bfloat16, "fp16": torch.float16}  # model.dtype and train.mixed_precision names
 CHOICES = ("auto", "cpu", "cuda")
+HOST_MMAP_THRESHOLD = 4 << 20  # bytes; see fix_host_mmap_threshold
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 
 def device(choice: str | None = None) -> torch.device:
@@ -40,3 +44,23 @@ def configure(dev: torch.device) -> None:
         torch.cuda.set_device(dev)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    else:
+        fix_host_mmap_threshold()
+
+
+def fix_host_mmap_threshold() -> bool:
+    """Serve host blocks of 4 MiB and more from their own mappings, returned to the system when freed.
+
+    glibc raises its mmap threshold (up to 32 MiB) each time such a block is freed and then
+    serves them from its heap, which keeps the freed space: a CPU run's peak resident memory
+    grows with its allocation pattern (FSDP2's gather and reduce buffers most), 10-25 % of a
+    rank's peak in ``bench/peers.py``. A fixed threshold stops that. Left alone when
+    ``MALLOC_MMAP_THRESHOLD_`` is set or the C library is not glibc; returns whether it was set.
+    """
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD))
+    except (OSError, AttributeError):  # not glibc
+        return False

@@ -1,10 +1,15 @@
 """The GPU fast path, checked on the CPU: no host synchronisation on steps that are not logged, the next batch
 made while a step runs (only this rank's rows), padding checks, one FSDP unit per block and FSDP's mixed
-precision, and the model initialised shard by shard with the values of a plain build."""
+precision, the model initialised shard by shard with the values of a plain build, and CPU runs giving large
+freed blocks back to the system."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import ROOT, tiny_config
 from multiprocess import run_distributed
 
 
@@ -102,3 +107,34 @@ def test_shard_by_shard_init_gives_the_plain_build(tmp_path):
             self.weight = torch.nn.Parameter(torch.randn(3) * 2)  # drawn into a temporary: not replayable
     with pytest.raises(DeferredInitError, match="draws random numbers \\(randn\\)"):
         record_init(DrawsOutside)
+
+
+HOST_BLOCK = """
+import ctypes, sys
+import torch
+from paratrain.device import configure
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "configured":
+    configure(torch.device("cpu"))
+big = torch.ones(16 << 20, dtype=torch.uint8)
+del big  # glibc's own rule now serves blocks up to 16 MiB from its heap
+block = torch.ones(8 << 20, dtype=torch.uint8)
+print(libc.mallinfo2().hblkhd >= block.numel())  # the 8 MiB block is a mapping of its own
+"""
+
+
+@pytest.mark.parametrize("setting", ["configured", "glibc"])
+def test_a_cpu_run_returns_large_freed_blocks_to_the_system(setting):
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    out = subprocess.run([sys.executable, "-c", HOST_BLOCK, setting], capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(setting == "configured")
