@@ -33,12 +33,20 @@ TEXT_HEAD = 1 << 20  # bytes of a text file read to tell text from binary
 MIN_BPE_VOCAB = 260  # a byte-level BPE needs the 256 bytes and 4 special tokens
 
 
-def train_config(argv: list[str]) -> Config:
-    """The Config of the ``train`` command line ``argv`` (``--config FILE`` and ``--section.key=value``)."""
+def train_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The ``--config`` and ``--deepspeed`` of the ``train`` command line ``argv``, and its overrides."""
     parser = argparse.ArgumentParser(prog="paratrain train", add_help=False)
     parser.add_argument("--config")
+    parser.add_argument("--deepspeed")
     args, rest = parser.parse_known_args(argv)
-    return Config.load(args.config, parse_overrides(rest))
+    return args, parse_overrides(rest)
+
+
+def train_config(argv: list[str], world_size: int | None = None) -> Config:
+    """The Config of the ``train`` command line ``argv`` (``--config FILE``, ``--deepspeed FILE`` and
+    ``--section.key=value``) for ``world_size`` ranks."""
+    args, overrides = train_args(argv)
+    return Config.load(args.config, overrides, args.deepspeed, world_size)
 
 
 def check(cfg: Config, world_size: int, local_world_size: int | None = None, resolved: bool = False) -> Config:

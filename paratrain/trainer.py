@@ -60,8 +60,10 @@ class Trainer:
         torch.manual_seed(cfg.run.seed + self.layout.dp_rank)  # dropout: shared by tensor-parallel peers
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
-        self.loss_scaler = LossScaler(cfg.train.mixed_precision == "fp16", cfg.train.initial_loss_scale,
-                                      min_scale=cfg.train.min_loss_scale, max_skipped=cfg.train.max_skipped_steps)
+        t = cfg.train
+        self.loss_scaler = LossScaler(t.mixed_precision == "fp16", t.initial_loss_scale, t.loss_scale_window,
+                                      t.min_loss_scale, t.max_skipped_steps, t.loss_scale_hysteresis,
+                                      t.consecutive_hysteresis)
         self.data = ShardedBatches(build_dataset(cfg), cfg.train.global_batch_size, self.layout.dp_rank,
                                    self.layout.dp_size, self.device, cfg.model.pad_token_id)
         self.is_main = rank == 0
