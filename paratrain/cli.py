@@ -31,7 +31,7 @@ def cmd_train(args) -> int:
     from paratrain.precision import LossScaleFloor
     from paratrain.trainer import Trainer, TrainingDiverged
 
-    rank, world_size = init_from_env()
+    rank, world_size = init_from_env(offload=cfg.parallel.offloads)
     if cfg.parallel.auto:  # the planner picks the layout for this world size before the trainer is built
         from paratrain.plan import resolve_auto
         print_main = print if rank == 0 else (lambda *a, **k: None)

@@ -179,6 +179,7 @@ class Mapping:
                 self.refuse(key, value, "must be a positive integer or 'auto'")
                 return
         total, micro, steps = given.values()
+        derived = {k for k, v in given.items() if v is None}
         if total is None and micro is None:
             if steps is not None:
                 self.set("gradient_accumulation_steps", steps, "parallel.micro_batch_num")
@@ -196,9 +197,10 @@ class Mapping:
                                  f"gradient_accumulation_steps={steps} x data_parallel={dp} = {micro * steps * dp}"
                                  f": set train_batch_size to {micro * steps * dp}, or one of the three to 'auto'")
             return
-        rule = f" (= {micro} per rank x {steps} micro-batches x data_parallel={dp})"
-        self.set("train_batch_size", total, "train.global_batch_size", rule)
-        self.set("gradient_accumulation_steps", steps, "parallel.micro_batch_num")
+        rule = f" (= train_micro_batch_size_per_gpu={micro} x {steps} x data_parallel={dp})"
+        for key, value, target, note in (("train_batch_size", total, "train.global_batch_size", rule),
+                                         ("gradient_accumulation_steps", steps, "parallel.micro_batch_num", "")):
+            self.set(key + (" (derived)" if key in derived else ""), value, target, note)
 
     def precision(self) -> None:
         fp16, bf16 = self.ds.get("fp16.enabled"), self.ds.get("bf16.enabled", self.ds.get("bfloat16.enabled"))

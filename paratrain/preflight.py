@@ -7,6 +7,7 @@ reported at once as one ``ConfigError`` (a ``UserError``: one message, exit code
 each problem naming the key, file or value and a fix:
 
 - the config rules (:func:`paratrain.config.validate`);
+- ZeRO-Offload (``parallel.offload_optimizer`` / ``offload_param``) only with an accelerator;
 - sizes: the model's weights, gradients and AdamW state (the planner's parameter
   count), spread as thinly as ``world_size`` ranks could spread them, and a lower bound
   of the activations of one micro-batch, against the memory of a device or of this host
@@ -55,6 +56,9 @@ def check(cfg: Config, world_size: int, local_world_size: int | None = None, res
     problems = validate(cfg, world_size, resolved)
     if problems:  # the checks below trust these numbers
         raise ConfigError(problems)
+    problems = offload_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
     local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size
     problems = memory_problems(cfg, world_size, local) + data_problems(cfg)
     if problems:
@@ -64,6 +68,21 @@ def check(cfg: Config, world_size: int, local_world_size: int | None = None, res
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def offload_problems(cfg: Config) -> list[str]:
+    """Offload moves model state from an accelerator to the host: refused on a CPU device, where FSDP2's
+    CPUOffloadPolicy cannot run ("Cannot access accelerator device when none is available")."""
+    from paratrain.device import device
+
+    p = cfg.parallel
+    if not p.offloads or device().type != "cpu":
+        return []
+    name = "offload_optimizer" if p.offload_optimizer == "cpu" else "offload_param"
+    return [f"parallel.{name}='cpu' needs an accelerator: FSDP2's CPUOffloadPolicy moves parameters, gradients "
+            f"and optimizer state from a GPU to host memory, and this run's device is the CPU (PARATRAIN_DEVICE="
+            f"{os.environ.get('PARATRAIN_DEVICE', 'auto')}, no CUDA in use), where they are in host memory "
+            f"already: set parallel.{name}='none' (DeepSpeed: zero_optimization.{name}.device 'none')"]
 
 
 # --- sizes ---------------------------------------------------------------------------------------

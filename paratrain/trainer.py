@@ -42,7 +42,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config):
-        rank, world_size = init_from_env()
+        rank, world_size = init_from_env(offload=cfg.parallel.offloads)
         progress.start(rank)
         self.cfg = preflight.check(cfg, world_size, resolved=True)
         self.layout = Layout(cfg.parallel, world_size)
@@ -54,7 +54,8 @@ class Trainer:
         self.model_parts, self.pipeline = parallelize(record.model.to(DTYPES[cfg.model.dtype]), cfg.parallel,
                                                       self.layout, loss_fn=self._loss, train=cfg.train)
         torch.manual_seed(cfg.run.seed)
-        materialize(self.model_parts, record, self.device)
+        # offloaded parameters are made on the host (FSDP2 pins them), never whole on the device
+        materialize(self.model_parts, record, self.device, torch.device("cpu") if cfg.parallel.offloads else None)
         # every parameter of this rank as one module
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else nn.ModuleList(self.model_parts)
         torch.manual_seed(cfg.run.seed + self.layout.dp_rank)  # dropout: shared by tensor-parallel peers
