@@ -197,10 +197,11 @@ class Mapping:
                                  f"gradient_accumulation_steps={steps} x data_parallel={dp} = {micro * steps * dp}"
                                  f": set train_batch_size to {micro * steps * dp}, or one of the three to 'auto'")
             return
-        rule = f" (= train_micro_batch_size_per_gpu={micro} x {steps} x data_parallel={dp})"
+        rule = (f" (= train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={steps} x "
+                f"data_parallel={dp})")
         for key, value, target, note in (("train_batch_size", total, "train.global_batch_size", rule),
                                          ("gradient_accumulation_steps", steps, "parallel.micro_batch_num", "")):
-            self.set(key + (" (derived)" if key in derived else ""), value, target, note)
+            self.set(key, value, target, note, given=self.ds.get(key, "not given") if key in derived else None)
 
     def precision(self) -> None:
         fp16, bf16 = self.ds.get("fp16.enabled"), self.ds.get("bf16.enabled", self.ds.get("bfloat16.enabled"))

@@ -195,7 +195,6 @@ def test_recompute_and_sequence_parallel_shrink_activations():
 
 
 def test_in_flight_per_schedule():
-
     assert cost.in_flight(ParallelConfig(pipeline_stage=4, micro_batch_num=8, pipeline_schedule="gpipe"), 0) == 8
     p = ParallelConfig(pipeline_stage=4, micro_batch_num=8, pipeline_schedule="1f1b")
     assert [cost.in_flight(p, s) for s in range(4)] == [4, 3, 2, 1]
