@@ -14,7 +14,8 @@ import importlib
 import os
 import sys
 
-from paratrain.config import Config, parse_overrides
+from paratrain.config import parse_overrides
+from paratrain.deepspeed_config import load_config
 from paratrain.errors import UserError
 
 COMMAND_MODULES = ("paratrain.launch", "paratrain.doctor", "paratrain.data.commands", "paratrain.metrics.commands",
@@ -26,7 +27,7 @@ def cmd_train(args) -> int:
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     report = (lambda line: print(line, flush=True)) if os.environ.get("RANK", "0") == "0" else None
-    cfg = preflight.check(Config.load(args.config, args.overrides, args.deepspeed, world_size, report), world_size)
+    cfg = preflight.check(load_config(args.config, args.overrides, args.deepspeed, world_size, report), world_size)
     from paratrain.distributed import init_from_env
     from paratrain.precision import LossScaleFloor
     from paratrain.trainer import Trainer, TrainingDiverged

@@ -517,7 +517,10 @@ class Config:
         for name, values in data.items():
             if name not in cls.sections():
                 close = difflib.get_close_matches(name, list(cls.sections()), n=1)
-                problems.append(f"unknown section [{name}]" + (f" (did you mean [{close[0]}]?)" if close else ""))
+                hint = (" (a DeepSpeed config is read by paratrain train/launch/plan, or "
+                        "paratrain.deepspeed_config.load_config)" if name == "deepspeed" else
+                        f" (did you mean [{close[0]}]?)" if close else "")
+                problems.append(f"unknown section [{name}]{hint}")
             elif not isinstance(values, dict):
                 problems.append(f"[{name}] must be a table of keys, got {values!r}")
             else:
@@ -527,27 +530,11 @@ class Config:
         return cls(**built)
 
     @classmethod
-    def load(cls, path: str | Path | None = None, overrides: list[str] = (), deepspeed: str | None = None,
-             world_size: int | None = None, report: Callable[[str], None] | None = None) -> "Config":
+    def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> "Config":
         """The config of TOML file ``path`` (none: the defaults) with ``overrides`` (``section.key=value``).
-
-        A DeepSpeed JSON config -- ``deepspeed`` (``--deepspeed``), else a top-level ``deepspeed = "path"``
-        of the file, relative to it -- is mapped onto the file's keys first; the overrides win over both.
-        ``world_size`` derives ``data_parallel`` for DeepSpeed's batch rule; ``report`` gets one line per
-        DeepSpeed key (``paratrain.deepspeed_config``)."""
-        data = cls.read_toml(path) if path is not None else {}
-        named = data.pop("deepspeed", None)
-        if deepspeed is None and named is not None:
-            if not isinstance(named, str):
-                raise ConfigError([f"deepspeed={named!r} in {path} must be the path of a DeepSpeed JSON config"])
-            deepspeed = str(Path(path).parent / named)
-        if deepspeed is not None:
-            from paratrain.deepspeed_config import apply
-
-            for line in apply(deepspeed, data, list(overrides), world_size):
-                if report is not None:
-                    report(line)
-        return cls.from_dict(data, overrides)
+        A file naming a DeepSpeed config (``deepspeed = "ds.json"``) is read by
+        ``paratrain.deepspeed_config.load_config``."""
+        return cls.from_dict(cls.read_toml(path) if path is not None else {}, overrides)
 
     @staticmethod
     def read_toml(path: str | Path) -> dict[str, Any]:

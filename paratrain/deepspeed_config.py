@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from paratrain.config import Config, ConfigError
 
@@ -307,6 +307,25 @@ class Mapping:
         close = difflib.get_close_matches(key, sorted(KNOWN), n=1, cutoff=0.6)
         self.problems.append(f"{key} is not a DeepSpeed key paratrain knows"
                              + (f": did you mean {close[0]}?" if close else ": remove it"))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), deepspeed: str | None = None,
+                world_size: int | None = None, report: Callable[[str], None] | None = None) -> Config:
+    """``Config.load(path, overrides)`` with a DeepSpeed JSON config mapped onto the file's keys first (the
+    overrides win over both): ``deepspeed`` (``--deepspeed``), else the file's top-level ``deepspeed = "path"``,
+    relative to the file. ``world_size`` derives ``data_parallel`` for DeepSpeed's batch rule; ``report`` gets
+    one line per DeepSpeed key."""
+    data = Config.read_toml(path) if path is not None else {}
+    named = data.pop("deepspeed", None)
+    if deepspeed is None and named is not None:
+        if not isinstance(named, str):
+            raise ConfigError([f"deepspeed={named!r} in {path} must be the path of a DeepSpeed JSON config"])
+        deepspeed = str(Path(path).parent / named)
+    if deepspeed is not None:
+        for line in apply(deepspeed, data, list(overrides), world_size):
+            if report is not None:
+                report(line)
+    return Config.from_dict(data, overrides)
 
 
 def apply(path: str | Path, data: dict[str, Any], overrides: list[str], world_size: int | None) -> list[str]:

@@ -47,7 +47,9 @@ def train_config(argv: list[str], world_size: int | None = None) -> Config:
     """The Config of the ``train`` command line ``argv`` (``--config FILE``, ``--deepspeed FILE`` and
     ``--section.key=value``) for ``world_size`` ranks."""
     args, overrides = train_args(argv)
-    return Config.load(args.config, overrides, args.deepspeed, world_size)
+    from paratrain.deepspeed_config import load_config
+
+    return load_config(args.config, overrides, args.deepspeed, world_size)
 
 
 def check(cfg: Config, world_size: int, local_world_size: int | None = None, resolved: bool = False) -> Config:

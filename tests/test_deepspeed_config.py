@@ -8,6 +8,7 @@ import pytest
 from conftest import ROOT
 from paratrain import cli
 from paratrain.config import Config, ConfigError, check
+from paratrain.deepspeed_config import load_config
 from paratrain.optim import lr_at
 from paratrain.precision import LossScaler
 
@@ -92,7 +93,7 @@ def write(tmp_path, ds: dict):
 
 def test_batch_rule_and_auto(tmp_path):
     def batch(ds, world_size=2, overrides=()):
-        cfg = Config.load(None, list(overrides), str(write(tmp_path, ds)), world_size)
+        cfg = load_config(None, list(overrides), str(write(tmp_path, ds)), world_size)
         return cfg.train.global_batch_size, cfg.parallel.micro_batch_num
 
     assert batch({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}) == (24, 3)
@@ -112,7 +113,7 @@ def test_auto_keeps_paratrains_values_and_block_defaults_are_deepspeeds(tmp_path
           "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}, "gradient_clipping": "auto",
           "fp16": {"enabled": True}}
     lines = []
-    cfg = Config.load(None, ["train.lr=5e-4", "train.grad_clip=0.5"], str(write(tmp_path, ds)), 1, lines.append)
+    cfg = load_config(None, ["train.lr=5e-4", "train.grad_clip=0.5"], str(write(tmp_path, ds)), 1, lines.append)
     t = cfg.train
     assert (t.lr, t.grad_clip, t.lr_schedule) == (5e-4, 0.5, "warmup_lr")
     # left out of a given block: DeepSpeed's defaults (FusedAdam, WarmupLR, DynamicLossScaler)
@@ -128,12 +129,12 @@ def test_deepspeed_key_in_toml_and_command_line_wins(tmp_path):
     write(tmp_path / "sub", {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
     toml = tmp_path / "sub" / "run.toml"
     toml.write_text('deepspeed = "ds_config.json"\n[parallel]\nenable_parallel_optimizer = true\n')
-    cfg = Config.load(toml, ["train.mixed_precision=none"])
+    cfg = load_config(toml, ["train.mixed_precision=none"])
     assert cfg.parallel.zero_stage == 3 and not cfg.parallel.optimizer_shard
     assert cfg.train.mixed_precision == "none"
     with pytest.raises(ConfigError, match="must be the path of a DeepSpeed JSON config"):
         toml.write_text("deepspeed = 3\n")
-        Config.load(toml)
+        load_config(toml)
 
 
 REFUSALS = {  # DeepSpeed config -> what the one-line refusal says
@@ -183,7 +184,7 @@ REFUSALS = {  # DeepSpeed config -> what the one-line refusal says
 def test_refused_with_one_line(tmp_path, name):
     ds, message = REFUSALS[name]
     with pytest.raises(ConfigError) as caught:
-        check(Config.load(None, ["parallel.data_parallel=2"], str(write(tmp_path, ds)), 2), 2)
+        check(load_config(None, ["parallel.data_parallel=2"], str(write(tmp_path, ds)), 2), 2)
     assert message in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
 
 
@@ -198,7 +199,7 @@ def test_unreadable_files_refused(tmp_path, content, message):
     elif content is not None:
         path.write_text(content)
     with pytest.raises(ConfigError, match=message):
-        Config.load(None, [], str(path))
+        load_config(None, [], str(path))
 
 
 def test_offload_refused_on_cpu_before_any_rank_starts(tmp_path, capsys, monkeypatch):
@@ -258,7 +259,7 @@ def test_schedules_follow_deepspeeds_formulas(tmp_path, kind, params):
     sched = {k: v for k, v in params.items() if k != "lr"}
     ds = {"scheduler": {"type": kind, "params": sched}, "optimizer": {"type": "AdamW", "params": {"lr": params.get(
         "lr", 1e-3)}}}
-    cfg = Config.load(None, ["train.steps=40"], str(write(tmp_path, ds)), 1).train
+    cfg = load_config(None, ["train.steps=40"], str(write(tmp_path, ds)), 1).train
     for step in (0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 20, 29, 30, 31, 39):  # warmup, its end, decay, past total_num_steps
         assert lr_at(step, cfg) == pytest.approx(deepspeed_reference(kind, params, step - 1), rel=1e-12, abs=1e-15)
 

@@ -29,13 +29,14 @@ def _check_train_config(words: list[str], world_size: int) -> None:
     """Refuse a ``train`` command whose config breaks a rule for ``world_size`` ranks, before any rank starts."""
     if words[:1] != ["train"]:
         return
-    from paratrain.config import Config, check
+    from paratrain.config import check
+    from paratrain.deepspeed_config import load_config
     from paratrain.preflight import train_args
 
     args, overrides = train_args(words[1:])
     if any(path is not None and not Path(path).is_file() for path in (args.config, args.deepspeed)):
         return  # it may exist on the nodes that run it only; their ranks report it otherwise
-    check(Config.load(args.config, overrides, args.deepspeed, world_size), world_size)
+    check(load_config(args.config, overrides, args.deepspeed, world_size), world_size)
 
 
 def _with_run_dir(words: list[str], job_dir: Path) -> list[str]:

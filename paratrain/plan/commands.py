@@ -24,6 +24,7 @@ def register(sub) -> None:
                                    "--dry-run, count one layout's per-rank bytes on the meta device.")
     p.add_argument("--config", help="TOML config (its [model], [train] and [parallel] are used); "
                                     "override keys as --model.hidden_size=... ")
+    p.add_argument("--deepspeed", help="DeepSpeed JSON config mapped onto the config's keys (as paratrain train)")
     p.add_argument("--devices", type=int, help="number of devices (default: the config's dp x mp x pp)")
     p.add_argument("--devices-per-node", type=int, default=8)
     p.add_argument("--device-memory", default="80GiB", help="memory of one device, e.g. 80GiB or 40GB")
@@ -41,12 +42,12 @@ def register(sub) -> None:
 
 
 def _config(args):
-    from paratrain.config import Config
+    from paratrain.deepspeed_config import load_config
 
     overrides = list(args.overrides)
     if args.global_batch:
         overrides.append(f"train.global_batch_size={args.global_batch}")
-    return Config.load(args.config, overrides)
+    return load_config(args.config, overrides, args.deepspeed, args.devices)
 
 
 def hardware(args, devices: int):
