@@ -5,9 +5,10 @@ overrides (which win), and returns one line per key saying what it became. Every
 accepted with no effect (with the reason, e.g. bucket sizes: FSDP2 gathers and reduces one layer
 group at a time), or refused with the reason; an unknown key is refused with the closest known one.
 
-Values as DeepSpeed defines them: the batch sizes follow its rule ``train_batch_size =
-train_micro_batch_size_per_gpu x gradient_accumulation_steps x data_parallel`` (two of them give the
-third; one alone takes one accumulation step); inside an ``fp16``, ``optimizer`` or ``scheduler``
+The keys and what each is to paratrain are in ``paratrain.deepspeed_keys``. Values as DeepSpeed
+defines them: the batch sizes follow its rule ``train_batch_size = train_micro_batch_size_per_gpu x
+gradient_accumulation_steps x data_parallel`` (two give the third; one alone takes one accumulation
+step); inside an ``fp16``, ``optimizer`` or ``scheduler``
 block a parameter left out takes DeepSpeed's default. ``"auto"`` (which DeepSpeed's config drops, and
 the HF Trainer fills from its own arguments) keeps paratrain's value: the TOML's, else its default;
 an ``"auto"`` batch size is derived from the others by the same rule.
@@ -20,83 +21,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from paratrain.config import Config, ConfigError
+from paratrain.deepspeed_keys import DEFAULTS, DIRECT, KNOWN, NO_EFFECT, REQUIRED, SCHEDULES, SPECIAL
 
 AUTO = "auto"
-# DeepSpeed key -> paratrain key, for keys copied as they are (type checked against the paratrain key's)
-DIRECT = {
-    "steps_per_print": "metrics.log_steps", "wall_clock_breakdown": "metrics.breakdown",
-    "gradient_clipping": "train.grad_clip", "tensorboard.enabled": "metrics.tensorboard",
-    "zero_optimization.stage": "parallel.zero_stage",
-    "zero_optimization.offload_optimizer.device": "parallel.offload_optimizer",
-    "zero_optimization.offload_param.device": "parallel.offload_param",
-    "fp16.loss_scale_window": "train.loss_scale_window", "fp16.hysteresis": "train.loss_scale_hysteresis",
-    "fp16.consecutive_hysteresis": "train.consecutive_hysteresis", "fp16.min_loss_scale": "train.min_loss_scale",
-    "optimizer.params.lr": "train.lr", "optimizer.params.eps": "train.eps",
-    "optimizer.params.weight_decay": "train.weight_decay",
-    "scheduler.params.warmup_min_lr": "train.warmup_min_lr", "scheduler.params.warmup_max_lr": "train.lr",
-    "scheduler.params.warmup_num_steps": "train.warmup_steps", "scheduler.params.warmup_type": "train.warmup_type",
-    "scheduler.params.total_num_steps": "train.lr_decay_steps",
-}
-# mapped by code below
-SPECIAL = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "fp16.enabled",
-           "bf16.enabled", "bfloat16.enabled", "fp16.loss_scale", "fp16.initial_scale_power", "optimizer.type",
-           "optimizer.params.betas", "optimizer.params.adam_w_mode", "scheduler.type",
-           "scheduler.params.warmup_min_ratio", "scheduler.params.cos_min_ratio", "zero_optimization.cpu_offload")
-NO_EFFECT = {  # key, or block ending in ".", -> why it changes nothing in paratrain
-    **dict.fromkeys(("zero_optimization.allgather_bucket_size", "zero_optimization.reduce_bucket_size",
-                     "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.allgather_partitions",
-                     "zero_optimization.reduce_scatter", "zero_optimization.overlap_comm",
-                     "zero_optimization.contiguous_gradients", "zero_optimization.stage3_max_live_parameters",
-                     "zero_optimization.stage3_max_reuse_distance", "zero_optimization.sub_group_size",
-                     "zero_optimization.stage3_param_persistence_threshold",
-                     "zero_optimization.round_robin_gradients"),
-                    "FSDP2 gathers and reduce-scatters one layer group at a time, overlapped with compute "
-                    "(parallel.gradient_aggregation_group sets the groups)"),
-    **dict.fromkeys(("zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                     "zero_optimization.stage3_gather_fp16_weights_on_model_save", "zero_optimization.elastic_checkpoint",
-                     "zero_optimization.load_from_fp32_weights"),
-                    "paratrain's checkpoints load under any layout; checkpoint.integrated_save=true also writes "
-                    "one model.safetensors"),
-    **dict.fromkeys(("zero_optimization.offload_optimizer.pin_memory", "zero_optimization.offload_param.pin_memory",
-                     "zero_optimization.offload_optimizer.buffer_count", "zero_optimization.offload_param.buffer_count",
-                     "zero_optimization.offload_param.buffer_size", "zero_optimization.offload_param.max_in_cpu",
-                     "zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_optimizer.nvme_path",
-                     "zero_optimization.offload_param.nvme_path"),
-                    "FSDP2's CPUOffloadPolicy keeps the whole shard in pinned host memory"),
-    "zero_optimization.ignore_unused_parameters": "every parameter of paratrain's models is used",
-    "fp16.auto_cast": "paratrain autocasts the forward's matmuls; the inputs are token ids",
-    "optimizer.params.torch_adam": "the optimizer is torch's fused AdamW",
-    "zero_allow_untested_optimizer": "the optimizer is AdamW, which every ZeRO stage runs",
-    "zero_force_ds_cpu_optimizer": "with offload the optimizer step is torch's AdamW on the host",
-    "prescale_gradients": "the loss is already divided by the global batch's tokens before backward",
-    "gradient_predivide_factor": "the loss is already divided by the global batch's tokens before backward",
-    "memory_breakdown": "every logged step records memory_mb",
-    "flops_profiler.": "every logged step records flops, tflops and mfu",
-    "comms_logger.": "metrics.breakdown measures the exposed communication time",
-    "tensorboard.output_path": "TensorBoard events are written into the run directory",
-    "tensorboard.job_name": "TensorBoard events are written into the run directory",
-    "activation_checkpointing.": "DeepSpeed's model code decides what to recompute; here set parallel.recompute",
-}
-REQUIRED = {  # key: (the only value paratrain can honour, why)
-    "optimizer.params.amsgrad": (False, "paratrain's AdamW has no AMSGrad"),
-    "optimizer.params.bias_correction": (True, "paratrain's AdamW always corrects the moments' bias"),
-    "zero_optimization.offload_optimizer.ratio": (1.0, "FSDP2 offloads the whole optimizer state or none"),
-    "zero_optimization.zero_quantized_weights": (False, "paratrain gathers unquantized weights"),
-    "zero_optimization.zero_quantized_gradients": (False, "paratrain reduces unquantized gradients"),
-    "zero_optimization.zero_hpz_partition_size": (1, "paratrain has no hierarchical (ZeRO++) partitions"),
-    "zero_optimization.mics_shard_size": (-1, "paratrain shards over all data-parallel ranks (no MiCS)"),
-}
-DEFAULTS = {  # DeepSpeed's value of a parameter left out of a block that is given
-    "fp16": {"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "consecutive_hysteresis": False,
-             "min_loss_scale": 1},
-    "optimizer": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0},  # FusedAdam's
-    "WarmupLR": (warmup := {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1000,
-                            "warmup_type": "log"}),
-    "WarmupDecayLR": warmup,
-    "WarmupCosineLR": {"warmup_min_ratio": 0.0, "warmup_num_steps": 1000, "cos_min_ratio": 1e-4, "warmup_type": "log"},
-}
-SCHEDULES = {"WarmupLR": "warmup_lr", "WarmupDecayLR": "warmup_decay_lr", "WarmupCosineLR": "warmup_cosine_lr"}
-KNOWN = set(DIRECT) | set(SPECIAL) | set(NO_EFFECT) | set(REQUIRED)
 
 
 def read(path: str | Path) -> dict[str, Any]:
@@ -354,10 +281,10 @@ def apply(path: str | Path, data: dict[str, Any], overrides: list[str], world_si
         section, key = target.split(".")
         table = data.setdefault(section, {})
         if isinstance(table, dict):  # else Config.from_dict says what is wrong with the TOML
-            cls = Config.sections()[section]
-            for alias in [a for a, name in cls.ALIASES.items() if name in (key, "optimizer_shard")]:
+            names = (key, "optimizer_shard") if target == "parallel.zero_stage" else (key,)
+            for alias in [a for a, name in Config.sections()[section].ALIASES.items() if name in names]:
                 table.pop(alias, None)
             table[key] = value
-            if target == "parallel.zero_stage":
+            if target == "parallel.zero_stage":  # one ZeRO setting: DeepSpeed's stage
                 table["optimizer_shard"] = False
     return [f"deepspeed {path}:"] + [f"  {line}" for line in mapping.report()]
