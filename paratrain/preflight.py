@@ -103,7 +103,8 @@ def memory_problems(cfg: Config, world_size: int, local_world_size: int) -> list
     """A problem when the model cannot fit: its weights, gradients and AdamW moments (4 copies of every
     parameter in ``model.dtype``) divided over all ``world_size`` ranks, plus one hidden state per layer
     for the tokens of a micro-batch, exceed a device's memory (GPU runs) or this host's for its
-    ``local_world_size`` ranks (CPU runs). Both are lower bounds: a layout needs at least that much."""
+    ``local_world_size`` ranks (CPU runs). With ZeRO-Offload the model state counts against the host's
+    memory, the activations against the device's. Both are lower bounds: a layout needs at least that much."""
     import torch
 
     from paratrain.device import device
@@ -118,16 +119,20 @@ def memory_problems(cfg: Config, world_size: int, local_world_size: int) -> list
     micro_batch_num = 1 if p.auto else p.micro_batch_num  # the planner may pick more micro-batches
     activations = cfg.train.global_batch_size * tokens * m.hidden_size * 4 * m.num_layers / (
         world_size * micro_batch_num)
-    per_rank = state + activations
     dev = device()
-    if dev.type == "cuda":
-        capacity, need = torch.cuda.get_device_properties(dev).total_memory, per_rank
-        where = f"the {_size(capacity)} of one {torch.cuda.get_device_name(dev)}"
+    host_where = f"this host's {_size(host_memory())} of memory for its {local_world_size} rank(s)"
+    if dev.type != "cuda":
+        checks = [((state + activations) * local_world_size, host_memory(), host_where)]
     else:
-        capacity, need = host_memory(), per_rank * local_world_size
-        where = f"this host's {_size(capacity)} of memory for its {local_world_size} rank(s)"
-    if need <= capacity:
+        capacity = torch.cuda.get_device_properties(dev).total_memory
+        checks = [(activations + (0 if p.offloads else state), capacity,
+                   f"the {_size(capacity)} of one {torch.cuda.get_device_name(dev)}")]
+        if p.offloads:  # the model state lives in host memory
+            checks.append((state * local_world_size, host_memory(), host_where))
+    over = [(need, where) for need, capacity, where in checks if need > capacity]
+    if not over:
         return []
+    need, where = over[0]
     sizes = ", ".join(f"model.{k}={getattr(m, k)}" for k in (
         "vocab_size", "hidden_size", "ffn_hidden_size", *(["encoder_layers"] if m.kind == "transformer" else []),
         "decoder_layers", *m.sequence_lengths()))

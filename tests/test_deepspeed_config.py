@@ -292,3 +292,27 @@ def test_fp16_hysteresis_as_deepspeed():
     consecutive = LossScaler(True, 1024.0, hysteresis=2, consecutive_hysteresis=True)
     assert consecutive.update(inf) and not consecutive.update(ok) and consecutive.update(inf)
     assert consecutive.scale == 1024
+
+
+def test_preflight_counts_offloaded_state_against_host_memory(monkeypatch):
+    """On a (pretend) 16 GiB GPU a 1.4 B-parameter GPT's 21 GiB of weights, gradients and AdamW state is refused
+    without offload and accepted with it, unless the host cannot hold them either."""
+    import torch
+
+    from paratrain import device, preflight
+
+    monkeypatch.setattr(device, "device", lambda choice=None: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"total_memory": 16 * 2**30}))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: "Pretend GPU")
+    monkeypatch.setattr(preflight, "host_memory", lambda: 256 * 2**30)
+    model = {"kind": "gpt", "vocab_size": 50000, "hidden_size": 2048, "num_heads": 16, "ffn_hidden_size": 8192,
+             "decoder_layers": 24, "seq_length": 1024}
+    plain = Config.from_dict({"model": model, "train": {"global_batch_size": 1}})
+    (problem,) = preflight.memory_problems(plain, 1, 1)
+    assert "is more than the 16 GiB of one Pretend GPU" in problem
+    offload = Config.from_dict({"model": model, "train": {"global_batch_size": 1},
+                                "parallel": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}})
+    assert preflight.memory_problems(offload, 1, 1) == []
+    monkeypatch.setattr(preflight, "host_memory", lambda: 8 * 2**30)
+    (problem,) = preflight.memory_problems(offload, 1, 1)
+    assert "this host's 8 GiB of memory for its 1 rank(s)" in problem
