@@ -248,7 +248,8 @@ def main(argv=None) -> int:
         cfg = bench_config(a, run_dir)
         sides = {"paratrain": run_paratrain(cfg, device, a.warmup)}
         if device.type == "cuda":
-            sides["paratrain_offload"] = run_paratrain(bench_config(a, run_dir, offload=True), device, a.warmup)
+            offload = bench_config(a, str(Path(run_dir) / "offload"), offload=True)
+            sides["paratrain_offload"] = run_paratrain(offload, device, a.warmup)
         sides["torch"] = run_torch(cfg, device, a.warmup, a.compile)
     result = {
         "ran": True, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -23,11 +23,11 @@ optimizer state in pinned host memory; each all-gather first copies the shard to
 reduced gradient shard is copied back, and the optimizer step runs on the host. FSDP2 offloads the
 three together (DeepSpeed can keep parameters on the device while offloading only the optimizer).
 It needs an accelerator (``paratrain.preflight`` refuses it on a CPU device) and runs with one
-data-parallel rank too. Batch-norm layers (ResNet) normalise with the
-statistics of the whole data-parallel batch, as one process would. ``gradient_aggregation_group`` sets how many
-groups of consecutive layers are gathered and reduced together (communication buckets); by default
-(0) each layer is its own FSDP unit, so one layer's parameters are gathered at a time, and DDP
-uses its own 25 MB buckets.
+data-parallel rank too.
+Batch-norm layers (ResNet) normalise with the statistics of the whole data-parallel batch, as one
+process would. ``gradient_aggregation_group`` sets how many groups of consecutive layers are gathered
+and reduced together (communication buckets); by default (0) each layer is its own FSDP unit, so one
+layer's parameters are gathered at a time, and DDP uses its own 25 MB buckets.
 """
 from __future__ import annotations
 
