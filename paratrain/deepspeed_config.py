@@ -136,17 +136,19 @@ class Mapping:
             self.problems.append("fp16.enabled and bf16.enabled are both true: enable one of them")
             return
         if fp16 is not None or bf16 is not None:
-            source, given = ("fp16.enabled", fp16) if fp16 is True or bf16 is None else ("bf16.enabled", bf16)
+            source, given = ("bf16.enabled", bf16) if bf16 is True or fp16 is None else ("fp16.enabled", fp16)
             mode = "fp16" if fp16 is True else "bf16" if bf16 is True else AUTO if AUTO in (fp16, bf16) else "none"
             self.set(source, mode, "train.mixed_precision", given=given)
         block = {k[5:]: v for k, v in self.ds.items() if k.startswith("fp16.") and k != "fp16.enabled"}
-        if fp16 is not True:
+        if fp16 is not True and not (fp16 == AUTO and self.current("train.mixed_precision") == "fp16"):
             for key, value in block.items():
                 self.accept(f"fp16.{key}", value, "fp16.enabled is not true")
             return
         block = {**DEFAULTS["fp16"], **block}
         scale = block.pop("loss_scale", 0)
-        if scale not in (0, AUTO):
+        if scale in (0, AUTO) and "fp16.loss_scale" in self.ds:
+            self.lines.append(f"fp16.loss_scale={scale!r} -> a dynamic loss scale, as paratrain's")
+        elif scale not in (0, AUTO):
             self.refuse("fp16.loss_scale", scale, "is a static scale: paratrain's fp16 scale is dynamic; set "
                                                   "loss_scale to 0 and initial_scale_power to start from a power of 2")
         power = block.pop("initial_scale_power")

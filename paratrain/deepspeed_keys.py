@@ -59,6 +59,8 @@ NO_EFFECT = {  # key, or block ending in ".", -> why it changes nothing in parat
     "flops_profiler.": "every logged step records flops, tflops and mfu",
     "comms_logger.": "metrics.breakdown measures the exposed communication time",
     "activation_checkpointing.": "DeepSpeed's model code decides what to recompute; here set parallel.recompute",
+    "aio.": "it tunes NVMe offload, which paratrain does not have",
+    "dump_state": "the resolved config is written to the run directory (config.toml)",
 }
 REQUIRED = {  # key: (the only value paratrain can honour, why)
     "optimizer.params.amsgrad": (False, "paratrain's AdamW has no AMSGrad"),
@@ -68,6 +70,9 @@ REQUIRED = {  # key: (the only value paratrain can honour, why)
     "zero_optimization.zero_quantized_gradients": (False, "paratrain reduces unquantized gradients"),
     "zero_optimization.zero_hpz_partition_size": (1, "paratrain has no hierarchical (ZeRO++) partitions"),
     "zero_optimization.mics_shard_size": (-1, "paratrain shards over all data-parallel ranks (no MiCS)"),
+    "fp16.fp16_master_weights_and_grads": (False, "paratrain keeps fp32 master weights and gradients"),
+    "communication_data_type": ("fp32", "paratrain reduces gradients in fp32"),
+    "sparse_gradients": (False, "paratrain reduces dense gradients"),
 }
 DEFAULTS = {  # DeepSpeed's value of a parameter left out of a block that is given
     "fp16": {"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "consecutive_hysteresis": False,

@@ -124,6 +124,33 @@ def test_auto_keeps_paratrains_values_and_block_defaults_are_deepspeeds(tmp_path
     assert "  gradient_clipping='auto' -> train.grad_clip=0.5 (paratrain's value)" in lines
 
 
+def test_hugging_face_zero3_offload_config_maps(tmp_path):
+    """The ZeRO-3 offload config of DeepSpeed's and Hugging Face's docs, "auto" everywhere it may be."""
+    auto4 = dict.fromkeys(("lr", "betas", "eps", "weight_decay"), "auto")
+    ds = {"fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                   "hysteresis": 2, "min_loss_scale": 1},
+          "bf16": {"enabled": "auto"}, "optimizer": {"type": "AdamW", "params": auto4},
+          "scheduler": {"type": "WarmupLR", "params": dict.fromkeys(("warmup_min_lr", "warmup_max_lr",
+                                                                      "warmup_num_steps"), "auto")},
+          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                                "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                                "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                                "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                                "stage3_gather_16bit_weights_on_model_save": True},
+          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+          "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+    lines = []
+    cfg = load_config(None, ["train.mixed_precision=fp16", "train.lr=4e-4", "train.global_batch_size=24"],
+                      str(write(tmp_path, ds)), 2, lines.append)
+    p, t = cfg.parallel, cfg.train
+    assert (p.zero_stage, p.offload_optimizer, p.offload_param) == (3, "cpu", "cpu")
+    assert (t.mixed_precision, t.lr, t.global_batch_size, t.lr_schedule, t.loss_scale_hysteresis) == (
+        "fp16", 4e-4, 24, "warmup_lr", 2)  # fp16 "auto" and on: DeepSpeed's loss-scale settings apply
+    assert sum(line.startswith("  accepted, no effect:") for line in lines) == 3
+    assert "stage3_max_live_parameters=1000000000.0" in "".join(lines)
+
+
 def test_deepspeed_key_in_toml_and_command_line_wins(tmp_path):
     (tmp_path / "sub").mkdir()
     write(tmp_path / "sub", {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
