@@ -308,7 +308,7 @@ def test_schedule_values_by_hand():
 def test_fp16_hysteresis_as_deepspeed():
     import torch
 
-    inf, ok = torch.tensor(math.inf), torch.tensor(1.0)
+    inf, ok = torch.tensor(math.inf, device="cpu"), torch.tensor(1.0, device="cpu")
     scaler = LossScaler(True, 1024.0, growth_interval=3, hysteresis=2)
     assert scaler.update(inf) and scaler.scale == 1024  # the first overflow only spends the hysteresis
     assert scaler.update(inf) and scaler.scale == 512
