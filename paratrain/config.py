@@ -13,7 +13,7 @@ import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Union
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -139,6 +139,16 @@ def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
     if kind is str and not isinstance(value, str):
         return str(value)
     return value
+
+
+def dotted(tree: dict, sep: str = ".", prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(name, value) of every leaf of the nested dicts ``tree``, names joined by ``sep``: ``{"a": {"b": 1}}``
+    gives ``("a.b", 1)`` (DeepSpeed's keys), ``("a/b", 1)`` with ``sep="/"`` (TensorBoard's tags)."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from dotted(value, sep, f"{prefix}{key}{sep}")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def parse_overrides(args: list[str]) -> list[str]:

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from paratrain.config import Config, ConfigError
+from paratrain.config import Config, ConfigError, dotted
 from paratrain.deepspeed_keys import DEFAULTS, DIRECT, KNOWN, NO_EFFECT, REQUIRED, SCHEDULES, SPECIAL
 
 AUTO = "auto"
@@ -43,15 +43,10 @@ def read(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def flatten(block: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists and values are leaves; nulls and empty blocks dropped)."""
-    out = {}
-    for key, value in block.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        elif value is not None:  # null: left out, as DeepSpeed reads it
-            out[f"{prefix}{key}"] = value
-    return out
+def flatten(block: dict) -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists and values are leaves; a null is left out, as DeepSpeed
+    reads it, and so is an empty block)."""
+    return {key: value for key, value in dotted(block) if value is not None}
 
 
 class Mapping:
