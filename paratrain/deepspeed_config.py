@@ -162,7 +162,8 @@ class Mapping:
         kind = self.ds.get("optimizer.type")
         if kind is None and not any(k.startswith("optimizer.") for k in self.ds):
             return
-        params = {**DEFAULTS["optimizer"], **{k[17:]: v for k, v in self.ds.items() if k.startswith("optimizer.params.")}}
+        given = {k[17:]: v for k, v in self.ds.items() if k.startswith("optimizer.params.")}
+        params = {**DEFAULTS["optimizer"], **given}
         if str(kind).lower() not in ("adam", "adamw"):
             return self.refuse("optimizer.type", kind, "is not supported: paratrain trains with AdamW; use AdamW "
                                                        "or Adam")
@@ -191,12 +192,14 @@ class Mapping:
         self.set("scheduler.type", SCHEDULES[kind], "train.lr_schedule", given=kind)
         params = {**DEFAULTS[kind], **{k[17:]: v for k, v in self.ds.items() if k.startswith("scheduler.params.")}}
         if kind != "WarmupLR" and "total_num_steps" not in params:
-            return self.refuse("scheduler.params.total_num_steps", None, f"is required by {kind}: give the step "
-                                                                         f"where the decay ends, or 'auto' (train.steps)")
+            return self.refuse("scheduler.params.total_num_steps", None,
+                               f"is required by {kind}: give the step where the decay ends, or 'auto' (train.steps)")
         lr = self.current("train.lr")
         for key, value in params.items():
             source = f"scheduler.params.{key}"
-            if key not in DEFAULTS[kind] and key != "total_num_steps":
+            if source in REQUIRED:
+                self.leaf(source, value)
+            elif key not in DEFAULTS[kind] and key != "total_num_steps":
                 if source in KNOWN:
                     self.refuse(source, value, f"is not a parameter of {kind}")
                 else:
@@ -213,14 +216,14 @@ class Mapping:
         block = next((b for b in NO_EFFECT if b.endswith(".") and key.startswith(b)), key)
         if key in DIRECT:
             self.set(key, value, DIRECT[key])
-        elif block in NO_EFFECT:
-            self.accept(key, value, NO_EFFECT[block])
         elif key in REQUIRED:
             wanted, why = REQUIRED[key]
             if value != wanted:
                 self.refuse(key, value, f"is not supported: {why}; leave it out or set {json.dumps(wanted)}")
             else:
                 self.accept(key, value, why)
+        elif block in NO_EFFECT:
+            self.accept(key, value, NO_EFFECT[block])
         elif key == "zero_optimization.cpu_offload":  # DeepSpeed's older name of offload_optimizer.device
             self.set(key, "cpu" if value is True else value if value == AUTO else "none", "parallel.offload_optimizer",
                      given=value)

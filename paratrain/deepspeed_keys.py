@@ -48,7 +48,8 @@ NO_EFFECT = {  # key, or block ending in ".", -> why it changes nothing in parat
     **_keys(ZERO + "offload_optimizer.", "pin_memory buffer_count fast_init nvme_path", (pinned := (
         "FSDP2's CPUOffloadPolicy keeps the whole shard in pinned host memory"))),
     **_keys(ZERO + "offload_param.", "pin_memory buffer_count buffer_size max_in_cpu nvme_path", pinned),
-    **_keys("", "prescale_gradients gradient_predivide_factor", "the loss is already divided by the global batch's tokens before backward"),
+    **_keys("", "prescale_gradients gradient_predivide_factor",
+            "the loss is already divided by the global batch's tokens before backward"),
     **_keys("tensorboard.", "output_path job_name", "TensorBoard events are written into the run directory"),
     ZERO + "ignore_unused_parameters": "every parameter of paratrain's models is used",
     "fp16.auto_cast": "paratrain autocasts the forward's matmuls; the inputs are token ids",
@@ -60,6 +61,10 @@ NO_EFFECT = {  # key, or block ending in ".", -> why it changes nothing in parat
     "comms_logger.": "metrics.breakdown measures the exposed communication time",
     "activation_checkpointing.": "DeepSpeed's model code decides what to recompute; here set parallel.recompute",
     "aio.": "it tunes NVMe offload, which paratrain does not have",
+    "amp.": "apex AMP is off; mixed precision comes from the fp16 or bf16 block",
+    "checkpoint.": "paratrain's checkpoints are set in the TOML's [checkpoint] (atomic, checksummed, any layout)",
+    **_keys("", "wandb. csv_monitor.", "every logged step goes to metrics.jsonl (and TensorBoard with "
+                                       "tensorboard.enabled)"),
     "dump_state": "the resolved config is written to the run directory (config.toml)",
 }
 REQUIRED = {  # key: (the only value paratrain can honour, why)
@@ -73,6 +78,9 @@ REQUIRED = {  # key: (the only value paratrain can honour, why)
     "fp16.fp16_master_weights_and_grads": (False, "paratrain keeps fp32 master weights and gradients"),
     "communication_data_type": ("fp32", "paratrain reduces gradients in fp32"),
     "sparse_gradients": (False, "paratrain reduces dense gradients"),
+    "amp.enabled": (False, "paratrain has no apex AMP: use the fp16 or bf16 block"),
+    "data_types.grad_accum_dtype": ("fp32", "paratrain accumulates gradients in fp32"),
+    "scheduler.params.last_batch_iteration": (-1, "paratrain's schedule resumes at its checkpoint's step"),
 }
 DEFAULTS = {  # DeepSpeed's value of a parameter left out of a block that is given
     "fp16": {"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "consecutive_hysteresis": False,

@@ -173,16 +173,19 @@ REFUSALS = {  # DeepSpeed config -> what the one-line refusal says
     "unknown-top": ({"gradient_cliping": 1.0}, "gradient_cliping is not a DeepSpeed key paratrain knows: did you mean "
                                               "gradient_clipping?"),
     "unknown-zero": ({"zero_optimization": {"stge": 2}}, "did you mean zero_optimization.stage?"),
-    "unknown-optimizer": ({"optimizer": {"type": "AdamW", "params": {"lrr": 1e-3}}}, "did you mean optimizer.params.lr?"),
+    "unknown-optimizer": ({"optimizer": {"type": "AdamW", "params": {"lrr": 1e-3}}},
+                          "did you mean optimizer.params.lr?"),
     "unknown-scheduler": ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 5}}},
                           "did you mean scheduler.params.warmup_num_steps?"),
     "type": ({"steps_per_print": "often"}, "steps_per_print='often': expected an integer"),
-    "optimizer": ({"optimizer": {"type": "Lamb"}}, "optimizer.type='Lamb' is not supported: paratrain trains with AdamW"),
+    "optimizer": ({"optimizer": {"type": "Lamb"}},
+                  "optimizer.type='Lamb' is not supported: paratrain trains with AdamW"),
     "adam-l2": ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}},
                 "Adam's L2 penalty"),
     "amsgrad": ({"optimizer": {"type": "AdamW", "params": {"amsgrad": True}}}, "paratrain's AdamW has no AMSGrad"),
     "betas": ({"optimizer": {"type": "AdamW", "params": {"betas": 0.9}}}, "must be a list of two numbers"),
-    "scheduler": ({"scheduler": {"type": "OneCycle"}}, "scheduler.type='OneCycle' is not supported: use one of WarmupLR"),
+    "scheduler": ({"scheduler": {"type": "OneCycle"}},
+                  "scheduler.type='OneCycle' is not supported: use one of WarmupLR"),
     "total-steps": ({"scheduler": {"type": "WarmupDecayLR", "params": {}}},
                     "scheduler.params.total_num_steps=None is required by WarmupDecayLR"),
     "wrong-param": ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "warmup_max_lr": 1.0}}},
@@ -196,7 +199,8 @@ REFUSALS = {  # DeepSpeed config -> what the one-line refusal says
     "nvme": ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local"}}},
              "parallel.offload_param='nvme' is refused: paratrain has no NVMe offload"),
     "offload-stage0": ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
-                       "offload_optimizer='cpu' needs the optimizer state sharded: set parallel.zero_stage to 1, 2 or 3"),
+                       "offload_optimizer='cpu' needs the optimizer state sharded: set parallel.zero_stage to 1, "
+                       "2 or 3"),
     "offload-param-stage2": ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
                              "offload_param='cpu' needs parameters sharded and freed after use: set "
                              "parallel.zero_stage=3"),
@@ -204,6 +208,10 @@ REFUSALS = {  # DeepSpeed config -> what the one-line refusal says
                         "FSDP2 offloads the whole optimizer state or none"),
     "mics": ({"zero_optimization": {"mics_shard_size": 4}}, "no MiCS"),
     "stage": ({"zero_optimization": {"stage": 4}}, "parallel.zero_stage=4 is not one of 0, 1, 2, 3"),
+    "apex-amp": ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled=True is not supported: paratrain has no "
+                                                                "apex AMP"),
+    "scheduler-resume": ({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 99}}},
+                         "resumes at its checkpoint's step"),
 }
 
 
@@ -343,3 +351,14 @@ def test_preflight_counts_offloaded_state_against_host_memory(monkeypatch):
     monkeypatch.setattr(preflight, "host_memory", lambda: 8 * 2**30)
     (problem,) = preflight.memory_problems(offload, 1, 1)
     assert "this host's 8 GiB of memory for its 1 rank(s)" in problem
+
+
+def test_plan_reads_the_deepspeed_config(capsys):
+    assert cli.main(["plan", "--config", str(EXAMPLE / "gpt.toml"), "--devices", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)  # the example's batch: 8 per rank x 2 accumulation x 2 ranks
+    assert rows and all(r["micro_batch_size"] * r["micro_batch_num"] * r["data_parallel"] == 32 for r in rows)
+    offload = str(EXAMPLE / "ds_config_offload.json")
+    assert cli.main(["plan", "--config", str(EXAMPLE / "gpt.toml"), "--deepspeed", offload, "--devices", "1",
+                     "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)  # 8 per rank x 1 x 1
+    assert rows and all(r["micro_batch_size"] * r["micro_batch_num"] * r["data_parallel"] == 8 for r in rows)

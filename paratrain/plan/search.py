@@ -171,8 +171,8 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
                           "compute_s": (mb + bubble) * max(fl for _, fl in times) / (hw.peak_flops * hw.efficiency),
                           "bubble_micro_batches": bubble, "dp_comm_s": dp_time, "pp_comm_s": (mb + bubble) * pp_time,
                           "optimizer_s": optimizer_time, "host_bytes": host["host"],
-                          "host_to_device_bytes": host["host_to_device"], "device_to_host_bytes": host["device_to_host"],
-                          "offload_s": offload_time,
+                          "host_to_device_bytes": host["host_to_device"],
+                          "device_to_host_bytes": host["device_to_host"], "offload_s": offload_time,
                           "worst_stage": stage})
     return row
 
