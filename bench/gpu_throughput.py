@@ -15,7 +15,11 @@ Model: 1.04 B parameters (hidden 2048, 18 layers, 16 heads, ffn 8192, vocab 3200
 batch 8 x 2048 tokens: ``paratrain plan`` predicts 37 GiB on one device (26 GiB at micro batch 4,
 58 GiB at 16), which leaves an 80 GB GPU room for the fp32 logits of the loss, the allocator and
 kernel workspaces. ``--quick``: a GPT-2-small-sized model (0.135 B, seq 1024, micro batch 16:
-10 GiB predicted). ``--device cpu --quick``: a tiny fp32 model on the CPU, MFU against a measured
+10 GiB predicted). On CUDA a third row trains paratrain's side again with ZeRO-Offload (zero stage 3,
+``offload_optimizer`` and ``offload_param`` = "cpu": FSDP2's CPUOffloadPolicy, parameters, gradients and
+AdamW state in pinned host memory, the optimizer step on the CPU) and reports its tokens/s and how much
+less device memory it peaks at; it is left out on the CPU, where offload is refused.
+``--device cpu --quick``: a tiny fp32 model on the CPU, MFU against a measured
 fp32 matmul peak -- a check of this script, not a benchmark. Without CUDA (and without
 ``--device cpu``) it says why it did not run and exits 0.
 
@@ -78,8 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def bench_config(a: argparse.Namespace, run_dir: str) -> Config:
-    """The run both sides train: one device, one micro-batch a step, no checkpoints, one logged step."""
+def bench_config(a: argparse.Namespace, run_dir: str, offload: bool = False) -> Config:
+    """The run both sides train: one device, one micro-batch a step, no checkpoints, one logged step;
+    ``offload``: ZeRO-Offload of parameters, gradients and optimizer state (stage 3)."""
     model, micro_batch = MODELS["tiny" if a.device == "cpu" else "quick" if a.quick else "1b"]
     steps = a.warmup + a.steps
     train = {"global_batch_size": a.micro_batch or micro_batch, "steps": steps,
@@ -90,6 +95,7 @@ def bench_config(a: argparse.Namespace, run_dir: str) -> Config:
         "run": {"dir": run_dir},
         "model": {"kind": "gpt", **model, "hidden_dropout": 0.0, "attention_dropout": 0.0},
         "train": train,
+        "parallel": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"} if offload else {},
         "metrics": {"log_steps": steps, "progress": False},  # the host waits for the device only at the end
         "checkpoint": {"save_steps": 0, "resume": "none"},
     })
@@ -203,14 +209,20 @@ def print_table(r: dict) -> None:
           f"{r['steps']} timed steps after {r['warmup']}{', compiled' if r['compile'] else ''}")
     peak = f"{r['peak_tflops']:.4g} TFLOP/s" if r["peak_tflops"] else "unknown"
     print(f"{r['device']}: peak {peak} ({r['peak_source']}), torch {r['torch_version']}")
-    print(f"{'side':<10} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'step (s)':>9} {'peak mem (MiB)':>15} "
+    print(f"{'side':<17} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'step (s)':>9} {'peak mem (MiB)':>15} "
           f"{'loss first -> last':>19}")
-    for side in ("paratrain", "torch"):
+    for side in ("paratrain", "paratrain_offload", "torch"):
+        if side not in r:
+            continue
         s = r[side]
         mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else "-"
-        print(f"{side:<10} {s['tokens_per_s']:>12,.0f} {s['tflops']:>9.4g} {mfu:>7} {s['step_time_s']:>9.4f} "
+        print(f"{side:<17} {s['tokens_per_s']:>12,.0f} {s['tflops']:>9.4g} {mfu:>7} {s['step_time_s']:>9.4f} "
               f"{s['peak_memory_mb']:>15,.0f} {s['loss_first']:>9.3f} -> {s['loss_last']:.3f}")
     print(f"ratio paratrain/torch tokens/s: {r['ratio']:.3f}")
+    if "offload" in r:
+        o = r["offload"]
+        print(f"offload (zero stage 3, parameters and optimizer on the host): {o['tokens_per_s_ratio']:.3f} x the "
+              f"tokens/s, {o['device_memory_saved_mb']:,.0f} MiB less device memory at peak")
 
 
 def write_json(path: Path | None, result: dict) -> None:
@@ -235,6 +247,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_throughput-") as run_dir:
         cfg = bench_config(a, run_dir)
         sides = {"paratrain": run_paratrain(cfg, device, a.warmup)}
+        if device.type == "cuda":
+            offload = bench_config(a, str(Path(run_dir) / "offload"), offload=True)
+            sides["paratrain_offload"] = run_paratrain(offload, device, a.warmup)
         sides["torch"] = run_torch(cfg, device, a.warmup, a.compile)
     result = {
         "ran": True, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -248,6 +263,10 @@ def main(argv=None) -> int:
         **{side: rates(run, cfg, a.steps, peak) for side, run in sides.items()},
     }
     result["ratio"] = result["paratrain"]["tokens_per_s"] / result["torch"]["tokens_per_s"]
+    if "paratrain_offload" in result:
+        offload, plain = result["paratrain_offload"], result["paratrain"]
+        result["offload"] = {"tokens_per_s_ratio": offload["tokens_per_s"] / plain["tokens_per_s"],
+                             "device_memory_saved_mb": plain["peak_memory_mb"] - offload["peak_memory_mb"]}
     print_table(result)
     write_json(a.json, result)
     return 0

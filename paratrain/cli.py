@@ -14,7 +14,8 @@ import importlib
 import os
 import sys
 
-from paratrain.config import Config, parse_overrides
+from paratrain.config import parse_overrides
+from paratrain.deepspeed_config import load_config
 from paratrain.errors import UserError
 
 COMMAND_MODULES = ("paratrain.launch", "paratrain.doctor", "paratrain.data.commands", "paratrain.metrics.commands",
@@ -24,12 +25,14 @@ COMMAND_MODULES = ("paratrain.launch", "paratrain.doctor", "paratrain.data.comma
 def cmd_train(args) -> int:
     from paratrain import preflight
 
-    cfg = preflight.check(Config.load(args.config, args.overrides), int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    report = (lambda line: print(line, flush=True)) if os.environ.get("RANK", "0") == "0" else None
+    cfg = preflight.check(load_config(args.config, args.overrides, args.deepspeed, world_size, report), world_size)
     from paratrain.distributed import init_from_env
     from paratrain.precision import LossScaleFloor
     from paratrain.trainer import Trainer, TrainingDiverged
 
-    rank, world_size = init_from_env()
+    rank, world_size = init_from_env(offload=cfg.parallel.offloads)
     if cfg.parallel.auto:  # the planner picks the layout for this world size before the trainer is built
         from paratrain.plan import resolve_auto
         print_main = print if rank == 0 else (lambda *a, **k: None)
@@ -55,6 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add ``train`` to the ``paratrain`` subcommands."""
     train = sub.add_parser("train", help="train in this process group (one process unless launched)")
     train.add_argument("--config", help="TOML config file; any key can be overridden as --section.key=value")
+    train.add_argument("--deepspeed", help="DeepSpeed JSON config (ds_config.json), mapped onto the TOML's keys; "
+                                           "the run prints what each key became")
     train.set_defaults(func=cmd_train, overrides=True)
 
 

@@ -13,7 +13,7 @@ import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Union
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,6 +28,9 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interl
 RECOMPUTE_MODES = ("none", "full", "selective")
 MIXED_PRECISION = ("none", "bf16", "fp16")
 MODEL_KINDS = ("transformer", "gpt", "resnet")
+LR_SCHEDULES = ("cosine", "warmup_lr", "warmup_decay_lr", "warmup_cosine_lr")  # the last three: DeepSpeed's
+WARMUP_TYPES = ("linear", "log")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("gelu", "relu")
 
@@ -136,6 +139,16 @@ def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
     if kind is str and not isinstance(value, str):
         return str(value)
     return value
+
+
+def dotted(tree: dict, sep: str = ".", prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(name, value) of every leaf of the nested dicts ``tree``, names joined by ``sep``: ``{"a": {"b": 1}}``
+    gives ``("a.b", 1)`` (DeepSpeed's keys), ``("a/b", 1)`` with ``sep="/"`` (TensorBoard's tags)."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from dotted(value, sep, f"{prefix}{key}{sep}")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def parse_overrides(args: list[str]) -> list[str]:
@@ -300,6 +313,8 @@ class ParallelConfig(Section):
     vocab_emb_dp: bool = True
     sequence_parallel: bool = False
     layer_stages: StageSpec = field(default_factory=list)
+    offload_optimizer: str = "none"  # "cpu": optimizer state and step on the host (ZeRO-Offload, stages 1-3)
+    offload_param: str = "none"  # "cpu": parameters at rest on the host too (stage 3)
     auto: bool = False  # `paratrain train` picks the layout for its world size (paratrain.plan.resolve_auto)
 
     @property
@@ -336,6 +351,12 @@ class ParallelConfig(Section):
     @property
     def effective_zero_stage(self) -> int:
         return max(self.zero_stage, 1 if self.optimizer_shard else 0)
+
+    @property
+    def offloads(self) -> bool:
+        """Whether FSDP2 keeps this run's parameters, gradients and optimizer state on the host
+        (``offload_optimizer`` or ``offload_param`` = "cpu"; ``paratrain.parallel.data``)."""
+        return "cpu" in (self.offload_optimizer, self.offload_param)
 
     @property
     def dp_mp_config(self) -> OpParallelConfig:
@@ -387,11 +408,20 @@ class TrainConfig(Section):
     beta2: float = 0.98
     eps: float = 1e-8
     grad_clip: float = 1.0
+    # LR schedule (paratrain.optim.lr_at): "cosine" (linear warmup, cosine to min_lr), or DeepSpeed's
+    # "warmup_lr" / "warmup_decay_lr" / "warmup_cosine_lr" starting at warmup_min_lr with a linear or log warmup
+    lr_schedule: str = "cosine"
+    warmup_type: str = "linear"
+    warmup_min_lr: float = 0.0
+    lr_decay_steps: int = 0  # the step where the decay ends (DeepSpeed's total_num_steps); 0: train.steps
     mixed_precision: str = "none"
     compile: bool = False  # torch.compile each layer (after tensor parallel and recompute, before FSDP)
     initial_loss_scale: float = 65536.0  # fp16 only
     min_loss_scale: float = 1.0  # fp16: an overflow at this scale stops training (DeepSpeed's min_loss_scale)
     max_skipped_steps: int = 100  # fp16: this many overflowed steps in a row stop training; 0 = no limit
+    loss_scale_window: int = 1000  # fp16: the scale doubles after this many steps without overflow
+    loss_scale_hysteresis: int = 1  # fp16: overflows tolerated before the scale halves (DeepSpeed's hysteresis)
+    consecutive_hysteresis: bool = False  # fp16: every good step refills the hysteresis (else each doubling)
     eval_steps: int = 0  # BLEU on data.eval_path every this many steps (encoder-decoder, translation data); 0 = off
 
 
@@ -497,7 +527,10 @@ class Config:
         for name, values in data.items():
             if name not in cls.sections():
                 close = difflib.get_close_matches(name, list(cls.sections()), n=1)
-                problems.append(f"unknown section [{name}]" + (f" (did you mean [{close[0]}]?)" if close else ""))
+                hint = (" (a DeepSpeed config is read by paratrain train/launch/plan, or "
+                        "paratrain.deepspeed_config.load_config)" if name == "deepspeed" else
+                        f" (did you mean [{close[0]}]?)" if close else "")
+                problems.append(f"unknown section [{name}]{hint}")
             elif not isinstance(values, dict):
                 problems.append(f"[{name}] must be a table of keys, got {values!r}")
             else:
@@ -508,24 +541,30 @@ class Config:
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> "Config":
-        data = {}
-        if path is not None:
-            if Path(path).exists() and not Path(path).is_dir() and not Path(path).is_file():  # /dev/zero, a fifo
-                raise ConfigError([f"config file {path} is not a regular file: give a .toml file"])
-            try:
-                data = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
-            except FileNotFoundError:
-                raise ConfigError([f"config file {path} does not exist"]) from None
-            except IsADirectoryError:
-                raise ConfigError([f"config file {path} is a directory: give the .toml file in it"]) from None
-            except OSError as exc:
-                raise ConfigError([f"config file {path} cannot be read ({exc.strerror})"]) from None
-            except UnicodeDecodeError as exc:
-                raise ConfigError([f"config file {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
-                                   f"offset {exc.start}): give a TOML file"]) from None
-            except tomllib.TOMLDecodeError as exc:
-                raise ConfigError([f"config file {path} is not valid TOML: {exc}"]) from None
-        return cls.from_dict(data, overrides)
+        """The config of TOML file ``path`` (none: the defaults) with ``overrides`` (``section.key=value``).
+        A file naming a DeepSpeed config (``deepspeed = "ds.json"``) is read by
+        ``paratrain.deepspeed_config.load_config``."""
+        return cls.from_dict(cls.read_toml(path) if path is not None else {}, overrides)
+
+    @staticmethod
+    def read_toml(path: str | Path) -> dict[str, Any]:
+        """The tables of TOML file ``path``; ConfigError naming the file when it cannot be read as TOML."""
+        if Path(path).exists() and not Path(path).is_dir() and not Path(path).is_file():  # /dev/zero, a fifo
+            raise ConfigError([f"config file {path} is not a regular file: give a .toml file"])
+        try:
+            data = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
+        except FileNotFoundError:
+            raise ConfigError([f"config file {path} does not exist"]) from None
+        except IsADirectoryError:
+            raise ConfigError([f"config file {path} is a directory: give the .toml file in it"]) from None
+        except OSError as exc:
+            raise ConfigError([f"config file {path} cannot be read ({exc.strerror})"]) from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError([f"config file {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+                               f"offset {exc.start}): give a TOML file"]) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError([f"config file {path} is not valid TOML: {exc}"]) from None
+        return data
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: getattr(self, name).to_dict() for name in self.sections()}
@@ -589,7 +628,8 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if p.gradient_aggregation_group < 0:
         problems.append(f"parallel.gradient_aggregation_group={p.gradient_aggregation_group} must be 0 (one group "
                         f"per layer) or a number of groups")
-    positive(t, ["global_batch_size", "steps", "lr", "eps", "initial_loss_scale", "min_loss_scale"])
+    positive(t, ["global_batch_size", "steps", "lr", "eps", "initial_loss_scale", "min_loss_scale",
+                 "loss_scale_window", "loss_scale_hysteresis"])
     positive(cfg.metrics, ["log_steps"])
     if t.warmup_steps < 0 or t.min_lr < 0 or t.weight_decay < 0 or t.grad_clip < 0:
         problems.append(f"train.warmup_steps={t.warmup_steps}, min_lr={t.min_lr}, weight_decay={t.weight_decay} "
@@ -599,7 +639,8 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         if getattr(section, name) > MAX_COUNT:
             problems.append(f"{section.SECTION}.{name}={getattr(section, name):.3g} is absurd (more than "
                             f"{MAX_COUNT:.0e}): give a count that can finish")
-    for section, name in ((t, "eval_steps"), (t, "max_skipped_steps"), (cfg.checkpoint, "save_steps"),
+    for section, name in ((t, "eval_steps"), (t, "max_skipped_steps"), (t, "lr_decay_steps"), (t, "warmup_min_lr"),
+                          (cfg.checkpoint, "save_steps"),
                           (cfg.metrics, "peak_tflops")):
         if getattr(section, name) < 0:
             problems.append(f"{section.SECTION}.{name}={getattr(section, name)} must be 0 (off) or positive")
@@ -623,6 +664,13 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     choice(m, "hidden_act", ACTIVATIONS)
     choice(p, "pipeline_schedule", PIPELINE_SCHEDULES)
     choice(t, "mixed_precision", MIXED_PRECISION)
+    choice(t, "lr_schedule", LR_SCHEDULES)
+    choice(t, "warmup_type", WARMUP_TYPES)
+    if t.lr_schedule == "warmup_cosine_lr" and (t.lr_decay_steps or t.steps) <= max(2, t.warmup_steps):
+        problems.append(f"train.lr_schedule='warmup_cosine_lr' decays over train.lr_decay_steps (0: train.steps) "
+                        f"= {t.lr_decay_steps or t.steps} steps, not more than its warmup of max(2, warmup_steps="
+                        f"{t.warmup_steps}) steps: raise lr_decay_steps or lower warmup_steps")
+    problems += _offload_problems(p)
     for name in ("hidden_dropout", "attention_dropout"):
         value = getattr(m, name)
         if not 0 <= value < 1:
@@ -698,6 +746,26 @@ def _recompute_problems(p: ParallelConfig, num_layers: int) -> list[str]:
                     f"{', '.join(RECOMPUTE_MODES)} for each of the {num_layers} layers"]
         return []
     return [f"parallel.recompute={spec!r} must be a mode name, a bool, a list or a function"]
+
+
+def _offload_problems(p: ParallelConfig) -> list[str]:
+    """ZeRO-Offload's rules (DeepSpeed's): optimizer offload with stages 1-3, parameter offload with stage 3,
+    host memory only. That the device must be an accelerator is checked by ``paratrain.preflight``."""
+    problems = []
+    for name in ("offload_optimizer", "offload_param"):
+        value = getattr(p, name)
+        if value not in OFFLOAD_DEVICES:
+            problems.append(f"parallel.{name}={value!r} is not one of {', '.join(OFFLOAD_DEVICES)}")
+        elif value == "nvme":
+            problems.append(f"parallel.{name}='nvme' is refused: paratrain has no NVMe offload (DeepSpeed's "
+                            f"ZeRO-Infinity); FSDP2 offloads to host memory only: use 'cpu'")
+    if p.offload_optimizer == "cpu" and p.effective_zero_stage == 0:
+        problems.append("parallel.offload_optimizer='cpu' needs the optimizer state sharded: set "
+                        "parallel.zero_stage to 1, 2 or 3")
+    if p.offload_param == "cpu" and p.effective_zero_stage != 3:
+        problems.append(f"parallel.offload_param='cpu' needs parameters sharded and freed after use: set "
+                        f"parallel.zero_stage=3 (it is {p.effective_zero_stage})")
+    return problems
 
 
 def _pipeline_problems(p: ParallelConfig, num_layers: int) -> list[str]:

@@ -32,9 +32,13 @@ def device(choice: str | None = None) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
-def backend() -> str:
-    """The collective backend of this process's device: ``nccl`` on CUDA, ``gloo`` on the CPU."""
-    return "nccl" if device().type == "cuda" else "gloo"
+def backend(host_tensors: bool = False) -> str:
+    """The collective backend of this process's device: ``nccl`` on CUDA, ``gloo`` on the CPU. With
+    ``host_tensors`` (offloaded gradients, whose norm is reduced on the host) CUDA runs add gloo for
+    CPU tensors."""
+    if device().type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if host_tensors else "nccl"
 
 
 def configure(dev: torch.device) -> None:

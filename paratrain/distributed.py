@@ -37,20 +37,24 @@ def install_stack_dumps() -> None:
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 
 
-def init_from_env(timeout_s: float | None = None) -> tuple[int, int]:
+def init_from_env(timeout_s: float | None = None, offload: bool = False) -> tuple[int, int]:
     """Join the process group torchrun described, if any; returns (rank, world_size).
 
-    ``timeout_s`` bounds every collective (default: :func:`collective_timeout`).
+    ``timeout_s`` bounds every collective (default: :func:`collective_timeout`). ``offload`` (ZeRO-Offload):
+    the group also reduces host tensors, and one process gets a group of its own (FSDP2 needs one).
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
+    if world_size == 1 and not offload:
         return 0, 1
     install_stack_dumps()
     configure(device())
-    timeout = collective_timeout() if timeout_s is None else timeout_s
-    dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=timeout))
+    timeout = datetime.timedelta(seconds=collective_timeout() if timeout_s is None else timeout_s)
+    if world_size == 1:
+        dist.init_process_group(backend(offload), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend(offload), timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 

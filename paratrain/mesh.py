@@ -26,7 +26,7 @@ class Layout:
         self.device = device()
         configure(self.device)
         self.mesh: DeviceMesh | None = None
-        if world_size > 1:
+        if world_size > 1 or config.offloads:  # FSDP2's offload needs a mesh, even of one rank
             sharded = config.effective_zero_stage > 0
             shape = (config.pipeline_stage, 1 if sharded else config.data_parallel,
                      config.data_parallel if sharded else 1, config.model_parallel)

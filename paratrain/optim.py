@@ -52,11 +52,47 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``steps``."""
+    """The LR of optimizer step ``step`` (0-based) under ``train.lr_schedule``.
+
+    ``cosine``: linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at
+    ``lr_decay_steps`` (0: ``steps``). The others are DeepSpeed's schedules (its
+    ``deepspeed/runtime/lr_schedules.py``), see :func:`deepspeed_lr`.
+    """
+    decay_steps = cfg.lr_decay_steps or cfg.steps
+    if cfg.lr_schedule != "cosine":
+        return deepspeed_lr(step, cfg, decay_steps)
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    progress = (step - cfg.warmup_steps) / max(1, decay_steps - cfg.warmup_steps)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def deepspeed_lr(step: int, cfg: TrainConfig, total: int) -> float:
+    """DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR at optimizer step ``step``.
+
+    DeepSpeed sets the LR of the first step when the scheduler is made (iteration -1) and steps the
+    scheduler after each optimizer step, so step ``s`` runs at iteration ``i = s - 1``. The warmup runs
+    over ``w = max(2, warmup_steps)`` iterations from ``warmup_min_lr`` to ``lr`` by the fraction
+    ``log(i + 1) / log(w)`` (``warmup_type = "log"``) or ``i / w`` (linear), 0 before the first
+    iteration. After it WarmupLR stays at ``lr``; WarmupDecayLR falls linearly,
+    ``lr_min + (lr - lr_min) * max(0, (total - i) / max(1, total - w))``; WarmupCosineLR follows
+    ``max(0, min_lr + (lr - min_lr) * (1 + cos(pi * (i - w + 1) / (total - w))) / 2)`` (past ``total``
+    the cosine rises again, as DeepSpeed's does) and runs its first step at LR 0. ``total`` is DeepSpeed's
+    ``total_num_steps``; WarmupCosineLR's ratios are given here as LRs (``warmup_min_lr = warmup_min_ratio
+    x lr``, ``min_lr = cos_min_ratio x lr``).
+    """
+    i, w = step - 1, max(2, cfg.warmup_steps)
+    if i < 0 and cfg.lr_schedule == "warmup_cosine_lr":
+        return 0.0
+    if i < w:
+        fraction = 0.0 if i < 0 else (math.log(i + 1) / math.log(w) if cfg.warmup_type == "log" else i / w)
+        return cfg.warmup_min_lr + (cfg.lr - cfg.warmup_min_lr) * fraction
+    if cfg.lr_schedule == "warmup_lr":
+        return cfg.lr
+    if cfg.lr_schedule == "warmup_decay_lr":
+        return cfg.warmup_min_lr + (cfg.lr - cfg.warmup_min_lr) * max(0.0, (total - i) / max(1, total - w))
+    cosine = (1 + math.cos(math.pi * (i - w + 1) / (total - w))) / 2
+    return max(0.0, cfg.min_lr + (cfg.lr - cfg.min_lr) * cosine)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:

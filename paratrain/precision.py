@@ -28,18 +28,23 @@ class LossScaler:
     small gradients do not underflow; a step whose gradients overflow is skipped and the
     scale halved, down to ``min_scale``; after ``growth_interval`` good steps in a row it doubles.
 
-    An overflow when the scale is already ``min_scale`` (DeepSpeed's ``min_loss_scale``), or
-    ``max_skipped`` overflowed steps in a row (0: no limit), raise :class:`LossScaleFloor`:
-    such a run only skips steps. With ``enabled=False`` (bf16, fp32) the scale is fixed at 1
-    and no step is skipped.
+    As DeepSpeed's ``DynamicLossScaler``: with ``hysteresis`` h > 1 the first h - 1 overflows only
+    skip their steps and the h-th halves the scale; the allowance is refilled when the scale doubles,
+    or after every good step with ``consecutive_hysteresis``. An overflow that would halve the scale
+    when it is already ``min_scale`` (DeepSpeed's ``min_loss_scale``), or ``max_skipped`` overflowed
+    steps in a row (0: no limit), raise :class:`LossScaleFloor`: such a run only skips steps. With
+    ``enabled=False`` (bf16, fp32) the scale is fixed at 1 and no step is skipped.
     """
 
     def __init__(self, enabled: bool, init_scale: float = 2.0 ** 16, growth_interval: int = 1000,
-                 min_scale: float = 1.0, max_skipped: int = 100):
+                 min_scale: float = 1.0, max_skipped: int = 100, hysteresis: int = 1,
+                 consecutive_hysteresis: bool = False):
         self.enabled = enabled
         self.scale = init_scale if enabled else 1.0
         self.growth_interval = growth_interval
         self.min_scale, self.max_skipped = min_scale, max_skipped
+        self.hysteresis, self.consecutive_hysteresis = hysteresis, consecutive_hysteresis
+        self.hysteresis_left = hysteresis
         self.good_steps = 0
         self.skipped_steps = 0
         self.skipped_in_a_row = 0
@@ -61,18 +66,24 @@ class LossScaler:
             self.good_steps = 0
             self.skipped_steps += 1
             self.skipped_in_a_row += 1
-            if self.scale <= self.min_scale:
+            if self.hysteresis_left > 1:
+                self.hysteresis_left -= 1
+            elif self.scale <= self.min_scale:
                 raise LossScaleFloor(f"fp16 gradients overflow at the minimum loss scale {self.min_scale:g} "
                                      f"(train.min_loss_scale; {self.summary()}): lower train.lr, or train in bf16")
+            else:
+                self.scale = max(self.scale / 2, self.min_scale)
             if self.max_skipped and self.skipped_in_a_row >= self.max_skipped:
                 raise LossScaleFloor(f"{self.skipped_in_a_row} fp16 steps in a row overflowed "
                                      f"(train.max_skipped_steps={self.max_skipped}; {self.summary()}): "
                                      f"lower train.lr, or train in bf16")
-            self.scale = max(self.scale / 2, self.min_scale)
             return True
         self.skipped_in_a_row = 0
         self.good_steps += 1
+        if self.consecutive_hysteresis:
+            self.hysteresis_left = self.hysteresis
         if self.good_steps % self.growth_interval == 0:
+            self.hysteresis_left = self.hysteresis
             self.scale *= 2
         return False
 
@@ -81,8 +92,9 @@ class LossScaler:
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps,
-                "skipped_in_a_row": self.skipped_in_a_row}
+                "skipped_in_a_row": self.skipped_in_a_row, "hysteresis_left": self.hysteresis_left}
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.good_steps, self.skipped_steps = state["scale"], state["good_steps"], state["skipped_steps"]
         self.skipped_in_a_row = state.get("skipped_in_a_row", 0)  # absent from checkpoints before it
+        self.hysteresis_left = state.get("hysteresis_left", self.hysteresis)

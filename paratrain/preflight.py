@@ -7,6 +7,7 @@ reported at once as one ``ConfigError`` (a ``UserError``: one message, exit code
 each problem naming the key, file or value and a fix:
 
 - the config rules (:func:`paratrain.config.validate`);
+- ZeRO-Offload (``parallel.offload_optimizer`` / ``offload_param``) only with an accelerator;
 - sizes: the model's weights, gradients and AdamW state (the planner's parameter
   count), spread as thinly as ``world_size`` ranks could spread them, and a lower bound
   of the activations of one micro-batch, against the memory of a device or of this host
@@ -33,12 +34,22 @@ TEXT_HEAD = 1 << 20  # bytes of a text file read to tell text from binary
 MIN_BPE_VOCAB = 260  # a byte-level BPE needs the 256 bytes and 4 special tokens
 
 
-def train_config(argv: list[str]) -> Config:
-    """The Config of the ``train`` command line ``argv`` (``--config FILE`` and ``--section.key=value``)."""
+def train_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The ``--config`` and ``--deepspeed`` of the ``train`` command line ``argv``, and its overrides."""
     parser = argparse.ArgumentParser(prog="paratrain train", add_help=False)
     parser.add_argument("--config")
+    parser.add_argument("--deepspeed")
     args, rest = parser.parse_known_args(argv)
-    return Config.load(args.config, parse_overrides(rest))
+    return args, parse_overrides(rest)
+
+
+def train_config(argv: list[str], world_size: int | None = None) -> Config:
+    """The Config of the ``train`` command line ``argv`` (``--config FILE``, ``--deepspeed FILE`` and
+    ``--section.key=value``) for ``world_size`` ranks."""
+    args, overrides = train_args(argv)
+    from paratrain.deepspeed_config import load_config
+
+    return load_config(args.config, overrides, args.deepspeed, world_size)
 
 
 def check(cfg: Config, world_size: int, local_world_size: int | None = None, resolved: bool = False) -> Config:
@@ -46,6 +57,9 @@ def check(cfg: Config, world_size: int, local_world_size: int | None = None, res
     ``cfg``. ``local_world_size``: ranks on this host (default ``$LOCAL_WORLD_SIZE``, else ``world_size``)."""
     problems = validate(cfg, world_size, resolved)
     if problems:  # the checks below trust these numbers
+        raise ConfigError(problems)
+    problems = offload_problems(cfg)
+    if problems:
         raise ConfigError(problems)
     local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size
     problems = memory_problems(cfg, world_size, local) + data_problems(cfg)
@@ -56,6 +70,21 @@ def check(cfg: Config, world_size: int, local_world_size: int | None = None, res
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def offload_problems(cfg: Config) -> list[str]:
+    """Offload moves model state from an accelerator to the host: refused on a CPU device, where FSDP2's
+    CPUOffloadPolicy cannot run ("Cannot access accelerator device when none is available")."""
+    from paratrain.device import device
+
+    p = cfg.parallel
+    if not p.offloads or device().type != "cpu":
+        return []
+    name = "offload_optimizer" if p.offload_optimizer == "cpu" else "offload_param"
+    return [f"parallel.{name}='cpu' needs an accelerator: FSDP2's CPUOffloadPolicy moves parameters, gradients "
+            f"and optimizer state from a GPU to host memory, and this run's device is the CPU (PARATRAIN_DEVICE="
+            f"{os.environ.get('PARATRAIN_DEVICE', 'auto')}, no CUDA in use), where they are in host memory "
+            f"already: set parallel.{name}='none' (DeepSpeed: zero_optimization.{name}.device 'none')"]
 
 
 # --- sizes ---------------------------------------------------------------------------------------
@@ -74,7 +103,8 @@ def memory_problems(cfg: Config, world_size: int, local_world_size: int) -> list
     """A problem when the model cannot fit: its weights, gradients and AdamW moments (4 copies of every
     parameter in ``model.dtype``) divided over all ``world_size`` ranks, plus one hidden state per layer
     for the tokens of a micro-batch, exceed a device's memory (GPU runs) or this host's for its
-    ``local_world_size`` ranks (CPU runs). Both are lower bounds: a layout needs at least that much."""
+    ``local_world_size`` ranks (CPU runs). With ZeRO-Offload the model state counts against the host's
+    memory, the activations against the device's. Both are lower bounds: a layout needs at least that much."""
     import torch
 
     from paratrain.device import device
@@ -89,16 +119,20 @@ def memory_problems(cfg: Config, world_size: int, local_world_size: int) -> list
     micro_batch_num = 1 if p.auto else p.micro_batch_num  # the planner may pick more micro-batches
     activations = cfg.train.global_batch_size * tokens * m.hidden_size * 4 * m.num_layers / (
         world_size * micro_batch_num)
-    per_rank = state + activations
     dev = device()
-    if dev.type == "cuda":
-        capacity, need = torch.cuda.get_device_properties(dev).total_memory, per_rank
-        where = f"the {_size(capacity)} of one {torch.cuda.get_device_name(dev)}"
+    host_where = f"this host's {_size(host_memory())} of memory for its {local_world_size} rank(s)"
+    if dev.type != "cuda":
+        checks = [((state + activations) * local_world_size, host_memory(), host_where)]
     else:
-        capacity, need = host_memory(), per_rank * local_world_size
-        where = f"this host's {_size(capacity)} of memory for its {local_world_size} rank(s)"
-    if need <= capacity:
+        capacity = torch.cuda.get_device_properties(dev).total_memory
+        checks = [(activations + (0 if p.offloads else state), capacity,
+                   f"the {_size(capacity)} of one {torch.cuda.get_device_name(dev)}")]
+        if p.offloads:  # the model state lives in host memory
+            checks.append((state * local_world_size, host_memory(), host_where))
+    over = [(need, where) for need, capacity, where in checks if need > capacity]
+    if not over:
         return []
+    need, where = over[0]
     sizes = ", ".join(f"model.{k}={getattr(m, k)}" for k in (
         "vocab_size", "hidden_size", "ffn_hidden_size", *(["encoder_layers"] if m.kind == "transformer" else []),
         "decoder_layers", *m.sequence_lengths()))

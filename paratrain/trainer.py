@@ -42,7 +42,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config):
-        rank, world_size = init_from_env()
+        rank, world_size = init_from_env(offload=cfg.parallel.offloads)
         progress.start(rank)
         self.cfg = preflight.check(cfg, world_size, resolved=True)
         self.layout = Layout(cfg.parallel, world_size)
@@ -54,14 +54,17 @@ class Trainer:
         self.model_parts, self.pipeline = parallelize(record.model.to(DTYPES[cfg.model.dtype]), cfg.parallel,
                                                       self.layout, loss_fn=self._loss, train=cfg.train)
         torch.manual_seed(cfg.run.seed)
-        materialize(self.model_parts, record, self.device)
+        # offloaded parameters are made on the host (FSDP2 pins them), never whole on the device
+        materialize(self.model_parts, record, self.device, torch.device("cpu") if cfg.parallel.offloads else None)
         # every parameter of this rank as one module
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else nn.ModuleList(self.model_parts)
         torch.manual_seed(cfg.run.seed + self.layout.dp_rank)  # dropout: shared by tensor-parallel peers
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
-        self.loss_scaler = LossScaler(cfg.train.mixed_precision == "fp16", cfg.train.initial_loss_scale,
-                                      min_scale=cfg.train.min_loss_scale, max_skipped=cfg.train.max_skipped_steps)
+        t = cfg.train
+        self.loss_scaler = LossScaler(t.mixed_precision == "fp16", t.initial_loss_scale, t.loss_scale_window,
+                                      t.min_loss_scale, t.max_skipped_steps, t.loss_scale_hysteresis,
+                                      t.consecutive_hysteresis)
         self.data = ShardedBatches(build_dataset(cfg), cfg.train.global_batch_size, self.layout.dp_rank,
                                    self.layout.dp_size, self.device, cfg.model.pad_token_id)
         self.is_main = rank == 0

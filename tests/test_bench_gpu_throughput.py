@@ -30,6 +30,7 @@ def test_cpu_quick_runs_both_sides(tmp_path):
     assert "ratio paratrain/torch tokens/s" in proc.stdout
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["ran"] is True and result["precision"] == "fp32" and result["steps"] == 2
+    assert "paratrain_offload" not in result and "offload" not in result  # refused on the CPU: no offload row
     p, t = result["paratrain"], result["torch"]
     for side in (p, t):
         for key in ("tokens_per_s", "tflops", "mfu", "peak_memory_mb", "step_time_s"):

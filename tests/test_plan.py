@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.config import Config, check, validate
+from paratrain.config import Config, ParallelConfig, check, validate
 from paratrain.plan import cost
 from paratrain.plan.search import Hardware, choose_layout, evaluate, search
 
@@ -195,8 +195,6 @@ def test_recompute_and_sequence_parallel_shrink_activations():
 
 
 def test_in_flight_per_schedule():
-    from paratrain.config import ParallelConfig
-
     assert cost.in_flight(ParallelConfig(pipeline_stage=4, micro_batch_num=8, pipeline_schedule="gpipe"), 0) == 8
     p = ParallelConfig(pipeline_stage=4, micro_batch_num=8, pipeline_schedule="1f1b")
     assert [cost.in_flight(p, s) for s in range(4)] == [4, 3, 2, 1]
@@ -288,3 +286,36 @@ def test_plan_dry_run_command(capsys):
                  "--train.global_batch_size=8"])
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and [r["rank"] for r in rows] == [0, 4] and all(r["equal"] for r in rows)
+
+
+# --- ZeRO-Offload ---------------------------------------------------------------------------------
+
+BIG_GPT = {"kind": "gpt", "vocab_size": 50000, "hidden_size": 2048, "num_heads": 16, "ffn_hidden_size": 8192,
+           "decoder_layers": 24, "seq_length": 1024}  # 1.42 B parameters: 21 GiB of fp32 weights + grads + AdamW
+
+
+def test_offload_proposed_only_when_nothing_else_fits():
+    cfg = Config.from_dict({"model": BIG_GPT, "train": {"global_batch_size": 8, "mixed_precision": "bf16"}})
+    rows = search(cfg, Hardware(1, device_memory=16 * 2**30))
+    best = rows[0]
+    assert best["feasible"] and best["offload_optimizer"] == "cpu" and best["zero_stage"] in (1, 3)
+    assert not any(r["feasible"] for r in rows if r["offload_optimizer"] == "none")
+    b = best["breakdown"]
+    # the model state is on the host: the device holds what is gathered and the activations
+    assert b["host_bytes"] == b["params"] + b["grads"] + b["optimizer"] > 20 * 2**30
+    assert best["memory_bytes"] == int(b["zero_gathered"] + b["activations"])
+    assert b["host_to_device_bytes"] >= b["params"] and b["device_to_host_bytes"] >= b["grads"]
+    assert b["offload_s"] > 0 and b["optimizer_s"] == 7 * b["params"] / Hardware(1).host_mem_bw
+    roomy = search(cfg, Hardware(1, device_memory=80 * 2**30))
+    assert roomy[0]["feasible"] and all(r["offload_optimizer"] == "none" for r in roomy)
+    small_host = search(cfg, Hardware(1, device_memory=16 * 2**30, host_memory=8 * 2**30))
+    assert not any(r["feasible"] for r in small_host)
+    assert any("of host memory per device" in r["reason"] for r in small_host)
+
+
+def test_offload_bytes_per_step():
+    st = cost.StageState(params=100, grads=100, optimizer=208)
+    stage1 = ParallelConfig(zero_stage=1, micro_batch_num=4, offload_optimizer="cpu")
+    assert cost.offload_bytes(stage1, st) == {"host": 408, "host_to_device": 100, "device_to_host": 100}
+    stage3 = ParallelConfig(zero_stage=3, micro_batch_num=4, offload_optimizer="cpu", offload_param="cpu")
+    assert cost.offload_bytes(stage3, st) == {"host": 408, "host_to_device": 800, "device_to_host": 400}

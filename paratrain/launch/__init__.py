@@ -29,14 +29,14 @@ def _check_train_config(words: list[str], world_size: int) -> None:
     """Refuse a ``train`` command whose config breaks a rule for ``world_size`` ranks, before any rank starts."""
     if words[:1] != ["train"]:
         return
-    from paratrain.config import Config, check, parse_overrides
+    from paratrain.config import check
+    from paratrain.deepspeed_config import load_config
+    from paratrain.preflight import train_args
 
-    train_args = argparse.ArgumentParser(prog="paratrain train", add_help=False)
-    train_args.add_argument("--config")
-    args, rest = train_args.parse_known_args(words[1:])
-    if args.config is not None and not Path(args.config).is_file():
+    args, overrides = train_args(words[1:])
+    if any(path is not None and not Path(path).is_file() for path in (args.config, args.deepspeed)):
         return  # it may exist on the nodes that run it only; their ranks report it otherwise
-    check(Config.load(args.config, parse_overrides(rest)), world_size)
+    check(load_config(args.config, overrides, args.deepspeed, world_size), world_size)
 
 
 def _with_run_dir(words: list[str], job_dir: Path) -> list[str]:
@@ -105,7 +105,7 @@ def cmd_launch(args) -> int:
 
         world, local = ((sum(h.slots for h in hosts), max(h.slots for h in hosts)) if hosts
                         else (topo.nnodes * topo.nproc_per_node, topo.nproc_per_node))
-        preflight.check(preflight.train_config(words[1:]), world, local)
+        preflight.check(preflight.train_config(words[1:], world), world, local)
     # nodes other than the first record themselves in node{R}.json beside the first node's job.json
     other_node = bool(os.environ.get("PARATRAIN_COORDINATED") or (topo and topo.node_rank > 0))
     if not other_node and not os.environ.get("PARATRAIN_JOB_PREPARED") and (job_dir / "job.json").exists():

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from paratrain.config import MetricsConfig
+from paratrain.config import MetricsConfig, dotted
 
 BREAKDOWN_LABELS = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", "comm": "comm",
                     "pipeline_idle": "idle", "other": "other"}
@@ -30,15 +30,10 @@ def format_record(r: dict, total_steps: int, log_format: str = "default") -> str
     return line
 
 
-def scalars(record: dict, prefix: str = "") -> dict[str, float]:
+def scalars(record: dict) -> dict[str, float]:
     """The record's numbers flattened for TensorBoard: ``loss``, ``breakdown/forward_pct``..."""
-    out = {}
-    for key, value in record.items():
-        if isinstance(value, dict):
-            out.update(scalars(value, f"{prefix}{key}/"))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-            out[prefix + key] = float(value)
-    return out
+    return {name: float(value) for name, value in dotted(record, "/")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and name.rpartition("/")[2] != "step"}
 
 
 class MetricsLogger:

@@ -16,11 +16,18 @@ What each ``zero_stage`` keeps on a rank (P = parameter bytes, dp ranks) and sen
      served by stage 2: sharding the gradients as well costs no extra communication.
 - 3: as 2, but parameters are freed after forward and all-gathered again in backward:
      3P(dp-1)/dp, in exchange for only one layer group's whole parameters alive at a time.
-``optimizer_shard=true`` means stage 1. Batch-norm layers (ResNet) normalise with the
-statistics of the whole data-parallel batch, as one process would. ``gradient_aggregation_group`` sets how many
-groups of consecutive layers are gathered and reduced together (communication buckets); by default
-(0) each layer is its own FSDP unit, so one layer's parameters are gathered at a time, and DDP
-uses its own 25 MB buckets.
+``optimizer_shard=true`` means stage 1.
+ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", stages 1-3 / 3): FSDP2's
+``CPUOffloadPolicy(pin_memory=True)`` keeps this rank's parameter shards, their gradients and the
+optimizer state in pinned host memory; each all-gather first copies the shard to the device, each
+reduced gradient shard is copied back, and the optimizer step runs on the host. FSDP2 offloads the
+three together (DeepSpeed can keep parameters on the device while offloading only the optimizer).
+It needs an accelerator (``paratrain.preflight`` refuses it on a CPU device) and runs with one
+data-parallel rank too.
+Batch-norm layers (ResNet) normalise with the statistics of the whole data-parallel batch, as one
+process would. ``gradient_aggregation_group`` sets how many groups of consecutive layers are gathered
+and reduced together (communication buckets); by default (0) each layer is its own FSDP unit, so one
+layer's parameters are gathered at a time, and DDP uses its own 25 MB buckets.
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.nn.functional import all_reduce
 
 from paratrain.config import ParallelConfig
@@ -80,6 +87,8 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
         kwargs["reshard_after_forward"] = config.effective_zero_stage == 3
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    if config.offloads:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     wrap = fully_shard if config.effective_zero_stage > 0 else fsdp_replicate
     for group in groups:
         wrap(group, **kwargs)

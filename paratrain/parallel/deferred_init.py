@@ -144,14 +144,19 @@ def _copy_shard(target: torch.Tensor, full: torch.Tensor) -> None:
         target.copy_(full)
 
 
-def materialize(parts: list[nn.Module], record: InitRecord, device: torch.device) -> None:
-    """Allocate ``parts`` (built by ``record_init``, parallelized on the meta device) on ``device`` and give
-    them their values by replaying ``record`` from the current CPU random state (seed it as the plain build was)."""
+def materialize(parts: list[nn.Module], record: InitRecord, device: torch.device,
+                param_device: torch.device | None = None) -> None:
+    """Allocate ``parts`` (built by ``record_init``, parallelized on the meta device) on ``device`` (their
+    parameters on ``param_device`` when given: offloaded shards) and give them their values by replaying
+    ``record`` from the current CPU random state (seed it as the plain build was)."""
     for part in parts:
         ties = _tied_parameters(part)
         hooks = {name: list(p._post_accumulate_grad_hooks.values()) for name, p in part.named_parameters()
                  if getattr(p, "_post_accumulate_grad_hooks", None)}
-        part.to_empty(device=device)
+        part.to_empty(device=param_device or device)
+        if param_device is not None:  # buffers are used where the computation runs
+            for module in part.modules():
+                module._buffers.update({name: b.to(device) for name, b in module._buffers.items() if b is not None})
         for module, name, (source, source_name) in ties:  # to_empty gives each holder its own copy
             setattr(module, name, getattr(source, source_name))
         for name, functions in hooks.items():  # to_empty makes new tensors: hooks registered on the old are gone

@@ -41,7 +41,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_f
         if train.compile:
             for name, _, _ in pipeline_blocks(chunk):
                 chunk.get_submodule(name).compile()
-        if config.data_parallel > 1:
+        if config.data_parallel > 1 or config.offloads:  # FSDP2 offloads, even over one rank
             policy = None
             if train.mixed_precision != "none":
                 policy = MixedPrecisionPolicy(param_dtype=DTYPES[train.mixed_precision], reduce_dtype=torch.float32)

@@ -24,6 +24,7 @@ def register(sub) -> None:
                                    "--dry-run, count one layout's per-rank bytes on the meta device.")
     p.add_argument("--config", help="TOML config (its [model], [train] and [parallel] are used); "
                                     "override keys as --model.hidden_size=... ")
+    p.add_argument("--deepspeed", help="DeepSpeed JSON config mapped onto the config's keys (as paratrain train)")
     p.add_argument("--devices", type=int, help="number of devices (default: the config's dp x mp x pp)")
     p.add_argument("--devices-per-node", type=int, default=8)
     p.add_argument("--device-memory", default="80GiB", help="memory of one device, e.g. 80GiB or 40GB")
@@ -41,12 +42,12 @@ def register(sub) -> None:
 
 
 def _config(args):
-    from paratrain.config import Config
+    from paratrain.deepspeed_config import load_config
 
     overrides = list(args.overrides)
     if args.global_batch:
         overrides.append(f"train.global_batch_size={args.global_batch}")
-    return Config.load(args.config, overrides)
+    return load_config(args.config, overrides, args.deepspeed, args.devices)
 
 
 def hardware(args, devices: int):
@@ -81,7 +82,7 @@ def print_table(cfg, hw, rows: list[dict], top: int) -> None:
           f"{m.hidden_size}; {hw.devices} devices ({hw.devices_per_node} per node, {hw.device_memory / cost.GiB:.0f} "
           f"GiB, {hw.peak_flops / 1e12:g} TFLOP/s); global batch {cfg.train.global_batch_size}")
     head = (f"{'#':>4} {'dp':>5} {'mp':>3} {'pp':>3} {'micro':>5} {'mbs':>4} {'zero':>4} {'recompute':>9} {'sp':>3} "
-            f"{'schedule':>16} {'mem GiB':>8} {'step s':>8} {'MFU':>6}  feasible")
+            f"{'schedule':>16} {'offload':>9} {'mem GiB':>8} {'step s':>8} {'MFU':>6}  feasible")
     print(head)
     print("-" * len(head))
 
@@ -90,9 +91,11 @@ def print_table(cfg, hw, rows: list[dict], top: int) -> None:
         step = f"{r['step_time_s']:8.3g}" if r["step_time_s"] is not None else f"{'-':>8}"
         mfu = f"{r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else f"{'-':>6}"
         sched = r["pipeline_schedule"] + (f"(v={r['virtual_pipeline_stage']})" if r["virtual_pipeline_stage"] > 1 else "")
+        offload = "+".join(k for k, name in (("opt", "offload_optimizer"), ("param", "offload_param"))
+                           if r[name] == "cpu") or "-"
         print(f"{r['rank']:>4} {r['data_parallel']:>5} {r['model_parallel']:>3} {r['pipeline_stage']:>3} "
               f"{r['micro_batch_num']:>5} {r['micro_batch_size']:>4} {r['zero_stage']:>4} {r['recompute']:>9} "
-              f"{'yes' if r['sequence_parallel'] else 'no':>3} {sched:>16} {mem} {step} {mfu}  "
+              f"{'yes' if r['sequence_parallel'] else 'no':>3} {sched:>16} {offload:>9} {mem} {step} {mfu}  "
               f"{'yes' if r['feasible'] else 'no'}")
 
     feasible = [r for r in rows if r["feasible"]]

@@ -225,6 +225,17 @@ def model_params(m: ModelConfig) -> int:
     return n + m.encoder_layers * per_layer(False) + m.decoder_layers * per_layer(True)
 
 
+def offload_bytes(par: ParallelConfig, st: StageState) -> dict:
+    """ZeRO-Offload of one pipeline rank (FSDP2's CPUOffloadPolicy): its model state at rest in host memory,
+    and the bytes copied per step host -> device (the parameter shard before each all-gather: once a step
+    at stages 1-2, forward and backward of every micro-batch at stage 3 without a pipeline) and device ->
+    host (the reduced gradient shard: once a step, every micro-batch at stage 3)."""
+    if par.effective_zero_stage < 3 or par.pipeline_stage > 1:
+        return {"host": st.total, "host_to_device": st.params, "device_to_host": st.grads}
+    mb = par.micro_batch_num
+    return {"host": st.total, "host_to_device": 2 * mb * st.params, "device_to_host": mb * st.grads}
+
+
 # --- activations --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -7,6 +7,14 @@ hardware FLOPs (recompute included) over peak x efficiency and communication is 
 the bandwidth of the link class the group spans. The mesh is ("pp", "dp", "tp") with tp innermost:
 a tp group stays inside a node when tp <= devices_per_node, a dp group when dp x tp <= devices_per_node,
 pipeline neighbours when the whole job fits one node.
+
+ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", FSDP2's CPUOffloadPolicy) moves the
+rank's model state at rest (parameter shards, gradients, optimizer state) from the device to host
+memory; the device keeps what is gathered (the whole parameters a step works on, unsharded gradients
+before their reduce-scatter) and the activations. Each gather copies the parameter shard host -> device
+(once a step at stages 1-2; in forward and in backward of every micro-batch at stage 3), each reduced
+gradient shard goes back, and AdamW runs on the host at its memory bandwidth. The search considers
+offload only when no layout fits without it.
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ from paratrain.metrics.flops import layer_flops, model_flops
 from paratrain.plan import cost
 
 FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "zero_stage", "recompute",
-          "sequence_parallel")
+          "sequence_parallel", "offload_optimizer", "offload_param")
 
 
 @dataclass
@@ -37,6 +45,9 @@ class Hardware:
     mem_bw: float = 2e12  # bytes/s of device memory: elementwise ops and the optimizer step are bound by it
     layer_overhead: float = 3e-5  # seconds per layer and micro-batch (kernel launches)
     latency: float = 2e-5  # seconds of start-up per collective
+    host_memory: float = 128e9  # bytes of host memory per device (offload keeps the model state there)
+    host_bw: float = 25e9  # bytes/s between host and device each way (PCIe 4 x16)
+    host_mem_bw: float = 20e9  # bytes/s of host memory one rank's optimizer step streams (offload)
 
     @property
     def usable_memory(self) -> float:
@@ -88,7 +99,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
             transient = 3 * st.group_params  # two groups' parameters (prefetch) and one group's gradients
         else:
             transient = 0
-        total = st.total + transient + act["total"]
+        total = (0 if par.offloads else st.total) + transient + act["total"]
         if worst is None or total > worst[0]:
             worst = (total, stage, st, act, transient)
     total, stage, st, act, transient = worst
@@ -136,8 +147,10 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         dp_time += groups * (3 * (1 if pp > 1 else mb) if zero == 3 else (2 if zero else 1)) * hw.latency
     bubble = cost.bubble_micro_batches(par)
     # AdamW reads parameter, gradient and two states and writes three of them
-    optimizer_time = max(7 * s.params for s in states) / hw.mem_bw
-    step = (mb + bubble) * (t_micro + pp_time) + dp_time + optimizer_time
+    optimizer_time = max(7 * s.params for s in states) / (hw.host_mem_bw if par.offloads else hw.mem_bw)
+    host = cost.offload_bytes(par, st) if par.offloads else {"host": 0, "host_to_device": 0, "device_to_host": 0}
+    offload_time = (host["host_to_device"] + host["device_to_host"]) / hw.host_bw
+    step = (mb + bubble) * (t_micro + pp_time) + dp_time + offload_time + optimizer_time
     mfu = model_flops(m, gb) / (step * hw.devices * hw.peak_flops)
     fits = total <= hw.usable_memory
     memory = (f"needs {total / cost.GiB:.2f} GiB on pipeline rank {stage} > {hw.usable_memory / cost.GiB:.2f} GiB "
@@ -145,14 +158,21 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
               f"{st.grads / cost.GiB:.1f}, optimizer {st.optimizer / cost.GiB:.1f}), gathered by ZeRO "
               f"{transient / cost.GiB:.1f}, activations {act['total'] / cost.GiB:.1f} ({act['in_flight']:g} "
               f"micro-batches of {act['per_micro_batch'] / cost.GiB:.2f})")
+    if par.offloads:
+        memory = memory.replace("model state", "model state on the host, not counted:")
     reasons = ([] if fits else [memory]) + problems
+    if host["host"] > hw.host_memory:
+        reasons.append(f"offload needs {host['host'] / cost.GiB:.2f} GiB of host memory per device > "
+                       f"{hw.host_memory / cost.GiB:.2f} GiB")
     row.update(feasible=not reasons, reason="; ".join(reasons), memory_gib=total / cost.GiB, memory_bytes=int(total),
                step_time_s=step, mfu=mfu,
                breakdown={"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "zero_gathered": transient,
                           "activations": act["total"], "in_flight": act["in_flight"],
                           "compute_s": (mb + bubble) * max(fl for _, fl in times) / (hw.peak_flops * hw.efficiency),
                           "bubble_micro_batches": bubble, "dp_comm_s": dp_time, "pp_comm_s": (mb + bubble) * pp_time,
-                          "optimizer_s": optimizer_time,
+                          "optimizer_s": optimizer_time, "host_bytes": host["host"],
+                          "host_to_device_bytes": host["host_to_device"],
+                          "device_to_host_bytes": host["device_to_host"], "offload_s": offload_time,
                           "worst_stage": stage})
     return row
 
@@ -215,9 +235,15 @@ def rank_key(row: dict):
 
 
 def search(cfg: Config, hw: Hardware, **kwargs) -> list[dict]:
-    """Every candidate layout evaluated, best first."""
+    """Every candidate layout evaluated, best first. When none fits, the ZeRO layouts again with
+    ZeRO-Offload (optimizer state at stages 1 and 3, parameters too at stage 3)."""
     cache: dict = {}
-    rows = [evaluate(cfg, par, hw, cache) for par in candidates(cfg, hw.devices, **kwargs)]
+    layouts = candidates(cfg, hw.devices, **kwargs)
+    rows = [evaluate(cfg, par, hw, cache) for par in layouts]
+    if not any(r["feasible"] for r in rows):
+        rows += [evaluate(cfg, dataclasses.replace(par, zero_stage=zero, offload_optimizer="cpu",
+                                                   offload_param="cpu" if zero == 3 else "none"), hw, cache)
+                 for par in layouts if par.zero_stage == 0 for zero in (1, 3)]
     rows.sort(key=rank_key)
     for i, row in enumerate(rows):
         row["rank"] = i + 1
@@ -247,9 +273,11 @@ def choose_layout(cfg: Config, world_size: int, devices_per_node: int | None = N
                               if best["pipeline_stage"] > 1 else cfg.parallel.pipeline_schedule,
                               virtual_pipeline_stage=best["virtual_pipeline_stage"], layer_stages=[])
     feasible = sum(r["feasible"] for r in rows)
+    offload = (f" offload_optimizer={par.offload_optimizer} offload_param={par.offload_param}" if par.offloads
+               else "")
     why = (f"parallel.auto: chose data_parallel={par.data_parallel} model_parallel={par.model_parallel} "
            f"pipeline_stage={par.pipeline_stage} micro_batch_num={par.micro_batch_num} zero_stage={par.zero_stage} "
-           f"recompute={par.recompute} sequence_parallel={par.sequence_parallel}: predicted step "
+           f"recompute={par.recompute} sequence_parallel={par.sequence_parallel}{offload}: predicted step "
            f"{best['step_time_s']:.3g} s, {best['memory_gib']:.2f} GiB per device, the fastest of {feasible} "
            f"feasible layouts out of {len(rows)} on {world_size} devices ({devices_per_node or world_size} per node)")
     return par, why
