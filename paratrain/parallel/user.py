@@ -189,12 +189,13 @@ class PlacedNet:
             return output[0] * self.config.data_parallel
         return output[0] / self.config.micro_batch_num
 
-    def train_step(self, batch: tuple) -> torch.Tensor:
-        """Forward and backward of one global batch; returns its loss (a device tensor)."""
+    def train_step(self, batch: tuple, rows_of_this_rank: bool = False) -> torch.Tensor:
+        """Forward and backward of one global batch, or with ``rows_of_this_rank`` of this data-parallel rank's
+        rows of it (a dataset sharded per rank); returns the global batch's loss (a device tensor)."""
         config, layout = self.config, self.layout
-        rows = batch[0].shape[0] // config.data_parallel
-        mine = tuple(t[layout.dp_rank * rows:(layout.dp_rank + 1) * rows].to(self.device, non_blocking=True)
-                     for t in batch)
+        rows = batch[0].shape[0] // (1 if rows_of_this_rank else config.data_parallel)
+        start = 0 if rows_of_this_rank else layout.dp_rank * rows
+        mine = tuple(t[start:start + rows].to(self.device, non_blocking=True) for t in batch)
         self._counts = []
         if self.pipeline is not None:
             losses = [] if self.is_last else None
