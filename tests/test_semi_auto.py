@@ -1,7 +1,7 @@
 """Semi-auto, hybrid and auto parallel for a user's net through ``Model.train``: the losses of one process over
 8+ steps, with and without the optimizer shard."""
-import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,10 +58,10 @@ def data(steps=STEPS, rows=8):
     return [(torch.randn(rows, 16, generator=g), torch.randn(rows, 8, generator=g)) for _ in range(steps)]
 
 
-def reference_losses(net, loss_fn, steps=STEPS, lr=0.05):
+def reference_losses(net, loss_fn, steps=STEPS, lr=0.05, batches=None):
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
     losses = []
-    for x, y in data(steps):
+    for x, y in batches or data(steps):
         loss = loss_fn(net(x), y)
         loss.backward()
         opt.step()
@@ -70,12 +70,12 @@ def reference_losses(net, loss_fn, steps=STEPS, lr=0.05):
     return losses
 
 
-def train(net, mode, steps=STEPS, **context):
+def train(net, mode, batches=None, callbacks=(), **context):
     reset_auto_parallel_context()
     set_auto_parallel_context(parallel_mode=mode, **context)
     losses = Losses()
     model = Model(net, loss_fn=SquaredError(), optimizer=Momentum(net.parameters(), 0.05, 0.9))
-    model.train(1, data(steps), callbacks=[losses])
+    model.train(1, batches or data(), callbacks=[losses, *callbacks])
     return model, losses.values
 
 
@@ -183,3 +183,51 @@ def test_auto_parallel_chooses_saves_and_reloads_strategies_training_to_one_proc
     assert propagated["network.fc1.bias_add"] == ((1, 2), (2,))
     assert propagated["network.relu"] == ((1, 2),)
     assert propagated["network.fc2.matmul"] == ((1, 2), (1, 2))
+
+
+def save_under_dp2_mp2(world, directory):
+    from paratrain.train import CheckpointConfig, ModelCheckpoint
+
+    for prefix, integrated in (("sliced", False), ("whole", True)):
+        config = CheckpointConfig(save_checkpoint_steps=4, integrated_save=integrated)
+        train(MLP(2, 2), ParallelMode.SEMI_AUTO_PARALLEL, data()[:4],
+              [ModelCheckpoint(prefix=prefix, directory=directory, config=config)])
+
+
+def load_under_mp2(world, directory):
+    from paratrain import load_checkpoint, load_distributed_checkpoint, load_param_into_net
+    from paratrain.parallel.semi_auto import place_semi_auto
+    from paratrain.train import WithLoss
+
+    out = {}
+    net = MLP(1, 2)
+    out["sliced"] = load_distributed_checkpoint(net, f"{directory}/sliced-1_4"), \
+        train(net, ParallelMode.SEMI_AUTO_PARALLEL, data()[4:])[1]
+    net = MLP(1, 2)
+    net.extra = nn.Parameter(torch.zeros(3))
+    out["whole"] = load_param_into_net(net, load_checkpoint(f"{directory}/whole-1_4/model.safetensors")), \
+        train(net, ParallelMode.SEMI_AUTO_PARALLEL, data()[4:])[1]
+    placed = place_semi_auto(WithLoss(MLP(1, 2), SquaredError()), data()[0], torch.device("cpu"), world)
+    out["placed"] = load_distributed_checkpoint(placed, sorted(Path(f"{directory}/sliced-1_4").iterdir())), {
+        name: (str(p.placements), p.full_tensor().tolist()) for name, p in placed.named_parameters()}
+    return out
+
+
+@pytest.mark.slow
+def test_whole_and_sliced_checkpoints_of_4_devices_load_under_another_strategy_on_2(tmp_path):
+    reference = MLP()
+    expected = reference_losses(reference, SquaredError(), batches=data()[:4])
+    trained = {f"network.{k}": v.clone() for k, v in reference.state_dict().items()}
+    expected += reference_losses(reference, SquaredError(), batches=data()[4:])  # a fresh optimizer: weights only
+    run_distributed(save_under_dp2_mp2, 4, 4, str(tmp_path), timeout=180)
+    assert (tmp_path / "whole-1_4" / "model.safetensors").is_file()
+    assert not (tmp_path / "sliced-1_4" / "model.safetensors").exists()
+    out = run_distributed(load_under_mp2, 2, 2, str(tmp_path), timeout=180)[0]
+    assert out["sliced"][0] == [] and out["whole"][0] == ["extra"]
+    for key in ("sliced", "whole"):
+        assert out[key][1] == pytest.approx(expected[4:], rel=1e-5, abs=1e-6), key
+    not_loaded, params = out["placed"]
+    assert not_loaded == []
+    assert params["network.fc1.weight"][0] == "(Shard(dim=0),)"  # split by rows over the 2 devices
+    for name, (_, value) in params.items():
+        assert torch.allclose(torch.tensor(value), trained[name], atol=1e-6), name
