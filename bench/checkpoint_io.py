@@ -17,11 +17,19 @@ so reads come from the disk where the kernel honours it. Throughput is bytes on
 disk / seconds; the medians and their ratios are reported (the machine is shared
 and noisy: only ratios measured in one run mean much).
 
+The cost of checksums: each repeat also saves and loads once more with hashing
+patched out (the code as it was before checksums: no hashing while writing, no
+checksum thread while loading), right after the real save and load, so both see
+the same machine load; the medians of both and their ratio are reported, with
+the time to hash every file of the checkpoint once from the page cache (the work
+checksums add: inline while saving, in a second thread while loading).
+
     python bench/checkpoint_io.py [--json PATH] [--hidden 384 --layers 6 --vocab 16000] [--repeats 3]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -90,6 +98,41 @@ def raw_read(path: Path) -> float:
     return time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def checksums_off():
+    """Save and load without computing or checking checksums (what they cost is the difference)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from paratrain.checkpoint import core, storage
+
+    class PlainFileSystem(FileSystem):
+        entries: dict = {}
+
+    class NoCheck:
+        def __init__(self, *args):
+            pass
+
+        def result(self):
+            return None
+    saved = storage.HashingFileSystem, core.ChecksumCheck, core.file_checksum
+    storage.HashingFileSystem, core.ChecksumCheck, core.file_checksum = PlainFileSystem, NoCheck, lambda path: ""
+    try:
+        yield
+    finally:
+        storage.HashingFileSystem, core.ChecksumCheck, core.file_checksum = saved
+
+
+def timed_save_load(ckpt, step: int) -> tuple[float, float, Path]:
+    """(save seconds, load seconds from a dropped page cache, the checkpoint)."""
+    start = time.perf_counter()
+    path = ckpt.save(step)
+    save_s = time.perf_counter() - start
+    drop_cache(files_under(path))
+    start = time.perf_counter()
+    ckpt.load(path)
+    return save_s, time.perf_counter() - start, path
+
+
 def build_trainer(args, run_dir: Path):
     from paratrain.config import Config
     from paratrain.trainer import Trainer
@@ -112,6 +155,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
+    from paratrain.checkpoint.storage import file_checksum
+
     if args.threads:
         torch.set_num_threads(args.threads)
     base = Path(tempfile.mkdtemp(prefix="ckpt_io_", dir=args.dir))
@@ -120,18 +165,22 @@ def main(argv=None) -> int:
         params = sum(p.numel() for p in trainer.model.parameters())
         ckpt, raw_file = trainer.checkpointer, base / "raw.bin"
         save_s, load_s, write_s, read_s, nbytes = [], [], [], [], 0
+        plain_save_s, plain_load_s, hash_s = [], [], []
         for i in range(args.repeats):
-            step = i + 1
-            start = time.perf_counter()
-            path = ckpt.save(step)
-            save_s.append(time.perf_counter() - start)
+            save, load, path = timed_save_load(ckpt, 2 * i + 1)
+            save_s.append(save)
+            load_s.append(load)
             nbytes = sum(p.stat().st_size for p in files_under(path))
+            start = time.perf_counter()
+            for file in files_under(path):
+                file_checksum(file)
+            hash_s.append(time.perf_counter() - start)
+            with checksums_off():
+                save, load, _ = timed_save_load(ckpt, 2 * i + 2)
+            plain_save_s.append(save)
+            plain_load_s.append(load)
             write_s.append(raw_write(raw_file, nbytes))
             read_s.append(raw_read(raw_file))
-            drop_cache(files_under(path))
-            start = time.perf_counter()
-            ckpt.load(path)
-            load_s.append(time.perf_counter() - start)
         mb = nbytes / 2**20
         result = {
             "params": params, "checkpoint_bytes": nbytes, "repeats": args.repeats,
@@ -142,6 +191,11 @@ def main(argv=None) -> int:
         }
         result["save_ratio"] = result["save_mb_s"] / result["raw_write_mb_s"]
         result["load_ratio"] = result["load_mb_s"] / result["raw_read_mb_s"]
+        result.update(save_without_checksums_s=plain_save_s, load_without_checksums_s=plain_load_s,
+                      checksum_save_cost=statistics.median(save_s) / statistics.median(plain_save_s) - 1,
+                      checksum_load_cost=statistics.median(load_s) / statistics.median(plain_load_s) - 1,
+                      hash_s=hash_s, hash_mb_s=mb / statistics.median(hash_s),
+                      load_average=os.getloadavg()[0])
         print(f"checkpoint of {params / 1e6:.1f} M parameters + AdamW state: {mb:.1f} MiB on disk "
               f"(median of {args.repeats})")
         print(f"{'':14}{'checkpoint':>14}{'raw disk':>14}{'ratio':>8}")
@@ -149,6 +203,12 @@ def main(argv=None) -> int:
               f"{result['save_ratio']:>8.2f}")
         print(f"{'read/load':14}{result['load_mb_s']:>10.1f} MB/s{result['raw_read_mb_s']:>10.1f} MB/s"
               f"{result['load_ratio']:>8.2f}")
+        print(f"checksums: save {statistics.median(save_s):.3f} s vs {statistics.median(plain_save_s):.3f} s without "
+              f"({result['checksum_save_cost']:+.1%}), load {statistics.median(load_s):.3f} s vs "
+              f"{statistics.median(plain_load_s):.3f} s without ({result['checksum_load_cost']:+.1%}); "
+              f"load average {result['load_average']:.1f} on {os.cpu_count()} cores")
+        print(f"hashing the whole checkpoint once from the page cache: {statistics.median(hash_s):.3f} s "
+              f"({result['hash_mb_s']:.0f} MB/s)")
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=1))

@@ -17,7 +17,8 @@ counter; ring formula, point-to-point sends count their whole tensor), so counti
 step. Before each step the ranks meet at a barrier, so a step's time on a rank runs from a common
 start to that rank's end. Per rank it records step times (wall clock, and the CPU time of all the
 rank's threads, gloo's included: work done, little changed by other processes competing for the
-cores, unlike waiting), losses, and the peak resident set over the timed steps: VmHWM from
+cores, unlike waiting; split into user and system time, with the page faults taken), losses, and
+the peak resident set over the timed steps: VmHWM from
 /proc/self/status after resetting it (``echo 5 > /proc/self/clear_refs``) just before the first
 timed step, or ru_maxrss (peak since the process started) where that reset is refused; the JSON
 says which. After the timed steps it also reads how much freed memory glibc's heap keeps (mallinfo2):
@@ -41,6 +42,7 @@ import gc
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -287,7 +289,7 @@ def torch_system(job: dict):
         model = DistributedDataParallel(model)
     else:
         mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-        for layer in model.layers:
+        for layer in model.layers.values():
             fully_shard(layer, mesh=mesh, reshard_after_forward=system["reshard_after_forward"])
         fully_shard(model, mesh=mesh, reshard_after_forward=system["reshard_after_forward"])
         optimizer = build_optimizer(model, cfg.train)
@@ -458,7 +460,7 @@ def run_worker(job: dict) -> dict:
 
     warmup, timed = job["warmup"], slice(job["warmup"], total - 1)
     counter = _counter_class()()
-    losses, times, cpu_times = [], [], []
+    losses, times, usage = [], [], []
     for s, (ids, labels) in enumerate(batches):
         if s == warmup:
             gc.collect()
@@ -466,13 +468,17 @@ def run_worker(job: dict) -> dict:
         if s == total - 1:  # the counted step, after the timed ones
             peak, heap_free = peak_rss_kb(method), heap_free_kb()
         dist.barrier()
-        begin, cpu_begin = time.perf_counter(), time.process_time()
+        begin, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         with counter if s == total - 1 else contextlib.nullcontext():
             losses.append(step(ids, labels))
         times.append(time.perf_counter() - begin)
-        cpu_times.append(time.process_time() - cpu_begin)  # all threads of this rank, gloo's included
-    return {"rank": rank, "load": load, "losses": losses, "times": times[timed], "cpu_times": cpu_times[timed],
-            "warmup_times": times[:warmup], "counted_step_time": times[-1], "peak_rss_kb": peak,
+        after = resource.getrusage(resource.RUSAGE_SELF)  # all threads of this rank, gloo's included
+        usage.append((after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime,
+                      after.ru_minflt - before.ru_minflt))
+    user, system, faults = (list(x) for x in zip(*usage[timed]))
+    return {"rank": rank, "load": load, "losses": losses, "times": times[timed],
+            "cpu_times": [u + s for u, s in zip(user, system)], "user_times": user, "sys_times": system,
+            "page_faults": faults, "warmup_times": times[:warmup], "counted_step_time": times[-1], "peak_rss_kb": peak,
             "memory_method": method, "rss_kb": _status_kb("VmRSS"), "heap_free_kb": heap_free,
             "comm": count_bytes(counter.events)}
 
@@ -557,16 +563,21 @@ def build_report(names: list[str], runs: dict[str, list], common: dict, toleranc
             continue
         losses = [[statistics.fmean(step) for step in zip(*(rank["losses"] for rank in ranks))] for ranks in good]
         diff = max(abs(x - y) / abs(y) for run in losses for x, y in zip(run, ref_losses))
-        per_repeat = [max(statistics.median(rank["times"]) for rank in ranks) for ranks in good]
-        cpu_per_repeat = [max(statistics.median(rank["cpu_times"]) for rank in ranks) for ranks in good]
+
+        def per_repeat(key: str) -> list[float]:  # the slowest rank's median timed step, per repeat
+            return [max(statistics.median(rank[key]) for rank in ranks) for ranks in good]
+
         comm = defaultdict(lambda: {"bytes": 0.0, "calls": 0})
         for rank in good[-1]:
             for kind, c in rank["comm"].items():
                 comm[kind] = {"bytes": max(comm[kind]["bytes"], c["bytes"]), "calls": max(comm[kind]["calls"], c["calls"])}
         systems[name] = entry | {
             "losses_agree": diff <= tolerance, "max_loss_rel_diff": diff, "losses": losses[0],
-            "step_time_s": statistics.median(per_repeat), "repeat_step_time_s": per_repeat,
-            "cpu_time_s": statistics.median(cpu_per_repeat), "repeat_cpu_time_s": cpu_per_repeat,
+            "step_time_s": statistics.median(per_repeat("times")), "repeat_step_time_s": per_repeat("times"),
+            "cpu_time_s": statistics.median(per_repeat("cpu_times")), "repeat_cpu_time_s": per_repeat("cpu_times"),
+            "user_time_s": statistics.median(per_repeat("user_times")),
+            "sys_time_s": statistics.median(per_repeat("sys_times")),
+            "page_faults": statistics.median(per_repeat("page_faults")),
             "step_times_s": [[rank["times"] for rank in ranks] for ranks in good],
             "peak_rss_mb": [max(ranks[r]["peak_rss_kb"] for ranks in good) / 1024 for r in range(len(good[0]))],
             "rss_end_mb": [good[-1][r]["rss_kb"] / 1024 for r in range(len(good[0]))],
@@ -599,12 +610,14 @@ def _kinds(entry: dict) -> str:
 
 
 def diagnose(systems: dict, ratios: dict, param_bytes: int) -> dict[str, str]:
-    """One line per ratio: where the measured difference lies.
+    """One line per ratio: where the measured difference lies -- bytes, overlap, copies, allocator.
 
-    More CPU time per step means more work (copies, extra passes over the gradients); the same CPU
-    time with more wall time means waiting (communication not overlapped with compute, or other
-    processes' load, given with each); bytes and calls show what goes on the wire; memory is given
-    in units of P, the fp32 parameter bytes, since extra copies of parameters or gradients come in P.
+    CPU time per step is work done: user time is computation and copies, system time is mostly
+    page faults (memory the allocator gave back to the kernel and takes again, zeroed). The same
+    CPU time with more wall time is waiting: communication not overlapped with compute, or other
+    processes' load (given with each). Bytes and calls show what goes on the wire. Memory is given
+    in units of P, the fp32 parameter bytes (extra copies of parameters or gradients come in P),
+    with the freed memory glibc's heap keeps after the timed steps (allocation pattern, not tensors).
     """
     lines = {}
     for key, r in ratios.items():
@@ -614,11 +627,14 @@ def diagnose(systems: dict, ratios: dict, param_bytes: int) -> dict[str, str]:
         calls = sum(c["calls"] for c in me["bytes_per_step"].values())
         peer_calls = sum(c["calls"] for c in peer["bytes_per_step"].values())
         if r["cpu_time"] > 1.03:
-            why = "more work per step (copies, extra passes)"
+            why = "more work per step"
         elif r["time"] > 1.03:
             why = "the same work, so the wall time is waiting (communication not overlapped, or load)"
         else:
             why = "no slower"
+        work = (f"user {me['user_time_s'] - peer['user_time_s']:+.2f} s (compute, copies), system "
+                f"{me['sys_time_s'] - peer['sys_time_s']:+.2f} s ({me['page_faults'] / 1e3:.0f}k vs "
+                f"{peer['page_faults'] / 1e3:.0f}k page faults/step)")
         if abs(db) > 0.02 * max(peer["total_bytes_per_step"], 1.0):
             wire = f"sends {db / 1e6:+.1f} MB/step ({_kinds(me)} vs {_kinds(peer)})"
         else:
@@ -627,7 +643,7 @@ def diagnose(systems: dict, ratios: dict, param_bytes: int) -> dict[str, str]:
         small = systems[r["memory_peer"]]
         lines[key] = (f"{r['paratrain']} vs {r['time_peer']}: wall {me['step_time_s'] - peer['step_time_s']:+.2f} "
                       f"s/step ({r['time']:.2f}x, load {load}), CPU {me['cpu_time_s'] - peer['cpu_time_s']:+.2f} s/step "
-                      f"({r['cpu_time']:.2f}x): {why}; {wire}; peak RSS {dm:+.0f} MB vs {r['memory_peer']} "
+                      f"({r['cpu_time']:.2f}x): {why}; {work}; {wire}; peak RSS {dm:+.0f} MB vs {r['memory_peer']} "
                       f"({dm * 2 ** 20 / param_bytes:+.2f} P, P = {param_bytes / 2 ** 20:.0f} MB), of which freed memory "
                       f"glibc's heap keeps after the timed steps: {me['heap_free_mb'] - small['heap_free_mb']:+.0f} MB "
                       f"({me['heap_free_mb']:.0f} vs {small['heap_free_mb']:.0f})")
@@ -638,7 +654,7 @@ def print_report(report: dict) -> None:
     systems = report["systems"]
     print(f"\nGPT {report['params'] / 1e6:.1f} M parameters, {report['warmup']} warm-up + {report['steps']} timed "
           f"steps; losses compared with {report['reference']} (tolerance {report['tolerance']:g} relative)")
-    head = (f"{'system':27} {'step s':>7} {'repeats s':>15} {'cpu s':>6} {'peak RSS MB r0/r1':>18} "
+    head = (f"{'system':27} {'step s':>7} {'repeats s':>15} {'cpu s':>6} {'sys s':>5} {'faults':>6} {'peak RSS MB r0/r1':>18} "
             f"{'MB sent/step':>12} {'loss diff':>9}  {'load':>9}  bytes by collective")
     print(head)
     print("-" * len(head))
@@ -650,7 +666,8 @@ def print_report(report: dict) -> None:
         repeats = ",".join(f"{t:.3f}" for t in s["repeat_step_time_s"])
         rss = "/".join(f"{m:.0f}" for m in s["peak_rss_mb"])
         load = ",".join(f"{x[0]:.1f}" for x in s["load"])
-        print(f"{name:27} {s['step_time_s']:7.3f} {repeats:>15} {s['cpu_time_s']:6.2f} {rss:>18} "
+        print(f"{name:27} {s['step_time_s']:7.3f} {repeats:>15} {s['cpu_time_s']:6.2f} {s['sys_time_s']:5.2f} "
+              f"{s['page_faults'] / 1e3:5.0f}k {rss:>18} "
               f"{s['total_bytes_per_step'] / 1e6:12.1f} {s['max_loss_rel_diff']:9.1e}  {load:>9}  {_kinds(s)}{flag}")
     print("\nratios (paratrain / best peer; time: fastest peer, memory: smallest peak RSS):")
     for key, r in report["ratios"].items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from paratrain.config import Config, parse_overrides
@@ -21,8 +22,11 @@ COMMAND_MODULES = ("paratrain.launch", "paratrain.doctor", "paratrain.data.comma
 
 
 def cmd_train(args) -> int:
-    cfg = Config.load(args.config, args.overrides)
+    from paratrain import preflight
+
+    cfg = preflight.check(Config.load(args.config, args.overrides), int(os.environ.get("WORLD_SIZE", "1")))
     from paratrain.distributed import init_from_env
+    from paratrain.precision import LossScaleFloor
     from paratrain.trainer import Trainer, TrainingDiverged
 
     rank, world_size = init_from_env()
@@ -36,6 +40,9 @@ def cmd_train(args) -> int:
     except TrainingDiverged as exc:
         print(f"paratrain: training stopped: {exc}", file=sys.stderr)
         return 3
+    except LossScaleFloor as exc:
+        print(f"paratrain: training stopped: {exc}", file=sys.stderr)
+        return LossScaleFloor.EXIT_CODE
     if trainer.stopped_at is not None:
         if rank == 0:
             print(f"paratrain: stopped on request, saved at step {trainer.stopped_at}", file=sys.stderr, flush=True)

@@ -23,6 +23,7 @@ import tomli_w
 
 from paratrain.errors import UserError
 
+MAX_COUNT = 10**12  # steps, batch sizes: more would not finish (10^12 steps of 1 ms are 31 years)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 RECOMPUTE_MODES = ("none", "full", "selective")
 MIXED_PRECISION = ("none", "bf16", "fp16")
@@ -32,11 +33,14 @@ ACTIVATIONS = ("gelu", "relu")
 
 
 class ConfigError(UserError, ValueError):
-    """Every rule a configuration breaks, each with the numbers and a fix."""
+    """Every rule a configuration breaks, each with the numbers and a fix (one problem: one line)."""
 
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
-        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+        if len(self.problems) == 1:
+            super().__init__(f"invalid configuration: {self.problems[0]}")
+        else:
+            super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
 class Section:
@@ -91,11 +95,18 @@ class Section:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if not callable(getattr(self, f.name))}
 
+    def nonfinite(self) -> list[str]:
+        """A problem for every number of this section that is NaN or infinite."""
+        return [f"{self.SECTION}.{name}={value} is not a finite number" for name, value in self.to_dict().items()
+                if isinstance(value, float) and not math.isfinite(value)]
+
 
 def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
     """Convert ``value`` (from TOML or the command line) to the type of the field it sets."""
     kind = next((t for t in (bool, int, float, str) if isinstance(current, t)), None)
     if f.name == "layer_stages":
+        if isinstance(value, str):  # from the command line: --parallel.layer_stages=[0,0,1,1]
+            value = _parse_literal(value)
         if isinstance(value, list) or callable(value):
             return value
         raise TypeError("expected a list with the stage of each layer, or a function")
@@ -379,6 +390,8 @@ class TrainConfig(Section):
     mixed_precision: str = "none"
     compile: bool = False  # torch.compile each layer (after tensor parallel and recompute, before FSDP)
     initial_loss_scale: float = 65536.0  # fp16 only
+    min_loss_scale: float = 1.0  # fp16: an overflow at this scale stops training (DeepSpeed's min_loss_scale)
+    max_skipped_steps: int = 100  # fp16: this many overflowed steps in a row stop training; 0 = no limit
     eval_steps: int = 0  # BLEU on data.eval_path every this many steps (encoder-decoder, translation data); 0 = off
 
 
@@ -459,6 +472,11 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
+    @property
+    def checkpoint_path(self) -> Path:
+        """Where checkpoints go: ``checkpoint.dir``, default ``<run dir>/checkpoints``."""
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run.path / "checkpoints"
+
     @classmethod
     def sections(cls) -> dict[str, type[Section]]:
         return {f.name: f.default_factory for f in fields(cls)}
@@ -492,10 +510,19 @@ class Config:
     def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> "Config":
         data = {}
         if path is not None:
+            if Path(path).exists() and not Path(path).is_dir() and not Path(path).is_file():  # /dev/zero, a fifo
+                raise ConfigError([f"config file {path} is not a regular file: give a .toml file"])
             try:
-                data = tomllib.loads(Path(path).read_text())
+                data = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
             except FileNotFoundError:
                 raise ConfigError([f"config file {path} does not exist"]) from None
+            except IsADirectoryError:
+                raise ConfigError([f"config file {path} is a directory: give the .toml file in it"]) from None
+            except OSError as exc:
+                raise ConfigError([f"config file {path} cannot be read ({exc.strerror})"]) from None
+            except UnicodeDecodeError as exc:
+                raise ConfigError([f"config file {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+                                   f"offset {exc.start}): give a TOML file"]) from None
             except tomllib.TOMLDecodeError as exc:
                 raise ConfigError([f"config file {path} is not valid TOML: {exc}"]) from None
         return cls.from_dict(data, overrides)
@@ -538,7 +565,9 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if world_size is not None and (resolved or not cfg.parallel.auto):
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel).derive(world_size))
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    problems: list[str] = []
+    problems: list[str] = [q for name in cfg.sections() for q in getattr(cfg, name).nonfinite()]
+    if problems:  # the rules below compare these numbers
+        return problems
 
     def positive(section: Section, names: list[str]):
         for name in names:
@@ -560,10 +589,35 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if p.gradient_aggregation_group < 0:
         problems.append(f"parallel.gradient_aggregation_group={p.gradient_aggregation_group} must be 0 (one group "
                         f"per layer) or a number of groups")
-    positive(t, ["global_batch_size", "steps", "lr"])
+    positive(t, ["global_batch_size", "steps", "lr", "eps", "initial_loss_scale", "min_loss_scale"])
+    positive(cfg.metrics, ["log_steps"])
     if t.warmup_steps < 0 or t.min_lr < 0 or t.weight_decay < 0 or t.grad_clip < 0:
         problems.append(f"train.warmup_steps={t.warmup_steps}, min_lr={t.min_lr}, weight_decay={t.weight_decay} "
                         f"and grad_clip={t.grad_clip} must not be negative")
+    for section, name in ((t, "steps"), (t, "warmup_steps"), (t, "global_batch_size"), (t, "eval_steps"),
+                          (cfg.checkpoint, "save_steps"), (cfg.metrics, "log_steps")):
+        if getattr(section, name) > MAX_COUNT:
+            problems.append(f"{section.SECTION}.{name}={getattr(section, name):.3g} is absurd (more than "
+                            f"{MAX_COUNT:.0e}): give a count that can finish")
+    for section, name in ((t, "eval_steps"), (t, "max_skipped_steps"), (cfg.checkpoint, "save_steps"),
+                          (cfg.metrics, "peak_tflops")):
+        if getattr(section, name) < 0:
+            problems.append(f"{section.SECTION}.{name}={getattr(section, name)} must be 0 (off) or positive")
+    if cfg.checkpoint.keep_max < 1:
+        problems.append(f"checkpoint.keep_max={cfg.checkpoint.keep_max} must be at least 1 (the newest "
+                        f"checkpoints kept)")
+    if 0 < t.initial_loss_scale < t.min_loss_scale:
+        problems.append(f"train.min_loss_scale={t.min_loss_scale:g} is above train.initial_loss_scale="
+                        f"{t.initial_loss_scale:g}: lower it (default 1)")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(t, name) < 1:
+            problems.append(f"train.{name}={getattr(t, name)} is outside [0, 1): use e.g. 0.9 and 0.98")
+    if not 0 <= cfg.run.seed < 2**63:
+        problems.append(f"run.seed={cfg.run.seed} must be in [0, 2**63)")
+    if m.vocab_size > 0 and not 0 <= m.pad_token_id < m.vocab_size:
+        problems.append(f"model.pad_token_id={m.pad_token_id} is not a token id of model.vocab_size={m.vocab_size}")
+    if m.layernorm_eps <= 0:
+        problems.append(f"model.layernorm_eps={m.layernorm_eps} must be positive (e.g. 1e-5)")
     choice(m, "kind", MODEL_KINDS)
     choice(m, "dtype", DTYPES)
     choice(m, "hidden_act", ACTIVATIONS)

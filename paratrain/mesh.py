@@ -2,7 +2,9 @@
 
 Dims ("pp", "dp_replicate", "dp_shard", "tp"): data parallelism lives in
 ``dp_replicate`` when parameters stay whole (zero stage 0, DDP-like) and in
-``dp_shard`` when they are sharded (zero stages 1-3); the other one has size 1.
+``dp_shard`` when they are sharded (zero stages 1-3); the other one has size 1
+and is never handed to FSDP2 (a size-1 dim would cost it a copy or a collective
+over one rank per layer and step).
 """
 from __future__ import annotations
 
@@ -58,9 +60,9 @@ class Layout:
         return self.mesh["tp"]
 
     @property
-    def fsdp_mesh(self) -> DeviceMesh:
-        """2D (replicate, shard) mesh for FSDP2: HSDP with one of the two dims of size 1."""
-        return self.mesh["dp_replicate", "dp_shard"]
+    def dp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the data-parallel dim: FSDP2 shards over it, or replicates over it at stage 0."""
+        return self.mesh[self.dp_dim]
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint import Checkpointer
-from paratrain.config import Config, check
+from paratrain.config import Config
 from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.device import DTYPES
-from paratrain import progress
+from paratrain import preflight, progress
 from paratrain.distributed import StopRequest, init_from_env
 from paratrain.evaluate import bleu_evaluator
 from paratrain.mesh import Layout
@@ -44,7 +44,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         rank, world_size = init_from_env()
         progress.start(rank)
-        self.cfg = check(cfg, world_size, resolved=True)
+        self.cfg = preflight.check(cfg, world_size, resolved=True)
         self.layout = Layout(cfg.parallel, world_size)
         self.device = self.layout.device
         # the model is built on the meta device, parallelized, and only this rank's shards are materialized,
@@ -60,7 +60,8 @@ class Trainer:
         torch.manual_seed(cfg.run.seed + self.layout.dp_rank)  # dropout: shared by tensor-parallel peers
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
-        self.loss_scaler = LossScaler(cfg.train.mixed_precision == "fp16", cfg.train.initial_loss_scale)
+        self.loss_scaler = LossScaler(cfg.train.mixed_precision == "fp16", cfg.train.initial_loss_scale,
+                                      min_scale=cfg.train.min_loss_scale, max_skipped=cfg.train.max_skipped_steps)
         self.data = ShardedBatches(build_dataset(cfg), cfg.train.global_batch_size, self.layout.dp_rank,
                                    self.layout.dp_size, self.device, cfg.model.pad_token_id)
         self.is_main = rank == 0
@@ -119,6 +120,8 @@ class Trainer:
         finally:
             stop.close()
             self.metrics.close()
+            if self.is_main and self.loss_scaler.skipped_steps:
+                print(f"fp16: {self.loss_scaler.summary()}", flush=True)
         return history
 
     def _save_last(self) -> None:

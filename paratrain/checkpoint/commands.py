@@ -1,8 +1,9 @@
-"""``paratrain export CKPT OUT.safetensors`` and ``paratrain checkpoint info CKPT``."""
+"""``paratrain export CKPT OUT.safetensors``, ``paratrain checkpoint info CKPT`` and ``checkpoint verify``."""
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 
 def cmd_export(args) -> int:
@@ -21,6 +22,35 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    """Check every file of one checkpoint, or of every checkpoint of a run, against its recorded size and
+    checksum; exit 1 when one is damaged."""
+    from paratrain.checkpoint.storage import META_FILE, CheckpointError, checkpoints_in, recorded_bytes, verify
+
+    paths = checkpoints_in(args.checkpoint)
+    damaged = incomplete = 0
+    for path in paths:
+        if not (path / META_FILE).is_file():
+            incomplete += 1
+            print(f"incomplete  {path}: no {META_FILE}, its save did not finish (resume skips it)")
+            continue
+        start = time.perf_counter()
+        try:
+            meta, _ = verify(path)
+        except CheckpointError as exc:
+            damaged += 1
+            print(f"DAMAGED     {exc}")
+            continue
+        files = meta.get("files", {})
+        size = sum(recorded_bytes(e) for e in files.values())
+        how = "checksums" if meta["format"] >= 2 else "sizes only (format 1 records no checksums)"
+        print(f"ok          {path}: {len(files)} files, {size / 2**20:.1f} MiB, {how}, "
+              f"{time.perf_counter() - start:.2f} s")
+    if len(paths) > 1:
+        print(f"{len(paths) - damaged - incomplete} intact, {damaged} damaged, {incomplete} incomplete")
+    return 1 if damaged else 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Register ``export`` and ``checkpoint info`` on the ``paratrain`` command."""
     exp = sub.add_parser("export", help="write a checkpoint's model to one .safetensors file (plain parameter names)")
@@ -35,3 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     inf.add_argument("--all", action="store_true", help="list the optimizer tensors too")
     inf.add_argument("--json", action="store_true", help="print JSON")
     inf.set_defaults(func=cmd_info)
+    ver = actions.add_parser("verify", help="check every file of a checkpoint (or of all of a run's) against its "
+                                            "recorded size and checksum; exit 1 if one is damaged")
+    ver.add_argument("checkpoint", help="a checkpoint directory (step_*), or a checkpoints/run directory: all of them")
+    ver.set_defaults(func=cmd_verify)

@@ -21,9 +21,9 @@ one small safetensors file per rank. See ``storage.py`` for the on-disk format.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import os
 import random
 import shutil
 import time
@@ -38,11 +38,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from paratrain.checkpoint.full import MODEL_PREFIX, OPTIM_PREFIX, export
 from paratrain.checkpoint.storage import (DCP_METADATA, FORMAT_VERSION, INTEGRATED_FILE, LATEST, META_FILE,
-                                          TMP_PREFIX, CheckpointError, checkpoint_name, dcp_load, dcp_save, fsync_dir,
-                                          newest_complete, parse_name, rank_file_name, resolve, step_dirs,
-                                          tensor_entries, verify, write_atomic)
+                                          TMP_PREFIX, CheckpointError, ChecksumCheck, DamagedCheckpoint,
+                                          checksum_owner, complete_checkpoints, dcp_load, dcp_save, file_checksum,
+                                          file_entry, fsync_dir, rank_file_name, read_meta, resolve,
+                                          checkpoint_name, step_dirs, tensor_entries, verify, write_atomic,
+                                          write_file, write_meta)
 
-from paratrain.config import Config
+from paratrain.config import Config, ModelConfig
 from paratrain.device import device
 from paratrain.mesh import Layout
 
@@ -57,9 +59,38 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _barrier() -> None:
+def _write_failed(final: Path, exc: OSError) -> str:
+    where = f" ({exc.filename})" if exc.filename else ""
+    return (f"cannot write checkpoint {final}: {exc.strerror or exc}{where}: free space or raise the file size "
+            f"limit (ulimit -f), or set checkpoint.dir to another file system")
+
+
+def _together(fn, final: Path):
+    """``fn()`` on every rank; when it fails on any rank, every rank raises (an OSError as a CheckpointError
+    naming the file), none waits for the others. Returns ``fn``'s result."""
+    ok, error, result = True, None, None
+    try:
+        result = fn()
+    except BaseException as exc:  # tell the other ranks instead of leaving them waiting
+        ok, error = False, exc
+    if not _all_ok(ok):
+        if isinstance(error, OSError):
+            raise CheckpointError(_write_failed(final, error)) from None
+        if error is not None:
+            raise error
+        raise CheckpointError(f"another rank failed to save checkpoint {final}; see its log")
+    return result
+
+
+def _agree_intact(problem: str | None) -> None:
+    """Raise DamagedCheckpoint on every rank when any rank found a damaged file (``problem`` names it)."""
+    problems = [problem]
     if dist.is_initialized():
-        dist.barrier()
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    found = next((p for p in problems if p is not None), None)
+    if found is not None:
+        raise DamagedCheckpoint(found)
 
 
 def _all_ok(ok: bool) -> bool:
@@ -110,6 +141,59 @@ def _like(value, template):
     return value
 
 
+# model keys that change no weight's shape or meaning (regularisation only): they may change on resume
+MODEL_TRAINING_KEYS = ("hidden_dropout", "attention_dropout")
+# model keys each kind reads: the others cannot make its checkpoint mismatch
+RESNET_MODEL_KEYS = ("kind", "encoder_layers", "hidden_size", "dtype")
+UNUSED_MODEL_KEYS = {"gpt": ("encoder_layers", "src_seq_length", "tgt_seq_length"), "transformer": ("seq_length",)}
+CHANGEABLE_SECTIONS = ("train", "data", "parallel")  # listed when changed; run, checkpoint, metrics are not
+
+
+def _model_keys(kind: str) -> list[str]:
+    """The model keys that shape the weights of a model of ``kind`` or give them their meaning."""
+    names = [f.name for f in dataclasses.fields(ModelConfig)]
+    if kind == "resnet":
+        return [n for n in names if n in RESNET_MODEL_KEYS]
+    return [n for n in names if n not in MODEL_TRAINING_KEYS and n not in UNUSED_MODEL_KEYS.get(kind, ())]
+
+
+def resume_changes(saved: dict, config: Config) -> tuple[list[str], list[str]]:
+    """Keys whose value differs between the config a checkpoint was saved with (``saved``, as in its
+    ``paratrain.json``) and ``config``, as ``section.key: saved → now``: (model keys that forbid resuming,
+    the changed training keys). A key the checkpoint does not record is taken at its default."""
+    def differ(section: str, keys) -> list[str]:
+        old, now = saved.get(section, {}), getattr(config, section)
+        default = type(now)()
+        out = []
+        for key in keys:
+            before, after = old.get(key, getattr(default, key)), getattr(now, key)
+            if not callable(after) and before != after:
+                out.append(f"{section}.{key}: {before} → {after}")
+        return out
+
+    kinds = (saved.get("model", {}).get("kind", config.model.kind), config.model.kind)
+    strict = [k for k in _model_keys(kinds[0]) if k in _model_keys(kinds[1]) or k == "kind"]
+    refused = differ("model", strict)
+    changed = differ("model", [k for k in MODEL_TRAINING_KEYS if k not in strict])
+    for section in CHANGEABLE_SECTIONS:
+        changed += differ(section, [f.name for f in dataclasses.fields(getattr(config, section))])
+    return refused, changed
+
+
+def check_resume_config(meta: dict, config: Config, path: Path, report: bool = True) -> None:
+    """Refuse to resume from checkpoint ``path`` (``meta``: its paratrain.json) into ``config`` when a model
+    key differs, listing every one; with ``report``, log the training keys that changed."""
+    refused, changed = resume_changes(meta.get("config", {}), config)
+    if refused:
+        what = refused[0] if len(refused) == 1 else f"{len(refused)} keys differ"
+        listed = "".join(f"\n  - {r}" for r in refused) if len(refused) > 1 else ""
+        raise CheckpointError(f"checkpoint {path} was saved with another model ({what}): resume with the model it "
+                              f"was saved with, or start a new run (checkpoint.resume=none or another run.dir)"
+                              + listed)
+    if changed and report:
+        log.warning("checkpoint: resuming %s with changed settings: %s", path.name, "; ".join(changed))
+
+
 class Checkpointer:
     """Saves every ``checkpoint.save_steps`` steps and resumes a run from a checkpoint.
 
@@ -125,7 +209,7 @@ class Checkpointer:
         self.config, self.layout = config, layout
         self.model_parts, self.optimizer, self.scheduler, self.states = model_parts, optimizer, scheduler, states
         self.cfg = config.checkpoint
-        self.root = Path(self.cfg.dir) if self.cfg.dir else config.run.path / "checkpoints"
+        self.root = config.checkpoint_path
         self.last_saved_step: int | None = None
         self.resumed_from: Path | None = None
 
@@ -179,52 +263,57 @@ class Checkpointer:
 
     def save(self, step: int, name: str | None = None) -> Path:
         """Write checkpoint ``step`` atomically, as directory ``name`` (default: named after the step and
-        ``checkpoint.prefix``); every rank calls it. Returns the final directory."""
-        from safetensors.torch import save_file
+        ``checkpoint.prefix``); every rank calls it. Returns the final directory.
+
+        A failure on any rank (a full disk, ``File too large``) raises a CheckpointError naming the
+        file on every rank, so none is left waiting for the others."""
+        from safetensors.torch import save
 
         start = time.perf_counter()
         rank, world = _rank_world()
         name = name or checkpoint_name(step, self.cfg.prefix)
         tmp, final = self.root / (TMP_PREFIX + name), self.root / name
-        if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        layout = layout_dict(self.layout)  # collective: also orders the mkdir before any write
+
+        def prepare():
+            if rank == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+        _together(prepare, final)  # collective: also orders the mkdir before any write
+        layout = layout_dict(self.layout)
         tensors, settings = self._state()
         if dist.is_initialized():  # pipeline stages hold different parameters: rank 0 records them all
             gathered = [None] * world
             dist.all_gather_object(gathered, {k: _json_value(v) for k, v in settings.items()})
             settings = {k: v for part in gathered for k, v in part.items()}
 
-        rank_file = tmp / rank_file_name(rank)
-        save_file(self._rng_state(), str(rank_file), metadata={"rank": str(rank), "python_random": json.dumps(
+        rank_state = save(self._rng_state(), metadata={"rank": str(rank), "python_random": json.dumps(
             random.getstate())})
-        with open(rank_file, "rb+") as f:
-            os.fsync(f.fileno())
+        written = _together(lambda: {rank_file_name(rank): write_file(tmp / rank_file_name(rank), rank_state)}, final)
         self._fault_point("rank_state_written", step)
-        dcp_save(tensors, tmp)
+        try:
+            written |= dcp_save(tensors, tmp)
+        except OSError as exc:  # DCP failed on every rank together
+            raise CheckpointError(_write_failed(final, exc)) from None
         # dcp.save returns once every rank's shards are written and rank 0 wrote .metadata
         self._fault_point("shards_written", step)
-        _barrier()  # every rank file is in place
+        if dist.is_initialized():  # every rank's files are in place: rank 0 records them all
+            gathered = [None] * world
+            dist.all_gather_object(gathered, written)
+            written = {k: v for part in gathered for k, v in part.items()}
 
-        ok, error = True, None
-        if rank == 0:
-            try:
-                self._commit(step, tmp, final, layout, settings)
-            except BaseException as exc:  # tell the other ranks instead of leaving them waiting
-                ok, error = False, exc
-        if not _all_ok(ok):
-            if error is not None:
-                raise error
-            raise CheckpointError(f"rank 0 failed to commit checkpoint {final}; see its log")
+        def commit():
+            if rank == 0:
+                self._commit(step, tmp, final, layout, settings, written)
+        _together(commit, final)
         self.last_saved_step = step
         if rank == 0:
             log.info("checkpoint: saved %s in %.2f s", final, time.perf_counter() - start)
         return final
 
-    def _commit(self, step: int, tmp: Path, final: Path, layout: dict, settings: dict) -> None:
-        """Rank 0, after every rank finished writing: finish the directory, rename, point ``latest`` at it."""
+    def _commit(self, step: int, tmp: Path, final: Path, layout: dict, settings: dict, written: dict) -> None:
+        """Rank 0, after every rank finished writing the files ``written`` (name -> size and checksum): finish
+        the directory, record every file's checksum, rename, point ``latest`` at it."""
         missing = [rank_file_name(r) for r in range(layout["world_size"]) if not (tmp / rank_file_name(r)).is_file()]
         if missing or not (tmp / DCP_METADATA).is_file():
             raise CheckpointError(f"checkpoint {tmp}: files missing after all ranks saved: "
@@ -233,8 +322,11 @@ class Checkpointer:
             # the whole model from the shards just written: same code path as `paratrain export`
             self._write_meta(tmp, step, layout, settings, files={})
             export(tmp, tmp / INTEGRATED_FILE)
-        (tmp / "config.toml").write_text(self.config.to_toml())
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file() and p.name != META_FILE}
+        written = {**written, "config.toml": write_file(tmp / "config.toml", self.config.to_toml().encode())}
+        files = {}
+        for p in sorted(tmp.iterdir()):
+            if p.is_file() and p.name != META_FILE:  # the integrated model.safetensors is hashed here, once
+                files[p.name] = written.get(p.name) or file_entry(p.stat().st_size, file_checksum(p))
         self._write_meta(tmp, step, layout, settings, files)
         self._fault_point("meta_written", step)
         fsync_dir(tmp)
@@ -265,56 +357,68 @@ class Checkpointer:
             "torch_version": torch.__version__,
             "files": files,
         }
-        write_atomic(directory / META_FILE, json.dumps(meta, indent=1, default=str))
+        write_meta(directory, meta)
 
     def _prune(self, keep: Path) -> None:
         """Keep the ``keep_max`` newest complete checkpoints; drop leftovers of killed saves."""
         for leftover in self.root.glob(TMP_PREFIX + "*"):
             shutil.rmtree(leftover, ignore_errors=True)
-        if self.cfg.keep_max > 0:
-            complete = [p for _, p in step_dirs(self.root, self.cfg.prefix) if (p / META_FILE).is_file()]
-            for path in complete[self.cfg.keep_max:]:
-                if path != keep:
-                    shutil.rmtree(path, ignore_errors=True)
+        complete = [p for _, p in step_dirs(self.root, self.cfg.prefix) if (p / META_FILE).is_file()]
+        for path in complete[self.cfg.keep_max:]:
+            if path != keep:
+                shutil.rmtree(path, ignore_errors=True)
 
     # --- resuming -------------------------------------------------------------------------
 
     def resume(self) -> int:
-        """Apply ``checkpoint.resume`` ("auto" | a path | "none"); returns the step to continue from."""
+        """Apply ``checkpoint.resume`` ("auto" | a path | "none"); returns the step to continue from.
+
+        "auto" takes the newest complete checkpoint whose files are intact, going back past damaged
+        ones with a warning naming the file; a path must be intact or the resume is refused."""
         spec = (self.cfg.resume or "none").strip()
         if spec.lower() == "none":
             return 0
-        if spec.lower() == "auto":
-            path = self._agreed_auto_path()
-            if path is None:
-                return 0
-        else:
-            path = resolve(spec)
-        return self.load(path)
+        if spec.lower() != "auto":
+            return self.load(resolve(spec))
+        candidates = self._agreed_candidates()
+        for path in candidates:
+            try:
+                return self.load(path)
+            except DamagedCheckpoint as exc:
+                if _rank_world()[0] == 0:
+                    log.warning("checkpoint: skipping %s: %s; trying the one before it", path.name, exc)
+        if candidates:
+            raise CheckpointError(f"all {len(candidates)} checkpoints in {self.root} are damaged (see the warnings): "
+                                  f"set checkpoint.resume=none to start over")
+        return 0
 
-    def _agreed_auto_path(self) -> Path | None:
-        """The newest complete checkpoint of this prefix, as rank 0 sees it (all ranks use the same one)."""
+    def _agreed_candidates(self) -> list[Path]:
+        """The complete checkpoints of this prefix, newest first, as rank 0 sees them (all ranks try the same
+        ones)."""
         rank, _ = _rank_world()
-        epoch, step = -1, -1
-        if rank == 0:
-            found = newest_complete(self.root, prefix=self.cfg.prefix)
-            if found is not None:
-                _, epoch, step = parse_name(found.name)
+        names = [p.name for p in complete_checkpoints(self.root, prefix=self.cfg.prefix)] if rank == 0 else None
         if dist.is_initialized():
-            box = torch.tensor([epoch, step], dtype=torch.int64, device=device())
-            dist.broadcast(box, src=0)
-            epoch, step = box.tolist()
-        return None if step < 0 else self.root / checkpoint_name(step, self.cfg.prefix, epoch)
+            box = [names]
+            dist.broadcast_object_list(box, src=0)  # our own names, between live ranks, not from disk
+            names = box[0]
+        return [self.root / name for name in names]
 
     def load(self, path: str | Path) -> int:
         """Load checkpoint ``path`` (any layout wrote it) into the parts, optimizer, scheduler and states;
-        returns its step."""
+        returns its step.
+
+        Before any tensor is read, the model config it was saved with must match this one
+        (:func:`check_resume_config`) and its files must have their recorded sizes; every
+        file's checksum is checked while DCP reads the shards (each rank hashes its share),
+        and the load fails with a DamagedCheckpoint naming the file before anything else is set."""
         from safetensors import safe_open
 
         start = time.perf_counter()
         path = Path(path)
-        meta, metadata = verify(path)  # on every rank: all raise the same error, none waits for the others
         rank, world = _rank_world()
+        meta = read_meta(path)
+        check_resume_config(meta, self.config, path, report=rank == 0)
+        meta, metadata = verify(path, meta, checksums=False)  # on every rank: all raise the same error
         saved_keys = tensor_entries(metadata)
 
         module, msd, osd, names = self._collect()
@@ -331,12 +435,17 @@ class Checkpointer:
             if tuple(value.shape) != saved:
                 raise CheckpointError(f"checkpoint {path}: {key} has shape {list(saved)}, the model needs "
                                       f"{list(value.shape)}: was it written for another model config?")
+        checking = ChecksumCheck(path, meta, [n for n in meta.get("files", {}) if checksum_owner(n, world) == rank])
+        error = None
         try:
             dcp_load(wanted, path)
-        except CheckpointError:
-            raise
+        except CheckpointError as exc:
+            error = exc
         except Exception as exc:
-            raise CheckpointError(f"checkpoint {path}: reading the shards failed: {exc}") from exc
+            error = CheckpointError(f"checkpoint {path}: reading the shards failed: {exc}")
+        _agree_intact(checking.result())  # a damaged file explains a failed read: it is reported first
+        if error is not None:
+            raise error
 
         settings = meta["optimizer_settings"]
         for sd in (msd, osd):

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from paratrain.checkpoint.storage import INTEGRATED_FILE, dcp_load, read_meta, resolve, tensor_entries, verify
+from paratrain.checkpoint.storage import (INTEGRATED_FILE, dcp_load, read_meta, recorded_bytes, resolve,
+                                          tensor_entries, verify)
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
@@ -50,7 +51,7 @@ def export(path: str | Path, out: str | Path, dtype: torch.dtype | None = None) 
 def info(path: str | Path) -> dict:
     """What a checkpoint holds: step, layout, and every tensor with its shape, dtype and bytes."""
     path = resolve(path)
-    meta, metadata = verify(path)
+    meta, metadata = verify(path, checksums=False)  # sizes only: `paratrain checkpoint verify` reads every byte
     tensors = {}
     for key, entry in sorted(tensor_entries(metadata).items()):
         numel = 1
@@ -60,7 +61,7 @@ def info(path: str | Path) -> dict:
                         "bytes": numel * entry.properties.dtype.itemsize, "shards": len(entry.chunks)}
     files = meta.get("files", {})
     return {"path": str(path), "step": meta["step"], "layout": meta["layout"], "saved_at": meta.get("saved_at"),
-            "integrated": INTEGRATED_FILE in files, "disk_bytes": sum(files.values()),
+            "integrated": INTEGRATED_FILE in files, "disk_bytes": sum(recorded_bytes(e) for e in files.values()),
             "tensors": tensors}
 
 

@@ -9,13 +9,21 @@ from ``paratrain.train.ModelCheckpoint``, MindSpore's ``<prefix>-<epoch>_<step i
     model.safetensors      (integrated_save) the whole model, plain parameter names
     config.toml            the resolved config, for people
     paratrain.json         written last: step, layout, schedule, loss scale, data position,
-                           the optimizer's non-tensor settings and the size of every file above
+                           the optimizer's non-tensor settings, the size and xxh3_64 checksum
+                           of every file above (``files``) and a checksum of its own content
 
 It is written as ``.tmp-step_00000008`` and renamed once every rank has finished and
 ``paratrain.json`` is in place, then ``latest`` (a text file naming the directory) is
 replaced. So a directory named ``step_*`` with a ``paratrain.json`` is complete; a
 ``.tmp-*`` directory, or a ``step_*`` one without ``paratrain.json``, is a save that
 was killed.
+
+Checksums are xxh3_64 (the ``xxhash`` package, several GB/s). Each file is hashed as it
+is written: DCP's shards and index through :class:`HashingFileSystem`, whose streams hash
+every block they write, the other files from the bytes written. On load, files are hashed
+in a background thread while DCP reads them (:class:`ChecksumCheck`), each rank hashing
+its own share (:func:`checksum_owner`); a damaged file raises :class:`DamagedCheckpoint`
+naming it. Checkpoints of format 1 (sizes only, no checksums) still load.
 
 Never unpickling arbitrary objects: everything we store ourselves is JSON or
 safetensors. The tensors we hand DCP are plain tensors only (no non-tensor values,
@@ -33,10 +41,14 @@ import logging
 import os
 import pickle
 import re
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+import xxhash
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -48,7 +60,10 @@ META_FILE = "paratrain.json"
 DCP_METADATA = ".metadata"
 LATEST = "latest"
 INTEGRATED_FILE = "model.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: paratrain.json ``files`` holds each file's bytes and checksum; 1: bytes only
+READ_FORMATS = (1, 2)
+CHECKSUM = "xxh3_64"
+META_CHECKSUM = "checksum"  # paratrain.json's own checksum, over the rest of its content
 STEP_DIR = re.compile(r"^step_(\d+)$")
 NAMED_DIR = re.compile(r"^(.+)-(\d+)_(\d+)$")
 TMP_PREFIX = ".tmp-"
@@ -70,6 +85,11 @@ def parse_name(name: str) -> tuple[str, int, int] | None:
     if m := NAMED_DIR.match(name):
         return m.group(1), int(m.group(2)), int(m.group(3))
     return None
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A file of a complete checkpoint is missing, truncated, unreadable or fails its checksum (named in the
+    message): ``resume = "auto"`` goes back to the checkpoint before it."""
 
 
 def rank_file_name(rank: int) -> str:
@@ -107,11 +127,11 @@ def read_dcp_metadata(path: Path) -> Metadata:
         with open(file, "rb") as f:
             metadata = _RestrictedUnpickler(f).load()
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path}: the DCP index {file} is missing") from None
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: the DCP index {file} is missing") from None
     except Exception as exc:  # truncated, corrupt or foreign pickle
-        raise CheckpointError(f"checkpoint {path}: the DCP index {file} is unreadable ({exc})") from None
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: the DCP index {file} is unreadable ({exc})") from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"checkpoint {path}: {file} does not hold DCP metadata")
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: {file} does not hold DCP metadata")
     return metadata
 
 
@@ -136,10 +156,98 @@ class TensorOnlyLoadPlanner(DefaultLoadPlanner):
                               f"paratrain loads tensors only")
 
 
+# --- checksums ------------------------------------------------------------------------------
+
+BLOCK = 8 * 2**20
+
+
+def file_checksum(path: Path) -> str:
+    """The xxh3_64 checksum (hex) of a file's content."""
+    digest = xxhash.xxh3_64()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(BLOCK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def file_entry(nbytes: int, checksum: str) -> dict:
+    """What ``paratrain.json`` records of one file."""
+    return {"bytes": nbytes, CHECKSUM: checksum}
+
+
+def write_file(path: Path, data: bytes) -> dict:
+    """Write ``data`` to ``path`` and fsync it; returns its :func:`file_entry`."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return file_entry(len(data), xxhash.xxh3_64(data).hexdigest())
+
+
+class _HashingStream:
+    """A file opened for writing that hashes every block written through it (writes are sequential)."""
+
+    def __init__(self, raw):
+        self.raw, self.digest, self.nbytes = raw, xxhash.xxh3_64(), 0
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        self.nbytes += memoryview(data).nbytes
+        return self.raw.write(data)
+
+    def __getattr__(self, name):  # tell, flush, fileno, close...
+        return getattr(self.raw, name)
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local file system, recording the :func:`file_entry` of every file written (keyed by its name
+    after any rename), so shards are hashed while they are written, not read back."""
+
+    def __init__(self):
+        super().__init__()
+        self.entries: dict[str, dict] = {}
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = _HashingStream(raw)
+            yield stream
+        self.entries[Path(path).name] = file_entry(stream.nbytes, stream.digest.hexdigest())
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        if Path(path).name in self.entries:
+            self.entries[Path(new_path).name] = self.entries.pop(Path(path).name)
+
+
+def _meta_checksum(meta: dict) -> str:
+    """Checksum of ``paratrain.json``'s content without its own checksum (keys sorted, JSON as written)."""
+    body = {k: v for k, v in meta.items() if k != META_CHECKSUM}
+    return xxhash.xxh3_64(json.dumps(json.loads(json.dumps(body, default=str)), sort_keys=True).encode()).hexdigest()
+
+
+def write_meta(directory: Path, meta: dict) -> None:
+    """Write ``paratrain.json`` atomically, with the checksum of its content."""
+    write_atomic(Path(directory) / META_FILE, json.dumps({**meta, META_CHECKSUM: _meta_checksum(meta)}, indent=1,
+                                                         default=str))
+
+
+def checksum_owner(name: str, world_size: int) -> int:
+    """The rank that hashes file ``name`` when ``world_size`` ranks load together: rank R's own shard and
+    rank file go to R (mod the world size, so a rank mostly hashes what it reads), the rest to rank 0."""
+    match = re.match(r"^(?:__(\d+)_\d+\.distcp|rank_(\d+)\.safetensors)$", name)
+    return int(match.group(1) or match.group(2)) % world_size if match else 0
+
+
 # --- validation -------------------------------------------------------------------------------
 
 def read_meta(path: Path) -> dict:
-    """``paratrain.json`` of checkpoint ``path`` (CheckpointError naming the file when bad)."""
+    """``paratrain.json`` of checkpoint ``path``, its own checksum checked (CheckpointError naming the file)."""
     file = Path(path) / META_FILE
     try:
         meta = json.loads(file.read_text())
@@ -147,32 +255,54 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path} is incomplete: {file} is missing "
                               f"(its save did not finish)") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: {file} is corrupt ({exc})") from None
-    if meta.get("format") != FORMAT_VERSION:
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: {file} is corrupt ({exc})") from None
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read {file} ({exc.strerror})") from None
+    if not isinstance(meta, dict):
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: {file} does not hold a JSON object")
+    if meta.get("format") not in READ_FORMATS:
         raise CheckpointError(f"checkpoint {path}: {file} has format {meta.get('format')!r}, "
-                              f"this paratrain reads format {FORMAT_VERSION}")
+                              f"this paratrain reads formats {', '.join(map(str, READ_FORMATS))}")
+    if meta["format"] >= 2 and meta.get(META_CHECKSUM) != _meta_checksum(meta):
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} fails its checksum (its content "
+                                f"changed after it was written)")
     return meta
 
 
-def verify(path: Path, meta: dict | None = None, metadata: Metadata | None = None) -> tuple[dict, Metadata]:
-    """Check that every file of checkpoint ``path`` is there with its recorded size.
+def _recorded(entry) -> tuple[int, str | None]:
+    """(bytes, checksum or None) of a ``files`` entry: format 2 records both, format 1 the size only."""
+    if isinstance(entry, dict):
+        return entry.get("bytes"), entry.get(CHECKSUM)
+    return entry, None
 
-    Returns (paratrain.json, DCP metadata); raises CheckpointError naming the first
-    missing, truncated or unreadable file.
+
+def recorded_bytes(entry) -> int:
+    """The size a ``files`` entry of ``paratrain.json`` records."""
+    return _recorded(entry)[0]
+
+
+def verify(path: Path, meta: dict | None = None, metadata: Metadata | None = None,
+           checksums: bool = True) -> tuple[dict, Metadata]:
+    """Check that every file of checkpoint ``path`` is there with its recorded size, that DCP's index
+    fits the shard files and, with ``checksums``, that every file's content has its recorded checksum.
+
+    Returns (paratrain.json, DCP metadata); raises DamagedCheckpoint naming the first
+    missing, truncated, unreadable or changed file.
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
     meta = meta if meta is not None else read_meta(path)
-    for name, size in meta.get("files", {}).items():
-        file = path / name
+    files = meta.get("files", {})
+    for name, entry in files.items():
+        file, (size, _) = path / name, _recorded(entry)
         try:
             actual = file.stat().st_size
         except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {path} is damaged: file {file} is missing") from None
+            raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} is missing") from None
         if actual != size:
-            raise CheckpointError(f"checkpoint {path} is damaged: file {file} has {actual} bytes, "
-                                  f"{size} were written")
+            raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} has {actual} bytes, "
+                                    f"{size} were written")
     metadata = metadata if metadata is not None else read_dcp_metadata(path)
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -180,11 +310,53 @@ def verify(path: Path, meta: dict | None = None, metadata: Metadata | None = Non
     for name, end in sorted(ends.items()):
         file = path / name
         if not file.is_file():
-            raise CheckpointError(f"checkpoint {path} is damaged: shard file {file} is missing")
+            raise DamagedCheckpoint(f"checkpoint {path} is damaged: shard file {file} is missing")
         if file.stat().st_size < end:
-            raise CheckpointError(f"checkpoint {path} is damaged: shard file {file} is truncated "
-                                  f"({file.stat().st_size} bytes, the index needs {end})")
+            raise DamagedCheckpoint(f"checkpoint {path} is damaged: shard file {file} is truncated "
+                                    f"({file.stat().st_size} bytes, the index needs {end})")
+    if checksums:
+        problem = check_checksums(path, meta, sorted(files))
+        if problem:
+            raise DamagedCheckpoint(problem)
     return meta, metadata
+
+
+def check_checksums(path: Path, meta: dict, names: list[str]) -> str | None:
+    """The first of files ``names`` of checkpoint ``path`` whose content fails its recorded checksum, as a
+    message naming it, or None when all pass (files of format 1 have none to check)."""
+    for name in names:
+        size, recorded = _recorded(meta["files"][name])
+        if recorded is None:
+            continue
+        file = Path(path) / name
+        try:
+            actual = file_checksum(file)
+        except OSError as exc:
+            return f"checkpoint {path} is damaged: file {file} is unreadable ({exc.strerror})"
+        if actual != recorded:
+            return (f"checkpoint {path} is damaged: file {file} fails its checksum ({CHECKSUM} {actual}, "
+                    f"{recorded} when written)")
+    return None
+
+
+class ChecksumCheck:
+    """Hash files of a checkpoint in a background thread (while DCP reads them); ``result()`` waits and
+    returns the message naming the first damaged file, or None."""
+
+    def __init__(self, path: Path, meta: dict, names: list[str]):
+        self._problem: str | None = None
+
+        def run():
+            try:
+                self._problem = check_checksums(path, meta, names)
+            except Exception as exc:  # reported by result(), never lost in the thread
+                self._problem = f"checkpoint {path}: checking checksums failed ({exc})"
+        self._thread = threading.Thread(target=run, name="paratrain-checksums", daemon=True)
+        self._thread.start()
+
+    def result(self) -> str | None:
+        self._thread.join()
+        return self._problem
 
 
 def tensor_entries(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
@@ -204,28 +376,36 @@ def step_dirs(root: Path, prefix: str | None = "") -> list[tuple[tuple[int, int]
     return sorted(found, reverse=True)
 
 
-def newest_complete(root: Path, warn: bool = True, prefix: str | None = None) -> Path | None:
-    """The newest complete checkpoint under ``root``, skipping (with a warning) saves that were killed.
+def complete_checkpoints(root: Path, warn: bool = True, prefix: str | None = None) -> list[Path]:
+    """The complete checkpoints under ``root`` (named with ``prefix``; None: any), newest first, skipping
+    (with a warning) saves that were killed.
 
-    Complete = renamed from its temporary name and holding ``paratrain.json``. A
-    complete checkpoint whose files are damaged is not skipped: loading it raises
-    a CheckpointError naming the file, rather than silently going further back.
+    Complete = renamed from its temporary name and holding ``paratrain.json``. Whether
+    its files are intact is for :func:`verify` to say (``resume = "auto"`` goes back
+    past damaged ones).
     """
     root = Path(root)
     if warn and root.is_dir():
         for tmp in sorted(root.glob(TMP_PREFIX + "*")):
             log.warning("checkpoint: ignoring %s, a save that did not finish (job killed while saving?)", tmp)
+    found = []
     for _, path in step_dirs(root, prefix):
         if (path / META_FILE).is_file():
             pointer = root / LATEST
-            if warn and pointer.is_file() and pointer.read_text().strip() != path.name:
+            if warn and not found and pointer.is_file() and pointer.read_text().strip() != path.name:
                 log.info("checkpoint: %s is newer than %s names (killed before the pointer was updated); using it",
                          path.name, pointer)
-            return path
-        if warn:
+            found.append(path)
+        elif warn:
             log.warning("checkpoint: skipping %s, its save did not finish (no %s); using an earlier one",
                         path, META_FILE)
-    return None
+    return found
+
+
+def newest_complete(root: Path, warn: bool = True, prefix: str | None = None) -> Path | None:
+    """The newest of :func:`complete_checkpoints`, or None."""
+    found = complete_checkpoints(root, warn, prefix)
+    return found[0] if found else None
 
 
 def resolve(path: str | Path) -> Path:
@@ -239,6 +419,20 @@ def resolve(path: str | Path) -> Path:
             return found
     raise CheckpointError(f"no checkpoint at {path}: expected a step_* (or <prefix>-<epoch>_<step>) directory "
                           f"holding {META_FILE}, or a directory of them")
+
+
+def checkpoints_in(path: str | Path) -> list[Path]:
+    """Checkpoint ``path`` itself, or every ``step_*`` directory of a checkpoints or run directory, newest first
+    (complete or not)."""
+    path = Path(path)
+    if (path / META_FILE).is_file() or (path / DCP_METADATA).is_file():
+        return [path]
+    for root in (path, path / "checkpoints"):
+        found = [p for _, p in step_dirs(root, None)]
+        if found:
+            return found
+    raise CheckpointError(f"no checkpoint at {path}: expected a step_* (or <prefix>-<epoch>_<step>) directory "
+                          f"holding {META_FILE}, or a checkpoints or run directory holding them")
 
 
 def fsync_dir(path: Path) -> None:
@@ -265,20 +459,39 @@ def write_atomic(file: Path, text: str) -> None:
     fsync_dir(file.parent)
 
 
-def dcp_save(state: dict, path: Path) -> None:
-    """``dcp.save`` of plain/DTensor tensors, one file per rank, fsynced; no process group needed."""
+@contextmanager
+def _unwrapped_failures():
+    """Raise the exception behind DCP's ``CheckpointException`` (the first failed rank's, e.g. the OSError of a
+    full disk) instead of it: that one is a BaseException whose text is a traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        failure = next(iter(exc.failures.values()), None)
+        if isinstance(failure, tuple) and isinstance(failure[0], Exception):
+            raise failure[0] from None
+        raise
+
+
+def dcp_save(state: dict, path: Path) -> dict[str, dict]:
+    """``dcp.save`` of plain/DTensor tensors, one file per rank, fsynced; no process group needed.
+
+    Returns the :func:`file_entry` of every file this rank wrote (its shards; on rank 0 also ``.metadata``).
+    """
     import warnings
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
 
     no_dist = not dist.is_initialized()
+    writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True)
+    writer.fs = HashingFileSystem()
     # DCP plans shard offsets of 2D (FSDP x TP) tensors with host tensors made on the default device
-    with warnings.catch_warnings(), torch.device("cpu"):
+    with warnings.catch_warnings(), torch.device("cpu"), _unwrapped_failures():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process is intended
-        dcp.save(state, storage_writer=FileSystemWriter(path, single_file_per_rank=True, sync_files=True),
-                 no_dist=no_dist)
+        dcp.save(state, storage_writer=writer, no_dist=no_dist)
+    return writer.fs.entries
 
 
 def dcp_load(state: dict, path: Path, no_dist: bool | None = None) -> None:
@@ -289,6 +502,6 @@ def dcp_load(state: dict, path: Path, no_dist: bool | None = None) -> None:
     import torch.distributed.checkpoint as dcp
 
     no_dist = (not dist.is_initialized()) if no_dist is None else no_dist
-    with warnings.catch_warnings(), torch.device("cpu"):  # see dcp_save
+    with warnings.catch_warnings(), torch.device("cpu"), _unwrapped_failures():  # see dcp_save
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=TensorOnlyLoadPlanner(), no_dist=no_dist)

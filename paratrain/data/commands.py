@@ -34,7 +34,14 @@ def cmd_preprocess_sample(args) -> int:
 def cmd_tokenizer_train(args) -> int:
     from paratrain.data.tokenizer import train_tokenizer
 
-    tokenizer = train_tokenizer(args.input, args.vocab_size, args.out, args.min_frequency)
+    from paratrain.data import DataError, not_utf8
+
+    try:
+        tokenizer = train_tokenizer(args.input, args.vocab_size, args.out, args.min_frequency)
+    except UnicodeDecodeError as exc:
+        raise not_utf8(" or ".join(args.input), exc) from None
+    except OSError as exc:
+        raise DataError(f"{exc.filename}: {exc.strerror}") from None
     print(f"{args.out}: {tokenizer.vocab_size} tokens")
     return 0
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from paratrain.data import DataError
 from paratrain.data.synthetic import BOS, EOS, PAD
 from paratrain.data.tokenizer import Tokenizer
 from paratrain.data.wmt14 import read_pairs
@@ -85,7 +86,7 @@ class TranslationDataset:
         self.examples = np.flatnonzero(fits) if too_long == "filter" else np.arange(len(fits))
         self.num_filtered = len(fits) - len(self.examples)
         if not len(self.examples):
-            raise ValueError(f"{path}: none of the {len(fits)} pairs fits src_seq_length={src_seq_length} and "
+            raise DataError(f"{path}: none of the {len(fits)} pairs fits src_seq_length={src_seq_length} and "
                              f"tgt_seq_length={tgt_seq_length}: raise them or set data.too_long='truncate'")
         self.src_lengths = np.minimum(src_len[self.examples], src_seq_length)
         self.tgt_lengths = np.minimum(tgt_len[self.examples], tgt_seq_length)  # BOS/EOS included
@@ -129,7 +130,7 @@ class TextDataset:
             self.stream = np.load(self.path, mmap_mode="r")
         else:
             if tokenizer is None:
-                raise ValueError(f"{path} is text: set data.tokenizer to tokenize it")
+                raise DataError(f"{path} is text: set data.tokenizer to tokenize it")
 
             def build():
                 with open(self.path, encoding="utf-8") as f:
@@ -138,10 +139,11 @@ class TextDataset:
 
             self.stream = cached_arrays(self.path, tokenizer, build)["stream"]
         if len(self) == 0:
-            raise ValueError(f"{path} holds {len(self.stream)} tokens, fewer than seq_length + 1 = {seq_length + 1}")
+            raise DataError(f"{path} holds {len(self.stream)} tokens, fewer than model.seq_length + 1 = "
+                            f"{seq_length + 1}: give more text or a shorter model.seq_length")
 
     def __len__(self) -> int:
-        return (len(self.stream) - 1) // self.seq_length
+        return max(0, (len(self.stream) - 1) // self.seq_length)
 
     def rows(self, indices: np.ndarray, batch_indices: np.ndarray | None = None) -> dict[str, torch.Tensor]:
         L = self.seq_length

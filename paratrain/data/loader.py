@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from paratrain.config import Config, ConfigError
-from paratrain.errors import UserError
+from paratrain.data import DataError, not_utf8
 from paratrain.data.cifar import CifarDataset
 from paratrain.data.datasets import TextDataset, TranslationDataset
 from paratrain.data.sampler import DistributedSampler
@@ -81,15 +81,17 @@ class ShardedBatches:
         self._ahead = None
 
 
-class DataError(UserError, ValueError):
-    """Data the trainer cannot use as it is; the message says what to change."""
-
-
 def load_tokenizer(cfg: Config) -> Tokenizer:
     """``data.tokenizer``, trained on ``data.path`` with ``model.vocab_size`` tokens and saved there if absent."""
     path = Path(cfg.data.tokenizer or Path(cfg.data.path).with_name("tokenizer.json"))
     if not path.is_file():
-        Tokenizer.train(lines_of([cfg.data.path]), cfg.model.vocab_size).save(path)
+        try:
+            Tokenizer.train(lines_of([cfg.data.path]), cfg.model.vocab_size).save(path)
+        except UnicodeDecodeError as exc:
+            raise not_utf8(cfg.data.path, exc) from None
+        except OSError as exc:
+            raise DataError(f"cannot train tokenizer {path} on data.path={cfg.data.path}: {exc.strerror} "
+                            f"({exc.filename})") from None
     tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError([f"tokenizer {path} has {tokenizer.vocab_size} tokens, more than model.vocab_size="
@@ -110,13 +112,20 @@ def build_dataset(cfg: Config):
         if m.kind == "gpt":
             return SyntheticLM(m, cfg.run.seed)
         return SyntheticTranslation(m, cfg.run.seed, d.task, d.min_length)
-    if d.kind == "translation":
-        dataset = TranslationDataset(d.path, load_tokenizer(cfg), m.src_seq_length, m.tgt_seq_length,
-                                     d.too_long, d.dynamic_padding)
-    elif d.kind == "text":
-        dataset = TextDataset(d.path, None if d.path.endswith(".npy") else load_tokenizer(cfg), m.seq_length)
-    else:
-        dataset = CifarDataset(d.path, train=True)
+    try:
+        if d.kind == "translation":
+            dataset = TranslationDataset(d.path, load_tokenizer(cfg), m.src_seq_length, m.tgt_seq_length,
+                                         d.too_long, d.dynamic_padding)
+        elif d.kind == "text":
+            dataset = TextDataset(d.path, None if d.path.endswith(".npy") else load_tokenizer(cfg), m.seq_length)
+        else:
+            dataset = CifarDataset(d.path, train=True)
+    except (DataError, ConfigError):
+        raise
+    except UnicodeDecodeError as exc:
+        raise not_utf8(d.path, exc) from None
+    except (ValueError, OSError) as exc:  # numpy's, or a file that changed since the checks at start
+        raise DataError(f"data.path={d.path} cannot be used: {exc}") from None
     if d.bucket_size and not hasattr(dataset, "lengths"):
         raise ConfigError([f"data.bucket_size={d.bucket_size}: {d.kind} examples all have one length, "
                            f"bucketing applies to translation only; set data.bucket_size=0"])

@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
+from paratrain.data import DataError
 from paratrain.data.synthetic import BOS, EOS, PAD, UNK
 
 SPECIAL_TOKENS = {PAD: "<pad>", BOS: "<s>", EOS: "</s>", UNK: "<unk>"}
@@ -70,13 +71,21 @@ class Tokenizer:
         if not Path(path).is_file():
             raise FileNotFoundError(f"tokenizer file {path} does not exist: train one with "
                                     f"`paratrain tokenizer train --input FILE --vocab-size N --out {path}`")
-        return cls(HFTokenizer.from_file(str(path)))
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise DataError(f"tokenizer {path} is not a tokenizer.json ({exc}): train one with `paratrain "
+                            f"tokenizer train` or point data.tokenizer at another") from None
+        try:
+            return cls(hf)
+        except ValueError as exc:
+            raise DataError(f"tokenizer {path}: {exc}") from None
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> "Tokenizer":
         """BPE with at most ``vocab_size`` tokens (special tokens and the 256 bytes included) learned from ``texts``."""
         if vocab_size < 256 + len(SPECIAL_TOKENS):
-            raise ValueError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least "
+            raise DataError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least "
                              f"{256 + len(SPECIAL_TOKENS)} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
         hf = HFTokenizer(models.BPE(unk_token=SPECIAL_TOKENS[UNK]))
         hf.normalizer = normalizers.NFC()

@@ -16,6 +16,7 @@ import re
 import tarfile
 from pathlib import Path
 
+from paratrain.data import DataError, not_utf8
 from paratrain.errors import UserError
 
 _ATTR = re.compile(r"""(\w+)\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s>]+))""")
@@ -122,12 +123,15 @@ def write_pairs(pairs: list[tuple[str, str]], path: str | Path) -> Path:
 def read_pairs(path: str | Path) -> list[tuple[str, str]]:
     """The pairs of a file written by ``write_pairs``; a line without exactly one tab is an error."""
     pairs = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            fields = line.rstrip("\n").split("\t")
-            if len(fields) != 2:
-                raise ValueError(f"{path}:{number}: expected 'source<TAB>target', found {len(fields) - 1} tabs")
-            pairs.append((fields[0], fields[1]))
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                fields = line.rstrip("\n").split("\t")
+                if len(fields) != 2:
+                    raise DataError(f"{path}:{number}: expected 'source<TAB>target', found {len(fields) - 1} tabs")
+                pairs.append((fields[0], fields[1]))
+    except UnicodeDecodeError as exc:
+        raise not_utf8(path, exc) from None
     return pairs
 
 
@@ -144,8 +148,30 @@ def preprocess(src_text: str, ref_text: str, src_lang: str, tgt_lang: str, out_d
 def preprocess_files(src: str | Path, ref: str | Path, out_dir: str | Path, src_lang: str | None = None,
                      tgt_lang: str | None = None, prefix: str = "wmt14") -> dict[str, Path]:
     """``preprocess`` on two ``.sgm`` files; languages default to the ones in the file names."""
-    return preprocess(Path(src).read_text(encoding="utf-8"), Path(ref).read_text(encoding="utf-8"),
-                      src_lang or language_of(src), tgt_lang or language_of(ref), out_dir, str(src), str(ref), prefix)
+    return preprocess(_read_sgm(src), _read_sgm(ref), src_lang or language_of(src), tgt_lang or language_of(ref),
+                      out_dir, str(src), str(ref), prefix)
+
+
+def _read_sgm(path: str | Path) -> str:
+    """The text of a ``.sgm`` file; SgmError naming it when it is missing, unreadable or not UTF-8."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise SgmError(f"{path} does not exist") from None
+    except IsADirectoryError:
+        raise SgmError(f"{path} is a directory: give the .sgm file in it") from None
+    except OSError as exc:
+        raise SgmError(f"{path} cannot be read ({exc.strerror})") from None
+    return _decode(data, path)
+
+
+def _decode(data: bytes, name) -> str:
+    if b"\0" in data:
+        raise SgmError(f"{name} is binary (it holds NUL bytes), not a newstest .sgm file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SgmError(f"{name} is not UTF-8 text ({exc.reason} at byte {exc.start}): convert it to UTF-8") from None
 
 
 def preprocess_archive(archive: str | Path, out_dir: str | Path, src_lang: str = "en", tgt_lang: str = "fr",
@@ -154,7 +180,15 @@ def preprocess_archive(archive: str | Path, out_dir: str | Path, src_lang: str =
 
     ``pair`` is the two language codes in either order (``fren`` or ``enfr``).
     """
-    with tarfile.open(archive) as tar:
+    try:
+        tar = tarfile.open(archive)
+    except FileNotFoundError:
+        raise SgmError(f"{archive} does not exist") from None
+    except OSError as exc:
+        raise SgmError(f"{archive} cannot be read ({exc.strerror})") from None
+    except tarfile.TarError:
+        raise SgmError(f"{archive} is not a readable tar archive (such as WMT's test-full.tgz)") from None
+    with tar:
         names = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
 
         def member(kind: str, lang: str) -> tarfile.TarInfo:
@@ -167,5 +201,6 @@ def preprocess_archive(archive: str | Path, out_dir: str | Path, src_lang: str =
                            f"{test_set} files in it: {', '.join(close) or 'none'}")
 
         src, ref = member("src", src_lang), member("ref", tgt_lang)
-        return preprocess(tar.extractfile(src).read().decode("utf-8"), tar.extractfile(ref).read().decode("utf-8"),
+        return preprocess(_decode(tar.extractfile(src).read(), f"{archive}:{src.name}"),
+                          _decode(tar.extractfile(ref).read(), f"{archive}:{ref.name}"),
                           src_lang, tgt_lang, out_dir, f"{archive}:{src.name}", f"{archive}:{ref.name}", prefix)

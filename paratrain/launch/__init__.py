@@ -29,10 +29,11 @@ def _check_train_config(words: list[str], world_size: int) -> None:
     """Refuse a ``train`` command whose config breaks a rule for ``world_size`` ranks, before any rank starts."""
     if words[:1] != ["train"]:
         return
-    from paratrain.cli import build_parser
     from paratrain.config import Config, check, parse_overrides
 
-    args, rest = build_parser().parse_known_args(words)
+    train_args = argparse.ArgumentParser(prog="paratrain train", add_help=False)
+    train_args.add_argument("--config")
+    args, rest = train_args.parse_known_args(words[1:])
     if args.config is not None and not Path(args.config).is_file():
         return  # it may exist on the nodes that run it only; their ranks report it otherwise
     check(Config.load(args.config, parse_overrides(rest)), world_size)
@@ -99,6 +100,12 @@ def cmd_launch(args) -> int:
     _check_train_config(words, sum(h.slots for h in hosts) if hosts else topo.nproc_per_node * topo.nnodes)
     if args.dry_run:
         return _dry_run(args, name, job_dir, words, hosts, topo)
+    if words[:1] == ["train"]:  # the checks each rank would make, once, before any rank starts
+        from paratrain import preflight
+
+        world, local = ((sum(h.slots for h in hosts), max(h.slots for h in hosts)) if hosts
+                        else (topo.nnodes * topo.nproc_per_node, topo.nproc_per_node))
+        preflight.check(preflight.train_config(words[1:]), world, local)
     # nodes other than the first record themselves in node{R}.json beside the first node's job.json
     other_node = bool(os.environ.get("PARATRAIN_COORDINATED") or (topo and topo.node_rank > 0))
     if not other_node and not os.environ.get("PARATRAIN_JOB_PREPARED") and (job_dir / "job.json").exists():

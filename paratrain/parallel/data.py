@@ -1,8 +1,14 @@
-"""Data parallelism and ZeRO over the data-parallel ranks, with FSDP2 (``fully_shard``).
+"""Data parallelism and ZeRO over the data-parallel ranks: DDP's reducer or FSDP2 (``fully_shard``).
 
 What each ``zero_stage`` keeps on a rank (P = parameter bytes, dp ranks) and sends per step:
-- 0: whole parameters, gradients and optimizer state (DDP-like: HSDP whose shard dim has
-     size 1). Communication: one all-reduce of the gradients, 2P(dp-1)/dp per rank.
+- 0: whole parameters, gradients and optimizer state. Communication: one all-reduce of the
+     gradients, 2P(dp-1)/dp per rank. Plain-tensor parameters are replicated with torch's
+     composable ``replicate`` (DDP's reducer): gradients are all-reduced in buckets while
+     backward still runs, the buckets being the gradients' own storage
+     (``gradient_as_bucket_view``). Tensor-parallel parameters (DTensors), which DDP's
+     reducer cannot hold, and pipelines whose schedule splits backward into input and
+     weight passes (the weight gradients bypass the reducer's hooks) use FSDP2's
+     ``replicate`` instead: no shard dim, one all-reduce per layer group.
 - 1, 2: parameters, gradients and optimizer state sharded at rest (P/dp each); parameters
      are all-gathered once in forward and stay whole until backward has used them
      (``reshard_after_forward=False``), gradients are reduce-scattered. Communication:
@@ -13,19 +19,24 @@ What each ``zero_stage`` keeps on a rank (P = parameter bytes, dp ranks) and sen
 ``optimizer_shard=true`` means stage 1. Batch-norm layers (ResNet) normalise with the
 statistics of the whole data-parallel batch, as one process would. ``gradient_aggregation_group`` sets how many
 groups of consecutive layers are gathered and reduced together (communication buckets); by default
-(0) each layer is its own FSDP unit, so one layer's parameters are gathered at a time.
+(0) each layer is its own FSDP unit, so one layer's parameters are gathered at a time, and DDP
+uses its own 25 MB buckets.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate import replicate
+from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.nn.functional import all_reduce
 
 from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
 from paratrain.models.transformer import pipeline_blocks
+
+SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble")  # schedules computing weight grads apart
 
 
 def layer_groups(layers: list[nn.Module], num_groups: int) -> list[list[nn.Module]]:
@@ -37,22 +48,42 @@ def layer_groups(layers: list[nn.Module], num_groups: int) -> list[list[nn.Modul
     return [layers[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+def uses_ddp(config: ParallelConfig) -> bool:
+    """Whether replicas reduce their gradients with DDP's reducer (zero stage 0 without tensor parallelism
+    and without a split-backward pipeline schedule), rather than with FSDP2."""
+    split = config.pipeline_stage > 1 and config.pipeline_schedule in SPLIT_BACKWARD
+    return config.effective_zero_stage == 0 and config.model_parallel == 1 and not split
+
+
 def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout,
                         mp_policy: MixedPrecisionPolicy | None = None, root: nn.Module | None = None) -> nn.Module:
     """Shard (or replicate) ``model`` over the data-parallel ranks as ``zero_stage`` says.
 
     ``root`` (default ``model``) is the module whose forward runs the rest: a pipeline
-    stage module wrapping ``model``.
+    stage module wrapping ``model``. ``mp_policy`` applies to FSDP2; under DDP the
+    parameters stay fp32 and autocast alone lowers the compute dtype.
     """
     sync_batch_norm(model, layout.dp_group, layout.device)
-    reshard = config.effective_zero_stage == 3
-    kwargs = {"mesh": layout.fsdp_mesh, "reshard_after_forward": reshard}
+    root = root if root is not None else model
+    layers = [model.get_submodule(name) for name, _, _ in pipeline_blocks(model)]
+    groups = layer_groups(layers, config.aggregation_groups(len(layers)))
+    if uses_ddp(config):
+        bucket_mb = None  # DDP's default
+        if config.gradient_aggregation_group:
+            bucket_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / len(groups) / 2 ** 20
+        # every rank materialises the same weights and buffers (the same seed): nothing to broadcast
+        replicate(root, process_group=layout.dp_group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
+                  init_sync=False, forward_sync_buffers=False)
+        return model
+    kwargs = {"mesh": layout.dp_mesh}
+    if config.effective_zero_stage > 0:
+        kwargs["reshard_after_forward"] = config.effective_zero_stage == 3
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    layers = [model.get_submodule(name) for name, _, _ in pipeline_blocks(model)]
-    for group in layer_groups(layers, config.aggregation_groups(len(layers))):
-        fully_shard(group, **kwargs)
-    fully_shard(root if root is not None else model, **kwargs)
+    wrap = fully_shard if config.effective_zero_stage > 0 else fsdp_replicate
+    for group in groups:
+        wrap(group, **kwargs)
+    wrap(root, **kwargs)
     return model
 
 

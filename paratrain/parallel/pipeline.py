@@ -20,6 +20,7 @@ import itertools
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
@@ -135,6 +136,19 @@ class _StageModule(nn.Module):
         return self.model(**inputs, hidden=hidden)
 
 
+class _Stage(PipelineStage):
+    """A PipelineStage that also drives a stage module replicated by DDP's reducer (composable ``replicate``),
+    which torch's stage treats as a plain module: its gradients accumulate locally over the micro-batches
+    (``set_requires_gradient_sync(False)``, set when the stage is built) and are all-reduced, bucket by
+    bucket, during the step's last backward."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if last_backward and isinstance(self.submod, DDP):
+            # what torch's stage does for a DistributedDataParallel module: arm the reducer for this backward
+            replicate.state(self.submod)._ddp.reducer.prepare_for_backward([])
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
 def _parameters_by_name(module: nn.Module) -> dict[str, nn.Parameter]:
     """Parameters under their names in the whole model (without the recompute wrapper's prefix)."""
     return {name.replace(_CHECKPOINT_PREFIX, ""): p for name, p in module.named_parameters()}
@@ -160,8 +174,10 @@ class Pipeline:
             chunk = _prune(copy.deepcopy(model), set(units), {u for u, o in units.items() if o == c})
             stage_module = _StageModule(chunk)
             parallelize_chunk(chunk, stage_module)
+            if isinstance(stage_module, DDP):
+                stage_module.set_requires_gradient_sync(False)
             self.parts.append(chunk)
-            self.stages.append(PipelineStage(stage_module, c, num_chunks, layout.device, group=layout.pp_group))
+            self.stages.append(_Stage(stage_module, c, num_chunks, layout.device, group=layout.pp_group))
         schedule = SCHEDULES[config.pipeline_schedule]
         single = schedule in (ScheduleGPipe, Schedule1F1B)
         self.schedule = schedule(self.stages[0] if single else self.stages, n_microbatches=config.micro_batch_num,

@@ -1,0 +1,235 @@
+"""What a ``train`` command checks before anything is built or any rank starts.
+
+``paratrain train`` runs :func:`check` before joining its process group (and the
+``Trainer`` again, for Python callers); ``paratrain launch -- train ...`` runs it
+once before starting any rank, with the job's world size. Everything wrong is
+reported at once as one ``ConfigError`` (a ``UserError``: one message, exit code 2),
+each problem naming the key, file or value and a fix:
+
+- the config rules (:func:`paratrain.config.validate`);
+- sizes: the model's weights, gradients and AdamW state (the planner's parameter
+  count), spread as thinly as ``world_size`` ranks could spread them, and a lower bound
+  of the activations of one micro-batch, against the memory of a device or of this host
+  (so ``decoder_layers=1e12`` is refused in milliseconds, not after minutes of building);
+- data files: present, a file (a directory for CIFAR-10), not empty, UTF-8 text where
+  text is read, a ``.npy`` array where one is named, and a tokenizer that exists or can be
+  trained with ``model.vocab_size`` tokens;
+- the run directory, and with saves on the checkpoint directory, can be created and
+  written;
+- an explicit ``checkpoint.resume`` path holds a checkpoint, and the model config of the
+  checkpoint a resume would take is this one (``paratrain.checkpoint.core.check_resume_config``).
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+import os
+import tempfile
+from pathlib import Path
+
+from paratrain.config import Config, ConfigError, parse_overrides, validate
+
+TEXT_HEAD = 1 << 20  # bytes of a text file read to tell text from binary
+MIN_BPE_VOCAB = 260  # a byte-level BPE needs the 256 bytes and 4 special tokens
+
+
+def train_config(argv: list[str]) -> Config:
+    """The Config of the ``train`` command line ``argv`` (``--config FILE`` and ``--section.key=value``)."""
+    parser = argparse.ArgumentParser(prog="paratrain train", add_help=False)
+    parser.add_argument("--config")
+    args, rest = parser.parse_known_args(argv)
+    return Config.load(args.config, parse_overrides(rest))
+
+
+def check(cfg: Config, world_size: int, local_world_size: int | None = None, resolved: bool = False) -> Config:
+    """Raise ConfigError listing every problem above, or a CheckpointError about the resume; else return
+    ``cfg``. ``local_world_size``: ranks on this host (default ``$LOCAL_WORLD_SIZE``, else ``world_size``)."""
+    problems = validate(cfg, world_size, resolved)
+    if problems:  # the checks below trust these numbers
+        raise ConfigError(problems)
+    local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size
+    problems = memory_problems(cfg, world_size, local) + data_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    check_resume(cfg)
+    problems = directory_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+# --- sizes ---------------------------------------------------------------------------------------
+
+def host_memory() -> int:
+    """Bytes of memory this process may use: the machine's, or its cgroup's limit when lower."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def memory_problems(cfg: Config, world_size: int, local_world_size: int) -> list[str]:
+    """A problem when the model cannot fit: its weights, gradients and AdamW moments (4 copies of every
+    parameter in ``model.dtype``) divided over all ``world_size`` ranks, plus one hidden state per layer
+    for the tokens of a micro-batch, exceed a device's memory (GPU runs) or this host's for its
+    ``local_world_size`` ranks (CPU runs). Both are lower bounds: a layout needs at least that much."""
+    import torch
+
+    from paratrain.device import device
+    from paratrain.plan.cost import DTYPE_BYTES, model_params
+
+    m, p = cfg.model, cfg.parallel
+    if m.kind not in ("transformer", "gpt"):
+        return []
+    params = model_params(m)
+    state = 4 * params * DTYPE_BYTES[m.dtype] / world_size
+    tokens = sum(m.sequence_lengths().values())
+    micro_batch_num = 1 if p.auto else p.micro_batch_num  # the planner may pick more micro-batches
+    activations = cfg.train.global_batch_size * tokens * m.hidden_size * 4 * m.num_layers / (
+        world_size * micro_batch_num)
+    per_rank = state + activations
+    dev = device()
+    if dev.type == "cuda":
+        capacity, need = torch.cuda.get_device_properties(dev).total_memory, per_rank
+        where = f"the {_size(capacity)} of one {torch.cuda.get_device_name(dev)}"
+    else:
+        capacity, need = host_memory(), per_rank * local_world_size
+        where = f"this host's {_size(capacity)} of memory for its {local_world_size} rank(s)"
+    if need <= capacity:
+        return []
+    sizes = ", ".join(f"model.{k}={getattr(m, k)}" for k in (
+        "vocab_size", "hidden_size", "ffn_hidden_size", *(["encoder_layers"] if m.kind == "transformer" else []),
+        "decoder_layers", *m.sequence_lengths()))
+    return [f"{sizes} make {params:.3g} parameters, whose weights, gradients and AdamW state need {_size(state)} "
+            f"per rank even sharded over all {world_size} ranks, and train.global_batch_size="
+            f"{cfg.train.global_batch_size} at least {_size(activations)} of activations: {_size(need)} is more "
+            f"than {where}; make the model or the batch smaller or use more devices (`paratrain plan` sizes "
+            f"every layout)"]
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.3g} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.3g} PiB"
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+def data_problems(cfg: Config) -> list[str]:
+    """Every problem with the files ``data`` names, before any is read in earnest."""
+    d = cfg.data
+    if d.problems():
+        return d.problems()
+    if d.kind == "synthetic":
+        return []
+    if d.kind == "cifar10":
+        return _cifar_problems(Path(d.path))
+    text = not d.path.endswith(".npy")
+    problems = _file_problems("data.path", Path(d.path), text)
+    if not text and not problems:
+        with open(d.path, "rb") as f:
+            if f.read(6) != b"\x93NUMPY":
+                problems.append(f"data.path={d.path} is not a .npy array: save the token ids with numpy.save, "
+                                f"or give a text file")
+    if d.eval_path:
+        problems += _file_problems("data.eval_path", Path(d.eval_path), text=True)
+    if text and not problems:  # a tokenizer is trained on data.path: only worth checking when that is fine
+        tokenizer = Path(d.tokenizer or Path(d.path).with_name("tokenizer.json"))
+        if tokenizer.is_dir():
+            problems.append(f"data.tokenizer={tokenizer} is a directory: give its tokenizer.json")
+        elif not tokenizer.exists() and cfg.model.vocab_size < MIN_BPE_VOCAB:
+            problems.append(f"tokenizer {tokenizer} does not exist and would be trained on data.path with "
+                            f"model.vocab_size={cfg.model.vocab_size} tokens, too few for a byte-level BPE: set "
+                            f"model.vocab_size >= {MIN_BPE_VOCAB}, or data.tokenizer to a trained one")
+    return problems
+
+
+def _file_problems(key: str, path: Path, text: bool) -> list[str]:
+    if not path.exists():
+        hint = (" (run `paratrain preprocess sample --out data/sample` for a sample corpus)"
+                if key == "data.path" else "")
+        return [f"{key}={path} does not exist{hint}"]
+    if path.is_dir():
+        return [f"{key}={path} is a directory: give the file in it"]
+    try:
+        with open(path, "rb") as f:
+            head = f.read(TEXT_HEAD)
+    except OSError as exc:
+        return [f"{key}={path} cannot be read ({exc.strerror})"]
+    if not head:
+        return [f"{key}={path} is empty"]
+    if not text:
+        return []
+    if b"\0" in head:
+        return [f"{key}={path} is binary (it holds NUL bytes), not text: give a UTF-8 text file"]
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < TEXT_HEAD)
+    except UnicodeDecodeError as exc:
+        return [f"{key}={path} is not UTF-8 text (byte {head[exc.start]:#04x} at offset {exc.start}): "
+                f"convert it to UTF-8"]
+    return []
+
+
+def _cifar_problems(path: Path) -> list[str]:
+    from paratrain.data.cifar import RECORD
+
+    if not path.is_dir():
+        what = "does not exist" if not path.exists() else "is a file"
+        return [f"data.path={path} {what}: point it at the cifar-10-batches-bin directory"]
+    files = sorted(path.glob("data_batch_*.bin"))
+    if not files:
+        return [f"data.path={path} has no data_batch_*.bin: point it at the cifar-10-batches-bin directory"]
+    return [f"{f} is {f.stat().st_size} bytes, not a whole number of {RECORD}-byte CIFAR-10 records"
+            for f in files if f.stat().st_size == 0 or f.stat().st_size % RECORD]
+
+
+# --- directories and resume -----------------------------------------------------------------------
+
+def directory_problems(cfg: Config) -> list[str]:
+    """The run directory, and the checkpoint directory when checkpoints are saved, must be writable
+    (created here when missing)."""
+    dirs = [("run.dir", cfg.run.path)]
+    if cfg.checkpoint.save_steps > 0:
+        dirs.append(("checkpoint.dir", cfg.checkpoint_path))
+    return [problem for key, path in dirs if (problem := _writable_problem(key, path))]
+
+
+def _writable_problem(key: str, path: Path) -> str | None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".paratrain-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+        return f"{key}={path} cannot be a directory: {blocker} is a file; choose another {key}"
+    except OSError as exc:
+        return f"{key}={path} is not writable ({exc.strerror}); choose another {key}"
+    return None
+
+
+def check_resume(cfg: Config) -> None:
+    """An explicit ``checkpoint.resume`` path must hold a checkpoint; the checkpoint a resume would take
+    must have been saved with this model config (CheckpointError otherwise)."""
+    from paratrain.checkpoint.core import check_resume_config
+    from paratrain.checkpoint.storage import CheckpointError, newest_complete, read_meta, resolve
+
+    spec = (cfg.checkpoint.resume or "none").strip()
+    if spec.lower() == "none":
+        return
+    if spec.lower() == "auto":
+        path = newest_complete(cfg.checkpoint_path, warn=False, prefix=cfg.checkpoint.prefix)
+        if path is None:
+            return
+        try:
+            meta = read_meta(path)
+        except CheckpointError:  # resume goes back past it, or says why not
+            return
+    else:
+        path = resolve(spec)
+        meta = read_meta(path)
+    check_resume_config(meta, cfg, path, report=False)
