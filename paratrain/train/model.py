@@ -185,7 +185,8 @@ class Model:
         """Train ``epoch`` epochs over ``train_dataset``, an iterable of global batches (tuples of tensors: the
         net's forward arguments, then the label with ``loss_fn``), iterated again each epoch; every rank
         gives the whole global batch and keeps its rows, but for a dataset split per rank (``num_shards`` > 1,
-        as ``paratrain.data.Cifar10Dataset`` gives): its batches are this rank's rows. Callbacks see MindSpore's step counts: ``cur_step_num``
+        as ``paratrain.data.cifar_dataset.Cifar10Dataset`` gives): its batches are this rank's rows.
+        Callbacks see MindSpore's step counts: ``cur_step_num``
         over the run, the step within the epoch in ``cur_step_in_epoch``. With ``dataset_sink_mode`` step
         callbacks run once per sink: a whole epoch, or ``sink_size`` batches per epoch drawn on across
         epochs."""
