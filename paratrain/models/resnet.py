@@ -104,6 +104,13 @@ class ResNet(nn.Module):
         return self.head(self.layers(self.stem(images)).mean(dim=(2, 3)))
 
 
+def resnet50(num_classes: int = 10, width: int = 64, norm_layer: NormLayer = nn.BatchNorm2d,
+             num_blocks: Sequence[int] = (3, 4, 6, 3)) -> ResNet:
+    """ResNet-50 for CIFAR-10: images (B, 3, 32, 32) -> logits (B, num_classes); four stages of (3, 4, 6, 3)
+    bottlenecks of width ``width``..``8 * width`` (23.5M parameters at 64); ``num_blocks`` fewer for tests."""
+    return ResNet(num_blocks, width, num_classes, norm_layer, Bottleneck)
+
+
 def build_resnet(cfg: ModelConfig, num_classes: int = 10, norm_layer: NormLayer = nn.BatchNorm2d) -> ResNet:
     """ResNet from the model section: ``hidden_size`` = first-stage width, ``encoder_layers`` = blocks per stage."""
     return ResNet(cfg.encoder_layers, cfg.hidden_size, num_classes, norm_layer)

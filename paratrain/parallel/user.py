@@ -148,7 +148,7 @@ class PlacedNet:
             config = _with_layer_recompute(config, layers)
         apply_recompute(module, config)
         if config.data_parallel > 1:
-            apply_data_parallel(module, config, self.layout, root=root)
+            apply_data_parallel(module, config, self.layout, root=root, every_batch_norm=False)
         return module
 
     def _pipeline_stage(self, net: nn.Module, example: tuple) -> nn.Module:

@@ -9,6 +9,7 @@ from typing import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from paratrain.config import ParallelConfig
 from paratrain.context import ParallelMode, get_auto_parallel_context, parallel_config_for
@@ -21,14 +22,24 @@ from paratrain.train.callbacks import Callback, CallbackParams, RunContext
 
 
 class WithLoss(nn.Module):
-    """MindSpore's ``WithLossCell``: the loss of ``network(*inputs)`` against the batch's last tensor."""
+    """MindSpore's ``WithLossCell``: the loss of ``network(*inputs)`` against the batch's last tensor.
+
+    Under semi-auto parallel a ``loss_fn`` without ``paratrain.ops`` (a torch loss) gets the whole output
+    and label rather than sharded ones (DTensors): DTensor's rules for torch losses are not all right
+    (torch 2.13: ``mse_loss`` of a row-split prediction and a replicated target doubles the gradient)."""
 
     def __init__(self, network: nn.Module, loss_fn: nn.Module):
+        from paratrain.ops import Primitive
+
         super().__init__()
         self.network, self.loss_fn = network, loss_fn
+        self.whole_tensors = not any(isinstance(m, Primitive) for m in loss_fn.modules())
 
     def forward(self, *batch):
-        return self.loss_fn(self.network(*batch[:-1]), batch[-1])
+        output, label = self.network(*batch[:-1]), batch[-1]
+        if self.whole_tensors:
+            output, label = (t.full_tensor() if isinstance(t, DTensor) else t for t in (output, label))
+        return self.loss_fn(output, label)
 
 
 def parallel_configs(network: nn.Module) -> list[ParallelConfig]:
