@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from multiprocess import run_distributed
-from paratrain import ParallelMode, ops, reset_auto_parallel_context, set_auto_parallel_context
+from paratrain import ParallelMode, load_checkpoint, ops, reset_auto_parallel_context, set_auto_parallel_context
 from paratrain.nn import Dense, Momentum, Parameter
 from paratrain.train import Callback, Model
 
@@ -220,8 +220,14 @@ def test_whole_and_sliced_checkpoints_of_4_devices_load_under_another_strategy_o
     trained = {f"network.{k}": v.clone() for k, v in reference.state_dict().items()}
     expected += reference_losses(reference, SquaredError(), batches=data()[4:])  # a fresh optimizer: weights only
     run_distributed(save_under_dp2_mp2, 4, 4, str(tmp_path), timeout=180)
-    assert (tmp_path / "whole-1_4" / "model.safetensors").is_file()
+    assert (tmp_path / "whole-1_4" / "model.safetensors").is_file()  # integrated_save: one whole-model file
     assert not (tmp_path / "sliced-1_4" / "model.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "sliced-1_4").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    whole = load_checkpoint(tmp_path / "whole-1_4" / "model.safetensors")
+    sliced = load_checkpoint(tmp_path / "sliced-1_4")
+    assert sorted(whole) == sorted(sliced) == sorted(trained)  # {name: whole tensor} from either kind
+    for name, value in whole.items():
+        assert torch.equal(value, sliced[name]) and torch.allclose(value, trained[name], atol=1e-6), name
     out = run_distributed(load_under_mp2, 2, 2, str(tmp_path), timeout=180)[0]
     assert out["sliced"][0] == [] and out["whole"][0] == ["extra"]
     for key in ("sliced", "whole"):
