@@ -109,11 +109,23 @@ def resnet_losses(data, batch, *flags):
 def test_resnet50_script_learns_on_2_processes_and_with_sync_bn_gives_one_process_losses(tmp_path):
     one = run_distributed(resnet_losses, 1, tmp_path, 8, "--sync-bn")[0]
     synced = run_distributed(resnet_losses, 2, tmp_path, 4, "--sync-bn", timeout=180)[0]
-    local = run_distributed(resnet_losses, 2, tmp_path, 4, timeout=180)[0]
+    local = run_distributed(resnet_losses, 2, tmp_path, 4, "--save-steps", "12", "--sliced", "--out",
+                            str(tmp_path / "ckpt"), timeout=180)[0]
     assert len(one) == len(synced) == len(local) == 12  # 48 images: 6 global batches of 8, 2 epochs
     assert synced == pytest.approx(one, rel=1e-5)
     assert sum(local[-3:]) < sum(local[:3])  # the loss falls with each rank's own batch-norm statistics
     assert local != pytest.approx(one, rel=1e-3)  # ... which are not the global batch's
+
+    from paratrain import load_checkpoint, load_param_into_net
+    from paratrain.models.resnet import resnet50
+
+    saved = tmp_path / "ckpt" / "resnet50-2_6"
+    assert len(list(saved.glob("*.distcp"))) == 2 and not (saved / "model.safetensors").exists()
+    torch.manual_seed(0)
+    plain = resnet50(10, 4, num_blocks=(1, 1, 1, 1))  # the script's initial weights
+    initial = plain.head.weight.detach().clone()
+    assert load_param_into_net(plain, load_checkpoint(saved)) == []  # the sliced save loads into a plain net
+    assert not torch.allclose(plain.head.weight, initial, atol=1e-4)  # ... with the trained weights
 
 
 @pytest.mark.slow

@@ -8,6 +8,9 @@ shard_id=get_rank())``), ``--batch`` images per device per step; gradients are a
 devices (``gradients_mean=True``). Batch norm normalises each device's images alone, as MindSpore's
 ``BatchNorm2d``; with ``--sync-bn`` (``paratrain.nn.SyncBatchNorm``) it uses the statistics of the whole
 global batch, and the losses are those of one process with ``--batch`` times the devices.
+``--save-steps N`` saves ``resnet50-<epoch>_<step>`` under ``--out``: the whole model in
+``model.safetensors`` plus every rank's slice, or with ``--sliced`` (``integrated_save=False``) the
+slices only; ``paratrain.load_checkpoint`` reads either back as whole tensors.
 ``--data`` is a ``cifar-10-batches-bin`` directory; without one a sample in CIFAR-10's binary format
 is written there (images whose colour tells their class). MindSpore -> paratrain:
 ``mindspore.dataset.Cifar10Dataset`` -> ``paratrain.data.cifar_dataset.Cifar10Dataset`` (the random crop,
@@ -27,7 +30,7 @@ from paratrain import communication as D
 from paratrain.data.cifar_dataset import Cifar10Dataset, write_cifar10_sample
 from paratrain.models.resnet import resnet50
 from paratrain.nn import Momentum, SyncBatchNorm
-from paratrain.train import LossMonitor, Model
+from paratrain.train import CheckpointConfig, LossMonitor, Model, ModelCheckpoint
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=64, help="the first stage's bottleneck width (64: ResNet-50)")
     p.add_argument("--blocks", type=int, nargs=4, default=[3, 4, 6, 3], help="bottlenecks per stage")
     p.add_argument("--sync-bn", action="store_true", help="batch-norm statistics of the global batch")
+    p.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every this many steps (0: never)")
+    p.add_argument("--sliced", action="store_true", help="save one slice per rank only (integrated_save=False)")
+    p.add_argument("--out", type=Path, default=Path("runs/resnet50_ckpt"), help="checkpoints go here")
     return p.parse_args(argv)
 
 
@@ -104,7 +110,12 @@ def main(argv=None, extra_callbacks=()) -> Model:
     loss = SoftmaxCrossEntropyExpand(sparse=True)
     opt = Momentum(filter(lambda x: x.requires_grad, net.parameters()), a.lr, 0.9)
     model = Model(net, loss_fn=loss, optimizer=opt)
-    model.train(a.epochs, dataset, callbacks=[LossMonitor(), *extra_callbacks], dataset_sink_mode=False)
+    callbacks = [LossMonitor()]
+    if a.save_steps:
+        config = CheckpointConfig(save_checkpoint_steps=a.save_steps, keep_checkpoint_max=1,
+                                  integrated_save=not a.sliced)
+        callbacks.append(ModelCheckpoint(prefix="resnet50", directory=a.out, config=config))
+    model.train(a.epochs, dataset, callbacks=[*callbacks, *extra_callbacks], dataset_sink_mode=False)
     return model
 
 
