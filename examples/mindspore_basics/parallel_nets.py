@@ -22,6 +22,7 @@ from torch import nn
 
 from paratrain import ParallelMode, ops, set_auto_parallel_context
 from paratrain import communication as D
+from paratrain.errors import UserError
 from paratrain.nn import Momentum, Parameter
 from paratrain.train import LossMonitor, Model
 
@@ -64,6 +65,9 @@ class HybridParallelNet(nn.Module):
 
     def __init__(self):
         super().__init__()
+        if SIZE % D.get_group_size():
+            raise UserError(f"HybridParallelNet: {SIZE} weight columns do not split over {D.get_group_size()} "
+                            f"devices: run on a number of processes that divides {SIZE}")
         columns = SIZE // D.get_group_size()
         start = D.get_rank() * columns
         self.weight = Parameter(weight_init()[:, start:start + columns], layerwise_parallel=True)
