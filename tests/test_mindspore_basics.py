@@ -166,3 +166,7 @@ def test_sync_batch_norm_takes_mindspore_momentum_and_is_the_only_one_synced_in_
     assert net[1].momentum == pytest.approx(0.2)
     sync_batch_norm(net, None, torch.device("cpu"))  # the trainer's models: every BatchNorm2d
     assert type(net[0]) is GlobalBatchNorm
+    on_gpu = nn.Sequential(nn.BatchNorm2d(4), SyncBatchNorm(4, momentum=0.8))
+    sync_batch_norm(on_gpu, None, torch.device("cuda"), every_batch_norm=False)  # torch's SyncBatchNorm there
+    assert type(on_gpu[0]) is nn.BatchNorm2d and type(on_gpu[1]) is nn.SyncBatchNorm
+    assert on_gpu[1].momentum == pytest.approx(0.2)
