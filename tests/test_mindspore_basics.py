@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from multiprocess import example_losses, run_distributed
+from multiprocess import example_losses, loss_recorder, run_distributed
 
 EXAMPLES = ROOT / "examples" / "mindspore_basics"
 NETS = EXAMPLES / "parallel_nets.py"
@@ -48,7 +48,7 @@ def test_a_batch_that_does_not_split_over_the_ranks_is_refused():
         run_distributed(example_losses, 2, NETS, ["--mode", "data", "--batch", "9", "--steps", "1"], timeout=120)
 
 
-def _context_effects(directory):
+def _context_effects():
     """dp2 runs of the tutorial's DataParallelNet: gradients summed (MindSpore's default), and nets built
     differently on each rank under ``parameter_broadcast``."""
     sys.path.insert(0, str(EXAMPLES))
@@ -70,20 +70,15 @@ def _context_effects(directory):
         if case == "broadcast":
             with torch.no_grad():
                 net.weight.mul_(1 + get_rank())  # rank 0's weight is the one-process weight
-        losses = []
+        losses = loss_recorder()
         model = Model(net, loss_fn=torch.nn.MSELoss(), optimizer=Momentum(net.parameters(), 1e-4, 0.9))
-
-        class Losses(__import__("paratrain.train", fromlist=["Callback"]).Callback):
-            def on_train_step_end(self, run_context):
-                losses.append(float(run_context.original_args().net_outputs))
-
-        model.train(1, regression_batches(16, 6), callbacks=[Losses()])
-        out[case] = losses
+        model.train(1, regression_batches(16, 6), callbacks=[losses])
+        out[case] = losses.values
     return out
 
 
 @pytest.mark.slow
-def test_gradients_mean_and_parameter_broadcast_take_effect(tmp_path):
+def test_gradients_mean_and_parameter_broadcast_take_effect():
     sys.path.insert(0, str(EXAMPLES))
     from parallel_nets import DataParallelNet, regression_batches
 
@@ -99,7 +94,7 @@ def test_gradients_mean_and_parameter_broadcast_take_effect(tmp_path):
             losses.append(loss.item())
         return losses
 
-    out = run_distributed(_context_effects, 2, str(tmp_path), timeout=120)[0]
+    out = run_distributed(_context_effects, 2, timeout=120)[0]
     assert out["summed"] == pytest.approx(one_process(2e-4), rel=1e-5)  # 2 ranks' gradients summed: twice the step
     assert out["broadcast"] == pytest.approx(one_process(1e-4), rel=1e-5)  # rank 1 trained rank 0's weight
 

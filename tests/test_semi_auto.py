@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from multiprocess import run_distributed
+from multiprocess import loss_recorder, run_distributed
 from paratrain import ParallelMode, load_checkpoint, ops, reset_auto_parallel_context, set_auto_parallel_context
 from paratrain.nn import Dense, Momentum, Parameter
-from paratrain.train import Callback, Model
+from paratrain.train import Model
 
 STEPS = 8
 
@@ -45,14 +45,6 @@ class SquaredError(nn.Module):
         return self.mean(self.mul(diff, diff))
 
 
-class Losses(Callback):
-    def __init__(self):
-        self.values = []
-
-    def on_train_step_end(self, run_context):
-        self.values.append(float(run_context.original_args().net_outputs))
-
-
 def data(steps=STEPS, rows=8):
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(rows, 16, generator=g), torch.randn(rows, 8, generator=g)) for _ in range(steps)]
@@ -73,7 +65,7 @@ def reference_losses(net, loss_fn, steps=STEPS, lr=0.05, batches=None):
 def train(net, mode, batches=None, callbacks=(), **context):
     reset_auto_parallel_context()
     set_auto_parallel_context(parallel_mode=mode, **context)
-    losses = Losses()
+    losses = loss_recorder()
     model = Model(net, loss_fn=SquaredError(), optimizer=Momentum(net.parameters(), 0.05, 0.9))
     model.train(1, batches or data(), callbacks=[losses, *callbacks])
     return model, losses.values
@@ -129,7 +121,7 @@ def hybrid(world):
 
     set_auto_parallel_context(parallel_mode=ParallelMode.HYBRID_PARALLEL)
     net = HybridParallelNet(get_rank(), world)
-    losses = Losses()
+    losses = loss_recorder()
     Model(net, loss_fn=nn.MSELoss(), optimizer=Momentum(net.parameters(), 0.001, 0.9)).train(
         1, scalar_data(), callbacks=[losses])
     return losses.values, net.weight.detach().tolist()
