@@ -193,12 +193,13 @@ class PlacedNet:
         """Forward and backward of one global batch, or with ``rows_of_this_rank`` of this data-parallel rank's
         rows of it (a dataset sharded per rank); returns the global batch's loss (a device tensor)."""
         config, layout = self.config, self.layout
-        size, parts = batch[0].shape[0], (1 if rows_of_this_rank else config.data_parallel) * config.micro_batch_num
+        size, replicas = batch[0].shape[0], 1 if rows_of_this_rank else config.data_parallel
+        parts = replicas * config.micro_batch_num
         if size % parts:
             raise UserError(f"a batch of {size} rows does not split into {parts} equal parts (data_parallel="
-                            f"{1 if rows_of_this_rank else config.data_parallel} x micro_batch_num="
-                            f"{config.micro_batch_num}): give a batch size divisible by {parts}")
-        rows = size // (1 if rows_of_this_rank else config.data_parallel)
+                            f"{replicas} x micro_batch_num={config.micro_batch_num}): give a batch size divisible "
+                            f"by {parts}")
+        rows = size // replicas
         start = 0 if rows_of_this_rank else layout.dp_rank * rows
         mine = tuple(t[start:start + rows].to(self.device, non_blocking=True) for t in batch)
         self._counts = []
