@@ -44,6 +44,8 @@ def test_the_shards_batches_together_are_one_process_global_batches(sample):
         got_labels = torch.cat([parts[r][k][1] for r in range(2)])
         order = [0, 2, 4, 6, 1, 3, 5, 7]  # rank 0 holds the even rows of the global batch
         assert torch.equal(got_images, images[order]) and torch.equal(got_labels, labels[order])
+    rows = list(Cifar10Dataset(sample, num_shards=2, shard_id=1))
+    assert len(rows) == 11 and torch.equal(rows[0][0], whole[0][0][1]) and rows[0][1] == whole[0][1][1]
     batches = Cifar10Dataset(sample, num_shards=2, shard_id=0).batch(4)
     assert batches.num_shards == 2 and batches.get_dataset_size() == 3  # 11 rows: the last batch short
 

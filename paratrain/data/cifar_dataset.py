@@ -65,8 +65,8 @@ class Cifar10Dataset:
         return np.random.default_rng((self.seed, self.epoch)).permutation(self.indices)
 
     def __iter__(self):
-        rows = self.source.rows(self.order())
-        return iter(zip(rows["images"], rows["labels"]))
+        for images, labels in self.batch(256):  # read a few pages at a time, not the whole share
+            yield from zip(images, labels)
 
     def batch(self, batch_size: int, drop_remainder: bool = False) -> "BatchDataset":
         """Batches of ``batch_size`` rows of this share."""
