@@ -33,7 +33,8 @@ class WithLoss(nn.Module):
 
         super().__init__()
         self.network, self.loss_fn = network, loss_fn
-        self.whole_tensors = not any(isinstance(m, Primitive) for m in loss_fn.modules())
+        self.whole_tensors = not (isinstance(loss_fn, nn.Module)  # a function is a torch loss too
+                                  and any(isinstance(m, Primitive) for m in loss_fn.modules()))
 
     def forward(self, *batch):
         output, label = self.network(*batch[:-1]), batch[-1]
