@@ -6,13 +6,13 @@ from paratrain.context import (ParallelMode, get_auto_parallel_context, reset_au
 
 __all__ = ["Config", "ConfigError", "DataConfig", "ModelConfig", "ParallelConfig", "ParallelMode", "TrainConfig",
            "TransformerOpParallelConfig", "check", "get_auto_parallel_context", "load_checkpoint",
-           "load_param_into_net", "reset_auto_parallel_context", "set_auto_parallel_context", "validate"]
+           "load_distributed_checkpoint", "load_param_into_net", "reset_auto_parallel_context", "set_auto_parallel_context", "validate"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     # imported on first use: `import paratrain` (and the command line) stays without torch
-    if name in ("load_checkpoint", "load_param_into_net"):
+    if name in ("load_checkpoint", "load_param_into_net", "load_distributed_checkpoint"):
         from paratrain.train import serialization
         return getattr(serialization, name)
     raise AttributeError(f"module 'paratrain' has no attribute {name!r}")

@@ -12,6 +12,12 @@ Who decides what, when ``paratrain.train.Model`` places a net (``parallel_config
   ``pipeline_stages`` sets the stage count the blocks' config leaves at 1, ``parallel_mode``
   restricts the layout (``data_parallel``: no model or pipeline parallelism; ``stand_alone``: one
   process), ``device_num`` and ``global_rank`` must be this job's;
+- a net of ``paratrain.ops`` under ``semi_auto_parallel``/``auto_parallel`` is placed op by op
+  (``paratrain.parallel.semi_auto``; ``search_mode``, ``strategy_ckpt_save_file`` and
+  ``strategy_ckpt_load_file`` for auto parallel), and any net under ``hybrid_parallel`` runs whole on
+  every rank with its own collectives (``paratrain.parallel.hybrid``); in ``data_parallel`` mode
+  ``gradients_mean=False`` (MindSpore's default) sums the ranks' gradients and ``parameter_broadcast``
+  gives every rank rank 0's initial parameters;
 - where both state a value they must agree: a contradiction is refused naming both, never
   settled silently. An option paratrain cannot honour is refused when set, with the reason.
 """
@@ -37,19 +43,18 @@ class ParallelMode:
 
 # what get_auto_parallel_context answers for an option never set: paratrain's behaviour
 DEFAULTS: dict[str, Any] = {
-    "parallel_mode": ParallelMode.STAND_ALONE, "device_num": 1, "global_rank": 0, "gradients_mean": True,
+    "parallel_mode": ParallelMode.STAND_ALONE, "device_num": 1, "global_rank": 0, "gradients_mean": False,
     "full_batch": True, "dataset_strategy": "full_batch", "loss_repeated_mean": True, "gradient_fp32_sync": True,
     "enable_parallel_optimizer": False, "parallel_optimizer_config": {}, "pipeline_stages": 1,
-    "parameter_broadcast": False, "enable_alltoall": False,
+    "parameter_broadcast": False, "enable_alltoall": False, "search_mode": "dynamic_programming",
+    "strategy_ckpt_save_file": "", "strategy_ckpt_load_file": "",
 }
+SEARCH_MODES = ("dynamic_programming", "sharding_propagation")
 OPTIMIZER_CONFIG_KEYS = ("gradient_accumulation_shard", "parallel_optimizer_threshold", "optimizer_weight_shard_size")
-_STRATEGY_FILES = "paratrain checkpoints load under any layout (they reshard), so no strategy file is needed"
+_STRATEGY_FILES = "give the files as strategy_ckpt_save_file and strategy_ckpt_load_file"
 _COMM_BUCKETS = ("communication buckets are set by TransformerOpParallelConfig.gradient_aggregation_group or a "
                  "block's set_comm_fusion(k)")
 REFUSED = {  # options that exist in MindSpore and have no counterpart here: why
-    "search_mode": "auto_parallel's strategy search is not offered (see parallel_mode)",
-    "auto_parallel_search_mode": "auto_parallel's strategy search is not offered (see parallel_mode)",
-    "strategy_ckpt_load_file": _STRATEGY_FILES, "strategy_ckpt_save_file": _STRATEGY_FILES,
     "strategy_ckpt_config": _STRATEGY_FILES,
     "all_reduce_fusion_config": _COMM_BUCKETS, "comm_fusion": _COMM_BUCKETS,
 }
@@ -81,13 +86,15 @@ def _check(key: str, value: Any) -> Any:
     if key == "parallel_mode":
         if value not in ParallelMode.MODE_LIST:
             raise _refuse(key, value, f"expected one of {', '.join(ParallelMode.MODE_LIST)}")
-        if value == ParallelMode.AUTO_PARALLEL:
-            raise _refuse(key, value, "strategies are not searched: give the blocks a TransformerOpParallelConfig "
-                                      "and use semi_auto_parallel (`paratrain plan` ranks layouts for the built-in "
-                                      "models)")
-        if value == ParallelMode.HYBRID_PARALLEL:
-            raise _refuse(key, value, "paratrain inserts every collective itself, a net never calls one: use "
-                                      "semi_auto_parallel")
+        return value
+    if key in ("search_mode", "auto_parallel_search_mode"):
+        if value not in SEARCH_MODES:
+            raise _refuse(key, value, f"expected one of {', '.join(SEARCH_MODES)} (dynamic_programming is paratrain's "
+                                      f"search over a cost model of bytes moved and memory per device)")
+        return value
+    if key in ("strategy_ckpt_save_file", "strategy_ckpt_load_file"):
+        if not isinstance(value, str):
+            raise _refuse(key, value, "expected a file path")
         return value
     if key in ("device_num", "global_rank"):
         from paratrain import communication
@@ -106,7 +113,7 @@ def _check(key: str, value: Any) -> Any:
     if key == "enable_parallel_optimizer":
         return _bool(key, value)
     if key == "gradients_mean":
-        return _bool(key, value)  # False is refused with data_parallel mode only (parallel_config_for)
+        return _bool(key, value)  # data_parallel sums the ranks' gradients when False (paratrain.train.Model)
     if key == "full_batch":
         return _only(key, _bool(key, value), True, "every rank gives Model.train the whole global batch and keeps "
                                                    "its own rows; a rank reading only its rows is not offered")
@@ -118,8 +125,7 @@ def _check(key: str, value: Any) -> Any:
     if key == "gradient_fp32_sync":
         return _only(key, _bool(key, value), True, "gradients are always reduced in float32")
     if key == "parameter_broadcast":
-        return _only(key, _bool(key, value), False, "parameters are not broadcast: build the net from the same "
-                                                    "seed on every rank (torch.manual_seed before building it)")
+        return _bool(key, value)
     if key == "enable_alltoall":
         return _only(key, _bool(key, value), False, "no layout here uses all-to-all")
     if key == "parallel_optimizer_config":
@@ -145,6 +151,8 @@ def set_auto_parallel_context(**kwargs) -> None:
     """Set MindSpore's auto-parallel options; each takes effect in ``paratrain.train.Model`` or is refused
     here (a UserError with the reason). Nothing is set when one option is refused."""
     checked = {key: _check(key, value) for key, value in kwargs.items()}
+    if "auto_parallel_search_mode" in checked:  # MindSpore's older name
+        checked["search_mode"] = checked.pop("auto_parallel_search_mode")
     _values.update(checked)
 
 
@@ -184,10 +192,6 @@ def parallel_config_for(configs: list[ParallelConfig], world_size: int) -> Paral
             problems.append(f"parallel_mode='data_parallel' with model_parallel={config.model_parallel} and "
                             f"pipeline_stage={max(config.pipeline_stage, _values.get('pipeline_stages', 1))}: use "
                             f"semi_auto_parallel for model or pipeline parallelism")
-        if not _values.get("gradients_mean", False):
-            problems.append("parallel_mode='data_parallel' with gradients_mean=False (MindSpore's default) sums the "
-                            "ranks' gradients; paratrain's are those of one device on the whole global batch: set "
-                            "gradients_mean=True")
     stages = _values.get("pipeline_stages")
     if stages is not None:
         if config.pipeline_stage == 1:

@@ -61,3 +61,36 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world_size)]
+
+
+def loss_recorder():
+    """A ``paratrain.train`` callback keeping each step's loss in its ``values``."""
+    from paratrain.train import Callback
+
+    class Losses(Callback):
+        def __init__(self):
+            self.values = []
+
+        def on_train_step_end(self, run_context):
+            self.values.append(float(run_context.original_args().net_outputs))
+
+    return Losses()
+
+
+def example_losses(script, argv: list[str]) -> list[float]:
+    """Run an example script's ``main(argv, extra_callbacks)`` in this process (a rank of ``run_distributed``);
+    the losses its ``Model.train`` computed, one per step. The script's folder is importable, as with
+    ``python script.py``."""
+    import importlib.util
+    import sys
+
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(script.parent))
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    losses = loss_recorder()
+    module.main(argv, extra_callbacks=[losses])
+    return losses.values

@@ -37,18 +37,18 @@ def test_set_get_reset():
 
 
 @pytest.mark.parametrize("options,reason", [
-    ({"parallel_mode": ParallelMode.AUTO_PARALLEL}, "strategies are not searched"),
-    ({"parallel_mode": ParallelMode.HYBRID_PARALLEL}, "inserts every collective"),
     ({"parallel_mode": "model_parallel"}, "expected one of"),
     ({"full_batch": False}, "keeps its own rows"),
     ({"dataset_strategy": ((2, 1), (2, 1))}, "only 'full_batch'"),
     ({"loss_repeated_mean": False}, "mean over the whole global batch"),
     ({"gradient_fp32_sync": False}, "float32"),
-    ({"parameter_broadcast": True}, "same seed"),
+    ({"parameter_broadcast": "yes"}, "True or False"),
+    ({"search_mode": "recursive_programming"}, "expected one of dynamic_programming, sharding_propagation"),
     ({"device_num": 8}, "world size is 1"),
     ({"global_rank": 3}, "rank is 0"),
     ({"pipeline_stages": 0}, "positive integer"),
-    ({"strategy_ckpt_save_file": "s.ckpt"}, "reshard"),
+    ({"strategy_ckpt_save_file": 3}, "file path"),
+    ({"strategy_ckpt_config": {"save_file": "s.json"}}, "strategy_ckpt_save_file"),
     ({"comm_fusion": {"allreduce": {"mode": "auto"}}}, "gradient_aggregation_group"),
     ({"parallel_optimizer_config": {"parallel_optimizer_threshold": 64}}, "whatever its size"),
     ({"parallel_optimizer_config": {"optimizer_weight_shard_size": 2}}, "all data-parallel ranks"),
@@ -60,6 +60,17 @@ def test_options_that_cannot_take_effect_are_refused_with_the_reason(options, re
         set_auto_parallel_context(**{"pipeline_stages": 2, **options})
     assert next(iter(options)) in str(err.value)
     assert get_auto_parallel_context("pipeline_stages") == 1  # a refused call sets nothing
+
+
+def test_auto_parallel_options_are_kept():
+    set_auto_parallel_context(parallel_mode=ParallelMode.AUTO_PARALLEL, auto_parallel_search_mode="sharding_propagation",
+                              strategy_ckpt_save_file="s.json", parameter_broadcast=True)
+    assert get_auto_parallel_context("search_mode") == "sharding_propagation"  # MindSpore's older name, aliased
+    assert get_auto_parallel_context("strategy_ckpt_save_file") == "s.json"
+    assert get_auto_parallel_context("parameter_broadcast") is True
+    assert get_auto_parallel_context("gradients_mean") is False  # MindSpore's default: data parallel sums
+    set_auto_parallel_context(parallel_mode=ParallelMode.HYBRID_PARALLEL)
+    assert get_auto_parallel_context("parallel_mode") == "hybrid_parallel"
 
 
 def test_data_parallel_derived_and_optimizer_shard_from_the_context():
@@ -86,7 +97,6 @@ def test_pipeline_stages_from_the_context_unless_the_blocks_disagree():
 @pytest.mark.parametrize("blocks,context,world,reason", [
     ({"optimizer_shard": True}, {"enable_parallel_optimizer": False}, 2, "enable_parallel_optimizer=False"),
     ({"model_parallel": 2}, {"parallel_mode": "data_parallel", "gradients_mean": True}, 2, "use semi_auto_parallel"),
-    ({}, {"parallel_mode": "data_parallel"}, 2, "gradients_mean=False"),
     ({}, {"parallel_mode": "stand_alone"}, 2, "runs one process"),
     ({"model_parallel": 4}, {}, 6, "does not divide the world size 6"),
     ({"data_parallel": 2}, {}, 4, "= 2 does not equal the world size 4"),

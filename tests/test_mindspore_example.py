@@ -1,12 +1,10 @@
 """examples/mindspore_transformer: the tutorial's model.py and train.py ported to paratrain train with
 Model.train and print the one-process losses under data x model parallel and under a PipelineCell, and
 ModelCheckpoint writes the tutorial's checkpoint names."""
-import sys
-
 import pytest
 
 from conftest import ROOT
-from multiprocess import run_distributed
+from multiprocess import example_losses, run_distributed
 
 EXAMPLE = ROOT / "examples" / "mindspore_transformer"
 
@@ -24,24 +22,7 @@ def data(tmp_path_factory):
 
 def run_example(argv: list[str]) -> list[float]:
     """The example's main() in this process; the losses its Model.train computed, one per step."""
-    import torch
-
-    sys.path.insert(0, str(EXAMPLE))
-    import train
-    from paratrain.train import Callback
-
-    torch.set_num_threads(1)
-
-    class Losses(Callback):
-        def __init__(self):
-            self.values = []
-
-        def on_train_step_end(self, run_context):
-            self.values.append(float(run_context.original_args().net_outputs))
-
-    losses = Losses()
-    train.main(argv, extra_callbacks=[losses])
-    return losses.values
+    return example_losses(EXAMPLE / "train.py", argv)
 
 
 def _argv(data, out, *layout):

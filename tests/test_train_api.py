@@ -99,12 +99,13 @@ def test_loss_monitor_every_other_step_and_never(capsys):
         LossMonitor(-1)
 
 
-def test_loss_fn_gets_the_output_and_the_label(capsys):
+@pytest.mark.parametrize("loss_fn", [nn.MSELoss(), F.mse_loss], ids=["module", "function"])
+def test_loss_fn_gets_the_output_and_the_label(capsys, loss_fn):
     torch.manual_seed(0)
     backbone = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     reference = copy.deepcopy(backbone)
     opt = torch.optim.AdamW(backbone.parameters(), lr=1e-2, betas=(0.8, 0.95))
-    model = Model(backbone, loss_fn=nn.MSELoss(), optimizer=opt)
+    model = Model(backbone, loss_fn=loss_fn, optimizer=opt)
     model.train(1, dataset(), callbacks=[LossMonitor()])
     printed = [float(line.rsplit(" ", 1)[1]) for line in capsys.readouterr().out.splitlines()]
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, betas=(0.8, 0.95))

@@ -9,8 +9,12 @@ from paratrain.nn.cell import Cell, PipelineCell
 from paratrain.nn.config import (EmbeddingOpParallelConfig, MoEConfig, OpParallelConfig, TransformerOpParallelConfig,
                                  TransformerRecomputeConfig, default_dpmp_config, default_embedding_parallel_config,
                                  default_moe_config, default_transformer_config)
+from paratrain.nn.dense import Dense
 from paratrain.nn.layers import AttentionMask, FeedForward, MultiHeadAttention, VocabEmbedding
 from paratrain.nn.loss import CrossEntropyLoss
+from paratrain.nn.normalization import SyncBatchNorm
+from paratrain.nn.optim import Momentum
+from paratrain.nn.parameter import Parameter
 from paratrain.nn.transformer import (Transformer, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
                                       TransformerEncoderLayer)
 
@@ -18,4 +22,5 @@ __all__ = ["Cell", "PipelineCell", "TransformerOpParallelConfig", "OpParallelCon
            "TransformerRecomputeConfig", "MoEConfig", "default_transformer_config", "default_dpmp_config",
            "default_embedding_parallel_config", "default_moe_config", "VocabEmbedding", "AttentionMask",
            "FeedForward", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
-           "TransformerEncoder", "TransformerDecoder", "Transformer", "CrossEntropyLoss"]
+           "TransformerEncoder", "TransformerDecoder", "Transformer", "CrossEntropyLoss", "Dense", "Parameter", "Momentum",
+           "SyncBatchNorm"]

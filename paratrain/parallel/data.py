@@ -25,7 +25,8 @@ three together (DeepSpeed can keep parameters on the device while offloading onl
 It needs an accelerator (``paratrain.preflight`` refuses it on a CPU device) and runs with one
 data-parallel rank too.
 Batch-norm layers (ResNet) normalise with the statistics of the whole data-parallel batch, as one
-process would. ``gradient_aggregation_group`` sets how many groups of consecutive layers are gathered
+process would (in a user's net only ``paratrain.nn.SyncBatchNorm`` ones, as MindSpore's).
+``gradient_aggregation_group`` sets how many groups of consecutive layers are gathered
 and reduced together (communication buckets); by default (0) each layer is its own FSDP unit, so one
 layer's parameters are gathered at a time, and DDP uses its own 25 MB buckets.
 """
@@ -63,14 +64,17 @@ def uses_ddp(config: ParallelConfig) -> bool:
 
 
 def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout,
-                        mp_policy: MixedPrecisionPolicy | None = None, root: nn.Module | None = None) -> nn.Module:
+                        mp_policy: MixedPrecisionPolicy | None = None, root: nn.Module | None = None,
+                        every_batch_norm: bool = True) -> nn.Module:
     """Shard (or replicate) ``model`` over the data-parallel ranks as ``zero_stage`` says.
 
     ``root`` (default ``model``) is the module whose forward runs the rest: a pipeline
     stage module wrapping ``model``. ``mp_policy`` applies to FSDP2; under DDP the
-    parameters stay fp32 and autocast alone lowers the compute dtype.
+    parameters stay fp32 and autocast alone lowers the compute dtype. Batch norm takes the
+    global batch's statistics: every BatchNorm2d, or with ``every_batch_norm=False`` (a user's
+    net, as MindSpore) only ``paratrain.nn.SyncBatchNorm`` layers (``sync_batch_norm``).
     """
-    sync_batch_norm(model, layout.dp_group, layout.device)
+    sync_batch_norm(model, layout.dp_group, layout.device, every_batch_norm)
     root = root if root is not None else model
     layers = [model.get_submodule(name) for name, _, _ in pipeline_blocks(model)]
     groups = layer_groups(layers, config.aggregation_groups(len(layers)))
@@ -121,20 +125,24 @@ class GlobalBatchNorm(nn.BatchNorm2d):
             self.running_mean.lerp_(mean, self.momentum)
             self.running_var.lerp_(var * n / (n - 1), self.momentum)
         shape = (1, channels, 1, 1)
-        return (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps) * self.weight.view(shape) \
-            + self.bias.view(shape)
+        normalised = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        return normalised * self.weight.view(shape) + self.bias.view(shape) if self.affine else normalised
 
 
-def sync_batch_norm(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> nn.Module:
-    """Replace every BatchNorm2d of ``model`` by one with global-batch statistics over ``group``:
-    torch's SyncBatchNorm when the run's ``device`` is a GPU, else ``GlobalBatchNorm``."""
-    if device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model, group)
+def sync_batch_norm(model: nn.Module, group: dist.ProcessGroup, device: torch.device,
+                    every_batch_norm: bool = True) -> nn.Module:
+    """Replace every BatchNorm2d of ``model`` (or with ``every_batch_norm=False`` those that declare
+    ``global_statistics``: ``paratrain.nn.SyncBatchNorm``) by one with global-batch statistics over
+    ``group``: torch's SyncBatchNorm when the run's ``device`` is a GPU, else ``GlobalBatchNorm``."""
     for parent in list(model.modules()):
         for name, child in parent.named_children():
-            if type(child) is nn.BatchNorm2d:
+            if not (getattr(child, "global_statistics", False) or every_batch_norm and type(child) is nn.BatchNorm2d):
+                continue
+            if device.type == "cuda":
+                synced = nn.SyncBatchNorm.convert_sync_batchnorm(child, group)
+            else:
                 synced = GlobalBatchNorm(child.num_features, group, eps=child.eps, momentum=child.momentum,
-                                         device=child.weight.device)
+                                         affine=child.affine, device=child.running_mean.device)
                 synced.load_state_dict(child.state_dict())
-                setattr(parent, name, synced)
+            setattr(parent, name, synced)
     return model

@@ -148,7 +148,7 @@ class PlacedNet:
             config = _with_layer_recompute(config, layers)
         apply_recompute(module, config)
         if config.data_parallel > 1:
-            apply_data_parallel(module, config, self.layout, root=root)
+            apply_data_parallel(module, config, self.layout, root=root, every_batch_norm=False)
         return module
 
     def _pipeline_stage(self, net: nn.Module, example: tuple) -> nn.Module:
@@ -189,12 +189,19 @@ class PlacedNet:
             return output[0] * self.config.data_parallel
         return output[0] / self.config.micro_batch_num
 
-    def train_step(self, batch: tuple) -> torch.Tensor:
-        """Forward and backward of one global batch; returns its loss (a device tensor)."""
+    def train_step(self, batch: tuple, rows_of_this_rank: bool = False) -> torch.Tensor:
+        """Forward and backward of one global batch, or with ``rows_of_this_rank`` of this data-parallel rank's
+        rows of it (a dataset sharded per rank); returns the global batch's loss (a device tensor)."""
         config, layout = self.config, self.layout
-        rows = batch[0].shape[0] // config.data_parallel
-        mine = tuple(t[layout.dp_rank * rows:(layout.dp_rank + 1) * rows].to(self.device, non_blocking=True)
-                     for t in batch)
+        size, replicas = batch[0].shape[0], 1 if rows_of_this_rank else config.data_parallel
+        parts = replicas * config.micro_batch_num
+        if size % parts:
+            raise UserError(f"a batch of {size} rows does not split into {parts} equal parts (data_parallel="
+                            f"{replicas} x micro_batch_num={config.micro_batch_num}): give a batch size divisible "
+                            f"by {parts}")
+        rows = size // replicas
+        start = 0 if rows_of_this_rank else layout.dp_rank * rows
+        mine = tuple(t[start:start + rows].to(self.device, non_blocking=True) for t in batch)
         self._counts = []
         if self.pipeline is not None:
             losses = [] if self.is_last else None

@@ -1,10 +1,11 @@
 """MindSpore's ``mindspore.train`` for a user's own net: ``Model``, the callbacks (``LossMonitor``,
 ``TimeMonitor``, ``ModelCheckpoint`` with its ``CheckpointConfig``) and the weights-only loading
-(``load_checkpoint``, ``load_param_into_net``). ``paratrain.trainer`` is the built-in models' trainer."""
+(``load_checkpoint``, ``load_param_into_net``, ``load_distributed_checkpoint``). ``paratrain.trainer`` is the built-in models' trainer."""
 from paratrain.train.callbacks import (Callback, CallbackParams, CheckpointConfig, LossMonitor, ModelCheckpoint,
                                        RunContext, TimeMonitor)
 from paratrain.train.model import Model, WithLoss, group_names, rebuild_optimizer
-from paratrain.train.serialization import load_checkpoint, load_param_into_net
+from paratrain.train.serialization import load_checkpoint, load_distributed_checkpoint, load_param_into_net
 
 __all__ = ["Callback", "CallbackParams", "CheckpointConfig", "LossMonitor", "Model", "ModelCheckpoint", "RunContext",
-           "TimeMonitor", "WithLoss", "group_names", "load_checkpoint", "load_param_into_net", "rebuild_optimizer"]
+           "TimeMonitor", "WithLoss", "group_names", "load_checkpoint", "load_distributed_checkpoint",
+           "load_param_into_net", "rebuild_optimizer"]

@@ -9,9 +9,10 @@ from typing import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from paratrain.config import ParallelConfig
-from paratrain.context import get_auto_parallel_context, parallel_config_for
+from paratrain.context import ParallelMode, get_auto_parallel_context, parallel_config_for
 from paratrain.distributed import init_from_env
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
@@ -21,14 +22,25 @@ from paratrain.train.callbacks import Callback, CallbackParams, RunContext
 
 
 class WithLoss(nn.Module):
-    """MindSpore's ``WithLossCell``: the loss of ``network(*inputs)`` against the batch's last tensor."""
+    """MindSpore's ``WithLossCell``: the loss of ``network(*inputs)`` against the batch's last tensor.
+
+    Under semi-auto parallel a ``loss_fn`` without ``paratrain.ops`` (a torch loss) gets the whole output
+    and label rather than sharded ones (DTensors): DTensor's rules for torch losses are not all right
+    (torch 2.13: ``mse_loss`` of a row-split prediction and a replicated target doubles the gradient)."""
 
     def __init__(self, network: nn.Module, loss_fn: nn.Module):
+        from paratrain.ops import Primitive
+
         super().__init__()
         self.network, self.loss_fn = network, loss_fn
+        self.whole_tensors = not (isinstance(loss_fn, nn.Module)  # a function is a torch loss too
+                                  and any(isinstance(m, Primitive) for m in loss_fn.modules()))
 
     def forward(self, *batch):
-        return self.loss_fn(self.network(*batch[:-1]), batch[-1])
+        output, label = self.network(*batch[:-1]), batch[-1]
+        if self.whole_tensors:
+            output, label = (t.full_tensor() if isinstance(t, DTensor) else t for t in (output, label))
+        return self.loss_fn(output, label)
 
 
 def parallel_configs(network: nn.Module) -> list[ParallelConfig]:
@@ -81,6 +93,48 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]],
                           | ({"param_names": [n for n, _ in members]} if "param_names" in group else {}))
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+
+def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple):
+    """``net`` placed as the context's ``parallel_mode`` says: whole on every rank with its own collectives
+    (hybrid), op by op on its strategies (semi-auto or auto parallel with ``paratrain.ops``), else by
+    ``place_net`` (the blocks' plans, pipeline, data parallel)."""
+    from paratrain.ops import Primitive
+
+    mode = get_auto_parallel_context("parallel_mode")
+    if get_auto_parallel_context("parameter_broadcast") and layout.world_size > 1:
+        broadcast_parameters(net)
+    if mode == ParallelMode.HYBRID_PARALLEL:
+        from paratrain.parallel.hybrid import HybridNet
+
+        return HybridNet(net, layout.device)
+    if mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and layout.world_size > 1 and any(
+            isinstance(m, Primitive) for m in net.modules()):
+        from paratrain.parallel.semi_auto import place_semi_auto
+
+        if config.model_parallel > 1 or config.pipeline_stage > 1:
+            raise UserError("Model: the net mixes paratrain.ops strategies with blocks given model_parallel or "
+                            "pipeline_stage; give the ops strategies only, or use the blocks without ops")
+        choose = None
+        if mode == ParallelMode.AUTO_PARALLEL:
+            from paratrain.parallel.auto import StrategyChooser
+
+            choose = StrategyChooser.from_context(layout.world_size)
+        return place_semi_auto(net, batch, layout.device, layout.world_size, config.effective_zero_stage > 0, choose)
+    from paratrain.parallel.user import place_net
+
+    return place_net(net, config, layout, batch)
+
+
+@torch.no_grad()
+def broadcast_parameters(net: nn.Module) -> None:
+    """Give every rank rank 0's parameters and buffers (MindSpore's ``parameter_broadcast``), but a
+    ``layerwise_parallel`` parameter, which is each rank's own slice."""
+    import torch.distributed as dist
+
+    for tensor in [*net.parameters(), *net.buffers()]:
+        if not getattr(tensor, "layerwise_parallel", False):
+            dist.broadcast(tensor.data, src=0)
 
 
 def _as_batch(batch) -> tuple:
@@ -142,7 +196,9 @@ class Model:
               sink_size: int = -1) -> None:
         """Train ``epoch`` epochs over ``train_dataset``, an iterable of global batches (tuples of tensors: the
         net's forward arguments, then the label with ``loss_fn``), iterated again each epoch; every rank
-        gives the whole global batch and keeps its rows. Callbacks see MindSpore's step counts: ``cur_step_num``
+        gives the whole global batch and keeps its rows, but for a dataset split per rank (``num_shards`` > 1,
+        as ``paratrain.data.cifar_dataset.Cifar10Dataset`` gives): its batches are this rank's rows.
+        Callbacks see MindSpore's step counts: ``cur_step_num``
         over the run, the step within the epoch in ``cur_step_in_epoch``. With ``dataset_sink_mode`` step
         callbacks run once per sink: a whole epoch, or ``sink_size`` batches per epoch drawn on across
         epochs."""
@@ -160,6 +216,11 @@ class Model:
                 config = dataclasses.replace(config, micro_batch_num=self.network.micro_size)
             self._placement = config, Layout(config, world_size)
         config, layout = self._placement
+        shards = getattr(train_dataset, "num_shards", None) or 1
+        if shards > 1 and not shards == config.data_parallel == world_size:
+            raise UserError(f"Model.train: the dataset is split into num_shards={shards} for {world_size} ranks, "
+                            f"{config.data_parallel} of them data-parallel: a dataset split per rank needs "
+                            f"num_shards=get_group_size() and no model or pipeline parallelism")
         sinks = dataset_sink_mode and sink_size > 0
         params = CallbackParams(
             network=self.network, train_network=self.train_network, loss_fn=self.loss_fn, optimizer=self.optimizer,
@@ -167,7 +228,8 @@ class Model:
             else None,
             cur_epoch_num=0, cur_step_num=0, cur_step_in_epoch=0, net_outputs=None, train_dataset=train_dataset,
             dataset_sink_mode=dataset_sink_mode, mode="train", device_number=world_size, rank=rank,
-            parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout)
+            parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout,
+            rows_of_this_rank=shards > 1)
         run_context = RunContext(params)
         stream = self._stream(train_dataset) if sinks else None
         with _Callbacks(callbacks) as hooks:
@@ -214,17 +276,19 @@ class Model:
     def _step(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams) -> torch.Tensor:
         """One optimizer step on a global batch; places the net on the first. Returns the loss (on the device)."""
         if self.train_network is None:
-            from paratrain.parallel.user import place_net
-
             net = self.network.network if isinstance(self.network, PipelineCell) else self.network
             net = net if self.loss_fn is None else WithLoss(net, self.loss_fn)
             names = group_names(self.optimizer, net)
-            self.train_network = place_net(net, config, layout, batch)
+            self.train_network = place(net, config, layout, batch)
             if isinstance(self.network, PipelineCell):
                 self.network.placed = self.train_network
             self.optimizer = rebuild_optimizer(self.optimizer, names, self.train_network.named_parameters())
             params.update(train_network=self.train_network, optimizer=self.optimizer)
-        loss = self.train_network.train_step(batch)
+        loss = self.train_network.train_step(batch, rows_of_this_rank=params.rows_of_this_rank)
+        if params.parallel_mode == ParallelMode.DATA_PARALLEL and not get_auto_parallel_context("gradients_mean"):
+            for param in self.train_network.parameters():  # MindSpore's default: the ranks' gradients summed
+                if param.grad is not None:
+                    param.grad.mul_(config.data_parallel)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss

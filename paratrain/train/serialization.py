@@ -1,4 +1,5 @@
-"""Weights-only loading for fine-tuning, as MindSpore's ``load_checkpoint`` and ``load_param_into_net``."""
+"""Weights-only loading for fine-tuning, as MindSpore's ``load_checkpoint``, ``load_param_into_net`` and
+``load_distributed_checkpoint``."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -73,4 +74,30 @@ def load_param_into_net(net, parameter_dict: dict[str, torch.Tensor]) -> list[st
                 local.copy_(source)
             else:
                 target.copy_(source)
+    return not_loaded
+
+
+def load_distributed_checkpoint(network, checkpoint_filenames, predict_strategy=None,
+                                train_strategy_filename: str | None = None, strict_load: bool = False) -> list[str]:
+    """Load a checkpoint saved in slices (``CheckpointConfig(integrated_save=False)``: one slice per rank,
+    under any strategy and device count) into ``network``, whole or sharded under another strategy:
+    a plain net, or a placed one (``Model.train_network``), each DTensor parameter taking this rank's
+    slice. ``checkpoint_filenames``: the checkpoint directory, or the files of one (every rank's).
+    The slices reshard by their own index, so MindSpore's strategy files are not needed
+    (``predict_strategy`` and ``train_strategy_filename`` must be left out). Every rank reads the whole
+    tensors. Returns the names of ``network`` that found no entry; ``strict_load``: raise instead."""
+    if predict_strategy is not None or train_strategy_filename is not None:
+        raise UserError("load_distributed_checkpoint: predict_strategy and train_strategy_filename are not needed "
+                        "(paratrain's slices record their own layout): leave them out")
+    if isinstance(checkpoint_filenames, (str, Path)):
+        directory = Path(checkpoint_filenames)
+    else:
+        parents = {Path(f).parent for f in checkpoint_filenames}
+        if len(parents) != 1:
+            raise UserError(f"load_distributed_checkpoint: the files lie in {len(parents)} directories; give the "
+                            f"files of one checkpoint (or its directory)")
+        directory = parents.pop()
+    not_loaded = load_param_into_net(network, load_checkpoint(directory))
+    if strict_load and not_loaded:
+        raise UserError(f"load_distributed_checkpoint: no entry for {', '.join(not_loaded)}")
     return not_loaded

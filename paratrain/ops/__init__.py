@@ -1,0 +1,17 @@
+"""MindSpore's primitives (``mindspore.ops``) as torch modules with ``.shard(strategy)``.
+
+``MatMul``, ``BatchMatMul``, ``Add``, ``Sub``, ``Mul``, ``RealDiv``, ``BiasAdd``, ``Exp``, ``Log``,
+``ReLU``, ``ReduceSum``, ``ReduceMean``, ``ReduceMax``, ``Softmax``, ``OneHot``, ``NotEqual``, ``Gather``,
+``Reshape``, ``Transpose``, and the collective ``AllReduce``. A strategy is applied under
+``semi_auto_parallel``/``auto_parallel`` (``paratrain.parallel.semi_auto``); elsewhere the ops are
+the plain torch computation. See ``paratrain.ops.strategy`` for what a strategy means.
+"""
+from paratrain.ops.comm import AllReduce
+from paratrain.ops.math import (Add, BatchMatMul, BiasAdd, Exp, Gather, Log, MatMul, Mul, NotEqual, RealDiv,
+                                ReduceMax, ReduceMean, ReduceSum, ReLU, Reshape, Softmax, Sub, Transpose, OneHot)
+from paratrain.ops.primitive import Primitive
+from paratrain.ops.strategy import StrategyError
+
+__all__ = ["Add", "AllReduce", "BatchMatMul", "BiasAdd", "Exp", "Gather", "Log", "MatMul", "Mul", "NotEqual",
+           "OneHot", "Primitive", "RealDiv", "ReduceMax", "ReduceMean", "ReduceSum", "ReLU", "Reshape", "Softmax",
+           "StrategyError", "Sub", "Transpose"]

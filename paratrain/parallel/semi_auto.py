@@ -1,0 +1,220 @@
+"""MindSpore's semi-auto parallel for a user's net of ``paratrain.ops``: ``place_semi_auto``.
+
+Before the first step the net's forward runs once on the example batch (plain tensors, no
+gradient) to record, in call order, each op's input shapes and the parameters it reads. Then:
+
+- every strategy is checked (``Primitive.problems``), and so is the seed's rule that one
+  parameter is not split two ways by two ops; all refusals are raised together, each naming the
+  op's module path, its strategy and the rule;
+- one ``StrategyMesh`` is built that every op's device matrix coarsens, and handed to the ops;
+- each parameter becomes a DTensor split as the first op with a strategy that reads it says
+  (replicated when no such op reads it); with ``optimizer_shard`` a parameter is also split over
+  the devices that hold it whole, along a dimension nothing else splits -- MindSpore's parallel
+  optimizer: each op that reads it gathers it back (DTensor redistribute), and the gradient
+  arrives reduce-scattered, so optimizer state and parameters are held once per slice.
+
+Every batch tensor enters as a DTensor: replicated (``full_batch``: every rank gives the whole
+batch) or split along dimension 0 over every device (a dataset sharded per rank). The loss is
+computed by DTensor on the whole global batch, so each gradient is the one-device gradient in
+the placement of its parameter; the optimizer runs on those DTensors.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from paratrain.errors import UserError
+from paratrain.ops.primitive import Primitive
+from paratrain.ops.strategy import StrategyError, StrategyMesh, mesh_factors
+from paratrain.ops.strategy import placements as placements_on
+from paratrain.optim import clip_grad_norm
+
+# a tensor split along one dimension over several mesh dims is reduced one mesh dim at a time; DTensor
+# warns about it on every redistribute
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+@dataclass
+class Call:
+    """One op call seen by the recording forward: the op's module path, the op, and per tensor input its
+    shape, the name of the parameter it is (or None), and the ids of the tensors in and out."""
+
+    path: str
+    op: Primitive
+    shapes: list[tuple[int, ...]]
+    params: list[str | None]
+    inputs: list[int]
+    output: int
+
+    def strategy(self, device_num: int):
+        """The op's strategy, or its data-parallel default on these shapes."""
+        if self.op.strategy is not None:
+            return self.op.strategy
+        return self.op.default_strategy(self.shapes, [p is not None for p in self.params], device_num)
+
+    def describe(self) -> str:
+        return f"{self.path} ({type(self.op).__name__}) strategy {self.op.strategy}"
+
+
+def record_calls(net: nn.Module, example: tuple) -> list[Call]:
+    """The op calls of ``net(*example)`` in the order they run (each op call once per time it runs)."""
+    names = {}
+    for name, param in net.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    calls, alive = [], []
+
+    def hook(module, args, output, path):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        alive.extend([*tensors, output])  # ids stay unique while the recording lasts
+        calls.append(Call(path, module, [tuple(t.shape) for t in tensors], [names.get(id(t)) for t in tensors],
+                          [id(t) for t in tensors], id(output)))
+
+    handles = [m.register_forward_hook(lambda m, a, o, p=path: hook(m, a, o, p))
+               for path, m in net.named_modules() if isinstance(m, Primitive)]
+    try:
+        with torch.no_grad():
+            net(*example)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def check_strategies(calls: list[Call], device_num: int) -> tuple[int, ...]:
+    """The mesh factors for ``calls``' strategies on ``device_num`` devices; raises StrategyError listing every
+    refused strategy."""
+    problems = []
+    for call in calls:
+        if call.op.strategy is not None:
+            problems += [f"{call.describe()}: {p}" for p in call.op.problems(call.op.strategy, call.shapes,
+                                                                             device_num)]
+    if problems:
+        raise StrategyError(problems)
+    matrices = [call.op.layout(call.strategy(device_num), call.shapes).with_repeat(device_num) for call in calls]
+    factors = mesh_factors(matrices, device_num)
+    if factors is None:
+        listed = ", ".join(f"{c.path} {m}" for c, m in zip(calls, matrices) if c.op.strategy is not None)
+        raise StrategyError([f"the device matrices of the strategies ({listed}) cannot share one numbering of "
+                             f"device_num={device_num} devices: make each a refinement of the others"])
+    return factors
+
+
+def parameter_placements(calls: list[Call], factors: tuple[int, ...]) -> dict[str, list]:
+    """Placements of each parameter read by an op with a strategy: the first such op's; StrategyError when a
+    later one asks for others."""
+    placed: dict[str, tuple[list, Call, tuple]] = {}
+    problems = []
+    for call in calls:
+        if call.op.strategy is None:
+            continue
+        layout = call.op.layout(call.op.strategy, call.shapes)
+        for name, split, tensor_map in zip(call.params, call.op.strategy, layout.tensor_maps):
+            if name is None:
+                continue
+            placements = placements_on(factors, layout, tensor_map)
+            if name not in placed:
+                placed[name] = placements, call, split
+                continue
+            first, other, other_split = placed[name]
+            if first != placements and other.op is not call.op:
+                how = "" if split != other_split else " (the same slices over other devices: another device matrix)"
+                problems.append(f"{call.describe()}: parameter {name} is split {split} here but {other_split} by "
+                                f"{other.describe()}{how}: a parameter shared by two ops needs one strategy for it")
+    if problems:
+        raise StrategyError(problems)
+    return {name: placements for name, (placements, _, _) in placed.items()}
+
+
+def optimizer_shard(placements: list, shape: tuple[int, ...], mesh: StrategyMesh) -> list:
+    """``placements`` with the mesh dims that hold the tensor whole split along the first dimension that nothing
+    splits yet and that they divide; unchanged when none does."""
+    whole = [i for i, p in enumerate(placements) if isinstance(p, Replicate) and mesh.factors[i] > 1]
+    if not whole:
+        return placements
+    ways = 1
+    for i in whole:
+        ways *= mesh.factors[i]
+    taken = {p.dim for p in placements if isinstance(p, Shard)}
+    for dim, size in enumerate(shape):
+        if dim not in taken and size % ways == 0:
+            return [Shard(dim) if i in whole else p for i, p in enumerate(placements)]
+    return placements
+
+
+class OpPlacedNet:
+    """A net of ``paratrain.ops`` on its strategies: ``train_step(batch)`` runs forward and backward of a global
+    batch and leaves each parameter's one-device gradient in its placement; ``parts`` is ``[net]``."""
+
+    def __init__(self, net: nn.Module, mesh: StrategyMesh, device: torch.device):
+        self.net, self.mesh, self.device = net, mesh, device
+        self.parts = [net]
+
+    def _input(self, value, rows_of_this_rank: bool):
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = value.to(self.device, non_blocking=True)
+        placements = self.mesh.batch() if rows_of_this_rank and value.ndim else self.mesh.replicate()
+        return DTensor.from_local(value, self.mesh.mesh, placements, run_check=False)
+
+    def train_step(self, batch: tuple, rows_of_this_rank: bool = False) -> torch.Tensor:
+        """Forward and backward of one batch: the whole global batch, or with ``rows_of_this_rank`` this rank's
+        rows of it (ranks in order). Returns the loss, a scalar tensor."""
+        output = self.net(*(self._input(t, rows_of_this_rank) for t in batch))
+        loss = output.full_tensor() if isinstance(output, DTensor) else output
+        if loss.numel() != 1:
+            raise UserError(f"the net returned a tensor of shape {list(loss.shape)}, not a loss: reduce it to a "
+                            f"scalar, or give Model a loss_fn")
+        loss = loss.reshape(())
+        if loss.requires_grad:  # a net of no trainable parameter has nothing to learn
+            loss.backward()
+        for param in self.parameters():
+            grad = param.grad
+            if isinstance(grad, DTensor) and grad.placements != param.placements:
+                param.grad = grad.redistribute(param.device_mesh, param.placements)
+        return loss.detach()
+
+    def parameters(self):
+        return self.net.parameters()
+
+    def named_parameters(self):
+        """(name in the net, this rank's parameter: a DTensor)."""
+        return self.net.named_parameters()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm; returns the norm before clipping."""
+        return clip_grad_norm(list(self.parameters()), max_norm, None, None, self.device)
+
+
+def place_semi_auto(net: nn.Module, example_batch: tuple, device: torch.device, device_num: int,
+                    shard_optimizer: bool = False, choose=None) -> OpPlacedNet:
+    """Place ``net`` (built identically on every rank) on its op strategies over ``device_num`` devices.
+    ``choose(calls)``, when given (auto parallel), sets strategies on the ops before they are checked."""
+    net.to(device)
+    example = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in example_batch)
+    calls = record_calls(net, example)
+    if not calls:
+        raise UserError("semi_auto_parallel: the net calls no paratrain.ops op, so there is no strategy to apply; "
+                        "use data_parallel, or paratrain.nn blocks with a TransformerOpParallelConfig")
+    if choose is not None:
+        choose(calls)
+    factors = check_strategies(calls, device_num)
+    placements = parameter_placements(calls, factors)
+    mesh = StrategyMesh(factors, device.type)
+    placed: dict[int, nn.Parameter] = {}
+    for name, param in net.named_parameters():
+        where = placements.get(name, mesh.replicate())
+        if shard_optimizer:
+            where = optimizer_shard(where, tuple(param.shape), mesh)
+        tensor = distribute_tensor(param.detach(), mesh.mesh, where, src_data_rank=None)
+        placed[id(param)] = nn.Parameter(tensor, requires_grad=param.requires_grad)
+    for module in net.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                module._parameters[key] = placed[id(param)]
+        if isinstance(module, Primitive):
+            module.mesh = mesh
+    return OpPlacedNet(net, mesh, device)
