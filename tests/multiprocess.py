@@ -24,6 +24,8 @@ def _worker(rank, world_size, port, fn, args, results):
     torch.set_num_threads(1)
     try:
         results.put((rank, True, fn(*args)))
+        if dist.is_initialized():  # a rank that tore its group down early would reset a peer still connecting
+            dist.barrier()
     except BaseException:  # report every failure to the parent, which names the rank
         results.put((rank, False, traceback.format_exc()))
     finally:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from multiprocess import run_distributed
-from paratrain.config import ParallelConfig, validate
+from paratrain.config import validate
 from paratrain.errors import UserError
 from paratrain.nn import (AttentionMask, Cell, CrossEntropyLoss, EmbeddingOpParallelConfig, FeedForward, MoEConfig,
                           MultiHeadAttention, OpParallelConfig, Transformer, TransformerDecoder,
