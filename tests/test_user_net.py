@@ -269,3 +269,18 @@ def test_tutorial_net_matches_one_process(name):
     got = run_distributed(train_tutorial, world, parallel, timeout=400)[0]
     for step, (g, w) in enumerate(zip(got, want)):
         assert g == pytest.approx(w, rel=1e-4), f"{name}: step {step + 1}"
+
+
+def test_a_ranks_share_that_does_not_split_into_micro_batches_is_refused_naming_it():
+    from paratrain.config import ParallelConfig
+    from paratrain.errors import UserError
+    from paratrain.mesh import Layout
+    from paratrain.parallel.user import place_net
+
+    config = ParallelConfig(micro_batch_num=3)
+    placed = place_net(Net(), config, Layout(config, 1), _batches(1)[0])
+    with pytest.raises(UserError, match=r"a batch of 8 rows does not split into 3 equal parts \(this rank's share "
+                                        r"of a dataset sharded per rank x micro_batch_num=3\)"):
+        placed.train_step(_batches(1)[0], rows_of_this_rank=True)
+    with pytest.raises(UserError, match=r"\(data_parallel=1 x micro_batch_num=3\)"):
+        placed.train_step(_batches(1)[0])

@@ -196,9 +196,10 @@ class PlacedNet:
         size, replicas = batch[0].shape[0], 1 if rows_of_this_rank else config.data_parallel
         parts = replicas * config.micro_batch_num
         if size % parts:
-            raise UserError(f"a batch of {size} rows does not split into {parts} equal parts (data_parallel="
-                            f"{replicas} x micro_batch_num={config.micro_batch_num}): give a batch size divisible "
-                            f"by {parts}")
+            split = ("this rank's share of a dataset sharded per rank" if rows_of_this_rank
+                     else f"data_parallel={replicas}")
+            raise UserError(f"a batch of {size} rows does not split into {parts} equal parts ({split} x "
+                            f"micro_batch_num={config.micro_batch_num}): give a batch size divisible by {parts}")
         rows = size // replicas
         start = 0 if rows_of_this_rank else layout.dp_rank * rows
         mine = tuple(t[start:start + rows].to(self.device, non_blocking=True) for t in batch)
