@@ -4,8 +4,8 @@
 
 MindSpore -> paratrain: ``mindspore.communication`` -> ``paratrain.communication``,
 ``ms.set_auto_parallel_context`` -> ``paratrain.set_auto_parallel_context``, ``mindspore.nn.PipelineCell``
--> ``paratrain.nn.PipelineCell``, ``mindspore.train`` -> ``paratrain.train``, AdamWeightDecay ->
-``torch.optim.AdamW`` on the same decay groups. The data is paratrain's English-French sample corpus
+-> ``paratrain.nn.PipelineCell``, ``mindspore.train`` -> ``paratrain.train``, ``nn.AdamWeightDecay`` ->
+``paratrain.nn.AdamWeightDecay`` on the same decay groups. The data is paratrain's English-French sample corpus
 (generated on first use, WMT14's .sgm path and BPE), in global batches every rank reads whole.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 import paratrain
 from paratrain import communication as D
-from paratrain.nn import PipelineCell, TransformerOpParallelConfig
+from paratrain.nn import AdamWeightDecay, PipelineCell, TransformerOpParallelConfig
 from paratrain.train import CheckpointConfig, LossMonitor, Model, ModelCheckpoint, TimeMonitor
 
 from model import Net  # noqa: E402  (the script's own folder is importable, as with `python train.py`)
@@ -86,8 +86,8 @@ def build(a: argparse.Namespace, vocab_size: int):
               en_layer=a.layers, de_layer=a.layers, parallel_config=config, dropout=a.dropout)
     decay = [p for n, p in net.named_parameters() if p.ndim > 1]
     no_decay = [p for n, p in net.named_parameters() if p.ndim <= 1]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=a.lr)
+    optimizer = AdamWeightDecay([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                learning_rate=a.lr)
     if a.pp > 1:
         net = PipelineCell(net, a.micro)
     return Model(net, optimizer=optimizer)

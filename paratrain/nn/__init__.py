@@ -13,7 +13,9 @@ from paratrain.nn.dense import Dense
 from paratrain.nn.layers import AttentionMask, FeedForward, MultiHeadAttention, VocabEmbedding
 from paratrain.nn.loss import CrossEntropyLoss
 from paratrain.nn.normalization import SyncBatchNorm
-from paratrain.nn.optim import Momentum
+from paratrain.nn.learning_rate_schedule import (CosineDecayLR, ExponentialDecayLR, LearningRateSchedule,
+                                                 PolynomialDecayLR, WarmUpLR)
+from paratrain.nn.optim import AdamWeightDecay, Momentum
 from paratrain.nn.parameter import Parameter
 from paratrain.nn.transformer import (Transformer, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
                                       TransformerEncoderLayer)
@@ -23,4 +25,5 @@ __all__ = ["Cell", "PipelineCell", "TransformerOpParallelConfig", "OpParallelCon
            "default_embedding_parallel_config", "default_moe_config", "VocabEmbedding", "AttentionMask",
            "FeedForward", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
            "TransformerEncoder", "TransformerDecoder", "Transformer", "CrossEntropyLoss", "Dense", "Parameter", "Momentum",
-           "SyncBatchNorm"]
+           "AdamWeightDecay", "LearningRateSchedule", "WarmUpLR", "PolynomialDecayLR", "CosineDecayLR",
+           "ExponentialDecayLR", "SyncBatchNorm"]
