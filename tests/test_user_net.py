@@ -78,7 +78,6 @@ def train(parallel: dict, steps=4):
     from paratrain.config import ParallelConfig
     from paratrain.distributed import init_from_env
     from paratrain.mesh import Layout
-    from paratrain.parallel.user import place_net
 
     torch.set_num_threads(1)
     _, world = init_from_env()
@@ -87,9 +86,15 @@ def train(parallel: dict, steps=4):
     stages = parallel.get("pipeline_stage", 1)
     for i, block in enumerate(net.blocks):
         block.pipeline_stage = i * stages // len(net.blocks)
-    batches = _batches(steps)
     config = ParallelConfig(**parallel)
-    placed = place_net(net, config, Layout(config, world), batches[0])
+    return train_placed(net, config, Layout(config, world), _batches(steps))
+
+
+def train_placed(net, config, layout, batches):
+    """(loss, gradient norm) of each step of ``net`` placed on ``layout`` with AdamW, one step a batch."""
+    from paratrain.parallel.user import place_net
+
+    placed = place_net(net, config, layout, batches[0])
     optimizer = torch.optim.AdamW([p for _, p in placed.named_parameters()], lr=1e-2)
     out = []
     for batch in batches:
@@ -237,23 +242,12 @@ def train_tutorial(parallel: dict):
     from paratrain.config import ParallelConfig
     from paratrain.distributed import init_from_env
     from paratrain.mesh import Layout
-    from paratrain.parallel.user import place_net
 
     torch.set_num_threads(1)
     _, world = init_from_env()
     torch.manual_seed(0)
     config = ParallelConfig(**parallel)
-    batches = tutorial_batches()
-    placed = place_net(TutorialNet(config), config, Layout(config, world), batches[0])
-    optimizer = torch.optim.AdamW([p for _, p in placed.named_parameters()], lr=1e-2)
-    out = []
-    for batch in batches:
-        loss = placed.train_step(batch)
-        norm = placed.clip_grad_norm(1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        out.append((float(loss), float(norm)))
-    return out
+    return train_placed(TutorialNet(config), config, Layout(config, world), tutorial_batches())
 
 
 TUTORIAL_LAYOUTS = {"mp2_vocab_sharded": {"model_parallel": 2, "vocab_emb_dp": False},

@@ -42,10 +42,11 @@ class AdamWeightDecay(torch.optim.Optimizer):
 
     def __init__(self, params, learning_rate=1e-3, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-6,
                  weight_decay: float = 0.0):
-        for name, value, low in (("beta1", beta1, 0.0), ("beta2", beta2, 0.0), ("eps", eps, None)):
-            if not ((low is None and value > 0) or (low is not None and low <= value < 1)):
-                raise UserError(f"AdamWeightDecay({name}={value!r}): expected "
-                                f"{'a number > 0' if low is None else 'a number in [0, 1)'}")
+        for name, value in (("beta1", beta1), ("beta2", beta2)):
+            if not 0 <= value < 1:
+                raise UserError(f"AdamWeightDecay({name}={value!r}): expected a number in [0, 1)")
+        if not eps > 0:
+            raise UserError(f"AdamWeightDecay(eps={eps!r}): expected a number > 0")
         if not callable(learning_rate) and not (isinstance(learning_rate, (int, float)) and learning_rate >= 0):
             raise UserError(f"AdamWeightDecay(learning_rate={learning_rate!r}): expected a number >= 0 or a "
                             f"schedule of the global step")
