@@ -7,11 +7,12 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tools/install_tcmalloc.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	bash tools/install_tcmalloc.sh $(VENV)
 	touch $(STAMP)
 
 # dp2 x mp2 x pp2 on 8 CPU processes; one log per rank in runs/demo-<time>/

@@ -9,7 +9,10 @@ ranks run with the interpreter of a separate virtual environment that this scrip
 use (``--venv``: deepspeed 0.19.8 and torch 2.13.0, pinned by a constraints file so pip can never
 pick another torch; its shared-memory op is JIT-built there once, before any job is timed).
 paratrain runs through ``paratrain.trainer.Trainer``, which builds the model from the same seed
-and makes the same batches itself: both are checked against the saved ones before any step.
+and makes the same batches itself: both are checked against the saved ones before any step. Its
+ranks start as ``paratrain launch`` starts CPU ranks: with tcmalloc preloaded when it is found
+(``paratrain.host_memory``); the other systems run with glibc's allocator, as their launchers
+start them. Every rank records its allocator (``allocator``; the table's ``alloc`` column).
 
 Each rank of each job runs ``--warmup`` steps, then ``--steps`` timed steps, then one more step
 under a ``TorchDispatchMode`` that counts the bytes every collective sends (bench/parallel_cost.py's
@@ -53,6 +56,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # paratrain, also for DeepSpeed's interpreter, which does not install it
 sys.path.insert(0, str(ROOT / "bench"))
+
+from paratrain import host_memory  # noqa: E402  (no torch: also in DeepSpeed's interpreter)
 
 TORCH = "torch==2.13.0"
 DEEPSPEED = "deepspeed==0.19.8"
@@ -479,6 +484,7 @@ def run_worker(job: dict) -> dict:
             "cpu_times": [u + s for u, s in zip(user, system)], "user_times": user, "sys_times": system,
             "page_faults": faults, "warmup_times": times[:warmup], "counted_step_time": times[-1], "peak_rss_kb": peak,
             "memory_method": method, "rss_kb": _status_kb("VmRSS"), "heap_free_kb": heap_free,
+            "allocator": host_memory.loaded_allocator() or "glibc",
             "comm": count_bytes(counter.events)}
 
 
@@ -583,7 +589,8 @@ def build_report(names: list[str], runs: dict[str, list], common: dict, toleranc
             "heap_free_mb": max((rank["heap_free_kb"] or 0) / 1024 for ranks in good for rank in ranks),
             "max_peak_rss_mb": max(rank["peak_rss_kb"] for ranks in good for rank in ranks) / 1024,
             "bytes_per_step": dict(comm), "total_bytes_per_step": sum(c["bytes"] for c in comm.values()),
-            "load": [ranks[0]["load"] for ranks in good], "memory_method": good[0][0]["memory_method"]}
+            "load": [ranks[0]["load"] for ranks in good], "memory_method": good[0][0]["memory_method"],
+            "allocator": good[0][0]["allocator"]}
     ratios = {}
     for key, (ours, peers) in RATIOS.items():
         if ours not in systems or not systems[ours]["losses_agree"]:
@@ -654,7 +661,7 @@ def print_report(report: dict) -> None:
     print(f"\nGPT {report['params'] / 1e6:.1f} M parameters, {report['warmup']} warm-up + {report['steps']} timed "
           f"steps; losses compared with {report['reference']} (tolerance {report['tolerance']:g} relative)")
     head = (f"{'system':27} {'step s':>7} {'repeats s':>15} {'cpu s':>6} {'sys s':>5} {'faults':>6} {'peak RSS MB r0/r1':>18} "
-            f"{'MB sent/step':>12} {'loss diff':>9}  {'load':>9}  bytes by collective")
+            f"{'MB sent/step':>12} {'loss diff':>9}  {'load':>9}  {'alloc':8}  bytes by collective")
     print(head)
     print("-" * len(head))
     for name, s in systems.items():
@@ -667,7 +674,8 @@ def print_report(report: dict) -> None:
         load = ",".join(f"{x[0]:.1f}" for x in s["load"])
         print(f"{name:27} {s['step_time_s']:7.3f} {repeats:>15} {s['cpu_time_s']:6.2f} {s['sys_time_s']:5.2f} "
               f"{s['page_faults'] / 1e3:5.0f}k {rss:>18} "
-              f"{s['total_bytes_per_step'] / 1e6:12.1f} {s['max_loss_rel_diff']:9.1e}  {load:>9}  {_kinds(s)}{flag}")
+              f"{s['total_bytes_per_step'] / 1e6:12.1f} {s['max_loss_rel_diff']:9.1e}  {load:>9}  "
+              f"{s['allocator'].removeprefix('lib').split('.')[0]:8}  {_kinds(s)}{flag}")
     print("\nratios (paratrain / best peer; time: fastest peer, memory: smallest peak RSS):")
     for key, r in report["ratios"].items():
         print(f"  {key:14} time {r['time']:.3f} ({r['paratrain']} / {r['time_peer']}, cpu {r['cpu_time']:.3f})   "
@@ -692,6 +700,7 @@ def main(argv=None) -> int:
                         "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     if a.mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
+    paratrain_env = host_memory.rank_env(env)  # paratrain's ranks start as `paratrain launch` starts them
     ds_python = None
     if any(SYSTEMS[n]["runner"].startswith("deepspeed") for n in names):
         ds_python = str(ensure_deepspeed(a.venv.resolve()))
@@ -703,8 +712,9 @@ def main(argv=None) -> int:
     def launch(name: str, job: dict) -> list[dict]:
         deepspeed = SYSTEMS[name]["runner"].startswith("deepspeed")
         count[name] += 1
+        own = paratrain_env if SYSTEMS[name]["runner"] == "paratrain" else {}
         return torchrun_launch(job, ds_python if deepspeed else sys.executable,
-                               env | (deepspeed_env(a.venv.resolve()) if deepspeed else {}),
+                               env | own | (deepspeed_env(a.venv.resolve()) if deepspeed else {}),
                                logs / f"{name}_r{count[name] - 1}.log", a.timeout)
 
     runs = run_all(a, names, common, launch)

@@ -5,19 +5,16 @@
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import sys
 
 import torch
 
 from paratrain.errors import UserError
+from paratrain.host_memory import fix_mmap_threshold
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "bf16": torch.bfloat16, "fp16": torch.float16}  # model.dtype and train.mixed_precision names
 CHOICES = ("auto", "cpu", "cuda")
-HOST_MMAP_THRESHOLD = 4 << 20  # bytes; see fix_host_mmap_threshold
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 
 def device(choice: str | None = None) -> torch.device:
@@ -43,28 +40,11 @@ def backend(host_tensors: bool = False) -> str:
 
 def configure(dev: torch.device) -> None:
     """This process's settings for ``dev``: on a GPU it is the current CUDA device and fp32 matmuls use
-    TF32 tensor cores (bf16/fp16 runs are unaffected)."""
+    TF32 tensor cores (bf16/fp16 runs are unaffected); on the CPU, glibc's fixed mmap threshold unless an
+    allocator is preloaded (``paratrain.host_memory``)."""
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     else:
-        fix_host_mmap_threshold()
-
-
-def fix_host_mmap_threshold() -> bool:
-    """Serve host blocks of 4 MiB and more from their own mappings, returned to the system when freed.
-
-    glibc raises its mmap threshold (up to 32 MiB) each time such a block is freed and then
-    serves them from its heap, which keeps the freed space: a CPU run's peak resident memory
-    grows with its allocation pattern (FSDP2's gather and reduce buffers most), 10-25 % of a
-    rank's peak in ``bench/peers.py``. A fixed threshold stops that. Left alone when
-    ``MALLOC_MMAP_THRESHOLD_`` is set or the C library is not glibc; returns whether it was set.
-    """
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD))
-    except (OSError, AttributeError):  # not glibc
-        return False
+        fix_mmap_threshold()

@@ -25,6 +25,7 @@ def environment() -> list[tuple[str, str]]:
     import torch.distributed as dist
 
     from paratrain.device import backend
+    from paratrain.host_memory import describe
 
     rows = [("host", socket.gethostname()), ("python", platform.python_version()),
             ("platform", platform.platform()), ("torch", torch.__version__),
@@ -36,6 +37,7 @@ def environment() -> list[tuple[str, str]]:
     else:
         rows += [("cuda", "not available"), ("devices", "cpu")]
     rows.append(("backend", backend()))
+    rows.append(("host allocator", describe()))
     rows.append(("gloo", "available" if dist.is_gloo_available() else "MISSING"))
     return rows
 

@@ -11,7 +11,7 @@ from paratrain.checkpoint import Checkpointer
 from paratrain.config import Config
 from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.device import DTYPES
-from paratrain import preflight, progress
+from paratrain import host_memory, preflight, progress
 from paratrain.distributed import StopRequest, init_from_env
 from paratrain.evaluate import bleu_evaluator
 from paratrain.mesh import Layout
@@ -80,6 +80,8 @@ class Trainer:
         self.timer = StepTimer(cfg.metrics, cfg.model, self.pipeline, self.layout.dp_size, self.device)
         if self.is_main:
             print(f"mfu: peak {self.timer.peak_tflops:.4g} TFLOP/s for the job ({self.timer.peak_source})", flush=True)
+            if self.device.type == "cpu":
+                print(f"host memory: {host_memory.describe()}", flush=True)
         self.checkpointer = Checkpointer(cfg, self.layout, self.model_parts, self.optimizer, self.scheduler,
                                          {"loss_scaler": self.loss_scaler, "data": self.data})
         self.step = self.checkpointer.resume()  # checkpoint.resume: "auto" | path | "none"

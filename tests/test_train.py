@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, ROOT, tiny_config
+from paratrain import host_memory
 from paratrain.trainer import Trainer, TrainingDiverged
 
 USER_CONFIG = """
@@ -58,6 +59,10 @@ def test_user_config_learns_through_cli(tmp_path):
     first, last = records[0]["loss"], records[-1]["loss"]
     assert first < math.log(32) * 1.1 and last <= 0.6 * first, (first, last)
     assert "num_heads = 4" in (run_dir / "config.toml").read_text()
+    # on the CPU a hand-run train restarts itself once with tcmalloc preloaded, when there is one
+    found = host_memory.allocator_library()
+    expected = "host memory: libtcmalloc" if found else "host memory: glibc malloc"
+    assert expected in result.stdout, result.stdout
     assert "step     80/80 | loss" in result.stdout
 
 

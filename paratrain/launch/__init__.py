@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from paratrain import host_memory
 from paratrain.launch import jobs as joblib
 from paratrain.launch import stop as stoplib
 from paratrain.launch.hosts import (HostError, Topology, parse_hostfile, parse_rank_table, select_hosts,
@@ -83,6 +84,7 @@ def cmd_launch(args) -> int:
     if not args.words:
         raise JobError("give the command to run after '--', e.g. -- train --config c.toml")
     _check_numbers(args)
+    host_memory.allocator_library()  # a PARATRAIN_HOST_ALLOCATOR that names no file is refused here
     if is_script(args.words) and not Path(args.words[0]).is_file():
         raise JobError(f"script {args.words[0]} does not exist (a first word ending in .py is a script that "
                        f"every rank runs with python)")
@@ -135,6 +137,10 @@ def cmd_launch(args) -> int:
         env = launcher.forwarded_env(joblib.jobs_home())
         return launcher.run_hosts(job, [launcher.node_command(host, argv, os.getcwd(), env)
                                         for host, argv in _node_argvs(args, name, hosts, words)])
+    from paratrain.device import device
+
+    if device().type == "cpu":  # before torchrun starts the ranks: the allocator is preloaded
+        os.environ.update(host_memory.rank_env())
     return launcher.run_node(job, topo, launcher.rank_command(words),
                              console=not os.environ.get("PARATRAIN_JOB_PREPARED"), join_timeout_s=args.join_timeout)
 

@@ -49,8 +49,8 @@ RANK_WRAPPER = ["/bin/sh", "-c", 'exec "$@" 2>&1', "paratrain-rank"]
 SHUTDOWN_TIMEOUT_S = 15  # SIGTERM -> SIGKILL for the ranks left when one fails, or when the launcher is signalled
 SSH_MARGIN_S = 5.0  # past a node's grace period, how long the coordinator waits for its ssh session to end
 POLL_S = 0.3
-FORWARDED_ENV = ("PYTHONPATH", "PARATRAIN_COLLECTIVE_TIMEOUT")
-FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
+FORWARDED_ENV = ("PYTHONPATH", "PARATRAIN_COLLECTIVE_TIMEOUT", "PARATRAIN_HOST_ALLOCATOR")
+FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "TCMALLOC_")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
