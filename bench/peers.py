@@ -239,8 +239,12 @@ def peak_rss_kb(method: str) -> int:
 
 
 def heap_free_kb() -> int | None:
-    """Memory the program freed that glibc's heap keeps (mallinfo2's fordblks, all arenas), or None elsewhere."""
+    """Memory the program freed that glibc's heap keeps (mallinfo2's fordblks, all arenas), or None elsewhere
+    (another allocator preloaded, or not glibc)."""
     import ctypes
+
+    if host_memory.loaded_allocator():
+        return None
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -647,12 +651,16 @@ def diagnose(systems: dict, ratios: dict, param_bytes: int) -> dict[str, str]:
             wire = f"same bytes ({me['total_bytes_per_step'] / 1e6:.1f} MB/step in {calls} vs {peer_calls} collectives)"
         load = "/".join(f"{statistics.fmean(x[0] for x in s['load']):.1f}" for s in (me, peer))
         small = systems[r["memory_peer"]]
+        if me["allocator"] == small["allocator"] == "glibc":
+            kept = (f", of which freed memory glibc's heap keeps after the timed steps: "
+                    f"{me['heap_free_mb'] - small['heap_free_mb']:+.0f} MB ({me['heap_free_mb']:.0f} vs "
+                    f"{small['heap_free_mb']:.0f})")
+        else:
+            kept = f" (allocators: {me['allocator']} vs {small['allocator']})"
         lines[key] = (f"{r['paratrain']} vs {r['time_peer']}: wall {me['step_time_s'] - peer['step_time_s']:+.2f} "
                       f"s/step ({r['time']:.2f}x, load {load}), CPU {me['cpu_time_s'] - peer['cpu_time_s']:+.2f} s/step "
                       f"({r['cpu_time']:.2f}x): {why}; {work}; {wire}; peak RSS {dm:+.0f} MB vs {r['memory_peer']} "
-                      f"({dm * 2 ** 20 / param_bytes:+.2f} P, P = {param_bytes / 2 ** 20:.0f} MB), of which freed memory "
-                      f"glibc's heap keeps after the timed steps: {me['heap_free_mb'] - small['heap_free_mb']:+.0f} MB "
-                      f"({me['heap_free_mb']:.0f} vs {small['heap_free_mb']:.0f})")
+                      f"({dm * 2 ** 20 / param_bytes:+.2f} P, P = {param_bytes / 2 ** 20:.0f} MB){kept}")
     return lines
 
 

@@ -205,8 +205,10 @@ class Trainer:
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
         """A micro-batch's summed token loss over the global batch's token count, times the data-parallel
         size (gradient reduction averages where a sum is wanted) and the fp16 loss scale."""
-        scale = self.layout.dp_size * self.loss_scaler.scale
-        return token_loss_sum(logits.float(), labels, self.cfg.model.ignore_index) * (scale / num_tokens)
+        return self._scaled(token_loss_sum(logits.float(), labels, self.cfg.model.ignore_index), num_tokens)
+
+    def _scaled(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+        return loss_sum * (self.layout.dp_size * self.loss_scaler.scale / num_tokens)
 
     def _forward_backward(self, batch: dict[str, torch.Tensor], num_tokens: torch.Tensor) -> torch.Tensor:
         """Gradient accumulation over ``micro_batch_num`` micro-batches; returns the summed (scaled) loss."""
@@ -219,8 +221,11 @@ class Trainer:
             with loss_context(self.cfg.parallel):
                 with self.timer.phase("forward"):
                     with autocast(self.cfg.train.mixed_precision, self.device):
-                        # the logits (B x T x V) are not kept: backward frees them as soon as it can
-                        micro_loss = self._loss(self.model(**micro), labels, num_tokens)
+                        if self.cfg.parallel.model_parallel == 1 and self.cfg.model.kind != "resnet":
+                            # the model's head computes the loss a few rows at a time: no whole logits
+                            micro_loss = self._scaled(self.model(**micro, labels=labels), num_tokens)
+                        else:  # vocab-sharded logits (loss_parallel) or image classes
+                            micro_loss = self._loss(self.model(**micro), labels, num_tokens)
                 with self.timer.phase("backward"):
                     micro_loss.backward()
             loss += whole(micro_loss.detach())

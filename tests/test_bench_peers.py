@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import paratrain.trainer  # noqa: E402,F401  imported once here: the forked workers inherit it
 import peers  # noqa: E402
+from paratrain import host_memory  # noqa: E402
 from multiprocess import run_distributed  # noqa: E402
 
 TINY = ["--vocab", "97", "--hidden", "32", "--heads", "4", "--ffn", "64", "--layers", "2", "--length", "16",
@@ -50,6 +51,8 @@ def test_same_losses_bytes_and_report(measured):
     assert set(report["ratios"]["ddp"]) >= {"time", "memory", "bytes", "time_peer", "memory_peer"}
     assert report["ratios"]["ddp"]["time_peer"] == "torch_ddp"
     assert "ddp" in report["diagnosis"]
+    # forked from this process: the allocator this process has
+    assert ddp["allocator"] == ours["allocator"] == (host_memory.loaded_allocator() or "glibc")
 
 
 @pytest.mark.slow

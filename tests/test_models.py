@@ -1,8 +1,10 @@
+import pytest
 import torch
 from torch import nn
 
 from paratrain.config import ModelConfig
 from paratrain.data.synthetic import PAD
+from paratrain.models import linear_cross_entropy
 from paratrain.models.transformer import (CAUSAL, EncoderLayer, GPTModel, Seq2SeqModel, VocabEmbedding,
                                           attention_mask, pipeline_blocks, token_loss_sum)
 
@@ -112,3 +114,49 @@ def test_loss_ignores_pad_and_blocks_are_ordered():
     assert blocks[0] == ("transformer.encoder.layers.0", 0, 0)
     assert blocks[-1] == ("transformer.decoder.layers.1", 1, 2)
     assert all(model.get_submodule(name) is not None for name, _, _ in blocks)
+
+
+def _loss_and_grads(model, labels, fused: bool, *inputs):
+    model.zero_grad(set_to_none=True)
+    loss = model(*inputs, labels=labels) if fused else token_loss_sum(model(*inputs), labels, PAD)
+    (loss * 0.3).backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind, tied", [("gpt", True), ("gpt", False), ("transformer", True)])
+def test_head_loss_by_chunks_equals_the_loss_of_whole_logits(kind, tied, monkeypatch):
+    """Passing labels: the same summed loss and the same gradients of every parameter (the tied table's
+    included), computed a few rows at a time; here 7 rows a chunk, so the last chunk is ragged."""
+    monkeypatch.setattr(linear_cross_entropy, "CHUNK_BYTES", 4 * CFG.vocab_size * 7)
+    torch.manual_seed(0)
+    model = (GPTModel if kind == "gpt" else Seq2SeqModel)(ModelConfig(**{**CFG.__dict__, "kind": kind,
+                                                                       "tie_embeddings": tied}))
+    if kind == "gpt":
+        inputs = (torch.randint(1, CFG.vocab_size, (3, CFG.seq_length), device="cpu"),)
+        labels = torch.randint(1, CFG.vocab_size, (3, CFG.seq_length), device="cpu")
+    else:
+        inputs = (torch.randint(1, CFG.vocab_size, (3, CFG.src_seq_length), device="cpu"),
+                  torch.randint(1, CFG.vocab_size, (3, CFG.tgt_seq_length), device="cpu"))
+        labels = torch.randint(1, CFG.vocab_size, (3, CFG.tgt_seq_length), device="cpu")
+    labels[0, -4:] = PAD  # padding does not count
+    whole, whole_grads = _loss_and_grads(model, labels, False, *inputs)
+    chunked, chunked_grads = _loss_and_grads(model, labels, True, *inputs)
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-5)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_head_loss_by_chunks_under_bf16_autocast_is_close_to_whole_logits():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 9, 32, device="cpu", requires_grad=True)
+    weight = torch.randn(40, 32, device="cpu", requires_grad=True)
+    labels = torch.randint(0, 40, (2, 9), device="cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = token_loss_sum((hidden @ weight.T).float(), labels, -100)
+        chunked = linear_cross_entropy.linear_token_loss_sum(hidden, weight, labels, -100)
+    expected = torch.autograd.grad(whole, (hidden, weight))
+    got = torch.autograd.grad(chunked, (hidden, weight))
+    assert chunked.dtype == torch.float32 and got[1].dtype == weight.dtype
+    torch.testing.assert_close(chunked, whole, rtol=1e-2, atol=1e-2)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=5e-2, atol=5e-2)

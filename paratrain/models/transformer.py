@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.config import ModelConfig
+from paratrain.models.linear_cross_entropy import head_output
 
 
 class VocabEmbedding(nn.Module):
@@ -233,7 +234,8 @@ class Seq2SeqModel(nn.Module):
     """The tutorial's translation network: shared word table, Transformer, output head.
 
     src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V). Pass logits and labels
-    to ``token_loss_sum`` for the loss over non-pad target tokens.
+    to ``token_loss_sum`` for the loss over non-pad target tokens, or pass ``labels`` (B, T)
+    to get that loss computed without whole logits (``linear_cross_entropy``).
 
     A pipeline chunk is this model with the layers and parts of other chunks removed
     (``None``); it gets what the chunk before it computed as ``hidden`` -- (encoder
@@ -248,7 +250,7 @@ class Seq2SeqModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.pad_token_id = cfg.pad_token_id
+        self.pad_token_id, self.ignore_index = cfg.pad_token_id, cfg.ignore_index
         word = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.src_embed = Embeddings(word, cfg.src_seq_length, cfg.hidden_size, cfg.hidden_dropout)
         self.tgt_embed = Embeddings(word, cfg.tgt_seq_length, cfg.hidden_size, cfg.hidden_dropout)
@@ -260,7 +262,7 @@ class Seq2SeqModel(nn.Module):
         self.layer_stacks = {"transformer.encoder.layers": 0, "transformer.decoder.layers": cfg.encoder_layers}
         init_weights(self)
 
-    def forward(self, src_ids, tgt_in_ids, hidden: tuple = ()):
+    def forward(self, src_ids, tgt_in_ids, hidden: tuple = (), labels=None):
         src_pad = src_ids == self.pad_token_id
         if len(hidden) < 2:  # the encoder has not finished
             memory = self.encode(src_ids, *hidden)
@@ -268,7 +270,7 @@ class Seq2SeqModel(nn.Module):
                 return (memory,)
             hidden = (memory, None)
         memory, x = hidden
-        out = self.decode(tgt_in_ids, memory, src_pad, x)
+        out = self.decode(tgt_in_ids, memory, src_pad, x, labels=labels)
         return out if self.head is not None else (memory, out)
 
     def encode(self, src_ids, hidden=None):
@@ -277,8 +279,10 @@ class Seq2SeqModel(nn.Module):
         pad = src_ids == self.pad_token_id
         return self.transformer.encoder(x, self.transformer.padding_mask(pad, pad.shape[1]))
 
-    def decode(self, tgt_ids, memory, src_pad, hidden=None, caches: dict | None = None, start: int = 0):
-        """tgt_ids (B, T) over memory (B, S, H) -> logits (B, T, V), or the decoder state without the head.
+    def decode(self, tgt_ids, memory, src_pad, hidden=None, caches: dict | None = None, start: int = 0,
+               labels=None):
+        """tgt_ids (B, T) over memory (B, S, H) -> logits (B, T, V) (with ``labels``: their summed token
+        loss), or the decoder state without the head.
 
         ``hidden``: the decoder state an earlier chunk reached. With ``caches`` (greedy decoding,
         MindSpore's ``use_past``) ``tgt_ids`` are the new positions from ``start`` on, and the
@@ -290,11 +294,12 @@ class Seq2SeqModel(nn.Module):
         length = tgt_ids.shape[1]
         self_mask = CAUSAL if caches is None else None
         x = t.decoder(x, memory, self_mask, t.padding_mask(src_pad, length), caches)
-        return self.head(x) if self.head is not None else x
+        return head_output(self.head, x, labels, self.ignore_index) if self.head is not None else x
 
 
 class GPTModel(nn.Module):
-    """Decoder-only language model: input_ids (B, S) -> logits (B, S, V).
+    """Decoder-only language model: input_ids (B, S) -> logits (B, S, V), or with ``labels`` (B, S) their
+    summed token loss computed without whole logits (see Seq2SeqModel).
 
     A pipeline chunk gets the hidden state (B, S, H) of the chunk before it as ``hidden``
     and returns its own unless it holds the head.
@@ -304,7 +309,7 @@ class GPTModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.pad_token_id = cfg.pad_token_id
+        self.pad_token_id, self.ignore_index = cfg.pad_token_id, cfg.ignore_index
         self.embed = Embeddings(VocabEmbedding(cfg.vocab_size, cfg.hidden_size), cfg.seq_length,
                                 cfg.hidden_size, cfg.hidden_dropout)
         self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in range(cfg.decoder_layers)})
@@ -315,11 +320,11 @@ class GPTModel(nn.Module):
         self.layer_stacks = {"layers": 0}  # see Seq2SeqModel
         init_weights(self)
 
-    def forward(self, input_ids, hidden: tuple = ()):
+    def forward(self, input_ids, hidden: tuple = (), labels=None):
         x = hidden[0] if hidden else self.embed(input_ids)
         for layer in self.layers.values():
             x = layer(x, CAUSAL)
-        return self.head(self.norm(x)) if self.head is not None else x
+        return head_output(self.head, self.norm(x), labels, self.ignore_index) if self.head is not None else x
 
 
 def init_weights(model: nn.Module, std: float = 0.02) -> None:

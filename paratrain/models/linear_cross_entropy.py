@@ -1,0 +1,65 @@
+"""The output head and the cross-entropy in one, a few rows at a time: the logits are never whole.
+
+Computing logits (N, V) and then the loss keeps, at the start of backward, the log-softmax
+(N, V), its gradient and temporaries of the same size: for a 32k vocabulary and 512 tokens a
+rank, 65 MB each, at the moment the activations of every layer are also alive (the step's
+peak). Here each chunk of rows computes its logits, its loss and, at once, the gradients of the
+hidden states and of the head weight (softmax minus one-hot is the gradient of a summed
+cross-entropy), then frees them; backward only scales the saved gradients. Same FLOPs
+(the head's forward and both backward matmuls), a chunk's logits at a time
+(:data:`CHUNK_BYTES`).
+"""
+from __future__ import annotations
+
+import torch
+
+CHUNK_BYTES = 16 << 20  # fp32 logits of one chunk of rows
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index: int):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        rows = max(1, CHUNK_BYTES // (4 * weight.shape[0]))
+        with torch.autocast(device, enabled=False):
+            x, w = hidden.to(dtype), weight.to(dtype)
+            grad_hidden = torch.empty_like(x)
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            valid = labels != ignore_index
+            targets = labels.where(valid, 0)
+            for start in range(0, x.shape[0], rows):
+                part, keep, target = x[start:start + rows], valid[start:start + rows], targets[start:start + rows]
+                logits = (part @ w.T).float()
+                norm = torch.logsumexp(logits, dim=1)
+                loss += ((norm - logits.gather(1, target[:, None]).squeeze(1)) * keep).sum()
+                grad = logits.sub_(norm[:, None]).exp_()  # softmax, in place of the logits
+                grad.scatter_add_(1, target[:, None], -torch.ones_like(grad[:, :1]))
+                grad.mul_(keep[:, None])
+                grad_hidden[start:start + rows] = grad.to(dtype) @ w
+                grad_weight.addmm_(grad.T, part.float())
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (grad_hidden.to(hidden_dtype) * grad_loss, grad_weight.mul_(grad_loss).to(weight_dtype), None, None)
+
+
+def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          ignore_index: int) -> torch.Tensor:
+    """Summed cross-entropy of the head ``hidden @ weight.T`` over the targets that are not ``ignore_index``:
+    hidden (..., H), weight (V, H), labels (...) -> scalar; equal to ``token_loss_sum(head(hidden), labels)``.
+    Backward may run once (the saved gradients are scaled in place)."""
+    return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), ignore_index)
+
+
+def head_output(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | None,
+                ignore_index: int) -> torch.Tensor:
+    """A bias-free output head: logits (..., V), or with ``labels`` their summed token loss without the logits."""
+    return head(hidden) if labels is None else linear_token_loss_sum(hidden, head.weight, labels, ignore_index)
