@@ -14,6 +14,7 @@ import importlib
 import os
 import sys
 
+from paratrain import host_memory
 from paratrain.config import parse_overrides
 from paratrain.deepspeed_config import load_config
 from paratrain.errors import UserError
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command line of this process (`paratrain ...` or `python -m paratrain ...`)
+        host_memory.restart_with_allocator(sys.argv[1:])
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:

@@ -11,8 +11,8 @@ first faults no page in, at about the peak memory of the fixed-threshold glibc h
 own CPU launcher (``torch.backends.xeon.run_cpu``) preloads it as well.
 
 tcmalloc must be loaded before the process starts, so ``paratrain launch`` starts CPU ranks
-with it in ``LD_PRELOAD`` (:func:`rank_env`) and ``python -m paratrain train`` run by hand
-restarts itself with it once (:func:`restart_with_allocator`). ``PARATRAIN_HOST_ALLOCATOR``
+with it in ``LD_PRELOAD`` (:func:`rank_env`) and ``paratrain train`` (or ``python -m paratrain
+train``) run by hand restarts itself with it once (:func:`restart_with_allocator`). ``PARATRAIN_HOST_ALLOCATOR``
 chooses: ``auto`` (default: tcmalloc when found, see :data:`SEARCH`), ``system`` (glibc), or the
 path of an allocator library to preload. Without tcmalloc, :func:`fix_mmap_threshold` fixes
 glibc's threshold at 4 MiB: no heap growth, at the cost of the page faults.
@@ -95,7 +95,7 @@ def describe() -> str:
 
 def restart_with_allocator(argv: list[str]) -> None:
     """Replace this process by itself with the allocator preloaded, when it will train on the CPU and
-    does not have it yet (``python -m paratrain train`` run by hand, torchrun's ranks of it); else return.
+    does not have it yet (``paratrain train`` run by hand, torchrun's ranks of it); else return.
 
     Only ``train`` restarts, before torch is imported; a machine with an NVIDIA device file is taken to
     train on the GPU unless ``PARATRAIN_DEVICE=cpu``."""
