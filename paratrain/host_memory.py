@@ -42,11 +42,14 @@ MMAP_THRESHOLD = 4 << 20  # bytes; see fix_mmap_threshold
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 
+def _choice(environ: dict) -> str:
+    return environ.get(CHOICE_ENV, "auto").strip() or "auto"
+
+
 def allocator_library(environ: dict | None = None) -> Path | None:
     """The library CPU ranks preload as ``PARATRAIN_HOST_ALLOCATOR`` says: tcmalloc's path when found
     (``auto``), None for ``system`` or when none is found; an explicit path that is not a file is refused."""
-    environ = os.environ if environ is None else environ
-    choice = environ.get(CHOICE_ENV, "auto").strip() or "auto"
+    choice = _choice(os.environ if environ is None else environ)
     if choice == "system":
         return None
     if choice != "auto":
@@ -90,7 +93,7 @@ def describe() -> str:
     name = loaded_allocator()
     if name:
         return f"{name} (preloaded)"
-    if os.environ.get(CHOICE_ENV, "auto").strip() == "system":
+    if _choice(os.environ) == "system":
         return f"glibc malloc ({CHOICE_ENV}=system)"
     return "glibc malloc (no tcmalloc preloaded: CPU steps spend more time in page faults; see README, Host memory)"
 

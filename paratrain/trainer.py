@@ -82,6 +82,9 @@ class Trainer:
             print(f"mfu: peak {self.timer.peak_tflops:.4g} TFLOP/s for the job ({self.timer.peak_source})", flush=True)
             if self.device.type == "cpu":
                 print(f"host memory: {host_memory.describe()}", flush=True)
+        # the Transformer's head computes the loss a few rows at a time, with no whole logits, unless the
+        # logits are vocab-sharded (the loss is then loss_parallel's); ResNet's classes go to _loss
+        self.loss_in_head = cfg.parallel.model_parallel == 1 and cfg.model.kind != "resnet"
         self.checkpointer = Checkpointer(cfg, self.layout, self.model_parts, self.optimizer, self.scheduler,
                                          {"loss_scaler": self.loss_scaler, "data": self.data})
         self.step = self.checkpointer.resume()  # checkpoint.resume: "auto" | path | "none"
@@ -221,10 +224,9 @@ class Trainer:
             with loss_context(self.cfg.parallel):
                 with self.timer.phase("forward"):
                     with autocast(self.cfg.train.mixed_precision, self.device):
-                        if self.cfg.parallel.model_parallel == 1 and self.cfg.model.kind != "resnet":
-                            # the model's head computes the loss a few rows at a time: no whole logits
+                        if self.loss_in_head:
                             micro_loss = self._scaled(self.model(**micro, labels=labels), num_tokens)
-                        else:  # vocab-sharded logits (loss_parallel) or image classes
+                        else:
                             micro_loss = self._loss(self.model(**micro), labels, num_tokens)
                 with self.timer.phase("backward"):
                     micro_loss.backward()
