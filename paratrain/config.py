@@ -353,6 +353,14 @@ class ParallelConfig(Section):
         return max(self.zero_stage, 1 if self.optimizer_shard else 0)
 
     @property
+    def shards_parameters(self) -> bool:
+        """Whether FSDP2 shards parameters and gradients at rest over the data-parallel ranks (zero stages
+        2 and 3, and stage 1 when it offloads); stage 1 otherwise keeps replicas and shards only the
+        optimizer state (``paratrain.parallel.data.shard_optimizer_state``)."""
+        stage = self.effective_zero_stage
+        return stage >= 2 or stage == 1 and self.offloads
+
+    @property
     def offloads(self) -> bool:
         """Whether FSDP2 keeps this run's parameters, gradients and optimizer state on the host
         (``offload_optimizer`` or ``offload_param`` = "cpu"; ``paratrain.parallel.data``)."""

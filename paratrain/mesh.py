@@ -1,8 +1,8 @@
 """The device mesh of a run and where this rank sits in it.
 
 Dims ("pp", "dp_replicate", "dp_shard", "tp"): data parallelism lives in
-``dp_replicate`` when parameters stay whole (zero stage 0, DDP-like) and in
-``dp_shard`` when they are sharded (zero stages 1-3); the other one has size 1
+``dp_replicate`` when parameters stay whole (zero stages 0 and 1, DDP-like) and in
+``dp_shard`` when FSDP2 shards them (zero stages 2 and 3, ``ParallelConfig.shards_parameters``); the other one has size 1
 and is never handed to FSDP2 (a size-1 dim would cost it a copy or a collective
 over one rank per layer and step).
 """
@@ -27,7 +27,7 @@ class Layout:
         configure(self.device)
         self.mesh: DeviceMesh | None = None
         if world_size > 1 or config.offloads:  # FSDP2's offload needs a mesh, even of one rank
-            sharded = config.effective_zero_stage > 0
+            sharded = config.shards_parameters
             shape = (config.pipeline_stage, 1 if sharded else config.data_parallel,
                      config.data_parallel if sharded else 1, config.model_parallel)
             self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
@@ -37,7 +37,7 @@ class Layout:
 
     @property
     def dp_dim(self) -> str:
-        return "dp_shard" if self.config.effective_zero_stage > 0 else "dp_replicate"
+        return "dp_shard" if self.config.shards_parameters else "dp_replicate"
 
     @property
     def dp_rank(self) -> int:

@@ -18,7 +18,7 @@ from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
 from paratrain.models import build_model, token_loss_sum
 from paratrain.optim import build_optimizer, build_scheduler, clip_grad_norm
-from paratrain.parallel import parallelize
+from paratrain.parallel import parallelize, shard_optimizer_state
 from paratrain.parallel.deferred_init import materialize, record_init
 from paratrain.parallel.loss import loss_context, whole
 from paratrain.precision import LossScaler, autocast
@@ -60,6 +60,7 @@ class Trainer:
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else nn.ModuleList(self.model_parts)
         torch.manual_seed(cfg.run.seed + self.layout.dp_rank)  # dropout: shared by tensor-parallel peers
         self.optimizer = build_optimizer(self.model, cfg.train)
+        shard_optimizer_state(self.optimizer, self.layout.config, self.layout)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         t = cfg.train
         self.loss_scaler = LossScaler(t.mixed_precision == "fp16", t.initial_loss_scale, t.loss_scale_window,

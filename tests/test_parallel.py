@@ -20,6 +20,8 @@ LAYOUTS = {  # name: (world size, parallel section, model section)
     "mp2_sequence_parallel": (2, {"mp": 2, "sequence_parallel": True}, {}),
     "mp2_recompute_full": (2, {"mp": 2, "recompute": "full"}, {}),
     "dp2_recompute_selective": (2, {"dp": 2, "recompute": "selective"}, {}),
+    "dp2_zero1_micro2": (2, {"dp": 2, "zero_stage": 1, "micro_batch_num": 2}, {}),
+    "gpt_dp2_zero2": (2, {"dp": 2, "zero_stage": 2}, GPT),
     "gpt_mp2_sp_vocab_sharded": (2, {"mp": 2, "sequence_parallel": True, "vocab_emb_dp": False}, GPT),
     "mp4": (4, {"mp": 4}, {}),
     "dp2_mp2": (4, {"dp": 2, "mp": 2}, {}),
@@ -82,6 +84,39 @@ def test_layout_matches_one_process(name, tmp_root, tmp_path):
     for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, reference), 1):
         assert loss == pytest.approx(want_loss, rel=1e-4), f"{name}: loss at step {step}"
         assert norm == pytest.approx(want_norm, rel=1e-4), f"{name}: grad norm at step {step}"
+
+
+def test_owners_deal_the_largest_tensors_first_to_the_least_loaded_rank():
+    from paratrain.parallel.data import owners
+
+    assert owners([10, 40, 30, 20], 2) == [0, 0, 1, 1]  # 40 -> 0, 30 -> 1, 20 -> 1 (30 < 40), 10 -> 0 (40 < 50)
+    assert owners([5, 5, 5], 3) == [0, 1, 2]
+    sizes = [7, 1, 8, 3, 3, 9, 2, 6]
+    for ranks in (2, 3, 4):
+        owner = owners(sizes, ranks)
+        load = [sum(s for s, o in zip(sizes, owner) if o == r) for r in range(ranks)]
+        assert max(load) - min(load) <= max(sizes), (ranks, load)
+        assert set(owner) == set(range(ranks))
+
+
+def _zero1_state(tmp_dir):
+    """(parameter name -> elements, names whose optimizer state this rank holds, parameters after 3 steps)."""
+    trainer = Trainer(tiny_config(run={"dir": tmp_dir}, parallel={"dp": 2, "zero_stage": 1}, train={"steps": 3}))
+    trainer.train()
+    names = {p: n for n, p in trainer.model.named_parameters()}
+    params = {n: p.detach().numpy().copy() for p, n in names.items()}
+    return {n: p.size for n, p in params.items()}, [names[p] for p in trainer.optimizer.state], params
+
+
+@pytest.mark.slow
+def test_zero1_keeps_each_parameters_optimizer_state_on_one_rank(tmp_path):
+    (sizes, held0, params0), (_, held1, params1) = run_distributed(_zero1_state, 2, str(tmp_path))
+    assert held0 and held1 and not set(held0) & set(held1)  # every rank steps a disjoint share
+    assert set(held0) | set(held1) == set(sizes)  # and together they step every parameter
+    for held in (held0, held1):
+        assert sum(sizes[n] for n in held) <= sum(sizes.values()) / 2 + max(sizes.values())
+    for name in params0:  # the owners' broadcasts left the replicas equal
+        assert (params0[name] == params1[name]).all(), name
 
 
 def test_even_split_counts_embeddings_and_head():

@@ -9,15 +9,19 @@ What each ``zero_stage`` keeps on a rank (P = parameter bytes, dp ranks) and sen
      reducer cannot hold, and pipelines whose schedule splits backward into input and
      weight passes (the weight gradients bypass the reducer's hooks) use FSDP2's
      ``replicate`` instead: no shard dim, one all-reduce per layer group.
-- 1, 2: parameters, gradients and optimizer state sharded at rest (P/dp each); parameters
+- 1: replicas as at stage 0, but each rank keeps the optimizer state of only the parameters it owns
+     (whole tensors, dealt out by size so every rank holds about 1/dp of it) and steps only them;
+     after the step every parameter is broadcast from its owner (``shard_optimizer_state``).
+     Gradients stay whole, so clipping and loss scaling see every gradient as at stage 0.
+     Communication: the all-reduce plus the broadcasts, 3P(dp-1)/dp.
+- 2: parameters, gradients and optimizer state sharded at rest (P/dp each) by FSDP2; parameters
      are all-gathered once in forward and stay whole until backward has used them
      (``reshard_after_forward=False``), gradients are reduce-scattered. Communication:
-     all-gather + reduce-scatter, 2P(dp-1)/dp, the same volume as stage 0. Stage 1 is
-     served by stage 2: sharding the gradients as well costs no extra communication.
-- 3: as 2, but parameters are freed after forward and all-gathered again in backward:
-     3P(dp-1)/dp, in exchange for only one layer group's whole parameters alive at a time.
+     all-gather + reduce-scatter, 2P(dp-1)/dp, the same volume as stage 0. At dp = 2 stage 1
+     holds as much at its peak (P + P + P, no all-gather or reduce-scatter buffers); stage 2
+     needs less from dp = 4 on.
 ``optimizer_shard=true`` means stage 1.
-ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", stages 1-3 / 3): FSDP2's
+ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", stages 1-3 / 3; stage 1 then runs as 2): FSDP2's
 ``CPUOffloadPolicy(pin_memory=True)`` keeps this rank's parameter shards, their gradients and the
 optimizer state in pinned host memory; each all-gather first copies the shard to the device, each
 reduced gradient shard is copied back, and the optimizer step runs on the host. FSDP2 offloads the
@@ -39,6 +43,7 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.nn.functional import all_reduce
+from torch.distributed.tensor import DTensor
 
 from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
@@ -57,10 +62,10 @@ def layer_groups(layers: list[nn.Module], num_groups: int) -> list[list[nn.Modul
 
 
 def uses_ddp(config: ParallelConfig) -> bool:
-    """Whether replicas reduce their gradients with DDP's reducer (zero stage 0 without tensor parallelism
-    and without a split-backward pipeline schedule), rather than with FSDP2."""
+    """Whether replicas reduce their gradients with DDP's reducer (zero stages 0 and 1 without tensor
+    parallelism and without a split-backward pipeline schedule), rather than with FSDP2."""
     split = config.pipeline_stage > 1 and config.pipeline_schedule in SPLIT_BACKWARD
-    return config.effective_zero_stage == 0 and config.model_parallel == 1 and not split
+    return not config.shards_parameters and config.model_parallel == 1 and not split
 
 
 def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout,
@@ -87,17 +92,62 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
                   init_sync=False, forward_sync_buffers=False)
         return model
     kwargs = {"mesh": layout.dp_mesh}
-    if config.effective_zero_stage > 0:
+    if config.shards_parameters:
         kwargs["reshard_after_forward"] = config.effective_zero_stage == 3
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if config.offloads:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-    wrap = fully_shard if config.effective_zero_stage > 0 else fsdp_replicate
+    wrap = fully_shard if config.shards_parameters else fsdp_replicate
     for group in groups:
         wrap(group, **kwargs)
     wrap(root, **kwargs)
     return model
+
+
+def owners(sizes: list[int], ranks: int) -> list[int]:
+    """The rank owning each of tensors of ``sizes`` (elements): the largest first, each to the rank holding
+    the fewest elements so far (the lowest such rank); the same answer on every rank."""
+    load, owner = [0] * ranks, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner[i] = min(range(ranks), key=load.__getitem__)
+        load[owner[i]] += sizes[i]
+    return owner
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, config: ParallelConfig, layout: Layout) -> None:
+    """ZeRO stage 1 over replicas: ``optimizer`` steps, and so makes state for, only the parameters this
+    data-parallel rank owns (``owners``); after each step every parameter is broadcast from its owner.
+    Does nothing unless ``config`` is stage 1 on replicas over dp > 1 ranks.
+
+    Call it before the optimizer's first step. Its groups keep every parameter, so ``zero_grad`` and the
+    LR schedule see them all; a hook before each step drops the gradients of the parameters other ranks
+    own (AdamW skips a parameter without gradient). Checkpoints hold each parameter's state once, saved
+    by its owner, and load under any layout (``paratrain.checkpoint``).
+    """
+    if config.effective_zero_stage != 1 or config.shards_parameters or layout.dp_group is None:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(params) < layout.dp_size:
+        raise ValueError(f"zero_stage=1 over data_parallel={layout.dp_size} ranks needs at least one parameter "
+                         f"tensor a rank; this rank's part of the model has {len(params)}: use zero_stage 0 or 2")
+    owner = owners([p.numel() for p in params], layout.dp_size)
+    foreign = [p for p, o in zip(params, owner) if o != layout.dp_rank]
+    group = layout.dp_group
+
+    def drop_foreign_gradients(*_):
+        for p in foreign:
+            p.grad = None
+
+    @torch.no_grad()
+    def broadcast_parameters(*_):
+        works = [dist.broadcast(p.to_local() if isinstance(p, DTensor) else p.detach(), group=group, group_src=o,
+                                async_op=True) for p, o in zip(params, owner)]
+        for work in works:
+            work.wait()
+
+    optimizer.register_step_pre_hook(drop_foreign_gradients)
+    optimizer.register_step_post_hook(broadcast_parameters)
 
 
 class GlobalBatchNorm(nn.BatchNorm2d):

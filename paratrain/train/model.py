@@ -18,6 +18,8 @@ from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.nn import PipelineCell
 from paratrain.optim import tensor_kind
+from paratrain.parallel.data import shard_optimizer_state
+from paratrain.parallel.user import PlacedNet, place_net
 from paratrain.train.callbacks import Callback, CallbackParams, RunContext
 
 
@@ -121,8 +123,6 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple):
 
             choose = StrategyChooser.from_context(layout.world_size)
         return place_semi_auto(net, batch, layout.device, layout.world_size, config.effective_zero_stage > 0, choose)
-    from paratrain.parallel.user import place_net
-
     return place_net(net, config, layout, batch)
 
 
@@ -283,6 +283,8 @@ class Model:
             if isinstance(self.network, PipelineCell):
                 self.network.placed = self.train_network
             self.optimizer = rebuild_optimizer(self.optimizer, names, self.train_network.named_parameters())
+            if isinstance(self.train_network, PlacedNet):  # semi-auto shards its optimizer by placements
+                shard_optimizer_state(self.optimizer, config, layout)
             params.update(train_network=self.train_network, optimizer=self.optimizer)
         loss = self.train_network.train_step(batch, rows_of_this_rank=params.rows_of_this_rank)
         if params.parallel_mode == ParallelMode.DATA_PARALLEL and not get_auto_parallel_context("gradients_mean"):
