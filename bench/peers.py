@@ -67,10 +67,11 @@ LR = 3e-4
 # deepspeed (ZeRO engine) or deepspeed_pipe (PipelineModule)
 SYSTEMS = {
     "torch_ddp": {"runner": "torch", "stage": "zero0", "wrap": "ddp"},
-    "torch_fsdp2": {"runner": "torch", "stage": "zero1", "wrap": "fsdp2", "reshard_after_forward": False},
+    "torch_fsdp2": {"runner": "torch", "stage": "zero2", "wrap": "fsdp2", "reshard_after_forward": False},
     "torch_fsdp2_reshard": {"runner": "torch", "stage": "zero3", "wrap": "fsdp2", "reshard_after_forward": True},
     "paratrain_zero0": {"runner": "paratrain", "stage": "zero0", "parallel": {"data_parallel": 2, "zero_stage": 0}},
     "paratrain_zero1": {"runner": "paratrain", "stage": "zero1", "parallel": {"data_parallel": 2, "zero_stage": 1}},
+    "paratrain_zero2": {"runner": "paratrain", "stage": "zero2", "parallel": {"data_parallel": 2, "zero_stage": 2}},
     "paratrain_zero3": {"runner": "paratrain", "stage": "zero3", "parallel": {"data_parallel": 2, "zero_stage": 3}},
     "paratrain_pp2": {"runner": "paratrain", "stage": "pipeline",
                       "parallel": {"pipeline_stage": 2, "micro_batch_num": 4}},
@@ -78,10 +79,10 @@ SYSTEMS = {
     "deepspeed_zero1": {"runner": "deepspeed", "stage": "zero1", "zero": {"stage": 1}},
     # reduce_scatter=true (the default) still all-reduces each bucket while use_multi_rank_bucket_allreduce
     # is on (the default); off, each rank's partition is reduced to it: the bytes of a reduce-scatter
-    "deepspeed_zero2": {"runner": "deepspeed", "stage": "zero1", "zero": {"stage": 2}},
-    "deepspeed_zero2_reduce": {"runner": "deepspeed", "stage": "zero1",
+    "deepspeed_zero2": {"runner": "deepspeed", "stage": "zero2", "zero": {"stage": 2}},
+    "deepspeed_zero2_reduce": {"runner": "deepspeed", "stage": "zero2",
                                "zero": {"stage": 2, "reduce_scatter": True, "use_multi_rank_bucket_allreduce": False}},
-    "deepspeed_zero2_allreduce": {"runner": "deepspeed", "stage": "zero1",
+    "deepspeed_zero2_allreduce": {"runner": "deepspeed", "stage": "zero2",
                                   "zero": {"stage": 2, "reduce_scatter": False}},
     # DeepSpeed's default keeps gathered parameters it will reuse within 1e9 elements, and never releases
     # prefetched ones: for this model all stay gathered from forward to backward. "free" releases them
@@ -99,10 +100,11 @@ RATIOS = {
     "zero0": ("paratrain_zero0", ["deepspeed_zero0"]),
     "zero1": ("paratrain_zero1", ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_reduce",
                                   "deepspeed_zero2_allreduce"]),
+    "zero2": ("paratrain_zero2", ["deepspeed_zero2", "deepspeed_zero2_reduce", "deepspeed_zero2_allreduce"]),
     "zero3": ("paratrain_zero3", ["deepspeed_zero3", "deepspeed_zero3_free"]),
     "pipeline": ("paratrain_pp2", ["deepspeed_pp2"]),
     "ddp": ("paratrain_zero0", ["torch_ddp"]),
-    "fsdp2": ("paratrain_zero1", ["torch_fsdp2"]),
+    "fsdp2": ("paratrain_zero2", ["torch_fsdp2"]),
     "fsdp2_reshard": ("paratrain_zero3", ["torch_fsdp2_reshard"]),
 }
 

@@ -242,10 +242,12 @@ def _four_ranks(root):
     start = resumed.step
     resumed_losses = losses(resumed.train())
     zero3 = Trainer(config(f"{root}/zero3", {"dp": 4, "zero_stage": 3}, resume=f"{root}/full/checkpoints/step_00000004"))
-    pipeline = Trainer(config(f"{root}/pp2", {"dp": 2, "pp": 2, "micro_batch_num": 2},
+    pipeline = Trainer(config(f"{root}/pp2", {"dp": 2, "pp": 2, "micro_batch_num": 2, "zero_stage": 1},
                               resume=f"{root}/full/checkpoints/step_00000004"))
+    zero1 = Trainer(config(f"{root}/zero1", {"dp": 4, "zero_stage": 1}, resume=f"{root}/full/checkpoints/step_00000004"))
     return {"full": full, "start": start, "resumed": resumed_losses, "zero3_start": zero3.step,
-            "zero3": losses(zero3.train()), "pp2_start": pipeline.step, "pp2": losses(pipeline.train())}
+            "zero3": losses(zero3.train()), "pp2_start": pipeline.step, "pp2": losses(pipeline.train()),
+            "zero1": losses(zero1.train())}
 
 
 @functools.cache
@@ -272,16 +274,29 @@ def test_resume_dp2_mp2_is_bit_exact(four):
 
 
 @pytest.mark.slow
-def test_reshard_dp2_mp2_to_dp4_zero3_pp2_and_one_process(four, one_process, tmp_path):
+def test_reshard_dp2_mp2_to_dp4_zero3_pp2_zero1_and_one_process(four, one_process, tmp_path):
     root, r = four
     want = r["full"][SAVE:]
     assert r["zero3_start"] == SAVE and r["pp2_start"] == SAVE
     assert r["zero3"] == pytest.approx(want, rel=1e-4)
     assert r["pp2"] == pytest.approx(want, rel=1e-4)  # pipeline stages load their layers by whole-model names
+    assert r["zero1"] == pytest.approx(want, rel=1e-4)
     single = Trainer(config(tmp_path, resume=str(ckpt(root / "full", 4))))  # no process group at all
     assert single.step == SAVE
     assert losses(single.train()) == pytest.approx(want, rel=1e-4)
     assert r["full"] == pytest.approx(one_process["full_losses"], rel=1e-4)  # the layouts agree at all
+
+
+@pytest.mark.slow
+def test_zero1_owners_save_every_parameters_optimizer_state_once(four):
+    """dp4 zero 1 resumed from dp2 x mp2 saves its step 8 with each optimizer state written by its owner
+    alone: the same tensors, whole, as the dp2 x mp2 run's."""
+    root, _ = four
+    want = load_full_tensors(ckpt(root / "full", 8), prefix="optim.")
+    got = load_full_tensors(ckpt(root / "zero1", 8), prefix="optim.")
+    assert got.keys() == want.keys() and any(k.endswith("exp_avg_sq") for k in got)
+    for key in want:
+        assert torch.allclose(got[key], want[key], rtol=1e-3, atol=1e-6), key
 
 
 def test_pipeline_chunks_keep_original_names(one_process, tmp_path):
