@@ -48,6 +48,7 @@ from multiprocess import run_distributed  # noqa: E402
 LAYOUTS = {
     "dp2_zero0": {"dp": 2},
     "dp2_zero1": {"dp": 2, "zero_stage": 1},
+    "dp2_zero2": {"dp": 2, "zero_stage": 2},
     "dp2_zero3": {"dp": 2, "zero_stage": 3},
     "dp4_zero3": {"dp": 4, "zero_stage": 3},
     "mp2": {"mp": 2},
@@ -388,8 +389,10 @@ def analytic_comm(cfg) -> dict:
     if dp > 1:
         f = (dp - 1) / dp
         params = split["params"]  # P_local: the parameter bytes of this rank's tensor-parallel shard
-        if p.effective_zero_stage == 0:  # one all-reduce of the gradients
+        if not p.shards_parameters:  # one all-reduce of the gradients
             comp["dp_grads"] = 2 * f * params
+            if p.effective_zero_stage == 1:  # then every parameter broadcast from the rank that stepped it
+                comp["dp_params_broadcast"] = f * params
         elif p.effective_zero_stage < 3:  # all-gather in forward, reduce-scatter of the gradients
             comp["dp_params_grads"] = 2 * f * params
         else:  # all-gather in forward and again in backward, reduce-scatter, per micro-batch
@@ -403,9 +406,11 @@ def analytic_state(cfg) -> dict:
     """Per-rank bytes at rest: parameters, gradients, AdamW exp_avg + exp_avg_sq (+ a 4-byte step per tensor)."""
     split = param_split(cfg)
     params = split["params"]
-    if cfg.parallel.effective_zero_stage > 0:  # paratrain's stages 1-3 all shard params, grads, states
+    if cfg.parallel.shards_parameters:  # stages 2 and 3 shard params, grads and states
         params /= cfg.parallel.data_parallel
     optimizer = 2 * params + 4 * split["tensors"]
+    if cfg.parallel.effective_zero_stage == 1 and not cfg.parallel.shards_parameters:
+        optimizer /= cfg.parallel.data_parallel  # replicas, each stepping ~1/dp of the parameter tensors
     return {"params": params, "grads": params, "optimizer": optimizer, "total": 2 * params + optimizer}
 
 

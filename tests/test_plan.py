@@ -48,14 +48,15 @@ def test_dry_run_counts_equal_cost_model(kind, tie, parallel):
 
 
 @pytest.mark.timeout(120)
-def test_dry_run_512_ranks():
+@pytest.mark.parametrize("zero", [1, 2])
+def test_dry_run_512_ranks(zero):
     """dp 8 x mp 8 x pp 8 on a fake process group of 512 ranks: every stage's bytes as predicted."""
     from paratrain.plan.dryrun import dry_run
 
     cfg = Config.from_dict({
         "model": {"kind": "gpt", "vocab_size": 1000, "hidden_size": 256, "num_heads": 8, "ffn_hidden_size": 1024,
                   "decoder_layers": 16, "seq_length": 128},
-        "parallel": {"dp": 8, "mp": 8, "pp": 8, "zero_stage": 1, "micro_batch_num": 8, "vocab_emb_dp": False},
+        "parallel": {"dp": 8, "mp": 8, "pp": 8, "zero_stage": zero, "micro_batch_num": 8, "vocab_emb_dp": False},
         "train": {"global_batch_size": 64}})
     counted = dry_run(cfg, 512)
     predicted = cost.stage_states(cfg.model, cfg.parallel)
@@ -63,7 +64,11 @@ def test_dry_run_512_ranks():
     assert [c["params"] for c in counted] == [p.params for p in predicted]
     assert [c["optimizer"] for c in counted] == [p.optimizer for p in predicted]
     whole = cost.model_params(cfg.model) * 4
-    assert sum(c["params"] for c in counted) < whole / 8  # sharded over mp and dp
+    if zero == 1:  # replicas over dp, the optimizer state dealt out over them
+        assert whole / 8 < sum(c["params"] for c in counted) < whole / 4
+        assert sum(c["optimizer"] for c in counted) < 2 * whole / 8 / 4
+    else:  # sharded over mp and dp
+        assert sum(c["params"] for c in counted) < whole / 8
 
 
 def test_layer_split_matches_pipeline_module():

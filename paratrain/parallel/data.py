@@ -115,38 +115,53 @@ def owners(sizes: list[int], ranks: int) -> list[int]:
     return owner
 
 
+def parameter_owners(params: list[torch.Tensor], config: ParallelConfig, layout: Layout) -> list[int] | None:
+    """The data-parallel rank that steps each of ``params`` at zero stage 1 on replicas over dp > 1 ranks
+    (``owners`` of the sizes of this rank's tensor-parallel shards), else None: every rank steps every
+    parameter."""
+    if config.effective_zero_stage != 1 or config.shards_parameters or layout.dp_group is None:
+        return None
+    if len(params) < layout.dp_size:
+        raise ValueError(f"zero_stage=1 over data_parallel={layout.dp_size} ranks needs at least one parameter "
+                         f"tensor a rank; this rank's part of the model has {len(params)}: use zero_stage 0 or 2")
+    return owners([(p.to_local() if isinstance(p, DTensor) else p).numel() for p in params], layout.dp_size)
+
+
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, config: ParallelConfig, layout: Layout) -> None:
     """ZeRO stage 1 over replicas: ``optimizer`` steps, and so makes state for, only the parameters this
     data-parallel rank owns (``owners``); after each step every parameter is broadcast from its owner.
     Does nothing unless ``config`` is stage 1 on replicas over dp > 1 ranks.
 
     Call it before the optimizer's first step. Its groups keep every parameter, so ``zero_grad`` and the
-    LR schedule see them all; a hook before each step drops the gradients of the parameters other ranks
-    own (AdamW skips a parameter without gradient). Checkpoints hold each parameter's state once, saved
+    LR schedule see them all; a hook before each step sets aside the gradients of the parameters other
+    ranks own (AdamW skips a parameter without gradient) and one after it puts them back. Checkpoints hold each parameter's state once, saved
     by its owner, and load under any layout (``paratrain.checkpoint``).
     """
-    if config.effective_zero_stage != 1 or config.shards_parameters or layout.dp_group is None:
-        return
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if len(params) < layout.dp_size:
-        raise ValueError(f"zero_stage=1 over data_parallel={layout.dp_size} ranks needs at least one parameter "
-                         f"tensor a rank; this rank's part of the model has {len(params)}: use zero_stage 0 or 2")
-    owner = owners([p.numel() for p in params], layout.dp_size)
+    owner = parameter_owners(params, config, layout)
+    if owner is None:
+        return
     foreign = [p for p, o in zip(params, owner) if o != layout.dp_rank]
     group = layout.dp_group
 
-    def drop_foreign_gradients(*_):
+    set_aside: list = []
+
+    def set_aside_foreign_gradients(*_):
+        set_aside[:] = [p.grad for p in foreign]
         for p in foreign:
             p.grad = None
 
     @torch.no_grad()
     def broadcast_parameters(*_):
+        for p, grad in zip(foreign, set_aside):
+            p.grad = grad
+        set_aside.clear()
         works = [dist.broadcast(p.to_local() if isinstance(p, DTensor) else p.detach(), group=group, group_src=o,
                                 async_op=True) for p, o in zip(params, owner)]
         for work in works:
             work.wait()
 
-    optimizer.register_step_pre_hook(drop_foreign_gradients)
+    optimizer.register_step_pre_hook(set_aside_foreign_gradients)
     optimizer.register_step_post_hook(broadcast_parameters)
 
 

@@ -106,7 +106,7 @@ def local_numel(p: Param, par: ParallelConfig, tp_rank: int = 0, dp_rank: int = 
         shape[0] = chunk_size(shape[0], tp, tp_rank)
     elif p.tp == "row":
         shape[1] = chunk_size(shape[1], tp, tp_rank)
-    if par.effective_zero_stage > 0 and par.data_parallel > 1:
+    if par.shards_parameters and par.data_parallel > 1:
         shape[0] = chunk_size(shape[0], par.data_parallel, dp_rank)
     return math.prod(shape)
 
@@ -165,6 +165,7 @@ class StageState:
     params: int = 0
     grads: int = 0
     optimizer: int = 0
+    stepped: int = 0  # bytes of the parameters it steps (at zero stage 1 on replicas those dp rank 0 owns)
     tensors: int = 0
     whole_params: int = 0  # this rank's tensor-parallel shard, before ZeRO sharding (what FSDP gathers)
     group_params: int = 0  # the largest gradient_aggregation_group's whole parameters
@@ -189,6 +190,10 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
              for k, ps in ((False, enc), (True, dec))}
     others = other_params(m)
     stages = [StageState() for _ in range(par.pipeline_stage)]
+    # zero stage 1 on replicas: each rank steps (and keeps the state of) the parameters dealt to it by size
+    steps_owned = par.effective_zero_stage == 1 and not par.shards_parameters and par.data_parallel > 1
+    local_sizes = {d: [local_numel(p, par) for p in ps] for d, ps in ((False, enc), (True, dec))}
+    sizes = {id(st): [] for st in stages}
     for chunk in range(num_chunks):
         st = stages[chunk_rank(chunk, par) if par.pipeline_stage > 1 else 0]
         parts = model_chunk_parts(m, owner, chunk)
@@ -198,11 +203,14 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
         n_local = sum(local[d][0] for d, _, _ in held)
         n_whole = sum(local[d][1] for d, _, _ in held)
         tensors = sum(local[d][2] for d, _, _ in held)
+        if steps_owned:
+            sizes[id(st)] += [n for d, _, _ in held for n in local_sizes[d]]
         for p in others:
             if p.part in parts:
                 n_local += local_numel(p, par)
                 n_whole += tp_numel(p, par)
                 tensors += 1
+                sizes[id(st)].append(local_numel(p, par))
         st.params += n_local * b
         st.whole_params += n_whole * b
         st.tensors += tensors
@@ -211,7 +219,13 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
         st.group_params = max(st.group_params, per_group * max(local[True][1], local[False][1]) * b)
     for st in stages:
         st.grads = st.params
-        st.optimizer = 2 * st.params + 4 * st.tensors
+        st.stepped, stepped_tensors = st.params, st.tensors
+        if steps_owned:
+            from paratrain.parallel.data import owners  # imported here: model_params needs no torch
+
+            mine = [n for n, o in zip(sizes[id(st)], owners(sizes[id(st)], par.data_parallel)) if o == 0]
+            st.stepped, stepped_tensors = sum(mine) * b, len(mine)
+        st.optimizer = 2 * st.stepped + 4 * stepped_tensors
     return stages
 
 

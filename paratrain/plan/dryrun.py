@@ -6,7 +6,7 @@ distributed.fake_pg``: collectives return at once, nothing is sent) as that stag
 meta device and runs ``paratrain.parallel.parallelize`` exactly as the trainer does. The local
 shards of the parameters then give the rank's parameter bytes with no memory and no devices;
 gradients take the same placement and AdamW adds two states of the same size and a 4-byte step
-per tensor.
+per tensor it steps (at zero stage 1 on replicas, those of the parameters this rank owns).
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
     from paratrain.mesh import Layout
     from paratrain.models import build_model
     from paratrain.parallel import parallelize
+    from paratrain.parallel.data import parameter_owners
 
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     with fake_process_group(rank, world_size):
@@ -57,9 +58,11 @@ def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
         parts, _ = parallelize(model, cfg.parallel, layout, loss_fn=lambda *a, **k: None)
         params = list({id(p): p for part in parts for p in part.parameters()}.values())
         nbytes = sum(_local_bytes(p) for p in params)
+        owner = parameter_owners(params, layout.config, layout)
+        stepped = params if owner is None else [p for p, o in zip(params, owner) if o == layout.dp_rank]
+        optimizer = 2 * sum(_local_bytes(p) for p in stepped) + 4 * len(stepped)
         return {"rank": rank, "pp_rank": layout.pp_rank, "params": nbytes, "grads": nbytes,
-                "optimizer": 2 * nbytes + 4 * len(params), "tensors": len(params),
-                "total": 4 * nbytes + 4 * len(params)}
+                "optimizer": optimizer, "tensors": len(params), "total": 2 * nbytes + optimizer}
 
 
 def dry_run(cfg: Config, world_size: int | None = None) -> list[dict]:

@@ -79,7 +79,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         return row
     spec = cost.activation_spec(cfg)
     pbytes = cost.DTYPE_BYTES[m.dtype]
-    key = (dp, tp, pp, par.effective_zero_stage > 0, par.virtual_pipeline_stage, par.pipeline_schedule,
+    key = (dp, tp, pp, par.shards_parameters, par.effective_zero_stage == 1, par.virtual_pipeline_stage, par.pipeline_schedule,
            par.vocab_emb_dp, par.gradient_aggregation_group)
     states = cache.get(key) if cache is not None else None
     if states is None:
@@ -93,12 +93,12 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         act = cost.stage_activation_bytes(cfg, par, stage, st, spec, modes)
         produced = cost.stage_activation_bytes(cfg, par, stage, st, spec, ["none"] * len(modes))["per_micro_batch"]
         act_micro.append(produced * (4 if "full" in modes else 3))  # bytes streamed by elementwise work
-        if zero in (1, 2) or (zero == 3 and pp > 1):  # whole parameters gathered, gradients accumulated whole
-            transient = st.whole_params + (st.whole_params if accumulate else st.group_params)
-        elif zero == 3:
-            transient = 3 * st.group_params  # two groups' parameters (prefetch) and one group's gradients
-        else:
+        if not par.shards_parameters:  # replicas (stages 0, 1): gradients reduced in their own storage
             transient = 0
+        elif zero < 3 or pp > 1:  # whole parameters gathered, gradients accumulated whole
+            transient = st.whole_params + (st.whole_params if accumulate else st.group_params)
+        else:
+            transient = 3 * st.group_params  # two groups' parameters (prefetch) and one group's gradients
         total = (0 if par.offloads else st.total) + transient + act["total"]
         if worst is None or total > worst[0]:
             worst = (total, stage, st, act, transient)
@@ -140,14 +140,17 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     if dp > 1:
         f = (dp - 1) / dp
         whole = max(s.whole_params for s in states)
-        dp_volume = 2 * f * whole if zero < 3 else 3 * f * whole * (1 if pp > 1 else mb)
+        if zero == 3:
+            dp_volume = 3 * f * whole * (1 if pp > 1 else mb)
+        else:  # stage 1 on replicas: the all-reduce, then every parameter broadcast from its owner
+            dp_volume = (3 if zero == 1 and not par.shards_parameters else 2) * f * whole
     dp_time = dp_volume / _bw(hw, dp * tp)
     if dp > 1:  # one gather and/or reduction per layer group (gradient_aggregation_group buckets)
         groups = par.aggregation_groups(max(len(s.layers) for s in states)) + 1
         dp_time += groups * (3 * (1 if pp > 1 else mb) if zero == 3 else (2 if zero else 1)) * hw.latency
     bubble = cost.bubble_micro_batches(par)
     # AdamW reads parameter, gradient and two states and writes three of them
-    optimizer_time = max(7 * s.params for s in states) / (hw.host_mem_bw if par.offloads else hw.mem_bw)
+    optimizer_time = max(7 * s.stepped for s in states) / (hw.host_mem_bw if par.offloads else hw.mem_bw)
     host = cost.offload_bytes(par, st) if par.offloads else {"host": 0, "host_to_device": 0, "device_to_host": 0}
     offload_time = (host["host_to_device"] + host["device_to_host"]) / hw.host_bw
     step = (mb + bubble) * (t_micro + pp_time) + dp_time + offload_time + optimizer_time
