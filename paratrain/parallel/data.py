@@ -46,6 +46,7 @@ from torch.distributed.nn.functional import all_reduce
 from torch.distributed.tensor import DTensor
 
 from paratrain.config import ParallelConfig
+from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.models.transformer import pipeline_blocks
 
@@ -122,7 +123,7 @@ def parameter_owners(params: list[torch.Tensor], config: ParallelConfig, layout:
     if config.effective_zero_stage != 1 or config.shards_parameters or layout.dp_group is None:
         return None
     if len(params) < layout.dp_size:
-        raise ValueError(f"zero_stage=1 over data_parallel={layout.dp_size} ranks needs at least one parameter "
+        raise UserError(f"zero_stage=1 over data_parallel={layout.dp_size} ranks needs at least one parameter "
                          f"tensor a rank; this rank's part of the model has {len(params)}: use zero_stage 0 or 2")
     return owners([(p.to_local() if isinstance(p, DTensor) else p).numel() for p in params], layout.dp_size)
 
