@@ -244,7 +244,8 @@ def _four_ranks(root):
     zero3 = Trainer(config(f"{root}/zero3", {"dp": 4, "zero_stage": 3}, resume=f"{root}/full/checkpoints/step_00000004"))
     pipeline = Trainer(config(f"{root}/pp2", {"dp": 2, "pp": 2, "micro_batch_num": 2, "zero_stage": 1},
                               resume=f"{root}/full/checkpoints/step_00000004"))
-    zero1 = Trainer(config(f"{root}/zero1", {"dp": 4, "zero_stage": 1}, resume=f"{root}/full/checkpoints/step_00000004"))
+    zero1 = Trainer(config(f"{root}/zero1", {"dp": 4, "zero_stage": 1},
+                           resume=f"{root}/full/checkpoints/step_00000004"))
     return {"full": full, "start": start, "resumed": resumed_losses, "zero3_start": zero3.step,
             "zero3": losses(zero3.train()), "pp2_start": pipeline.step, "pp2": losses(pipeline.train()),
             "zero1": losses(zero1.train())}

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from multiprocess import run_distributed
 from paratrain import (TransformerOpParallelConfig, load_checkpoint, load_param_into_net, reset_auto_parallel_context,

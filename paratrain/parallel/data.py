@@ -20,9 +20,11 @@ What each ``zero_stage`` keeps on a rank (P = parameter bytes, dp ranks) and sen
      all-gather + reduce-scatter, 2P(dp-1)/dp, the same volume as stage 0. At dp = 2 stage 1
      holds as much at its peak (P + P + P, no all-gather or reduce-scatter buffers); stage 2
      needs less from dp = 4 on.
+- 3: as 2, but parameters are freed after forward and all-gathered again in backward:
+     3P(dp-1)/dp, in exchange for only one layer group's whole parameters alive at a time.
 ``optimizer_shard=true`` means stage 1.
-ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", stages 1-3 / 3; stage 1 then runs as 2): FSDP2's
-``CPUOffloadPolicy(pin_memory=True)`` keeps this rank's parameter shards, their gradients and the
+ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", stages 1-3 / 3; stage 1 then runs
+as 2): FSDP2's ``CPUOffloadPolicy(pin_memory=True)`` keeps this rank's parameter shards, their gradients and the
 optimizer state in pinned host memory; each all-gather first copies the shard to the device, each
 reduced gradient shard is copied back, and the optimizer step runs on the host. FSDP2 offloads the
 three together (DeepSpeed can keep parameters on the device while offloading only the optimizer).
@@ -124,7 +126,7 @@ def parameter_owners(params: list[torch.Tensor], config: ParallelConfig, layout:
         return None
     if len(params) < layout.dp_size:
         raise UserError(f"zero_stage=1 over data_parallel={layout.dp_size} ranks needs at least one parameter "
-                         f"tensor a rank; this rank's part of the model has {len(params)}: use zero_stage 0 or 2")
+                        f"tensor a rank; this rank's part of the model has {len(params)}: use zero_stage 0 or 2")
     return owners([(p.to_local() if isinstance(p, DTensor) else p).numel() for p in params], layout.dp_size)
 
 
@@ -135,17 +137,16 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, config: ParallelConf
 
     Call it before the optimizer's first step. Its groups keep every parameter, so ``zero_grad`` and the
     LR schedule see them all; a hook before each step sets aside the gradients of the parameters other
-    ranks own (AdamW skips a parameter without gradient) and one after it puts them back. Checkpoints hold each parameter's state once, saved
-    by its owner, and load under any layout (``paratrain.checkpoint``).
+    ranks own (AdamW skips a parameter without gradient) and one after it puts them back. Checkpoints
+    hold each parameter's state once, saved by its owner, and load under any layout
+    (``paratrain.checkpoint``).
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     owner = parameter_owners(params, config, layout)
     if owner is None:
         return
     foreign = [p for p, o in zip(params, owner) if o != layout.dp_rank]
-    group = layout.dp_group
-
-    set_aside: list = []
+    group, set_aside = layout.dp_group, []
 
     def set_aside_foreign_gradients(*_):
         set_aside[:] = [p.grad for p in foreign]

@@ -79,8 +79,8 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         return row
     spec = cost.activation_spec(cfg)
     pbytes = cost.DTYPE_BYTES[m.dtype]
-    key = (dp, tp, pp, par.shards_parameters, par.effective_zero_stage == 1, par.virtual_pipeline_stage, par.pipeline_schedule,
-           par.vocab_emb_dp, par.gradient_aggregation_group)
+    key = (dp, tp, pp, par.shards_parameters, par.effective_zero_stage == 1, par.virtual_pipeline_stage,
+           par.pipeline_schedule, par.vocab_emb_dp, par.gradient_aggregation_group)
     states = cache.get(key) if cache is not None else None
     if states is None:
         states = cost.stage_states(m, par, pbytes)
