@@ -59,7 +59,17 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), ignore_index)
 
 
-def head_output(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | None,
-                ignore_index: int) -> torch.Tensor:
-    """A bias-free output head: logits (..., V), or with ``labels`` their summed token loss without the logits."""
-    return head(hidden) if labels is None else linear_token_loss_sum(hidden, head.weight, labels, ignore_index)
+class OutputHead(torch.nn.Linear):
+    """The bias-free output head: hidden (..., H) -> logits (..., V), or with ``labels`` (...) their summed
+    token loss over the targets that are not ``ignore_index``, without whole logits
+    (``linear_token_loss_sum``). Either way it is a module call, so hooks on the head run (FSDP2
+    gathers its weight when it is a unit of its own)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, ignore_index: int):
+        super().__init__(hidden_size, vocab_size, bias=False)
+        self.ignore_index = ignore_index
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(hidden)
+        return linear_token_loss_sum(hidden, self.weight, labels, self.ignore_index)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.config import ModelConfig
-from paratrain.models.linear_cross_entropy import head_output
+from paratrain.models.linear_cross_entropy import OutputHead
 
 
 class VocabEmbedding(nn.Module):
@@ -255,7 +255,7 @@ class Seq2SeqModel(nn.Module):
         self.src_embed = Embeddings(word, cfg.src_seq_length, cfg.hidden_size, cfg.hidden_dropout)
         self.tgt_embed = Embeddings(word, cfg.tgt_seq_length, cfg.hidden_size, cfg.hidden_dropout)
         self.transformer = Transformer(cfg)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = OutputHead(cfg.hidden_size, cfg.vocab_size, cfg.ignore_index)
         if cfg.tie_embeddings:
             self.head.weight = word.embedding.weight
         # the layer stacks, with the number of layers before each (MindSpore's lambda_func offset)
@@ -294,7 +294,7 @@ class Seq2SeqModel(nn.Module):
         length = tgt_ids.shape[1]
         self_mask = CAUSAL if caches is None else None
         x = t.decoder(x, memory, self_mask, t.padding_mask(src_pad, length), caches)
-        return head_output(self.head, x, labels, self.ignore_index) if self.head is not None else x
+        return self.head(x, labels) if self.head is not None else x
 
 
 class GPTModel(nn.Module):
@@ -314,7 +314,7 @@ class GPTModel(nn.Module):
                                 cfg.hidden_size, cfg.hidden_dropout)
         self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in range(cfg.decoder_layers)})
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = OutputHead(cfg.hidden_size, cfg.vocab_size, cfg.ignore_index)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.word.embedding.weight
         self.layer_stacks = {"layers": 0}  # see Seq2SeqModel
@@ -324,7 +324,7 @@ class GPTModel(nn.Module):
         x = hidden[0] if hidden else self.embed(input_ids)
         for layer in self.layers.values():
             x = layer(x, CAUSAL)
-        return head_output(self.head, self.norm(x), labels, self.ignore_index) if self.head is not None else x
+        return self.head(self.norm(x), labels) if self.head is not None else x
 
 
 def init_weights(model: nn.Module, std: float = 0.02) -> None:

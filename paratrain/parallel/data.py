@@ -34,9 +34,12 @@ Batch-norm layers (ResNet) normalise with the statistics of the whole data-paral
 process would (in a user's net only ``paratrain.nn.SyncBatchNorm`` ones, as MindSpore's).
 ``gradient_aggregation_group`` sets how many groups of consecutive layers are gathered
 and reduced together (communication buckets); by default (0) each layer is its own FSDP unit, so one
-layer's parameters are gathered at a time, and DDP uses its own 25 MB buckets.
+layer's parameters are gathered at a time, and DDP uses its own 25 MB buckets. Under FSDP2 the
+embeddings, final norms and head are units of their own too (``part_units``).
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -102,10 +105,26 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
     if config.offloads:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     wrap = fully_shard if config.shards_parameters else fsdp_replicate
-    for group in groups:
-        wrap(group, **kwargs)
+    for unit in [*part_units(model, layers), *groups]:
+        wrap(unit, **kwargs)
     wrap(root, **kwargs)
     return model
+
+
+def part_units(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """The parts of ``model`` besides its layers (``pipeline_parts``: embeddings, final norms, head) that this
+    chunk holds, each an FSDP unit of its own unless it shares a parameter with another part or a layer
+    (a tied word table stays with the root). A part's gradient is then reduced and freed as soon as
+    backward has made it -- the head's at the start of backward -- not at the end with the root's."""
+    parts = []
+    for name in getattr(model, "pipeline_parts", {}):
+        try:
+            parts.append(model.get_submodule(name))
+        except AttributeError:  # held by another pipeline chunk
+            continue
+    holders = Counter(id(p) for module in [*layers, *parts] for p in module.parameters())
+    return [part for part in parts
+            if any(True for _ in part.parameters()) and all(holders[id(p)] == 1 for p in part.parameters())]
 
 
 def owners(sizes: list[int], ranks: int) -> list[int]:
