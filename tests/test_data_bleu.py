@@ -40,7 +40,7 @@ def test_greedy_decode_matches_teacher_forced_argmax():
 
 
 class AlwaysEos(torch.nn.Module):
-    def forward(self, hidden):
+    def forward(self, hidden, labels=None):
         return torch.nn.functional.one_hot(torch.full(hidden.shape[:-1], EOS), 40).float()
 
 

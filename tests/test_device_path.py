@@ -79,9 +79,10 @@ def _data_parallel_units(zero_stage, mixed_precision):
 
 
 @pytest.mark.slow
-def test_one_fsdp_unit_per_block_and_mixed_precision_gathers_bf16():
+def test_one_fsdp_unit_per_block_and_part_and_mixed_precision_gathers_bf16():
     (units, policies, ddp), _ = run_distributed(_data_parallel_units, 2, 3, "bf16", timeout=120)
-    assert units == ["", "layers.0", "layers.1", "layers.2"] and policies == {"torch.bfloat16"} and not ddp
+    assert units == ["", "embed", "layers.0", "layers.1", "layers.2", "norm", "head"]  # the untied parts too
+    assert policies == {"torch.bfloat16"} and not ddp
     (units, policies, ddp), _ = run_distributed(_data_parallel_units, 2, 0, "bf16", timeout=120)
     assert units == [] and ddp  # stage 0: DDP's reducer, parameters fp32 (autocast lowers the compute)
 

@@ -99,6 +99,27 @@ def test_owners_deal_the_largest_tensors_first_to_the_least_loaded_rank():
         assert set(owner) == set(range(ranks))
 
 
+@pytest.mark.parametrize("kind,tie,want", [
+    ("gpt", False, ["embed", "norm", "head"]),
+    ("gpt", True, ["norm"]),  # the tied word table stays with the root
+    ("transformer", False, ["transformer.encoder.norm", "transformer.decoder.norm", "head"]),  # embeds share words
+])
+def test_fsdp_part_units_leave_shared_parameters_to_the_root(kind, tie, want):
+    import torch
+
+    from paratrain.models import build_model
+    from paratrain.models.transformer import pipeline_blocks
+    from paratrain.parallel.data import part_units
+
+    with torch.device("meta"):
+        model = build_model(tiny_config(model={"kind": kind, "tie_embeddings": tie}).model)
+    names = {id(m): n for n, m in model.named_modules()}
+    layers = [model.get_submodule(name) for name, _, _ in pipeline_blocks(model)]
+    assert sorted(names[id(m)] for m in part_units(model, layers)) == sorted(want)
+    model.head = None  # a pipeline chunk without the head
+    assert "head" not in [names[id(m)] for m in part_units(model, layers)]
+
+
 def _zero1_state(tmp_dir):
     """(parameter name -> elements, names whose optimizer state this rank holds, parameters after 3 steps)."""
     trainer = Trainer(tiny_config(run={"dir": tmp_dir}, parallel={"dp": 2, "zero_stage": 1}, train={"steps": 3}))
