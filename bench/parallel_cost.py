@@ -391,7 +391,7 @@ def analytic_comm(cfg) -> dict:
         params = split["params"]  # P_local: the parameter bytes of this rank's tensor-parallel shard
         if not p.shards_parameters:  # one all-reduce of the gradients
             comp["dp_grads"] = 2 * f * params
-            if p.effective_zero_stage == 1:  # then every parameter broadcast from the rank that stepped it
+            if p.shards_only_optimizer_state:  # then every parameter broadcast from the rank that stepped it
                 comp["dp_params_broadcast"] = f * params
         elif p.effective_zero_stage < 3:  # all-gather in forward, reduce-scatter of the gradients
             comp["dp_params_grads"] = 2 * f * params
@@ -409,7 +409,7 @@ def analytic_state(cfg) -> dict:
     if cfg.parallel.shards_parameters:  # stages 2 and 3 shard params, grads and states
         params /= cfg.parallel.data_parallel
     optimizer = 2 * params + 4 * split["tensors"]
-    if cfg.parallel.effective_zero_stage == 1 and not cfg.parallel.shards_parameters:
+    if cfg.parallel.shards_only_optimizer_state:
         optimizer /= cfg.parallel.data_parallel  # replicas, each stepping ~1/dp of the parameter tensors
     return {"params": params, "grads": params, "optimizer": optimizer, "total": 2 * params + optimizer}
 

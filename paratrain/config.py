@@ -361,6 +361,12 @@ class ParallelConfig(Section):
         return stage >= 2 or stage == 1 and self.offloads
 
     @property
+    def shards_only_optimizer_state(self) -> bool:
+        """Zero stage 1 on replicas: each data-parallel rank keeps and steps the optimizer state of the
+        parameters it owns; parameters and gradients stay whole."""
+        return self.effective_zero_stage == 1 and not self.shards_parameters
+
+    @property
     def offloads(self) -> bool:
         """Whether FSDP2 keeps this run's parameters, gradients and optimizer state on the host
         (``offload_optimizer`` or ``offload_param`` = "cpu"; ``paratrain.parallel.data``)."""

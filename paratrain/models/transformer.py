@@ -250,7 +250,7 @@ class Seq2SeqModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.pad_token_id, self.ignore_index = cfg.pad_token_id, cfg.ignore_index
+        self.pad_token_id = cfg.pad_token_id
         word = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.src_embed = Embeddings(word, cfg.src_seq_length, cfg.hidden_size, cfg.hidden_dropout)
         self.tgt_embed = Embeddings(word, cfg.tgt_seq_length, cfg.hidden_size, cfg.hidden_dropout)
@@ -309,7 +309,7 @@ class GPTModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.pad_token_id, self.ignore_index = cfg.pad_token_id, cfg.ignore_index
+        self.pad_token_id = cfg.pad_token_id
         self.embed = Embeddings(VocabEmbedding(cfg.vocab_size, cfg.hidden_size), cfg.seq_length,
                                 cfg.hidden_size, cfg.hidden_dropout)
         self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in range(cfg.decoder_layers)})

@@ -24,8 +24,8 @@ What each ``zero_stage`` keeps on a rank (P = parameter bytes, dp ranks) and sen
      3P(dp-1)/dp, in exchange for only one layer group's whole parameters alive at a time.
 ``optimizer_shard=true`` means stage 1.
 ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", stages 1-3 / 3; stage 1 then runs
-as 2): FSDP2's ``CPUOffloadPolicy(pin_memory=True)`` keeps this rank's parameter shards, their gradients and the
-optimizer state in pinned host memory; each all-gather first copies the shard to the device, each
+as 2): FSDP2's ``CPUOffloadPolicy(pin_memory=True)`` keeps this rank's parameter shards, their
+gradients and the optimizer state in pinned host memory; each all-gather first copies the shard to the device, each
 reduced gradient shard is copied back, and the optimizer step runs on the host. FSDP2 offloads the
 three together (DeepSpeed can keep parameters on the device while offloading only the optimizer).
 It needs an accelerator (``paratrain.preflight`` refuses it on a CPU device) and runs with one
@@ -141,7 +141,7 @@ def parameter_owners(params: list[torch.Tensor], config: ParallelConfig, layout:
     """The data-parallel rank that steps each of ``params`` at zero stage 1 on replicas over dp > 1 ranks
     (``owners`` of the sizes of this rank's tensor-parallel shards), else None: every rank steps every
     parameter."""
-    if config.effective_zero_stage != 1 or config.shards_parameters or layout.dp_group is None:
+    if not config.shards_only_optimizer_state or layout.dp_group is None:
         return None
     if len(params) < layout.dp_size:
         raise UserError(f"zero_stage=1 over data_parallel={layout.dp_size} ranks needs at least one parameter "

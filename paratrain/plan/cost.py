@@ -191,7 +191,7 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
     others = other_params(m)
     stages = [StageState() for _ in range(par.pipeline_stage)]
     # zero stage 1 on replicas: each rank steps (and keeps the state of) the parameters dealt to it by size
-    steps_owned = par.effective_zero_stage == 1 and not par.shards_parameters and par.data_parallel > 1
+    steps_owned = par.shards_only_optimizer_state and par.data_parallel > 1
     local_sizes = {d: [local_numel(p, par) for p in ps] for d, ps in ((False, enc), (True, dec))}
     sizes = {id(st): [] for st in stages}
     for chunk in range(num_chunks):

@@ -79,7 +79,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         return row
     spec = cost.activation_spec(cfg)
     pbytes = cost.DTYPE_BYTES[m.dtype]
-    key = (dp, tp, pp, par.shards_parameters, par.effective_zero_stage == 1, par.virtual_pipeline_stage,
+    key = (dp, tp, pp, par.shards_parameters, par.shards_only_optimizer_state, par.virtual_pipeline_stage,
            par.pipeline_schedule, par.vocab_emb_dp, par.gradient_aggregation_group)
     states = cache.get(key) if cache is not None else None
     if states is None:
@@ -143,7 +143,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         if zero == 3:
             dp_volume = 3 * f * whole * (1 if pp > 1 else mb)
         else:  # stage 1 on replicas: the all-reduce, then every parameter broadcast from its owner
-            dp_volume = (3 if zero == 1 and not par.shards_parameters else 2) * f * whole
+            dp_volume = (3 if par.shards_only_optimizer_state else 2) * f * whole
     dp_time = dp_volume / _bw(hw, dp * tp)
     if dp > 1:  # one gather and/or reduction per layer group (gradient_aggregation_group buckets)
         groups = par.aggregation_groups(max(len(s.layers) for s in states)) + 1
