@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 
-from paratrain import host_memory
+from paratrain import host_memory, progress, stopping
 from paratrain.config import parse_overrides
 from paratrain.deepspeed_config import load_config
 from paratrain.errors import UserError
@@ -50,7 +50,6 @@ def cmd_train(args) -> int:
     if trainer.stopped_at is not None:
         if rank == 0:
             print(f"paratrain: stopped on request, saved at step {trainer.stopped_at}", file=sys.stderr, flush=True)
-        from paratrain import progress
         return progress.stopped(trainer.stopped_at)
     return 0
 
@@ -77,11 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
     if argv is None:  # the command line of this process (`paratrain ...` or `python -m paratrain ...`)
-        host_memory.restart_with_allocator(sys.argv[1:])
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
+        host_memory.restart_with_allocator(words)
+    if words[:1] == ["train"]:
+        stopping.catch()
     try:
+        parser = build_parser()
+        args, rest = parser.parse_known_args(argv)
         if getattr(args, "overrides", False):
             args.overrides = parse_overrides(rest)
         elif rest:
@@ -91,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"paratrain: {exc}", file=sys.stderr)
         return 2
+    except stopping.StopRequested as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"paratrain: stopped on request ({exc}) while starting, before this run's first step: "
+                  f"nothing to save", file=sys.stderr, flush=True)
+        return progress.stopped(None)
 
 
 if __name__ == "__main__":

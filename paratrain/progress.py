@@ -13,6 +13,7 @@ This module imports nothing heavy, so the trainer, ``doctor`` and the launcher c
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -112,15 +113,18 @@ def saved(step: int) -> None:
         _reporter.write()
 
 
-def stopped(saved_step: int) -> int:
-    """Record that this rank stops on request after saving a checkpoint of ``saved_step``; returns
-    :data:`EXIT_STOPPED`, the exit code to end the process with.
+def stopped(saved_step: int | None) -> int:
+    """Record that this rank stops on request after saving a checkpoint of ``saved_step`` (None: stopped
+    before its first step, nothing to save); returns :data:`EXIT_STOPPED`, the exit code to end the process
+    with.
 
     From here on SIGTERM and SIGINT are ignored: when the first rank exits, torchrun's agent sends SIGTERM to
     the others, and Python restores the default handlers while it exits, so a rank that saved would otherwise
     die of that signal on its way out and no longer look saved.
     """
-    saved(saved_step)
+    if saved_step is not None:
+        saved(saved_step)
+    faulthandler.unregister(signal.SIGTERM)  # else its exit puts back the handler it displaced, ours or SIG_DFL
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     return EXIT_STOPPED

@@ -12,7 +12,7 @@ from paratrain.config import Config
 from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.device import DTYPES
 from paratrain import host_memory, preflight, progress
-from paratrain.distributed import StopRequest, init_from_env
+from paratrain.distributed import init_from_env
 from paratrain.evaluate import bleu_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
@@ -22,6 +22,7 @@ from paratrain.parallel import parallelize, shard_optimizer_state
 from paratrain.parallel.deferred_init import materialize, record_init
 from paratrain.parallel.loss import loss_context, whole
 from paratrain.precision import LossScaler, autocast
+from paratrain.stopping import StopAgreement
 
 ON_DEVICE = ("loss", "grad_norm", "tokens")  # record values that stay on the device until a logged step
 
@@ -97,13 +98,15 @@ class Trainer:
 
     def train(self) -> list[dict]:
         """Run until ``train.steps``, or until a stop is asked (SIGTERM/SIGINT on any rank: every rank stops
-        at the same step, saves it and sets ``stopped_at``); returns every step's record. With checkpoints
-        on (``checkpoint.save_steps``) the last step is always saved."""
+        at the same step, saves it and sets ``stopped_at``; a stop during the last steps or the last save
+        ends the run as stopped too); returns every step's record. With checkpoints on
+        (``checkpoint.save_steps``) the last step is always saved."""
         history = []
         self._window_start, self._outside = time.perf_counter(), 0.0
-        stop = StopRequest(self.world_size)
+        stop = StopAgreement(self.world_size)
         try:
-            while self.step < self.cfg.train.steps:
+            stopping = False
+            while self.step < self.cfg.train.steps and not stopping:
                 record = self.train_step()
                 history.append(record)
                 self.step += 1
@@ -117,15 +120,14 @@ class Trainer:
                 stopping = stop.agreed()
                 if self.checkpointer.maybe_save(self.step) is not None:
                     progress.saved(self.step)
-                if stopping:
-                    self._to_host(self._pending)
-                    self._pending = []
-                    self._save_last()
-                    self.stopped_at = self.step
-                    break
                 self._outside += time.perf_counter() - outside
-            if self.cfg.checkpoint.save_steps > 0:
+            if self._pending:
+                self._to_host(self._pending)
+                self._pending = []
+            stopping = stop.finish() or stopping
+            if stopping or self.cfg.checkpoint.save_steps > 0:
                 self._save_last()
+            self.stopped_at = self.step if stopping else None
         finally:
             stop.close()
             self.metrics.close()

@@ -269,13 +269,24 @@ def _outcome(job: Job, topo: Topology, agent: _Agent, seen: _Watched, join_timeo
         return "failed", 1, {}, None, rendezvous.not_joined(job, master, join_timeout_s) + cause
     if not job.pids and isinstance(agent.error, DistError):
         return "failed", 1, {}, None, f"the rendezvous at {master} failed: {error}"
-    if seen.stop is not None and not job.pids:
-        return "stopped", stop_code, {}, None, ""
+    if seen.stop is not None and not job.pids:  # before any rank started: nothing to save
+        return "stopped", stop_code if seen.stop.now else progress.EXIT_STOPPED, {}, None, ""
     if isinstance(agent.error, ChildFailedError):
-        codes = {rank: 0 for rank in my_ranks} | {r: f.exitcode for r, f in agent.error.failures.items()}
-        rank, failure = first_failure(agent.error.failures)
-        if seen.stop is not None or failure.exitcode == progress.EXIT_STOPPED:
-            saved = all(c == progress.EXIT_STOPPED for c in codes.values())
+        failures = agent.error.failures
+        codes = {rank: 0 for rank in my_ranks} | {r: f.exitcode for r, f in failures.items()}
+        rank, failure = first_failure(failures)
+        # a crash (a positive code but the stopped one) fails the job, stopping or not; ranks killed by a
+        # signal while stopping make it stopped without a save
+        crashed = {r: f for r, f in failures.items() if f.exitcode not in (0, progress.EXIT_STOPPED)
+                   and not (seen.stop is not None and f.exitcode < 0)}
+        if crashed:
+            rank, failure = first_failure(crashed)
+        elif seen.stop is not None or failure.exitcode == progress.EXIT_STOPPED:
+            # `paratrain train` handles SIGTERM from its first line on: a rank that died of it was still
+            # starting, with nothing trained and nothing to save
+            stopped = (progress.EXIT_STOPPED, -signal.SIGTERM) if job.command[:1] == ["train"] else (
+                progress.EXIT_STOPPED,)
+            saved = all(c in stopped for c in codes.values())
             return "stopped", progress.EXIT_STOPPED if saved else stop_code, codes, None, ""
         message = describe_failure(job, rank, failure.exitcode)
         if timed_out(job, rank) and seen.progress_at_first_exit is not None:
