@@ -15,6 +15,20 @@ def _tmp_env(tmp_path, monkeypatch):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    """Compare like with like: a test's single-process reference runs with one thread, as every forked
+    worker and every launched rank does (torchrun sets OMP_NUM_THREADS=1), and so does any process a test
+    starts. Another thread count sums in another order, and how far that moves a result depends on the CPU."""
+    import torch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_config(**sections):
     """A tiny Config for tests: dropout 0, 2+2 layers, hidden 32; override with section dicts."""
     from paratrain.config import Config

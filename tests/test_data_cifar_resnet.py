@@ -70,5 +70,10 @@ def test_resnet_data_parallel_matches_one_process(tmp_path):
     want = resnet_losses(resnet_config(tmp_path, tmp_path / "one"))
     assert want[-1][0] < want[0][0]
     got = run_distributed(resnet_losses, 2, resnet_config(tmp_path, tmp_path / "dp2", data_parallel=2))[0]
-    for (loss, norm), (want_loss, want_norm) in zip(got, want):
-        assert loss == pytest.approx(want_loss, rel=1e-4) and norm == pytest.approx(want_norm, rel=1e-4)
+    # Both run one thread (conftest). The rest is the order of the sums: 5e-7 at most in one pass, on any CPU
+    # kernel (ATEN_CPU_CAPABILITY default or avx2). Adam then moves the parameters whose gradient is about 0
+    # on that noise, which the later gradient norms show (1.7e-4 by step 5 with the default kernels), so the
+    # norm is compared where the weights are still equal: at step 1. Unsynced statistics are off by 2e-3
+    # (loss) and 5e-2 (norm) at step 1 already.
+    assert [loss for loss, _ in got] == pytest.approx([loss for loss, _ in want], rel=1e-5)
+    assert got[0][1] == pytest.approx(want[0][1], rel=1e-5)
