@@ -343,3 +343,18 @@ def test_checkpoint_prefix_names_keeps_and_resumes_mindspore_style(tmp_path):
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["latest", "net-1_2", "net-1_3", "step_00000009"]
     assert Trainer(config(tmp_path, prefix="net")).step == 3
+
+
+def test_model_checkpoint_keep_max_zero_keeps_every_checkpoint(tmp_path):
+    """ModelCheckpoint's ``keep_checkpoint_max=0`` keeps all, a count that many (``checkpoint.keep_max = 0`` from
+    a TOML config: tests/test_faults.py)."""
+    from test_train_api import Net, dataset, decay_optimizer
+
+    from paratrain.train import CheckpointConfig, Model, ModelCheckpoint
+    for keep, kept in ((0, ["test-1_1", "test-1_2", "test-1_3"]), (1, ["test-1_3"])):
+        torch.manual_seed(0)
+        net, directory = Net(), tmp_path / f"keep{keep}"
+        policy = CheckpointConfig(save_checkpoint_steps=1, keep_checkpoint_max=keep, integrated_save=False)
+        Model(net, optimizer=decay_optimizer(net)).train(
+            1, dataset(3), callbacks=[ModelCheckpoint(prefix="test", directory=directory, config=policy)])
+        assert sorted(p.name for p in directory.iterdir()) == ["latest", *kept]

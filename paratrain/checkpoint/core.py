@@ -360,9 +360,11 @@ class Checkpointer:
         write_meta(directory, meta)
 
     def _prune(self, keep: Path) -> None:
-        """Keep the ``keep_max`` newest complete checkpoints; drop leftovers of killed saves."""
+        """Keep the ``keep_max`` newest complete checkpoints (0: all); drop leftovers of killed saves."""
         for leftover in self.root.glob(TMP_PREFIX + "*"):
             shutil.rmtree(leftover, ignore_errors=True)
+        if self.cfg.keep_max == 0:  # keep all
+            return
         complete = [p for _, p in step_dirs(self.root, self.cfg.prefix) if (p / META_FILE).is_file()]
         for path in complete[self.cfg.keep_max:]:
             if path != keep:
