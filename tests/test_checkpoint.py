@@ -358,3 +358,21 @@ def test_model_checkpoint_keep_max_zero_keeps_every_checkpoint(tmp_path):
         Model(net, optimizer=decay_optimizer(net)).train(
             1, dataset(3), callbacks=[ModelCheckpoint(prefix="test", directory=directory, config=policy)])
         assert sorted(p.name for p in directory.iterdir()) == ["latest", *kept]
+
+
+def test_load_checkpoint_checks_an_integrated_model_file(one_process, tmp_path):
+    """``paratrain.load_checkpoint`` of a checkpoint's model.safetensors checks it against its recorded checksum;
+    a file that is no safetensors file is refused naming it."""
+    from paratrain import load_checkpoint
+    from paratrain.errors import UserError
+    path = tmp_path / "step_00000008"
+    shutil.copytree(ckpt(one_process["root"] / "full", 8), path)
+    assert load_checkpoint(path / "model.safetensors").keys() == load_full_tensors(path).keys()
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[len(data) // 2] ^= 1
+    (path / "model.safetensors").write_bytes(data)
+    with pytest.raises(CheckpointError, match=rf"file {path / 'model.safetensors'} fails its checksum"):
+        load_checkpoint(path / "model.safetensors")
+    (tmp_path / "loose.safetensors").write_bytes(b"\x10" + bytes(7) + b"{}")
+    with pytest.raises(UserError, match=r"loose\.safetensors is not a readable safetensors file"):
+        load_checkpoint(tmp_path / "loose.safetensors")
