@@ -20,10 +20,13 @@ was killed.
 
 Checksums are xxh3_64 (the ``xxhash`` package, several GB/s). Each file is hashed as it
 is written: DCP's shards and index through :class:`HashingFileSystem`, whose streams hash
-every block they write, the other files from the bytes written. On load, files are hashed
-in a background thread while DCP reads them (:class:`ChecksumCheck`), each rank hashing
-its own share (:func:`checksum_owner`); a damaged file raises :class:`DamagedCheckpoint`
-naming it. Checkpoints of format 1 (sizes only, no checksums) still load.
+every block they write, the other files from the bytes written. Nothing read from a
+checkpoint is trusted before its checksum is checked: ``paratrain.json`` first (its own),
+then DCP's index before it is unpickled (:func:`verify`), the other small files before any
+is read, and the shards in a background thread while DCP reads them (:class:`ChecksumCheck`,
+:func:`holds_tensor_data`), each rank hashing its own share (:func:`checksum_owner`); a
+damaged file raises :class:`DamagedCheckpoint` naming it. Checkpoints of format 1 (sizes
+only, no checksums) still load.
 
 Never unpickling arbitrary objects: everything we store ourselves is JSON or
 safetensors. The tensors we hand DCP are plain tensors only (no non-tensor values,
@@ -165,7 +168,7 @@ def file_checksum(path: Path) -> str:
     """The xxh3_64 checksum (hex) of a file's content."""
     digest = xxhash.xxh3_64()
     with open(path, "rb", buffering=0) as f:
-        buf = bytearray(max(1, min(BLOCK, os.fstat(f.fileno()).st_size)))  # rank files are small
+        buf = bytearray(max(1, min(BLOCK, os.fstat(f.fileno()).st_size)))  # no 8 MiB for a small file
         view = memoryview(buf)
         while n := f.readinto(buf):
             digest.update(view[:n])
@@ -268,7 +271,7 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path}: cannot read {file} ({exc.strerror})") from None
     if not isinstance(meta, dict):
         raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} does not hold a JSON object")
-    if META_CHECKSUM in meta and meta[META_CHECKSUM] != _meta_checksum(meta):  # a damaged format reads as damage
+    if META_CHECKSUM in meta and meta[META_CHECKSUM] != _meta_checksum(meta):  # first: a flipped format too
         raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} fails its checksum (its content "
                                 f"changed after it was written)")
     if meta.get("format") not in READ_FORMATS:
