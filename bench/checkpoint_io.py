@@ -18,8 +18,8 @@ disk / seconds; the medians and their ratios are reported (the machine is shared
 and noisy: only ratios measured in one run mean much).
 
 The cost of checksums: each repeat also saves and loads once more with hashing
-patched out (the code as it was before checksums: no hashing while writing, no
-checksum thread while loading), right after the real save and load, so both see
+patched out (the code as it was before checksums: no hashing while writing, none
+before or while loading), right after the real save and load, so both see
 the same machine load; the medians of both and their ratio are reported, with
 the time to hash every file of the checkpoint once from the page cache (the work
 checksums add: inline while saving, in a second thread while loading).
@@ -114,12 +114,17 @@ def checksums_off():
 
         def result(self):
             return None
-    saved = storage.HashingFileSystem, core.ChecksumCheck, core.file_checksum
-    storage.HashingFileSystem, core.ChecksumCheck, core.file_checksum = PlainFileSystem, NoCheck, lambda path: ""
+    def no_check(*args):
+        return None
+    saved = (storage.HashingFileSystem, core.ChecksumCheck, core.file_checksum, core.check_checksums,
+             storage.check_checksums)
+    (storage.HashingFileSystem, core.ChecksumCheck, core.file_checksum, core.check_checksums,
+     storage.check_checksums) = PlainFileSystem, NoCheck, lambda path: "", no_check, no_check
     try:
         yield
     finally:
-        storage.HashingFileSystem, core.ChecksumCheck, core.file_checksum = saved
+        (storage.HashingFileSystem, core.ChecksumCheck, core.file_checksum, core.check_checksums,
+         storage.check_checksums) = saved
 
 
 def timed_save_load(ckpt, step: int) -> tuple[float, float, Path]:

@@ -485,7 +485,7 @@ class CheckpointConfig(Section):
     ALIASES = {"save_checkpoint_steps": "save_steps", "keep_checkpoint_max": "keep_max", "directory": "dir"}
     dir: str = ""  # default: <run dir>/checkpoints
     save_steps: int = 0
-    keep_max: int = 3
+    keep_max: int = 3  # newest checkpoints kept; 0: all
     integrated_save: bool = False
     resume: str = "auto"
     prefix: str = ""  # "": directories step_00000008; else MindSpore's <prefix>-<epoch>_<step> (one epoch here)
@@ -658,9 +658,9 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
                           (cfg.metrics, "peak_tflops")):
         if getattr(section, name) < 0:
             problems.append(f"{section.SECTION}.{name}={getattr(section, name)} must be 0 (off) or positive")
-    if cfg.checkpoint.keep_max < 1:
-        problems.append(f"checkpoint.keep_max={cfg.checkpoint.keep_max} must be at least 1 (the newest "
-                        f"checkpoints kept)")
+    if cfg.checkpoint.keep_max < 0:
+        problems.append(f"checkpoint.keep_max={cfg.checkpoint.keep_max} must be 0 (keep all) or the number of "
+                        f"newest checkpoints kept")
     if 0 < t.initial_loss_scale < t.min_loss_scale:
         problems.append(f"train.min_loss_scale={t.min_loss_scale:g} is above train.initial_loss_scale="
                         f"{t.initial_loss_scale:g}: lower it (default 1)")

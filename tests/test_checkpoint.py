@@ -343,3 +343,36 @@ def test_checkpoint_prefix_names_keeps_and_resumes_mindspore_style(tmp_path):
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["latest", "net-1_2", "net-1_3", "step_00000009"]
     assert Trainer(config(tmp_path, prefix="net")).step == 3
+
+
+def test_model_checkpoint_keep_max_zero_keeps_every_checkpoint(tmp_path):
+    """ModelCheckpoint's ``keep_checkpoint_max=0`` keeps all, a count that many (``checkpoint.keep_max = 0`` from
+    a TOML config: tests/test_faults.py)."""
+    from test_train_api import Net, dataset, decay_optimizer
+
+    from paratrain.train import CheckpointConfig, Model, ModelCheckpoint
+    for keep, kept in ((0, ["test-1_1", "test-1_2", "test-1_3"]), (1, ["test-1_3"])):
+        torch.manual_seed(0)
+        net, directory = Net(), tmp_path / f"keep{keep}"
+        policy = CheckpointConfig(save_checkpoint_steps=1, keep_checkpoint_max=keep, integrated_save=False)
+        Model(net, optimizer=decay_optimizer(net)).train(
+            1, dataset(3), callbacks=[ModelCheckpoint(prefix="test", directory=directory, config=policy)])
+        assert sorted(p.name for p in directory.iterdir()) == ["latest", *kept]
+
+
+def test_load_checkpoint_checks_an_integrated_model_file(one_process, tmp_path):
+    """``paratrain.load_checkpoint`` of a checkpoint's model.safetensors checks it against its recorded checksum;
+    a file that is no safetensors file is refused naming it."""
+    from paratrain import load_checkpoint
+    from paratrain.errors import UserError
+    path = tmp_path / "step_00000008"
+    shutil.copytree(ckpt(one_process["root"] / "full", 8), path)
+    assert load_checkpoint(path / "model.safetensors").keys() == load_full_tensors(path).keys()
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[len(data) // 2] ^= 1
+    (path / "model.safetensors").write_bytes(data)
+    with pytest.raises(CheckpointError, match=rf"file {path / 'model.safetensors'} fails its checksum"):
+        load_checkpoint(path / "model.safetensors")
+    (tmp_path / "loose.safetensors").write_bytes(b"\x10" + bytes(7) + b"{}")
+    with pytest.raises(UserError, match=r"loose\.safetensors is not a readable safetensors file"):
+        load_checkpoint(tmp_path / "loose.safetensors")

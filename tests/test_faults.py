@@ -165,7 +165,6 @@ CASES = {
     "pad-token-outside-vocab": (lambda f: f.train("--model.pad_token_id=300"), "pad_token_id=300"),
     # checkpoint keys
     "save-steps-negative": (lambda f: f.train("--checkpoint.save_steps=-1"), "checkpoint.save_steps=-1"),
-    "keep-max-zero": (lambda f: f.train("--checkpoint.keep_max=0"), "checkpoint.keep_max=0 must be at least 1"),
     "keep-max-negative": (lambda f: f.train("--checkpoint.keep_max=-1"), "checkpoint.keep_max=-1"),
     "resume-path-missing": (lambda f: f.train(f"--checkpoint.resume={f.root / 'gone'}"), "no checkpoint at"),
     "resume-path-a-file": (lambda f: f.train(f"--checkpoint.resume={f.file('x.bin', 'x')}"), "no checkpoint at"),
@@ -268,7 +267,8 @@ CASES = {
                              "paratrain.json is corrupt"),
     "resume-meta-edited": (lambda f: f.resume(edit_meta(lambda m: m.update(step=1000))),
                            "paratrain.json fails its checksum"),
-    "resume-meta-future-format": (lambda f: f.resume(edit_meta(lambda m: m.update(format=99))), "has format 99"),
+    "resume-meta-future-format": (lambda f: f.resume(edit_meta(lambda m: m.update(format=99) or m.pop("checksum"))),
+                                  "has format 99"),
     "resume-meta-missing": (lambda f: f.resume(lambda p: (p / "paratrain.json").unlink()), "is incomplete"),
     "resume-missing-rank-file": (lambda f: f.resume(lambda p: (p / RANK_FILE).unlink()), f"{RANK_FILE} is missing"),
     "resume-flipped-rank-file": (lambda f: f.resume(lambda p: flip_byte(p / RANK_FILE)),
@@ -588,3 +588,190 @@ def test_a_run_that_skipped_steps_says_how_many(tmp_path, capsys):
     out = capsys.readouterr().out
     skipped = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["skipped_steps"]
     assert skipped > 0 and f"fp16: {skipped} step(s) skipped for overflow" in out
+
+
+# --- issue 25: damage anywhere in a checkpoint reads as damage, naming the file ------------------------------
+
+def flip_bit(file: Path, offset: int, bit: int | None = None) -> None:
+    """Flip bit ``bit`` (by default one that varies with the offset) of byte ``offset`` of ``file``; flipping it
+    again restores it."""
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0] ^ (1 << (offset // 64 % 8 if bit is None else bit))
+        f.seek(offset)
+        f.write(bytes([byte]))
+
+
+def flip_tensor_name(path: Path) -> None:
+    """Flip the lowest bit of a letter inside a tensor name in DCP's index of checkpoint ``path``: a valid index
+    of a checkpoint that lacks that tensor, but for its checksum."""
+    flip_bit(path / ".metadata", (path / ".metadata").read_bytes().index(b"model.") + 8, bit=0)
+
+
+def rewrite_meta(change) -> callable:
+    """A damage that changes ``paratrain.json`` as ``change(meta)`` does and records a matching checksum (as a
+    paratrain that wrote it so would)."""
+    def damage(path: Path) -> None:
+        from paratrain.checkpoint.storage import write_meta
+
+        meta = json.loads((path / "paratrain.json").read_text())
+        meta.pop("checksum")
+        change(meta)
+        write_meta(path, meta)
+    return damage
+
+
+@pytest.fixture
+def loader(tmp_path, four_steps):
+    """(a copy of the 4-step run's checkpoints, a Checkpointer of the BASE model that has loaded nothing)."""
+    import tomllib
+
+    from paratrain.config import Config
+    from paratrain.trainer import Trainer
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.copytree(four_steps[0], checkpoints)
+    cfg = Config.from_dict(tomllib.loads(BASE), [f"run.dir={tmp_path / 'run'}", "train.steps=4",
+                                                 "checkpoint.resume=none"])
+    return checkpoints, Trainer(cfg).checkpointer
+
+
+def test_a_bit_flipped_anywhere_in_a_checkpoint_reads_as_damage_naming_the_file(loader, monkeypatch):
+    """A bit flipped at every 64th byte of every file of a checkpoint. Loading it (an explicit resume, and each
+    checkpoint ``resume = "auto"`` tries) fails with a DamagedCheckpoint, the error auto goes back past,
+    naming that file: never another cause, never a load of changed data, never another exception. Every file
+    but the shard is checked before DCP reads anything; the shard is hashed while DCP reads it, so each of its
+    flips fails its checksum, and the flips in its first bytes (a zip header) and in its last ones (a zip
+    directory) go through the whole load. The ``latest`` pointer is a hint: no flip of it changes which
+    checkpoints auto tries."""
+    import paratrain.checkpoint.core as core
+    from paratrain.checkpoint import storage
+    from paratrain.checkpoint.storage import DamagedCheckpoint, check_checksums, holds_tensor_data, read_meta
+
+    checkpoints, checkpointer = loader
+    path = checkpoints / "step_00000004"
+    reads = []
+    monkeypatch.setattr(core, "dcp_load", lambda *a, **k: reads.append(a) or storage.dcp_load(*a, **k))
+    meta_text = (path / "paratrain.json").read_text()
+    meta = read_meta(path)
+    files = sorted(path.iterdir())
+    assert {f.name for f in files} == {SHARD, ".metadata", RANK_FILE, "config.toml", "paratrain.json"}
+    flips = loaded_unchanged = 0
+    for file in files:
+        size, shard = file.stat().st_size, holds_tensor_data(file.name)
+        for offset in range(0, size, 64):
+            flip_bit(file, offset)
+            flips += 1
+            try:
+                if shard and 128 <= offset < size - 128:
+                    problem = check_checksums(path, meta, [file.name])
+                    assert problem is not None and f"file {file} fails its checksum" in problem, (file, offset)
+                    continue
+                reads.clear()
+                try:
+                    step = checkpointer.load(path)
+                except DamagedCheckpoint as exc:
+                    message = str(exc)
+                    assert f"checkpoint {path} is damaged: file {file} " in message, (offset, message)
+                    assert "\n" not in message
+                    assert shard or not reads, f"{file.name} at {offset}: DCP read the shards before it was checked"
+                else:  # a flip that leaves the JSON's meaning as it was ("1e-08" -> "1E-08"): nothing changed
+                    damaged = (path / "paratrain.json").read_text(errors="replace")
+                    assert file.name == "paratrain.json" and json.loads(damaged) == json.loads(meta_text), offset
+                    assert step == 4
+                    loaded_unchanged += 1
+            finally:
+                flip_bit(file, offset)
+    assert flips > 10_000 and loaded_unchanged < 10
+    latest = checkpoints / "latest"
+    candidates = checkpointer._agreed_candidates()
+    for offset in range(latest.stat().st_size):
+        for bit in range(8):
+            flip_bit(latest, offset, bit)
+            assert checkpointer._agreed_candidates() == candidates
+            flip_bit(latest, offset, bit)
+
+
+def test_auto_resume_goes_back_past_a_flipped_bit_in_any_file(loader, caplog):
+    """A bit flipped in each file of the newest checkpoint in turn: ``resume = "auto"`` says in one line which
+    checkpoint it skipped and the file, and resumes from the one before it."""
+    checkpoints, checkpointer = loader
+    checkpointer.cfg.resume = "auto"
+    newest = checkpoints / "step_00000004"
+    for file in sorted(newest.iterdir()):
+        offset = file.stat().st_size // 128 * 64
+        flip_bit(file, offset)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="paratrain.checkpoint"):
+            assert checkpointer.resume() == 3
+        flip_bit(file, offset)
+        skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+        assert len(skipped) == 1 and "\n" not in skipped[0], skipped
+        assert skipped[0].startswith(f"checkpoint: skipping step_00000004: checkpoint {newest} is damaged: "
+                                     f"file {file} ")
+        assert checkpointer.resumed_from.name == "step_00000003"
+
+
+def test_a_flipped_tensor_name_in_the_index_reads_as_damage_on_the_command_line(tmp_path, four_steps, capsys, caplog):
+    """The index of step 4 with one tensor name changed: an explicit resume is refused in one line naming
+    ``.metadata`` (not "lacks 1 tensors"); ``resume = "auto"`` goes back to step 3, and its step 4 has the
+    uninterrupted run's loss."""
+    checkpoints, losses = four_steps
+    f = Files(tmp_path)
+    shutil.copytree(checkpoints, tmp_path / "run" / "checkpoints")
+    newest = tmp_path / "run" / "checkpoints" / "step_00000004"
+    flip_tensor_name(newest)
+    line = one_line_refusal(capsys, f.train(f"--checkpoint.resume={newest}", f"--run.dir={tmp_path / 'other'}"))
+    assert f"checkpoint {newest} is damaged: file {newest / '.metadata'} fails its checksum" in line, line
+    with caplog.at_level(logging.WARNING, logger="paratrain.checkpoint"):
+        assert cli.main(f.train("--train.steps=4", "--checkpoint.save_steps=1", "--metrics.log_steps=1")) == 0
+    assert "skipping step_00000004" in caplog.text and "resumed from" in caplog.text
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in records] == [(4, losses[3])]
+    assert cli.main(["checkpoint", "verify", str(newest)]) == 0  # saved again, intact
+
+
+# an explicit resume of a damaged or partial checkpoint: one line naming the file
+DAMAGED_CHECKPOINTS = {
+    "index-tensor-name-flipped": (flip_tensor_name, ".metadata fails its checksum"),
+    "meta-format-digit-flipped": (lambda p: flip_bit(p / "paratrain.json", (p / "paratrain.json").read_bytes().index(
+        b'"format": 2') + 10, bit=0), "paratrain.json fails its checksum"),
+    "meta-checksum-removed": (edit_meta(lambda m: m.pop("checksum")), "paratrain.json lacks its checksum"),
+    "meta-lacks-a-key": (rewrite_meta(lambda m: m.pop("optimizer_settings")),
+                         "paratrain.json has no valid 'optimizer_settings'"),
+    "meta-layout-a-list": (rewrite_meta(lambda m: m.update(layout=[1])), "paratrain.json has no valid 'layout'"),
+    "meta-lists-a-path": (rewrite_meta(lambda m: m["files"].update({"../x": 1})), "lists '../x', which is not a file"),
+    "meta-without-trainer-state": (rewrite_meta(lambda m: m.pop("data")), "holds no data state"),
+    "meta-and-index-missing": (lambda p: [(p / n).unlink() for n in ("paratrain.json", ".metadata")],
+                               "paratrain.json is missing"),
+    "rank-file-truncated": (lambda p: truncate(p / RANK_FILE), f"{RANK_FILE} has 100 bytes"),
+    "config-toml-flipped": (lambda p: flip_bit(p / "config.toml", 3), "config.toml fails its checksum"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED_CHECKPOINTS)
+def test_an_explicit_resume_of_a_damaged_checkpoint_names_the_file(case, tmp_path, saved, capsys):
+    damage, expected = DAMAGED_CHECKPOINTS[case]
+    f = Files(tmp_path, saved / "step_00000002")
+    line = one_line_refusal(capsys, f.resume(damage))
+    assert expected in line and str(tmp_path / "damaged" / "step_00000002") in line, line
+
+
+def test_checkpoint_verify_fails_on_an_incomplete_checkpoint(tmp_path, four_steps, capsys):
+    path = tmp_path / "step_00000004"
+    shutil.copytree(four_steps[0] / "step_00000004", path)
+    for name in ("paratrain.json", ".metadata"):  # then nothing left but its name says it is a checkpoint
+        (path / name).unlink()
+        assert cli.main(["checkpoint", "verify", str(path)]) == 1
+        out = capsys.readouterr().out.strip().splitlines()
+        assert out == [f"incomplete  {path}: paratrain.json is missing, its save did not finish "
+                       f'(resume = "auto" skips it)'], out
+
+
+def test_keep_max_zero_keeps_every_checkpoint_and_negative_is_refused(tmp_path, capsys):
+    f = Files(tmp_path)
+    assert cli.main(f.train("--train.steps=3", "--checkpoint.save_steps=1", "--checkpoint.keep_max=0")) == 0
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "latest", "step_00000001", "step_00000002", "step_00000003"]
+    line = one_line_refusal(capsys, f.train("--checkpoint.keep_max=-1"))
+    assert "checkpoint.keep_max=-1 must be 0 (keep all)" in line

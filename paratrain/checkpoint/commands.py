@@ -24,7 +24,7 @@ def cmd_info(args) -> int:
 
 def cmd_verify(args) -> int:
     """Check every file of one checkpoint, or of every checkpoint of a run, against its recorded size and
-    checksum; exit 1 when one is damaged."""
+    checksum; exit 1 when one is damaged or incomplete."""
     from paratrain.checkpoint.storage import META_FILE, CheckpointError, checkpoints_in, recorded_bytes, verify
 
     paths = checkpoints_in(args.checkpoint)
@@ -32,7 +32,7 @@ def cmd_verify(args) -> int:
     for path in paths:
         if not (path / META_FILE).is_file():
             incomplete += 1
-            print(f"incomplete  {path}: no {META_FILE}, its save did not finish (resume skips it)")
+            print(f"incomplete  {path}: {META_FILE} is missing, its save did not finish (resume = \"auto\" skips it)")
             continue
         start = time.perf_counter()
         try:
@@ -41,14 +41,14 @@ def cmd_verify(args) -> int:
             damaged += 1
             print(f"DAMAGED     {exc}")
             continue
-        files = meta.get("files", {})
+        files = meta["files"]
         size = sum(recorded_bytes(e) for e in files.values())
         how = "checksums" if meta["format"] >= 2 else "sizes only (format 1 records no checksums)"
         print(f"ok          {path}: {len(files)} files, {size / 2**20:.1f} MiB, {how}, "
               f"{time.perf_counter() - start:.2f} s")
     if len(paths) > 1:
         print(f"{len(paths) - damaged - incomplete} intact, {damaged} damaged, {incomplete} incomplete")
-    return 1 if damaged else 0
+    return 1 if damaged or incomplete else 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,6 +66,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     inf.add_argument("--json", action="store_true", help="print JSON")
     inf.set_defaults(func=cmd_info)
     ver = actions.add_parser("verify", help="check every file of a checkpoint (or of all of a run's) against its "
-                                            "recorded size and checksum; exit 1 if one is damaged")
+                                            "recorded size and checksum; exit 1 if one is damaged or incomplete")
     ver.add_argument("checkpoint", help="a checkpoint directory (step_*), or a checkpoints/run directory: all of them")
     ver.set_defaults(func=cmd_verify)

@@ -39,10 +39,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from paratrain.checkpoint.full import MODEL_PREFIX, OPTIM_PREFIX, export
 from paratrain.checkpoint.storage import (DCP_METADATA, FORMAT_VERSION, INTEGRATED_FILE, LATEST, META_FILE,
                                           TMP_PREFIX, CheckpointError, ChecksumCheck, DamagedCheckpoint,
-                                          checksum_owner, complete_checkpoints, dcp_load, dcp_save, file_checksum,
-                                          file_entry, fsync_dir, rank_file_name, read_meta, resolve,
-                                          checkpoint_name, step_dirs, tensor_entries, verify, write_atomic,
-                                          write_file, write_meta)
+                                          check_checksums, checkpoint_name, checksum_owner, complete_checkpoints,
+                                          dcp_load, dcp_save, file_checksum, file_entry, fsync_dir,
+                                          holds_tensor_data, rank_file_name, read_meta, resolve, step_dirs,
+                                          tensor_entries, verify, write_atomic, write_file, write_meta)
 
 from paratrain.config import Config, ModelConfig
 from paratrain.device import device
@@ -360,9 +360,11 @@ class Checkpointer:
         write_meta(directory, meta)
 
     def _prune(self, keep: Path) -> None:
-        """Keep the ``keep_max`` newest complete checkpoints; drop leftovers of killed saves."""
+        """Keep the ``keep_max`` newest complete checkpoints (0: all); drop leftovers of killed saves."""
         for leftover in self.root.glob(TMP_PREFIX + "*"):
             shutil.rmtree(leftover, ignore_errors=True)
+        if self.cfg.keep_max == 0:  # keep all
+            return
         complete = [p for _, p in step_dirs(self.root, self.cfg.prefix) if (p / META_FILE).is_file()]
         for path in complete[self.cfg.keep_max:]:
             if path != keep:
@@ -407,10 +409,12 @@ class Checkpointer:
         """Load checkpoint ``path`` (any layout wrote it) into the parts, optimizer, scheduler and states;
         returns its step.
 
-        Before any tensor is read, the model config it was saved with must match this one
-        (:func:`check_resume_config`) and its files must have their recorded sizes; every
-        file's checksum is checked while DCP reads the shards (each rank hashes its share),
-        and the load fails with a DamagedCheckpoint naming the file before anything else is set."""
+        Nothing in it is trusted before its checksum is checked: ``paratrain.json`` (its own),
+        then the model config it was saved with must match this one (:func:`check_resume_config`),
+        its files must have their recorded sizes, DCP's index and the small files (RNG states,
+        config) their checksums before any is read (each rank hashes its share); the shards are
+        hashed while DCP reads them. A damaged file fails the load with a DamagedCheckpoint naming
+        it before anything read from the checkpoint is set."""
         from safetensors import safe_open
 
         start = time.perf_counter()
@@ -418,7 +422,14 @@ class Checkpointer:
         rank, world = _rank_world()
         meta = read_meta(path)
         check_resume_config(meta, self.config, path, report=rank == 0)
+        lacking = [name for name in self.states if name not in meta]
+        if lacking:
+            raise CheckpointError(f"checkpoint {path} holds no {', '.join(lacking)} state in {META_FILE}: it was "
+                                  f"not saved by a paratrain training run; load its weights with "
+                                  f"paratrain.load_checkpoint instead")
         meta, metadata = verify(path, meta, checksums=False)  # on every rank: all raise the same error
+        share = [n for n in meta["files"] if checksum_owner(n, world) == rank and n != DCP_METADATA]
+        _agree_intact(check_checksums(path, meta, [n for n in share if not holds_tensor_data(n)]))
         saved_keys = tensor_entries(metadata)
 
         module, msd, osd, names = self._collect()
@@ -435,7 +446,7 @@ class Checkpointer:
             if tuple(value.shape) != saved:
                 raise CheckpointError(f"checkpoint {path}: {key} has shape {list(saved)}, the model needs "
                                       f"{list(value.shape)}: was it written for another model config?")
-        checking = ChecksumCheck(path, meta, [n for n in meta.get("files", {}) if checksum_owner(n, world) == rank])
+        checking = ChecksumCheck(path, meta, [n for n in share if holds_tensor_data(n)])
         error = None
         try:
             dcp_load(wanted, path)
@@ -478,9 +489,9 @@ class Checkpointer:
                 python_random = json.loads(f.metadata()["python_random"])
                 random.setstate((python_random[0], tuple(python_random[1]), python_random[2]))
         except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {path} is damaged: file {rank_file} is missing") from None
+            raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {rank_file} is missing") from None
         except Exception as exc:
-            raise CheckpointError(f"checkpoint {path}: {rank_file} is unreadable ({exc})") from None
+            raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {rank_file} is unreadable ({exc})") from None
 
         step = int(meta["step"])
         self.resumed_from = path

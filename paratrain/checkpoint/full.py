@@ -59,7 +59,7 @@ def info(path: str | Path) -> dict:
             numel *= s
         tensors[key] = {"shape": list(entry.size), "dtype": str(entry.properties.dtype).removeprefix("torch."),
                         "bytes": numel * entry.properties.dtype.itemsize, "shards": len(entry.chunks)}
-    files = meta.get("files", {})
+    files = meta["files"]
     return {"path": str(path), "step": meta["step"], "layout": meta["layout"], "saved_at": meta.get("saved_at"),
             "integrated": INTEGRATED_FILE in files, "disk_bytes": sum(recorded_bytes(e) for e in files.values()),
             "tensors": tensors}

@@ -20,10 +20,13 @@ was killed.
 
 Checksums are xxh3_64 (the ``xxhash`` package, several GB/s). Each file is hashed as it
 is written: DCP's shards and index through :class:`HashingFileSystem`, whose streams hash
-every block they write, the other files from the bytes written. On load, files are hashed
-in a background thread while DCP reads them (:class:`ChecksumCheck`), each rank hashing
-its own share (:func:`checksum_owner`); a damaged file raises :class:`DamagedCheckpoint`
-naming it. Checkpoints of format 1 (sizes only, no checksums) still load.
+every block they write, the other files from the bytes written. Nothing read from a
+checkpoint is trusted before its checksum is checked: ``paratrain.json`` first (its own),
+then DCP's index before it is unpickled (:func:`verify`), the other small files before any
+is read, and the shards in a background thread while DCP reads them (:class:`ChecksumCheck`,
+:func:`holds_tensor_data`), each rank hashing its own share (:func:`checksum_owner`); a
+damaged file raises :class:`DamagedCheckpoint` naming it. Checkpoints of format 1 (sizes
+only, no checksums) still load.
 
 Never unpickling arbitrary objects: everything we store ourselves is JSON or
 safetensors. The tensors we hand DCP are plain tensors only (no non-tensor values,
@@ -127,11 +130,11 @@ def read_dcp_metadata(path: Path) -> Metadata:
         with open(file, "rb") as f:
             metadata = _RestrictedUnpickler(f).load()
     except FileNotFoundError:
-        raise DamagedCheckpoint(f"checkpoint {path} is damaged: the DCP index {file} is missing") from None
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} is missing (DCP's index)") from None
     except Exception as exc:  # truncated, corrupt or foreign pickle
-        raise DamagedCheckpoint(f"checkpoint {path} is damaged: the DCP index {file} is unreadable ({exc})") from None
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} is unreadable ({exc})") from None
     if not isinstance(metadata, Metadata):
-        raise DamagedCheckpoint(f"checkpoint {path} is damaged: {file} does not hold DCP metadata")
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} does not hold DCP's index")
     return metadata
 
 
@@ -165,7 +168,7 @@ def file_checksum(path: Path) -> str:
     """The xxh3_64 checksum (hex) of a file's content."""
     digest = xxhash.xxh3_64()
     with open(path, "rb", buffering=0) as f:
-        buf = bytearray(BLOCK)
+        buf = bytearray(max(1, min(BLOCK, os.fstat(f.fileno()).st_size)))  # no 8 MiB for a small file
         view = memoryview(buf)
         while n := f.readinto(buf):
             digest.update(view[:n])
@@ -226,15 +229,16 @@ class HashingFileSystem(FileSystem):
 
 
 def _meta_checksum(meta: dict) -> str:
-    """Checksum of ``paratrain.json``'s content without its own checksum (keys sorted, JSON as written)."""
+    """Checksum of ``paratrain.json``'s content ``meta`` (JSON values, as read back) without its own checksum,
+    keys sorted."""
     body = {k: v for k, v in meta.items() if k != META_CHECKSUM}
-    return xxhash.xxh3_64(json.dumps(json.loads(json.dumps(body, default=str)), sort_keys=True).encode()).hexdigest()
+    return xxhash.xxh3_64(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def write_meta(directory: Path, meta: dict) -> None:
     """Write ``paratrain.json`` atomically, with the checksum of its content."""
-    write_atomic(Path(directory) / META_FILE, json.dumps({**meta, META_CHECKSUM: _meta_checksum(meta)}, indent=1,
-                                                         default=str))
+    meta = json.loads(json.dumps(meta, default=str))  # as it will be read back
+    write_atomic(Path(directory) / META_FILE, json.dumps({**meta, META_CHECKSUM: _meta_checksum(meta)}, indent=1))
 
 
 def checksum_owner(name: str, world_size: int) -> int:
@@ -246,8 +250,15 @@ def checksum_owner(name: str, world_size: int) -> int:
 
 # --- validation -------------------------------------------------------------------------------
 
+# what paratrain.json holds in every format, and of which type (a missing key would fail late, mid-load)
+META_KEYS = {"step": int, "layout": dict, "config": dict, "scheduler": (dict, type(None)), "optimizer_settings": dict,
+             "files": dict}
+LAYOUT_KEYS = ("world_size", "data_parallel", "model_parallel", "pipeline_stage", "zero_stage", "ranks")
+
+
 def read_meta(path: Path) -> dict:
-    """``paratrain.json`` of checkpoint ``path``, its own checksum checked (CheckpointError naming the file)."""
+    """``paratrain.json`` of checkpoint ``path``, its own checksum checked before anything in it is read, then
+    that it holds what paratrain writes (CheckpointError naming the file; DamagedCheckpoint when damaged)."""
     file = Path(path) / META_FILE
     try:
         meta = json.loads(file.read_text())
@@ -255,18 +266,40 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path} is incomplete: {file} is missing "
                               f"(its save did not finish)") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise DamagedCheckpoint(f"checkpoint {path} is damaged: {file} is corrupt ({exc})") from None
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} is corrupt ({exc})") from None
     except OSError as exc:
         raise CheckpointError(f"checkpoint {path}: cannot read {file} ({exc.strerror})") from None
     if not isinstance(meta, dict):
-        raise DamagedCheckpoint(f"checkpoint {path} is damaged: {file} does not hold a JSON object")
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} does not hold a JSON object")
+    if META_CHECKSUM in meta and meta[META_CHECKSUM] != _meta_checksum(meta):  # first: a flipped format too
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} fails its checksum (its content "
+                                f"changed after it was written)")
     if meta.get("format") not in READ_FORMATS:
         raise CheckpointError(f"checkpoint {path}: {file} has format {meta.get('format')!r}, "
                               f"this paratrain reads formats {', '.join(map(str, READ_FORMATS))}")
-    if meta["format"] >= 2 and meta.get(META_CHECKSUM) != _meta_checksum(meta):
-        raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} fails its checksum (its content "
-                                f"changed after it was written)")
+    if meta["format"] >= 2 and META_CHECKSUM not in meta:
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} lacks its checksum")
+    problem = _meta_problem(meta)
+    if problem:
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} {problem}")
     return meta
+
+
+def _meta_problem(meta: dict) -> str | None:
+    """What ``paratrain.json`` content ``meta`` lacks of what paratrain writes, or None."""
+    for key, kind in META_KEYS.items():
+        if not isinstance(meta.get(key), kind):
+            return f"has no valid {key!r}"
+    missing = [k for k in LAYOUT_KEYS if k not in meta["layout"]]
+    if missing:
+        return f"has no {missing[0]!r} in its layout"
+    for name, entry in meta["files"].items():
+        if name in ("", ".", "..") or name != Path(name).name:
+            return f"lists {name!r}, which is not a file name"
+        size, checksum = _recorded(entry)
+        if not isinstance(size, int) or (meta["format"] >= 2 and not isinstance(checksum, str)):
+            return f"records no size or checksum for {name}"
+    return None
 
 
 def _recorded(entry) -> tuple[int, str | None]:
@@ -281,10 +314,10 @@ def recorded_bytes(entry) -> int:
     return _recorded(entry)[0]
 
 
-def verify(path: Path, meta: dict | None = None, metadata: Metadata | None = None,
-           checksums: bool = True) -> tuple[dict, Metadata]:
-    """Check that every file of checkpoint ``path`` is there with its recorded size, that DCP's index
-    fits the shard files and, with ``checksums``, that every file's content has its recorded checksum.
+def verify(path: Path, meta: dict | None = None, checksums: bool = True) -> tuple[dict, Metadata]:
+    """Check that every file of checkpoint ``path`` is there with its recorded size, that DCP's index has
+    its recorded checksum (before it is read) and fits the shard files and, with ``checksums``, that every
+    other file's content has its recorded checksum too.
 
     Returns (paratrain.json, DCP metadata); raises DamagedCheckpoint naming the first
     missing, truncated, unreadable or changed file.
@@ -293,17 +326,21 @@ def verify(path: Path, meta: dict | None = None, metadata: Metadata | None = Non
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
     meta = meta if meta is not None else read_meta(path)
-    files = meta.get("files", {})
+    files = meta["files"]
     for name, entry in files.items():
         file, (size, _) = path / name, _recorded(entry)
         try:
             actual = file.stat().st_size
         except FileNotFoundError:
             raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} is missing") from None
+        except OSError as exc:
+            raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} is unreadable "
+                                    f"({exc.strerror})") from None
         if actual != size:
             raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} has {actual} bytes, "
                                     f"{size} were written")
-    metadata = metadata if metadata is not None else read_dcp_metadata(path)
+    raise_if_damaged(check_checksums(path, meta, [DCP_METADATA] if DCP_METADATA in files else []))
+    metadata = read_dcp_metadata(path)
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
@@ -315,10 +352,20 @@ def verify(path: Path, meta: dict | None = None, metadata: Metadata | None = Non
             raise DamagedCheckpoint(f"checkpoint {path} is damaged: shard file {file} is truncated "
                                     f"({file.stat().st_size} bytes, the index needs {end})")
     if checksums:
-        problem = check_checksums(path, meta, sorted(files))
-        if problem:
-            raise DamagedCheckpoint(problem)
+        raise_if_damaged(check_checksums(path, meta, sorted(n for n in files if n != DCP_METADATA)))
     return meta, metadata
+
+
+def raise_if_damaged(problem: str | None) -> None:
+    """Raise DamagedCheckpoint with ``problem`` (a message naming a damaged file), if any."""
+    if problem is not None:
+        raise DamagedCheckpoint(problem)
+
+
+def holds_tensor_data(name: str) -> bool:
+    """Whether file ``name`` of a checkpoint holds tensor data in bulk (a DCP shard, the integrated model): a
+    load hashes it while DCP reads the shards. Every other file is small and is hashed before any is read."""
+    return name.endswith(".distcp") or name == INTEGRATED_FILE
 
 
 def check_checksums(path: Path, meta: dict, names: list[str]) -> str | None:
@@ -392,7 +439,7 @@ def complete_checkpoints(root: Path, warn: bool = True, prefix: str | None = Non
     for _, path in step_dirs(root, prefix):
         if (path / META_FILE).is_file():
             pointer = root / LATEST
-            if warn and not found and pointer.is_file() and pointer.read_text().strip() != path.name:
+            if warn and not found and pointer.is_file() and pointer.read_text(errors="replace").strip() != path.name:
                 log.info("checkpoint: %s is newer than %s names (killed before the pointer was updated); using it",
                          path.name, pointer)
             found.append(path)
@@ -408,10 +455,19 @@ def newest_complete(root: Path, warn: bool = True, prefix: str | None = None) ->
     return found[0] if found else None
 
 
+def is_checkpoint(path: Path) -> bool:
+    """Whether directory ``path`` is one checkpoint, complete or not (rather than a directory of them): it holds
+    ``paratrain.json`` or DCP's index, or is named as a checkpoint and holds none."""
+    if (path / META_FILE).is_file() or (path / DCP_METADATA).is_file():
+        return True
+    return (parse_name(path.name) is not None and path.is_dir() and not step_dirs(path, None)
+            and not (path / "checkpoints").is_dir())
+
+
 def resolve(path: str | Path) -> Path:
     """A checkpoint directory from what a user names: the checkpoint, a checkpoint dir or a run dir."""
     path = Path(path)
-    if (path / META_FILE).is_file() or (path / DCP_METADATA).is_file():
+    if is_checkpoint(path):
         return path
     for root in (path, path / "checkpoints"):
         found = newest_complete(root, warn=False)
@@ -425,7 +481,7 @@ def checkpoints_in(path: str | Path) -> list[Path]:
     """Checkpoint ``path`` itself, or every ``step_*`` directory of a checkpoints or run directory, newest first
     (complete or not)."""
     path = Path(path)
-    if (path / META_FILE).is_file() or (path / DCP_METADATA).is_file():
+    if is_checkpoint(path):
         return [path]
     for root in (path, path / "checkpoints"):
         found = [p for _, p in step_dirs(root, None)]

@@ -19,9 +19,7 @@ def load_checkpoint(path: str | Path, net: nn.Module | None = None,
     ``net`` the tensors are also loaded into it (``load_param_into_net``). Needs no process group."""
     path = Path(path)
     if path.is_file() and path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        params = load_file(str(path))
+        params = _load_safetensors(path)
     else:
         from paratrain.checkpoint import load_full_tensors
 
@@ -32,6 +30,24 @@ def load_checkpoint(path: str | Path, net: nn.Module | None = None,
     if net is not None:
         load_param_into_net(net, params)
     return params
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one ``.safetensors`` file; the integrated model of a checkpoint is checked against the
+    checksum its ``paratrain.json`` records first."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from paratrain.checkpoint.storage import META_FILE, check_checksums, raise_if_damaged, read_meta
+
+    if (path.parent / META_FILE).is_file():
+        meta = read_meta(path.parent)
+        if path.name in meta["files"]:
+            raise_if_damaged(check_checksums(path.parent, meta, [path.name]))
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"load_checkpoint: {path} is not a readable safetensors file ({exc})") from None
 
 
 def _lookup(name: str, params: dict[str, torch.Tensor]) -> torch.Tensor | None:
