@@ -2,8 +2,11 @@
 in one process against a plain torch loop, and data-parallel on two processes against one."""
 import contextlib
 import copy
+import os
 import io
 import re
+import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -429,3 +432,58 @@ def test_a_net_of_paratrain_nn_blocks_trains_model_parallel_as_one_process():
     assert [(e, s) for e, s, _ in two] == [(e, s) for e, s, _ in one]
     for (_, _, a), (_, _, b) in zip(two, one):
         assert a == pytest.approx(b, rel=1e-4)
+
+
+class _Signal(Callback):
+    """Sends this process ``sig`` at the start of step ``step`` on rank ``rank``."""
+
+    def __init__(self, rank, step, sig=signal.SIGTERM):
+        self.rank, self.step, self.sig = rank, step, sig
+
+    def on_train_step_begin(self, run_context):
+        params = run_context.original_args()
+        if params.rank == self.rank and params.cur_step_num + 1 == self.step:
+            os.kill(os.getpid(), self.sig)
+
+
+def _stopped_model(directory, signal_rank, signal_step, exit_callback):
+    """Model.train over 6 steps on this rank, ``signal_rank`` signalled in ``signal_step``: (exit code, step
+    the ranks stopped at, the checkpoints in ``directory``)."""
+    from paratrain.train import OnRequestExit
+
+    torch.manual_seed(0)
+    net = Net()
+    saver = (OnRequestExit(file_name="exit", directory=directory) if exit_callback else
+             ModelCheckpoint(prefix="stop", directory=directory, config=CheckpointConfig(save_checkpoint_steps=100)))
+    steps = []
+
+    class Steps(Callback):
+        def on_train_step_end(self, run_context):
+            steps.append(run_context.original_args().cur_step_num)
+
+    try:
+        Model(net, optimizer=decay_optimizer(net)).train(
+            1, dataset(6), callbacks=[_Signal(signal_rank, signal_step, signal.SIGINT), saver, Steps()])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    return code, steps[-1], sorted(p.name for p in Path(directory).iterdir() if p.name != "latest")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("exit_callback", [False, True], ids=["ModelCheckpoint", "OnRequestExit"])
+def test_a_stopped_model_train_saves_the_agreed_step_on_every_rank_and_exits_4(tmp_path, exit_callback):
+    torch.manual_seed(0)
+    net = Net()
+    whole = tmp_path / "whole"
+    Model(net, optimizer=decay_optimizer(net)).train(1, dataset(6), callbacks=[ModelCheckpoint(
+        prefix="whole", directory=whole, config=CheckpointConfig(save_checkpoint_steps=1, keep_checkpoint_max=0))])
+
+    results = run_distributed(_stopped_model, 2, str(tmp_path / "stopped"), 1, 2, exit_callback)
+    prefix = "exit" if exit_callback else "stop"
+    # rank 1 is signalled in step 2; the ranks agree a step later and both stop after step 3, saved
+    assert results == [(4, 3, [f"{prefix}-1_3"])] * 2
+    saved, want = load_checkpoint(tmp_path / "stopped" / f"{prefix}-1_3"), load_checkpoint(whole / "whole-1_3")
+    assert saved.keys() == want.keys()
+    assert all(torch.allclose(saved[n], want[n], rtol=1e-5, atol=1e-7) for n in want)

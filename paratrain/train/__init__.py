@@ -1,11 +1,12 @@
 """MindSpore's ``mindspore.train`` for a user's own net: ``Model``, the callbacks (``LossMonitor``,
-``TimeMonitor``, ``ModelCheckpoint`` with its ``CheckpointConfig``) and the weights-only loading
+``TimeMonitor``, ``ModelCheckpoint`` with its ``CheckpointConfig``, ``OnRequestExit``) and the weights-only loading
 (``load_checkpoint``, ``load_param_into_net``, ``load_distributed_checkpoint``). ``paratrain.trainer`` is the built-in models' trainer."""
 from paratrain.train.callbacks import (Callback, CallbackParams, CheckpointConfig, LossMonitor, ModelCheckpoint,
-                                       RunContext, TimeMonitor)
+                                       OnRequestExit, RunContext, TimeMonitor)
 from paratrain.train.model import Model, WithLoss, group_names, rebuild_optimizer
 from paratrain.train.serialization import load_checkpoint, load_distributed_checkpoint, load_param_into_net
 
-__all__ = ["Callback", "CallbackParams", "CheckpointConfig", "LossMonitor", "Model", "ModelCheckpoint", "RunContext",
+__all__ = ["Callback", "CallbackParams", "CheckpointConfig", "LossMonitor", "Model", "ModelCheckpoint", "OnRequestExit",
+           "RunContext",
            "TimeMonitor", "WithLoss", "group_names", "load_checkpoint", "load_distributed_checkpoint",
            "load_param_into_net", "rebuild_optimizer"]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import signal
 import time
 from pathlib import Path
 
 import torch
 
 from paratrain.errors import UserError
+from paratrain.stopping import SIGNALS
 
 
 class CallbackParams(dict):
@@ -196,7 +198,7 @@ class ModelCheckpoint(Callback):
         self.directory = Path(directory) if directory is not None else Path.cwd()
         self.config = config or CheckpointConfig()
         self._checkpointer = None
-        self._last_saved_step = 0
+        self.last_saved_step = 0
 
     def _save(self, params: CallbackParams) -> None:
         from paratrain.checkpoint import Checkpointer
@@ -212,14 +214,38 @@ class ModelCheckpoint(Callback):
                                               None, {})
         self._checkpointer.save(params.cur_step_num,
                                 checkpoint_name(params.cur_step_in_epoch, self.prefix, params.cur_epoch_num))
-        self._last_saved_step = params.cur_step_num
+        self.last_saved_step = params.cur_step_num
 
     def on_train_step_end(self, run_context: RunContext) -> None:
         params = run_context.original_args()
-        if params.cur_step_num >= self._last_saved_step + self.config.save_checkpoint_steps:
+        if params.cur_step_num >= self.last_saved_step + self.config.save_checkpoint_steps:
             self._save(params)
 
     def on_train_end(self, run_context: RunContext) -> None:
         params = run_context.original_args()
-        if params.cur_step_num > self._last_saved_step:
+        if params.cur_step_num > self.last_saved_step:
             self._save(params)
+
+
+class OnRequestExit(ModelCheckpoint):
+    """MindSpore's callback that saves a checkpoint when the run is asked to exit (SIGTERM, SIGINT,
+    ``paratrain stop``), as ``<directory>/<file_name>-<epoch>_<step in epoch>``; nothing at a normal end.
+    ``Model.train`` stops every rank at one agreed step on those signals with or without it, then exits
+    with code 4."""
+
+    def __init__(self, save_ckpt: bool = True, save_mindir: bool = False, file_name: str = "Net",
+                 directory: str | Path = "./", sig=signal.SIGTERM):
+        if save_mindir:
+            raise UserError("OnRequestExit(save_mindir=True) is not offered: paratrain exports no MindIR; "
+                            "`paratrain export CKPT OUT.safetensors` writes the weights")
+        if sig not in SIGNALS:
+            raise UserError(f"OnRequestExit(sig={sig!r}): Model.train stops on SIGTERM and SIGINT only")
+        super().__init__(prefix=file_name, directory=directory)
+        self.save_ckpt = bool(save_ckpt)
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        pass  # saves only on an exit request
+
+    def on_train_end(self, run_context: RunContext) -> None:
+        if self.save_ckpt and run_context.original_args().exit_requested:
+            super().on_train_end(run_context)

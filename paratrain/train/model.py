@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from contextlib import ExitStack
 from typing import Iterable
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from paratrain import progress
 from paratrain.config import ParallelConfig
 from paratrain.context import ParallelMode, get_auto_parallel_context, parallel_config_for
 from paratrain.distributed import init_from_env
@@ -20,7 +22,8 @@ from paratrain.nn import PipelineCell
 from paratrain.optim import tensor_kind
 from paratrain.parallel.data import shard_optimizer_state
 from paratrain.parallel.user import PlacedNet, place_net
-from paratrain.train.callbacks import Callback, CallbackParams, RunContext
+from paratrain.stopping import StopAgreement
+from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext
 
 
 class WithLoss(nn.Module):
@@ -229,38 +232,60 @@ class Model:
             cur_epoch_num=0, cur_step_num=0, cur_step_in_epoch=0, net_outputs=None, train_dataset=train_dataset,
             dataset_sink_mode=dataset_sink_mode, mode="train", device_number=world_size, rank=rank,
             parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout,
-            rows_of_this_rank=shards > 1)
+            rows_of_this_rank=shards > 1, exit_requested=False)
         run_context = RunContext(params)
         stream = self._stream(train_dataset) if sinks else None
-        with _Callbacks(callbacks) as hooks:
-            hooks.call("on_train_begin", run_context)
-            for current in range(1, epoch + 1):
-                params.update(cur_epoch_num=current, cur_step_in_epoch=0)
-                hooks.call("on_train_epoch_begin", run_context)
-                batches = (next(stream) for _ in range(sink_size)) if sinks else iter(train_dataset)
-                if dataset_sink_mode:
-                    hooks.call("on_train_step_begin", run_context)
-                for batch in batches:
-                    if not dataset_sink_mode:
+        stop = StopAgreement(world_size)  # SIGTERM/SIGINT, `paratrain stop`: every rank stops at one step
+        try:
+            with _Callbacks(callbacks) as hooks:
+                hooks.call("on_train_begin", run_context)
+                for current in range(1, epoch + 1):
+                    params.update(cur_epoch_num=current, cur_step_in_epoch=0)
+                    hooks.call("on_train_epoch_begin", run_context)
+                    batches = (next(stream) for _ in range(sink_size)) if sinks else iter(train_dataset)
+                    if dataset_sink_mode:
                         hooks.call("on_train_step_begin", run_context)
-                    params.net_outputs = self._step(_as_batch(batch), config, layout, params)
-                    params.cur_step_num += 1
-                    params.cur_step_in_epoch += 1
-                    if not dataset_sink_mode:
+                    for batch in batches:
+                        if not dataset_sink_mode:
+                            hooks.call("on_train_step_begin", run_context)
+                        params.net_outputs = self._step(_as_batch(batch), config, layout, params)
+                        params.cur_step_num += 1
+                        params.cur_step_in_epoch += 1
+                        if not dataset_sink_mode:
+                            hooks.call("on_train_step_end", run_context)
+                            params.exit_requested = stop.agreed()
+                            if run_context.get_stop_requested() or params.exit_requested:
+                                break
+                    if params.cur_step_in_epoch == 0:
+                        raise UserError(f"Model.train: train_dataset gave no batch in epoch {params.cur_epoch_num}: "
+                                        f"it must be iterable again each epoch (a list, or an object with __iter__)")
+                    if dataset_sink_mode:
                         hooks.call("on_train_step_end", run_context)
-                        if run_context.get_stop_requested():
-                            break
-                if params.cur_step_in_epoch == 0:
-                    raise UserError(f"Model.train: train_dataset gave no batch in epoch {params.cur_epoch_num}: "
-                                    f"it must be iterable again each epoch (a list, or an object with __iter__)")
-                if dataset_sink_mode:
-                    hooks.call("on_train_step_end", run_context)
-                if params.batch_num is None:
-                    params.batch_num = params.cur_step_in_epoch
-                hooks.call("on_train_epoch_end", run_context)
-                if run_context.get_stop_requested():
-                    break
-            hooks.call("on_train_end", run_context)
+                        params.exit_requested = stop.agreed()
+                    if params.batch_num is None:
+                        params.batch_num = params.cur_step_in_epoch
+                    if params.exit_requested:
+                        break
+                    hooks.call("on_train_epoch_end", run_context)
+                    if run_context.get_stop_requested():
+                        break
+                params.exit_requested = stop.finish() or params.exit_requested
+                hooks.call("on_train_end", run_context)  # ModelCheckpoint saves the last step, stopped or not
+        finally:
+            stop.close()
+        if params.exit_requested:
+            self._exit_stopped(params, callbacks)
+
+    @staticmethod
+    def _exit_stopped(params: CallbackParams, callbacks) -> None:
+        """End the process as ``paratrain train`` ends a stopped run: one line, exit code 4."""
+        savers = [c for c in _Callbacks(callbacks).callbacks if isinstance(c, ModelCheckpoint)]
+        saved = max((c.last_saved_step for c in savers), default=0) or None
+        if params.rank == 0:
+            print(f"paratrain: stopped on request at step {params.cur_step_num}, "
+                  + (f"saved at step {saved}" if saved else "nothing saved (no ModelCheckpoint callback)"),
+                  file=sys.stderr, flush=True)
+        raise SystemExit(progress.stopped(saved))
 
     @staticmethod
     def _stream(dataset: Iterable):
