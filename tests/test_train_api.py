@@ -487,3 +487,60 @@ def test_a_stopped_model_train_saves_the_agreed_step_on_every_rank_and_exits_4(t
     saved, want = load_checkpoint(tmp_path / "stopped" / f"{prefix}-1_3"), load_checkpoint(whole / "whole-1_3")
     assert saved.keys() == want.keys()
     assert all(torch.allclose(saved[n], want[n], rtol=1e-5, atol=1e-7) for n in want)
+
+
+class _Losses(Callback):
+    """Records (step, loss) after every step."""
+
+    def __init__(self):
+        self.losses = []
+
+    def on_train_step_end(self, run_context):
+        params = run_context.original_args()
+        self.losses.append((params.cur_step_num, float(params.net_outputs)))
+
+
+def _train_two_epochs(directory, resume="none", signal_rank=None, signal_step=0):
+    """Model.train of 2 epochs of 4 batches with a ModelCheckpoint in ``directory``; (exit code, (step, loss)
+    of each step this run took)."""
+    torch.manual_seed(0)
+    net = Net()
+    losses = _Losses()
+    callbacks = [_Signal(signal_rank, signal_step), losses, ModelCheckpoint(
+        prefix="run", directory=directory, config=CheckpointConfig(save_checkpoint_steps=100, keep_checkpoint_max=0))]
+    try:
+        Model(net, optimizer=decay_optimizer(net)).train(2, dataset(4), callbacks=callbacks, resume=resume)
+    except SystemExit as exc:
+        return exc.code, losses.losses
+    return 0, losses.losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_run_stopped_on_two_ranks_resumes_exactly_on_one(tmp_path):
+    code, whole = _train_two_epochs(tmp_path / "whole")
+    assert code == 0 and [step for step, _ in whole] == list(range(1, 9))
+
+    stopped = run_distributed(_train_two_epochs, 2, str(tmp_path / "run"), "auto", 1, 2)
+    assert [code for code, _ in stopped] == [4, 4]  # rank 1 signalled in step 2: all stop after step 3
+    assert [step for step, _ in stopped[0][1]] == [1, 2, 3]
+    assert [loss for _, loss in stopped[0][1]] == pytest.approx([loss for _, loss in whole[:3]], rel=1e-5)
+
+    code, resumed = _train_two_epochs(tmp_path / "run", resume="auto")  # one process: another layout
+    assert code == 0 and [step for step, _ in resumed] == list(range(4, 9))  # epoch 1's last batch, then epoch 2
+    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in whole[3:]], rel=1e-5)
+    code, again = _train_two_epochs(tmp_path / "run", resume="auto")  # from the end: nothing left to do
+    assert code == 0 and again == []
+
+
+def test_resume_refuses_what_it_cannot_do(tmp_path):
+    torch.manual_seed(0)
+    net = Net()
+    model = Model(net, optimizer=decay_optimizer(net))
+    with pytest.raises(UserError, match="give exactly one ModelCheckpoint callback, not 0"):
+        model.train(1, dataset(), resume="auto")
+    with pytest.raises(UserError, match="expected 'none', 'auto' or a checkpoint's path"):
+        model.train(1, dataset(), resume="")
+    with pytest.raises(UserError, match="dataset_sink_mode"):
+        model.train(1, dataset(), callbacks=[ModelCheckpoint(directory=tmp_path)], dataset_sink_mode=True,
+                    resume="auto")

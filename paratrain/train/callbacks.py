@@ -184,6 +184,21 @@ class CheckpointConfig:
         self.integrated_save = bool(integrated_save)
 
 
+class _Position:
+    """Where a ``Model.train`` run is, saved with its checkpoints: the step, the epoch, the step in it."""
+
+    def __init__(self, params: CallbackParams):
+        self.params = params
+
+    def state_dict(self) -> dict:
+        p = self.params
+        return {"step": p.cur_step_num, "epoch": p.cur_epoch_num, "step_in_epoch": p.cur_step_in_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.params.update(cur_step_num=state["step"], cur_epoch_num=state["epoch"],
+                           cur_step_in_epoch=state["step_in_epoch"])
+
+
 class ModelCheckpoint(Callback):
     """Saves the training network and optimizer as ``<directory>/<prefix>-<epoch>_<step in epoch>`` in
     paratrain's sliced format (every rank writes its shards; it loads under any layout, and with
@@ -200,20 +215,36 @@ class ModelCheckpoint(Callback):
         self._checkpointer = None
         self.last_saved_step = 0
 
-    def _save(self, params: CallbackParams) -> None:
+    def _checkpointer_for(self, params: CallbackParams, resume: str = "none"):
         from paratrain.checkpoint import Checkpointer
-        from paratrain.checkpoint.storage import checkpoint_name
         from paratrain.config import CheckpointConfig as CheckpointSection, Config
 
         if self._checkpointer is None:
             section = CheckpointSection(dir=str(self.directory), save_steps=self.config.save_checkpoint_steps,
                                         keep_max=self.config.keep_checkpoint_max,
-                                        integrated_save=self.config.integrated_save, resume="none", prefix=self.prefix)
+                                        integrated_save=self.config.integrated_save, resume=resume, prefix=self.prefix)
             config = Config(parallel=params.parallel_config, checkpoint=section)
             self._checkpointer = Checkpointer(config, params.layout, params.train_network.parts, params.optimizer,
-                                              None, {})
-        self._checkpointer.save(params.cur_step_num,
-                                checkpoint_name(params.cur_step_in_epoch, self.prefix, params.cur_epoch_num))
+                                              None, {"position": _Position(params)})
+        return self._checkpointer
+
+    def resume(self, params: CallbackParams, spec: str) -> dict:
+        """Load checkpoint ``spec`` ("auto": the newest intact one in ``directory``, if any) into the placed
+        net and optimizer; returns the position it was saved at (epoch and step in it; 0 if none) and sets
+        the step count."""
+        epoch, step_in_epoch = params.cur_epoch_num, params.cur_step_in_epoch
+        self.last_saved_step = self._checkpointer_for(params, spec).resume()
+        if self.last_saved_step == 0:
+            return {"epoch": 0, "step_in_epoch": 0}
+        position = {"epoch": params.cur_epoch_num, "step_in_epoch": params.cur_step_in_epoch}
+        params.update(cur_epoch_num=epoch, cur_step_in_epoch=step_in_epoch)
+        return position
+
+    def _save(self, params: CallbackParams) -> None:
+        from paratrain.checkpoint.storage import checkpoint_name
+
+        name = checkpoint_name(params.cur_step_in_epoch, self.prefix, params.cur_epoch_num)
+        self._checkpointer_for(params).save(params.cur_step_num, name)
         self.last_saved_step = params.cur_step_num
 
     def on_train_step_end(self, run_context: RunContext) -> None:

@@ -196,7 +196,7 @@ class Model:
         self._placement: tuple[ParallelConfig, Layout] | None = None  # kept for later ``train`` calls
 
     def train(self, epoch: int, train_dataset: Iterable, callbacks=None, dataset_sink_mode: bool = False,
-              sink_size: int = -1) -> None:
+              sink_size: int = -1, resume: str = "none") -> None:
         """Train ``epoch`` epochs over ``train_dataset``, an iterable of global batches (tuples of tensors: the
         net's forward arguments, then the label with ``loss_fn``), iterated again each epoch; every rank
         gives the whole global batch and keeps its rows, but for a dataset split per rank (``num_shards`` > 1,
@@ -204,7 +204,13 @@ class Model:
         Callbacks see MindSpore's step counts: ``cur_step_num``
         over the run, the step within the epoch in ``cur_step_in_epoch``. With ``dataset_sink_mode`` step
         callbacks run once per sink: a whole epoch, or ``sink_size`` batches per epoch drawn on across
-        epochs."""
+        epochs.
+
+        ``resume``: "none"; "auto", the newest intact checkpoint in the ``ModelCheckpoint``'s directory, if
+        any; or a checkpoint's path. The run continues exactly where that one was saved, under any layout:
+        weights, optimizer state, random state and the position in the data (the batches of the epochs
+        done and of the current epoch up to that step are skipped), with the losses an uninterrupted run
+        would have."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
             raise UserError(f"Model.train: epoch must be a positive int, got {epoch!r}")
         if dataset_sink_mode and (isinstance(sink_size, bool) or not isinstance(sink_size, int)
@@ -235,14 +241,19 @@ class Model:
             rows_of_this_rank=shards > 1, exit_requested=False)
         run_context = RunContext(params)
         stream = self._stream(train_dataset) if sinks else None
+        done = self._resume(resume, train_dataset, callbacks, dataset_sink_mode, config, layout, params)
         stop = StopAgreement(world_size)  # SIGTERM/SIGINT, `paratrain stop`: every rank stops at one step
         try:
             with _Callbacks(callbacks) as hooks:
                 hooks.call("on_train_begin", run_context)
-                for current in range(1, epoch + 1):
+                for current in range(done["epoch"] or 1, epoch + 1):  # a resumed run skips the epochs done
                     params.update(cur_epoch_num=current, cur_step_in_epoch=0)
                     hooks.call("on_train_epoch_begin", run_context)
                     batches = (next(stream) for _ in range(sink_size)) if sinks else iter(train_dataset)
+                    if current == done["epoch"]:
+                        for _ in range(done["step_in_epoch"]):
+                            next(batches, None)
+                        params.cur_step_in_epoch = done["step_in_epoch"]
                     if dataset_sink_mode:
                         hooks.call("on_train_step_begin", run_context)
                     for batch in batches:
@@ -276,6 +287,27 @@ class Model:
         if params.exit_requested:
             self._exit_stopped(params, callbacks)
 
+    def _resume(self, spec: str, dataset: Iterable, callbacks, sink_mode: bool, config: ParallelConfig,
+                layout: Layout, params: CallbackParams) -> dict:
+        """Apply ``Model.train``'s ``resume``; returns the saved position (epoch and step in it, 0 for none)."""
+        if not isinstance(spec, str) or not spec.strip():
+            raise UserError(f"Model.train(resume={spec!r}): expected 'none', 'auto' or a checkpoint's path")
+        if spec.strip().lower() == "none":
+            return {"epoch": 0, "step_in_epoch": 0}
+        savers = [c for c in _Callbacks(callbacks).callbacks if isinstance(c, ModelCheckpoint)]
+        if len(savers) != 1:
+            raise UserError(f"Model.train(resume={spec!r}) resumes from a ModelCheckpoint's directory: give exactly "
+                            f"one ModelCheckpoint callback, not {len(savers)}")
+        if sink_mode:
+            raise UserError(f"Model.train(resume={spec!r}) with dataset_sink_mode: a sink's batches are not "
+                            f"counted per epoch; resume without sink mode")
+        first = next(iter(dataset), None)
+        if first is None:
+            raise UserError("Model.train: train_dataset gave no batch")
+        if self.train_network is None:
+            self._place(_as_batch(first), config, layout, params)
+        return savers[0].resume(params, spec.strip())
+
     @staticmethod
     def _exit_stopped(params: CallbackParams, callbacks) -> None:
         """End the process as ``paratrain train`` ends a stopped run: one line, exit code 4."""
@@ -298,19 +330,23 @@ class Model:
             if empty:
                 raise UserError("Model.train: train_dataset gave no batch")
 
+    def _place(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams) -> None:
+        """Place the net on the layout (``batch``: an example) and rebuild the optimizer on its shards."""
+        net = self.network.network if isinstance(self.network, PipelineCell) else self.network
+        net = net if self.loss_fn is None else WithLoss(net, self.loss_fn)
+        names = group_names(self.optimizer, net)
+        self.train_network = place(net, config, layout, batch)
+        if isinstance(self.network, PipelineCell):
+            self.network.placed = self.train_network
+        self.optimizer = rebuild_optimizer(self.optimizer, names, self.train_network.named_parameters())
+        if isinstance(self.train_network, PlacedNet):  # semi-auto shards its optimizer by placements
+            shard_optimizer_state(self.optimizer, config, layout)
+        params.update(train_network=self.train_network, optimizer=self.optimizer)
+
     def _step(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams) -> torch.Tensor:
         """One optimizer step on a global batch; places the net on the first. Returns the loss (on the device)."""
         if self.train_network is None:
-            net = self.network.network if isinstance(self.network, PipelineCell) else self.network
-            net = net if self.loss_fn is None else WithLoss(net, self.loss_fn)
-            names = group_names(self.optimizer, net)
-            self.train_network = place(net, config, layout, batch)
-            if isinstance(self.network, PipelineCell):
-                self.network.placed = self.train_network
-            self.optimizer = rebuild_optimizer(self.optimizer, names, self.train_network.named_parameters())
-            if isinstance(self.train_network, PlacedNet):  # semi-auto shards its optimizer by placements
-                shard_optimizer_state(self.optimizer, config, layout)
-            params.update(train_network=self.train_network, optimizer=self.optimizer)
+            self._place(batch, config, layout, params)
         loss = self.train_network.train_step(batch, rows_of_this_rank=params.rows_of_this_rank)
         if params.parallel_mode == ParallelMode.DATA_PARALLEL and not get_auto_parallel_context("gradients_mean"):
             for param in self.train_network.parameters():  # MindSpore's default: the ranks' gradients summed
