@@ -73,8 +73,8 @@ def _batches(steps=4):
              (torch.rand(8, 6, generator=g) > 0.2).float()) for _ in range(steps)]
 
 
-def train(parallel: dict, steps=4):
-    """(loss, gradient norm) of each step of the tiny net placed on ``parallel``."""
+def train(parallel: dict, steps=4, net_class=Net):
+    """(loss, gradient norm) of each step of the tiny net (a ``net_class``) placed on ``parallel``."""
     from paratrain.config import ParallelConfig
     from paratrain.distributed import init_from_env
     from paratrain.mesh import Layout
@@ -82,7 +82,7 @@ def train(parallel: dict, steps=4):
     torch.set_num_threads(1)
     _, world = init_from_env()
     torch.manual_seed(0)
-    net = Net()
+    net = net_class()
     stages = parallel.get("pipeline_stage", 1)
     for i, block in enumerate(net.blocks):
         block.pipeline_stage = i * stages // len(net.blocks)
@@ -129,6 +129,31 @@ def test_user_net_matches_one_process(name, one_process):
     assert one_process[-1][0] < one_process[0][0] or one_process[-1] != one_process[0]
     for step, (g, want) in enumerate(zip(got, one_process)):
         assert g == pytest.approx(want, rel=1e-4), f"{name}: step {step + 1}"
+
+
+class ExpandedMaskNet(Net):
+    """Net whose blocks mix the tokens under a (B, T, T) mask built with ``.expand``, as people build attention
+    masks: the view (zero strides) is used on both sides of a stage boundary, so the pipeline sends it."""
+
+    def forward(self, ids, labels, mask):
+        keep = mask[:, None, :].expand(-1, ids.shape[1], -1)
+        x = self.mine(self.embedding(ids))
+        for block in self.blocks:
+            x = block(x + keep @ x / ids.shape[1])
+        return self.loss(self.head(x).flatten(0, 1), labels.flatten(), mask.flatten())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pp2", "dp2_mp2_pp2"])
+def test_a_stage_boundary_carries_an_expanded_mask(name):
+    from paratrain.config import ParallelConfig
+
+    parallel = LAYOUTS[name]
+    want = train({}, 3, ExpandedMaskNet)
+    got = run_distributed(train, ParallelConfig(**parallel).world_size, parallel, 3, ExpandedMaskNet, timeout=300)[0]
+    assert want[-1][0] < want[0][0]
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g == pytest.approx(w, rel=1e-5), f"{name}: step {step + 1}"
 
 
 def test_declared_plan_and_stage_starts():

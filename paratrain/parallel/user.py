@@ -27,10 +27,11 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch import nn
-from torch.distributed.pipelining import SplitPoint, pipeline as trace_pipeline
+from torch import fx, nn
+from torch.distributed.pipelining import Pipe, SplitPoint, pipeline as trace_pipeline
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.fx.node import map_arg
 
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
@@ -165,6 +166,7 @@ class PlacedNet:
                                   f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}") from exc
         if pipe.num_stages != config.pipeline_stage:
             raise UnsplittableNet(f"the traced forward has {pipe.num_stages} stages, not {config.pipeline_stage}")
+        _contiguous_boundaries(pipe)
         index = layout.pp_rank
         stage_module = pipe.get_stage_module(index)
         self._parallelize(stage_module, net, root=stage_module)
@@ -265,6 +267,32 @@ class _InputsOnFirstStage(nn.Module):
     def forward(self, *inputs):
         # 1-d: the schedule concatenates the last stage's outputs of the micro-batches
         return self._forward(*(x.clone() for x in inputs)).reshape(-1)
+
+
+def _contiguous_boundaries(pipe: Pipe) -> None:
+    """Make every tensor that crosses a stage boundary contiguous, in the stage graphs and in the traced values that
+    torch builds the receive and gradient buffers from. Send and receive take only contiguous tensors, and a value a
+    forward hands on may be a view: a mask built with ``.expand`` has zero strides, a transpose swapped ones."""
+    for index in range(pipe.num_stages):
+        module = pipe.get_stage_module(index)
+        graph = module.graph
+        output = graph.find_nodes(op="output")[0]
+        with graph.inserting_before(output):
+            output.args = map_arg(output.args, _contiguous)
+        if index > 0:  # every input of a later stage is received (_InputsOnFirstStage)
+            for node in graph.find_nodes(op="placeholder"):
+                node.meta["val"] = node.meta["val"].contiguous()
+        module.recompile()
+
+
+def _contiguous(node: fx.Node) -> fx.Node:
+    """``node`` made contiguous when it is a tensor (a no-op at run time on one that already is)."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return node
+    copy = node.graph.call_method("contiguous", (node,))
+    copy.meta["val"] = value.contiguous()
+    return copy
 
 
 def place_net(net: nn.Module, config: ParallelConfig, layout: Layout, example_batch: tuple) -> PlacedNet:
