@@ -16,8 +16,9 @@ from pathlib import Path
 from paratrain import host_memory
 from paratrain.launch import jobs as joblib
 from paratrain.launch import stop as stoplib
-from paratrain.launch.hosts import (HostError, Topology, parse_hostfile, parse_rank_table, select_hosts,
-                                    slurm_from_env)
+from paratrain.cluster import slurm_tasks
+from paratrain.launch.hosts import (HostError, Topology, kubeflow_from_env, parse_hostfile, parse_rank_table,
+                                    select_hosts, slurm_from_env)
 from paratrain.launch.jobs import Job, JobError
 
 
@@ -57,18 +58,37 @@ def _launch_flags(args, name: str, **overrides) -> list[str]:
 
 
 def _topology(args):
-    """Nodes and rendezvous from the flags, else from a Slurm allocation, else this machine alone."""
+    """Nodes and rendezvous from the flags, else from a Slurm allocation or a Kubeflow pod, else this machine
+    alone."""
     slurm = slurm_from_env() if args.nnodes is None else None
-    if slurm is not None and slurm.nnodes > 1:
-        return Topology(args.nproc_per_node or slurm.gpus_per_node or 1, slurm.nnodes, slurm.node_rank,
-                                 args.master_addr or slurm.master_addr, args.master_port or slurm.master_port)
+    if args.nnodes is None:
+        _check_one_launcher_per_node()
+        if slurm is not None and slurm.nnodes > 1:
+            return Topology(args.nproc_per_node or slurm.gpus_per_node or 1, slurm.nnodes, slurm.node_rank,
+                            args.master_addr or slurm.master_addr, args.master_port or slurm.master_port)
+        pod = kubeflow_from_env()
+        if pod is not None:
+            return Topology(args.nproc_per_node or pod.nproc_per_node, pod.nnodes, pod.node_rank,
+                            args.master_addr or pod.master_addr, args.master_port or pod.master_port)
+    nproc = args.nproc_per_node or (slurm.gpus_per_node if slurm is not None else None) or 1  # Slurm: one node's GPUs
     nnodes = args.nnodes or 1
     if nnodes > 1 and not args.master_addr:
         raise HostError("--nnodes > 1 needs --master-addr (the address of node 0) and --node-rank")
     if not 0 <= (args.node_rank or 0) < nnodes:
         raise HostError(f"--node-rank {args.node_rank} is not in 0..{nnodes - 1}")
-    return Topology(args.nproc_per_node or 1, nnodes, args.node_rank or 0,
-                             args.master_addr, args.master_port or 29500)
+    return Topology(nproc, nnodes, args.node_rank or 0, args.master_addr, args.master_port or 29500)
+
+
+def _check_one_launcher_per_node() -> None:
+    """Refuse a launch that srun started several times on this node: each would start the node's ranks."""
+    if "SLURM_STEP_ID" not in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    tasks = slurm_tasks(os.environ)
+    if tasks.local_world_size > 1:
+        raise HostError(f"srun started {tasks.local_world_size} tasks on this node, each a 'paratrain launch' with "
+                        f"the same node rank: run one per node (srun --ntasks-per-node=1 paratrain launch ...), "
+                        f"or the ranks themselves (srun --ntasks-per-node={tasks.local_world_size} python -m "
+                        f"paratrain train ...)")
 
 
 def _check_numbers(args) -> None:
