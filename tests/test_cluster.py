@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ import pytest
 from conftest import PYTHON, ROOT
 from paratrain import cli
 from paratrain.cluster import TopologyError, expand_nodelist, fill_env, locate, tasks_per_node
+from paratrain.launch import _earlier_attempt_gone
+from paratrain.launch.jobs import LOST_AFTER_S, Job, load
 
 FILLED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -88,14 +91,14 @@ def test_mpi_and_kubeflow():
     assert _filled(pod) == ("1", "2", "0", "1", "job-master-0", "23456")
 
 
-def test_refusal_is_one_line_before_anything_starts(tmp_path):
-    env = {**os.environ, **_slurm(0, ntasks=3)}
-    result = subprocess.run([PYTHON, "-m", "paratrain", "train", f"--run.dir={tmp_path}"], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+def test_refusal_is_one_line_before_anything_starts(tmp_path, monkeypatch, capsys):
+    for key, value in _slurm(0, ntasks=3).items():
+        monkeypatch.setenv(key, value)
+    assert cli.main(["train", f"--run.dir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         "paratrain: SLURM_NTASKS=3 but SLURM_NTASKS_PER_NODE=2 on 2 node(s) makes 4 tasks: give srun --ntasks "
         "equal to the nodes times --ntasks-per-node, or only one"]
+    assert not any(name in os.environ for name in FILLED)
 
 
 def _dry_run(capsys, monkeypatch, env, *flags):
@@ -223,3 +226,45 @@ def test_ranks_started_by_a_cluster_form_one_job(tmp_path, one_process, source, 
     together, out = _train(tmp_path, source, [_cluster_env(source, rank, job_id) for rank in range(2)])
     assert together == pytest.approx(one_process, rel=1e-5)
     assert f"paratrain: 2 rank(s), {1 if source == 'kubeflow' else 2} on this node, {said}" in out
+
+
+def _record(home: Path, name: str, host: str, heard_s_ago: float) -> Job:
+    """An active record of ``name`` saved by a launcher on ``host`` ``heard_s_ago`` seconds ago."""
+    (home / name).mkdir(parents=True, exist_ok=True)
+    job = Job(name=name, dir=str(home / name), host=host, state="running", launcher_pid=2**22 + 7)
+    job.save()
+    data = json.loads(job.path.read_text())
+    job.path.write_text(json.dumps({**data, "heartbeat": time.time() - heard_s_ago}))
+    return Job.from_file(job.path)
+
+
+def test_a_record_whose_launcher_is_gone_is_cleared_by_stop(tmp_path, capsys):
+    home = tmp_path / "runs"
+    assert _record(home, "fresh", "other-node", 10).shown_state() == "running"
+    assert _record(home, "here", socket.gethostname(), 10).shown_state() == "lost"  # its pid is dead
+    assert _record(home, "old", "other-node", LOST_AFTER_S + 60).shown_state() == "lost"
+    started = time.monotonic()
+    assert cli.main(["stop", "old", "--grace", "5"]) == 0
+    assert time.monotonic() - started < 5  # nothing to wait for
+    out = capsys.readouterr().out
+    assert "node 0 counts as lost: its launcher on other-node has not saved it" in out
+    assert load("old").state == "stopped"
+    # a launcher of another host heard from lately may still run: a launch of the same name is refused
+    assert cli.main(["launch", "--name", "fresh", "--", "train"]) == 2
+    assert "job 'fresh' is running (pid 4194311 on other-node): stop it" in capsys.readouterr().err
+
+
+def test_a_requeued_slurm_job_takes_over_its_record(tmp_path, monkeypatch, capsys):
+    home = tmp_path / "runs"
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    monkeypatch.setenv("SLURM_JOB_ID", "55")
+    old = _record(home, "slurm-55", "other-node", 10)
+    assert _earlier_attempt_gone(old) == ""
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert _earlier_attempt_gone(old) == "Slurm requeued the job (SLURM_RESTART_COUNT=1)"
+    # the launcher that died abruptly on another node: a launch of the same name runs, saying so
+    _record(home, "stale", "other-node", LOST_AFTER_S + 60)
+    assert cli.main(["launch", "--name", "stale", "--", str(script)]) == 0
+    assert "taking over the record of an earlier launch, running on other-node" in capsys.readouterr().err
+    assert (load("stale").state, load("stale").host) == ("succeeded", socket.gethostname())

@@ -135,8 +135,13 @@ def cmd_launch(args) -> int:
             old = Job.from_file(job_dir / "job.json")
         except joblib.UnreadableRecord:
             old = None  # a damaged record is replaced
-        if old is not None and old.shown_state() in joblib.ACTIVE:
-            raise JobError(f"job {name!r} is {old.shown_state()} (pid {old.launcher_pid}): stop it or pick another --name")
+        if old is not None and old.state in joblib.ACTIVE:
+            gone = _earlier_attempt_gone(old)
+            if not gone:
+                raise JobError(f"job {name!r} is {old.state} (pid {old.launcher_pid} on {old.host}): stop it or "
+                               f"pick another --name")
+            print(f"paratrain launch: job {name}: taking over the record of an earlier launch, {old.state} on "
+                  f"{old.host}: {gone}", file=sys.stderr, flush=True)
     job_dir.mkdir(parents=True, exist_ok=True)
     job = Job(name=name, dir=str(job_dir), command=words, argv=_argv(args, name), run_dir=_run_dir(words, job_dir),
               hosts=[h.name for h in hosts] if hosts else [], nnodes=len(hosts) if hosts else topo.nnodes,
@@ -163,6 +168,17 @@ def cmd_launch(args) -> int:
         os.environ.update(host_memory.rank_env())
     return launcher.run_node(job, topo, launcher.rank_command(words),
                              console=not os.environ.get("PARATRAIN_JOB_PREPARED"), join_timeout_s=args.join_timeout)
+
+
+def _earlier_attempt_gone(old: Job) -> str:
+    """Why the active record ``old`` is of a launcher that is gone ('' when it may still run): a launcher
+    provably gone (:meth:`Job.launcher_gone`), or a Slurm job requeued since (``SLURM_RESTART_COUNT``)."""
+    if old.launcher_gone():
+        return old.lost_because()
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "")
+    if restarts.isdigit() and int(restarts) > 0 and old.name == f"slurm-{os.environ.get('SLURM_JOB_ID')}":
+        return f"Slurm requeued the job (SLURM_RESTART_COUNT={restarts})"
+    return ""
 
 
 def _argv(args, name: str) -> list[str]:

@@ -204,6 +204,7 @@ def _watch(job: Job, topo: Topology, agent: _Agent, signals: _StopSignals, progr
     master = f"{topo.master_addr}:{topo.master_port}"
     while agent.is_alive():
         agent.join(POLL_S)
+        job.beat()
         ranks = _child_ranks()
         if {**job.pids, **ranks} != job.pids:  # ranks that already exited keep their pid
             job.pids, job.state = {**job.pids, **ranks}, "running"
@@ -351,6 +352,7 @@ def run_hosts(job: Job, commands: list[list[str]], poll_s: float = 0.5) -> int:
                     stoplib.request(job.dir, stop or StopRequest(grace_s=SHUTDOWN_TIMEOUT_S, reason="a node failed"))
                     grace = 0 if stop is not None and stop.now else (stop or StopRequest()).grace_s
                     give_up_at = time.monotonic() + grace + SSH_MARGIN_S
+            job.beat()
             time.sleep(poll_s)
     for p in procs:
         if p.poll() is None:
