@@ -1,6 +1,6 @@
 """``paratrain launch | jobs | logs | stop``: named jobs started with torchrun on one or many nodes.
 
-``hosts`` reads hostfiles, rank tables and Slurm allocations, ``jobs`` keeps the
+``hosts`` reads hostfiles, rank tables, Slurm allocations and Kubeflow pods, ``jobs`` keeps the
 job records, ``launcher`` runs torchrun on a node or ssh on every node, ``stop``
 asks every node to stop, ``failure`` and ``rendezvous`` say what went wrong.
 """

@@ -1,4 +1,4 @@
-"""Where a job runs: DeepSpeed hostfiles, MindSpore rank tables and Slurm allocations.
+"""Where a job runs: DeepSpeed hostfiles, MindSpore rank tables, Slurm allocations and Kubeflow pods.
 
 Every source is turned into the same list of :class:`Host` (one per node, in
 node-rank order). Host names are checked against the host-name grammar before
