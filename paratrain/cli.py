@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 
-from paratrain import host_memory, progress, stopping
+from paratrain import cluster, host_memory, progress, stopping
 from paratrain.config import parse_overrides
 from paratrain.deepspeed_config import load_config
 from paratrain.errors import UserError
@@ -26,6 +26,7 @@ COMMAND_MODULES = ("paratrain.launch", "paratrain.doctor", "paratrain.data.comma
 def cmd_train(args) -> int:
     from paratrain import preflight
 
+    cluster.fill_env()  # srun/mpirun/a pod: what torchrun would set
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     report = (lambda line: print(line, flush=True)) if os.environ.get("RANK", "0") == "0" else None
     cfg = preflight.check(load_config(args.config, args.overrides, args.deepspeed, world_size, report), world_size)

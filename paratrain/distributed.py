@@ -1,4 +1,5 @@
-"""Process-group set-up from the environment torchrun gives (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+"""Process-group set-up from the environment torchrun gives (RANK, WORLD_SIZE, MASTER_ADDR, ...), or that
+:mod:`paratrain.cluster` fills from SLURM, MPI or Kubeflow's variables.
 
 A rank that joins a process group also gets stack dumps: on SIGTERM (how the
 launcher stops the other ranks when one fails, and how ``paratrain stop`` ends a
@@ -17,6 +18,7 @@ import signal
 
 import torch.distributed as dist
 
+from paratrain.cluster import fill_env
 from paratrain.device import backend, configure, device
 
 
@@ -38,13 +40,15 @@ def install_stack_dumps() -> None:
 
 
 def init_from_env(timeout_s: float | None = None, offload: bool = False) -> tuple[int, int]:
-    """Join the process group torchrun described, if any; returns (rank, world_size).
+    """Join the process group torchrun, SLURM, MPI or Kubeflow described (:func:`paratrain.cluster.fill_env`),
+    if any; returns (rank, world_size).
 
     ``timeout_s`` bounds every collective (default: :func:`collective_timeout`). ``offload`` (ZeRO-Offload):
     the group also reduces host tensors, and one process gets a group of its own (FSDP2 needs one).
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    fill_env()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1 and not offload:
         return 0, 1

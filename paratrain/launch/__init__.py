@@ -1,6 +1,6 @@
 """``paratrain launch | jobs | logs | stop``: named jobs started with torchrun on one or many nodes.
 
-``hosts`` reads hostfiles, rank tables and Slurm allocations, ``jobs`` keeps the
+``hosts`` reads hostfiles, rank tables, Slurm allocations and Kubeflow pods, ``jobs`` keeps the
 job records, ``launcher`` runs torchrun on a node or ssh on every node, ``stop``
 asks every node to stop, ``failure`` and ``rendezvous`` say what went wrong.
 """
@@ -16,8 +16,9 @@ from pathlib import Path
 from paratrain import host_memory
 from paratrain.launch import jobs as joblib
 from paratrain.launch import stop as stoplib
-from paratrain.launch.hosts import (HostError, Topology, parse_hostfile, parse_rank_table, select_hosts,
-                                    slurm_from_env)
+from paratrain.cluster import slurm_tasks
+from paratrain.launch.hosts import (HostError, Topology, kubeflow_from_env, parse_hostfile, parse_rank_table,
+                                    select_hosts, slurm_from_env)
 from paratrain.launch.jobs import Job, JobError
 
 
@@ -57,18 +58,37 @@ def _launch_flags(args, name: str, **overrides) -> list[str]:
 
 
 def _topology(args):
-    """Nodes and rendezvous from the flags, else from a Slurm allocation, else this machine alone."""
+    """Nodes and rendezvous from the flags, else from a Slurm allocation or a Kubeflow pod, else this machine
+    alone."""
     slurm = slurm_from_env() if args.nnodes is None else None
-    if slurm is not None and slurm.nnodes > 1:
-        return Topology(args.nproc_per_node or slurm.gpus_per_node or 1, slurm.nnodes, slurm.node_rank,
-                                 args.master_addr or slurm.master_addr, args.master_port or slurm.master_port)
+    if args.nnodes is None:
+        _check_one_launcher_per_node()
+        if slurm is not None and slurm.nnodes > 1:
+            return Topology(args.nproc_per_node or slurm.gpus_per_node or 1, slurm.nnodes, slurm.node_rank,
+                            args.master_addr or slurm.master_addr, args.master_port or slurm.master_port)
+        pod = kubeflow_from_env()
+        if pod is not None:
+            return Topology(args.nproc_per_node or pod.nproc_per_node, pod.nnodes, pod.node_rank,
+                            args.master_addr or pod.master_addr, args.master_port or pod.master_port)
+    nproc = args.nproc_per_node or (slurm.gpus_per_node if slurm is not None else None) or 1  # Slurm: one node's GPUs
     nnodes = args.nnodes or 1
     if nnodes > 1 and not args.master_addr:
         raise HostError("--nnodes > 1 needs --master-addr (the address of node 0) and --node-rank")
     if not 0 <= (args.node_rank or 0) < nnodes:
         raise HostError(f"--node-rank {args.node_rank} is not in 0..{nnodes - 1}")
-    return Topology(args.nproc_per_node or 1, nnodes, args.node_rank or 0,
-                             args.master_addr, args.master_port or 29500)
+    return Topology(nproc, nnodes, args.node_rank or 0, args.master_addr, args.master_port or 29500)
+
+
+def _check_one_launcher_per_node() -> None:
+    """Refuse a launch that srun started several times on this node: each would start the node's ranks."""
+    if "SLURM_STEP_ID" not in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    tasks = slurm_tasks(os.environ)
+    if tasks.local_world_size > 1:
+        raise HostError(f"srun started {tasks.local_world_size} tasks on this node, each a 'paratrain launch' with "
+                        f"the same node rank: run one per node (srun --ntasks-per-node=1 paratrain launch ...), "
+                        f"or the ranks themselves (srun --ntasks-per-node={tasks.local_world_size} python -m "
+                        f"paratrain train ...)")
 
 
 def _check_numbers(args) -> None:
@@ -115,8 +135,13 @@ def cmd_launch(args) -> int:
             old = Job.from_file(job_dir / "job.json")
         except joblib.UnreadableRecord:
             old = None  # a damaged record is replaced
-        if old is not None and old.shown_state() in joblib.ACTIVE:
-            raise JobError(f"job {name!r} is {old.shown_state()} (pid {old.launcher_pid}): stop it or pick another --name")
+        if old is not None and old.state in joblib.ACTIVE:
+            gone = _earlier_attempt_gone(old)
+            if not gone:
+                raise JobError(f"job {name!r} is {old.state} (pid {old.launcher_pid} on {old.host}): stop it or "
+                               f"pick another --name")
+            print(f"paratrain launch: job {name}: taking over the record of an earlier launch, {old.state} on "
+                  f"{old.host}: {gone}", file=sys.stderr, flush=True)
     job_dir.mkdir(parents=True, exist_ok=True)
     job = Job(name=name, dir=str(job_dir), command=words, argv=_argv(args, name), run_dir=_run_dir(words, job_dir),
               hosts=[h.name for h in hosts] if hosts else [], nnodes=len(hosts) if hosts else topo.nnodes,
@@ -143,6 +168,17 @@ def cmd_launch(args) -> int:
         os.environ.update(host_memory.rank_env())
     return launcher.run_node(job, topo, launcher.rank_command(words),
                              console=not os.environ.get("PARATRAIN_JOB_PREPARED"), join_timeout_s=args.join_timeout)
+
+
+def _earlier_attempt_gone(old: Job) -> str:
+    """Why the active record ``old`` is of a launcher that is gone ('' when it may still run): a launcher
+    provably gone (:meth:`Job.launcher_gone`), or a Slurm job requeued since (``SLURM_RESTART_COUNT``)."""
+    if old.launcher_gone():
+        return old.lost_because()
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "")
+    if restarts.isdigit() and int(restarts) > 0 and old.name == f"slurm-{os.environ.get('SLURM_JOB_ID')}":
+        return f"Slurm requeued the job (SLURM_RESTART_COUNT={restarts})"
+    return ""
 
 
 def _argv(args, name: str) -> list[str]:

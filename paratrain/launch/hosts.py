@@ -1,4 +1,4 @@
-"""Where a job runs: DeepSpeed hostfiles, MindSpore rank tables and Slurm allocations.
+"""Where a job runs: DeepSpeed hostfiles, MindSpore rank tables, Slurm allocations and Kubeflow pods.
 
 Every source is turned into the same list of :class:`Host` (one per node, in
 node-rank order). Host names are checked against the host-name grammar before
@@ -11,11 +11,10 @@ import ipaddress
 import json
 import os
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from paratrain.cluster import expand_nodelist, job_port
 from paratrain.errors import UserError
 
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -198,7 +197,7 @@ class SlurmAllocation:
     @property
     def master_port(self) -> int:
         """A port every node derives alike from the job id (29500 + id mod 1000)."""
-        return 29500 + int(re.sub(r"\D", "", self.job_id) or 0) % 1000
+        return job_port(self.job_id)
 
 
 def slurm_from_env(env: dict[str, str] | None = None) -> SlurmAllocation | None:
@@ -209,7 +208,7 @@ def slurm_from_env(env: dict[str, str] | None = None) -> SlurmAllocation | None:
     nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
     if not nodes:
         raise HostError("Slurm: SLURM_JOB_NODELIST is empty")
-    gpus = env.get("SLURM_GPUS_ON_NODE")
+    gpus = (env.get("SLURM_GPUS_ON_NODE") or env.get("SLURM_GPUS_PER_NODE") or "").rpartition(":")[2]  # [type:]N
     return SlurmAllocation(
         job_id=env["SLURM_JOB_ID"],
         nnodes=int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or len(nodes)),
@@ -219,21 +218,28 @@ def slurm_from_env(env: dict[str, str] | None = None) -> SlurmAllocation | None:
     )
 
 
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand Slurm's compressed node list (``node[01-03,07],gpu5``) in order."""
-    if shutil.which("scontrol") and nodelist:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
-        if out.returncode == 0:
-            return out.stdout.split()
-    names = []
-    for prefix, ranges in re.findall(r"([^,\[]+)(?:\[([^\]]*)\])?,?", nodelist):
-        if not ranges:
-            names.append(prefix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            names += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
-    return names
+def kubeflow_from_env(env: dict[str, str] | None = None) -> Topology | None:
+    """The nodes of the Kubeflow PyTorchJob whose pod this is (``PET_NNODES``, ``PET_NODE_RANK``,
+    ``PET_NPROC_PER_NODE``, ``PET_MASTER_ADDR``/``PORT``), or None outside one."""
+    env = os.environ if env is None else env
+    if "PET_NNODES" not in env:
+        return None
+    numbers = {name: env.get(name, "") for name in ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_PORT")}
+    numbers["PET_NODE_RANK"] = numbers["PET_NODE_RANK"] or env.get("RANK", "0")
+    bad = [f"{name}={value!r}" for name, value in numbers.items() if value and not value.isdigit()]
+    if bad:
+        raise HostError(f"Kubeflow: {', '.join(bad)} should be a number (an elastic range of nodes is not "
+                        f"supported: give the PyTorchJob a fixed number of replicas)")
+    nnodes, node_rank = int(numbers["PET_NNODES"]), int(numbers["PET_NODE_RANK"])
+    if not 0 <= node_rank < nnodes:
+        raise HostError(f"Kubeflow: PET_NODE_RANK={node_rank} is not in 0..{nnodes - 1} (PET_NNODES={nnodes})")
+    nproc = env.get("PET_NPROC_PER_NODE", "")
+    master = env.get("PET_MASTER_ADDR") or env.get("MASTER_ADDR")
+    if nnodes > 1 and not master:
+        raise HostError(f"Kubeflow: PET_NNODES={nnodes} without PET_MASTER_ADDR (the master pod's address)")
+    return Topology(int(nproc) if nproc.isdigit() else 1, nnodes, node_rank,
+                    check_host(master, "Kubeflow PET_MASTER_ADDR") if nnodes > 1 else None,
+                    int(numbers["PET_MASTER_PORT"] or env.get("MASTER_PORT") or 29500))
 
 
 def _read(path: str | Path) -> str:

@@ -23,6 +23,8 @@ from pathlib import Path
 from paratrain.errors import UserError
 
 ACTIVE = ("starting", "running")
+HEARTBEAT_S = 30.0  # how often a running launcher rewrites its record
+LOST_AFTER_S = 300.0  # a record of another host not rewritten for this long: its launcher is gone
 PROGRESS_DIR = "progress"  # in a job's directory: the ranks' progress records (paratrain.progress)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -82,6 +84,7 @@ class Job:
     failure: str = ""
     saved_step: int | None = None  # stopped after every rank saved a checkpoint of this step
     record: str = "job.json"  # node{R}.json for a node of a job another process owns
+    heartbeat: float = field(default_factory=time.time)  # when the launcher last saved this record
 
     @property
     def path(self) -> Path:
@@ -92,6 +95,7 @@ class Job:
         return self.nnodes * self.nproc_per_node
 
     def save(self) -> None:
+        self.heartbeat = time.time()
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
         os.replace(tmp, self.path)
@@ -128,11 +132,28 @@ class Job:
     def log_path(self, rank: int) -> Path:
         return Path(self.dir) / f"rank{rank}.log"
 
+    def beat(self) -> None:
+        """Save the record if the last save is :data:`HEARTBEAT_S` old: other hosts tell a live launcher so."""
+        if time.time() - self.heartbeat >= HEARTBEAT_S:
+            self.save()
+
+    def launcher_gone(self) -> bool:
+        """Whether the launcher is provably gone: on this host its pid is dead; on another host it has not
+        saved the record for :data:`LOST_AFTER_S` (it died abruptly, or its node did)."""
+        if self.host == socket.gethostname():
+            return not pid_alive(self.launcher_pid)
+        return time.time() - self.heartbeat > LOST_AFTER_S
+
     def shown_state(self) -> str:
-        """The recorded state, or ``lost`` when an active job's launcher (on this host) is gone."""
-        if self.state in ACTIVE and self.host == socket.gethostname() and not pid_alive(self.launcher_pid):
-            return "lost"
-        return self.state
+        """The recorded state, or ``lost`` when an active job's launcher is gone."""
+        return "lost" if self.state in ACTIVE and self.launcher_gone() else self.state
+
+    def lost_because(self) -> str:
+        """Why a lost record counts as lost, for messages."""
+        if self.host == socket.gethostname():
+            return f"its launcher (pid {self.launcher_pid} on this host) is gone"
+        return (f"its launcher on {self.host} has not saved it for {time.time() - self.heartbeat:.0f} s "
+                f"(more than {LOST_AFTER_S:g} s)")
 
     @property
     def is_coordinator(self) -> bool:

@@ -89,13 +89,26 @@ def rank_command(words: list[str]) -> list[str]:
 def torchrun_args(topo: Topology, name: str, command: list[str], join_timeout_s: float) -> list[str]:
     """The torchrun command line (without ``torchrun``) that runs ``command`` once per rank."""
     if topo.master_addr is None:  # one machine: a c10d store on a free port, like --standalone
-        where = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", name]
+        where = ["--nnodes", "1", "--node-rank", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+                 "--rdzv-id", name]
     else:  # static rendezvous: node 0's store waits for the others, theirs retry connecting, both give up then
         where = ["--nnodes", str(topo.nnodes), "--node-rank", str(topo.node_rank), "--master-addr", topo.master_addr,
                  "--master-port", str(topo.master_port), "--rdzv-conf", f"timeout={max(1, round(join_timeout_s))}"]
     return [*where, "--nproc-per-node", str(topo.nproc_per_node), "--max-restarts", "0",
             "--log-dir", os.devnull, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
             "--no-python", *RANK_WRAPPER, *command]
+
+
+def _torchrun_config(argv: list[str]):
+    """torchrun's (config, command, arguments) for ``argv``. Its parser takes the defaults of options not given
+    from ``PET_*`` variables, which a Kubeflow pod sets for its own torchrun (``PET_RDZV_BACKEND``,
+    ``PET_MAX_RESTARTS``, ...): they are hidden from it, so that only this launch's options count."""
+    hidden = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith("PET_")}
+    try:
+        parser = get_args_parser()
+    finally:
+        os.environ.update(hidden)
+    return config_from_args(parser.parse_args(argv))
 
 
 def _node_ranks(topo: Topology) -> range:
@@ -191,6 +204,7 @@ def _watch(job: Job, topo: Topology, agent: _Agent, signals: _StopSignals, progr
     master = f"{topo.master_addr}:{topo.master_port}"
     while agent.is_alive():
         agent.join(POLL_S)
+        job.beat()
         ranks = _child_ranks()
         if {**job.pids, **ranks} != job.pids:  # ranks that already exited keep their pid
             job.pids, job.state = {**job.pids, **ranks}, "running"
@@ -228,8 +242,7 @@ def run_node(job: Job, topo: Topology, command: list[str], console: bool, join_t
     Returns the launcher's exit code: 0, :data:`~paratrain.progress.EXIT_STOPPED` when every rank stopped
     after saving, 128 + signal when stopped otherwise, 1 when a rank failed or nodes did not join.
     """
-    parser = get_args_parser()
-    config, cmd, cmd_args = config_from_args(parser.parse_args(torchrun_args(topo, job.name, command, join_timeout_s)))
+    config, cmd, cmd_args = _torchrun_config(torchrun_args(topo, job.name, command, join_timeout_s))
     config.logs_specs = RankLogs(Path(job.dir), console)
     config.log_line_prefix_template = "[rank${rank}]: "
     my_ranks = _node_ranks(topo)
@@ -339,6 +352,7 @@ def run_hosts(job: Job, commands: list[list[str]], poll_s: float = 0.5) -> int:
                     stoplib.request(job.dir, stop or StopRequest(grace_s=SHUTDOWN_TIMEOUT_S, reason="a node failed"))
                     grace = 0 if stop is not None and stop.now else (stop or StopRequest()).grace_s
                     give_up_at = time.monotonic() + grace + SSH_MARGIN_S
+            job.beat()
             time.sleep(poll_s)
     for p in procs:
         if p.poll() is None:

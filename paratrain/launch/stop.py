@@ -83,7 +83,7 @@ def stop(job: Job, grace_s: float = 10.0, now: bool = False, out=None) -> Job:
         if time.monotonic() > start + grace_s and not killed:
             killed = _kill(orphans)
         # done when every launcher that can record its stop has, and the processes here have exited
-        recording = [r for r in _active(records) if r.host != here or pid_alive(r.launcher_pid)]
+        recording = [r for r in _active(records) if not r.launcher_gone()]
         if not recording and not any(map(pid_alive, [*launchers.values(), *orphans.values()])):
             break
         time.sleep(0.2)
@@ -93,10 +93,13 @@ def stop(job: Job, grace_s: float = 10.0, now: bool = False, out=None) -> Job:
     if killed:
         print(f"{job.name}: SIGKILL after {grace_s:g} s grace: {', '.join(killed)}", file=out)
     for record in _active([r for r in records if r.host != here]):
-        print(f"{job.name}: {_node(record)} on {record.host} has not recorded its stop yet "
-              f"(it acts on {Path(job.dir) / STOP_FILE})", file=out)
+        if record.launcher_gone():
+            print(f"{job.name}: {_node(record)} counts as lost: {record.lost_because()}", file=out)
+        else:
+            print(f"{job.name}: {_node(record)} on {record.host} has not recorded its stop yet "
+                  f"(it acts on {Path(job.dir) / STOP_FILE})", file=out)
     final = load(job.name)
-    if final.state in ACTIVE and final.host == here:  # its launcher was gone or had to be killed
+    if final.state in ACTIVE and (final.host == here or final.launcher_gone()):  # its launcher was gone or killed
         final.finish("stopped", 128 + (signal.SIGKILL if now or killed else signal.SIGTERM))
     print(f"{job.name}: {final.outcome}", file=out)
     return final
