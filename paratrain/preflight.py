@@ -15,8 +15,9 @@ each problem naming the key, file or value and a fix:
 - data files: present, a file (a directory for CIFAR-10), not empty, UTF-8 text where
   text is read, a ``.npy`` array where one is named, and a tokenizer that exists or can be
   trained with ``model.vocab_size`` tokens;
-- the run directory, and with saves on the checkpoint directory, can be created and
-  written;
+- the run directory and the checkpoint directory (saved to on a stop even without
+  ``checkpoint.save_steps``) can be created and written; the run name and checkpoint
+  prefix are plain names (``paratrain.config.validate``);
 - an explicit ``checkpoint.resume`` path holds a checkpoint, and the model config of the
   checkpoint a resume would take is this one (``paratrain.checkpoint.core.check_resume_config``).
 """
@@ -224,15 +225,16 @@ def _cifar_problems(path: Path) -> list[str]:
 # --- directories and resume -----------------------------------------------------------------------
 
 def directory_problems(cfg: Config) -> list[str]:
-    """The run directory, and the checkpoint directory when checkpoints are saved, must be writable
-    (created here when missing)."""
-    dirs = [("run.dir", cfg.run.path)]
-    if cfg.checkpoint.save_steps > 0:
-        dirs.append(("checkpoint.dir", cfg.checkpoint_path))
-    return [problem for key, path in dirs if (problem := _writable_problem(key, path))]
+    """The run directory and the checkpoint directory must be writable (created here when missing): a stop
+    saves a checkpoint whatever ``checkpoint.save_steps`` says."""
+    problem = writable_problem("run.dir", cfg.run.path)
+    if problem and not cfg.checkpoint.dir:
+        return [problem]  # the checkpoint directory, <run dir>/checkpoints, fails with it
+    return [p for p in (problem, writable_problem("checkpoint.dir", cfg.checkpoint_path)) if p]
 
 
-def _writable_problem(key: str, path: Path) -> str | None:
+def writable_problem(key: str, path: Path) -> str | None:
+    """Why directory ``path`` (given as ``key``) cannot be created and written in, or None; creates it."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=path, prefix=".paratrain-write-test-")
@@ -243,6 +245,8 @@ def _writable_problem(key: str, path: Path) -> str | None:
         return f"{key}={path} cannot be a directory: {blocker} is a file; choose another {key}"
     except OSError as exc:
         return f"{key}={path} is not writable ({exc.strerror}); choose another {key}"
+    except ValueError:  # a NUL character
+        return f"{key}={str(path)!r} holds a NUL character, which no path can: remove it"
     return None
 
 

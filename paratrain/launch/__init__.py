@@ -7,6 +7,7 @@ asks every node to stop, ``failure`` and ``rendezvous`` say what went wrong.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import subprocess
@@ -16,8 +17,8 @@ from pathlib import Path
 from paratrain import host_memory
 from paratrain.launch import jobs as joblib
 from paratrain.launch import stop as stoplib
-from paratrain.launch.hosts import (HostError, Topology, parse_hostfile, parse_rank_table, select_hosts,
-                                    slurm_from_env)
+from paratrain.launch.hosts import (HostError, Topology, check_host, parse_hostfile, parse_rank_table,
+                                    select_hosts, slurm_from_env)
 from paratrain.launch.jobs import Job, JobError
 
 
@@ -72,11 +73,15 @@ def _topology(args):
 
 
 def _check_numbers(args) -> None:
-    """Refuse counts and durations that cannot work, before anything starts."""
+    """Refuse counts, durations, a port and an address that cannot work, before anything starts."""
     for flag in ("nproc_per_node", "nnodes", "master_port", "collective_timeout", "join_timeout"):
         value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise JobError(f"--{flag.replace('_', '-')} must be positive, got {value:g}")
+        if value is not None and not 0 < value < math.inf:
+            raise JobError(f"--{flag.replace('_', '-')} must be positive{' and finite' if value > 0 else ''}, got {value:g}")
+    if args.master_port is not None and args.master_port > 65535:
+        raise JobError(f"--master-port {args.master_port} is not a TCP port: use one in 1..65535 (default 29500)")
+    if args.master_addr is not None:
+        check_host(args.master_addr, "--master-addr")
 
 
 def cmd_launch(args) -> int:
@@ -90,8 +95,11 @@ def cmd_launch(args) -> int:
                        f"every rank runs with python)")
     slurm = slurm_from_env()
     named_by = [Path(args.words[0]).stem] if is_script(args.words) else args.words
-    name = joblib.check_name(args.name or (f"slurm-{slurm.job_id}" if slurm and slurm.nnodes > 1 and args.nnodes is None
-                                            else joblib.new_name(named_by)))
+    name = args.name
+    if name is None:
+        name = (f"slurm-{slurm.job_id}" if slurm and slurm.nnodes > 1 and args.nnodes is None
+                else joblib.new_name(named_by))
+    name = joblib.check_name(name)
     job_dir = joblib.jobs_home() / name
     words = _with_run_dir(args.words, job_dir)
     hosts = None
