@@ -166,10 +166,7 @@ def data_problems(cfg: Config) -> list[str]:
     text = not d.path.endswith(".npy")
     problems = _file_problems("data.path", Path(d.path), text)
     if not text and not problems:
-        with open(d.path, "rb") as f:
-            if f.read(6) != b"\x93NUMPY":
-                problems.append(f"data.path={d.path} is not a .npy array: save the token ids with numpy.save, "
-                                f"or give a text file")
+        problems += _token_array_problems(Path(d.path), cfg.model.vocab_size)
     if d.eval_path:
         problems += _file_problems("data.eval_path", Path(d.eval_path), text=True)
     if text and not problems:  # a tokenizer is trained on data.path: only worth checking when that is fine
@@ -181,6 +178,31 @@ def data_problems(cfg: Config) -> list[str]:
                             f"model.vocab_size={cfg.model.vocab_size} tokens, too few for a byte-level BPE: set "
                             f"model.vocab_size >= {MIN_BPE_VOCAB}, or data.tokenizer to a trained one")
     return problems
+
+
+def _token_array_problems(path: Path, vocab_size: int) -> list[str]:
+    """A ``.npy`` token stream must be a 1-D array of integer token ids of the model's vocabulary (read once
+    here, a chunk at a time: an id out of range would fail a step in the middle of training)."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        if f.read(6) != b"\x93NUMPY":
+            return [f"data.path={path} is not a .npy array: save the token ids with numpy.save, or give a text file"]
+    try:
+        ids = np.load(path, mmap_mode="r")
+    except (ValueError, OSError) as exc:
+        return [f"data.path={path} cannot be read as a .npy array ({exc}): save the token ids with numpy.save"]
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        return [f"data.path={path} holds a {ids.ndim}-D {ids.dtype} array: give a 1-D array of integer token ids"]
+    chunk = 1 << 24
+    for start in range(0, len(ids), chunk):
+        part = ids[start:start + chunk]
+        low, high = int(part.min()), int(part.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            return [f"data.path={path} holds token id {bad} (at index {start + int(np.argmax(part == bad))}), "
+                    f"not one of model.vocab_size={vocab_size}: raise vocab_size above the largest id or fix the data"]
+    return []
 
 
 def _file_problems(key: str, path: Path, text: bool) -> list[str]:

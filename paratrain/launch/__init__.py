@@ -103,6 +103,9 @@ def cmd_launch(args) -> int:
     job_dir = joblib.jobs_home() / name
     words = _with_run_dir(args.words, job_dir)
     hosts = None
+    if (args.include or args.exclude) and not (args.hostfile or args.rank_table):
+        raise HostError("--include and --exclude pick hosts of a --hostfile or --rank-table: give one, or leave "
+                        "them out")
     if args.hostfile or args.rank_table:
         hosts = parse_rank_table(args.rank_table) if args.rank_table else parse_hostfile(args.hostfile)
         hosts = select_hosts(hosts, args.include, args.exclude)
@@ -214,6 +217,8 @@ def cmd_jobs(args) -> int:
 
 
 def cmd_logs(args) -> int:
+    if args.tail < 1:
+        raise JobError(f"--tail must be a number of lines, 1 or more, got {args.tail}")
     job = joblib.load(args.name)
     if not 0 <= args.rank < job.world_size:
         raise JobError(f"job {job.name} has ranks 0..{job.world_size - 1}, not {args.rank}")
@@ -225,7 +230,7 @@ def cmd_logs(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    if args.grace < 0:
+    if not 0 <= args.grace < math.inf:
         raise JobError(f"--grace must be 0 or more seconds, got {args.grace:g}")
     stoplib.stop(joblib.load(args.name), grace_s=args.grace, now=args.now)
     return 0
