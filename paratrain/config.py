@@ -160,6 +160,8 @@ def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
             raise TypeError(f"expected a number, got {value!r}")
         return float(value)
     if kind is str and not isinstance(value, str):
+        if isinstance(value, (bool, list, dict)):  # str() would make a name or path of it
+            raise TypeError(f"expected a string, got {value!r}")
         return str(value)
     return value
 
