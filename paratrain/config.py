@@ -39,8 +39,6 @@ DATA_KINDS = {"transformer": ("synthetic", "translation"), "gpt": ("synthetic", 
 SYNTHETIC_TASKS = {"transformer": ("reverse", "copy"), "gpt": ("markov",)}  # the first: data.task left out
 SPECIAL_TOKENS = 4  # ids 0-3 are pad, bos, eos and unk; synthetic data draws its tokens from the ids above
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
 NAME_RULE = "use letters, digits, '.', '_' and '-', starting with a letter or digit (at most 128 characters)"
 
 
@@ -708,8 +706,9 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         problems.append(f"run.seed={cfg.run.seed} must be in [0, 2**63)")
     problems += _output_problems(cfg)
     if t.lr_schedule in ("cosine", "warmup_cosine_lr") and 0 < t.lr < t.min_lr:
-        problems.append(f"train.min_lr={t.min_lr:g} is above train.lr={t.lr:g}: the LR would climb to min_lr "
-                        f"instead of decaying; set min_lr at most lr (e.g. lr / 10)")
+        default = " (the default)" if t.min_lr == TrainConfig.min_lr else ""
+        problems.append(f"train.min_lr={t.min_lr:g}{default} is above train.lr={t.lr:g}: the LR would climb to "
+                        f"min_lr instead of decaying; set min_lr at most lr (e.g. lr / 10)")
     if m.vocab_size > 0 and not 0 <= m.pad_token_id < m.vocab_size:
         problems.append(f"model.pad_token_id={m.pad_token_id} is not a token id of model.vocab_size={m.vocab_size}")
     if m.layernorm_eps <= 0:

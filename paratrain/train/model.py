@@ -302,7 +302,7 @@ class Model:
 
     def _check_batch(self, batch: tuple, config: ParallelConfig, where: str) -> None:
         """Refuse a batch unlike the first (its tensors' count, dtypes and shapes; the rows may differ, as in a
-        last, smaller batch, but in a pipeline, traced with the first batch's shapes), before it runs."""
+        last, smaller batch, except under a pipeline, traced with the first batch's shapes), before it runs."""
         kinds = [_kind(t) for t in batch]
         if self._first_batch is None:
             self._first_batch = kinds
