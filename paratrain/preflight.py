@@ -177,6 +177,8 @@ def data_problems(cfg: Config) -> list[str]:
             problems.append(f"tokenizer {tokenizer} does not exist and would be trained on data.path with "
                             f"model.vocab_size={cfg.model.vocab_size} tokens, too few for a byte-level BPE: set "
                             f"model.vocab_size >= {MIN_BPE_VOCAB}, or data.tokenizer to a trained one")
+        elif not tokenizer.exists() and (problem := writable_problem("data.tokenizer", tokenizer.parent)):
+            problems.append(f"tokenizer {tokenizer} does not exist and would be trained and saved there, but {problem}")
     return problems
 
 

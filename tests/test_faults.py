@@ -361,6 +361,9 @@ CASES = {
                             "data.kind='translation' has no batches for model.kind='gpt'"),
     "resnet-on-synthetic": (lambda f: f.train("--model.kind=resnet"), "data.kind='synthetic' has no batches for "
                                                                       "model.kind='resnet'"),
+    "tokenizer-to-train-under-a-file": (lambda f: f.data("text", f.file("ok.txt", "hello world\n" * 50),
+                                                         f"--data.tokenizer={f.file('plain', 'x') / 'tok.json'}"),
+                                        "would be trained and saved there, but data.tokenizer="),
     "npy-ids-beyond-vocab": (lambda f: f.data("text", f.npy("ids.npy", [5, 6, 300, 7] * 20)),
                              "ids.npy holds token id 300 (at index 2), not one of model.vocab_size=300"),
     "npy-negative-ids": (lambda f: f.data("text", f.npy("ids.npy", [5, -1] * 40)), "holds token id -1 (at index 1)"),
