@@ -13,8 +13,8 @@ each problem naming the key, file or value and a fix:
   of the activations of one micro-batch, against the memory of a device or of this host
   (so ``decoder_layers=1e12`` is refused in milliseconds, not after minutes of building);
 - data files: present, a file (a directory for CIFAR-10), not empty, UTF-8 text where
-  text is read, a ``.npy`` array where one is named, and a tokenizer that exists or can be
-  trained with ``model.vocab_size`` tokens;
+  text is read, a ``.npy`` stream of integer ids below ``model.vocab_size``, and a tokenizer
+  that exists or can be trained with ``model.vocab_size`` tokens and saved;
 - the run directory and the checkpoint directory (saved to on a stop even without
   ``checkpoint.save_steps``) can be created and written; the run name and checkpoint
   prefix are plain names (``paratrain.config.validate``);
@@ -178,7 +178,8 @@ def data_problems(cfg: Config) -> list[str]:
                             f"model.vocab_size={cfg.model.vocab_size} tokens, too few for a byte-level BPE: set "
                             f"model.vocab_size >= {MIN_BPE_VOCAB}, or data.tokenizer to a trained one")
         elif not tokenizer.exists() and (problem := writable_problem("data.tokenizer", tokenizer.parent)):
-            problems.append(f"tokenizer {tokenizer} does not exist and would be trained and saved there, but {problem}")
+            problems.append(f"tokenizer {tokenizer} does not exist and would be trained and saved there, but "
+                            f"{problem}")
     return problems
 
 

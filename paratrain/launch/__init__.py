@@ -77,7 +77,8 @@ def _check_numbers(args) -> None:
     for flag in ("nproc_per_node", "nnodes", "master_port", "collective_timeout", "join_timeout"):
         value = getattr(args, flag)
         if value is not None and not 0 < value < math.inf:
-            raise JobError(f"--{flag.replace('_', '-')} must be positive{' and finite' if value > 0 else ''}, got {value:g}")
+            finite = " and finite" if value > 0 else ""
+            raise JobError(f"--{flag.replace('_', '-')} must be positive{finite}, got {value:g}")
     if args.master_port is not None and args.master_port > 65535:
         raise JobError(f"--master-port {args.master_port} is not a TCP port: use one in 1..65535 (default 29500)")
     if args.master_addr is not None:

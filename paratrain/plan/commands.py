@@ -51,7 +51,8 @@ def check_args(args) -> None:
     for flag in ("devices", "devices_per_node", "global_batch", "top", "peak_tflops", "intra_bw", "inter_bw"):
         value = getattr(args, flag)
         if value is not None and not 0 < value < math.inf:
-            raise UserError(f"--{flag.replace('_', '-')} must be positive{' and finite' if value > 0 else ''}, got {value:g}")
+            finite = " and finite" if value > 0 else ""
+            raise UserError(f"--{flag.replace('_', '-')} must be positive{finite}, got {value:g}")
     if not 0 < args.efficiency <= 1:
         raise UserError(f"--efficiency {args.efficiency:g} is not a fraction of peak in (0, 1]: e.g. 0.5")
     parse_bytes(args.device_memory)
