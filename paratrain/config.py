@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -33,6 +34,19 @@ WARMUP_TYPES = ("linear", "log")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("gelu", "relu")
+LOG_FORMATS = ("default", "mindspore")
+DATA_KINDS = {"transformer": ("synthetic", "translation"), "gpt": ("synthetic", "text"), "resnet": ("cifar10",)}
+SYNTHETIC_TASKS = {"transformer": ("reverse", "copy"), "gpt": ("markov",)}  # the first: data.task left out
+SPECIAL_TOKENS = 4  # ids 0-3 are pad, bos, eos and unk; synthetic data draws its tokens from the ids above
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NAME_RULE = "use letters, digits, '.', '_' and '-', starting with a letter or digit (at most 128 characters)"
+
+
+def is_plain_name(name: Any) -> bool:
+    """Whether ``name`` can name a job (``paratrain launch --name``), a run (``run.name``: its directory under
+    ``runs/``) or a checkpoint (``checkpoint.prefix``): one plain file name that stays in the directory it is
+    put in (``NAME_RULE``)."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
 
 
 class ConfigError(UserError, ValueError):
@@ -98,10 +112,17 @@ class Section:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if not callable(getattr(self, f.name))}
 
-    def nonfinite(self) -> list[str]:
-        """A problem for every number of this section that is NaN or infinite."""
-        return [f"{self.SECTION}.{name}={value} is not a finite number" for name, value in self.to_dict().items()
-                if isinstance(value, float) and not math.isfinite(value)]
+    def unusable(self) -> list[str]:
+        """A problem for every number of this section that is NaN or infinite, and every string holding a NUL
+        character (no path or name can)."""
+        problems = []
+        for name, value in self.to_dict().items():
+            if isinstance(value, float) and not math.isfinite(value):
+                problems.append(f"{self.SECTION}.{name}={value} is not a finite number")
+            elif isinstance(value, str) and "\0" in value:
+                problems.append(f"{self.SECTION}.{name}={value!r} holds a NUL character, which no path or name "
+                                f"can: remove it")
+        return problems
 
 
 def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
@@ -137,6 +158,8 @@ def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
             raise TypeError(f"expected a number, got {value!r}")
         return float(value)
     if kind is str and not isinstance(value, str):
+        if isinstance(value, (bool, list, dict)):  # str() would make a name or path of it
+            raise TypeError(f"expected a string, got {value!r}")
         return str(value)
     return value
 
@@ -451,7 +474,7 @@ class DataConfig(Section):
     SECTION = "data"
     KINDS = ("synthetic", "translation", "text", "cifar10")
     kind: str = "synthetic"
-    task: str = "reverse"  # synthetic seq2seq: reverse | copy; gpt: markov
+    task: str = ""  # synthetic data: reverse | copy (encoder-decoder), markov (gpt); "": the first
     min_length: int = 4
     path: str = ""
     tokenizer: str = ""
@@ -474,7 +497,19 @@ class DataConfig(Section):
             out.append(f"data.too_long={self.too_long!r} is not one of filter, truncate")
         if self.bucket_size < 0:
             out.append(f"data.bucket_size={self.bucket_size} must be 0 (off) or positive")
+        for name in ("bucket_size", "dynamic_padding"):
+            if getattr(self, name) and self.kind != "translation":
+                out.append(f"data.{name}={getattr(self, name)} applies to translation data only, not "
+                           f"data.kind={self.kind!r}: leave it out")
+        if self.min_length < 0:
+            out.append(f"data.min_length={self.min_length} must not be negative (the shortest synthetic string)")
+        if self.eval_samples < 1:
+            out.append(f"data.eval_samples={self.eval_samples} must be positive (the held-out pairs BLEU decodes)")
         return out
+
+    def synthetic_task(self, model_kind: str) -> str:
+        """``task``, or when not given the first synthetic task of ``model_kind``."""
+        return self.task or SYNTHETIC_TASKS[model_kind][0]
 
 
 @dataclass
@@ -618,7 +653,7 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if world_size is not None and (resolved or not cfg.parallel.auto):
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel).derive(world_size))
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    problems: list[str] = [q for name in cfg.sections() for q in getattr(cfg, name).nonfinite()]
+    problems: list[str] = [q for name in cfg.sections() for q in getattr(cfg, name).unusable()]
     if problems:  # the rules below compare these numbers
         return problems
 
@@ -639,9 +674,9 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         positive(m, ["encoder_layers"])
     positive(p, ["data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num",
                  "virtual_pipeline_stage"])
-    if p.gradient_aggregation_group < 0:
+    if p.gradient_aggregation_group < 0 or m.kind != "resnet" and p.gradient_aggregation_group > m.num_layers > 0:
         problems.append(f"parallel.gradient_aggregation_group={p.gradient_aggregation_group} must be 0 (one group "
-                        f"per layer) or a number of groups")
+                        f"per layer) or a number of groups of the model's {m.num_layers} layers, 1..{m.num_layers}")
     positive(t, ["global_batch_size", "steps", "lr", "eps", "initial_loss_scale", "min_loss_scale",
                  "loss_scale_window", "loss_scale_hysteresis"])
     positive(cfg.metrics, ["log_steps"])
@@ -669,6 +704,11 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
             problems.append(f"train.{name}={getattr(t, name)} is outside [0, 1): use e.g. 0.9 and 0.98")
     if not 0 <= cfg.run.seed < 2**63:
         problems.append(f"run.seed={cfg.run.seed} must be in [0, 2**63)")
+    problems += _output_problems(cfg)
+    if t.lr_schedule in ("cosine", "warmup_cosine_lr") and 0 < t.lr < t.min_lr:
+        default = " (the default)" if t.min_lr == TrainConfig.min_lr else ""
+        problems.append(f"train.min_lr={t.min_lr:g}{default} is above train.lr={t.lr:g}: the LR would climb to "
+                        f"min_lr instead of decaying; set min_lr at most lr (e.g. lr / 10)")
     if m.vocab_size > 0 and not 0 <= m.pad_token_id < m.vocab_size:
         problems.append(f"model.pad_token_id={m.pad_token_id} is not a token id of model.vocab_size={m.vocab_size}")
     if m.layernorm_eps <= 0:
@@ -680,6 +720,7 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     choice(t, "mixed_precision", MIXED_PRECISION)
     choice(t, "lr_schedule", LR_SCHEDULES)
     choice(t, "warmup_type", WARMUP_TYPES)
+    choice(cfg.metrics, "log_format", LOG_FORMATS)
     if t.lr_schedule == "warmup_cosine_lr" and (t.lr_decay_steps or t.steps) <= max(2, t.warmup_steps):
         problems.append(f"train.lr_schedule='warmup_cosine_lr' decays over train.lr_decay_steps (0: train.steps) "
                         f"= {t.lr_decay_steps or t.steps} steps, not more than its warmup of max(2, warmup_steps="
@@ -692,6 +733,7 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if p.zero_stage not in (0, 1, 2, 3):
         problems.append(f"parallel.zero_stage={p.zero_stage} is not one of 0, 1, 2, 3")
     problems += _recompute_problems(p, m.num_layers)
+    problems += _data_problems(cfg.data, m)
     if problems:  # the rules below divide by these sizes
         return problems
 
@@ -743,6 +785,45 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if m.tie_embeddings and mp > 1 and p.vocab_emb_dp:
         problems.append(f"model.tie_embeddings=true with parallel.model_parallel={mp} needs the embedding split like "
                         f"the vocab-sharded head: set parallel.vocab_emb_dp=false or tie_embeddings=false")
+    return problems
+
+
+def _output_problems(cfg: Config) -> list[str]:
+    """What names the files a run writes: plain names (``is_plain_name``) and directories taken as written."""
+    problems = []
+    if not is_plain_name(cfg.run.name):
+        problems.append(f"run.name={cfg.run.name!r} is not a plain name (the run directory is runs/<name>): "
+                        f"{NAME_RULE}")
+    if cfg.checkpoint.prefix and not is_plain_name(cfg.checkpoint.prefix):
+        problems.append(f"checkpoint.prefix={cfg.checkpoint.prefix!r} is not a plain name (checkpoints are "
+                        f"<prefix>-1_<step> in checkpoint.dir): {NAME_RULE}; or \"\" for step_<step>")
+    for key, path in (("run.dir", cfg.run.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if path.startswith("~"):
+            problems.append(f"{key}={path!r}: '~' is not expanded here (a directory named '~' would be made): "
+                            f"give the full path")
+    return problems
+
+
+def _data_problems(d: DataConfig, m: ModelConfig) -> list[str]:
+    """What the data of ``d`` cannot give the model ``m``."""
+    if d.kind not in DataConfig.KINDS or m.kind not in MODEL_KINDS:
+        return []  # said by DataConfig.problems and validate
+    if d.kind not in DATA_KINDS[m.kind]:
+        return [f"data.kind={d.kind!r} has no batches for model.kind={m.kind!r}: use data.kind "
+                f"{' or '.join(map(repr, DATA_KINDS[m.kind]))}"]
+    if d.kind != "synthetic":
+        return []
+    problems = []
+    tasks = SYNTHETIC_TASKS[m.kind]
+    if d.task and d.task not in tasks:
+        problems.append(f"data.task={d.task!r} is not a synthetic task of model.kind={m.kind!r}: use "
+                        f"{' or '.join(map(repr, tasks))} (or leave it out: {tasks[0]!r})")
+    if 0 < m.vocab_size <= SPECIAL_TOKENS:
+        problems.append(f"model.vocab_size={m.vocab_size} leaves synthetic data no token: ids 0-{SPECIAL_TOKENS - 1} "
+                        f"are pad, bos, eos and unk; use vocab_size >= {SPECIAL_TOKENS + 1}")
+    if m.kind == "transformer" and m.tgt_seq_length == 1:
+        problems.append("model.tgt_seq_length=1 leaves a synthetic target no token (it ends with eos): use "
+                        "tgt_seq_length >= 2")
     return problems
 
 
@@ -800,7 +881,8 @@ def _pipeline_problems(p: ParallelConfig, num_layers: int) -> list[str]:
                         f"{p.pipeline_stage} for {p.pipeline_schedule}")
     stages = p.layer_stages
     if isinstance(stages, list) and stages:
-        if len(stages) != num_layers or stages != sorted(stages) or set(stages) != set(range(chunks)):
+        integers = all(isinstance(s, int) and not isinstance(s, bool) for s in stages)
+        if not integers or len(stages) != num_layers or stages != sorted(stages) or set(stages) != set(range(chunks)):
             problems.append(f"parallel.layer_stages={stages} must give each of the {num_layers} layers a stage, "
                             f"in order, using every stage 0..{chunks - 1} (pipeline_stage x virtual_pipeline_stage)")
     return problems

@@ -91,6 +91,15 @@ class Mapping:
     def refuse(self, key: str, value: Any, why: str) -> None:
         self.problems.append(f"{key}={value!r} {why}")
 
+    def flags(self, *keys: str) -> bool:
+        """Whether each of the switches ``keys`` is absent, a JSON boolean or ``"auto"`` (each other value
+        refused: ``"yes"`` or ``1`` would be read as false or true silently)."""
+        bad = [key for key in keys if key in self.ds and not isinstance(self.ds[key], bool) and self.ds[key] != AUTO]
+        for key in bad:
+            self.refuse(key, self.ds[key], "must be true or false (a JSON boolean, not a string or a number), "
+                                           "or 'auto'")
+        return not bad
+
     def batch(self, dp: int) -> None:
         """DeepSpeed's batch rule with ``dp`` data-parallel ranks (``"auto"``: not given)."""
         given = {k: self.ds.get(k) for k in SPECIAL[:3]}
@@ -126,6 +135,8 @@ class Mapping:
             self.set(key, value, target, note, given=self.ds.get(key, "not given") if key in derived else None)
 
     def precision(self) -> None:
+        if not self.flags("fp16.enabled", "bf16.enabled", "bfloat16.enabled"):
+            return
         fp16, bf16 = self.ds.get("fp16.enabled"), self.ds.get("bf16.enabled", self.ds.get("bfloat16.enabled"))
         if fp16 is True and bf16 is True:
             self.problems.append("fp16.enabled and bf16.enabled are both true: enable one of them")
@@ -161,6 +172,8 @@ class Mapping:
     def optimizer(self) -> None:
         kind = self.ds.get("optimizer.type")
         if kind is None and not any(k.startswith("optimizer.") for k in self.ds):
+            return
+        if not self.flags("optimizer.params.adam_w_mode"):
             return
         given = {k[17:]: v for k, v in self.ds.items() if k.startswith("optimizer.params.")}
         params = {**DEFAULTS["optimizer"], **given}
@@ -211,6 +224,14 @@ class Mapping:
             else:
                 self.set(source, value, DIRECT[source])
 
+    def cpu_offload(self) -> None:
+        """DeepSpeed's older ``zero_optimization.cpu_offload``: true is ``offload_optimizer.device = "cpu"``."""
+        key = "zero_optimization.cpu_offload"
+        if key in self.ds and self.flags(key):
+            value = self.ds[key]
+            self.set(key, "cpu" if value is True else value if value == AUTO else "none",
+                     "parallel.offload_optimizer", given=value)
+
     def leaf(self, key: str, value: Any) -> None:
         """A key mapped one to one, accepted with no effect, required to have one value, or unknown."""
         block = next((b for b in NO_EFFECT if b.endswith(".") and key.startswith(b)), key)
@@ -224,9 +245,9 @@ class Mapping:
                 self.accept(key, value, why)
         elif block in NO_EFFECT:
             self.accept(key, value, NO_EFFECT[block])
-        elif key == "zero_optimization.cpu_offload":  # DeepSpeed's older name of offload_optimizer.device
-            self.set(key, "cpu" if value is True else value if value == AUTO else "none", "parallel.offload_optimizer",
-                     given=value)
+        elif inner := sorted(k[len(key) + 1:] for k in KNOWN if k.startswith(f"{key}.")):  # "fp16": true
+            example = next((k for k in ("enabled", "stage", "type") if k in inner), inner[0])
+            self.refuse(key, value, f"must be a block of keys, e.g. {{{json.dumps(example)}: ...}}")
         else:
             self.unknown(key)
 
@@ -271,6 +292,7 @@ def apply(path: str | Path, data: dict[str, Any], overrides: list[str], world_si
     mapping.precision()
     mapping.optimizer()
     mapping.scheduler()
+    mapping.cpu_offload()
     for key, value in ds.items():  # the keys the block methods above have not taken
         if key not in SPECIAL and not key.startswith(("fp16.", "scheduler.params.")) and not (
                 key.startswith("optimizer.params.") and key in DIRECT):

@@ -13,10 +13,11 @@ each problem naming the key, file or value and a fix:
   of the activations of one micro-batch, against the memory of a device or of this host
   (so ``decoder_layers=1e12`` is refused in milliseconds, not after minutes of building);
 - data files: present, a file (a directory for CIFAR-10), not empty, UTF-8 text where
-  text is read, a ``.npy`` array where one is named, and a tokenizer that exists or can be
-  trained with ``model.vocab_size`` tokens;
-- the run directory, and with saves on the checkpoint directory, can be created and
-  written;
+  text is read, a ``.npy`` stream of integer ids below ``model.vocab_size``, and a tokenizer
+  that exists or can be trained with ``model.vocab_size`` tokens and saved;
+- the run directory and the checkpoint directory (saved to on a stop even without
+  ``checkpoint.save_steps``) can be created and written; the run name and checkpoint
+  prefix are plain names (``paratrain.config.validate``);
 - an explicit ``checkpoint.resume`` path holds a checkpoint, and the model config of the
   checkpoint a resume would take is this one (``paratrain.checkpoint.core.check_resume_config``).
 """
@@ -165,10 +166,7 @@ def data_problems(cfg: Config) -> list[str]:
     text = not d.path.endswith(".npy")
     problems = _file_problems("data.path", Path(d.path), text)
     if not text and not problems:
-        with open(d.path, "rb") as f:
-            if f.read(6) != b"\x93NUMPY":
-                problems.append(f"data.path={d.path} is not a .npy array: save the token ids with numpy.save, "
-                                f"or give a text file")
+        problems += _token_array_problems(Path(d.path), cfg.model.vocab_size)
     if d.eval_path:
         problems += _file_problems("data.eval_path", Path(d.eval_path), text=True)
     if text and not problems:  # a tokenizer is trained on data.path: only worth checking when that is fine
@@ -179,7 +177,35 @@ def data_problems(cfg: Config) -> list[str]:
             problems.append(f"tokenizer {tokenizer} does not exist and would be trained on data.path with "
                             f"model.vocab_size={cfg.model.vocab_size} tokens, too few for a byte-level BPE: set "
                             f"model.vocab_size >= {MIN_BPE_VOCAB}, or data.tokenizer to a trained one")
+        elif not tokenizer.exists() and (problem := writable_problem("data.tokenizer", tokenizer.parent)):
+            problems.append(f"tokenizer {tokenizer} does not exist and would be trained and saved there, but "
+                            f"{problem}")
     return problems
+
+
+def _token_array_problems(path: Path, vocab_size: int) -> list[str]:
+    """A ``.npy`` token stream must be a 1-D array of integer token ids of the model's vocabulary (read once
+    here, a chunk at a time: an id out of range would fail a step in the middle of training)."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        if f.read(6) != b"\x93NUMPY":
+            return [f"data.path={path} is not a .npy array: save the token ids with numpy.save, or give a text file"]
+    try:
+        ids = np.load(path, mmap_mode="r")
+    except (ValueError, OSError) as exc:
+        return [f"data.path={path} cannot be read as a .npy array ({exc}): save the token ids with numpy.save"]
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        return [f"data.path={path} holds a {ids.ndim}-D {ids.dtype} array: give a 1-D array of integer token ids"]
+    chunk = 1 << 24
+    for start in range(0, len(ids), chunk):
+        part = ids[start:start + chunk]
+        low, high = int(part.min()), int(part.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            return [f"data.path={path} holds token id {bad} (at index {start + int(np.argmax(part == bad))}), "
+                    f"not one of model.vocab_size={vocab_size}: raise vocab_size above the largest id or fix the data"]
+    return []
 
 
 def _file_problems(key: str, path: Path, text: bool) -> list[str]:
@@ -224,15 +250,16 @@ def _cifar_problems(path: Path) -> list[str]:
 # --- directories and resume -----------------------------------------------------------------------
 
 def directory_problems(cfg: Config) -> list[str]:
-    """The run directory, and the checkpoint directory when checkpoints are saved, must be writable
-    (created here when missing)."""
-    dirs = [("run.dir", cfg.run.path)]
-    if cfg.checkpoint.save_steps > 0:
-        dirs.append(("checkpoint.dir", cfg.checkpoint_path))
-    return [problem for key, path in dirs if (problem := _writable_problem(key, path))]
+    """The run directory and the checkpoint directory must be writable (created here when missing): a stop
+    saves a checkpoint whatever ``checkpoint.save_steps`` says."""
+    problem = writable_problem("run.dir", cfg.run.path)
+    if problem and not cfg.checkpoint.dir:
+        return [problem]  # the checkpoint directory, <run dir>/checkpoints, fails with it
+    return [p for p in (problem, writable_problem("checkpoint.dir", cfg.checkpoint_path)) if p]
 
 
-def _writable_problem(key: str, path: Path) -> str | None:
+def writable_problem(key: str, path: Path) -> str | None:
+    """Why directory ``path`` (given as ``key``) cannot be created and written in, or None; creates it."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=path, prefix=".paratrain-write-test-")
@@ -243,6 +270,8 @@ def _writable_problem(key: str, path: Path) -> str | None:
         return f"{key}={path} cannot be a directory: {blocker} is a file; choose another {key}"
     except OSError as exc:
         return f"{key}={path} is not writable ({exc.strerror}); choose another {key}"
+    except ValueError:  # a NUL character
+        return f"{key}={str(path)!r} holds a NUL character, which no path can: remove it"
     return None
 
 

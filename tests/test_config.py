@@ -183,3 +183,29 @@ def test_mindspore_names_point_to_the_right_key(section, key, hint):
         Config.from_dict({section: {key: 1}})
     assert f"unknown key {section}.{key} (" in str(err.value) and hint in str(err.value)
     assert "did you mean parallel.data_parallel" not in str(err.value)
+
+
+@pytest.mark.parametrize("name, plain", [
+    ("paratrain", True), ("run-2.v1_b", True), ("9lives", True), ("x" * 128, True), ("", False), ("..", False),
+    ("../../../x", False), ("a/b", False), (".hidden", False), ("-flag", False), ("a b", False), ("a\0b", False),
+    ("x" * 129, False), ("café", False)])
+def test_run_name_job_name_and_prefix_follow_one_rule(name, plain):
+    """run.name and checkpoint.prefix are refused exactly when `paratrain launch --name` refuses the name."""
+    from paratrain.launch.jobs import JobError, check_name
+
+    try:
+        check_name(name)
+        job_ok = True
+    except JobError:
+        job_ok = False
+    config = [p for p in problems_for(run={"name": name}, checkpoint={"prefix": name})
+              if p.startswith(("run.name=", "checkpoint.prefix="))]
+    assert job_ok == plain and (config == []) == plain
+
+
+def test_synthetic_task_defaults_to_the_models_own():
+    cfg = Config()
+    assert cfg.data.task == "" and cfg.data.synthetic_task("transformer") == "reverse"
+    assert cfg.data.synthetic_task("gpt") == "markov"
+    assert problems_for(model={"kind": "gpt"}, data={"task": "markov"}) == []
+    assert problems_for(data={"task": "copy"}) == []

@@ -12,6 +12,7 @@
 - The fp16 floor: an overflow at the minimum loss scale, or too many skipped steps in a row, stops
   training with exit code 5; a run that skipped steps says how many.
 """
+import copy
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import PYTHON
 from paratrain import cli
@@ -80,6 +82,31 @@ class Files:
 
     def resume(self, damage, *overrides: str) -> list[str]:
         return self.train(f"--checkpoint.resume={self.damaged(damage)}", *overrides)
+
+    def toml(self, section: str, line: str) -> list[str]:
+        """``train`` with BASE plus ``line`` in ``[section]``, and no ``--run.dir`` (a TOML value no override hides:
+        the run directory is ``runs/paratrain`` under the test's working directory)."""
+        text = BASE.replace(f"[{section}]\n", f"[{section}]\n{line}\n") if f"[{section}]" in BASE else \
+            f"{BASE}[{section}]\n{line}\n"
+        return ["train", "--config", str(self.file("c.toml", text))]
+
+    def deepspeed(self, ds: str, *overrides: str) -> list[str]:
+        return self.train("--deepspeed", str(self.file("ds.json", ds)), *overrides)
+
+    def npy(self, name: str, array) -> Path:
+        import io
+
+        import numpy as np
+
+        buffer = io.BytesIO()
+        np.save(buffer, np.asarray(array))
+        return self.file(name, buffer.getvalue())
+
+    def plan(self, *flags: str) -> list[str]:
+        return ["plan", "--config", str(self.config), *flags]
+
+    def launch(self, *flags: str) -> list[str]:
+        return ["launch", "--nproc-per-node", "1", "--dry-run", *flags, "--", *self.train()]
 
 
 def flip_byte(file: Path, offset: int | None = None) -> None:
@@ -286,6 +313,105 @@ CASES = {
     "verify-nothing": (lambda f: ["checkpoint", "verify", str(f.root / "nowhere")], "no checkpoint at"),
     "export-damaged": (lambda f: ["export", str(f.damaged(lambda p: flip_byte(p / SHARD))), str(f.root / "m.st")],
                        f"{SHARD} fails its checksum"),
+    # issue 25: what a run writes, checked before the first step
+    "prefix-with-a-slash": (lambda f: f.train("--checkpoint.prefix=a/b", "--checkpoint.save_steps=1"),
+                            "checkpoint.prefix='a/b' is not a plain name"),
+    "prefix-dot-dot": (lambda f: f.train("--checkpoint.prefix=..", "--checkpoint.save_steps=1"),
+                       "checkpoint.prefix='..' is not a plain name"),
+    "prefix-escaping-without-saves": (lambda f: f.train("--checkpoint.prefix=../../x"),  # a stop saves too
+                                      "checkpoint.prefix='../../x'"),
+    "prefix-nul": (lambda f: f.toml("checkpoint", 'prefix = "a\\u0000b"'), "checkpoint.prefix='a\\x00b' holds a NUL"),
+    "run-name-escapes-runs": (lambda f: f.train("--run.name=../../../x"), "run.name='../../../x' is not a plain name"),
+    "run-name-empty": (lambda f: f.train("--run.name="), "run.name='' is not a plain name"),
+    "run-dir-nul": (lambda f: f.toml("run", 'dir = "a\\u0000b"'), "run.dir='a\\x00b' holds a NUL character"),
+    "run-dir-tilde": (lambda f: f.train("--run.dir=~/x"), "run.dir='~/x': '~' is not expanded here"),
+    "checkpoint-dir-nul": (lambda f: f.toml("checkpoint", 'dir = "c\\u0000k"'), "checkpoint.dir='c\\x00k' holds a NUL"),
+    "checkpoint-dir-under-a-file-without-saves": (lambda f: f.train(f"--checkpoint.dir={f.file('plain', 'x') / 'ck'}"),
+                                                  "plain is a file; choose another checkpoint.dir"),
+    # issue 25: tracebacks and silent acceptances of the first probe
+    "vocab-size-one": (lambda f: f.train("--model.vocab_size=1"), "model.vocab_size=1 leaves synthetic data no token"),
+    "encoder-decoder-task-sort": (lambda f: f.train("--model.kind=transformer", "--data.task=sort"),
+                                  "data.task='sort' is not a synthetic task of model.kind='transformer'"),
+    "gpt-task-sort": (lambda f: f.train("--data.task=sort"),
+                      "data.task='sort' is not a synthetic task of model.kind='gpt'"),
+    "gpt-task-copy": (lambda f: f.train("--data.task=copy"), "use 'markov'"),
+    "min-lr-above-lr": (lambda f: f.train("--train.min_lr=0.5"), "train.min_lr=0.5 is above train.lr=0.001"),
+    "log-format-xml": (lambda f: f.train("--metrics.log_format=xml"), "metrics.log_format='xml' is not one of default"),
+    "log-format-capitalised": (lambda f: f.train("--metrics.log_format=MindSpore"), "metrics.log_format='MindSpore'"),
+    "aggregation-groups-above-layers": (lambda f: f.train("--parallel.gradient_aggregation_group=99"),
+                                        "gradient_aggregation_group=99 must be 0 (one group per layer) or a number of "
+                                        "groups of the model's 2 layers"),
+    "deepspeed-fp16-enabled-yes": (lambda f: f.deepspeed('{"fp16": {"enabled": "yes"}}'),
+                                   "fp16.enabled='yes' must be true or false (a JSON boolean"),
+    # issue 25: the second probe
+    "layer-stages-not-integers": (lambda f: f.train('--parallel.layer_stages=[0,"a"]'), "layer_stages=[0, 'a'] must"),
+    "string-key-given-a-list": (lambda f: f.toml("data", 'path = ["a.txt"]'), "data.path=['a.txt']: expected a string"),
+    "resume-given-false": (lambda f: f.toml("checkpoint", "resume = false"),
+                           "checkpoint.resume=False: expected a string"),
+    "vocab-size-four": (lambda f: f.train("--model.kind=transformer", "--model.vocab_size=4"), "use vocab_size >= 5"),
+    "tgt-seq-length-one": (lambda f: f.train("--model.kind=transformer", "--model.tgt_seq_length=1"),
+                           "model.tgt_seq_length=1 leaves a synthetic target no token"),
+    "min-length-negative": (lambda f: f.train("--model.kind=transformer", "--data.min_length=-1"),
+                            "data.min_length=-1 must not be negative"),
+    "eval-samples-zero": (lambda f: f.train("--data.eval_samples=0"), "data.eval_samples=0 must be positive"),
+    "bucket-size-synthetic": (lambda f: f.train("--data.bucket_size=5"), "data.bucket_size=5 applies to translation"),
+    "dynamic-padding-synthetic": (lambda f: f.train("--data.dynamic_padding=true"),
+                                  "data.dynamic_padding=True applies"),
+    "text-for-the-encoder-decoder": (lambda f: f.data("text", f.file("ok.txt", "hello world\n" * 50),
+                                                      "--model.kind=transformer"),
+                                     "data.kind='text' has no batches for model.kind='transformer'"),
+    "translation-for-gpt": (lambda f: f.data("translation", f.file("pairs.txt", "a b\tc d\n" * 40)),
+                            "data.kind='translation' has no batches for model.kind='gpt'"),
+    "resnet-on-synthetic": (lambda f: f.train("--model.kind=resnet"), "data.kind='synthetic' has no batches for "
+                                                                      "model.kind='resnet'"),
+    "tokenizer-to-train-under-a-file": (lambda f: f.data("text", f.file("ok.txt", "hello world\n" * 50),
+                                                         f"--data.tokenizer={f.file('plain', 'x') / 'tok.json'}"),
+                                        "would be trained and saved there, but data.tokenizer="),
+    "npy-ids-beyond-vocab": (lambda f: f.data("text", f.npy("ids.npy", [5, 6, 300, 7] * 20)),
+                             "ids.npy holds token id 300 (at index 2), not one of model.vocab_size=300"),
+    "npy-negative-ids": (lambda f: f.data("text", f.npy("ids.npy", [5, -1] * 40)), "holds token id -1 (at index 1)"),
+    "npy-floats": (lambda f: f.data("text", f.npy("ids.npy", [0.5] * 80)), "ids.npy holds a 1-D float64 array"),
+    "npy-two-dimensions": (lambda f: f.data("text", f.npy("ids.npy", [[5, 6]] * 40)), "holds a 2-D int64 array"),
+    "deepspeed-bf16-enabled-one": (lambda f: f.deepspeed('{"bf16": {"enabled": 1}}'), "bf16.enabled=1 must be true"),
+    "deepspeed-bf16-enabled-false-string": (lambda f: f.deepspeed('{"bf16": {"enabled": "false"}}'),
+                                            "bf16.enabled='false' must be true"),
+    "deepspeed-adam-w-mode-string": (lambda f: f.deepspeed('{"optimizer": {"type": "Adam", "params": '
+                                                           '{"adam_w_mode": "no", "weight_decay": 0.1}}}'),
+                                     "optimizer.params.adam_w_mode='no' must be true"),
+    "deepspeed-cpu-offload-string": (lambda f: f.deepspeed('{"zero_optimization": {"cpu_offload": "yes"}}'),
+                                     "zero_optimization.cpu_offload='yes' must be true"),
+    "deepspeed-cpu-offload-is-read": (lambda f: f.deepspeed('{"zero_optimization": {"cpu_offload": true}}'),
+                                      "parallel.offload_optimizer='cpu' needs the optimizer state sharded"),
+    "deepspeed-block-as-a-value": (lambda f: f.deepspeed('{"fp16": true}'), 'fp16=True must be a block of keys, '
+                                                                             'e.g. {"enabled": ...}'),
+    "plan-device-memory-unreadable": (lambda f: f.plan("--device-memory", "80XB"), "--device-memory '80XB' is not"),
+    "plan-device-memory-zero": (lambda f: f.plan("--device-memory", "0GiB"), "--device-memory '0GiB' is not"),
+    "plan-peak-tflops-zero": (lambda f: f.plan("--peak-tflops", "0"), "--peak-tflops must be positive, got 0"),
+    "plan-peak-tflops-nan": (lambda f: f.plan("--peak-tflops", "nan"), "--peak-tflops must be positive, got nan"),
+    "plan-efficiency-zero": (lambda f: f.plan("--efficiency", "0"), "--efficiency 0 is not a fraction of peak"),
+    "plan-efficiency-above-one": (lambda f: f.plan("--efficiency", "2"), "--efficiency 2 is not a fraction of peak"),
+    "plan-devices-negative": (lambda f: f.plan("--devices", "-4"), "--devices must be positive, got -4"),
+    "plan-global-batch-zero": (lambda f: f.plan("--global-batch", "0"), "--global-batch must be positive, got 0"),
+    "plan-top-negative": (lambda f: f.plan("--top", "-1"), "--top must be positive, got -1"),
+    "plan-bandwidth-inf": (lambda f: f.plan("--inter-bw", "inf"), "--inter-bw must be positive and finite, got inf"),
+    "launch-name-empty": (lambda f: f.launch("--name", ""), "job name '': use letters"),
+    "launch-master-port-beyond": (lambda f: f.launch("--master-port", "70000"),
+                                  "--master-port 70000 is not a TCP port"),
+    "launch-join-timeout-inf": (lambda f: f.launch("--join-timeout", "inf"),
+                                "--join-timeout must be positive and finite"),
+    "launch-collective-timeout-nan": (lambda f: f.launch("--collective-timeout", "nan"),
+                                      "--collective-timeout must be positive, got nan"),
+    "launch-master-addr-bad": (lambda f: f.launch("--master-addr", "a b"), "--master-addr: 'a b' is not a valid host"),
+    "launch-include-without-hosts": (lambda f: f.launch("--include", "h1"), "--include and --exclude pick hosts"),
+    "logs-tail-zero": (lambda f: ["logs", "some-job", "--tail", "0"], "--tail must be a number of lines, 1 or more"),
+    "stop-grace-nan": (lambda f: ["stop", "some-job", "--grace", "nan"], "--grace must be 0 or more seconds, got nan"),
+    "sample-train-negative": (lambda f: ["preprocess", "sample", "--out", str(f.root / "s"), "--train", "-5"],
+                              "--train -5 and --heldout 500 must be 1 or more pairs"),
+    "sample-out-under-a-file": (lambda f: ["preprocess", "sample", "--out", str(f.file("plain", "x") / "s")],
+                                "plain is a file; choose another --out"),
+    "tokenizer-min-frequency-negative": (lambda f: ["tokenizer", "train", "--input", str(f.file("in.txt", "a b\n")),
+                                                    "--vocab-size", "300", "--min-frequency", "-1", "--out",
+                                                    str(f.root / "t.json")], "--min-frequency -1 must be 0 or more"),
 }
 
 # launches of a train command with a bad config: refused before any rank starts
@@ -299,6 +425,8 @@ LAUNCH_CASES = {
     "launch-run-dir-under-a-file": (lambda f: f.train(f"--run.dir={f.file('plain', 'x') / 'run'}"),
                                     "cannot be a directory"),
     "launch-resume-missing": (lambda f: f.train(f"--checkpoint.resume={f.root / 'gone'}"), "no checkpoint at"),
+    "launch-prefix-escaping": (lambda f: f.train("--checkpoint.prefix=../x"), "checkpoint.prefix='../x'"),
+    "launch-run-name-escaping": (lambda f: f.train("--run.name=../x"), "run.name='../x' is not a plain name"),
 }
 
 
@@ -327,7 +455,8 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_is_refused_in_one_line(case, tmp_path, saved, capsys):
+def test_bad_input_is_refused_in_one_line(case, tmp_path, saved, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # what a case that is not refused writes (runs/, ~/x) stays in its directory
     argv, expected = CASES[case]
     line = one_line_refusal(capsys, argv(Files(tmp_path, saved / "step_00000002")))
     assert expected in line, line
@@ -359,7 +488,9 @@ def test_the_table_is_large_and_every_case_can_pass_the_checks(tmp_path, monkeyp
     parallel = train_config(["--parallel.layer_stages=[0,0,1,1]", '--parallel.recompute=["full","none"]']).parallel
     assert parallel.layer_stages == [0, 0, 1, 1] and parallel.recompute == ["full", "none"]
     f = Files(tmp_path)
-    assert cli.main(f.train("--model.decoder_layers=4", "--parallel.layer_stages=[0,0,0,0]")) == 0
+    # warmup_steps above steps is a schedule cut short (README, train.lr_schedule): not refused
+    assert cli.main(f.train("--model.decoder_layers=4", "--parallel.layer_stages=[0,0,0,0]",
+                            "--train.warmup_steps=5")) == 0
     use_registry(tmp_path, monkeypatch)
     started = []
     monkeypatch.setattr(launcher, "run_node", lambda *a, **k: started.append(a) or 0)
@@ -400,6 +531,97 @@ def test_a_file_too_large_during_a_save_names_the_file(tmp_path):
     line = out.stderr.strip()
     assert len(line.splitlines()) == 1, out.stderr
     assert "File too large" in line and str(tmp_path / "run" / "checkpoints") in line and "ulimit" in line
+
+
+def test_the_file_size_hint_is_given_for_a_file_too_large_only():
+    import errno
+
+    from paratrain.checkpoint.core import _write_failed
+
+    final = Path("/ck/step_00000001")
+    hints = {code: _write_failed(final, OSError(code, os.strerror(code), str(final / SHARD)))
+             for code in (errno.EFBIG, errno.ENOSPC, errno.EACCES, errno.ENOENT)}
+    assert "ulimit -f" in hints[errno.EFBIG] and "free space" in hints[errno.ENOSPC]
+    for code in (errno.ENOSPC, errno.EACCES, errno.ENOENT):
+        assert "ulimit" not in hints[code]
+    for code in (errno.EACCES, errno.ENOENT):
+        assert "free space" not in hints[code] and "a directory you can write" in hints[code]
+
+
+# --- MindSpore's Model.train and ModelCheckpoint on a user's net ------------------------------------
+
+@pytest.mark.parametrize("prefix, directory, expected", [
+    ("a/b", None, "ModelCheckpoint(prefix='a/b'): use letters"),
+    ("..", None, "ModelCheckpoint(prefix='..'): use letters"),
+    ("", None, "ModelCheckpoint(prefix=''): use letters"),
+    ("ck", lambda root: root / "plain" / "ck", "ModelCheckpoint directory="),
+    ("ck", lambda root: "c\0k", "holds a NUL character"),
+])
+def test_model_checkpoint_checks_its_prefix_and_directory_when_made(tmp_path, prefix, directory, expected):
+    from paratrain.errors import UserError
+    from paratrain.train import ModelCheckpoint
+
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(UserError) as refused:
+        ModelCheckpoint(prefix=prefix, directory=directory(tmp_path) if directory else tmp_path)
+    assert expected in str(refused.value) and len(str(refused.value).splitlines()) == 1
+    ModelCheckpoint(prefix="ck", directory=tmp_path / "new" / "ck")  # a directory that can be made: made
+    assert (tmp_path / "new" / "ck").is_dir()
+
+
+class SquaredError(torch.nn.Module):
+    """A user's net returning its loss; per row with ``reduce=False``."""
+
+    def __init__(self, reduce: bool = True):
+        super().__init__()
+        self.fc, self.reduce = torch.nn.Linear(4, 1), reduce
+
+    def forward(self, x, y):
+        error = (self.fc(x) - y) ** 2
+        return error.mean() if self.reduce else error
+
+
+def batches(*shapes, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(rows, width, generator=g).to(dtype), torch.randn(rows, 1, generator=g))
+            for rows, width in shapes]
+
+
+def fit(net, data):
+    from paratrain.train import Model
+
+    Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1)).train(1, data)
+
+
+@pytest.mark.parametrize("bad, shapes", [
+    (batches((8, 5))[0], "([8, 5] float32, [8, 1] float32)"),
+    (batches((8, 4), dtype=torch.float64)[0], "([8, 4] float64, [8, 1] float32)"),
+    (batches((8, 4))[0][:1], "([8, 4] float32)"),
+])
+def test_model_train_refuses_a_batch_unlike_the_first_before_its_step(bad, shapes):
+    """One line naming the batch index and both shapes; the parameters are those after the batches before it."""
+    from paratrain.errors import UserError
+
+    torch.manual_seed(0)
+    net = SquaredError()
+    reference = copy.deepcopy(net)
+    good = batches((8, 4), (8, 4))
+    with pytest.raises(UserError) as refused:
+        fit(net, [*good, bad])
+    assert str(refused.value) == (f"Model.train: batch index 2 of epoch 1 is {shapes}, unlike the first batch "
+                                  f"([8, 4] float32, [8, 1] float32): give every batch the first one's tensors, "
+                                  f"dtypes and shapes")
+    fit(reference, good)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), reference.parameters()))
+
+
+def test_model_train_takes_a_last_smaller_batch_and_refuses_a_loss_that_is_no_scalar():
+    from paratrain.errors import UserError
+
+    fit(SquaredError(), batches((8, 4), (8, 4), (3, 4)))  # MindSpore's batch(drop_remainder=False)
+    with pytest.raises(UserError, match=r"^Model.train: batch index 0 of epoch 1: the net returned a tensor of "
+                                        r"shape \[8, 1\], not a loss: reduce it to a scalar"):
+        fit(SquaredError(reduce=False), batches((8, 4)))
 
 
 # --- damaged checkpoints and resume="auto" -------------------------------------------------------

@@ -43,7 +43,8 @@ def test_the_tutorial_nets_print_the_one_process_losses(one_process_nets, mode, 
 
 @pytest.mark.slow
 def test_a_batch_that_does_not_split_over_the_ranks_is_refused():
-    with pytest.raises(RuntimeError, match=r"UserError: a batch of 9 rows does not split into 2 equal parts \("
+    with pytest.raises(RuntimeError, match=r"UserError: Model.train: batch index 0 of epoch 1: a batch of 9 rows "
+                                           r"does not split into 2 equal parts \("
                                            r"data_parallel=2 x micro_batch_num=1\): give a batch size divisible by 2"):
         run_distributed(example_losses, 2, NETS, ["--mode", "data", "--batch", "9", "--steps", "1"], timeout=120)
 

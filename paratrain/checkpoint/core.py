@@ -22,6 +22,7 @@ one small safetensors file per rank. See ``storage.py`` for the on-disk format.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import random
@@ -61,8 +62,11 @@ def _rank_world() -> tuple[int, int]:
 
 def _write_failed(final: Path, exc: OSError) -> str:
     where = f" ({exc.filename})" if exc.filename else ""
-    return (f"cannot write checkpoint {final}: {exc.strerror or exc}{where}: free space or raise the file size "
-            f"limit (ulimit -f), or set checkpoint.dir to another file system")
+    fix = {errno.EFBIG: "raise the file size limit (ulimit -f)", errno.ENOSPC: "free space",
+           errno.EDQUOT: "free space within your disk quota"}.get(exc.errno)
+    return (f"cannot write checkpoint {final}: {exc.strerror or exc}{where}: "
+            + (f"{fix}, or set checkpoint.dir to another file system" if fix else "set checkpoint.dir to a "
+               "directory you can write"))
 
 
 def _together(fn, final: Path):

@@ -2,8 +2,18 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from paratrain.config import ConfigError
+
+
+def _check_out(out: str) -> None:
+    """The output directory ``--out`` must be one that can be made and written in."""
+    from paratrain.preflight import writable_problem
+
+    problem = writable_problem("--out", Path(out))
+    if problem:
+        raise ConfigError([problem])
 
 
 def cmd_preprocess_wmt14(args) -> int:
@@ -13,6 +23,7 @@ def cmd_preprocess_wmt14(args) -> int:
         raise ConfigError(["give either --archive or --src and --ref, not both"])
     if not args.archive and not (args.src and args.ref):
         raise ConfigError(["give --src SRC.sgm and --ref REF.sgm, or --archive test-full.tgz"])
+    _check_out(args.out)
     if args.archive:
         written = wmt14.preprocess_archive(args.archive, args.out, args.src_lang or "en", args.tgt_lang or "fr",
                                            args.test_set)
@@ -26,6 +37,9 @@ def cmd_preprocess_wmt14(args) -> int:
 def cmd_preprocess_sample(args) -> int:
     from paratrain.data.sample_corpus import write_sample
 
+    if args.train < 1 or args.heldout < 1:
+        raise ConfigError([f"--train {args.train} and --heldout {args.heldout} must be 1 or more pairs"])
+    _check_out(args.out)
     for split, paths in write_sample(args.out, args.train, args.heldout, args.seed).items():
         print(f"{split}: {', '.join(str(p) for p in paths.values())}")
     return 0
@@ -36,6 +50,9 @@ def cmd_tokenizer_train(args) -> int:
 
     from paratrain.data import DataError, not_utf8
 
+    if args.min_frequency < 0:
+        raise ConfigError([f"--min-frequency {args.min_frequency} must be 0 or more (pairs seen fewer times are "
+                           f"not merged)"])
     try:
         tokenizer = train_tokenizer(args.input, args.vocab_size, args.out, args.min_frequency)
     except UnicodeDecodeError as exc:

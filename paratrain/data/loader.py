@@ -111,7 +111,7 @@ def build_dataset(cfg: Config):
     if d.kind == "synthetic":
         if m.kind == "gpt":
             return SyntheticLM(m, cfg.run.seed)
-        return SyntheticTranslation(m, cfg.run.seed, d.task, d.min_length)
+        return SyntheticTranslation(m, cfg.run.seed, d.synthetic_task(m.kind), d.min_length)
     try:
         if d.kind == "translation":
             dataset = TranslationDataset(d.path, load_tokenizer(cfg), m.src_seq_length, m.tgt_seq_length,
@@ -126,8 +126,5 @@ def build_dataset(cfg: Config):
         raise not_utf8(d.path, exc) from None
     except (ValueError, OSError) as exc:  # numpy's, or a file that changed since the checks at start
         raise DataError(f"data.path={d.path} cannot be used: {exc}") from None
-    if d.bucket_size and not hasattr(dataset, "lengths"):
-        raise ConfigError([f"data.bucket_size={d.bucket_size}: {d.kind} examples all have one length, "
-                           f"bucketing applies to translation only; set data.bucket_size=0"])
     dataset.seed, dataset.shuffle, dataset.bucket_size = cfg.run.seed, d.shuffle, d.bucket_size
     return dataset

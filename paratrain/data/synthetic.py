@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.config import ModelConfig
+from paratrain.config import SPECIAL_TOKENS, ModelConfig
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
-NUM_SPECIAL = 4
+NUM_SPECIAL = SPECIAL_TOKENS
 CPU = torch.device("cpu")
 
 

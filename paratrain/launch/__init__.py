@@ -7,6 +7,7 @@ asks every node to stop, ``failure`` and ``rendezvous`` say what went wrong.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import subprocess
@@ -17,8 +18,8 @@ from paratrain import host_memory
 from paratrain.launch import jobs as joblib
 from paratrain.launch import stop as stoplib
 from paratrain.cluster import slurm_tasks
-from paratrain.launch.hosts import (HostError, Topology, kubeflow_from_env, parse_hostfile, parse_rank_table,
-                                    select_hosts, slurm_from_env)
+from paratrain.launch.hosts import (HostError, Topology, check_host, kubeflow_from_env, parse_hostfile,
+                                    parse_rank_table, select_hosts, slurm_from_env)
 from paratrain.launch.jobs import Job, JobError
 
 
@@ -92,11 +93,16 @@ def _check_one_launcher_per_node() -> None:
 
 
 def _check_numbers(args) -> None:
-    """Refuse counts and durations that cannot work, before anything starts."""
+    """Refuse counts, durations, a port and an address that cannot work, before anything starts."""
     for flag in ("nproc_per_node", "nnodes", "master_port", "collective_timeout", "join_timeout"):
         value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise JobError(f"--{flag.replace('_', '-')} must be positive, got {value:g}")
+        if value is not None and not 0 < value < math.inf:
+            finite = " and finite" if value > 0 else ""
+            raise JobError(f"--{flag.replace('_', '-')} must be positive{finite}, got {value:g}")
+    if args.master_port is not None and args.master_port > 65535:
+        raise JobError(f"--master-port {args.master_port} is not a TCP port: use one in 1..65535 (default 29500)")
+    if args.master_addr is not None:
+        check_host(args.master_addr, "--master-addr")
 
 
 def cmd_launch(args) -> int:
@@ -110,11 +116,17 @@ def cmd_launch(args) -> int:
                        f"every rank runs with python)")
     slurm = slurm_from_env()
     named_by = [Path(args.words[0]).stem] if is_script(args.words) else args.words
-    name = joblib.check_name(args.name or (f"slurm-{slurm.job_id}" if slurm and slurm.nnodes > 1 and args.nnodes is None
-                                            else joblib.new_name(named_by)))
+    name = args.name
+    if name is None:
+        name = (f"slurm-{slurm.job_id}" if slurm and slurm.nnodes > 1 and args.nnodes is None
+                else joblib.new_name(named_by))
+    name = joblib.check_name(name)
     job_dir = joblib.jobs_home() / name
     words = _with_run_dir(args.words, job_dir)
     hosts = None
+    if (args.include or args.exclude) and not (args.hostfile or args.rank_table):
+        raise HostError("--include and --exclude pick hosts of a --hostfile or --rank-table: give one, or leave "
+                        "them out")
     if args.hostfile or args.rank_table:
         hosts = parse_rank_table(args.rank_table) if args.rank_table else parse_hostfile(args.hostfile)
         hosts = select_hosts(hosts, args.include, args.exclude)
@@ -242,6 +254,8 @@ def cmd_jobs(args) -> int:
 
 
 def cmd_logs(args) -> int:
+    if args.tail < 1:
+        raise JobError(f"--tail must be a number of lines, 1 or more, got {args.tail}")
     job = joblib.load(args.name)
     if not 0 <= args.rank < job.world_size:
         raise JobError(f"job {job.name} has ranks 0..{job.world_size - 1}, not {args.rank}")
@@ -253,7 +267,7 @@ def cmd_logs(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    if args.grace < 0:
+    if not 0 <= args.grace < math.inf:
         raise JobError(f"--grace must be 0 or more seconds, got {args.grace:g}")
     stoplib.stop(joblib.load(args.name), grace_s=args.grace, now=args.now)
     return 0

@@ -20,13 +20,13 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from paratrain.config import NAME_RULE, is_plain_name
 from paratrain.errors import UserError
 
 ACTIVE = ("starting", "running")
 HEARTBEAT_S = 30.0  # how often a running launcher rewrites its record
 LOST_AFTER_S = 300.0  # a record of another host not rewritten for this long: its launcher is gone
 PROGRESS_DIR = "progress"  # in a job's directory: the ranks' progress records (paratrain.progress)
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class JobError(UserError, ValueError):
@@ -47,9 +47,10 @@ def jobs_home() -> Path:
 
 
 def check_name(name: str) -> str:
-    """Return ``name`` if it can name a job directory, else raise a JobError saying what is allowed."""
-    if not _NAME.fullmatch(name):
-        raise JobError(f"job name {name!r}: use letters, digits, '.', '_' and '-' (starting with a letter or digit)")
+    """Return ``name`` if it can name a job directory, else raise a JobError saying what is allowed (the rule
+    of ``run.name``)."""
+    if not is_plain_name(name):
+        raise JobError(f"job name {name!r}: {NAME_RULE}")
     return name
 
 

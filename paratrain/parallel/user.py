@@ -184,7 +184,13 @@ class PlacedNet:
 
     def _micro_loss(self, output: torch.Tensor, target=None) -> torch.Tensor:
         """What backward runs on for one micro-batch: its loss sum times the replicas (FSDP averages
-        gradients over them; the count is kept to divide by later), or its mean over the micro-batches."""
+        gradients over them; the count is kept to divide by later), or its mean over the micro-batches. A
+        loss of another shape (per row, per token) is refused."""
+        if not isinstance(output, torch.Tensor) or output.numel() != (2 if self.summed else 1):
+            what = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
+                    else f"a {type(output).__name__}")
+            raise UserError(f"the net returned {what}, not a loss: reduce it to "
+                            f"{'a (sum, count) pair' if self.summed else 'a scalar'}, or give Model a loss_fn")
         output = output.reshape(-1)
         if self.summed:
             self._counts.append(output[1].detach())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 
@@ -10,10 +11,12 @@ UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 **
 
 
 def parse_bytes(text: str) -> float:
-    """"80GiB", "80GB", "80 gb", "85899345920" -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in UNITS:
-        raise ValueError(f"cannot read a memory size from {text!r}: write e.g. 80GiB or 80GB")
+    """"80GiB", "80GB", "80 gb", "85899345920" -> bytes; a UserError for anything else or a size of 0."""
+    from paratrain.errors import UserError
+
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in UNITS or float(match.group(1)) == 0:
+        raise UserError(f"--device-memory {text!r} is not a memory size: write e.g. 80GiB or 80GB")
     return float(match.group(1)) * UNITS[match.group(2).lower()]
 
 
@@ -41,11 +44,25 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_plan, overrides=True)
 
 
+def check_args(args) -> None:
+    """Refuse counts and hardware figures that cannot be (a UserError naming the flag)."""
+    from paratrain.errors import UserError
+
+    for flag in ("devices", "devices_per_node", "global_batch", "top", "peak_tflops", "intra_bw", "inter_bw"):
+        value = getattr(args, flag)
+        if value is not None and not 0 < value < math.inf:
+            finite = " and finite" if value > 0 else ""
+            raise UserError(f"--{flag.replace('_', '-')} must be positive{finite}, got {value:g}")
+    if not 0 < args.efficiency <= 1:
+        raise UserError(f"--efficiency {args.efficiency:g} is not a fraction of peak in (0, 1]: e.g. 0.5")
+    parse_bytes(args.device_memory)
+
+
 def _config(args):
     from paratrain.deepspeed_config import load_config
 
     overrides = list(args.overrides)
-    if args.global_batch:
+    if args.global_batch is not None:
         overrides.append(f"train.global_batch_size={args.global_batch}")
     return load_config(args.config, overrides, args.deepspeed, args.devices)
 
@@ -58,6 +75,7 @@ def hardware(args, devices: int):
 
 
 def cmd_plan(args) -> int:
+    check_args(args)
     cfg = _config(args)
     devices = args.devices or cfg.parallel.world_size
     if args.dry_run:

@@ -203,14 +203,21 @@ class ModelCheckpoint(Callback):
     """Saves the training network and optimizer as ``<directory>/<prefix>-<epoch>_<step in epoch>`` in
     paratrain's sliced format (every rank writes its shards; it loads under any layout, and with
     ``paratrain.load_checkpoint``), as MindSpore's ModelCheckpoint; the last step is always saved.
-    ``directory`` defaults to the working directory."""
+    ``directory`` defaults to the working directory; it is made here, as MindSpore does, and refused (as the
+    prefix) when a checkpoint could not be written there."""
 
     def __init__(self, prefix: str = "CKP", directory: str | Path | None = None,
                  config: CheckpointConfig | None = None):
-        if not isinstance(prefix, str) or not prefix or "/" in prefix:
-            raise UserError(f"ModelCheckpoint(prefix={prefix!r}): expected a non-empty name without '/'")
+        from paratrain.config import NAME_RULE, is_plain_name
+        from paratrain.preflight import writable_problem
+
+        if not is_plain_name(prefix):
+            raise UserError(f"ModelCheckpoint(prefix={prefix!r}): {NAME_RULE}")
         self.prefix = prefix
         self.directory = Path(directory) if directory is not None else Path.cwd()
+        problem = writable_problem("ModelCheckpoint directory", self.directory)
+        if problem:
+            raise UserError(problem)
         self.config = config or CheckpointConfig()
         self._checkpointer = None
         self.last_saved_step = 0

@@ -149,6 +149,32 @@ def _as_batch(batch) -> tuple:
                     f"{type(batch).__name__}")
 
 
+def _kind(value) -> tuple[str, tuple[int, ...] | None]:
+    """(dtype, shape) of a tensor of a batch; (type name, None) of anything else."""
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype).removeprefix("torch."), tuple(value.shape)
+    return type(value).__name__, None
+
+
+def _kinds_text(kinds: list) -> str:
+    return "(" + ", ".join(name if shape is None else f"{list(shape)} {name}" for name, shape in kinds) + ")"
+
+
+def _alike(kinds: list, first: list, rows_may_differ: bool) -> bool:
+    """Whether a batch of ``kinds`` is like the first batch: the same tensors, dtypes and shapes, but for the
+    rows (the first dimension) when ``rows_may_differ``."""
+    if len(kinds) != len(first):
+        return False
+    for (name, shape), (first_name, first_shape) in zip(kinds, first):
+        if name != first_name or (shape is None) != (first_shape is None):
+            return False
+        if shape is not None:
+            skip = 1 if rows_may_differ and shape and first_shape else 0
+            if len(shape) != len(first_shape) or shape[skip:] != first_shape[skip:]:
+                return False
+    return True
+
+
 class _Callbacks:
     """The callbacks of one ``Model.train``, entered together and called in order."""
 
@@ -193,6 +219,7 @@ class Model:
                             f"another dtype for lower precision")
         self.network, self.loss_fn, self.optimizer = network, loss_fn, optimizer
         self.train_network = None  # the placed net, from the first batch of ``train`` on
+        self._first_batch: list | None = None  # the (dtype, shape) of each tensor of the batch it was placed with
         self._placement: tuple[ParallelConfig, Layout] | None = None  # kept for later ``train`` calls
 
     def train(self, epoch: int, train_dataset: Iterable, callbacks=None, dataset_sink_mode: bool = False,
@@ -343,11 +370,29 @@ class Model:
             shard_optimizer_state(self.optimizer, config, layout)
         params.update(train_network=self.train_network, optimizer=self.optimizer)
 
+    def _check_batch(self, batch: tuple, config: ParallelConfig, where: str) -> None:
+        """Refuse a batch unlike the first (its tensors' count, dtypes and shapes; the rows may differ, as in a
+        last, smaller batch, except under a pipeline, traced with the first batch's shapes), before it runs."""
+        kinds = [_kind(t) for t in batch]
+        if self._first_batch is None:
+            self._first_batch = kinds
+        elif not _alike(kinds, self._first_batch, rows_may_differ=config.pipeline_stage == 1):
+            rows = "" if config.pipeline_stage == 1 else " (a pipeline's rows too)"
+            raise UserError(f"Model.train: {where} is {_kinds_text(kinds)}, unlike the first batch "
+                            f"{_kinds_text(self._first_batch)}: give every batch the first one's tensors, dtypes "
+                            f"and shapes{rows}")
+
     def _step(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams) -> torch.Tensor:
-        """One optimizer step on a global batch; places the net on the first. Returns the loss (on the device)."""
+        """One optimizer step on a global batch; places the net on the first. Returns the loss (on the device).
+        A batch unlike the first, or a loss that is no scalar, is refused naming the batch."""
+        where = f"batch index {params.cur_step_in_epoch} of epoch {params.cur_epoch_num}"
+        self._check_batch(batch, config, where)
         if self.train_network is None:
             self._place(batch, config, layout, params)
-        loss = self.train_network.train_step(batch, rows_of_this_rank=params.rows_of_this_rank)
+        try:
+            loss = self.train_network.train_step(batch, rows_of_this_rank=params.rows_of_this_rank)
+        except UserError as exc:  # a batch that does not split, a loss that is no scalar
+            raise UserError(f"Model.train: {where}: {exc}") from None
         if params.parallel_mode == ParallelMode.DATA_PARALLEL and not get_auto_parallel_context("gradients_mean"):
             for param in self.train_network.parameters():  # MindSpore's default: the ranks' gradients summed
                 if param.grad is not None:
