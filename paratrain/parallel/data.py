@@ -49,6 +49,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.nn.functional import all_reduce
 from torch.distributed.tensor import DTensor
+from torch.torch_version import __version__ as TORCH_VERSION
 
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
@@ -56,6 +57,9 @@ from paratrain.mesh import Layout
 from paratrain.models.transformer import pipeline_blocks
 
 SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble")  # schedules computing weight grads apart
+# DDP without buffer broadcasts in forward: torch 2.13 renamed broadcast_buffers (deprecated there) to
+# forward_sync_buffers; with init_sync=False the two mean the same
+NO_BUFFER_SYNC = {"forward_sync_buffers": False} if TORCH_VERSION >= (2, 13) else {"broadcast_buffers": False}
 
 
 def layer_groups(layers: list[nn.Module], num_groups: int) -> list[list[nn.Module]]:
@@ -95,7 +99,7 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
             bucket_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / len(groups) / 2 ** 20
         # every rank materialises the same weights and buffers (the same seed): nothing to broadcast
         replicate(root, process_group=layout.dp_group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
-                  init_sync=False, forward_sync_buffers=False)
+                  init_sync=False, **NO_BUFFER_SYNC)
         return model
     kwargs = {"mesh": layout.dp_mesh}
     if config.shards_parameters:
