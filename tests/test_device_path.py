@@ -225,3 +225,38 @@ def _outputs_kept_by_pipeline_stages(tmp_dir):
 def test_the_last_pipeline_stage_keeps_no_micro_batch_outputs(tmp_path):
     """Only the losses leave a step: the last stage does not hold (and concatenate) every micro-batch's logits."""
     assert run_distributed(_outputs_kept_by_pipeline_stages, 2, str(tmp_path), timeout=120) == [[0], [0]]
+
+
+def test_head_loss_chunks_are_few_on_a_gpu_and_its_matmuls_run_in_bf16(monkeypatch):
+    """The chunked head loss: a 8 x 2048-token micro-batch at a 32k vocabulary is a few large chunks on a GPU
+    (each a dozen kernels launched from Python), small ones on the CPU; under bf16 autocast all three
+    matmuls of a chunk (logits, hidden and weight gradients) run in bf16, under fp16 the weight
+    gradient's in fp32."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from paratrain.models import linear_cross_entropy
+
+    tokens, vocab = 8 * 2048, 32000
+    gpu, cpu = linear_cross_entropy.chunk_rows(vocab, "cuda"), linear_cross_entropy.chunk_rows(vocab, "cpu")
+    assert -(-tokens // gpu) <= 8 and 4 * vocab * gpu <= 256 << 20  # chunks, and fp32 logits of one
+    assert 4 * vocab * cpu <= 16 << 20 and gpu >= 16 * cpu
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm_, torch.ops.aten.addmm):
+                self.dtypes.append(tuple(str(a.dtype) for a in args[-2:]))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(linear_cross_entropy, "CHUNK_BYTES", 4 * 40 * 7)  # 7 rows a chunk: 3 chunks of 18 rows
+    hidden = torch.randn(2, 9, 32, device="cpu")
+    weight = torch.randn(40, 32, device="cpu")
+    labels = torch.randint(0, 40, (2, 9), device="cpu")
+    for dtype, weight_gradient in ((torch.bfloat16, "torch.bfloat16"), (torch.float16, "torch.float32")):
+        with Matmuls() as seen, torch.autocast("cpu", dtype=dtype):
+            linear_cross_entropy.linear_token_loss_sum(hidden, weight, labels, -100)
+        low = (str(dtype), str(dtype))
+        assert seen.dtypes == [low, low, (weight_gradient, weight_gradient)] * 3, seen.dtypes
