@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The one command for a lent GPU machine (README, "GPUs"): its own python and torch, no venv, pip or network.
+# The one command for a lent GPU machine (README, "GPU"): its own python and torch, no venv, pip or network.
 #   1. the GPU suite (tests/gpu; tests needing more GPUs than there are are skipped, with the reason)
 #   2. the throughput bench: the 1B GPT in bf16, paratrain against a plain PyTorch loop (tokens/s, MFU,
 #      peak memory, their ratio; it fails when the two sides' losses disagree)
 #   3. the refusal of 2 ranks on 1 GPU: one line, exit 2, before any rank starts
 # Each part has a time limit, so that the whole stays within 10 minutes; every part runs, and the script
-# exits 1 if any failed. Results: runs/gpu_check/ (the bench's JSON, the refusal's output).
+# exits 1 if any failed. Results: $OUT/gpu_check/ when OUT is set, else runs/gpu_check/ (the bench JSON, the
+# refusal output).
 set -u
 cd "$(dirname "$0")/.."
 python=$(bash tools/gpu_python.sh) || exit 1
-wheels=$(ls wheels/*.whl 2>/dev/null | sed "s|^|$PWD/|" | tr '\n' ':')
-export PYTHONPATH="$PWD:$wheels" PARATRAIN_DEVICE=cuda
-out=runs/gpu_check
+export PYTHONPATH="$PWD$(ls wheels/*.whl 2>/dev/null | sed "s|^|:$PWD/|" | tr -d '\n')" PARATRAIN_DEVICE=cuda
+out=${OUT:-runs}/gpu_check  # under $OUT where the runner brings that folder back
 mkdir -p "$out"
 failed=()
 

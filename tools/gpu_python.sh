@@ -6,10 +6,10 @@
 # (make gpu-wheels). Without such a python it says why, one line per candidate, and exits 1.
 set -u
 cd "$(dirname "$0")/.."
-wheels=$(ls wheels/*.whl 2>/dev/null | tr '\n' ':')
+wheels=$(ls wheels/*.whl 2>/dev/null | sed "s|^|:$PWD/|" | tr -d '\n')
 for python in ${GPU_PYTHON:-} python3 .venv/bin/python; do
     command -v "$python" >/dev/null 2>&1 || continue
-    why=$(PYTHONPATH="$PWD:$wheels" "$python" - 2>&1 <<'EOF'
+    why=$(PYTHONPATH="$PWD$wheels" "$python" - 2>&1 <<'EOF'
 import importlib.util
 import re
 import sys
