@@ -252,8 +252,9 @@ def print_table(r: dict) -> None:
               f"{s['peak_memory_mb']:>15,.0f} {s['loss_first']:>9.3f} -> {s['loss_last']:.3f}")
     print(f"ratio paratrain/torch tokens/s: {r['ratio']:.3f}")
     if r.get("datasheet_tflops"):
-        print(f"MFU against the datasheet's {r['datasheet_tflops']:.4g} TFLOP/s: paratrain "
-              f"{r['paratrain']['tflops'] / r['datasheet_tflops']:.1%}, torch {r['torch']['tflops'] / r['datasheet_tflops']:.1%}")
+        paratrain, plain = (r[side]["tflops"] / r["datasheet_tflops"] for side in ("paratrain", "torch"))
+        print(f"MFU against the datasheet's {r['datasheet_tflops']:.4g} TFLOP/s: paratrain {paratrain:.1%}, "
+              f"torch {plain:.1%}")
     losses = r["losses"]
     print(f"losses: every step within {', '.join(f'{w:.2g}' for w in losses['worst'].values())} of the plain "
           f"loop's (tolerance {losses['rtol']:g}): {'agree' if losses['agree'] else 'DISAGREE'}")

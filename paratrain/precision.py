@@ -86,8 +86,8 @@ class LossScaler:
         self.good_steps = torch.where(overflow, 0, self.good_steps + 1)
         grow = ~overflow & (self.good_steps % self.growth_interval == 0)
         refill = grow | ~overflow if self.consecutive_hysteresis else grow
-        self.hysteresis_left = torch.where(refill, self.hysteresis,
-                                           torch.where(overflow & ~halve, self.hysteresis_left - 1, self.hysteresis_left))
+        spent = torch.where(overflow & ~halve, self.hysteresis_left - 1, self.hysteresis_left)
+        self.hysteresis_left = torch.where(refill, self.hysteresis, spent)
         self.scale = torch.where(halve, (self.scale / 2).clamp(min=self.min_scale),
                                  torch.where(grow, self.scale * 2, self.scale))
         return overflow

@@ -165,7 +165,8 @@ def _coalesced_broadcast(bucket_bytes):
 
     rank, _ = init_from_env()
     shapes = [(3, torch.float32), (5, torch.bfloat16), (40, torch.float32), (2, torch.float32)]
-    tensors = [torch.full((n,), float(100 * rank + i), dtype=dtype, device="cpu") for i, (n, dtype) in enumerate(shapes)]
+    tensors = [torch.full((n,), float(100 * rank + i), dtype=dtype, device="cpu")
+               for i, (n, dtype) in enumerate(shapes)]
     calls = []
 
     def broadcast(flat):
