@@ -43,8 +43,8 @@ refused_two_ranks_on_one_gpu() {
 
 "$python" -c 'import torch; print(f"gpu_check: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, "
                                   f"torch {torch.__version__}, python", __import__("sys").version.split()[0])'
-part "1/3 GPU suite" timeout 330 "$python" -m pytest -v -rs -p no:cacheprovider tests/gpu
-part "2/3 throughput bench" timeout 200 "$python" bench/gpu_throughput.py --steps 10 --warmup 3 \
+part "1/3 GPU suite" timeout 300 "$python" -m pytest -v -rs -p no:cacheprovider tests/gpu
+part "2/3 throughput bench" timeout 220 "$python" bench/gpu_throughput.py --steps 8 --warmup 2 \
     --json "$out/gpu_throughput.json"
 part "3/3 two ranks on one GPU" refused_two_ranks_on_one_gpu
 if [ ${#failed[@]} = 0 ]; then
