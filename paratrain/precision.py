@@ -4,9 +4,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from paratrain.device import DTYPES
+from paratrain.optim import scale_grads_
 
 
 def resolve_mixed_precision(mixed_precision: str, device: torch.device) -> str:
@@ -59,18 +59,10 @@ class LossScaler:
         self.load_state_dict({"scale": init_scale if enabled else 1.0, "good_steps": 0, "skipped_steps": 0})
 
     def unscale_(self, parameters) -> None:
-        """Divide every gradient by the scale: one multiply per group of same-device, same-dtype gradients
-        (their local shards for DTensors)."""
-        if not self.enabled:
-            return
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for p in parameters:
-            if p.grad is not None:
-                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        inverse = self.scale.reciprocal()
-        for (device, _), grads in groups.items():
-            torch._foreach_mul_(grads, inverse.to(device, non_blocking=True))
+        """Divide every gradient by the scale (``paratrain.optim.scale_grads_``: a foreach multiply per device
+        and dtype)."""
+        if self.enabled:
+            scale_grads_(parameters, self.scale.reciprocal())
 
     def update(self, grad_norm: torch.Tensor) -> torch.Tensor | bool:
         """Record one step from its (unscaled) gradient norm, the same on every rank; returns whether it

@@ -185,3 +185,28 @@ def test_coalesced_collectives_run_per_bucket_and_write_every_tensor_back():
                                       (5, "torch.bfloat16")])):  # a tensor over the bucket size is a bucket alone
         for values, seen in run_distributed(_coalesced_broadcast, 2, bucket_bytes, timeout=120):
             assert values == want and seen == calls
+
+
+def _clipped_partial_gradient():
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from paratrain.distributed import init_from_env
+    from paratrain.optim import clip_grad_norm
+
+    init_from_env()
+    mesh = init_device_mesh("cpu", (2,))
+    param = torch.nn.Parameter(DTensor.from_local(torch.zeros(3, device="cpu"), mesh, [Replicate()]))
+    param.grad = DTensor.from_local(torch.full((3,), 2.0, device="cpu"), mesh, [Partial()])  # whole: 4 each
+    norm = clip_grad_norm([param], 1.0)
+    return float(norm), param.grad.full_tensor().tolist()
+
+
+@pytest.mark.slow
+def test_clipping_scales_partial_gradients():
+    """A sequence-parallel norm's gradient is a Partial DTensor until reduced; clipping scales it like any other
+    (torch 2.11's DTensor _foreach_mul_ left such gradients as they were)."""
+    for norm, grad in run_distributed(_clipped_partial_gradient, 2, timeout=120):
+        assert norm == pytest.approx(4 * 3 ** 0.5)
+        assert grad == pytest.approx([4 / norm] * 3)  # the whole gradient now has norm 1
