@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo demo-translation test gpu-test bench bench-gpu bench-peers clean
+.PHONY: install demo demo-translation test test-torch-2.11 gpu-test gpu-wheels gpu-check bench bench-gpu bench-peers clean
 
 install: $(STAMP)
 
@@ -30,9 +30,35 @@ demo-translation: install
 test: install
 	PARATRAIN_DEVICE=cpu $(BIN)/python -m pytest -q tests --ignore=tests/gpu
 
-# the GPU suite (tests/gpu): every test is skipped, with the reason, where CUDA or enough GPUs are missing
-gpu-test: install
-	PARATRAIN_DEVICE=cuda $(BIN)/python -m pytest -v -rs tests/gpu
+# the CPU suite under torch 2.11.0, the GPU machines' release (CI stays on 2.13), in a venv of its own:
+# PyPI's CUDA build without most of its CUDA libraries (tools/install_torch_2.11.sh: 2.2 GB, ~1 minute)
+VENV_211 := .venv-torch-2.11
+$(VENV_211)/.installed: pyproject.toml tools/install_torch_2.11.sh tools/install_tcmalloc.sh
+	bash tools/install_torch_2.11.sh $(VENV_211)
+	touch $@
+
+test-torch-2.11: $(VENV_211)/.installed
+	PARATRAIN_DEVICE=cpu $(VENV_211)/bin/python -m pytest -q tests --ignore=tests/gpu
+
+# The GPU targets run without a venv, pip or network (the lent GPU machines have none): on the machine's own
+# python when its torch has CUDA (else .venv's; tools/gpu_python.sh says why neither will do and fails),
+# with this tree and the committed wheels of the pure-Python dependencies that python lacks on PYTHONPATH.
+GPU_WHEELS  := tomli_w
+GPU_PYTHON   = $$(bash tools/gpu_python.sh)
+GPU_ENV      = PYTHONPATH=$(CURDIR)$(foreach w,$(wildcard wheels/*.whl),:$(CURDIR)/$(w)) PARATRAIN_DEVICE=cuda
+
+# the GPU suite (tests/gpu); a test that needs more GPUs than there are is skipped, with the reason
+gpu-test:
+	@python=$(GPU_PYTHON) && $(GPU_ENV) $$python -m pytest -v -rs tests/gpu
+
+# fill wheels/ (committed) from PyPI, on a machine with network
+gpu-wheels:
+	rm -f wheels/*.whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --dest wheels $(GPU_WHEELS)
+
+# everything a lent GPU machine should run, in under 10 minutes: the GPU suite, the throughput bench, a refusal
+gpu-check:
+	bash tools/gpu_check.sh
 
 bench: install
 	mkdir -p runs/bench
@@ -42,10 +68,10 @@ bench: install
 	$(BIN)/python bench/checkpoint_io.py --json runs/bench/checkpoint_io.json
 	$(BIN)/python bench/plan_check.py --json runs/bench/plan_check.json
 
-# one GPU, bf16: paratrain's Trainer against a plain PyTorch loop of the same ~1B GPT (exits 0 without CUDA)
-bench-gpu: install
-	mkdir -p runs/bench
-	PARATRAIN_DEVICE=cuda $(BIN)/python bench/gpu_throughput.py --json runs/bench/gpu_throughput.json
+# one GPU, bf16: paratrain's Trainer against a plain PyTorch loop of the same ~1B GPT
+bench-gpu:
+	@python=$(GPU_PYTHON) && mkdir -p runs/bench && \
+		$(GPU_ENV) $$python bench/gpu_throughput.py --json runs/bench/gpu_throughput.json
 
 # paratrain's ZeRO stages and pipeline vs torch DDP/FSDP2 and DeepSpeed (installed on first use into
 # runs/bench/peers-venv); ARGS=--quick for a ~10-minute pass

@@ -8,8 +8,11 @@ paratrain side is ``Trainer(cfg).train()``; the plain side is the loop a PyTorch
 its timed steps between two ``torch.cuda.synchronize`` calls. The sides run one after the other in
 this process (never both in memory); a side's peak memory is ``torch.cuda.max_memory_allocated``
 from its start, less what was allocated then. MFU is the achieved model FLOP/s
-(``paratrain.metrics.flops.gpt_flops``: 6 x weights x tokens plus attention) over the device's dense
-bf16 peak (``gpu_peak_tflops``, or ``--peak-tflops``).
+(``paratrain.metrics.flops.gpt_flops``: 6 x weights x tokens plus attention) over the device's bf16
+peak as measured here (the fastest of three runs of 20 back-to-back 8192^3 bf16 matmuls, as the CPU's
+is measured), or ``--peak-tflops``; the datasheet's dense bf16 peak (``gpu_peak_tflops``) is printed
+beside it. The sides must train alike: a step whose loss differs between paratrain (either row) and
+the plain loop by more than ``--loss-rtol`` (2e-2 relative: bf16 rounding) makes it exit 3.
 
 Model: 1.04 B parameters (hidden 2048, 18 layers, 16 heads, ffn 8192, vocab 32000, seq 2048), micro
 batch 8 x 2048 tokens: ``paratrain plan`` predicts 37 GiB on one device (26 GiB at micro batch 4,
@@ -21,10 +24,10 @@ AdamW state in pinned host memory, the optimizer step on the CPU) and reports it
 less device memory it peaks at; it is left out on the CPU, where offload is refused.
 ``--device cpu --quick``: a tiny fp32 model on the CPU, MFU against a measured
 fp32 matmul peak -- a check of this script, not a benchmark. Without CUDA (and without
-``--device cpu``) it says why it did not run and exits 0.
+``--device cpu``) it says why it did not run and exits 1.
 
     python bench/gpu_throughput.py [--quick] [--device cuda|cpu] [--json PATH] [--micro-batch B]
-                                   [--steps N] [--warmup N] [--compile] [--peak-tflops T]
+                                   [--steps N] [--warmup N] [--compile] [--peak-tflops T] [--loss-rtol R]
 """
 from __future__ import annotations
 
@@ -72,7 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="compile both sides: train.compile = true, torch.compile(model) in the plain loop")
     p.add_argument("--peak-tflops", type=float, default=0.0,
-                   help="the device's dense bf16 peak for MFU (default: paratrain's table of GPUs)")
+                   help="the device's bf16 peak for MFU (default: measured with bf16 matmuls)")
+    p.add_argument("--loss-rtol", type=float, default=2e-2,
+                   help="the largest relative difference of a step's loss between the sides (default 2e-2)")
     p.add_argument("--json", type=Path, help="write the results here")
     a = p.parse_args(argv)
     if a.device == "cpu" and not a.quick:
@@ -125,11 +130,12 @@ def peak_memory_mb(device: torch.device, start: float) -> float:
 
 
 def measured(seconds: float, device: torch.device, memory_start: float, model: torch.nn.Module,
-             loss_first, loss_last) -> dict:
-    """What a side reports: its timed seconds, peak memory, parameter count and first and last loss."""
+             losses: list) -> dict:
+    """What a side reports: its timed seconds, peak memory, parameter count and every step's loss."""
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    losses = [float(loss) for loss in losses]
     return {"seconds": seconds, "peak_memory_mb": peak_memory_mb(device, memory_start), "params": params,
-            "loss_first": float(loss_first), "loss_last": float(loss_last)}
+            "losses": losses, "loss_first": losses[0], "loss_last": losses[-1]}
 
 
 def run_paratrain(cfg: Config, device: torch.device, warmup: int) -> dict:
@@ -148,7 +154,7 @@ def run_paratrain(cfg: Config, device: torch.device, warmup: int) -> dict:
     history = trainer.train()
     synchronize(device)
     return measured(time.perf_counter() - clock["start"], device, memory_start, trainer.model,
-                    history[0]["loss"], history[-1]["loss"])
+                    [record["loss"] for record in history])
 
 
 def run_torch(cfg: Config, device: torch.device, warmup: int, compile: bool) -> dict:
@@ -179,18 +185,43 @@ def run_torch(cfg: Config, device: torch.device, warmup: int, compile: bool) -> 
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     synchronize(device)
-    return measured(time.perf_counter() - start, device, memory_start, model, losses[0], losses[-1])
+    return measured(time.perf_counter() - start, device, memory_start, model, torch.stack(losses).tolist())
 
 
-def device_peak(device: torch.device, override: float) -> tuple[float | None, str]:
-    """(peak TFLOP/s of the device for MFU, where it came from); None for a GPU missing from the table."""
+def measure_gpu_peak_tflops(device: torch.device, size: int = 8192, iters: int = 20, trials: int = 3) -> float:
+    """The best bf16 matmul rate of ``device`` (TFLOP/s): ``iters`` back-to-back (size x size) matmuls timed
+    with CUDA events, the fastest of ``trials`` runs."""
+    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    out = torch.mm(a, b)  # warm-up (and cuBLAS's choice of kernel)
+    best = 0.0
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            torch.mm(a, b, out=out)
+        end.record()
+        end.synchronize()
+        best = max(best, 2 * size ** 3 * iters / (start.elapsed_time(end) / 1e3) / 1e12)
+    return best
+
+
+def device_peak(device: torch.device, override: float) -> tuple[float, str]:
+    """(peak TFLOP/s of the device for MFU, where it came from)."""
     if override > 0:
         return override, "--peak-tflops"
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = gpu_peak_tflops(name)
-        return peak, f"bf16 table ({name})" if peak else f"{name!r} is not in the table: give --peak-tflops"
+        return measure_gpu_peak_tflops(device), "fastest of 3 x 20 8192^3 bf16 matmuls"
     return measure_cpu_peak_tflops(), f"fastest 512x512 fp32 CPU matmul, {torch.get_num_threads()} threads"
+
+
+def loss_agreement(result: dict, rtol: float) -> dict:
+    """The worst relative difference of a step's loss between each paratrain row and the plain loop, and
+    whether every one is within ``rtol``."""
+    want = result["torch"]["losses"]
+    worst = {side: max(abs(a - b) / abs(b) for a, b in zip(result[side]["losses"], want, strict=True))
+             for side in ("paratrain", "paratrain_offload") if side in result}
+    return {"rtol": rtol, "worst": worst, "agree": all(w <= rtol for w in worst.values())}
 
 
 def rates(run: dict, cfg: Config, steps: int, peak: float | None) -> dict:
@@ -207,8 +238,9 @@ def print_table(r: dict) -> None:
           f"{m['num_heads']} heads, ffn {m['ffn_hidden_size']}, vocab {m['vocab_size']}), "
           f"{r['micro_batch']} x {r['seq_length']} tokens/step, {r['precision']}, "
           f"{r['steps']} timed steps after {r['warmup']}{', compiled' if r['compile'] else ''}")
-    peak = f"{r['peak_tflops']:.4g} TFLOP/s" if r["peak_tflops"] else "unknown"
-    print(f"{r['device']}: peak {peak} ({r['peak_source']}), torch {r['torch_version']}")
+    datasheet = f"; datasheet {r['datasheet_tflops']:.4g}" if r.get("datasheet_tflops") else ""
+    print(f"{r['device']}: peak {r['peak_tflops']:.4g} TFLOP/s ({r['peak_source']}{datasheet}), "
+          f"torch {r['torch_version']}")
     print(f"{'side':<17} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'step (s)':>9} {'peak mem (MiB)':>15} "
           f"{'loss first -> last':>19}")
     for side in ("paratrain", "paratrain_offload", "torch"):
@@ -219,6 +251,13 @@ def print_table(r: dict) -> None:
         print(f"{side:<17} {s['tokens_per_s']:>12,.0f} {s['tflops']:>9.4g} {mfu:>7} {s['step_time_s']:>9.4f} "
               f"{s['peak_memory_mb']:>15,.0f} {s['loss_first']:>9.3f} -> {s['loss_last']:.3f}")
     print(f"ratio paratrain/torch tokens/s: {r['ratio']:.3f}")
+    if r.get("datasheet_tflops"):
+        paratrain, plain = (r[side]["tflops"] / r["datasheet_tflops"] for side in ("paratrain", "torch"))
+        print(f"MFU against the datasheet's {r['datasheet_tflops']:.4g} TFLOP/s: paratrain {paratrain:.1%}, "
+              f"torch {plain:.1%}")
+    losses = r["losses"]
+    print(f"losses: every step within {', '.join(f'{w:.2g}' for w in losses['worst'].values())} of the plain "
+          f"loop's (tolerance {losses['rtol']:g}): {'agree' if losses['agree'] else 'DISAGREE'}")
     if "offload" in r:
         o = r["offload"]
         print(f"offload (zero stage 3, parameters and optimizer on the host): {o['tokens_per_s_ratio']:.3f} x the "
@@ -232,13 +271,15 @@ def write_json(path: Path | None, result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    """Run both sides, print the table and the ratio, write the JSON; 0 also when CUDA is missing."""
+    """Run both sides, print the table and the ratio, write the JSON. Exit 1 without CUDA, 3 when the losses
+    of the sides disagree."""
     a = parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         reason = f"CUDA is not available (torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'})"
-        print(f"gpu_throughput: not run: {reason}; it measures one GPU (--device cpu --quick checks the script)")
+        print(f"gpu_throughput: not run: {reason}; it measures one GPU (--device cpu --quick checks the script)",
+              file=sys.stderr)
         write_json(a.json, {"ran": False, "reason": reason, "torch_version": torch.__version__})
-        return 0
+        return 1
     os.environ["PARATRAIN_DEVICE"] = a.device  # the Trainer's device: cuda:0 (LOCAL_RANK unset) or the CPU
     device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -254,6 +295,7 @@ def main(argv=None) -> int:
     result = {
         "ran": True, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch_version": torch.__version__, "peak_tflops": peak, "peak_source": peak_source,
+        "datasheet_tflops": gpu_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
         "model": {k: getattr(cfg.model, k) for k in MODELS["1b"][0]}, "params": sides["paratrain"]["params"],
         "micro_batch": cfg.train.global_batch_size, "seq_length": cfg.model.seq_length,
         "precision": cfg.train.mixed_precision if cfg.train.mixed_precision != "none" else "fp32",
@@ -267,9 +309,10 @@ def main(argv=None) -> int:
         offload, plain = result["paratrain_offload"], result["paratrain"]
         result["offload"] = {"tokens_per_s_ratio": offload["tokens_per_s"] / plain["tokens_per_s"],
                              "device_memory_saved_mb": plain["peak_memory_mb"] - offload["peak_memory_mb"]}
+    result["losses"] = loss_agreement(result, a.loss_rtol)
     print_table(result)
     write_json(a.json, result)
-    return 0
+    return 0 if result["losses"]["agree"] else 3
 
 
 if __name__ == "__main__":

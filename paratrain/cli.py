@@ -30,11 +30,14 @@ def cmd_train(args) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     report = (lambda line: print(line, flush=True)) if os.environ.get("RANK", "0") == "0" else None
     cfg = preflight.check(load_config(args.config, args.overrides, args.deepspeed, world_size, report), world_size)
+    from paratrain.device import device
     from paratrain.distributed import init_from_env
-    from paratrain.precision import LossScaleFloor
+    from paratrain.precision import LossScaleFloor, resolve_mixed_precision
     from paratrain.trainer import Trainer, TrainingDiverged
 
     rank, world_size = init_from_env(offload=cfg.parallel.offloads)
+    # the planner below sizes activations in the compute dtype
+    cfg.train.mixed_precision = resolve_mixed_precision(cfg.train.mixed_precision, device())
     if cfg.parallel.auto:  # the planner picks the layout for this world size before the trainer is built
         from paratrain.plan import resolve_auto
         print_main = print if rank == 0 else (lambda *a, **k: None)

@@ -2,6 +2,9 @@
 
 ``PARATRAIN_DEVICE`` = ``auto`` (default: ``cuda:LOCAL_RANK`` when CUDA is present, else the CPU),
 ``cpu`` or ``cuda``. The collective backend follows the device: NCCL on CUDA, gloo on the CPU.
+Each rank on a host has a GPU of its own: more ranks on a host (``LOCAL_WORLD_SIZE``) than GPUs
+are refused before anything starts, rather than two ranks sharing one GPU (NCCL fails on that
+later, with "Duplicate GPU").
 """
 from __future__ import annotations
 
@@ -17,16 +20,46 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CHOICES = ("auto", "cpu", "cuda")
 
 
-def device(choice: str | None = None) -> torch.device:
-    """This process's device: ``choice`` (auto, cpu or cuda; default ``PARATRAIN_DEVICE``) and ``LOCAL_RANK``."""
+def _choice(choice: str | None) -> str:
     choice = (choice or os.environ.get("PARATRAIN_DEVICE", "auto")).strip().lower() or "auto"
     if choice not in CHOICES:
         raise UserError(f"PARATRAIN_DEVICE={choice!r} is not one of {', '.join(CHOICES)}")
+    return choice
+
+
+def uses_cuda(choice: str | None = None) -> bool:
+    """Whether ``choice`` (default ``PARATRAIN_DEVICE``) puts this host's ranks on GPUs; ``cuda`` without a
+    usable GPU is refused (a CPU-only torch build, or no GPU visible)."""
+    choice = _choice(choice)
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
+        return False
     if not torch.cuda.is_available():
-        raise UserError("PARATRAIN_DEVICE=cuda but torch sees no CUDA device: unset it or use cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
+               else f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU")
+        raise UserError(f"PARATRAIN_DEVICE=cuda but {why}: install a CUDA build of torch, or unset "
+                        f"PARATRAIN_DEVICE (auto) or set it to cpu to train on the CPU")
+    return True
+
+
+def check_local_ranks(local_ranks: int, choice: str | None = None) -> None:
+    """Refuse ``local_ranks`` ranks on this host when they would run on fewer GPUs than that."""
+    if not uses_cuda(choice):
+        return
+    count = torch.cuda.device_count()
+    if local_ranks > count:
+        raise UserError(f"{local_ranks} ranks on this host but {count} GPU(s) visible: each rank needs a GPU of "
+                        f"its own (two ranks on one GPU fail in NCCL): use --nproc-per-node {count} or less, or "
+                        f"PARATRAIN_DEVICE=cpu to run the ranks on the CPU")
+
+
+def device(choice: str | None = None) -> torch.device:
+    """This process's device: ``choice`` (auto, cpu or cuda; default ``PARATRAIN_DEVICE``) and ``LOCAL_RANK``
+    (refused when ``LOCAL_WORLD_SIZE`` is more than the GPUs)."""
+    if not uses_cuda(choice):
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    check_local_ranks(max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), local_rank + 1), choice)
+    return torch.device("cuda", local_rank)
 
 
 def backend(host_tensors: bool = False) -> str:

@@ -4,8 +4,11 @@ It reports the environment (Python, torch, CUDA/NCCL or gloo, devices, threads),
 then, across the ranks of a launched job, checks the rendezvous (every rank
 answers with its host), the correctness of all-reduce (sum and average of known
 values, exact), and measures all-reduce bus bandwidth (as nccl-tests defines it:
-algorithm bandwidth x 2(n-1)/n). ``--duration`` keeps measuring, a soak test of
-the network. Without a launch, ``--nproc-per-node``/``--hostfile`` start one.
+algorithm bandwidth x 2(n-1)/n) from 1 KB (latency) up to ``--size-mb`` (default 1 GiB on
+GPUs, where NVLink needs large messages to reach its bandwidth; 16 MB over gloo), each
+size timed over back-to-back all-reduces with one synchronisation at the end, as
+nccl-tests do. ``--duration`` keeps measuring, a soak test of the network. Without a
+launch, ``--nproc-per-node``/``--hostfile`` start one.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ import subprocess
 import sys
 import time
 
-SIZES_MB = (1 / 1024, 1.0)  # 1 KB (latency), 1 MB, then --size-mb
+SIZES_MB = (1 / 1024, 1.0, 16.0, 256.0)  # 1 KB (latency), ... up to --size-mb, which is measured last
+DEFAULT_SIZE_MB = {"cuda": 1024.0, "cpu": 16.0}
 
 
 def environment() -> list[tuple[str, str]]:
@@ -70,21 +74,37 @@ def rank0_says(condition: bool, device) -> bool:
     return bool(flag.item())
 
 
-def bus_bandwidth(size_mb: float, device, min_time_s: float = 0.5, max_iters: int = 50) -> tuple[float, float]:
-    """(seconds per all-reduce, bus bandwidth in GB/s) for a float32 tensor of ``size_mb``."""
+def timed_all_reduces(tensor, iters: int) -> float:
+    """Seconds per all-reduce of ``tensor`` over ``iters`` back-to-back ones, the device waited for once at
+    the end (NCCL queues them on its stream; gloo's return when done)."""
+    import torch
+    import torch.distributed as dist
+
+    def synchronize():
+        if tensor.device.type == "cuda":
+            torch.cuda.synchronize(tensor.device)
+
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(tensor)
+    synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def bus_bandwidth(size_mb: float, device, min_time_s: float = 0.5, max_iters: int = 1000) -> tuple[float, float]:
+    """(seconds per all-reduce, bus bandwidth in GB/s) for a float32 tensor of ``size_mb``: two warm-up
+    all-reduces, one timed to size the run, then as many as fill ``min_time_s`` (at most ``max_iters``),
+    the count taken from rank 0 so that every rank runs the same collectives."""
     import torch
     import torch.distributed as dist
 
     tensor = torch.ones(max(1, int(size_mb * 2**20 / 4)), device=device)
-    for _ in range(2):
-        dist.all_reduce(tensor)
-    iters, start = 0, time.perf_counter()
-    while True:
-        dist.all_reduce(tensor)
-        iters += 1
-        if not rank0_says(iters < max_iters and time.perf_counter() - start < min_time_s, device):
-            break
-    seconds = (time.perf_counter() - start) / iters
+    timed_all_reduces(tensor, 2)
+    once = max(timed_all_reduces(tensor, 1), 1e-6)
+    iters = torch.tensor([min(max_iters, max(1, int(min_time_s / once)))], device=device)
+    dist.broadcast(iters, 0)
+    seconds = timed_all_reduces(tensor, int(iters.item()))
     world = dist.get_world_size()
     return seconds, tensor.numel() * 4 / seconds * 2 * (world - 1) / world / 1e9
 
@@ -117,15 +137,16 @@ def worker(args) -> int:
     say(f"{'all_reduce':>14}: " + ("ok (sum, avg; float32, int64; exact)" if not problems else "FAILED"))
     for problem in problems:
         say(f"{'':>14}  {problem}")
-    for size in (*SIZES_MB, args.size_mb):
+    largest = args.size_mb or DEFAULT_SIZE_MB.get(device.type, DEFAULT_SIZE_MB["cpu"])
+    for size in (*(s for s in SIZES_MB if s < largest), largest):
         seconds, busbw = bus_bandwidth(size, device)
         say(f"{'bandwidth':>14}: {size * 2**20:>12,.0f} bytes  {seconds * 1e3:8.2f} ms  bus {busbw:6.2f} GB/s", flush=True)
     end, step = time.monotonic() + args.duration, 0
     while rank0_says(time.monotonic() < end, device):
-        seconds, busbw = bus_bandwidth(args.size_mb, device, min_time_s=1.0)
+        seconds, busbw = bus_bandwidth(largest, device, min_time_s=1.0)
         step += 1
         progress.step_done(step)  # one soak measurement is a step
-        say(f"{'soak':>14}: {args.size_mb:g} MB all_reduce {seconds * 1e3:8.2f} ms  bus {busbw:6.2f} GB/s", flush=True)
+        say(f"{'soak':>14}: {largest:g} MB all_reduce {seconds * 1e3:8.2f} ms  bus {busbw:6.2f} GB/s", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 1 if problems else 0
@@ -137,7 +158,8 @@ def cmd_doctor(args) -> int:
     launch = [sys.executable, "-m", "paratrain", "launch", "--name",
               args.name or f"doctor-{time.strftime('%Y%m%d-%H%M%S')}"]
     launch += ["--hostfile", args.hostfile] if args.hostfile else ["--nproc-per-node", str(args.nproc_per_node)]
-    return subprocess.call([*launch, "--", "doctor", f"--size-mb={args.size_mb:g}", f"--duration={args.duration:g}"])
+    sizes = [f"--size-mb={args.size_mb:g}"] if args.size_mb else []
+    return subprocess.call([*launch, "--", "doctor", *sizes, f"--duration={args.duration:g}"])
 
 
 def register(sub) -> None:
@@ -146,7 +168,8 @@ def register(sub) -> None:
     p.add_argument("--nproc-per-node", type=int, help="check this many ranks on this machine")
     p.add_argument("--hostfile", help="check the hosts of this DeepSpeed hostfile (over ssh)")
     p.add_argument("--name", help="job name of the check (default doctor-<time>)")
-    p.add_argument("--size-mb", type=float, default=16.0, help="largest all-reduce measured (default 16 MB)")
+    p.add_argument("--size-mb", type=float, default=0.0,
+                   help="largest all-reduce measured (default 1024 MB on GPUs, 16 MB on the CPU)")
     p.add_argument("--duration", type=float, default=0.0,
                    help="then keep measuring for this many seconds (network soak test)")
     p.set_defaults(func=cmd_doctor)

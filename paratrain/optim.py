@@ -123,6 +123,19 @@ def clip_grad_norm(parameters, max_norm: float, counted: set[int] | None = None,
         dist.all_reduce(total, group=group)
     total = total.sqrt()
     if max_norm > 0:
-        for params in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        scale_grads_([p for params in groups.values() for p in params], (max_norm / (total + 1e-6)).clamp(max=1.0))
     return total
+
+
+@torch.no_grad()
+def scale_grads_(parameters, factor: torch.Tensor) -> None:
+    """Multiply every gradient by ``factor`` (a 0-dim tensor): one foreach multiply per device and dtype, on
+    the local shards of DTensor gradients (exact for any placement; torch 2.11's DTensor ``_foreach_mul_``
+    leaves Partial gradients, sequence-parallel norms', unchanged)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, _), grads in groups.items():
+        torch._foreach_mul_(grads, factor.to(device, non_blocking=True))

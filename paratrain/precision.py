@@ -2,11 +2,19 @@
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
 from paratrain.device import DTYPES
+from paratrain.optim import scale_grads_
+
+
+def resolve_mixed_precision(mixed_precision: str, device: torch.device) -> str:
+    """``train.mixed_precision`` for a run on ``device``: ``auto`` is "bf16" on a GPU (fp32 master weights,
+    bf16 compute: tensor cores, flash attention) and "none" (fp32) elsewhere; other values as given."""
+    if mixed_precision != "auto":
+        return mixed_precision
+    return "bf16" if device.type == "cuda" else "none"
 
 
 def autocast(mixed_precision: str, device: torch.device):
@@ -32,69 +40,89 @@ class LossScaler:
     skip their steps and the h-th halves the scale; the allowance is refilled when the scale doubles,
     or after every good step with ``consecutive_hysteresis``. An overflow that would halve the scale
     when it is already ``min_scale`` (DeepSpeed's ``min_loss_scale``), or ``max_skipped`` overflowed
-    steps in a row (0: no limit), raise :class:`LossScaleFloor`: such a run only skips steps. With
-    ``enabled=False`` (bf16, fp32) the scale is fixed at 1 and no step is skipped.
+    steps in a row (0: no limit), make :meth:`check` raise :class:`LossScaleFloor`: such a run only
+    skips steps. With ``enabled=False`` (bf16, fp32) the scale is fixed at 1 and no step is skipped.
+
+    The scale and the counters are tensors on ``device``, updated there from each step's gradient
+    norm: no step waits for the device to tell whether it overflowed. The host reads them when
+    the trainer brings a step's values over anyway (``check``, ``summary``, ``state_dict``).
     """
 
     def __init__(self, enabled: bool, init_scale: float = 2.0 ** 16, growth_interval: int = 1000,
                  min_scale: float = 1.0, max_skipped: int = 100, hysteresis: int = 1,
-                 consecutive_hysteresis: bool = False):
+                 consecutive_hysteresis: bool = False, device: torch.device | str = "cpu"):
         self.enabled = enabled
-        self.scale = init_scale if enabled else 1.0
         self.growth_interval = growth_interval
         self.min_scale, self.max_skipped = min_scale, max_skipped
         self.hysteresis, self.consecutive_hysteresis = hysteresis, consecutive_hysteresis
-        self.hysteresis_left = hysteresis
-        self.good_steps = 0
-        self.skipped_steps = 0
-        self.skipped_in_a_row = 0
+        self.device = torch.device(device)
+        self.load_state_dict({"scale": init_scale if enabled else 1.0, "good_steps": 0, "skipped_steps": 0})
 
     def unscale_(self, parameters) -> None:
+        """Divide every gradient by the scale (``paratrain.optim.scale_grads_``: a foreach multiply per device
+        and dtype)."""
         if self.enabled:
-            for p in parameters:
-                if p.grad is not None:
-                    p.grad.mul_(1.0 / self.scale)
+            scale_grads_(parameters, self.scale.reciprocal())
 
-    def update(self, grad_norm: torch.Tensor) -> bool:
-        """Record one step from its (unscaled) gradient norm; returns True when it must be skipped.
-
-        With fp16 this reads the norm on the host: the one step-time synchronisation the skip decision needs.
-        """
+    def update(self, grad_norm: torch.Tensor) -> torch.Tensor | bool:
+        """Record one step from its (unscaled) gradient norm, the same on every rank; returns whether it
+        overflowed and must be skipped, a bool tensor on the device (False when disabled)."""
         if not self.enabled:
             return False
-        if not math.isfinite(grad_norm.item()):
-            self.good_steps = 0
-            self.skipped_steps += 1
-            self.skipped_in_a_row += 1
-            if self.hysteresis_left > 1:
-                self.hysteresis_left -= 1
-            elif self.scale <= self.min_scale:
-                raise LossScaleFloor(f"fp16 gradients overflow at the minimum loss scale {self.min_scale:g} "
-                                     f"(train.min_loss_scale; {self.summary()}): lower train.lr, or train in bf16")
-            else:
-                self.scale = max(self.scale / 2, self.min_scale)
-            if self.max_skipped and self.skipped_in_a_row >= self.max_skipped:
-                raise LossScaleFloor(f"{self.skipped_in_a_row} fp16 steps in a row overflowed "
-                                     f"(train.max_skipped_steps={self.max_skipped}; {self.summary()}): "
-                                     f"lower train.lr, or train in bf16")
-            return True
-        self.skipped_in_a_row = 0
-        self.good_steps += 1
-        if self.consecutive_hysteresis:
-            self.hysteresis_left = self.hysteresis
-        if self.good_steps % self.growth_interval == 0:
-            self.hysteresis_left = self.hysteresis
-            self.scale *= 2
-        return False
+        overflow = ~torch.isfinite(grad_norm.to(self.device))
+        halve = overflow & (self.hysteresis_left <= 1)
+        self.floor_hit |= halve & (self.scale <= self.min_scale)
+        self.skipped_steps = self.skipped_steps + overflow
+        self.skipped_in_a_row = torch.where(overflow, self.skipped_in_a_row + 1, 0)
+        self.most_in_a_row = torch.maximum(self.most_in_a_row, self.skipped_in_a_row)
+        self.good_steps = torch.where(overflow, 0, self.good_steps + 1)
+        grow = ~overflow & (self.good_steps % self.growth_interval == 0)
+        refill = grow | ~overflow if self.consecutive_hysteresis else grow
+        spent = torch.where(overflow & ~halve, self.hysteresis_left - 1, self.hysteresis_left)
+        self.hysteresis_left = torch.where(refill, self.hysteresis, spent)
+        self.scale = torch.where(halve, (self.scale / 2).clamp(min=self.min_scale),
+                                 torch.where(grow, self.scale * 2, self.scale))
+        return overflow
+
+    def step(self, optimizer: torch.optim.Optimizer, scheduler, grad_norm: torch.Tensor) -> None:
+        """The optimizer and LR steps of a step whose gradients are unscaled; with fp16 an overflowed step
+        leaves the parameters and the optimizer state as they were, decided on the device: ``optimizer``
+        must be a fused torch optimizer, which takes the decision as ``found_inf``. The LR schedule
+        advances either way."""
+        if self.enabled:
+            optimizer.found_inf = self.update(grad_norm).float()
+        optimizer.step()
+        scheduler.step()
+
+    def check(self) -> None:
+        """Raise :class:`LossScaleFloor` if an overflow came at the minimum scale or ``max_skipped``
+        overflowed steps came in a row (reads the device)."""
+        if not self.enabled:
+            return
+        floor_hit, most_in_a_row = torch.stack([self.floor_hit.double(), self.most_in_a_row.double()]).tolist()
+        if floor_hit:
+            raise LossScaleFloor(f"fp16 gradients overflow at the minimum loss scale {self.min_scale:g} "
+                                 f"(train.min_loss_scale; {self.summary()}): lower train.lr, or train in bf16")
+        if self.max_skipped and most_in_a_row >= self.max_skipped:
+            raise LossScaleFloor(f"{self.max_skipped} fp16 steps in a row overflowed "
+                                 f"(train.max_skipped_steps={self.max_skipped}; {self.summary()}): "
+                                 f"lower train.lr, or train in bf16")
 
     def summary(self) -> str:
-        return f"{self.skipped_steps} step(s) skipped for overflow, loss scale {self.scale:g}"
+        return f"{int(self.skipped_steps)} step(s) skipped for overflow, loss scale {float(self.scale):g}"
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps,
-                "skipped_in_a_row": self.skipped_in_a_row, "hysteresis_left": self.hysteresis_left}
+        names = ("scale", "good_steps", "skipped_steps", "skipped_in_a_row", "hysteresis_left")
+        values = torch.stack([getattr(self, name).double() for name in names]).tolist()
+        return {name: value if name == "scale" else int(value) for name, value in zip(names, values)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.good_steps, self.skipped_steps = state["scale"], state["good_steps"], state["skipped_steps"]
-        self.skipped_in_a_row = state.get("skipped_in_a_row", 0)  # absent from checkpoints before it
-        self.hysteresis_left = state.get("hysteresis_left", self.hysteresis)
+        def on_device(value, dtype=torch.int64):
+            return torch.tensor(value, dtype=dtype, device=self.device)
+
+        self.scale = on_device(float(state["scale"]), torch.float32)
+        self.good_steps, self.skipped_steps = on_device(state["good_steps"]), on_device(state["skipped_steps"])
+        self.skipped_in_a_row = on_device(state.get("skipped_in_a_row", 0))  # absent from checkpoints before it
+        self.hysteresis_left = on_device(state.get("hysteresis_left", self.hysteresis))
+        self.most_in_a_row = self.skipped_in_a_row.clone()
+        self.floor_hit = on_device(False, torch.bool)

@@ -21,10 +21,11 @@ from paratrain.optim import build_optimizer, build_scheduler, clip_grad_norm
 from paratrain.parallel import parallelize, shard_optimizer_state
 from paratrain.parallel.deferred_init import materialize, record_init
 from paratrain.parallel.loss import loss_context, whole
-from paratrain.precision import LossScaler, autocast
+from paratrain.precision import LossScaler, autocast, resolve_mixed_precision
 from paratrain.stopping import StopAgreement
 
-ON_DEVICE = ("loss", "grad_norm", "tokens")  # record values that stay on the device until a logged step
+# record values that stay on the device until a logged step (the last two: fp16 only)
+ON_DEVICE = ("loss", "grad_norm", "tokens", "loss_scale", "skipped_steps")
 
 
 class TrainingDiverged(RuntimeError):
@@ -48,6 +49,8 @@ class Trainer:
         self.cfg = preflight.check(cfg, world_size, resolved=True)
         self.layout = Layout(cfg.parallel, world_size)
         self.device = self.layout.device
+        precision_asked = cfg.train.mixed_precision
+        cfg.train.mixed_precision = resolve_mixed_precision(precision_asked, self.device)
         # the model is built on the meta device, parallelized, and only this rank's shards are materialized,
         # with the values a plain build from this seed has (paratrain.parallel.deferred_init)
         torch.manual_seed(cfg.run.seed)
@@ -66,7 +69,7 @@ class Trainer:
         t = cfg.train
         self.loss_scaler = LossScaler(t.mixed_precision == "fp16", t.initial_loss_scale, t.loss_scale_window,
                                       t.min_loss_scale, t.max_skipped_steps, t.loss_scale_hysteresis,
-                                      t.consecutive_hysteresis)
+                                      t.consecutive_hysteresis, self.device)
         self.data = ShardedBatches(build_dataset(cfg), cfg.train.global_batch_size, self.layout.dp_rank,
                                    self.layout.dp_size, self.device, cfg.model.pad_token_id)
         self.is_main = rank == 0
@@ -81,6 +84,8 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, cfg.metrics, cfg.train.steps, enabled=self.is_main)
         self.timer = StepTimer(cfg.metrics, cfg.model, self.pipeline, self.layout.dp_size, self.device)
         if self.is_main:
+            print(f"precision: {cfg.train.mixed_precision} on {self.device} (train.mixed_precision = "
+                  f"{precision_asked!r})", flush=True)
             print(f"mfu: peak {self.timer.peak_tflops:.4g} TFLOP/s for the job ({self.timer.peak_source})", flush=True)
             if self.device.type == "cpu":
                 print(f"host memory: {host_memory.describe()}", flush=True)
@@ -146,14 +151,18 @@ class Trainer:
         Their step times are shares of the wall time since the last such point (the device
         has finished their work now), minus the time spent between steps.
         """
-        values = torch.stack([r[k].double() for r in records for k in ON_DEVICE]).tolist()
+        keys = [k for k in ON_DEVICE if k in records[0]]
+        values = torch.stack([r[k].double() for r in records for k in keys]).tolist()
+        self.loss_scaler.check()
         now = time.perf_counter()
         window = now - self._window_start - self._outside
         host = sum(r["step_time_s"] for r in records)
         self._window_start, self._outside = now, 0.0
         for i, r in enumerate(records):
-            r.update(zip(ON_DEVICE, values[i * len(ON_DEVICE):(i + 1) * len(ON_DEVICE)]))
+            r.update(zip(keys, values[i * len(keys):(i + 1) * len(keys)]))
             r["tokens"] = int(r["tokens"])
+            if "skipped_steps" in r:
+                r["skipped_steps"] = int(r["skipped_steps"])
             if not math.isfinite(r["loss"]):
                 raise TrainingDiverged(f"loss is {r['loss']} at step {r['step']}: lower train.lr, "
                                        f"raise train.warmup_steps or check the data")
@@ -198,9 +207,7 @@ class Trainer:
             counted = self.pipeline.counted_in_norm() if self.pipeline else None
             grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip, counted,
                                        self.layout.pp_group, self.device)
-            if not self.loss_scaler.update(grad_norm):  # an fp16 overflow skips the update and the LR step
-                self.optimizer.step()
-                self.scheduler.step()
+            self.loss_scaler.step(self.optimizer, self.scheduler, grad_norm)  # fp16: overflows skip the update
             self.optimizer.zero_grad(set_to_none=True)
         record = {"step": self.step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": num_tokens,
                   "flops": flops}

@@ -1,8 +1,9 @@
-"""bench/gpu_throughput.py: without CUDA it says why and exits 0; on the CPU (--device cpu --quick) both sides
-run and the ratio is theirs (no timing thresholds)."""
+"""bench/gpu_throughput.py: without CUDA it says why and exits 1; on the CPU (--device cpu --quick) both sides
+run, the ratio is theirs (no timing thresholds) and their losses agree."""
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -15,10 +16,10 @@ def bench(tmp_path, *args, **env) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(240)
-def test_without_cuda_says_why_and_exits_0(tmp_path):
+def test_without_cuda_says_why_and_exits_1(tmp_path):
     proc = bench(tmp_path, CUDA_VISIBLE_DEVICES="")  # no GPU, also on a machine that has some
-    assert proc.returncode == 0, proc.stderr
-    assert "not run: CUDA is not available" in proc.stdout
+    assert proc.returncode == 1, proc.stderr
+    assert "not run: CUDA is not available" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["ran"] is False and "CUDA is not available" in result["reason"]
 
@@ -37,6 +38,16 @@ def test_cpu_quick_runs_both_sides(tmp_path):
             assert side[key] > 0, key
     assert p["params"] == t["params"] == result["params"]  # the same model on both sides
     assert p["loss_first"] == pytest.approx(t["loss_first"], rel=1e-2)  # same model and seed, same first batch
-    assert result["ratio"] == pytest.approx(p["tokens_per_s"] / t["tokens_per_s"])
-    tokens = result["micro_batch"] * result["seq_length"] * result["steps"]
-    assert p["tokens_per_s"] == pytest.approx(tokens / p["seconds"])
+    assert len(p["losses"]) == len(t["losses"]) == 3 and result["losses"]["agree"]
+    assert "losses: every step within" in proc.stdout
+
+
+def test_a_step_whose_losses_differ_beyond_the_tolerance_disagrees():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_throughput import loss_agreement
+
+    sides = {"paratrain": {"losses": [4.0, 3.0]}, "paratrain_offload": {"losses": [4.0, 3.03]},
+             "torch": {"losses": [4.0, 3.0]}}
+    assert loss_agreement(sides, 2e-2) == {"rtol": 2e-2, "worst": {"paratrain": 0.0, "paratrain_offload":
+                                                                   pytest.approx(0.01)}, "agree": True}
+    assert loss_agreement(sides, 5e-3)["agree"] is False  # the offload row's last step

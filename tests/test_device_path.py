@@ -139,3 +139,124 @@ def test_a_cpu_run_returns_large_freed_blocks_to_the_system(setting):
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(setting == "configured")
+
+
+def test_parameter_broadcast_runs_on_the_nets_device(monkeypatch):
+    """MindSpore's ``parameter_broadcast`` broadcasts the net's tensors where the run computes (NCCL takes only
+    GPU tensors), not where the user built the net. The meta device stands in for a GPU."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from paratrain.context import ParallelMode, reset_auto_parallel_context, set_auto_parallel_context
+    from paratrain.train.model import place
+
+    seen = []
+    monkeypatch.setattr(dist, "broadcast", lambda tensor, src: seen.append(tensor.device))
+    set_auto_parallel_context(parallel_mode=ParallelMode.HYBRID_PARALLEL, parameter_broadcast=True)
+    try:
+        place(torch.nn.Linear(2, 2, device="cpu"), None, SimpleNamespace(world_size=2, device=torch.device("meta")), ())
+    finally:
+        reset_auto_parallel_context()
+    assert seen == [torch.device("meta")] * 2  # weight and bias
+
+
+def test_cuda_refused_on_a_cpu_build_and_with_more_ranks_than_gpus(monkeypatch):
+    from paratrain.device import check_local_ranks, device
+    from paratrain.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(UserError, match="PARATRAIN_DEVICE=cuda but torch .* is a CPU-only build"):
+        device("cuda")
+    assert device("auto") == torch.device("cpu")
+    check_local_ranks(8, "auto")  # no GPU: ranks run on the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for choice in ("cuda", "auto"):
+        with pytest.raises(UserError, match=r"2 ranks on this host but 1 GPU\(s\) visible.*--nproc-per-node 1"):
+            device(choice)
+    assert device("cpu") == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert device("cuda") == torch.device("cuda", 0)
+
+
+TINY_GPT = """
+[model]
+kind = "gpt"
+vocab_size = 64
+hidden_size = 32
+num_heads = 4
+ffn_hidden_size = 64
+decoder_layers = 2
+seq_length = 16
+[train]
+steps = 1
+global_batch_size = 4
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: PARATRAIN_DEVICE=cuda would train")
+@pytest.mark.parametrize("command", [["train"], ["launch", "--nproc-per-node", "2", "--", "train"]])
+def test_cuda_without_cuda_is_one_line_and_exit_2(tmp_path, command):
+    (tmp_path / "gpt.toml").write_text(TINY_GPT)
+    words = [*command, "--config", str(tmp_path / "gpt.toml"), f"--run.dir={tmp_path / 'run'}"]
+    env = {**os.environ, "PARATRAIN_DEVICE": "cuda", "PARATRAIN_HOME": str(tmp_path / "jobs")}
+    out = subprocess.run([sys.executable, "-m", "paratrain", *words], capture_output=True, text=True, cwd=tmp_path,
+                         env=env, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("paratrain: PARATRAIN_DEVICE=cuda but torch") and out.stderr.count("\n") == 1, \
+        out.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "jobs").exists()
+
+
+def _outputs_kept_by_pipeline_stages(tmp_dir):
+    from paratrain.trainer import Trainer
+
+    trainer = Trainer(tiny_config(run={"dir": tmp_dir}, model={"kind": "gpt"}, parallel={"pp": 2, "micro_batch_num": 2},
+                                  train={"steps": 1}, metrics={"progress": False}))
+    trainer.train()
+    return [len(stage.output_chunks) for stage in trainer.pipeline.stages]
+
+
+@pytest.mark.slow
+def test_the_last_pipeline_stage_keeps_no_micro_batch_outputs(tmp_path):
+    """Only the losses leave a step: the last stage does not hold (and concatenate) every micro-batch's logits."""
+    assert run_distributed(_outputs_kept_by_pipeline_stages, 2, str(tmp_path), timeout=120) == [[0], [0]]
+
+
+def test_head_loss_chunks_are_few_on_a_gpu_and_its_matmuls_run_in_bf16(monkeypatch):
+    """The chunked head loss: a 8 x 2048-token micro-batch at a 32k vocabulary is a few large chunks on a GPU
+    (each a dozen kernels launched from Python), small ones on the CPU; under bf16 autocast all three
+    matmuls of a chunk (logits, hidden and weight gradients) run in bf16, under fp16 the weight
+    gradient's in fp32."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from paratrain.models import linear_cross_entropy
+
+    tokens, vocab = 8 * 2048, 32000
+    gpu, cpu = linear_cross_entropy.chunk_rows(vocab, "cuda"), linear_cross_entropy.chunk_rows(vocab, "cpu")
+    assert -(-tokens // gpu) <= 8 and 4 * vocab * gpu <= 256 << 20  # chunks, and fp32 logits of one
+    assert 4 * vocab * cpu <= 16 << 20 and gpu >= 16 * cpu
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm_, torch.ops.aten.addmm):
+                self.dtypes.append(tuple(str(a.dtype) for a in args[-2:]))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(linear_cross_entropy, "CHUNK_BYTES", 4 * 40 * 7)  # 7 rows a chunk: 3 chunks of 18 rows
+    hidden = torch.randn(2, 9, 32, device="cpu")
+    weight = torch.randn(40, 32, device="cpu")
+    labels = torch.randint(0, 40, (2, 9), device="cpu")
+    for dtype, weight_gradient in ((torch.bfloat16, "torch.bfloat16"), (torch.float16, "torch.float32")):
+        with Matmuls() as seen, torch.autocast("cpu", dtype=dtype):
+            linear_cross_entropy.linear_token_loss_sum(hidden, weight, labels, -100)
+        low = (str(dtype), str(dtype))
+        assert seen.dtypes == [low, low, (weight_gradient, weight_gradient)] * 3, seen.dtypes

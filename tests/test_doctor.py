@@ -49,3 +49,14 @@ def test_collective_timeout_from_env(monkeypatch):
         distributed.collective_timeout()
     monkeypatch.delenv("PARATRAIN_COLLECTIVE_TIMEOUT")
     assert distributed.collective_timeout(600.0) == 600.0
+
+
+def test_bandwidth_agrees_once_per_size_not_at_every_all_reduce(group, monkeypatch):
+    """The ranks agree on how many all-reduces to time once, then run them back to back (a GPU waits once)."""
+    calls = {"all_reduce": 0, "broadcast": 0}
+    for name in calls:
+        real = getattr(dist, name)
+        monkeypatch.setattr(dist, name, lambda *a, _real=real, _name=name, **k: calls.update(
+            {_name: calls[_name] + 1}) or _real(*a, **k))
+    doctor.bus_bandwidth(0.01, torch.device("cpu"), min_time_s=0.05)
+    assert calls["broadcast"] == 1 and calls["all_reduce"] > 10, calls

@@ -781,14 +781,19 @@ def test_loss_scaler_floor_and_skips_in_a_row():
     scaler = LossScaler(True, init_scale=8.0, min_scale=2.0, max_skipped=0)
     assert scaler.update(inf) and scaler.scale == 4.0
     assert scaler.update(inf) and scaler.scale == 2.0
+    scaler.check()
+    scaler.update(inf)  # the device keeps the verdict: the next check (a logged step) raises
     with pytest.raises(LossScaleFloor, match="minimum loss scale 2 .*3 step\\(s\\) skipped"):
-        scaler.update(inf)
+        scaler.check()
     scaler = LossScaler(True, init_scale=2.0**20, max_skipped=3)
     for _ in range(5):  # good steps reset the count of skips in a row
         assert scaler.update(inf) and scaler.update(inf) and not scaler.update(one)
     assert scaler.update(inf) and scaler.update(inf)
+    scaler.check()
+    scaler.update(inf)
+    scaler.update(one)  # a good step before the check does not hide the three in a row
     with pytest.raises(LossScaleFloor, match="3 fp16 steps in a row overflowed"):
-        scaler.update(inf)
+        scaler.check()
     assert LossScaler(False).update(inf) is False  # bf16/fp32 never skip
 
 

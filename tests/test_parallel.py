@@ -154,3 +154,59 @@ def test_even_split_counts_embeddings_and_head():
     assert layer_chunks(pipeline_blocks(model), by_function) == [0, 0, 0, 1, 1]
     zbv = ParallelConfig(pipeline_stage=2, virtual_pipeline_stage=2, pipeline_schedule="zbv_zero_bubble")
     assert [chunk_rank(c, zbv) for c in range(4)] == [0, 1, 1, 0]
+
+
+def _coalesced_broadcast(bucket_bytes):
+    import torch
+    import torch.distributed as dist
+
+    from paratrain.distributed import init_from_env
+    from paratrain.parallel.data import coalesced
+
+    rank, _ = init_from_env()
+    shapes = [(3, torch.float32), (5, torch.bfloat16), (40, torch.float32), (2, torch.float32)]
+    tensors = [torch.full((n,), float(100 * rank + i), dtype=dtype, device="cpu")
+               for i, (n, dtype) in enumerate(shapes)]
+    calls = []
+
+    def broadcast(flat):
+        calls.append((flat.numel(), str(flat.dtype)))
+        return dist.broadcast(flat, src=1, async_op=True)
+    coalesced(tensors, broadcast, bucket_bytes)
+    return [t.float().tolist() for t in tensors], calls
+
+
+@pytest.mark.slow
+def test_coalesced_collectives_run_per_bucket_and_write_every_tensor_back():
+    """ZeRO-1's broadcasts from the owners and a hybrid net's gradient all-reduce go through ``coalesced``."""
+    want = [[100.0 + i] * n for i, n in enumerate((3, 5, 40, 2))]  # rank 1's values everywhere
+    for bucket_bytes, calls in ((1 << 20, [(45, "torch.float32"), (5, "torch.bfloat16")]),
+                                (64, [(3, "torch.float32"), (40, "torch.float32"), (2, "torch.float32"),
+                                      (5, "torch.bfloat16")])):  # a tensor over the bucket size is a bucket alone
+        for values, seen in run_distributed(_coalesced_broadcast, 2, bucket_bytes, timeout=120):
+            assert values == want and seen == calls
+
+
+def _clipped_partial_gradient():
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from paratrain.distributed import init_from_env
+    from paratrain.optim import clip_grad_norm
+
+    init_from_env()
+    mesh = init_device_mesh("cpu", (2,))
+    param = torch.nn.Parameter(DTensor.from_local(torch.zeros(3, device="cpu"), mesh, [Replicate()]))
+    param.grad = DTensor.from_local(torch.full((3,), 2.0, device="cpu"), mesh, [Partial()])  # whole: 4 each
+    norm = clip_grad_norm([param], 1.0)
+    return float(norm), param.grad.full_tensor().tolist()
+
+
+@pytest.mark.slow
+def test_clipping_scales_partial_gradients():
+    """A sequence-parallel norm's gradient is a Partial DTensor until reduced; clipping scales it like any other
+    (torch 2.11's DTensor _foreach_mul_ left such gradients as they were)."""
+    for norm, grad in run_distributed(_clipped_partial_gradient, 2, timeout=120):
+        assert norm == pytest.approx(4 * 3 ** 0.5)
+        assert grad == pytest.approx([4 / norm] * 3)  # the whole gradient now has norm 1

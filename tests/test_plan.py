@@ -144,10 +144,17 @@ def saved_bytes(build, run):
             note(value)
         return original_forward(self, *args, **kwargs)
 
+    reruns = []
+
     def policy(ctx, func, *args, **kwargs):
         decision = original_policy(ctx, func, *args, **kwargs)
         if decision == CheckpointPolicy.MUST_SAVE:
-            for t in tree_leaves(ctx.op_output):
+            if hasattr(ctx, "op_output"):
+                output = ctx.op_output
+            else:  # torch < 2.13 asks before the op runs: run it again, held so that storages stay distinct
+                output = func(*args, **kwargs)
+                reruns.append(output)
+            for t in tree_leaves(output):
                 note(t)
         return decision
 

@@ -35,3 +35,27 @@ def test_bf16_data_parallel_matches_one_process(tmp_path):
     got = run_distributed(bf16_losses, 2, cfg)[0]
     want = [r["loss"] for r in run(tmp_path / "one", mixed_precision="bf16")]
     assert got == pytest.approx(want, rel=1e-2)
+
+
+def test_fp16_steps_that_are_not_logged_do_not_wait_for_the_device(tmp_path, monkeypatch):
+    """The overflow check, the skip and the new scale are decided on the device: a step reads nothing back
+    until a logged one, which brings the scale and the skip count with the loss."""
+    import torch
+
+    trainer = Trainer(tiny_config(run={"dir": str(tmp_path)}, train={"steps": 4, "mixed_precision": "fp16",
+                                                                     "initial_loss_scale": 2.0 ** 40},
+                                  metrics={"log_steps": 4, "progress": False}))
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: reads.append(_n) or _o(
+            self, *a, **k))
+    records = [trainer.train_step()]
+    trainer.step += 1
+    assert reads == []
+    for _ in range(3):
+        records.append(trainer.train_step())
+        trainer.step += 1
+    assert reads == ["tolist", "tolist"]  # the records' values, then the scaler's floor check
+    assert [r["skipped_steps"] for r in records] == list(range(1, 5))  # 2^40 overflows fp16's gradients
+    assert [r["loss_scale"] for r in records] == [2.0 ** (40 - s) for s in range(1, 5)]

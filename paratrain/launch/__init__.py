@@ -131,6 +131,10 @@ def cmd_launch(args) -> int:
         hosts = parse_rank_table(args.rank_table) if args.rank_table else parse_hostfile(args.hostfile)
         hosts = select_hosts(hosts, args.include, args.exclude)
     topo = None if hosts else _topology(args)
+    if topo is not None:  # a hostfile's nodes each check their own when their launch starts
+        from paratrain.device import check_local_ranks
+
+        check_local_ranks(topo.nproc_per_node)
     _check_train_config(words, sum(h.slots for h in hosts) if hosts else topo.nproc_per_node * topo.nnodes)
     if args.dry_run:
         return _dry_run(args, name, job_dir, words, hosts, topo)

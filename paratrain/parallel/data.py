@@ -11,7 +11,8 @@ What each ``zero_stage`` keeps on a rank (P = parameter bytes, dp ranks) and sen
      ``replicate`` instead: no shard dim, one all-reduce per layer group.
 - 1: replicas as at stage 0, but each rank keeps the optimizer state of only the parameters it owns
      (whole tensors, dealt out by size so every rank holds about 1/dp of it) and steps only them;
-     after the step every parameter is broadcast from its owner (``shard_optimizer_state``).
+     after the step every parameter is broadcast from its owner, an owner's parameters flattened into
+     a few buckets (``shard_optimizer_state``, ``coalesced``).
      Gradients stay whole, so clipping and loss scaling see every gradient as at stage 0.
      Communication: the all-reduce plus the broadcasts, 3P(dp-1)/dp.
 - 2: parameters, gradients and optimizer state sharded at rest (P/dp each) by FSDP2; parameters
@@ -49,6 +50,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.nn.functional import all_reduce
 from torch.distributed.tensor import DTensor
+from torch.torch_version import __version__ as TORCH_VERSION
 
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
@@ -56,6 +58,10 @@ from paratrain.mesh import Layout
 from paratrain.models.transformer import pipeline_blocks
 
 SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble")  # schedules computing weight grads apart
+# DDP without buffer broadcasts in forward: torch 2.13 renamed broadcast_buffers (deprecated there) to
+# forward_sync_buffers; with init_sync=False the two mean the same
+NO_BUFFER_SYNC = {"forward_sync_buffers": False} if TORCH_VERSION >= (2, 13) else {"broadcast_buffers": False}
+BUCKET_BYTES = 64 << 20  # the coalesced broadcasts and all-reduces (``coalesced``)
 
 
 def layer_groups(layers: list[nn.Module], num_groups: int) -> list[list[nn.Module]]:
@@ -95,7 +101,7 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
             bucket_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / len(groups) / 2 ** 20
         # every rank materialises the same weights and buffers (the same seed): nothing to broadcast
         replicate(root, process_group=layout.dp_group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
-                  init_sync=False, forward_sync_buffers=False)
+                  init_sync=False, **NO_BUFFER_SYNC)
         return model
     kwargs = {"mesh": layout.dp_mesh}
     if config.shards_parameters:
@@ -177,13 +183,52 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, config: ParallelConf
         for p, grad in zip(foreign, set_aside):
             p.grad = grad
         set_aside.clear()
-        works = [dist.broadcast(p.to_local() if isinstance(p, DTensor) else p.detach(), group=group, group_src=o,
-                                async_op=True) for p, o in zip(params, owner)]
-        for work in works:
-            work.wait()
+        local = [p.to_local() if isinstance(p, DTensor) else p.detach() for p in params]
+        for rank in range(layout.dp_size):
+            coalesced([t for t, o in zip(local, owner) if o == rank],
+                      lambda flat: dist.broadcast(flat, group=group, group_src=rank, async_op=True))
 
     optimizer.register_step_pre_hook(set_aside_foreign_gradients)
     optimizer.register_step_post_hook(broadcast_parameters)
+
+
+def coalesced(tensors: list[torch.Tensor], collective, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Run ``collective(flat)`` -- an async collective (``async_op=True``) that leaves its result in ``flat`` --
+    on ``tensors`` a few flat buckets at a time instead of tensor by tensor, and write the results back.
+
+    Tensors of one dtype are copied, in order, into buckets of up to ``bucket_bytes`` (a larger tensor
+    is a bucket of its own); a bucket's collective runs while the next is packed, so at most two
+    buckets of extra memory are alive. One launch per bucket instead of one per tensor: what NCCL
+    needs to reach its bandwidth, and what spares gloo a round trip per tensor.
+    """
+    buckets: list[list[torch.Tensor]] = []
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for same in by_dtype.values():
+        bucket, size = [], 0
+        for tensor in same:
+            if bucket and size + tensor.nbytes > bucket_bytes:
+                buckets.append(bucket)
+                bucket, size = [], 0
+            bucket.append(tensor)
+            size += tensor.nbytes
+        buckets.append(bucket)
+    pending = None
+    for bucket in buckets:
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        work = collective(flat)
+        if pending is not None:
+            _unpack(*pending)
+        pending = work, flat, bucket
+    if pending is not None:
+        _unpack(*pending)
+
+
+def _unpack(work, flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
+    work.wait()
+    torch._foreach_copy_(bucket, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in bucket]),
+                                                                       bucket)])
 
 
 class GlobalBatchNorm(nn.BatchNorm2d):

@@ -2,7 +2,8 @@
 
 A parameter marked ``layerwise_parallel`` (``paratrain.nn.Parameter(..., layerwise_parallel=True)``)
 is this rank's own slice and keeps its gradient; every other gradient is averaged over the ranks
-(the data-parallel reduction), which leaves it unchanged when every rank ran the same global batch.
+(the data-parallel reduction, in a few flat buckets: ``paratrain.parallel.data.coalesced``), which leaves
+it unchanged when every rank ran the same global batch.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.errors import UserError
+from paratrain.parallel.data import coalesced
 
 
 def is_layerwise(param: torch.Tensor) -> bool:
@@ -38,12 +40,9 @@ class HybridNet:
         loss.backward()
         loss = loss.detach().clone()
         if self.world_size > 1:
-            for param in self.parameters():
-                if param.grad is not None and not is_layerwise(param):
-                    dist.all_reduce(param.grad)
-                    param.grad.div_(self.world_size)
-            dist.all_reduce(loss)
-            loss /= self.world_size
+            grads = [p.grad for p in self.parameters() if p.grad is not None and not is_layerwise(p)]
+            coalesced([*grads, loss], lambda flat: dist.all_reduce(flat, async_op=True))
+            torch._foreach_div_([*grads, loss], self.world_size)
         return loss
 
     def parameters(self):

@@ -19,6 +19,7 @@ from paratrain.parallel.data import apply_data_parallel
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import apply_tensor_parallel
+from paratrain.precision import resolve_mixed_precision
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_fn=None,
@@ -33,6 +34,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_f
     gradients in fp32).
     """
     train = train or TrainConfig()
+    precision = resolve_mixed_precision(train.mixed_precision, layout.device)
 
     def parallelize_chunk(chunk: nn.Module, root: nn.Module | None = None) -> nn.Module:
         if config.model_parallel > 1:
@@ -43,8 +45,8 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_f
                 chunk.get_submodule(name).compile()
         if config.data_parallel > 1 or config.offloads:  # FSDP2 offloads, even over one rank
             policy = None
-            if train.mixed_precision != "none":
-                policy = MixedPrecisionPolicy(param_dtype=DTYPES[train.mixed_precision], reduce_dtype=torch.float32)
+            if precision != "none":
+                policy = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
             apply_data_parallel(chunk, config, layout, policy, root=root)
         return chunk
 

@@ -142,6 +142,12 @@ class _Stage(PipelineStage):
     (``set_requires_gradient_sync(False)``, set when the stage is built) and are all-reduced, bucket by
     bucket, during the step's last backward."""
 
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        # torch < 2.13 warms up the links to both neighbouring stages with a send and a receive each way,
+        # also to a neighbour on this rank (zbv_zero_bubble's V), where gloo waits forever; stages on one
+        # rank pass tensors directly, so those links are left out (2.13 warms up otherwise)
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if last_backward and isinstance(self.submod, DDP):
             # what torch's stage does for a DistributedDataParallel module: arm the reducer for this backward
@@ -180,8 +186,9 @@ class Pipeline:
             self.stages.append(_Stage(stage_module, c, num_chunks, layout.device, group=layout.pp_group))
         schedule = SCHEDULES[config.pipeline_schedule]
         single = schedule in (ScheduleGPipe, Schedule1F1B)
+        self.loss_fn, self.loss_kwargs = loss_fn, {}
         self.schedule = schedule(self.stages[0] if single else self.stages, n_microbatches=config.micro_batch_num,
-                                 loss_fn=loss_fn, scale_grads=False)
+                                 loss_fn=self._loss, scale_grads=False)
         self.has_last = num_chunks - 1 in self.chunk_ids
         self.shared_groups = self._shared_groups()
 
@@ -213,12 +220,19 @@ class Pipeline:
                 setattr(stage, attr, timed(getattr(stage, attr), phase))
         self.schedule._compute_loss = timed(self.schedule._compute_loss, "forward")
 
+    def _loss(self, output, target) -> torch.Tensor:
+        """The schedule's loss function: ``loss_fn`` with this step's ``loss_kwargs`` (torch's schedules take
+        ``loss_kwargs`` themselves only from 2.13 on)."""
+        return self.loss_fn(output, target, **self.loss_kwargs)
+
     def step(self, batch: dict[str, torch.Tensor], loss_kwargs: dict) -> torch.Tensor:
-        """Forward and backward over ``micro_batch_num`` micro-batches; the summed loss on the last stage, else 0."""
+        """Forward and backward over ``micro_batch_num`` micro-batches; the summed loss on the last stage, else 0.
+        The last stage keeps only the micro-batches' losses, not their outputs (``return_outputs=False``)."""
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         losses = [] if self.has_last else None
+        self.loss_kwargs = loss_kwargs
         self.schedule.step(**inputs, target=batch["labels"] if self.has_last else None, losses=losses,
-                           loss_kwargs=loss_kwargs)
+                           return_outputs=False)
         self._sum_shared_grads()
         if not losses:
             return torch.zeros((), device=self.layout.device)

@@ -215,7 +215,7 @@ class PlacedNet:
         if self.pipeline is not None:
             losses = [] if self.is_last else None
             target = torch.zeros(rows, device=self.device) if self.is_last else None
-            self.pipeline.step(*mine if self.is_first else (), target=target, losses=losses)
+            self.pipeline.step(*mine if self.is_first else (), target=target, losses=losses, return_outputs=False)
             scaled = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         else:
             micro_batches = list(zip(*(t.chunk(config.micro_batch_num) for t in mine)))
@@ -271,7 +271,7 @@ class _InputsOnFirstStage(nn.Module):
         self._forward = net.forward
 
     def forward(self, *inputs):
-        # 1-d: the schedule concatenates the last stage's outputs of the micro-batches
+        # 1-d: (loss sum, token count) or the loss, as _micro_loss reads it
         return self._forward(*(x.clone() for x in inputs)).reshape(-1)
 
 

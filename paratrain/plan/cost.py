@@ -263,7 +263,13 @@ class ActivationSpec:
 
 def activation_spec(cfg: Config) -> ActivationSpec:
     m = cfg.model
-    elem = 2 if (cfg.train.mixed_precision != "none" or m.dtype != "float32") else 4
+    precision = cfg.train.mixed_precision
+    if precision == "auto":  # what a run on this machine's device makes of it
+        from paratrain.device import device
+        from paratrain.precision import resolve_mixed_precision
+
+        precision = resolve_mixed_precision(precision, device())
+    elem = 2 if (precision != "none" or m.dtype != "float32") else 4
     return ActivationSpec(elem=elem, hidden_mask=1.0 if m.hidden_dropout > 0 else 0.0)
 
 

@@ -108,7 +108,7 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple):
 
     mode = get_auto_parallel_context("parallel_mode")
     if get_auto_parallel_context("parameter_broadcast") and layout.world_size > 1:
-        broadcast_parameters(net)
+        broadcast_parameters(net.to(layout.device))  # on its device first: NCCL broadcasts only GPU tensors
     if mode == ParallelMode.HYBRID_PARALLEL:
         from paratrain.parallel.hybrid import HybridNet
 

@@ -17,9 +17,13 @@ UNFUSED_SDPA = {"aten::_scaled_dot_product_efficient_attention", "aten::_scaled_
 
 
 def bf16_training(run_dir):
-    """Worker: 20 bf16 steps; the devices and dtypes the optimizer saw at every step, and those left after."""
-    trainer = Trainer(gpt_config(run_dir, steps=20))
-    seen = {"grad_devices": set(), "grad_dtypes": set(), "missing_grads": set(), "head_dtypes": set()}
+    """Worker: 20 steps at the default train.mixed_precision ("auto": bf16 on a GPU); the devices and dtypes the
+    optimizer saw at every step, those of a layer's matmul and the head's output, and those left after."""
+    cfg = gpt_config(run_dir, steps=20)
+    cfg.train.mixed_precision = "auto"
+    trainer = Trainer(cfg)
+    seen = {"grad_devices": set(), "grad_dtypes": set(), "missing_grads": set(), "layer_dtypes": set(),
+            "head_outputs": set()}
     names = {p: name for name, p in trainer.model.named_parameters()}
 
     def before_optimizer_step(optimizer, args, kwargs):
@@ -30,12 +34,15 @@ def bf16_training(run_dir):
         seen["grad_dtypes"] |= {str(local(g).dtype) for g in grads}
 
     trainer.optimizer.register_step_pre_hook(before_optimizer_step)
+    trainer.model.get_submodule("layers.0.ffn.fc1").register_forward_hook(
+        lambda module, inputs, output: seen["layer_dtypes"].add(str(output.dtype)))
     trainer.model.get_submodule("head").register_forward_hook(
-        lambda module, inputs, output: seen["head_dtypes"].add(str(output.dtype)))
+        lambda module, inputs, output: seen["head_outputs"].add((str(output.dtype), tuple(output.shape))))
     history = trainer.train()
     params = list(trainer.model.parameters())
     state = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {**seen, "history": numbers(history), "param_devices": devices(params),
+    return {**seen, "precision": trainer.cfg.train.mixed_precision, "history": numbers(history),
+            "param_devices": devices(params),
             "param_dtypes": {str(local(p).dtype) for p in params},
             "param_mb": sum(local(p).numel() * local(p).element_size() for p in params) / 2**20,
             "buffer_devices": devices(trainer.model.buffers()), "state_devices": devices(state)}
@@ -49,9 +56,13 @@ def test_bf16_gpt_trains_on_one_gpu(tmp_path):
     assert r["state_devices"] == {"cuda:0"}, r["state_devices"]  # AdamW moments and (fused) step counts
     assert not r["missing_grads"], f"parameters without a gradient at an optimizer step: {r['missing_grads']}"
     assert r["grad_devices"] == {"cuda:0"}, r["grad_devices"]
-    # bf16 mixed precision: fp32 master weights and gradients, bf16 compute
+    # bf16 mixed precision by default: fp32 master weights and gradients, bf16 compute
+    assert r["precision"] == "bf16", r["precision"]
     assert r["param_dtypes"] == {"torch.float32"} and r["grad_dtypes"] == {"torch.float32"}
-    assert r["head_dtypes"] == {"torch.bfloat16"}, r["head_dtypes"]
+    assert r["layer_dtypes"] == {"torch.bfloat16"}, r["layer_dtypes"]
+    # given the labels, the head returns the summed token loss in fp32, its matmuls having run in bf16
+    # (linear_cross_entropy; the matmuls' dtypes are checked on the CPU in tests/test_device_path.py)
+    assert r["head_outputs"] == {("torch.float32", ())}, r["head_outputs"]
     history = r["history"]
     assert [int(h["step"]) for h in history] == list(range(1, 21))
     for h in history:  # CUDA max allocated: at least the weights themselves
