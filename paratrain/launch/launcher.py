@@ -288,18 +288,20 @@ def _outcome(job: Job, topo: Topology, agent: _Agent, seen: _Watched, join_timeo
         failures = agent.error.failures
         codes = {rank: 0 for rank in my_ranks} | {r: f.exitcode for r, f in failures.items()}
         rank, failure = first_failure(failures)
+        # `paratrain train` handles SIGTERM from its first line on. A rank of it that had not finished a step
+        # when the job was asked to stop was still starting: whether it died of the signal or of a peer that
+        # stopped first (a broken rendezvous or collective), it lost nothing and counts as stopped.
+        records = progress.read(Path(job.dir) / PROGRESS_DIR) if job.command[:1] == ["train"] else {}
+        starting = {r for r in failures if job.command[:1] == ["train"] and (
+            r not in records or records[r].step is None)} if seen.stop is not None else set()
         # a crash (a positive code but the stopped one) fails the job, stopping or not; ranks killed by a
         # signal while stopping make it stopped without a save
         crashed = {r: f for r, f in failures.items() if f.exitcode not in (0, progress.EXIT_STOPPED)
-                   and not (seen.stop is not None and f.exitcode < 0)}
+                   and not (seen.stop is not None and f.exitcode < 0) and r not in starting}
         if crashed:
             rank, failure = first_failure(crashed)
         elif seen.stop is not None or failure.exitcode == progress.EXIT_STOPPED:
-            # `paratrain train` handles SIGTERM from its first line on: a rank that died of it was still
-            # starting, with nothing trained and nothing to save
-            stopped = (progress.EXIT_STOPPED, -signal.SIGTERM) if job.command[:1] == ["train"] else (
-                progress.EXIT_STOPPED,)
-            saved = all(c in stopped for c in codes.values())
+            saved = all(c == progress.EXIT_STOPPED or r in starting for r, c in codes.items())
             return "stopped", progress.EXIT_STOPPED if saved else stop_code, codes, None, ""
         message = describe_failure(job, rank, failure.exitcode)
         if timed_out(job, rank) and seen.progress_at_first_exit is not None:
