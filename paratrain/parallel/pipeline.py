@@ -159,9 +159,9 @@ class _Stage(PipelineStage):
     bucket, during the step's last backward."""
 
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
-        # torch < 2.13 warms up the links to both neighbouring stages with a send and a receive each way,
+        # torch 2.11 warms up the links to both neighbouring stages with a send and a receive each way,
         # also to a neighbour on this rank (zbv_zero_bubble's V), where gloo waits forever; stages on one
-        # rank pass tensors directly, so those links are left out (2.13 warms up otherwise)
+        # rank pass tensors directly, so those links are left out (2.12 and 2.13 warm up otherwise)
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
