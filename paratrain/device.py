@@ -35,9 +35,9 @@ def uses_cuda(choice: str | None = None) -> bool:
         return False
     if not torch.cuda.is_available():
         why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
-               else f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU")
-        raise UserError(f"PARATRAIN_DEVICE=cuda but {why}: install a CUDA build of torch, or unset "
-                        f"PARATRAIN_DEVICE (auto) or set it to cpu to train on the CPU")
+               else f"torch {torch.__version__} is built for CUDA {torch.version.cuda}, but no GPU is visible")
+        raise UserError(f"PARATRAIN_DEVICE=cuda but torch sees no CUDA device ({why}): install a CUDA build of "
+                        f"torch, or unset PARATRAIN_DEVICE (auto) or set it to cpu to train on the CPU")
     return True
 
 

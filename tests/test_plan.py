@@ -151,7 +151,7 @@ def saved_bytes(build, run):
         if decision == CheckpointPolicy.MUST_SAVE:
             if hasattr(ctx, "op_output"):
                 output = ctx.op_output
-            else:  # torch < 2.13 asks before the op runs: run it again, held so that storages stay distinct
+            else:  # torch 2.11 asks before the op runs: run it again, held so that storages stay distinct
                 output = func(*args, **kwargs)
                 reruns.append(output)
             for t in tree_leaves(output):

@@ -94,7 +94,7 @@ def policy_decisions_and_backward_ops(mode, layers=2):
 
     def policy(ctx, func, *args, **kwargs):
         decision = original(ctx, func, *args, **kwargs)
-        if not ctx.is_recompute:  # torch < 2.13 asks again while recomputing in backward
+        if not ctx.is_recompute:  # torch 2.11 asks again while recomputing in backward
             decisions[decision][func] += 1
         return decision
 

@@ -34,6 +34,7 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, S
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
+from torch.torch_version import __version__ as TORCH_VERSION
 
 from paratrain import progress
 from paratrain.launch import is_script, rendezvous
@@ -47,6 +48,8 @@ from paratrain.launch.stop import StopRequest
 # its arguments passed as "$@", so nothing in them is ever parsed by the shell.
 RANK_WRAPPER = ["/bin/sh", "-c", 'exec "$@" 2>&1', "paratrain-rank"]
 SHUTDOWN_TIMEOUT_S = 15  # SIGTERM -> SIGKILL for the ranks left when one fails, or when the launcher is signalled
+# torchrun takes that wait from torch 2.12 on; 2.11's is a fixed 30 s
+SHUTDOWN_FLAGS = ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)] if TORCH_VERSION >= (2, 12) else []
 SSH_MARGIN_S = 5.0  # past a node's grace period, how long the coordinator waits for its ssh session to end
 POLL_S = 0.3
 FORWARDED_ENV = ("PYTHONPATH", "PARATRAIN_COLLECTIVE_TIMEOUT", "PARATRAIN_HOST_ALLOCATOR")
@@ -95,8 +98,7 @@ def torchrun_args(topo: Topology, name: str, command: list[str], join_timeout_s:
         where = ["--nnodes", str(topo.nnodes), "--node-rank", str(topo.node_rank), "--master-addr", topo.master_addr,
                  "--master-port", str(topo.master_port), "--rdzv-conf", f"timeout={max(1, round(join_timeout_s))}"]
     return [*where, "--nproc-per-node", str(topo.nproc_per_node), "--max-restarts", "0",
-            "--log-dir", os.devnull, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-            "--no-python", *RANK_WRAPPER, *command]
+            "--log-dir", os.devnull, *SHUTDOWN_FLAGS, "--no-python", *RANK_WRAPPER, *command]
 
 
 def _torchrun_config(argv: list[str]):

@@ -124,6 +124,22 @@ def _keep_only(module: nn.Module, needed: list[str]) -> None:
             setattr(module, name, None)
 
 
+def integer_boundaries(pipe) -> list[str]:
+    """The tensors that a stage of the traced ``pipe`` (``torch.distributed.pipelining.pipeline``) receives
+    from the stage before and that are not floating point (token ids, labels), as "name (dtype) into stage k".
+    torch 2.11 and 2.12 cannot pass one: their receiving stage asks it to require grad, their sending stage
+    waits for its gradient."""
+    found = []
+    stages = [node for node in pipe.split_gm.graph.nodes if node.op == "call_module"]
+    for index, node in enumerate(stages):
+        placeholders = [n for n in pipe.split_gm.get_submodule(node.target).graph.nodes if n.op == "placeholder"]
+        for placeholder, source in zip(placeholders, node.args):
+            value = placeholder.meta.get("val")
+            if source.op != "placeholder" and isinstance(value, torch.Tensor) and not value.is_floating_point():
+                found.append(f"{placeholder.name} ({value.dtype}) into stage {index}")
+    return found
+
+
 class _StageModule(nn.Module):
     """What a PipelineStage runs: it calls ``forward(*carried, **batch inputs)``; the model takes the
     carried tensors as ``hidden``."""
@@ -143,9 +159,9 @@ class _Stage(PipelineStage):
     bucket, during the step's last backward."""
 
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
-        # torch < 2.13 warms up the links to both neighbouring stages with a send and a receive each way,
+        # torch 2.11 warms up the links to both neighbouring stages with a send and a receive each way,
         # also to a neighbour on this rank (zbv_zero_bubble's V), where gloo waits forever; stages on one
-        # rank pass tensors directly, so those links are left out (2.13 warms up otherwise)
+        # rank pass tensors directly, so those links are left out (2.12 and 2.13 warm up otherwise)
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):

@@ -32,13 +32,14 @@ from torch.distributed.pipelining import Pipe, SplitPoint, pipeline as trace_pip
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.fx.node import map_arg
+from torch.torch_version import __version__ as TORCH_VERSION
 
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.optim import clip_grad_norm
 from paratrain.parallel.data import apply_data_parallel
-from paratrain.parallel.pipeline import SCHEDULES
+from paratrain.parallel.pipeline import SCHEDULES, integer_boundaries
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import _gradient_like_parameter
 
@@ -166,6 +167,11 @@ class PlacedNet:
                                   f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}") from exc
         if pipe.num_stages != config.pipeline_stage:
             raise UnsplittableNet(f"the traced forward has {pipe.num_stages} stages, not {config.pipeline_stage}")
+        carried = integer_boundaries(pipe) if TORCH_VERSION < (2, 13) else []
+        if carried:
+            raise UnsplittableNet(f"torch {TORCH_VERSION} cannot pass integer tensors between the stages of a traced "
+                                  f"net ({', '.join(carried)}; 2.13 can): use torch 2.13, pipeline_stage=1, or "
+                                  f"paratrain's built-in models, whose stages take token ids as inputs")
         _contiguous_boundaries(pipe)
         index = layout.pp_rank
         stage_module = pipe.get_stage_module(index)
