@@ -33,6 +33,19 @@ def _one_thread(monkeypatch):
     torch.set_num_threads(threads)
 
 
+def host_reads(monkeypatch) -> list[str]:
+    """The names of the reads of a tensor's value by the host (``item``, ``tolist``, ``float()``, ``int()``)
+    from now on, in order: each waits for the device."""
+    import torch
+
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: reads.append(_n) or _o(
+            self, *a, **k))
+    return reads
+
+
 def tiny_config(**sections):
     """A tiny Config for tests: dropout 0, 2+2 layers, hidden 32; override with section dicts."""
     from paratrain.config import Config

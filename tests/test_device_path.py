@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, tiny_config
+from conftest import ROOT, host_reads, tiny_config
 from multiprocess import run_distributed
 
 
@@ -18,11 +18,7 @@ def test_steps_that_are_not_logged_do_not_wait_for_the_device(tmp_path, monkeypa
 
     trainer = Trainer(tiny_config(run={"dir": str(tmp_path)}, train={"steps": 4},
                                   metrics={"log_steps": 4, "progress": False}))
-    reads = []
-    for name in ("item", "tolist", "__float__", "__int__"):
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: reads.append(_n) or _o(
-            self, *a, **k))
+    reads = host_reads(monkeypatch)
     records = []
     for _ in range(3):
         records.append(trainer.train_step())

@@ -1,6 +1,6 @@
 import pytest
 
-from conftest import tiny_config
+from conftest import host_reads, tiny_config
 from multiprocess import run_distributed
 from paratrain.trainer import Trainer
 
@@ -40,16 +40,10 @@ def test_bf16_data_parallel_matches_one_process(tmp_path):
 def test_fp16_steps_that_are_not_logged_do_not_wait_for_the_device(tmp_path, monkeypatch):
     """The overflow check, the skip and the new scale are decided on the device: a step reads nothing back
     until a logged one, which brings the scale and the skip count with the loss."""
-    import torch
-
     trainer = Trainer(tiny_config(run={"dir": str(tmp_path)}, train={"steps": 4, "mixed_precision": "fp16",
                                                                      "initial_loss_scale": 2.0 ** 40},
                                   metrics={"log_steps": 4, "progress": False}))
-    reads = []
-    for name in ("item", "tolist", "__float__", "__int__"):
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: reads.append(_n) or _o(
-            self, *a, **k))
+    reads = host_reads(monkeypatch)
     records = [trainer.train_step()]
     trainer.step += 1
     assert reads == []
