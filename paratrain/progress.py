@@ -110,7 +110,10 @@ def saved(step: int) -> None:
     """Record, at once, that a checkpoint of ``step`` is saved (the launcher reports it when the job stops)."""
     if _reporter is not None:
         _reporter.record.saved_step = step
-        _reporter.write()
+        try:
+            _reporter.write()
+        except OSError:
+            pass  # as for a heartbeat: a full or vanished directory must not end the training
 
 
 def stopped(saved_step: int | None) -> int:

@@ -13,7 +13,10 @@ def _tmp_env(tmp_path, monkeypatch):
     """Keep every temporary file and cache of a test inside its own folder."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    for name in os.environ:  # a suite run inside a SLURM, MPI or Kubeflow job is not one of its ranks
+    # a launcher run in the test's own process sets its ranks' progress directory there: gone after the test
+    monkeypatch.setenv("PARATRAIN_PROGRESS_DIR", "")
+    monkeypatch.delenv("PARATRAIN_PROGRESS_DIR")
+    for name in list(os.environ):  # a suite run inside a SLURM, MPI or Kubeflow job is not one of its ranks
         if name.startswith(("SLURM_", "OMPI_", "PMI_", "PET_")):
             monkeypatch.delenv(name)
     yield
