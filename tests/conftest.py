@@ -26,7 +26,10 @@ def _tmp_env(tmp_path, monkeypatch):
 def _one_thread(monkeypatch):
     """Compare like with like: a test's single-process reference runs with one thread, as every forked
     worker and every launched rank does (torchrun sets OMP_NUM_THREADS=1), and so does any process a test
-    starts. Another thread count sums in another order, and how far that moves a result depends on the CPU."""
+    starts. Another thread count sums in another order, and how far that moves a result depends on the CPU.
+    Other CPUs' kernels sum in other orders too: a comparison must hold with ATEN_CPU_CAPABILITY=default
+    (ATen's scalar kernels), MKL_CBWR=COMPATIBLE (MKL's matmuls) and ONEDNN_MAX_CPU_ISA=SSE41 (oneDNN's
+    convolutions) set, which is how the suite was checked."""
     import torch
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
