@@ -13,17 +13,21 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain import progress
-from paratrain.config import ParallelConfig
+from paratrain.amp import LossScaleManager, precision_of
+from paratrain.config import MetricsConfig, ParallelConfig
 from paratrain.context import ParallelMode, get_auto_parallel_context, parallel_config_for
 from paratrain.distributed import init_from_env
+from paratrain.engine import Engine, TrainingDiverged
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
+from paratrain.metrics.timer import StepTimer
 from paratrain.nn import PipelineCell
 from paratrain.optim import tensor_kind
 from paratrain.parallel.data import shard_optimizer_state
 from paratrain.parallel.user import PlacedNet, place_net
+from paratrain.precision import LossScaleFloor, LossScaler
 from paratrain.stopping import StopAgreement
-from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext
+from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext, SummaryCollector
 
 
 class WithLoss(nn.Module):
@@ -100,7 +104,7 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]],
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
 
-def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple):
+def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, precision: str = "none"):
     """``net`` placed as the context's ``parallel_mode`` says: whole on every rank with its own collectives
     (hybrid), op by op on its strategies (semi-auto or auto parallel with ``paratrain.ops``), else by
     ``place_net`` (the blocks' plans, pipeline, data parallel)."""
@@ -112,7 +116,7 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple):
     if mode == ParallelMode.HYBRID_PARALLEL:
         from paratrain.parallel.hybrid import HybridNet
 
-        return HybridNet(net, layout.device)
+        return HybridNet(net, layout.device, precision)
     if mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and layout.world_size > 1 and any(
             isinstance(m, Primitive) for m in net.modules()):
         from paratrain.parallel.semi_auto import place_semi_auto
@@ -125,8 +129,9 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple):
             from paratrain.parallel.auto import StrategyChooser
 
             choose = StrategyChooser.from_context(layout.world_size)
-        return place_semi_auto(net, batch, layout.device, layout.world_size, config.effective_zero_stage > 0, choose)
-    return place_net(net, config, layout, batch)
+        return place_semi_auto(net, batch, layout.device, layout.world_size, config.effective_zero_stage > 0, choose,
+                               precision)
+    return place_net(net, config, layout, batch, precision)
 
 
 @torch.no_grad()
@@ -147,6 +152,14 @@ def _as_batch(batch) -> tuple:
         return tuple(batch)
     raise UserError(f"Model.train: a batch must be a tuple of tensors (the net's forward arguments), got "
                     f"{type(batch).__name__}")
+
+
+def _ids_per_row(first) -> int:
+    """The tokens of a row of a batch whose first tensor is ``first``: its ids per row when it holds integer
+    ids, else 1 (a row is one sample)."""
+    if isinstance(first, torch.Tensor) and first.ndim > 1 and not first.is_floating_point():
+        return first[0].numel()
+    return 1
 
 
 def _kind(value) -> tuple[str, tuple[int, ...] | None]:
@@ -207,17 +220,23 @@ class Model:
     into the loss (the label is the batch's last tensor). ``optimizer`` is a plain ``torch.optim``
     optimizer built on the unsharded net; it is rebuilt on this rank's parameters (``rebuild_optimizer``),
     its groups' parameters matched by name.
+    ``amp_level`` "O1"/"O2"/"O3" computes in bf16 with fp32 weights, as ``train.mixed_precision = "bf16"``
+    does, or in fp16 with loss scaling when a ``loss_scale_manager`` (``paratrain.amp``) is given; "O0" in fp32.
+    Steps run on ``paratrain.engine``, as ``paratrain train``'s do.
     After ``train``, ``train_network`` is the placed net and ``optimizer`` the rebuilt optimizer.
     """
 
     def __init__(self, network: nn.Module, loss_fn: nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, metrics=None, amp_level: str = "O0"):
+                 optimizer: torch.optim.Optimizer | None = None, metrics=None, amp_level: str = "O0",
+                 loss_scale_manager: LossScaleManager | None = None):
         if metrics is not None:
             raise UserError("Model(metrics=...): metrics are for Model.eval, which paratrain does not offer")
-        if amp_level != "O0":
-            raise UserError(f"Model(amp_level={amp_level!r}): only 'O0' (float32) is offered; build the net in "
-                            f"another dtype for lower precision")
+        self.precision = precision_of(amp_level, loss_scale_manager)
+        self.loss_scale_manager = loss_scale_manager
         self.network, self.loss_fn, self.optimizer = network, loss_fn, optimizer
+        self.loss_scaler: LossScaler | None = None  # made with the placed net; kept across train calls
+        self._engine: Engine | None = None  # one per train call
+        self._parameter_count = sum(p.numel() for p in network.parameters())
         self.train_network = None  # the placed net, from the first batch of ``train`` on
         self._first_batch: list | None = None  # the (dtype, shape) of each tensor of the batch it was placed with
         self._placement: tuple[ParallelConfig, Layout] | None = None  # kept for later ``train`` calls
@@ -265,13 +284,15 @@ class Model:
             cur_epoch_num=0, cur_step_num=0, cur_step_in_epoch=0, net_outputs=None, train_dataset=train_dataset,
             dataset_sink_mode=dataset_sink_mode, mode="train", device_number=world_size, rank=rank,
             parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout,
-            rows_of_this_rank=shards > 1, exit_requested=False)
+            rows_of_this_rank=shards > 1, exit_requested=False, loss_scaler=self.loss_scaler, step_record=None)
         run_context = RunContext(params)
+        hooks = _Callbacks(callbacks)
+        self._engine = None
         stream = self._stream(train_dataset) if sinks else None
         done = self._resume(resume, train_dataset, callbacks, dataset_sink_mode, config, layout, params)
         stop = StopAgreement(world_size)  # SIGTERM/SIGINT, `paratrain stop`: every rank stops at one step
         try:
-            with _Callbacks(callbacks) as hooks:
+            with hooks:
                 hooks.call("on_train_begin", run_context)
                 for current in range(done["epoch"] or 1, epoch + 1):  # a resumed run skips the epochs done
                     params.update(cur_epoch_num=current, cur_step_in_epoch=0)
@@ -286,7 +307,7 @@ class Model:
                     for batch in batches:
                         if not dataset_sink_mode:
                             hooks.call("on_train_step_begin", run_context)
-                        params.net_outputs = self._step(_as_batch(batch), config, layout, params)
+                        params.net_outputs = self._step(_as_batch(batch), config, layout, params, hooks)
                         params.cur_step_num += 1
                         params.cur_step_in_epoch += 1
                         if not dataset_sink_mode:
@@ -304,11 +325,19 @@ class Model:
                         params.batch_num = params.cur_step_in_epoch
                     if params.exit_requested:
                         break
+                    if self._engine is not None:
+                        self._engine.flush()
                     hooks.call("on_train_epoch_end", run_context)
                     if run_context.get_stop_requested():
                         break
+                if self._engine is not None:
+                    self._engine.flush()
                 params.exit_requested = stop.finish() or params.exit_requested
                 hooks.call("on_train_end", run_context)  # ModelCheckpoint saves the last step, stopped or not
+        except (TrainingDiverged, LossScaleFloor) as exc:
+            if rank == 0:
+                print(f"paratrain: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(exc.EXIT_CODE) from None
         finally:
             stop.close()
         if params.exit_requested:
@@ -362,13 +391,15 @@ class Model:
         net = self.network.network if isinstance(self.network, PipelineCell) else self.network
         net = net if self.loss_fn is None else WithLoss(net, self.loss_fn)
         names = group_names(self.optimizer, net)
-        self.train_network = place(net, config, layout, batch)
+        self.train_network = place(net, config, layout, batch, self.precision)
         if isinstance(self.network, PipelineCell):
             self.network.placed = self.train_network
         self.optimizer = rebuild_optimizer(self.optimizer, names, self.train_network.named_parameters())
         if isinstance(self.train_network, PlacedNet):  # semi-auto shards its optimizer by placements
             shard_optimizer_state(self.optimizer, config, layout)
-        params.update(train_network=self.train_network, optimizer=self.optimizer)
+        self.loss_scaler = (self.loss_scale_manager.scaler(layout.device) if self.loss_scale_manager is not None
+                            else LossScaler(False, device=layout.device))
+        params.update(train_network=self.train_network, optimizer=self.optimizer, loss_scaler=self.loss_scaler)
 
     def _check_batch(self, batch: tuple, config: ParallelConfig, where: str) -> None:
         """Refuse a batch unlike the first (its tensors' count, dtypes and shapes; the rows may differ, as in a
@@ -382,21 +413,44 @@ class Model:
                             f"{_kinds_text(self._first_batch)}: give every batch the first one's tensors, dtypes "
                             f"and shapes{rows}")
 
-    def _step(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams) -> torch.Tensor:
-        """One optimizer step on a global batch; places the net on the first. Returns the loss (on the device).
-        A batch unlike the first, or a loss that is no scalar, is refused naming the batch."""
+    def _step(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams,
+              hooks: "_Callbacks") -> torch.Tensor:
+        """One optimizer step on a global batch (``paratrain.engine``); places the net on the first. Returns the
+        loss (on the device, unless a callback reads this step's values). A batch unlike the first, or a loss
+        that is no scalar, is refused naming the batch."""
         where = f"batch index {params.cur_step_in_epoch} of epoch {params.cur_epoch_num}"
         self._check_batch(batch, config, where)
         if self.train_network is None:
             self._place(batch, config, layout, params)
-        try:
-            loss = self.train_network.train_step(batch, rows_of_this_rank=params.rows_of_this_rank)
-        except UserError as exc:  # a batch that does not split, a loss that is no scalar
-            raise UserError(f"Model.train: {where}: {exc}") from None
-        if params.parallel_mode == ParallelMode.DATA_PARALLEL and not get_auto_parallel_context("gradients_mean"):
-            for param in self.train_network.parameters():  # MindSpore's default: the ranks' gradients summed
-                if param.grad is not None:
-                    param.grad.mul_(config.data_parallel)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss
+        if self._engine is None:
+            self._engine = self._make_engine(layout, hooks)
+        summed = params.parallel_mode == ParallelMode.DATA_PARALLEL and not get_auto_parallel_context("gradients_mean")
+        rows = len(batch[0]) * (config.data_parallel if params.rows_of_this_rank else 1)
+        tokens = rows * _ids_per_row(batch[0])
+
+        def run(loss_scale: torch.Tensor) -> dict:
+            try:
+                loss = self.train_network.forward_backward(batch, loss_scale, params.rows_of_this_rank)
+            except UserError as exc:  # a batch that does not split, a loss that is no scalar
+                raise UserError(f"Model.train: {where}: {exc}") from None
+            if summed:  # MindSpore's default: the ranks' gradients summed
+                for param in self.train_network.parameters():
+                    if param.grad is not None:
+                        param.grad.mul_(config.data_parallel)
+            return {"loss": loss, "tokens": tokens, "samples": rows, "flops": 6.0 * self._parameter_count * tokens}
+
+        step = params.cur_step_num + 1
+        record = self._engine.step(step, run, any(c.needs_host_values(step) for c in hooks.callbacks))
+        params.step_record = record
+        loss = record["loss"]
+        return loss if isinstance(loss, torch.Tensor) else torch.tensor(loss, device="cpu")
+
+    def _make_engine(self, layout: Layout, hooks: "_Callbacks") -> Engine:
+        """The engine of one ``train`` call: MFU and the time breakdown only when a SummaryCollector asks."""
+        summaries = [c for c in hooks.callbacks if isinstance(c, SummaryCollector)]
+        timer = StepTimer(MetricsConfig(breakdown=any(c.breakdown for c in summaries)), device=layout.device,
+                          mfu=bool(summaries))
+        self.train_network.phase = timer.phase
+        return Engine(self.train_network.parts, self.optimizer, None, layout, self.loss_scaler, timer,
+                      diverged_hint=": lower the learning rate, use a loss_scale_manager with amp_level or check "
+                                    "the data")
