@@ -218,3 +218,43 @@ def parallel_config_for(configs: list[ParallelConfig], world_size: int) -> Paral
     if problems:
         raise ConfigError(problems)
     return config
+
+
+GRAPH_MODE, PYNATIVE_MODE = 0, 1  # MindSpore's values
+_CONTEXT: dict[str, Any] = {"mode": PYNATIVE_MODE, "device_target": None}
+DEVICE_TARGETS = {"CPU": "cpu", "GPU": "cuda"}
+
+
+def set_context(**kwargs) -> None:
+    """MindSpore's ``set_context``: ``mode=GRAPH_MODE`` compiles each transformer layer of a user's net (the
+    whole net when it has none) with ``torch.compile``, as ``train.compile`` does for the built-in models,
+    after tensor parallel and recompute, before data parallel; ``PYNATIVE_MODE`` (the default) runs eagerly.
+    ``device_target`` "CPU" or "GPU" must match the device this run chose (``PARATRAIN_DEVICE``). Other
+    options are refused with the reason; nothing is set when one is refused."""
+    checked = {}
+    for key, value in kwargs.items():
+        if key == "mode":
+            if value not in (GRAPH_MODE, PYNATIVE_MODE) or isinstance(value, bool):
+                raise UserError(f"set_context(mode={value!r}): expected paratrain.GRAPH_MODE ({GRAPH_MODE}) or "
+                                f"paratrain.PYNATIVE_MODE ({PYNATIVE_MODE})")
+        elif key == "device_target":
+            from paratrain.device import uses_cuda
+
+            if value not in DEVICE_TARGETS:
+                raise UserError(f"set_context(device_target={value!r}): expected 'CPU' or 'GPU' (no Ascend here)")
+            actual = "cuda" if uses_cuda() else "cpu"
+            if DEVICE_TARGETS[value] != actual:
+                raise UserError(f"set_context(device_target={value!r}): this run is on the {actual.upper()}; the "
+                                f"device is chosen once per run (PARATRAIN_DEVICE=cpu|cuda)")
+        else:
+            raise UserError(f"set_context({key}=...): not offered; paratrain's context has mode and device_target "
+                            f"(parallel options: set_auto_parallel_context)")
+        checked[key] = value
+    _CONTEXT.update(checked)
+
+
+def get_context(key: str) -> Any:
+    """The value of ``set_context`` option ``key`` (``mode``, ``device_target``)."""
+    if key not in _CONTEXT:
+        raise UserError(f"get_context({key!r}): unknown option; known: {', '.join(_CONTEXT)}")
+    return _CONTEXT[key]

@@ -153,3 +153,43 @@ def test_bf16_on_two_data_parallel_ranks_gives_the_losses_of_one_process():
     one = model_losses("O2", data=dataset())
     for losses in run_distributed(_train_dp2_bf16, 2):
         assert losses == pytest.approx(one, rel=1e-2)
+
+
+def _graph_mode_losses(graph):
+    import paratrain
+
+    paratrain.set_context(mode=paratrain.GRAPH_MODE if graph else paratrain.PYNATIVE_MODE)
+    torch.manual_seed(0)
+    net = Net()
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2))
+    losses = []
+
+    class Record(LossMonitor):
+        def on_train_step_end(self, run_context):
+            losses.append(float(run_context.original_args().net_outputs))
+
+    model.train(1, dataset(3), callbacks=[Record()])
+    return losses, model.train_network.parts[0]._compiled_call_impl is not None
+
+
+@pytest.mark.slow
+def test_graph_mode_compiles_the_net_with_the_eager_losses():
+    # child processes: inductor's compile workers must not be inherited by the processes later tests fork
+    (eager, eager_compiled), = run_distributed(_graph_mode_losses, 1, False, timeout=240)
+    (graph, graph_compiled), = run_distributed(_graph_mode_losses, 1, True, timeout=240)
+    assert graph_compiled and not eager_compiled
+    assert graph == pytest.approx(eager, rel=1e-4)
+
+
+def test_set_context_refuses_what_it_cannot_honour():
+    import paratrain
+
+    with pytest.raises(UserError, match="GRAPH_MODE"):
+        paratrain.set_context(mode=2)
+    with pytest.raises(UserError, match="Ascend"):
+        paratrain.set_context(device_target="Ascend")
+    with pytest.raises(UserError, match="this run is on the CPU"):
+        paratrain.set_context(device_target="GPU")
+    with pytest.raises(UserError, match="not offered"):
+        paratrain.set_context(save_graphs=True)
+    assert paratrain.get_context("mode") == paratrain.PYNATIVE_MODE

@@ -35,6 +35,7 @@ from torch.fx.node import map_arg
 from torch.torch_version import __version__ as TORCH_VERSION
 
 from paratrain.config import ParallelConfig
+from paratrain.context import GRAPH_MODE, get_context
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
@@ -155,12 +156,18 @@ class PlacedNet:
         if any(getattr(layer, "recompute_mode", "none") != "none" for layer in layers):
             config = _with_layer_recompute(config, layers)
         apply_recompute(module, config)
+        if get_context("mode") == GRAPH_MODE:  # as train.compile: after tensor parallel and recompute
+            for layer in [layer for layer in layers if layer in set(module.modules())] or [module]:
+                layer.compile()
         if config.data_parallel > 1:
             apply_data_parallel(module, config, self.layout, root=root, every_batch_norm=False)
         return module
 
     def _pipeline_stage(self, net: nn.Module, example: tuple) -> nn.Module:
         config, layout = self.config, self.layout
+        if get_context("mode") == GRAPH_MODE:
+            raise UserError("set_context(mode=GRAPH_MODE) with pipeline stages: a traced stage runs its layers "
+                            "inlined, so they cannot be compiled one by one; use PYNATIVE_MODE with pipeline_stages")
         micro = tuple(t[: t.shape[0] // (config.data_parallel * config.micro_batch_num)].to(self.device)
                       for t in example)
         try:

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from paratrain import progress
 from paratrain.amp import LossScaleManager, precision_of
 from paratrain.config import MetricsConfig, ParallelConfig
-from paratrain.context import ParallelMode, get_auto_parallel_context, parallel_config_for
+from paratrain.context import GRAPH_MODE, ParallelMode, get_auto_parallel_context, get_context, parallel_config_for
 from paratrain.distributed import init_from_env
 from paratrain.engine import Engine, TrainingDiverged
 from paratrain.errors import UserError
@@ -111,6 +111,10 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
     from paratrain.ops import Primitive
 
     mode = get_auto_parallel_context("parallel_mode")
+    if get_context("mode") == GRAPH_MODE and (mode == ParallelMode.HYBRID_PARALLEL or any(
+            isinstance(m, Primitive) for m in net.modules())):
+        raise UserError("set_context(mode=GRAPH_MODE) compiles the layers of a net of paratrain.nn blocks or "
+                        "torch modules; a hybrid-parallel net or one of paratrain.ops runs in PYNATIVE_MODE")
     if get_auto_parallel_context("parameter_broadcast") and layout.world_size > 1:
         broadcast_parameters(net.to(layout.device))  # on its device first: NCCL broadcasts only GPU tensors
     if mode == ParallelMode.HYBRID_PARALLEL:
