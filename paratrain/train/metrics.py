@@ -223,21 +223,22 @@ def eval_rows(placed, batch: tuple, sharded: bool) -> tuple[tuple, dist.ProcessG
 @contextmanager
 def evaluating(root: nn.Module, forward, modules: list[nn.Module | None]):
     """Within: no gradients, every module of ``modules`` in eval mode, and ``root`` (the placed net's module)
-    calling ``forward`` instead of its own forward, its hooks still running (FSDP's and DDP's, which gather
-    and track its parameters); each module's mode and the root's forward are restored afterwards."""
+    calling ``forward``, when given, instead of its own forward, its hooks still running (FSDP's and DDP's,
+    which gather and track its parameters); each module's mode and the root's forward are restored afterwards."""
     modes = {m: m.training for module in modules if module is not None for m in module.modules()}
     own = vars(root).get("forward")
     for module in modes:
         module.training = False
-    object.__setattr__(root, "forward", forward)  # an attribute, not a submodule, whatever ``forward`` is
+    if forward is not None:
+        object.__setattr__(root, "forward", forward)  # an attribute, not a submodule, whatever ``forward`` is
     try:
         with torch.no_grad():
             yield
     finally:
-        if own is None:
-            del root.forward
-        else:
+        if own is not None:
             object.__setattr__(root, "forward", own)
+        elif forward is not None:
+            del root.forward
         for module, mode in modes.items():
             module.training = mode
 

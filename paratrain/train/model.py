@@ -465,8 +465,13 @@ class Model:
         if self.train_network is None:
             self._place(_as_batch(first), config, layout, params)
         placed = self.train_network
-        root = placed.parts[0]
-        forward = root.evaluate if self.eval_network is None else self.eval_network.__call__
+        root = placed.parts[0]  # run through it: its hooks gather and track the placed parameters
+        if self.eval_network is None:
+            forward, run = root.evaluate, root
+        elif any(m is root for m in self.eval_network.modules()):  # it calls the placed net itself
+            forward, run = None, self.eval_network
+        else:
+            forward, run = self.eval_network.__call__, root
         loss_at, output_at, label_at = self.eval_indexes or (None, None, None)
         for metric in self.metrics.values():
             metric.clear()
@@ -482,7 +487,7 @@ class Model:
                 inputs, group = eval_rows(placed, _as_batch(batch), shards > 1)
                 if params.cur_step_num == 0:
                     check_reducible(self.metrics, group)
-                outputs = root(*inputs)
+                outputs = run(*inputs)
                 outputs = [o.full_tensor() if isinstance(o, DTensor) else o
                            for o in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))]
                 if loss_at is not None:  # the same on every rank: the global batch's
