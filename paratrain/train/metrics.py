@@ -200,6 +200,18 @@ def get_metrics(metrics) -> dict[str, Metric] | None:
     raise UserError(f"Model(metrics=...): expected None, a dict or a set of names, got {type(metrics).__name__}")
 
 
+def update_metrics(metrics: dict[str, Metric], outputs: list, indexes: list[int] | None) -> None:
+    """Give a batch's ``outputs`` to the metrics as MindSpore's ``Model.eval`` does: all of them to each metric, or
+    with ``indexes`` [loss, output, label] the loss to ``Loss`` and (output, label) to the others."""
+    for metric in metrics.values():
+        if indexes is None:
+            metric.update(*outputs)
+        elif isinstance(metric, Loss):
+            metric.update(outputs[indexes[0]])
+        else:
+            metric.update(outputs[indexes[1]], outputs[indexes[2]])
+
+
 def eval_rows(placed, batch: tuple, sharded: bool) -> tuple[tuple, dist.ProcessGroup | None]:
     """The inputs this rank runs ``placed`` (a ``PlacedNet``, ``OpPlacedNet`` or ``HybridNet``) on for ``batch``,
     on its device, and the group of ranks whose rows add up to the global batch (None: this rank saw all of

@@ -24,8 +24,8 @@ from paratrain.parallel.data import shard_optimizer_state
 from paratrain.parallel.user import PlacedNet, place_net
 from paratrain.stopping import StopAgreement
 from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext
-from paratrain.train.metrics import (Loss, check_reducible, eval_rows, evaluating, get_metrics, global_loss,
-                                     reduce_metrics)
+from paratrain.train.metrics import (check_reducible, eval_rows, evaluating, get_metrics, global_loss,
+                                     reduce_metrics, update_metrics)
 
 
 class WithLoss(nn.Module):
@@ -472,7 +472,7 @@ class Model:
             forward, run = None, self.eval_network
         else:
             forward, run = self.eval_network.__call__, root
-        loss_at, output_at, label_at = self.eval_indexes or (None, None, None)
+        loss_at = self.eval_indexes[0] if self.eval_indexes else None
         for metric in self.metrics.values():
             metric.clear()
         group = None
@@ -494,13 +494,7 @@ class Model:
                     rows = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.ndim), 1)
                     outputs[loss_at] = global_loss(outputs[loss_at], rows, getattr(placed, "summed", False), group,
                                                    placed.device)
-                for metric in self.metrics.values():
-                    if loss_at is None:
-                        metric.update(*outputs)
-                    elif isinstance(metric, Loss):
-                        metric.update(outputs[loss_at])
-                    else:
-                        metric.update(outputs[output_at], outputs[label_at])
+                update_metrics(self.metrics, outputs, self.eval_indexes)
                 params.net_outputs = tuple(outputs)
                 params.cur_step_num += 1
                 if not dataset_sink_mode:
