@@ -286,7 +286,7 @@ def test_model_reads_the_blocks_config_and_the_context():
 
 def test_model_refuses_what_it_cannot_do():
     net = Net()
-    with pytest.raises(UserError, match="metrics"):
+    with pytest.raises(UserError, match="metrics=.... needs an eval_network, or a loss_fn"):
         Model(net, optimizer=decay_optimizer(net), metrics={"acc"})
     with pytest.raises(UserError, match="amp_level"):
         Model(net, optimizer=decay_optimizer(net), amp_level="O5")

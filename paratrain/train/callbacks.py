@@ -49,8 +49,9 @@ class RunContext:
 
 class Callback:
     """Base of the callbacks: override MindSpore 2.x's ``on_train_*`` hooks, or the older ``begin``,
-    ``epoch_begin``, ``step_begin``, ``step_end``, ``epoch_end`` and ``end`` that they call. A callback is
-    a context manager entered for the whole of ``Model.train``."""
+    ``epoch_begin``, ``step_begin``, ``step_end``, ``epoch_end`` and ``end`` that they call; and the
+    ``on_eval_*`` hooks for ``Model.eval``. A callback is a context manager entered for the whole of
+    ``Model.train`` or ``Model.eval``."""
 
     def __enter__(self):
         return self
@@ -93,6 +94,24 @@ class Callback:
 
     def on_train_end(self, run_context: RunContext) -> None:
         self.end(run_context)
+
+    def on_eval_begin(self, run_context: RunContext) -> None:
+        """``Model.eval``: once, before the first batch."""
+
+    def on_eval_epoch_begin(self, run_context: RunContext) -> None:
+        """``Model.eval``: before the dataset's batches."""
+
+    def on_eval_step_begin(self, run_context: RunContext) -> None:
+        """``Model.eval``: before each batch (in sink mode: once, before the dataset)."""
+
+    def on_eval_step_end(self, run_context: RunContext) -> None:
+        """``Model.eval``: after each batch, ``net_outputs`` its outputs (in sink mode: once, after the dataset)."""
+
+    def on_eval_epoch_end(self, run_context: RunContext) -> None:
+        """``Model.eval``: after the dataset's batches, the metrics added over the ranks."""
+
+    def on_eval_end(self, run_context: RunContext) -> None:
+        """``Model.eval``: once, at the end."""
 
     def needs_host_values(self, step: int) -> bool:
         """paratrain's: whether this callback reads step ``step``'s values (``net_outputs``, the record) on the

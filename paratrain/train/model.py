@@ -28,6 +28,8 @@ from paratrain.parallel.user import PlacedNet, place_net
 from paratrain.precision import LossScaleFloor, LossScaler
 from paratrain.stopping import StopAgreement
 from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext, SummaryCollector
+from paratrain.train.metrics import (check_reducible, eval_rows, evaluating, get_metrics, global_loss,
+                                     reduce_metrics, update_metrics)
 
 
 class WithLoss(nn.Module):
@@ -46,10 +48,14 @@ class WithLoss(nn.Module):
                                   and any(isinstance(m, Primitive) for m in loss_fn.modules()))
 
     def forward(self, *batch):
+        return self.evaluate(*batch)[0]
+
+    def evaluate(self, *batch) -> tuple:
+        """(loss, output, label) of a batch: what MindSpore's ``WithEvalCell`` gives ``Model.eval``'s metrics."""
         output, label = self.network(*batch[:-1]), batch[-1]
         if self.whole_tensors:
             output, label = (t.full_tensor() if isinstance(t, DTensor) else t for t in (output, label))
-        return self.loss_fn(output, label)
+        return self.loss_fn(output, label), output, label
 
 
 def parallel_configs(network: nn.Module) -> list[ParallelConfig]:
@@ -228,13 +234,27 @@ class Model:
     does, or in fp16 with loss scaling when a ``loss_scale_manager`` (``paratrain.amp``) is given; "O0" in fp32.
     Steps run on ``paratrain.engine``, as ``paratrain train``'s do.
     After ``train``, ``train_network`` is the placed net and ``optimizer`` the rebuilt optimizer.
+
+    ``metrics`` (a dict {name: ``Metric``}, or a set of names: "acc"/"accuracy", "loss") are what ``eval``
+    computes, on the outputs of ``eval_network`` (which shares the network's modules) or, without one, on
+    ``(loss_fn(output, label), output, label)`` of the network; ``eval_indexes`` [loss, output, label] say
+    which of the eval network's outputs the ``Loss`` metric and the others get (None: all of them to each).
     """
 
     def __init__(self, network: nn.Module, loss_fn: nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, metrics=None, amp_level: str = "O0",
+                 optimizer: torch.optim.Optimizer | None = None, metrics=None, eval_network: nn.Module | None = None,
+                 eval_indexes: list[int] | None = None, amp_level: str = "O0",
                  loss_scale_manager: LossScaleManager | None = None):
-        if metrics is not None:
-            raise UserError("Model(metrics=...): metrics are for Model.eval, which paratrain does not offer")
+        self.metrics = get_metrics(metrics)
+        if self.metrics and eval_network is None and loss_fn is None:
+            raise UserError("Model(metrics=...) needs an eval_network, or a loss_fn to build one from the network "
+                            "(MindSpore's WithEvalCell: the network's output and the batch's last tensor, the label)")
+        if eval_indexes is not None and (eval_network is None or not isinstance(eval_indexes, list)
+                                         or len(eval_indexes) != 3):
+            raise UserError(f"Model(eval_indexes={eval_indexes!r}): give eval_network and a list of 3 indexes, the "
+                            f"positions of the loss, the output and the label among its outputs")
+        self.eval_network = eval_network
+        self.eval_indexes = [0, 1, 2] if eval_network is None else eval_indexes
         self.precision = precision_of(amp_level, loss_scale_manager)
         self.loss_scale_manager = loss_scale_manager
         self.network, self.loss_fn, self.optimizer = network, loss_fn, optimizer
@@ -269,12 +289,7 @@ class Model:
         if self.optimizer is None:
             raise UserError("Model.train needs an optimizer: Model(net, optimizer=torch.optim.AdamW(...))")
         rank, world_size = init_from_env()
-        if self._placement is None:
-            config = parallel_config_for(parallel_configs(self.network), world_size)
-            if isinstance(self.network, PipelineCell):  # MindSpore's micro_size is the micro-batch count
-                config = dataclasses.replace(config, micro_batch_num=self.network.micro_size)
-            self._placement = config, Layout(config, world_size)
-        config, layout = self._placement
+        config, layout = self._layout_for(world_size)
         shards = getattr(train_dataset, "num_shards", None) or 1
         if shards > 1 and not shards == config.data_parallel == world_size:
             raise UserError(f"Model.train: the dataset is split into num_shards={shards} for {world_size} ranks, "
@@ -394,13 +409,14 @@ class Model:
         """Place the net on the layout (``batch``: an example) and rebuild the optimizer on its shards."""
         net = self.network.network if isinstance(self.network, PipelineCell) else self.network
         net = net if self.loss_fn is None else WithLoss(net, self.loss_fn)
-        names = group_names(self.optimizer, net)
+        names = group_names(self.optimizer, net) if self.optimizer is not None else None  # none: only eval
         self.train_network = place(net, config, layout, batch, self.precision)
         if isinstance(self.network, PipelineCell):
             self.network.placed = self.train_network
-        self.optimizer = rebuild_optimizer(self.optimizer, names, self.train_network.named_parameters())
-        if isinstance(self.train_network, PlacedNet):  # semi-auto shards its optimizer by placements
-            shard_optimizer_state(self.optimizer, config, layout)
+        if self.optimizer is not None:
+            self.optimizer = rebuild_optimizer(self.optimizer, names, self.train_network.named_parameters())
+            if isinstance(self.train_network, PlacedNet):  # semi-auto shards its optimizer by placements
+                shard_optimizer_state(self.optimizer, config, layout)
         self.loss_scaler = (self.loss_scale_manager.scaler(layout.device) if self.loss_scale_manager is not None
                             else LossScaler(False, device=layout.device))
         params.update(train_network=self.train_network, optimizer=self.optimizer, loss_scaler=self.loss_scaler)
@@ -458,3 +474,87 @@ class Model:
         return Engine(self.train_network.parts, self.optimizer, None, layout, self.loss_scaler, timer,
                       diverged_hint=": lower the learning rate, use a loss_scale_manager with amp_level or check "
                                     "the data")
+
+    def _layout_for(self, world_size: int) -> tuple[ParallelConfig, Layout]:
+        """The net's config and layout on ``world_size`` ranks, decided once for every later call."""
+        if self._placement is None:
+            config = parallel_config_for(parallel_configs(self.network), world_size)
+            if isinstance(self.network, PipelineCell):  # MindSpore's micro_size is the micro-batch count
+                config = dataclasses.replace(config, micro_batch_num=self.network.micro_size)
+            self._placement = config, Layout(config, world_size)
+        return self._placement
+
+    def eval(self, valid_dataset: Iterable, callbacks=None, dataset_sink_mode: bool = False) -> dict:
+        """MindSpore's ``Model.eval``: ``{name: metric.eval()}`` of the ``metrics`` over ``valid_dataset`` (global
+        batches as ``train`` takes them, or a dataset split per rank), in eval mode without gradients, on the
+        layout the net was trained on (placed on the first batch when not trained yet). Each data-parallel rank
+        evaluates its rows and the metrics' sums are added over the ranks: every rank returns what one process
+        would. Callbacks get the ``on_eval_*`` hooks (in sink mode the step hooks once, around the dataset).
+        A pipeline (pipeline_stage > 1) is refused: its traced stages end in the loss, not the output."""
+        if not self.metrics:
+            raise UserError("Model.eval needs metrics: Model(net, loss_fn, optimizer, metrics={'acc': Accuracy(), "
+                            "'loss': Loss()})")
+        rank, world_size = init_from_env()
+        config, layout = self._layout_for(world_size)
+        if config.pipeline_stage > 1:
+            raise UserError(f"Model.eval: pipeline_stage={config.pipeline_stage}: the traced stages of a pipeline end "
+                            f"in the loss, so the metrics cannot see the network's output; evaluate the trained "
+                            f"weights in a net placed without pipeline stages (load_checkpoint + load_param_into_net)")
+        shards = getattr(valid_dataset, "num_shards", None) or 1
+        if shards > 1 and not shards == config.data_parallel == world_size:
+            raise UserError(f"Model.eval: the dataset is split into num_shards={shards} for {world_size} ranks, "
+                            f"{config.data_parallel} of them data-parallel: a dataset split per rank needs "
+                            f"num_shards=get_group_size() and no model parallelism")
+        params = CallbackParams(
+            network=self.network, eval_network=self.eval_network, valid_dataset=valid_dataset, metrics=self.metrics,
+            batch_num=len(valid_dataset) if hasattr(valid_dataset, "__len__") else None, cur_epoch_num=1,
+            cur_step_num=0, net_outputs=None, dataset_sink_mode=dataset_sink_mode, mode="eval",
+            device_number=world_size, rank=rank, parallel_mode=get_auto_parallel_context("parallel_mode"),
+            parallel_config=config, layout=layout)
+        run_context = RunContext(params)
+        first = next(iter(valid_dataset), None)
+        if first is None:
+            raise UserError("Model.eval: valid_dataset gave no batch")
+        if self.train_network is None:
+            self._place(_as_batch(first), config, layout, params)
+        placed = self.train_network
+        root = placed.parts[0]  # run through it: its hooks gather and track the placed parameters
+        if self.eval_network is None:
+            forward, run = root.evaluate, root
+        elif any(m is root for m in self.eval_network.modules()):  # it calls the placed net itself
+            forward, run = None, self.eval_network
+        else:
+            forward, run = self.eval_network.__call__, root
+        loss_at = self.eval_indexes[0] if self.eval_indexes else None
+        for metric in self.metrics.values():
+            metric.clear()
+        group = None
+        with _Callbacks(callbacks) as hooks, evaluating(root, forward, [root, self.eval_network]):
+            hooks.call("on_eval_begin", run_context)
+            hooks.call("on_eval_epoch_begin", run_context)
+            if dataset_sink_mode:
+                hooks.call("on_eval_step_begin", run_context)
+            for batch in valid_dataset:
+                if not dataset_sink_mode:
+                    hooks.call("on_eval_step_begin", run_context)
+                inputs, group = eval_rows(placed, _as_batch(batch), shards > 1)
+                if params.cur_step_num == 0:
+                    check_reducible(self.metrics, group)
+                outputs = run(*inputs)
+                outputs = [o.full_tensor() if isinstance(o, DTensor) else o
+                           for o in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))]
+                if loss_at is not None:  # the same on every rank: the global batch's
+                    rows = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.ndim), 1)
+                    outputs[loss_at] = global_loss(outputs[loss_at], rows, getattr(placed, "summed", False), group,
+                                                   placed.device)
+                update_metrics(self.metrics, outputs, self.eval_indexes)
+                params.net_outputs = tuple(outputs)
+                params.cur_step_num += 1
+                if not dataset_sink_mode:
+                    hooks.call("on_eval_step_end", run_context)
+            if dataset_sink_mode:
+                hooks.call("on_eval_step_end", run_context)
+            reduce_metrics(self.metrics, group, placed.device)
+            hooks.call("on_eval_epoch_end", run_context)
+            hooks.call("on_eval_end", run_context)
+        return {name: metric.eval() for name, metric in self.metrics.items()}
