@@ -157,7 +157,8 @@ class OpPlacedNet:
         self.parts = [net]
         self.phase = no_phase  # a StepTimer's phase, set by the engine's face
 
-    def _input(self, value, rows_of_this_rank: bool):
+    def as_input(self, value, rows_of_this_rank: bool):
+        """A batch tensor as the DTensor the ops take: replicated, or with ``rows_of_this_rank`` split by rows."""
         if not isinstance(value, torch.Tensor):
             return value
         value = value.to(self.device, non_blocking=True)
@@ -169,7 +170,7 @@ class OpPlacedNet:
         """Forward and backward of one batch: the whole global batch, or with ``rows_of_this_rank`` this rank's
         rows of it (ranks in order). Returns the loss, a scalar tensor."""
         with autocast(self.precision, self.device), self.phase("forward"):
-            output = self.net(*(self._input(t, rows_of_this_rank) for t in batch))
+            output = self.net(*(self.as_input(t, rows_of_this_rank) for t in batch))
             loss = scalar_loss(output.full_tensor() if isinstance(output, DTensor) else output)
         if loss.requires_grad:  # a net of no trainable parameter has nothing to learn
             with self.phase("backward"):

@@ -220,7 +220,7 @@ def eval_rows(placed, batch: tuple, sharded: bool) -> tuple[tuple, dist.ProcessG
     from paratrain.parallel.user import PlacedNet
 
     if isinstance(placed, OpPlacedNet):  # DTensor inputs: the outputs are the global batch's
-        return tuple(placed._input(t, sharded) for t in batch), None
+        return tuple(placed.as_input(t, sharded) for t in batch), None
     batch = tuple(t.to(placed.device) if isinstance(t, torch.Tensor) else t for t in batch)
     if isinstance(placed, PlacedNet):
         layout = placed.layout

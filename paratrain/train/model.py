@@ -25,7 +25,7 @@ from paratrain.nn import PipelineCell
 from paratrain.optim import tensor_kind
 from paratrain.parallel.data import shard_optimizer_state
 from paratrain.parallel.user import PlacedNet, place_net
-from paratrain.precision import LossScaleFloor, LossScaler
+from paratrain.precision import LossScaleFloor, LossScaler, autocast
 from paratrain.stopping import StopAgreement
 from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext, SummaryCollector
 from paratrain.train.metrics import (check_reducible, eval_rows, evaluating, get_metrics, global_loss,
@@ -540,7 +540,8 @@ class Model:
                 inputs, group = eval_rows(placed, _as_batch(batch), shards > 1)
                 if params.cur_step_num == 0:
                     check_reducible(self.metrics, group)
-                outputs = run(*inputs)
+                with autocast(self.precision, placed.device):  # as the net trains: amp_level
+                    outputs = run(*inputs)
                 outputs = [o.full_tensor() if isinstance(o, DTensor) else o
                            for o in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))]
                 if loss_at is not None:  # the same on every rank: the global batch's
