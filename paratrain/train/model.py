@@ -478,7 +478,9 @@ class Model:
     def _layout_for(self, world_size: int) -> tuple[ParallelConfig, Layout]:
         """The net's config and layout on ``world_size`` ranks, decided once for every later call."""
         if self._placement is None:
-            config = parallel_config_for(parallel_configs(self.network), world_size)
+            segments = 1 + max((vars(m).get("pipeline_segment", 0) for m in self.network.modules()
+                                if "pipeline_stage" in vars(m)), default=0)
+            config = parallel_config_for(parallel_configs(self.network), world_size, segments)
             if isinstance(self.network, PipelineCell):  # MindSpore's micro_size is the micro-batch count
                 config = dataclasses.replace(config, micro_batch_num=self.network.micro_size)
             self._placement = config, Layout(config, world_size)
