@@ -1,12 +1,13 @@
 """paratrain: train Transformer models on many devices with one parallel config."""
 from paratrain.config import (Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig,
                               TransformerOpParallelConfig, check, validate)
-from paratrain.context import (ParallelMode, get_auto_parallel_context, reset_auto_parallel_context,
-                               set_auto_parallel_context)
+from paratrain.context import (GRAPH_MODE, PYNATIVE_MODE, ParallelMode, get_auto_parallel_context, get_context,
+                               reset_auto_parallel_context, set_auto_parallel_context, set_context)
 
-__all__ = ["Config", "ConfigError", "DataConfig", "ModelConfig", "ParallelConfig", "ParallelMode", "TrainConfig",
-           "TransformerOpParallelConfig", "check", "get_auto_parallel_context", "load_checkpoint",
-           "load_distributed_checkpoint", "load_param_into_net", "reset_auto_parallel_context", "set_auto_parallel_context", "validate"]
+__all__ = ["Config", "ConfigError", "DataConfig", "GRAPH_MODE", "ModelConfig", "PYNATIVE_MODE", "ParallelConfig",
+           "ParallelMode", "TrainConfig", "TransformerOpParallelConfig", "check", "get_auto_parallel_context",
+           "get_context", "load_checkpoint", "load_distributed_checkpoint", "load_param_into_net",
+           "reset_auto_parallel_context", "set_auto_parallel_context", "set_context", "validate"]
 __version__ = "0.1.0"
 
 

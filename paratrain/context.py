@@ -47,8 +47,11 @@ DEFAULTS: dict[str, Any] = {
     "full_batch": True, "dataset_strategy": "full_batch", "loss_repeated_mean": True, "gradient_fp32_sync": True,
     "enable_parallel_optimizer": False, "parallel_optimizer_config": {}, "pipeline_stages": 1,
     "parameter_broadcast": False, "enable_alltoall": False, "search_mode": "dynamic_programming",
-    "strategy_ckpt_save_file": "", "strategy_ckpt_load_file": "",
+    "strategy_ckpt_save_file": "", "strategy_ckpt_load_file": "", "pipeline_config": {},
 }
+# MindSpore's pipeline_scheduler, by pipeline_interleave -> paratrain's parallel.pipeline_schedule
+PIPELINE_SCHEDULERS = {False: {"1f1b": "1f1b", "gpipe": "gpipe"},
+                       True: {"1f1b": "interleaved_1f1b", "gpipe": "looped_bfs", "zero_bubble_v": "zbv_zero_bubble"}}
 SEARCH_MODES = ("dynamic_programming", "sharding_propagation")
 OPTIMIZER_CONFIG_KEYS = ("gradient_accumulation_shard", "parallel_optimizer_threshold", "optimizer_weight_shard_size")
 _STRATEGY_FILES = "give the files as strategy_ckpt_save_file and strategy_ckpt_load_file"
@@ -130,6 +133,8 @@ def _check(key: str, value: Any) -> Any:
         return _only(key, _bool(key, value), False, "no layout here uses all-to-all")
     if key == "parallel_optimizer_config":
         return _optimizer_config(value)
+    if key == "pipeline_config":
+        return _pipeline_config(value)
     raise _refuse(key, value, f"unknown option; known: {', '.join(sorted([*DEFAULTS, *REFUSED]))}")
 
 
@@ -145,6 +150,19 @@ def _optimizer_config(value: Any) -> dict:
         raise _refuse(key, value, "the optimizer is sharded over all data-parallel ranks: leave "
                                   "optimizer_weight_shard_size out")
     return dict(value)
+
+
+def _pipeline_config(value: Any) -> dict:
+    key = "pipeline_config"
+    if not isinstance(value, dict) or set(value) - {"pipeline_interleave", "pipeline_scheduler"}:
+        raise _refuse(key, value, "expected a dict with keys among pipeline_interleave, pipeline_scheduler")
+    interleave = _bool(f"{key}['pipeline_interleave']", value.get("pipeline_interleave", False))
+    scheduler = value.get("pipeline_scheduler", "1f1b")
+    if scheduler not in PIPELINE_SCHEDULERS[interleave]:
+        offered = ", ".join(f"{s!r}" for s in PIPELINE_SCHEDULERS[interleave])
+        raise _refuse(key, value, f"with pipeline_interleave={interleave} the schedulers offered are {offered} "
+                                  f"(torch.distributed.pipelining's; seqpipe and seqvpp have no counterpart there)")
+    return {"pipeline_interleave": interleave, "pipeline_scheduler": scheduler}
 
 
 def set_auto_parallel_context(**kwargs) -> None:
@@ -173,9 +191,10 @@ def reset_auto_parallel_context() -> None:
 LAYOUT_FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "effective_zero_stage")
 
 
-def parallel_config_for(configs: list[ParallelConfig], world_size: int) -> ParallelConfig:
+def parallel_config_for(configs: list[ParallelConfig], world_size: int, segments: int = 1) -> ParallelConfig:
     """The layout of a user's net on ``world_size`` ranks: a copy of its blocks' config (``configs``; none:
-    data parallel over every rank) completed by the context; raises ConfigError listing every contradiction."""
+    data parallel over every rank) completed by the context, with ``segments`` virtual stages per pipeline
+    rank (the cells' ``pipeline_segment``); raises ConfigError listing every contradiction."""
     problems = []
     for other in configs[1:]:
         differs = [f for f in LAYOUT_FIELDS if getattr(other, f) != getattr(configs[0], f)]
@@ -199,6 +218,16 @@ def parallel_config_for(configs: list[ParallelConfig], world_size: int) -> Paral
         elif config.pipeline_stage != stages:
             problems.append(f"set_auto_parallel_context(pipeline_stages={stages}) contradicts the blocks' "
                             f"TransformerOpParallelConfig(pipeline_stage={config.pipeline_stage}): make them equal")
+    pipeline = _values.get("pipeline_config", {})
+    interleave = pipeline.get("pipeline_interleave", False)
+    if segments > 1 and not interleave:
+        problems.append(f"the net's cells have pipeline_segment 0..{segments - 1}, but the pipeline is not interleaved: "
+                        f"set_auto_parallel_context(pipeline_config={{'pipeline_interleave': True}})")
+    config.pipeline_schedule = PIPELINE_SCHEDULERS[interleave][pipeline.get("pipeline_scheduler", "1f1b")]
+    config.virtual_pipeline_stage = segments
+    if config.pipeline_schedule == "zbv_zero_bubble" and segments != 2:
+        problems.append(f"pipeline_scheduler='zero_bubble_v' runs two segments per stage (a V), not {segments}: "
+                        f"give the cells pipeline_segment 0 and 1")
     shard = _values.get("enable_parallel_optimizer")
     if shard:
         stage = 2 if _values.get("parallel_optimizer_config", {}).get("gradient_accumulation_shard") else 1
@@ -218,3 +247,43 @@ def parallel_config_for(configs: list[ParallelConfig], world_size: int) -> Paral
     if problems:
         raise ConfigError(problems)
     return config
+
+
+GRAPH_MODE, PYNATIVE_MODE = 0, 1  # MindSpore's values
+_CONTEXT: dict[str, Any] = {"mode": PYNATIVE_MODE, "device_target": None}
+DEVICE_TARGETS = {"CPU": "cpu", "GPU": "cuda"}
+
+
+def set_context(**kwargs) -> None:
+    """MindSpore's ``set_context``: ``mode=GRAPH_MODE`` compiles each transformer layer of a user's net (the
+    whole net when it has none) with ``torch.compile``, as ``train.compile`` does for the built-in models,
+    after tensor parallel and recompute, before data parallel; ``PYNATIVE_MODE`` (the default) runs eagerly.
+    ``device_target`` "CPU" or "GPU" must match the device this run chose (``PARATRAIN_DEVICE``). Other
+    options are refused with the reason; nothing is set when one is refused."""
+    checked = {}
+    for key, value in kwargs.items():
+        if key == "mode":
+            if value not in (GRAPH_MODE, PYNATIVE_MODE) or isinstance(value, bool):
+                raise UserError(f"set_context(mode={value!r}): expected paratrain.GRAPH_MODE ({GRAPH_MODE}) or "
+                                f"paratrain.PYNATIVE_MODE ({PYNATIVE_MODE})")
+        elif key == "device_target":
+            from paratrain.device import uses_cuda
+
+            if value not in DEVICE_TARGETS:
+                raise UserError(f"set_context(device_target={value!r}): expected 'CPU' or 'GPU' (no Ascend here)")
+            actual = "cuda" if uses_cuda() else "cpu"
+            if DEVICE_TARGETS[value] != actual:
+                raise UserError(f"set_context(device_target={value!r}): this run is on the {actual.upper()}; the "
+                                f"device is chosen once per run (PARATRAIN_DEVICE=cpu|cuda)")
+        else:
+            raise UserError(f"set_context({key}=...): not offered; paratrain's context has mode and device_target "
+                            f"(parallel options: set_auto_parallel_context)")
+        checked[key] = value
+    _CONTEXT.update(checked)
+
+
+def get_context(key: str) -> Any:
+    """The value of ``set_context`` option ``key`` (``mode``, ``device_target``)."""
+    if key not in _CONTEXT:
+        raise UserError(f"get_context({key!r}): unknown option; known: {', '.join(_CONTEXT)}")
+    return _CONTEXT[key]

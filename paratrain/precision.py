@@ -41,7 +41,9 @@ class LossScaler:
     or after every good step with ``consecutive_hysteresis``. An overflow that would halve the scale
     when it is already ``min_scale`` (DeepSpeed's ``min_loss_scale``), or ``max_skipped`` overflowed
     steps in a row (0: no limit), make :meth:`check` raise :class:`LossScaleFloor`: such a run only
-    skips steps. With ``enabled=False`` (bf16, fp32) the scale is fixed at 1 and no step is skipped.
+    skips steps. With ``enabled=False`` (bf16, fp32) the scale is fixed at 1 and no step is skipped; with
+    ``dynamic=False`` (MindSpore's ``FixedLossScaleManager``) it stays ``init_scale`` and an overflowed step
+    is only skipped.
 
     The scale and the counters are tensors on ``device``, updated there from each step's gradient
     norm: no step waits for the device to tell whether it overflowed. The host reads them when
@@ -50,8 +52,8 @@ class LossScaler:
 
     def __init__(self, enabled: bool, init_scale: float = 2.0 ** 16, growth_interval: int = 1000,
                  min_scale: float = 1.0, max_skipped: int = 100, hysteresis: int = 1,
-                 consecutive_hysteresis: bool = False, device: torch.device | str = "cpu"):
-        self.enabled = enabled
+                 consecutive_hysteresis: bool = False, device: torch.device | str = "cpu", dynamic: bool = True):
+        self.enabled, self.dynamic = enabled, dynamic
         self.growth_interval = growth_interval
         self.min_scale, self.max_skipped = min_scale, max_skipped
         self.hysteresis, self.consecutive_hysteresis = hysteresis, consecutive_hysteresis
@@ -70,6 +72,9 @@ class LossScaler:
         if not self.enabled:
             return False
         overflow = ~torch.isfinite(grad_norm.to(self.device))
+        if not self.dynamic:
+            self.skipped_steps = self.skipped_steps + overflow
+            return overflow
         halve = overflow & (self.hysteresis_left <= 1)
         self.floor_hit |= halve & (self.scale <= self.min_scale)
         self.skipped_steps = self.skipped_steps + overflow
@@ -86,13 +91,18 @@ class LossScaler:
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler, grad_norm: torch.Tensor) -> None:
         """The optimizer and LR steps of a step whose gradients are unscaled; with fp16 an overflowed step
-        leaves the parameters and the optimizer state as they were, decided on the device: ``optimizer``
-        must be a fused torch optimizer, which takes the decision as ``found_inf``. The LR schedule
-        advances either way."""
-        if self.enabled:
+        leaves the parameters and the optimizer state as they were, decided on the device by a fused torch
+        optimizer, which takes the decision as ``found_inf``; any other optimizer (a user's) waits for the
+        device to tell. The LR schedule (if any) advances either way."""
+        if not self.enabled:
+            optimizer.step()
+        elif getattr(optimizer, "_step_supports_amp_scaling", False):
             optimizer.found_inf = self.update(grad_norm).float()
-        optimizer.step()
-        scheduler.step()
+            optimizer.step()
+        elif not bool(self.update(grad_norm)):
+            optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
 
     def check(self) -> None:
         """Raise :class:`LossScaleFloor` if an overflow came at the minimum scale or ``max_skipped``

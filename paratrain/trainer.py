@@ -1,9 +1,6 @@
 """The training loop of one rank: its share of each global batch, micro-batches, AdamW, logging."""
 from __future__ import annotations
 
-import math
-import time
-
 import torch
 from torch import nn
 
@@ -13,23 +10,20 @@ from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.device import DTYPES
 from paratrain import host_memory, preflight, progress
 from paratrain.distributed import init_from_env
+from paratrain.engine import Engine, TrainingDiverged
 from paratrain.evaluate import bleu_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
 from paratrain.models import build_model, token_loss_sum
-from paratrain.optim import build_optimizer, build_scheduler, clip_grad_norm
+from paratrain.metrics.flops import batch_flops
+from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallel import parallelize, shard_optimizer_state
 from paratrain.parallel.deferred_init import materialize, record_init
 from paratrain.parallel.loss import loss_context, whole
 from paratrain.precision import LossScaler, autocast, resolve_mixed_precision
 from paratrain.stopping import StopAgreement
 
-# record values that stay on the device until a logged step (the last two: fp16 only)
-ON_DEVICE = ("loss", "grad_norm", "tokens", "loss_scale", "skipped_steps")
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the message names the step."""
+__all__ = ["Trainer", "TrainingDiverged"]
 
 
 class Trainer:
@@ -82,7 +76,7 @@ class Trainer:
         if self.is_main:
             cfg.save(self.run_dir / "config.toml")
         self.metrics = MetricsLogger(self.run_dir, cfg.metrics, cfg.train.steps, enabled=self.is_main)
-        self.timer = StepTimer(cfg.metrics, cfg.model, self.pipeline, self.layout.dp_size, self.device)
+        self.timer = StepTimer(cfg.metrics, self.pipeline, self.device)
         if self.is_main:
             print(f"precision: {cfg.train.mixed_precision} on {self.device} (train.mixed_precision = "
                   f"{precision_asked!r})", flush=True)
@@ -98,8 +92,10 @@ class Trainer:
         self.evaluator = bleu_evaluator(cfg, self.model_parts, self.pipeline is not None, self.is_main)
         self.world_size = world_size
         self.stopped_at: int | None = None  # the step saved when a stop was asked (SIGTERM/SIGINT)
-        self._pending: list[dict] = []  # records whose device values are not on the host yet
-        self._window_start, self._outside = time.perf_counter(), 0.0
+        self.engine = Engine(self.model_parts, self.optimizer, self.scheduler, self.layout, self.loss_scaler,
+                             self.timer, grad_clip=cfg.train.grad_clip,
+                             counted_in_norm=self.pipeline.counted_in_norm() if self.pipeline else None,
+                             diverged_hint=": lower train.lr, raise train.warmup_steps or check the data")
 
     def train(self) -> list[dict]:
         """Run until ``train.steps``, or until a stop is asked (SIGTERM/SIGINT on any rank: every rank stops
@@ -107,7 +103,6 @@ class Trainer:
         ends the run as stopped too); returns every step's record. With checkpoints on
         (``checkpoint.save_steps``) the last step is always saved."""
         history = []
-        self._window_start, self._outside = time.perf_counter(), 0.0
         stop = StopAgreement(self.world_size)
         try:
             stopping = False
@@ -117,18 +112,15 @@ class Trainer:
                 self.step += 1
                 progress.step_done(self.step)
                 self.metrics.advance(self.step)
-                outside = time.perf_counter()  # time between steps: not part of any step's time
-                if self.evaluator is not None:
-                    self.evaluator(self.step, record)  # every rank decodes; the main rank's record gets "bleu"
-                if self.metrics.should_log(self.step - 1) or "bleu" in record:
-                    self.metrics.log(record)
-                stopping = stop.agreed()
-                if self.checkpointer.maybe_save(self.step) is not None:
-                    progress.saved(self.step)
-                self._outside += time.perf_counter() - outside
-            if self._pending:
-                self._to_host(self._pending)
-                self._pending = []
+                with self.engine.between_steps():
+                    if self.evaluator is not None:
+                        self.evaluator(self.step, record)  # every rank decodes; the main rank's record gets "bleu"
+                    if self.metrics.should_log(self.step - 1) or "bleu" in record:
+                        self.metrics.log(record)
+                    stopping = stop.agreed()
+                    if self.checkpointer.maybe_save(self.step) is not None:
+                        progress.saved(self.step)
+            self.engine.flush()
             stopping = stop.finish() or stopping
             if stopping or self.cfg.checkpoint.save_steps > 0:
                 self._save_last()
@@ -145,51 +137,19 @@ class Trainer:
             self.checkpointer.save(self.step)
             progress.saved(self.step)
 
-    def _to_host(self, records: list[dict]) -> None:
-        """Bring the records' device values to the host in one copy and finish them (rates, mfu, memory).
-
-        Their step times are shares of the wall time since the last such point (the device
-        has finished their work now), minus the time spent between steps.
-        """
-        keys = [k for k in ON_DEVICE if k in records[0]]
-        values = torch.stack([r[k].double() for r in records for k in keys]).tolist()
-        self.loss_scaler.check()
-        now = time.perf_counter()
-        window = now - self._window_start - self._outside
-        host = sum(r["step_time_s"] for r in records)
-        self._window_start, self._outside = now, 0.0
-        for i, r in enumerate(records):
-            r.update(zip(keys, values[i * len(keys):(i + 1) * len(keys)]))
-            r["tokens"] = int(r["tokens"])
-            if "skipped_steps" in r:
-                r["skipped_steps"] = int(r["skipped_steps"])
-            if not math.isfinite(r["loss"]):
-                raise TrainingDiverged(f"loss is {r['loss']} at step {r['step']}: lower train.lr, "
-                                       f"raise train.warmup_steps or check the data")
-            r["step_time_s"] *= window / host if host > 0 else 1.0
-            r.update(tokens_per_s=r["tokens"] / r["step_time_s"],
-                     samples_per_s=self.cfg.train.global_batch_size / r["step_time_s"])
-            self.timer.rates(r)
-
     def train_step(self) -> dict:
-        """One optimizer step. Its record's loss, grad norm and token count stay device tensors until a
-        step that is logged, saved, evaluated or the last: then they and those of the steps before it
-        come to the host together. With ``metrics.breakdown`` the record gets the time breakdown."""
-        start = time.perf_counter()
-        with self.timer.step():
-            record = self._train_step()
-        record["step_time_s"] = time.perf_counter() - start
-        self._pending.append(self.timer.finish(record))
-        step = record["step"]
-        if (self.metrics.should_log(step - 1) or self.checkpointer.due(step) or step == self.cfg.train.steps
-                or (self.evaluator is not None and self.evaluator.due(step))):
-            self._to_host(self._pending)
-            self._pending = []
-        return record
+        """One optimizer step (``paratrain.engine``). Its record's loss, grad norm and token count stay device
+        tensors until a step that is logged, saved, evaluated or the last: then they and those of the steps
+        before it come to the host together. With ``metrics.breakdown`` the record gets the time breakdown."""
+        step = self.step + 1
+        to_host = (self.metrics.should_log(step - 1) or self.checkpointer.due(step) or step == self.cfg.train.steps
+                   or (self.evaluator is not None and self.evaluator.due(step)))
+        return self.engine.step(step, self._forward_backward_step, to_host)
 
-    def _train_step(self) -> dict:
+    def _forward_backward_step(self, loss_scale: torch.Tensor) -> dict:
+        """Forward and backward of this rank's share of the next global batch (``Engine.step``'s ``run``)."""
         batch = self.data.batch(self.step)
-        flops = self.timer.observe_batch(batch)
+        flops = batch_flops(self.cfg.model, batch, self.layout.dp_size)
         num_tokens = self.layout.all_reduce_dp((batch["labels"] != self.cfg.model.ignore_index).sum())
         self.model.train()
         if self.pipeline:
@@ -198,22 +158,10 @@ class Trainer:
                 loss = self.pipeline.step(batch, {"num_tokens": num_tokens})
         else:
             loss = self._forward_backward(batch, num_tokens)
-        loss /= self.layout.dp_size * self.loss_scaler.scale
+        loss /= self.layout.dp_size * loss_scale
         self.layout.all_reduce_dp(loss)
         self.layout.all_reduce_pp(loss)  # only the last stage has it
-        lr = self.scheduler.get_last_lr()[0]
-        with self.timer.phase("optimizer"):
-            self.loss_scaler.unscale_(self.model.parameters())
-            counted = self.pipeline.counted_in_norm() if self.pipeline else None
-            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip, counted,
-                                       self.layout.pp_group, self.device)
-            self.loss_scaler.step(self.optimizer, self.scheduler, grad_norm)  # fp16: overflows skip the update
-            self.optimizer.zero_grad(set_to_none=True)
-        record = {"step": self.step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": num_tokens,
-                  "flops": flops}
-        if self.loss_scaler.enabled:
-            record.update(loss_scale=self.loss_scaler.scale, skipped_steps=self.loss_scaler.skipped_steps)
-        return record
+        return {"loss": loss, "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops}
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
         """A micro-batch's summed token loss over the global batch's token count, times the data-parallel

@@ -94,6 +94,44 @@ def test_pipeline_stages_from_the_context_unless_the_blocks_disagree():
         parallel_config_for([TransformerOpParallelConfig(pipeline_stage=4)], 8)
 
 
+@pytest.mark.parametrize("interleave,scheduler,segments,schedule", [
+    (False, "1f1b", 1, "1f1b"), (False, "gpipe", 1, "gpipe"), (True, "1f1b", 2, "interleaved_1f1b"),
+    (True, "gpipe", 3, "looped_bfs"), (True, "zero_bubble_v", 2, "zbv_zero_bubble")])
+def test_pipeline_config_picks_the_schedule_and_segments_the_virtual_stages(interleave, scheduler, segments, schedule):
+    set_auto_parallel_context(pipeline_stages=2, pipeline_config={"pipeline_interleave": interleave,
+                                                                   "pipeline_scheduler": scheduler})
+    config = parallel_config_for([], 4, segments)
+    assert (config.pipeline_schedule, config.virtual_pipeline_stage, config.pipeline_stage) == (schedule, segments, 2)
+
+
+def test_pipeline_config_refusals():
+    with pytest.raises(UserError, match="seqvpp have no counterpart"):
+        set_auto_parallel_context(pipeline_config={"pipeline_interleave": True, "pipeline_scheduler": "seqpipe"})
+    with pytest.raises(UserError, match="keys among"):
+        set_auto_parallel_context(pipeline_config={"interleave": True})
+    set_auto_parallel_context(pipeline_stages=2)
+    with pytest.raises(ConfigError, match="pipeline_segment 0..1, but the pipeline is not interleaved"):
+        parallel_config_for([], 4, 2)
+    set_auto_parallel_context(pipeline_config={"pipeline_interleave": True, "pipeline_scheduler": "zero_bubble_v"})
+    with pytest.raises(ConfigError, match="two segments per stage"):
+        parallel_config_for([], 4, 3)
+
+
+def test_pipeline_cell_sets_stages_and_segments_by_cell_name():
+    from torch import nn
+
+    from paratrain.nn import PipelineCell
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    PipelineCell(net, 2, stage_config={"0": 0, "1.0": 1, "1.1": 0}, segment_config={"1.1": 1})
+    assert (net[0].pipeline_stage, net[1][0].pipeline_stage, net[1][1].pipeline_stage) == (0, 1, 0)
+    assert net[1][1].pipeline_segment == 1 and "pipeline_segment" not in vars(net[0])
+    with pytest.raises(UserError, match="'2', which is no cell"):
+        PipelineCell(net, 2, stage_config={"2": 0})
+    with pytest.raises(UserError, match="expected an int >= 0"):
+        PipelineCell(net, 2, segment_config={"0": -1})
+
+
 @pytest.mark.parametrize("blocks,context,world,reason", [
     ({"optimizer_shard": True}, {"enable_parallel_optimizer": False}, 2, "enable_parallel_optimizer=False"),
     ({"model_parallel": 2}, {"parallel_mode": "data_parallel", "gradients_mean": True}, 2, "use semi_auto_parallel"),

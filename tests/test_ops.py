@@ -99,7 +99,7 @@ def run_cases(world):
             if strategy is not None:
                 op.shard(strategy)
             placed = place_semi_auto(Probe(op, params, args), batch, torch.device("cpu"), world)
-            placed.train_step(batch)
+            placed.forward_backward(batch)
             probe = placed.net
             grads = {k: p.grad.full_tensor().tolist() for k, p in probe.p.items()}
             results[name, i] = probe.out.detach().full_tensor().tolist(), grads  # plain lists cross processes

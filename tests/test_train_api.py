@@ -17,6 +17,7 @@ from multiprocess import run_distributed
 from paratrain import (TransformerOpParallelConfig, load_checkpoint, load_param_into_net, reset_auto_parallel_context,
                        set_auto_parallel_context)
 from paratrain.errors import UserError
+from paratrain.amp import FixedLossScaleManager
 from paratrain.train import (Callback, CheckpointConfig, LossMonitor, Model, ModelCheckpoint, TimeMonitor,
                              group_names, rebuild_optimizer)
 
@@ -285,10 +286,12 @@ def test_model_reads_the_blocks_config_and_the_context():
 
 def test_model_refuses_what_it_cannot_do():
     net = Net()
-    with pytest.raises(UserError, match="metrics"):
+    with pytest.raises(UserError, match="metrics=.... needs an eval_network, or a loss_fn"):
         Model(net, optimizer=decay_optimizer(net), metrics={"acc"})
     with pytest.raises(UserError, match="amp_level"):
-        Model(net, optimizer=decay_optimizer(net), amp_level="O2")
+        Model(net, optimizer=decay_optimizer(net), amp_level="O5")
+    with pytest.raises(UserError, match="fp32 needs no loss scaling"):
+        Model(net, optimizer=decay_optimizer(net), loss_scale_manager=FixedLossScaleManager())
     with pytest.raises(UserError, match="needs an optimizer"):
         Model(net).train(1, dataset())
     with pytest.raises(UserError, match="no batch in epoch 2"):

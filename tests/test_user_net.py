@@ -92,18 +92,23 @@ def train(parallel: dict, steps=4, net_class=Net):
 
 
 def train_placed(net, config, layout, batches):
-    """(loss, gradient norm) of each step of ``net`` placed on ``layout`` with AdamW, one step a batch."""
+    """(loss, gradient norm) of each step of ``net`` placed on ``layout`` with AdamW and gradients clipped to
+    norm 1 (``paratrain.engine``), one step a batch."""
+    from paratrain.config import MetricsConfig
+    from paratrain.engine import Engine
+    from paratrain.metrics import StepTimer
     from paratrain.parallel.user import place_net
+    from paratrain.precision import LossScaler
 
     placed = place_net(net, config, layout, batches[0])
     optimizer = torch.optim.AdamW([p for _, p in placed.named_parameters()], lr=1e-2)
+    engine = Engine(placed.parts, optimizer, None, layout, LossScaler(False, device=layout.device),
+                    StepTimer(MetricsConfig(), device=layout.device, mfu=False), grad_clip=1.0)
     out = []
-    for batch in batches:
-        loss = placed.train_step(batch)
-        norm = placed.clip_grad_norm(1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        out.append((float(loss), float(norm)))
+    for step, batch in enumerate(batches, 1):
+        record = engine.step(step, lambda scale: {"loss": placed.forward_backward(batch, scale), "tokens": 0,
+                                                  "samples": 0, "flops": 0.0}, to_host=True)
+        out.append((record["loss"], record["grad_norm"]))
     return out
 
 
@@ -321,6 +326,6 @@ def test_a_ranks_share_that_does_not_split_into_micro_batches_is_refused_naming_
     placed = place_net(Net(), config, Layout(config, 1), _batches(1)[0])
     with pytest.raises(UserError, match=r"a batch of 8 rows does not split into 3 equal parts \(this rank's share "
                                         r"of a dataset sharded per rank x micro_batch_num=3\)"):
-        placed.train_step(_batches(1)[0], rows_of_this_rank=True)
+        placed.forward_backward(_batches(1)[0], rows_of_this_rank=True)
     with pytest.raises(UserError, match=r"\(data_parallel=1 x micro_batch_num=3\)"):
-        placed.train_step(_batches(1)[0])
+        placed.forward_backward(_batches(1)[0])

@@ -29,13 +29,18 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from paratrain.config import MetricsConfig, ModelConfig
+from paratrain.config import MetricsConfig
 from paratrain.metrics import flops as F
 
 PARTS = ("forward", "backward", "optimizer", "comm", "pipeline_idle", "other")
 COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 NOT_TIMED = {"send", "recv_", "recv_any_source_", "_wrap_tensor_autograd"}  # p2p: pipeline idle; wrapping: no comm
 _NULL = contextlib.nullcontext()
+
+
+def no_phase(name: str):
+    """A placement's ``phase`` until a timer's is given: no timing."""
+    return _NULL
 
 
 def synchronize(device: torch.device) -> None:
@@ -100,15 +105,15 @@ class StepTimer:
 
     ``cfg`` is the ``[metrics]`` section; ``pipeline`` a ``paratrain.parallel.pipeline.Pipeline`` or None.
     The peak FLOP/s of the job for ``mfu`` is taken at start (``peak_source`` says how); a CPU peak
-    is measured per rank (each its own share of the cores) and summed.
+    is measured per rank (each its own share of the cores) and summed. With ``mfu=False`` nothing is
+    measured and records get no ``tflops``/``mfu``.
     """
 
-    def __init__(self, cfg: MetricsConfig, model: ModelConfig, pipeline=None, dp_size: int = 1,
-                 device: torch.device | None = None):
-        self.enabled, self.model_cfg, self.dp_size = cfg.breakdown, model, dp_size
+    def __init__(self, cfg: MetricsConfig, pipeline=None, device: torch.device | None = None, mfu: bool = True):
+        self.enabled, self.mfu = cfg.breakdown, mfu
         self.device = device or torch.device("cpu")
-        self.local_peak, self.peak_source = F.device_peak_tflops(cfg.peak_tflops, self.device)
-        self.measured = cfg.peak_tflops <= 0 and self.device.type == "cpu"
+        self.local_peak, self.peak_source = F.device_peak_tflops(cfg.peak_tflops, self.device) if mfu else (0.0, "")
+        self.measured = mfu and cfg.peak_tflops <= 0 and self.device.type == "cpu"
         world = dist.get_world_size() if dist.is_initialized() else 1
         if dist.is_initialized() and self.measured:
             total = torch.tensor([self.local_peak], dtype=torch.float64, device=self.device)
@@ -189,10 +194,6 @@ class StepTimer:
 
     # --- the record -----------------------------------------------------------------------------
 
-    def observe_batch(self, batch: dict[str, torch.Tensor]) -> float:
-        """The step's model FLOPs, from this rank's batch shapes times the data-parallel ranks."""
-        return F.batch_flops(self.model_cfg, batch, self.dp_size)
-
     def breakdown(self) -> dict[str, float]:
         """``<part>_s`` and ``<part>_pct`` for each of PARTS, over the measured step time ``step_s``."""
         comm = float(sum(self.comm.values()))
@@ -234,12 +235,14 @@ class StepTimer:
     def rates(self, record: dict) -> dict:
         """Once the record's step time is known: ``tflops``, ``mfu`` (of the record's ``flops``), ``memory_mb``
         (this rank's, unless the breakdown measured the job's) and ``skipped_steps``."""
+        record.setdefault("memory_mb", F.memory_mb(self.device))
+        record.setdefault("skipped_steps", 0)
+        if not self.mfu:
+            return record
         step_time = record["step_time_s"]
         achieved = record["flops"] / step_time / 1e12 if step_time > 0 else 0.0
         if achieved > self.peak_tflops > 0:
             self._raise_peak(achieved)
         record["tflops"] = achieved
         record["mfu"] = min(1.0, achieved / self.peak_tflops) if self.peak_tflops > 0 else 0.0
-        record.setdefault("memory_mb", F.memory_mb(self.device))
-        record.setdefault("skipped_steps", 0)
         return record

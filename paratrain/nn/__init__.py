@@ -27,3 +27,15 @@ __all__ = ["Cell", "PipelineCell", "TransformerOpParallelConfig", "OpParallelCon
            "TransformerEncoder", "TransformerDecoder", "Transformer", "CrossEntropyLoss", "Dense", "Parameter", "Momentum",
            "AdamWeightDecay", "LearningRateSchedule", "WarmUpLR", "PolynomialDecayLR", "CosineDecayLR",
            "ExponentialDecayLR", "SyncBatchNorm"]
+
+METRICS = ("Accuracy", "Loss", "Metric", "rearrange_inputs")  # MindSpore 1.x's mindspore.nn.Accuracy...
+
+
+def __getattr__(name: str):
+    """MindSpore 1.x's metrics under ``mindspore.nn`` (2.x's ``mindspore.train``): ``paratrain.train``'s, imported
+    when first asked for (``paratrain.train`` imports this package)."""
+    if name in METRICS:
+        from paratrain.train import metrics
+
+        return getattr(metrics, name)
+    raise AttributeError(f"module 'paratrain.nn' has no attribute {name!r}")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from paratrain.errors import UserError
+
 RECOMPUTE_MODES = ("none", "full", "selective")
 
 
@@ -53,17 +55,32 @@ class Cell(nn.Module):
 
 
 class PipelineCell(nn.Module):
-    """MindSpore's ``PipelineCell(network, micro_size)``: ``network`` trained in ``micro_size`` micro-batches
-    over the pipeline stages its cells' ``pipeline_stage`` attributes set.
+    """MindSpore's ``PipelineCell(network, micro_size, stage_config=None, segment_config=None)``: ``network``
+    trained in ``micro_size`` micro-batches over the pipeline stages its cells' ``pipeline_stage`` attributes
+    set, and with an interleaved schedule over the virtual stages (segments) their ``pipeline_segment`` set
+    (cell with stage s and segment g: virtual stage g * stages + s). ``stage_config`` / ``segment_config``
+    (cell name in ``network`` -> stage / segment) set those attributes.
 
     ``forward(*batch)`` is the network's on the whole batch (one device); ``paratrain.train.Model``
     places the network and runs the micro-batches. The wrapper adds nothing to parameter names.
     """
 
-    def __init__(self, network: nn.Module, micro_size: int):
+    def __init__(self, network: nn.Module, micro_size: int, stage_config: dict | None = None,
+                 segment_config: dict | None = None):
         super().__init__()
         if micro_size < 1:
             raise ValueError(f"PipelineCell: micro_size={micro_size} must be at least 1")
+        for option, attribute in ((stage_config, "pipeline_stage"), (segment_config, "pipeline_segment")):
+            for name, value in (option or {}).items():
+                try:
+                    cell = network.get_submodule(name)
+                except AttributeError:
+                    raise UserError(f"PipelineCell: {attribute.split('_')[1]}_config names {name!r}, which is no "
+                                    f"cell of the network") from None
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise UserError(f"PipelineCell: {attribute.split('_')[1]}_config[{name!r}]={value!r}: expected "
+                                    f"an int >= 0")
+                setattr(cell, attribute, value)
         self.network, self.micro_size = network, micro_size
         self.placed = None  # set by paratrain.train.Model once the network is placed on the layout
 

@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.errors import UserError
+from paratrain.errors import scalar_loss
+from paratrain.metrics.timer import no_phase
+from paratrain.precision import autocast
 from paratrain.parallel.data import coalesced
 
 
@@ -21,23 +23,24 @@ def is_layerwise(param: torch.Tensor) -> bool:
 
 
 class HybridNet:
-    """A net under ``hybrid_parallel``: ``train_step(batch)`` runs it on the whole global batch (or this rank's
-    rows of a dataset sharded per rank), then averages the gradients of the parameters that are not
-    ``layerwise_parallel`` over the ranks. ``parts`` is ``[net]``."""
+    """A net under ``hybrid_parallel``: ``forward_backward(batch, loss_scale)`` (``paratrain.engine``'s ``run``)
+    runs it (forward in ``precision``) on the whole global batch (or this rank's rows of a dataset sharded per
+    rank), then averages the gradients of the parameters that are not ``layerwise_parallel`` over the ranks.
+    ``parts`` is ``[net]``."""
 
-    def __init__(self, net: nn.Module, device: torch.device):
-        self.net, self.device = net.to(device), device
+    def __init__(self, net: nn.Module, device: torch.device, precision: str = "none"):
+        self.net, self.device, self.precision = net.to(device), device, precision
         self.parts = [net]
+        self.phase = no_phase  # a StepTimer's phase, set by the engine's face
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
 
-    def train_step(self, batch: tuple, rows_of_this_rank: bool = False) -> torch.Tensor:
+    def forward_backward(self, batch: tuple, loss_scale: torch.Tensor | float = 1.0,
+                         rows_of_this_rank: bool = False) -> torch.Tensor:
         """Forward and backward of one batch; returns the loss averaged over the ranks (a scalar tensor)."""
-        loss = self.net(*(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in batch))
-        if loss.numel() != 1:
-            raise UserError(f"the net returned a tensor of shape {list(loss.shape)}, not a loss: reduce it to a "
-                            f"scalar, or give Model a loss_fn")
-        loss = loss.reshape(())
-        loss.backward()
+        with autocast(self.precision, self.device), self.phase("forward"):
+            loss = scalar_loss(self.net(*(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in batch)))
+        with self.phase("backward"):
+            (loss * loss_scale).backward()
         loss = loss.detach().clone()
         if self.world_size > 1:
             grads = [p.grad for p in self.parameters() if p.grad is not None and not is_layerwise(p)]

@@ -31,7 +31,9 @@ from paratrain.errors import UserError
 from paratrain.ops.primitive import Primitive
 from paratrain.ops.strategy import StrategyError, StrategyMesh, mesh_factors
 from paratrain.ops.strategy import placements as placements_on
-from paratrain.optim import clip_grad_norm
+from paratrain.errors import scalar_loss
+from paratrain.metrics.timer import no_phase
+from paratrain.precision import autocast
 
 # a tensor split along one dimension over several mesh dims is reduced one mesh dim at a time; DTensor
 # warns about it on every redistribute
@@ -146,31 +148,33 @@ def optimizer_shard(placements: list, shape: tuple[int, ...], mesh: StrategyMesh
 
 
 class OpPlacedNet:
-    """A net of ``paratrain.ops`` on its strategies: ``train_step(batch)`` runs forward and backward of a global
-    batch and leaves each parameter's one-device gradient in its placement; ``parts`` is ``[net]``."""
+    """A net of ``paratrain.ops`` on its strategies: ``forward_backward(batch, loss_scale)`` (``paratrain.engine``'s
+    ``run``) runs forward (in ``precision``) and backward of a global batch and leaves each parameter's
+    one-device gradient of the loss times ``loss_scale`` in its placement; ``parts`` is ``[net]``."""
 
-    def __init__(self, net: nn.Module, mesh: StrategyMesh, device: torch.device):
-        self.net, self.mesh, self.device = net, mesh, device
+    def __init__(self, net: nn.Module, mesh: StrategyMesh, device: torch.device, precision: str = "none"):
+        self.net, self.mesh, self.device, self.precision = net, mesh, device, precision
         self.parts = [net]
+        self.phase = no_phase  # a StepTimer's phase, set by the engine's face
 
-    def _input(self, value, rows_of_this_rank: bool):
+    def as_input(self, value, rows_of_this_rank: bool):
+        """A batch tensor as the DTensor the ops take: replicated, or with ``rows_of_this_rank`` split by rows."""
         if not isinstance(value, torch.Tensor):
             return value
         value = value.to(self.device, non_blocking=True)
         placements = self.mesh.batch() if rows_of_this_rank and value.ndim else self.mesh.replicate()
         return DTensor.from_local(value, self.mesh.mesh, placements, run_check=False)
 
-    def train_step(self, batch: tuple, rows_of_this_rank: bool = False) -> torch.Tensor:
+    def forward_backward(self, batch: tuple, loss_scale: torch.Tensor | float = 1.0,
+                         rows_of_this_rank: bool = False) -> torch.Tensor:
         """Forward and backward of one batch: the whole global batch, or with ``rows_of_this_rank`` this rank's
         rows of it (ranks in order). Returns the loss, a scalar tensor."""
-        output = self.net(*(self._input(t, rows_of_this_rank) for t in batch))
-        loss = output.full_tensor() if isinstance(output, DTensor) else output
-        if loss.numel() != 1:
-            raise UserError(f"the net returned a tensor of shape {list(loss.shape)}, not a loss: reduce it to a "
-                            f"scalar, or give Model a loss_fn")
-        loss = loss.reshape(())
+        with autocast(self.precision, self.device), self.phase("forward"):
+            output = self.net(*(self.as_input(t, rows_of_this_rank) for t in batch))
+            loss = scalar_loss(output.full_tensor() if isinstance(output, DTensor) else output)
         if loss.requires_grad:  # a net of no trainable parameter has nothing to learn
-            loss.backward()
+            with self.phase("backward"):
+                (loss * loss_scale).backward()
         for param in self.parameters():
             grad = param.grad
             if isinstance(grad, DTensor) and grad.placements != param.placements:
@@ -184,13 +188,9 @@ class OpPlacedNet:
         """(name in the net, this rank's parameter: a DTensor)."""
         return self.net.named_parameters()
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global gradient norm; returns the norm before clipping."""
-        return clip_grad_norm(list(self.parameters()), max_norm, None, None, self.device)
-
 
 def place_semi_auto(net: nn.Module, example_batch: tuple, device: torch.device, device_num: int,
-                    shard_optimizer: bool = False, choose=None) -> OpPlacedNet:
+                    shard_optimizer: bool = False, choose=None, precision: str = "none") -> OpPlacedNet:
     """Place ``net`` (built identically on every rank) on its op strategies over ``device_num`` devices.
     ``choose(calls)``, when given (auto parallel), sets strategies on the ops before they are checked."""
     net.to(device)
@@ -217,4 +217,4 @@ def place_semi_auto(net: nn.Module, example_batch: tuple, device: torch.device, 
                 module._parameters[key] = placed[id(param)]
         if isinstance(module, Primitive):
             module.mesh = mesh
-    return OpPlacedNet(net, mesh, device)
+    return OpPlacedNet(net, mesh, device, precision)

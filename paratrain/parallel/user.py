@@ -35,9 +35,11 @@ from torch.fx.node import map_arg
 from torch.torch_version import __version__ as TORCH_VERSION
 
 from paratrain.config import ParallelConfig
+from paratrain.context import GRAPH_MODE, get_context
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
-from paratrain.optim import clip_grad_norm
+from paratrain.metrics.timer import no_phase
+from paratrain.precision import autocast
 from paratrain.parallel.data import apply_data_parallel
 from paratrain.parallel.pipeline import SCHEDULES, integer_boundaries
 from paratrain.parallel.recompute import apply_recompute
@@ -110,16 +112,19 @@ def stage_starts(net: nn.Module, example: tuple, stages: int) -> dict[str, Split
 
 
 class PlacedNet:
-    """A user's net placed on a layout: this rank's modules (``parts``) and one training step over a global batch.
+    """A user's net placed on a layout: this rank's modules (``parts``) and the forward and backward of a global
+    batch (``paratrain.engine``'s ``run``).
 
-    ``train_step(batch)`` runs forward and backward of a global batch (a tuple of tensors,
-    the net's forward arguments, batch first): this rank keeps its data-parallel rows and
-    splits them into ``micro_batch_num`` micro-batches. Gradients end up as those of the
-    global-batch loss on one device; the loss is returned as a device tensor.
+    ``forward_backward(batch, loss_scale)`` runs a global batch (a tuple of tensors, the net's forward
+    arguments, batch first): this rank keeps its data-parallel rows and splits them into
+    ``micro_batch_num`` micro-batches, run forward in ``precision`` ("none", "bf16", "fp16"). Gradients end
+    up as those of the global-batch loss times ``loss_scale`` on one device; the loss is returned as a
+    device tensor.
     """
 
-    def __init__(self, net: nn.Module, config: ParallelConfig, layout: Layout, example: tuple):
-        self.config, self.layout, self.device = config, layout, layout.device
+    def __init__(self, net: nn.Module, config: ParallelConfig, layout: Layout, example: tuple,
+                 precision: str = "none"):
+        self.config, self.layout, self.device, self.precision = config, layout, layout.device, precision
         self.summed = _sum_and_count(net)
         net.to(self.device)
         self.pipeline = None
@@ -128,6 +133,8 @@ class PlacedNet:
         else:
             self.parts = [self._parallelize(net, net)]
         self._counts: list[torch.Tensor] = []
+        self._loss_scale: torch.Tensor | float = 1.0
+        self.phase = no_phase  # a StepTimer's phase, set by the engine's face
 
     # --- placing ----------------------------------------------------------------------------
 
@@ -149,12 +156,18 @@ class PlacedNet:
         if any(getattr(layer, "recompute_mode", "none") != "none" for layer in layers):
             config = _with_layer_recompute(config, layers)
         apply_recompute(module, config)
+        if get_context("mode") == GRAPH_MODE:  # as train.compile: after tensor parallel and recompute
+            for layer in [layer for layer in layers if layer in set(module.modules())] or [module]:
+                layer.compile()
         if config.data_parallel > 1:
             apply_data_parallel(module, config, self.layout, root=root, every_batch_norm=False)
         return module
 
     def _pipeline_stage(self, net: nn.Module, example: tuple) -> nn.Module:
         config, layout = self.config, self.layout
+        if get_context("mode") == GRAPH_MODE:
+            raise UserError("set_context(mode=GRAPH_MODE) with pipeline stages: a traced stage runs its layers "
+                            "inlined, so they cannot be compiled one by one; use PYNATIVE_MODE with pipeline_stages")
         micro = tuple(t[: t.shape[0] // (config.data_parallel * config.micro_batch_num)].to(self.device)
                       for t in example)
         try:
@@ -197,13 +210,14 @@ class PlacedNet:
                     else f"a {type(output).__name__}")
             raise UserError(f"the net returned {what}, not a loss: reduce it to "
                             f"{'a (sum, count) pair' if self.summed else 'a scalar'}, or give Model a loss_fn")
-        output = output.reshape(-1)
+        output = output.reshape(-1).float()
         if self.summed:
             self._counts.append(output[1].detach())
-            return output[0] * self.config.data_parallel
-        return output[0] / self.config.micro_batch_num
+            return output[0] * (self.config.data_parallel * self._loss_scale)
+        return output[0] * (self._loss_scale / self.config.micro_batch_num)
 
-    def train_step(self, batch: tuple, rows_of_this_rank: bool = False) -> torch.Tensor:
+    def forward_backward(self, batch: tuple, loss_scale: torch.Tensor | float = 1.0,
+                         rows_of_this_rank: bool = False) -> torch.Tensor:
         """Forward and backward of one global batch, or with ``rows_of_this_rank`` of this data-parallel rank's
         rows of it (a dataset sharded per rank); returns the global batch's loss (a device tensor)."""
         config, layout = self.config, self.layout
@@ -217,20 +231,24 @@ class PlacedNet:
         rows = size // replicas
         start = 0 if rows_of_this_rank else layout.dp_rank * rows
         mine = tuple(t[start:start + rows].to(self.device, non_blocking=True) for t in batch)
-        self._counts = []
+        self._counts, self._loss_scale = [], loss_scale
         if self.pipeline is not None:
             losses = [] if self.is_last else None
             target = torch.zeros(rows, device=self.device) if self.is_last else None
-            self.pipeline.step(*mine if self.is_first else (), target=target, losses=losses, return_outputs=False)
+            with autocast(self.precision, self.device), self.phase("pipeline"):
+                self.pipeline.step(*mine if self.is_first else (), target=target, losses=losses, return_outputs=False)
             scaled = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         else:
             micro_batches = list(zip(*(t.chunk(config.micro_batch_num) for t in mine)))
             scaled = torch.zeros((), device=self.device)
             for i, micro in enumerate(micro_batches):
                 self._sync_gradients(last=i == len(micro_batches) - 1)
-                loss = self._micro_loss(self.parts[0](*micro))
-                loss.backward()
+                with autocast(self.precision, self.device), self.phase("forward"):
+                    loss = self._micro_loss(self.parts[0](*micro))
+                with self.phase("backward"):
+                    loss.backward()
                 scaled += loss.detach()
+        scaled = scaled / loss_scale
         if self.summed:
             total = layout.all_reduce_dp(scaled / config.data_parallel)  # the loss sum of the global batch
             count = torch.stack(self._counts).sum() if self._counts else torch.zeros((), device=self.device)
@@ -259,10 +277,6 @@ class PlacedNet:
         """(name in the whole net, this rank's parameter)."""
         for part in self.parts:
             yield from part.named_parameters()
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global gradient norm over every rank's parameters; returns the norm before clipping."""
-        return clip_grad_norm(list(self.parameters()), max_norm, None, self.layout.pp_group, self.device)
 
 
 class _InputsOnFirstStage(nn.Module):
@@ -307,9 +321,10 @@ def _contiguous(node: fx.Node) -> fx.Node:
     return copy
 
 
-def place_net(net: nn.Module, config: ParallelConfig, layout: Layout, example_batch: tuple) -> PlacedNet:
+def place_net(net: nn.Module, config: ParallelConfig, layout: Layout, example_batch: tuple,
+              precision: str = "none") -> PlacedNet:
     """Place ``net`` (built identically on every rank) on ``layout``; ``example_batch`` is one global batch."""
-    return PlacedNet(net, config, layout, example_batch)
+    return PlacedNet(net, config, layout, example_batch, precision)
 
 
 def _has(module: nn.Module, name: str) -> bool:

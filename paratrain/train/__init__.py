@@ -1,12 +1,17 @@
 """MindSpore's ``mindspore.train`` for a user's own net: ``Model``, the callbacks (``LossMonitor``,
-``TimeMonitor``, ``ModelCheckpoint`` with its ``CheckpointConfig``, ``OnRequestExit``) and the weights-only loading
-(``load_checkpoint``, ``load_param_into_net``, ``load_distributed_checkpoint``). ``paratrain.trainer`` is the built-in models' trainer."""
+``TimeMonitor``, ``ModelCheckpoint`` with its ``CheckpointConfig``, ``OnRequestExit``, ``SummaryCollector``), the
+loss-scale managers, the metrics of ``Model.eval`` (``Metric``, ``Accuracy``, ``Loss``, ``rearrange_inputs``) and
+the weights-only loading (``load_checkpoint``, ``load_param_into_net``, ``load_distributed_checkpoint``).
+``Model.train`` runs its steps on ``paratrain.engine``, as ``paratrain train``."""
+from paratrain.amp import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
 from paratrain.train.callbacks import (Callback, CallbackParams, CheckpointConfig, LossMonitor, ModelCheckpoint,
-                                       OnRequestExit, RunContext, TimeMonitor)
+                                       OnRequestExit, RunContext, SummaryCollector, TimeMonitor)
+from paratrain.train.metrics import Accuracy, Loss, Metric, rearrange_inputs
 from paratrain.train.model import Model, WithLoss, group_names, rebuild_optimizer
 from paratrain.train.serialization import load_checkpoint, load_distributed_checkpoint, load_param_into_net
 
-__all__ = ["Callback", "CallbackParams", "CheckpointConfig", "LossMonitor", "Model", "ModelCheckpoint", "OnRequestExit",
-           "RunContext",
-           "TimeMonitor", "WithLoss", "group_names", "load_checkpoint", "load_distributed_checkpoint",
-           "load_param_into_net", "rebuild_optimizer"]
+__all__ = ["Accuracy", "Callback", "CallbackParams", "CheckpointConfig", "DynamicLossScaleManager",
+           "FixedLossScaleManager", "Loss", "LossMonitor", "LossScaleManager", "Metric", "Model", "ModelCheckpoint",
+           "OnRequestExit", "RunContext", "SummaryCollector", "TimeMonitor", "WithLoss", "group_names",
+           "load_checkpoint", "load_distributed_checkpoint", "load_param_into_net", "rearrange_inputs",
+           "rebuild_optimizer"]

@@ -1,8 +1,8 @@
 """MindSpore's training callbacks: ``Callback``, ``RunContext``, ``LossMonitor``, ``TimeMonitor``,
-``CheckpointConfig`` and ``ModelCheckpoint``, called by ``paratrain.train.Model`` on every rank."""
+``CheckpointConfig``, ``ModelCheckpoint``, ``OnRequestExit`` and ``SummaryCollector``, called by
+``paratrain.train.Model`` on every rank."""
 from __future__ import annotations
 
-import math
 import signal
 import time
 from pathlib import Path
@@ -49,8 +49,9 @@ class RunContext:
 
 class Callback:
     """Base of the callbacks: override MindSpore 2.x's ``on_train_*`` hooks, or the older ``begin``,
-    ``epoch_begin``, ``step_begin``, ``step_end``, ``epoch_end`` and ``end`` that they call. A callback is
-    a context manager entered for the whole of ``Model.train``."""
+    ``epoch_begin``, ``step_begin``, ``step_end``, ``epoch_end`` and ``end`` that they call; and the
+    ``on_eval_*`` hooks for ``Model.eval``. A callback is a context manager entered for the whole of
+    ``Model.train`` or ``Model.eval``."""
 
     def __enter__(self):
         return self
@@ -94,6 +95,30 @@ class Callback:
     def on_train_end(self, run_context: RunContext) -> None:
         self.end(run_context)
 
+    def on_eval_begin(self, run_context: RunContext) -> None:
+        """``Model.eval``: once, before the first batch."""
+
+    def on_eval_epoch_begin(self, run_context: RunContext) -> None:
+        """``Model.eval``: before the dataset's batches."""
+
+    def on_eval_step_begin(self, run_context: RunContext) -> None:
+        """``Model.eval``: before each batch (in sink mode: once, before the dataset)."""
+
+    def on_eval_step_end(self, run_context: RunContext) -> None:
+        """``Model.eval``: after each batch, ``net_outputs`` its outputs (in sink mode: once, after the dataset)."""
+
+    def on_eval_epoch_end(self, run_context: RunContext) -> None:
+        """``Model.eval``: after the dataset's batches, the metrics added over the ranks."""
+
+    def on_eval_end(self, run_context: RunContext) -> None:
+        """``Model.eval``: once, at the end."""
+
+    def needs_host_values(self, step: int) -> bool:
+        """paratrain's: whether this callback reads step ``step``'s values (``net_outputs``, the record) on the
+        host. Then they come over with those of the steps before it (a NaN loss among them ends the run, exit 3);
+        on other steps they stay on the device and no step waits for it."""
+        return False
+
 
 def _loss_value(outputs) -> float:
     """The loss of ``net_outputs`` as a float (the first element of a tuple; the mean of a tensor)."""
@@ -106,8 +131,11 @@ def _loss_value(outputs) -> float:
 
 class LossMonitor(Callback):
     """Prints ``epoch: E step: S, loss is L`` every ``per_print_times`` steps (0: never), S counted within
-    the epoch, as MindSpore 2.x does; rank 0 prints. The loss is read from the device on those steps only,
-    and a NaN or infinite one stops training there."""
+    the epoch, as MindSpore 2.x does; rank 0 prints. The loss is read from the device on those steps only
+    (``needs_host_values``)."""
+
+    def needs_host_values(self, step: int) -> bool:
+        return self._per_print_times > 0 and step - self._last_print_step >= self._per_print_times
 
     def __init__(self, per_print_times: int = 1):
         if isinstance(per_print_times, bool) or not isinstance(per_print_times, int) or per_print_times < 0:
@@ -121,9 +149,6 @@ class LossMonitor(Callback):
             return
         self._last_print_step = params.cur_step_num
         loss = _loss_value(params.net_outputs)
-        if math.isnan(loss) or math.isinf(loss):
-            raise ValueError(f"epoch: {params.cur_epoch_num} step: {params.cur_step_in_epoch}. Invalid loss, "
-                             f"terminating training.")
         if params.rank == 0:
             print(f"epoch: {params.cur_epoch_num} step: {params.cur_step_in_epoch}, loss is {loss}", flush=True)
 
@@ -231,8 +256,11 @@ class ModelCheckpoint(Callback):
                                         keep_max=self.config.keep_checkpoint_max,
                                         integrated_save=self.config.integrated_save, resume=resume, prefix=self.prefix)
             config = Config(parallel=params.parallel_config, checkpoint=section)
+            states = {"position": _Position(params)}
+            if params.loss_scaler.enabled:
+                states["loss_scaler"] = params.loss_scaler
             self._checkpointer = Checkpointer(config, params.layout, params.train_network.parts, params.optimizer,
-                                              None, {"position": _Position(params)})
+                                              None, states)
         return self._checkpointer
 
     def resume(self, params: CallbackParams, spec: str) -> dict:
@@ -254,9 +282,12 @@ class ModelCheckpoint(Callback):
         self._checkpointer_for(params).save(params.cur_step_num, name)
         self.last_saved_step = params.cur_step_num
 
+    def needs_host_values(self, step: int) -> bool:
+        return step >= self.last_saved_step + self.config.save_checkpoint_steps  # nothing diverged is saved
+
     def on_train_step_end(self, run_context: RunContext) -> None:
         params = run_context.original_args()
-        if params.cur_step_num >= self.last_saved_step + self.config.save_checkpoint_steps:
+        if self.needs_host_values(params.cur_step_num):
             self._save(params)
 
     def on_train_end(self, run_context: RunContext) -> None:
@@ -281,9 +312,66 @@ class OnRequestExit(ModelCheckpoint):
         super().__init__(prefix=file_name, directory=directory)
         self.save_ckpt = bool(save_ckpt)
 
+    def needs_host_values(self, step: int) -> bool:
+        return False
+
     def on_train_step_end(self, run_context: RunContext) -> None:
         pass  # saves only on an exit request
 
     def on_train_end(self, run_context: RunContext) -> None:
         if self.save_ckpt and run_context.original_args().exit_requested:
             super().on_train_end(run_context)
+
+
+class SummaryCollector(Callback):
+    """MindSpore's ``SummaryCollector(summary_dir, collect_freq=10)``: every ``collect_freq`` steps (and the last)
+    the step's record goes to ``<summary_dir>/metrics.jsonl`` and TensorBoard scalars, with the keys ``paratrain
+    train`` writes (loss, lr, grad_norm, step_time_s, tokens_per_s, samples_per_s, tflops, mfu, memory_mb,
+    skipped_steps; fp16's loss_scale), a console line and, on a terminal, the progress bar; rank 0 writes.
+    ``breakdown=True`` (paratrain's) adds the %forward/%backward/%optimizer/%comm breakdown, which
+    synchronizes every phase. A user net's FLOPs are taken as 6 x parameters x tokens (the tokens: the
+    elements of the first input when it holds integer ids, else its rows). MindSpore's other options are
+    accepted at their defaults only (refused with the reason otherwise)."""
+
+    def __init__(self, summary_dir: str | Path, collect_freq: int = 10, collect_specified_data=None,
+                 keep_default_action: bool = True, custom_lineage_data=None, collect_tensor_freq=None,
+                 max_file_size=None, export_options=None, breakdown: bool = False):
+        from paratrain.preflight import writable_problem
+
+        if isinstance(collect_freq, bool) or not isinstance(collect_freq, int) or collect_freq < 1:
+            raise UserError(f"SummaryCollector(collect_freq={collect_freq!r}): expected an int >= 1")
+        wanted = dict(collect_specified_data or {})
+        if {k for k, v in wanted.items() if v} - {"collect_metric"}:
+            raise UserError(f"SummaryCollector(collect_specified_data={collect_specified_data!r}): only collect_metric "
+                            f"is offered (the step's scalars); no graphs, histograms or lineage are written")
+        for name, value in (("custom_lineage_data", custom_lineage_data), ("collect_tensor_freq", collect_tensor_freq),
+                            ("export_options", export_options)):
+            if value is not None:
+                raise UserError(f"SummaryCollector({name}=...) is not offered: only the step's scalars are written")
+        self.summary_dir, self.collect_freq, self.breakdown = Path(summary_dir), collect_freq, bool(breakdown)
+        problem = writable_problem("SummaryCollector summary_dir", self.summary_dir)
+        if problem:
+            raise UserError(problem)
+        self.logger = None
+
+    def needs_host_values(self, step: int) -> bool:
+        return self.logger is not None and self.logger.should_log(step - 1)
+
+    def on_train_begin(self, run_context: RunContext) -> None:
+        from paratrain.config import MetricsConfig
+        from paratrain.metrics import MetricsLogger
+
+        params = run_context.original_args()
+        total = params.epoch_num * params.batch_num if params.batch_num else 0
+        cfg = MetricsConfig(log_steps=self.collect_freq, tensorboard=True, breakdown=self.breakdown)
+        self.summary_dir.mkdir(parents=True, exist_ok=True)
+        self.logger = MetricsLogger(self.summary_dir, cfg, total, enabled=params.rank == 0)
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        params = run_context.original_args()
+        if self.needs_host_values(params.cur_step_num):
+            self.logger.log(params.step_record)
+        self.logger.advance(params.cur_step_num)
+
+    def on_train_end(self, run_context: RunContext) -> None:
+        self.logger.close()

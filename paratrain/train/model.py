@@ -13,17 +13,23 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain import progress
-from paratrain.config import ParallelConfig
-from paratrain.context import ParallelMode, get_auto_parallel_context, parallel_config_for
+from paratrain.amp import LossScaleManager, precision_of
+from paratrain.config import MetricsConfig, ParallelConfig
+from paratrain.context import GRAPH_MODE, ParallelMode, get_auto_parallel_context, get_context, parallel_config_for
 from paratrain.distributed import init_from_env
+from paratrain.engine import Engine, TrainingDiverged
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
+from paratrain.metrics.timer import StepTimer
 from paratrain.nn import PipelineCell
 from paratrain.optim import tensor_kind
 from paratrain.parallel.data import shard_optimizer_state
 from paratrain.parallel.user import PlacedNet, place_net
+from paratrain.precision import LossScaleFloor, LossScaler, autocast
 from paratrain.stopping import StopAgreement
-from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext
+from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext, SummaryCollector
+from paratrain.train.metrics import (check_reducible, eval_rows, evaluating, get_metrics, global_loss,
+                                     reduce_metrics, update_metrics)
 
 
 class WithLoss(nn.Module):
@@ -42,10 +48,14 @@ class WithLoss(nn.Module):
                                   and any(isinstance(m, Primitive) for m in loss_fn.modules()))
 
     def forward(self, *batch):
+        return self.evaluate(*batch)[0]
+
+    def evaluate(self, *batch) -> tuple:
+        """(loss, output, label) of a batch: what MindSpore's ``WithEvalCell`` gives ``Model.eval``'s metrics."""
         output, label = self.network(*batch[:-1]), batch[-1]
         if self.whole_tensors:
             output, label = (t.full_tensor() if isinstance(t, DTensor) else t for t in (output, label))
-        return self.loss_fn(output, label)
+        return self.loss_fn(output, label), output, label
 
 
 def parallel_configs(network: nn.Module) -> list[ParallelConfig]:
@@ -100,19 +110,23 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]],
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
 
-def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple):
+def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, precision: str = "none"):
     """``net`` placed as the context's ``parallel_mode`` says: whole on every rank with its own collectives
     (hybrid), op by op on its strategies (semi-auto or auto parallel with ``paratrain.ops``), else by
     ``place_net`` (the blocks' plans, pipeline, data parallel)."""
     from paratrain.ops import Primitive
 
     mode = get_auto_parallel_context("parallel_mode")
+    if get_context("mode") == GRAPH_MODE and (mode == ParallelMode.HYBRID_PARALLEL or any(
+            isinstance(m, Primitive) for m in net.modules())):
+        raise UserError("set_context(mode=GRAPH_MODE) compiles the layers of a net of paratrain.nn blocks or "
+                        "torch modules; a hybrid-parallel net or one of paratrain.ops runs in PYNATIVE_MODE")
     if get_auto_parallel_context("parameter_broadcast") and layout.world_size > 1:
         broadcast_parameters(net.to(layout.device))  # on its device first: NCCL broadcasts only GPU tensors
     if mode == ParallelMode.HYBRID_PARALLEL:
         from paratrain.parallel.hybrid import HybridNet
 
-        return HybridNet(net, layout.device)
+        return HybridNet(net, layout.device, precision)
     if mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and layout.world_size > 1 and any(
             isinstance(m, Primitive) for m in net.modules()):
         from paratrain.parallel.semi_auto import place_semi_auto
@@ -125,8 +139,9 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple):
             from paratrain.parallel.auto import StrategyChooser
 
             choose = StrategyChooser.from_context(layout.world_size)
-        return place_semi_auto(net, batch, layout.device, layout.world_size, config.effective_zero_stage > 0, choose)
-    return place_net(net, config, layout, batch)
+        return place_semi_auto(net, batch, layout.device, layout.world_size, config.effective_zero_stage > 0, choose,
+                               precision)
+    return place_net(net, config, layout, batch, precision)
 
 
 @torch.no_grad()
@@ -147,6 +162,14 @@ def _as_batch(batch) -> tuple:
         return tuple(batch)
     raise UserError(f"Model.train: a batch must be a tuple of tensors (the net's forward arguments), got "
                     f"{type(batch).__name__}")
+
+
+def _ids_per_row(first) -> int:
+    """The tokens of a row of a batch whose first tensor is ``first``: its ids per row when it holds integer
+    ids, else 1 (a row is one sample)."""
+    if isinstance(first, torch.Tensor) and first.ndim > 1 and not first.is_floating_point():
+        return first[0].numel()
+    return 1
 
 
 def _kind(value) -> tuple[str, tuple[int, ...] | None]:
@@ -207,17 +230,37 @@ class Model:
     into the loss (the label is the batch's last tensor). ``optimizer`` is a plain ``torch.optim``
     optimizer built on the unsharded net; it is rebuilt on this rank's parameters (``rebuild_optimizer``),
     its groups' parameters matched by name.
+    ``amp_level`` "O1"/"O2"/"O3" computes in bf16 with fp32 weights, as ``train.mixed_precision = "bf16"``
+    does, or in fp16 with loss scaling when a ``loss_scale_manager`` (``paratrain.amp``) is given; "O0" in fp32.
+    Steps run on ``paratrain.engine``, as ``paratrain train``'s do.
     After ``train``, ``train_network`` is the placed net and ``optimizer`` the rebuilt optimizer.
+
+    ``metrics`` (a dict {name: ``Metric``}, or a set of names: "acc"/"accuracy", "loss") are what ``eval``
+    computes, on the outputs of ``eval_network`` (which shares the network's modules) or, without one, on
+    ``(loss_fn(output, label), output, label)`` of the network; ``eval_indexes`` [loss, output, label] say
+    which of the eval network's outputs the ``Loss`` metric and the others get (None: all of them to each).
     """
 
     def __init__(self, network: nn.Module, loss_fn: nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, metrics=None, amp_level: str = "O0"):
-        if metrics is not None:
-            raise UserError("Model(metrics=...): metrics are for Model.eval, which paratrain does not offer")
-        if amp_level != "O0":
-            raise UserError(f"Model(amp_level={amp_level!r}): only 'O0' (float32) is offered; build the net in "
-                            f"another dtype for lower precision")
+                 optimizer: torch.optim.Optimizer | None = None, metrics=None, eval_network: nn.Module | None = None,
+                 eval_indexes: list[int] | None = None, amp_level: str = "O0",
+                 loss_scale_manager: LossScaleManager | None = None):
+        self.metrics = get_metrics(metrics)
+        if self.metrics and eval_network is None and loss_fn is None:
+            raise UserError("Model(metrics=...) needs an eval_network, or a loss_fn to build one from the network "
+                            "(MindSpore's WithEvalCell: the network's output and the batch's last tensor, the label)")
+        if eval_indexes is not None and (eval_network is None or not isinstance(eval_indexes, list)
+                                         or len(eval_indexes) != 3):
+            raise UserError(f"Model(eval_indexes={eval_indexes!r}): give eval_network and a list of 3 indexes, the "
+                            f"positions of the loss, the output and the label among its outputs")
+        self.eval_network = eval_network
+        self.eval_indexes = [0, 1, 2] if eval_network is None else eval_indexes
+        self.precision = precision_of(amp_level, loss_scale_manager)
+        self.loss_scale_manager = loss_scale_manager
         self.network, self.loss_fn, self.optimizer = network, loss_fn, optimizer
+        self.loss_scaler: LossScaler | None = None  # made with the placed net; kept across train calls
+        self._engine: Engine | None = None  # one per train call
+        self._parameter_count = sum(p.numel() for p in network.parameters())
         self.train_network = None  # the placed net, from the first batch of ``train`` on
         self._first_batch: list | None = None  # the (dtype, shape) of each tensor of the batch it was placed with
         self._placement: tuple[ParallelConfig, Layout] | None = None  # kept for later ``train`` calls
@@ -246,12 +289,7 @@ class Model:
         if self.optimizer is None:
             raise UserError("Model.train needs an optimizer: Model(net, optimizer=torch.optim.AdamW(...))")
         rank, world_size = init_from_env()
-        if self._placement is None:
-            config = parallel_config_for(parallel_configs(self.network), world_size)
-            if isinstance(self.network, PipelineCell):  # MindSpore's micro_size is the micro-batch count
-                config = dataclasses.replace(config, micro_batch_num=self.network.micro_size)
-            self._placement = config, Layout(config, world_size)
-        config, layout = self._placement
+        config, layout = self._layout_for(world_size)
         shards = getattr(train_dataset, "num_shards", None) or 1
         if shards > 1 and not shards == config.data_parallel == world_size:
             raise UserError(f"Model.train: the dataset is split into num_shards={shards} for {world_size} ranks, "
@@ -265,13 +303,15 @@ class Model:
             cur_epoch_num=0, cur_step_num=0, cur_step_in_epoch=0, net_outputs=None, train_dataset=train_dataset,
             dataset_sink_mode=dataset_sink_mode, mode="train", device_number=world_size, rank=rank,
             parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout,
-            rows_of_this_rank=shards > 1, exit_requested=False)
+            rows_of_this_rank=shards > 1, exit_requested=False, loss_scaler=self.loss_scaler, step_record=None)
         run_context = RunContext(params)
+        hooks = _Callbacks(callbacks)
+        self._engine = None
         stream = self._stream(train_dataset) if sinks else None
         done = self._resume(resume, train_dataset, callbacks, dataset_sink_mode, config, layout, params)
         stop = StopAgreement(world_size)  # SIGTERM/SIGINT, `paratrain stop`: every rank stops at one step
         try:
-            with _Callbacks(callbacks) as hooks:
+            with hooks:
                 hooks.call("on_train_begin", run_context)
                 for current in range(done["epoch"] or 1, epoch + 1):  # a resumed run skips the epochs done
                     params.update(cur_epoch_num=current, cur_step_in_epoch=0)
@@ -286,7 +326,7 @@ class Model:
                     for batch in batches:
                         if not dataset_sink_mode:
                             hooks.call("on_train_step_begin", run_context)
-                        params.net_outputs = self._step(_as_batch(batch), config, layout, params)
+                        params.net_outputs = self._step(_as_batch(batch), config, layout, params, hooks)
                         params.cur_step_num += 1
                         params.cur_step_in_epoch += 1
                         if not dataset_sink_mode:
@@ -304,11 +344,19 @@ class Model:
                         params.batch_num = params.cur_step_in_epoch
                     if params.exit_requested:
                         break
+                    if self._engine is not None:
+                        self._engine.flush()
                     hooks.call("on_train_epoch_end", run_context)
                     if run_context.get_stop_requested():
                         break
+                if self._engine is not None:
+                    self._engine.flush()
                 params.exit_requested = stop.finish() or params.exit_requested
                 hooks.call("on_train_end", run_context)  # ModelCheckpoint saves the last step, stopped or not
+        except (TrainingDiverged, LossScaleFloor) as exc:
+            if rank == 0:
+                print(f"paratrain: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(exc.EXIT_CODE) from None
         finally:
             stop.close()
         if params.exit_requested:
@@ -361,14 +409,17 @@ class Model:
         """Place the net on the layout (``batch``: an example) and rebuild the optimizer on its shards."""
         net = self.network.network if isinstance(self.network, PipelineCell) else self.network
         net = net if self.loss_fn is None else WithLoss(net, self.loss_fn)
-        names = group_names(self.optimizer, net)
-        self.train_network = place(net, config, layout, batch)
+        names = group_names(self.optimizer, net) if self.optimizer is not None else None  # none: only eval
+        self.train_network = place(net, config, layout, batch, self.precision)
         if isinstance(self.network, PipelineCell):
             self.network.placed = self.train_network
-        self.optimizer = rebuild_optimizer(self.optimizer, names, self.train_network.named_parameters())
-        if isinstance(self.train_network, PlacedNet):  # semi-auto shards its optimizer by placements
-            shard_optimizer_state(self.optimizer, config, layout)
-        params.update(train_network=self.train_network, optimizer=self.optimizer)
+        if self.optimizer is not None:
+            self.optimizer = rebuild_optimizer(self.optimizer, names, self.train_network.named_parameters())
+            if isinstance(self.train_network, PlacedNet):  # semi-auto shards its optimizer by placements
+                shard_optimizer_state(self.optimizer, config, layout)
+        self.loss_scaler = (self.loss_scale_manager.scaler(layout.device) if self.loss_scale_manager is not None
+                            else LossScaler(False, device=layout.device))
+        params.update(train_network=self.train_network, optimizer=self.optimizer, loss_scaler=self.loss_scaler)
 
     def _check_batch(self, batch: tuple, config: ParallelConfig, where: str) -> None:
         """Refuse a batch unlike the first (its tensors' count, dtypes and shapes; the rows may differ, as in a
@@ -382,21 +433,131 @@ class Model:
                             f"{_kinds_text(self._first_batch)}: give every batch the first one's tensors, dtypes "
                             f"and shapes{rows}")
 
-    def _step(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams) -> torch.Tensor:
-        """One optimizer step on a global batch; places the net on the first. Returns the loss (on the device).
-        A batch unlike the first, or a loss that is no scalar, is refused naming the batch."""
+    def _step(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams,
+              hooks: "_Callbacks") -> torch.Tensor:
+        """One optimizer step on a global batch (``paratrain.engine``); places the net on the first. Returns the
+        loss (on the device, unless a callback reads this step's values). A batch unlike the first, or a loss
+        that is no scalar, is refused naming the batch."""
         where = f"batch index {params.cur_step_in_epoch} of epoch {params.cur_epoch_num}"
         self._check_batch(batch, config, where)
         if self.train_network is None:
             self._place(batch, config, layout, params)
-        try:
-            loss = self.train_network.train_step(batch, rows_of_this_rank=params.rows_of_this_rank)
-        except UserError as exc:  # a batch that does not split, a loss that is no scalar
-            raise UserError(f"Model.train: {where}: {exc}") from None
-        if params.parallel_mode == ParallelMode.DATA_PARALLEL and not get_auto_parallel_context("gradients_mean"):
-            for param in self.train_network.parameters():  # MindSpore's default: the ranks' gradients summed
-                if param.grad is not None:
-                    param.grad.mul_(config.data_parallel)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss
+        if self._engine is None:
+            self._engine = self._make_engine(layout, hooks)
+        summed = params.parallel_mode == ParallelMode.DATA_PARALLEL and not get_auto_parallel_context("gradients_mean")
+        rows = len(batch[0]) * (config.data_parallel if params.rows_of_this_rank else 1)
+        tokens = rows * _ids_per_row(batch[0])
+
+        def run(loss_scale: torch.Tensor) -> dict:
+            try:
+                loss = self.train_network.forward_backward(batch, loss_scale, params.rows_of_this_rank)
+            except UserError as exc:  # a batch that does not split, a loss that is no scalar
+                raise UserError(f"Model.train: {where}: {exc}") from None
+            if summed:  # MindSpore's default: the ranks' gradients summed
+                for param in self.train_network.parameters():
+                    if param.grad is not None:
+                        param.grad.mul_(config.data_parallel)
+            return {"loss": loss, "tokens": tokens, "samples": rows, "flops": 6.0 * self._parameter_count * tokens}
+
+        step = params.cur_step_num + 1
+        record = self._engine.step(step, run, any(c.needs_host_values(step) for c in hooks.callbacks))
+        params.step_record = record
+        loss = record["loss"]
+        return loss if isinstance(loss, torch.Tensor) else torch.tensor(loss, device="cpu")
+
+    def _make_engine(self, layout: Layout, hooks: "_Callbacks") -> Engine:
+        """The engine of one ``train`` call: MFU and the time breakdown only when a SummaryCollector asks."""
+        summaries = [c for c in hooks.callbacks if isinstance(c, SummaryCollector)]
+        timer = StepTimer(MetricsConfig(breakdown=any(c.breakdown for c in summaries)), device=layout.device,
+                          mfu=bool(summaries))
+        self.train_network.phase = timer.phase
+        return Engine(self.train_network.parts, self.optimizer, None, layout, self.loss_scaler, timer,
+                      diverged_hint=": lower the learning rate, use a loss_scale_manager with amp_level or check "
+                                    "the data")
+
+    def _layout_for(self, world_size: int) -> tuple[ParallelConfig, Layout]:
+        """The net's config and layout on ``world_size`` ranks, decided once for every later call."""
+        if self._placement is None:
+            segments = 1 + max((vars(m).get("pipeline_segment", 0) for m in self.network.modules()
+                                if "pipeline_stage" in vars(m)), default=0)
+            config = parallel_config_for(parallel_configs(self.network), world_size, segments)
+            if isinstance(self.network, PipelineCell):  # MindSpore's micro_size is the micro-batch count
+                config = dataclasses.replace(config, micro_batch_num=self.network.micro_size)
+            self._placement = config, Layout(config, world_size)
+        return self._placement
+
+    def eval(self, valid_dataset: Iterable, callbacks=None, dataset_sink_mode: bool = False) -> dict:
+        """MindSpore's ``Model.eval``: ``{name: metric.eval()}`` of the ``metrics`` over ``valid_dataset`` (global
+        batches as ``train`` takes them, or a dataset split per rank), in eval mode without gradients, on the
+        layout the net was trained on (placed on the first batch when not trained yet). Each data-parallel rank
+        evaluates its rows and the metrics' sums are added over the ranks: every rank returns what one process
+        would. Callbacks get the ``on_eval_*`` hooks (in sink mode the step hooks once, around the dataset).
+        A pipeline (pipeline_stage > 1) is refused: its traced stages end in the loss, not the output."""
+        if not self.metrics:
+            raise UserError("Model.eval needs metrics: Model(net, loss_fn, optimizer, metrics={'acc': Accuracy(), "
+                            "'loss': Loss()})")
+        rank, world_size = init_from_env()
+        config, layout = self._layout_for(world_size)
+        if config.pipeline_stage > 1:
+            raise UserError(f"Model.eval: pipeline_stage={config.pipeline_stage}: the traced stages of a pipeline end "
+                            f"in the loss, so the metrics cannot see the network's output; evaluate the trained "
+                            f"weights in a net placed without pipeline stages (load_checkpoint + load_param_into_net)")
+        shards = getattr(valid_dataset, "num_shards", None) or 1
+        if shards > 1 and not shards == config.data_parallel == world_size:
+            raise UserError(f"Model.eval: the dataset is split into num_shards={shards} for {world_size} ranks, "
+                            f"{config.data_parallel} of them data-parallel: a dataset split per rank needs "
+                            f"num_shards=get_group_size() and no model parallelism")
+        params = CallbackParams(
+            network=self.network, eval_network=self.eval_network, valid_dataset=valid_dataset, metrics=self.metrics,
+            batch_num=len(valid_dataset) if hasattr(valid_dataset, "__len__") else None, cur_epoch_num=1,
+            cur_step_num=0, net_outputs=None, dataset_sink_mode=dataset_sink_mode, mode="eval",
+            device_number=world_size, rank=rank, parallel_mode=get_auto_parallel_context("parallel_mode"),
+            parallel_config=config, layout=layout)
+        run_context = RunContext(params)
+        first = next(iter(valid_dataset), None)
+        if first is None:
+            raise UserError("Model.eval: valid_dataset gave no batch")
+        if self.train_network is None:
+            self._place(_as_batch(first), config, layout, params)
+        placed = self.train_network
+        root = placed.parts[0]  # run through it: its hooks gather and track the placed parameters
+        if self.eval_network is None:
+            forward, run = root.evaluate, root
+        elif any(m is root for m in self.eval_network.modules()):  # it calls the placed net itself
+            forward, run = None, self.eval_network
+        else:
+            forward, run = self.eval_network.__call__, root
+        loss_at = self.eval_indexes[0] if self.eval_indexes else None
+        for metric in self.metrics.values():
+            metric.clear()
+        group = None
+        with _Callbacks(callbacks) as hooks, evaluating(root, forward, [root, self.eval_network]):
+            hooks.call("on_eval_begin", run_context)
+            hooks.call("on_eval_epoch_begin", run_context)
+            if dataset_sink_mode:
+                hooks.call("on_eval_step_begin", run_context)
+            for batch in valid_dataset:
+                if not dataset_sink_mode:
+                    hooks.call("on_eval_step_begin", run_context)
+                inputs, group = eval_rows(placed, _as_batch(batch), shards > 1)
+                if params.cur_step_num == 0:
+                    check_reducible(self.metrics, group)
+                with autocast(self.precision, placed.device):  # as the net trains: amp_level
+                    outputs = run(*inputs)
+                outputs = [o.full_tensor() if isinstance(o, DTensor) else o
+                           for o in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))]
+                if loss_at is not None:  # the same on every rank: the global batch's
+                    rows = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.ndim), 1)
+                    outputs[loss_at] = global_loss(outputs[loss_at], rows, getattr(placed, "summed", False), group,
+                                                   placed.device)
+                update_metrics(self.metrics, outputs, self.eval_indexes)
+                params.net_outputs = tuple(outputs)
+                params.cur_step_num += 1
+                if not dataset_sink_mode:
+                    hooks.call("on_eval_step_end", run_context)
+            if dataset_sink_mode:
+                hooks.call("on_eval_step_end", run_context)
+            reduce_metrics(self.metrics, group, placed.device)
+            hooks.call("on_eval_epoch_end", run_context)
+            hooks.call("on_eval_end", run_context)
+        return {name: metric.eval() for name, metric in self.metrics.items()}

@@ -1,0 +1,121 @@
+"""The one training step of every net, under both faces, and the life of its records.
+
+``paratrain train`` (the built-in models: ``paratrain.trainer``) and MindSpore's ``Model.train`` (a user's
+net: ``paratrain.train.model``) build a model, its placement and an optimizer, then run each step here. The
+placement does what depends on it, forward and backward of one global batch::
+
+    out = run(loss_scale)   # {"loss": the global batch's loss (a device tensor, the same on every rank),
+                            #  "tokens": ..., "samples": ..., "flops": ...}
+
+leaving on every parameter the gradient of ``loss * loss_scale`` that one device would compute. The engine
+does the rest the same way for every net: unscale, clip by the global norm, optimizer and LR steps (an
+fp16 overflow skips the update, decided on the device), the loss-scale update, ``zero_grad``; then the
+step's record, whose device values (loss, grad norm, tokens, loss scale) stay on the device until a step
+that needs them on the host (``flush``): logged, saved, evaluated or the last. They come over together, then
+the record gets its rates (tokens/s, samples/s, MFU, memory), and a NaN or infinite loss raises
+:class:`TrainingDiverged` naming its step.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Callable
+
+import torch
+
+from paratrain.metrics.timer import StepTimer
+from paratrain.optim import clip_grad_norm
+from paratrain.precision import LossScaler
+
+# record values that stay on the device until a flush (the last two: fp16 only)
+ON_DEVICE = ("loss", "grad_norm", "tokens", "loss_scale", "skipped_steps")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the message names the step. Both faces exit with code 3."""
+
+    EXIT_CODE = 3
+
+
+class Engine:
+    """Runs training steps for this rank's ``parts`` (the modules holding its parameters) and keeps their records.
+
+    ``scheduler`` may be None (the optimizer sets its own rate, as MindSpore's optimizers with a
+    schedule do; the record's ``lr`` is then the first group's after the step). ``counted_in_norm`` (parameter
+    ids) and the pipeline group make the gradient norm count a parameter held by several stages once.
+    ``diverged_hint`` ends the message of a non-finite loss with what to change, in the face's words.
+    """
+
+    def __init__(self, parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer, scheduler, layout,
+                 loss_scaler: LossScaler, timer: StepTimer, *, grad_clip: float = 0.0, counted_in_norm=None,
+                 diverged_hint: str = ""):
+        self.parts, self.optimizer, self.scheduler, self.layout = parts, optimizer, scheduler, layout
+        self.loss_scaler, self.timer = loss_scaler, timer
+        self.grad_clip, self.counted_in_norm, self.diverged_hint = grad_clip, counted_in_norm, diverged_hint
+        self.device = layout.device
+        self._pending: list[dict] = []  # records whose device values are not on the host yet
+        self._window_start, self._outside = time.perf_counter(), 0.0
+
+    def parameters(self):
+        for part in self.parts:
+            yield from part.parameters()
+
+    def step(self, number: int, run: Callable[[torch.Tensor], dict], to_host: bool) -> dict:
+        """Step ``number`` (counting from 1): ``run(loss_scale)`` then the optimizer's part; returns its record,
+        whose device values are on the host when ``to_host`` (with those of the steps before it)."""
+        start = time.perf_counter()
+        with self.timer.step():
+            out = run(self.loss_scaler.scale)
+            with self.timer.phase("optimizer"):
+                self.loss_scaler.unscale_(self.parameters())
+                grad_norm = clip_grad_norm(list(self.parameters()), self.grad_clip, self.counted_in_norm,
+                                           self.layout.pp_group, self.device)
+                lr = self.scheduler.get_last_lr()[0] if self.scheduler is not None else None
+                self.loss_scaler.step(self.optimizer, self.scheduler, grad_norm)  # fp16: overflows skip the update
+                self.optimizer.zero_grad(set_to_none=True)
+        record = {"step": number, "loss": out["loss"], "grad_norm": grad_norm, "tokens": out["tokens"],
+                  "samples": out["samples"], "flops": out["flops"],
+                  "lr": lr if lr is not None else float(self.optimizer.param_groups[0]["lr"])}
+        if self.loss_scaler.enabled:
+            record.update(loss_scale=self.loss_scaler.scale, skipped_steps=self.loss_scaler.skipped_steps)
+        record["step_time_s"] = time.perf_counter() - start
+        self._pending.append(self.timer.finish(record))
+        if to_host:
+            self.flush()
+        return record
+
+    @contextlib.contextmanager
+    def between_steps(self):
+        """Context for work between steps (logging, evaluation, saving): its time is no step's."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._outside += time.perf_counter() - start
+
+    def flush(self) -> None:
+        """Bring the pending records' device values to the host in one copy and finish them (rates, MFU,
+        memory). Their step times are shares of the wall time since the last flush (the device has finished
+        their work now), minus the time spent between steps."""
+        records, self._pending = self._pending, []
+        if not records:
+            return
+        keys = [k for k in ON_DEVICE if isinstance(records[0].get(k), torch.Tensor)]
+        values = torch.stack([r[k].double() for r in records for k in keys]).tolist()
+        self.loss_scaler.check()
+        now = time.perf_counter()
+        window = now - self._window_start - self._outside
+        host = sum(r["step_time_s"] for r in records)
+        self._window_start, self._outside = now, 0.0
+        for i, r in enumerate(records):
+            r.update(zip(keys, values[i * len(keys):(i + 1) * len(keys)]))
+            r["tokens"] = int(r["tokens"])
+            if "skipped_steps" in r:
+                r["skipped_steps"] = int(r["skipped_steps"])
+            if not math.isfinite(r["loss"]):
+                raise TrainingDiverged(f"loss is {r['loss']} at step {r['step']}{self.diverged_hint}")
+            r["step_time_s"] *= window / host if host > 0 else 1.0
+            r.update(tokens_per_s=r["tokens"] / r["step_time_s"], samples_per_s=r.pop("samples") / r["step_time_s"])
+            self.timer.rates(r)
+

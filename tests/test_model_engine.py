@@ -1,0 +1,195 @@
+"""MindSpore's ``Model.train`` on the engine ``paratrain train`` runs (``paratrain.engine``): amp levels and
+loss-scale managers, SummaryCollector's records, a non-finite loss ending the run with exit code 3."""
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multiprocess import run_distributed
+from paratrain.amp import DynamicLossScaleManager, FixedLossScaleManager
+from paratrain.context import reset_auto_parallel_context
+from paratrain.errors import UserError
+from paratrain.train import LossMonitor, Model, SummaryCollector
+from test_metrics import _train as train_builtin
+
+
+class Net(nn.Module):
+    """A user's net of two matmuls that returns its loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 1)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc2(torch.tanh(self.fc1(x))).float(), y)
+
+
+@pytest.fixture(autouse=True)
+def fresh_context():
+    yield
+    reset_auto_parallel_context()
+
+
+def dataset(batches=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(batches)]
+
+
+def model_losses(amp_level="O0", manager=None, data=None, callbacks=()):
+    torch.manual_seed(0)
+    net = Net()
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2), amp_level=amp_level,
+                  loss_scale_manager=manager)
+    losses = []
+
+    class Record(LossMonitor):
+        def on_train_step_end(self, run_context):
+            losses.append(float(run_context.original_args().net_outputs))
+
+    model.train(1, data or dataset(), callbacks=[Record(), *callbacks])
+    return losses
+
+
+def plain_bf16_losses(data):
+    """The same net in a plain loop under ``paratrain train``'s bf16: fp32 weights, matmuls autocast to bf16."""
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    losses = []
+    for x, y in data:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = net(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("amp_level", ["O1", "O2", "O3"])
+def test_amp_levels_train_in_bf16_as_paratrain_train_does(amp_level):
+    data = dataset()
+    bf16, fp32 = model_losses(amp_level, data=data), model_losses("O0", data=data)
+    assert bf16 == pytest.approx(plain_bf16_losses(data), rel=1e-6)
+    assert max(abs(a - b) for a, b in zip(bf16, fp32)) > 1e-4  # bf16 compute, not fp32
+
+
+@pytest.mark.parametrize("manager", [FixedLossScaleManager(1024.0), DynamicLossScaleManager(2.0 ** 10, 2, 2)],
+                         ids=["fixed", "dynamic"])
+def test_loss_scale_managers_train_in_fp16_and_record_the_scale(tmp_path, manager):
+    data = dataset()
+    fp16 = model_losses("O2", manager, data, callbacks=[SummaryCollector(tmp_path, collect_freq=1)])
+    fp32 = model_losses("O0", data=data)
+    assert fp16 == pytest.approx(fp32, rel=2e-2) and fp16 != fp32
+    scales = [json.loads(line)["loss_scale"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    growth = isinstance(manager, DynamicLossScaleManager)
+    assert scales == ([2.0 ** 10 * 2 ** (i // 2) for i in range(1, 5)] if growth else [1024.0] * 4)
+
+
+def test_fixed_loss_scale_skips_an_overflowed_step():
+    data = dataset()
+    data[1] = (data[1][0] * 1e4, data[1][1])  # fp16 overflows in step 2's gradients at this scale
+    torch.manual_seed(0)
+    net = Net()
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2), amp_level="O2",
+                  loss_scale_manager=FixedLossScaleManager(2.0 ** 15))
+    model.train(1, data)
+    assert int(model.loss_scaler.skipped_steps) >= 1 and float(model.loss_scaler.scale) == 2.0 ** 15
+    assert all(torch.isfinite(p).all() for p in model.train_network.parameters())
+
+
+def test_summary_collector_writes_paratrain_trains_keys_and_tensorboard(tmp_path):
+    builtin = train_builtin(tmp_path, "builtin", steps=2, log_steps=1)
+    model_losses(data=dataset(5), callbacks=[SummaryCollector(tmp_path / "summary", collect_freq=2)])
+    logged = [json.loads(line) for line in (tmp_path / "summary" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [2, 4, 5]  # every collect_freq steps and the last
+    assert set(logged[0]) == set(builtin[0]) | {"time"}
+    assert all(r["tokens_per_s"] > 0 and r["samples_per_s"] == pytest.approx(8 / r["step_time_s"]) for r in logged)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "summary"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [2, 4, 5]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([r["loss"] for r in logged])
+
+
+def test_summary_collector_breakdown_has_the_phases_of_a_user_net(tmp_path):
+    model_losses(data=dataset(2), callbacks=[SummaryCollector(tmp_path, collect_freq=1, breakdown=True)])
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    b = record["breakdown"]
+    assert b["forward_s"] > 0 and b["backward_s"] > 0 and b["optimizer_s"] > 0
+    assert sum(b[f"{p}_pct"] for p in ("forward", "backward", "optimizer", "comm", "pipeline_idle", "other")) \
+        == pytest.approx(100, abs=2)
+
+
+def test_summary_collector_refuses_what_it_cannot_write(tmp_path):
+    with pytest.raises(UserError, match="collect_freq"):
+        SummaryCollector(tmp_path, collect_freq=0)
+    with pytest.raises(UserError, match="histogram_regular"):
+        SummaryCollector(tmp_path, collect_specified_data={"histogram_regular": "^fc"})
+
+
+def test_a_non_finite_loss_ends_the_run_with_exit_3_naming_the_step(capsys):
+    data = dataset()
+    data[2] = (data[2][0], torch.full_like(data[2][1], float("nan")))
+    with pytest.raises(SystemExit) as stopped:
+        model_losses(data=data, callbacks=[])
+    assert stopped.value.code == 3
+    assert "paratrain: loss is nan at step 3" in capsys.readouterr().err
+
+
+def _train_dp2_bf16():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        return model_losses("O2", data=dataset())
+
+
+@pytest.mark.timeout(120)
+def test_bf16_on_two_data_parallel_ranks_gives_the_losses_of_one_process():
+    one = model_losses("O2", data=dataset())
+    for losses in run_distributed(_train_dp2_bf16, 2):
+        assert losses == pytest.approx(one, rel=1e-2)
+
+
+def _graph_mode_losses(graph):
+    import paratrain
+
+    paratrain.set_context(mode=paratrain.GRAPH_MODE if graph else paratrain.PYNATIVE_MODE)
+    torch.manual_seed(0)
+    net = Net()
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2))
+    losses = []
+
+    class Record(LossMonitor):
+        def on_train_step_end(self, run_context):
+            losses.append(float(run_context.original_args().net_outputs))
+
+    model.train(1, dataset(3), callbacks=[Record()])
+    return losses, model.train_network.parts[0]._compiled_call_impl is not None
+
+
+@pytest.mark.slow
+def test_graph_mode_compiles_the_net_with_the_eager_losses():
+    # child processes: inductor's compile workers must not be inherited by the processes later tests fork
+    (eager, eager_compiled), = run_distributed(_graph_mode_losses, 1, False, timeout=240)
+    (graph, graph_compiled), = run_distributed(_graph_mode_losses, 1, True, timeout=240)
+    assert graph_compiled and not eager_compiled
+    assert graph == pytest.approx(eager, rel=1e-4)
+
+
+def test_set_context_refuses_what_it_cannot_honour():
+    import paratrain
+
+    with pytest.raises(UserError, match="GRAPH_MODE"):
+        paratrain.set_context(mode=2)
+    with pytest.raises(UserError, match="Ascend"):
+        paratrain.set_context(device_target="Ascend")
+    with pytest.raises(UserError, match="this run is on the CPU"):
+        paratrain.set_context(device_target="GPU")
+    with pytest.raises(UserError, match="not offered"):
+        paratrain.set_context(save_graphs=True)
+    assert paratrain.get_context("mode") == paratrain.PYNATIVE_MODE
