@@ -6,7 +6,8 @@ launch's own arguments instead of starting anything.
   and starts its node's ranks. ``--requeue``: a requeued job resumes from the run directory's last checkpoint.
 - ``pytorchjob``: a Kubeflow PyTorchJob (``kubeflow.org/v1``) as JSON, which ``kubectl apply -f`` takes: a Master
   and ``nnodes - 1`` Workers, one pod per node, each running ``paratrain train`` itself (one rank per pod) or
-  ``paratrain launch``, which reads the operator's ``PET_*`` variables (:func:`paratrain.launch.hosts.kubeflow_from_env`).
+  ``paratrain launch``, which reads the operator's ``PET_*`` variables
+  (:func:`paratrain.launch.hosts.kubeflow_from_env`).
 
 Both ask for GPUs (``nproc_per_node`` a node) unless ``PARATRAIN_DEVICE=cpu`` is set where they are written, in
 which case they ask for as many CPUs and pass that setting on.
@@ -20,8 +21,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from paratrain.launch import _check_train_config, _launch_flags
-from paratrain.launch.jobs import JobError
+from paratrain.launch import _check_train_config, _launch_flags, _run_dir
+from paratrain.launch.jobs import JobError, jobs_home
 
 KUBEFLOW_PORT = 23456  # the training operator's default for the master's "pytorchjob-port"
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -30,8 +31,8 @@ NOT_WITH_EMIT = {"node_rank": "each node's rank", "master_addr": "node 0's addre
 
 
 def emit(args, name: str, job_dir: Path, words: list[str]) -> int:
-    """Write the ``args.emit`` job file of this launch (``words``: the command, with its run directory) to
-    ``args.emit_out`` or stdout; refuse arguments a cluster's scheduler decides itself."""
+    """Write the ``args.emit`` job file of this launch (``job_dir``: its directory; ``words``: the command, with
+    its run directory) to ``args.emit_out`` or stdout; refuse arguments a cluster's scheduler decides itself."""
     for flag, what in NOT_WITH_EMIT.items():
         if getattr(args, flag) not in (None, ""):
             raise JobError(f"--emit {args.emit} with --{flag.replace('_', '-')}: the cluster's scheduler chooses "
@@ -49,27 +50,31 @@ def emit(args, name: str, job_dir: Path, words: list[str]) -> int:
         name = _kubernetes_name(name, args.name is not None, nnodes)
     _check_train_config(words, nnodes * nproc)
     gpus = os.environ.get("PARATRAIN_DEVICE", "auto") != "cpu"
+    run_dir = Path(_run_dir(words, job_dir))
     if args.emit == "sbatch":
-        text = sbatch_script(args, name, job_dir, words, nnodes, nproc, gpus)
+        text = sbatch_script(args, name, run_dir, words, nnodes, nproc, gpus)
     else:
         text = json.dumps(pytorchjob(args, name, words, nnodes, nproc, gpus), indent=2) + "\n"
     where = "every pod mounts at that path (a ReadWriteMany volume in the pod template)" \
         if args.emit == "pytorchjob" else "every node shares"
     if args.emit_out:
-        Path(args.emit_out).write_text(text)
+        try:
+            Path(args.emit_out).write_text(text)
+        except OSError as exc:
+            raise JobError(f"--emit-out {args.emit_out}: cannot write: {exc.strerror}") from None
         print(f"paratrain launch: wrote {args.emit_out} ({args.emit}, {nnodes} node(s) x {nproc} rank(s))",
               file=sys.stderr)
     else:
         sys.stdout.write(text)
-    print(f"paratrain launch: the run directory {job_dir} must be storage {where}", file=sys.stderr)
+    print(f"paratrain launch: the run directory {run_dir} must be storage {where}", file=sys.stderr)
     return 0
 
 
-def sbatch_script(args, name: str, job_dir: Path, words: list[str], nnodes: int, nproc: int, gpus: bool) -> str:
+def sbatch_script(args, name: str, run_dir: Path, words: list[str], nnodes: int, nproc: int, gpus: bool) -> str:
     """A Slurm batch script: ``nnodes`` nodes, one task each running ``paratrain launch`` for ``nproc`` ranks."""
-    job_dir.mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there before the script runs
+    run_dir.mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there before the script runs
     resources = f"--gpus-per-node={nproc}" if gpus else f"--cpus-per-task={nproc}"
-    device = [] if gpus else [f"export PARATRAIN_DEVICE={shlex.quote(os.environ['PARATRAIN_DEVICE'])}"]
+    device = [] if gpus else ["export PARATRAIN_DEVICE=cpu"]
     launch = shlex.join([sys.executable, "-m", "paratrain", "launch"])
     flags = shlex.join([*_launch_flags(args, None, nnodes=None, nproc_per_node=nproc), "--", *words])
     lines = [
@@ -81,13 +86,13 @@ def sbatch_script(args, name: str, job_dir: Path, words: list[str], nnodes: int,
         f"#SBATCH {resources}",
         "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
-        f"#SBATCH --output={shlex.quote(str(job_dir / 'slurm-%j.out'))}",
+        f"#SBATCH --output={shlex.quote(str(run_dir / 'slurm-%j.out'))}",
         f"#SBATCH --chdir={shlex.quote(os.getcwd())}",
-        f"# The run directory {job_dir} must be on storage every node shares (as must this Python,",
+        f"# The run directory {run_dir} must be on storage every node shares (as must this Python,",
         f"# {sys.executable}, and the files the command reads): every node's ranks write their checkpoint",
         "# shards there, and a requeued job resumes from its last checkpoint on whichever nodes it gets.",
         "set -eu",
-        f"export PARATRAIN_HOME={shlex.quote(str(job_dir.parent))}",
+        f"export PARATRAIN_HOME={shlex.quote(str(jobs_home()))}",
         *device,
         "# One launcher per node: its node rank, the node count and node 0's address come from SLURM_*; its",
         "# record and rank logs are in $PARATRAIN_HOME/slurm-<job id>, which a requeue of this job takes over.",
@@ -106,7 +111,7 @@ def pytorchjob(args, name: str, words: list[str], nnodes: int, nproc: int, gpus:
     container = {"name": "pytorch", "image": args.image, "command": command,
                  "ports": [{"name": "pytorchjob-port", "containerPort": args.master_port or KUBEFLOW_PORT}]}
     if not gpus:
-        container["env"] = [{"name": "PARATRAIN_DEVICE", "value": os.environ["PARATRAIN_DEVICE"]}]
+        container["env"] = [{"name": "PARATRAIN_DEVICE", "value": "cpu"}]
     container["resources"] = {"limits": {"nvidia.com/gpu": nproc} if gpus else {"cpu": nproc}}
 
     def replicas(count: int) -> dict:
