@@ -2,7 +2,8 @@
 
 ``hosts`` reads hostfiles, rank tables, Slurm allocations and Kubeflow pods, ``jobs`` keeps the
 job records, ``launcher`` runs torchrun on a node or ssh on every node, ``stop``
-asks every node to stop, ``failure`` and ``rendezvous`` say what went wrong.
+asks every node to stop, ``failure`` and ``rendezvous`` say what went wrong, ``emit`` writes a launch as a
+Slurm batch script or a Kubeflow PyTorchJob (``--emit``), and ``msrun`` takes MindSpore's msrun flags.
 """
 from __future__ import annotations
 
@@ -49,13 +50,14 @@ def _with_run_dir(words: list[str], job_dir: Path) -> list[str]:
     return [*words, f"--run.dir={job_dir}"]
 
 
-def _launch_flags(args, name: str, **overrides) -> list[str]:
-    """The ``paratrain launch`` options that repeat this launch (for --detach and for each node)."""
+def _launch_flags(args, name: str | None, **overrides) -> list[str]:
+    """The ``paratrain launch`` options that repeat this launch (for --detach, for each node and for a job file);
+    without ``--name`` when ``name`` is None."""
     values = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes, "node_rank": args.node_rank,
               "master_addr": args.master_addr, "master_port": args.master_port,
               "collective_timeout": args.collective_timeout, "join_timeout": args.join_timeout, **overrides}
     argv = [f"--{key.replace('_', '-')}={value}" for key, value in values.items() if value is not None]
-    return [*argv, f"--name={name}"]
+    return argv if name is None else [*argv, f"--name={name}"]
 
 
 def _topology(args):
@@ -123,6 +125,12 @@ def cmd_launch(args) -> int:
     name = joblib.check_name(name)
     job_dir = joblib.jobs_home() / name
     words = _with_run_dir(args.words, job_dir)
+    if args.emit is not None:
+        from paratrain.launch import emit
+
+        return emit.emit(args, name, job_dir, words)
+    if args.image or args.emit_out:
+        raise JobError("--image and --emit-out go with --emit sbatch|pytorchjob")
     hosts = None
     if (args.include or args.exclude) and not (args.hostfile or args.rank_table):
         raise HostError("--include and --exclude pick hosts of a --hostfile or --rank-table: give one, or leave "
@@ -294,6 +302,11 @@ def register(sub) -> None:
     p.add_argument("--name", help="job name = run directory under $PARATRAIN_HOME (default runs/); generated if absent")
     p.add_argument("--detach", action="store_true", help="run in the background, surviving the terminal")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun / per-node ssh commands, start nothing")
+    p.add_argument("--emit", choices=("sbatch", "pytorchjob"),
+                   help="start nothing: print this launch as a Slurm batch script (one 'paratrain launch' per node) "
+                        "or a Kubeflow PyTorchJob (JSON, for kubectl apply -f); GPUs unless PARATRAIN_DEVICE=cpu")
+    p.add_argument("--emit-out", metavar="FILE", help="write the --emit job file to FILE instead of stdout")
+    p.add_argument("--image", help="--emit pytorchjob: the container image of its pods (paratrain and your files)")
     p.add_argument("--collective-timeout", type=float, help="seconds before a stuck collective fails (default 600)")
     p.add_argument("--join-timeout", type=float, default=600.0,
                    help="seconds a multi-node launch waits for every node to join before it gives up (default 600)")
@@ -301,6 +314,9 @@ def register(sub) -> None:
                    help="the paratrain subcommand each rank runs, e.g. -- train --config c.toml, "
                         "or a Python script and its arguments, e.g. -- train.py --epochs 2")
     p.set_defaults(func=cmd_launch)
+    from paratrain.launch import msrun
+
+    msrun.register(sub, launch_parser=p)
 
     p = sub.add_parser("jobs", help="list jobs: state, ranks, elapsed time, last step and loss")
     p.add_argument("name", nargs="*", help="only these jobs")

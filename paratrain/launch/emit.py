@@ -1,0 +1,136 @@
+"""``paratrain launch --emit sbatch|pytorchjob``: the job file a cluster's scheduler runs, written from a
+launch's own arguments instead of starting anything.
+
+- ``sbatch``: a Slurm batch script whose one task per node runs ``paratrain launch``; each of those reads its
+  node rank, the node count and node 0's address from the allocation (:func:`paratrain.launch.hosts.slurm_from_env`)
+  and starts its node's ranks. ``--requeue``: a requeued job resumes from the run directory's last checkpoint.
+- ``pytorchjob``: a Kubeflow PyTorchJob (``kubeflow.org/v1``) as JSON, which ``kubectl apply -f`` takes: a Master
+  and ``nnodes - 1`` Workers, one pod per node, each running ``paratrain train`` itself (one rank per pod) or
+  ``paratrain launch``, which reads the operator's ``PET_*`` variables
+  (:func:`paratrain.launch.hosts.kubeflow_from_env`).
+
+Both ask for GPUs (``nproc_per_node`` a node) unless ``PARATRAIN_DEVICE=cpu`` is set where they are written, in
+which case they ask for as many CPUs and pass that setting on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+from paratrain.launch import _check_train_config, _launch_flags, _run_dir
+from paratrain.launch.jobs import JobError, jobs_home
+
+KUBEFLOW_PORT = 23456  # the training operator's default for the master's "pytorchjob-port"
+_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+NOT_WITH_EMIT = {"node_rank": "each node's rank", "master_addr": "node 0's address", "hostfile": "the nodes",
+                 "rank_table": "the nodes", "include": "the nodes", "exclude": "the nodes"}
+
+
+def emit(args, name: str, job_dir: Path, words: list[str]) -> int:
+    """Write the ``args.emit`` job file of this launch (``job_dir``: its directory; ``words``: the command, with
+    its run directory) to ``args.emit_out`` or stdout; refuse arguments a cluster's scheduler decides itself."""
+    for flag, what in NOT_WITH_EMIT.items():
+        if getattr(args, flag) not in (None, ""):
+            raise JobError(f"--emit {args.emit} with --{flag.replace('_', '-')}: the cluster's scheduler chooses "
+                           f"{what} when the job starts; leave it out")
+    for flag in ("detach", "dry_run"):
+        if getattr(args, flag):
+            raise JobError(f"--emit writes a job file and starts nothing: --{flag.replace('_', '-')} does not apply")
+    if args.emit == "pytorchjob" and not args.image:
+        raise JobError("--emit pytorchjob needs --image IMAGE: the container image every pod runs, with paratrain "
+                       "and the files the command reads")
+    if args.emit != "pytorchjob" and args.image:
+        raise JobError(f"--image names the container image of --emit pytorchjob; --emit {args.emit} has none")
+    nnodes, nproc = args.nnodes or 1, args.nproc_per_node or 1
+    if args.emit == "pytorchjob":
+        name = _kubernetes_name(name, args.name is not None, nnodes)
+    _check_train_config(words, nnodes * nproc)
+    gpus = os.environ.get("PARATRAIN_DEVICE", "auto") != "cpu"
+    run_dir = Path(_run_dir(words, job_dir))
+    if args.emit == "sbatch":
+        text = sbatch_script(args, name, run_dir, words, nnodes, nproc, gpus)
+    else:
+        text = json.dumps(pytorchjob(args, name, words, nnodes, nproc, gpus), indent=2) + "\n"
+    where = "every pod mounts at that path (a ReadWriteMany volume in the pod template)" \
+        if args.emit == "pytorchjob" else "every node shares"
+    if args.emit_out:
+        try:
+            Path(args.emit_out).write_text(text)
+        except OSError as exc:
+            raise JobError(f"--emit-out {args.emit_out}: cannot write: {exc.strerror}") from None
+        print(f"paratrain launch: wrote {args.emit_out} ({args.emit}, {nnodes} node(s) x {nproc} rank(s))",
+              file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    print(f"paratrain launch: the run directory {run_dir} must be storage {where}", file=sys.stderr)
+    return 0
+
+
+def sbatch_script(args, name: str, run_dir: Path, words: list[str], nnodes: int, nproc: int, gpus: bool) -> str:
+    """A Slurm batch script: ``nnodes`` nodes, one task each running ``paratrain launch`` for ``nproc`` ranks."""
+    run_dir.mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there before the script runs
+    resources = f"--gpus-per-node={nproc}" if gpus else f"--cpus-per-task={nproc}"
+    device = [] if gpus else ["export PARATRAIN_DEVICE=cpu"]
+    launch = shlex.join([sys.executable, "-m", "paratrain", "launch"])
+    flags = shlex.join([*_launch_flags(args, None, nnodes=None, nproc_per_node=nproc), "--", *words])
+    lines = [
+        "#!/bin/bash",
+        f"# paratrain job {name}: {nnodes} node(s) x {nproc} rank(s). Submit with: sbatch <this file>",
+        f"#SBATCH --job-name={name}",
+        f"#SBATCH --nodes={nnodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH {resources}",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --output={shlex.quote(str(run_dir / 'slurm-%j.out'))}",
+        f"#SBATCH --chdir={shlex.quote(os.getcwd())}",
+        f"# The run directory {run_dir} must be on storage every node shares (as must this Python,",
+        f"# {sys.executable}, and the files the command reads): every node's ranks write their checkpoint",
+        "# shards there, and a requeued job resumes from its last checkpoint on whichever nodes it gets.",
+        "set -eu",
+        f"export PARATRAIN_HOME={shlex.quote(str(jobs_home()))}",
+        *device,
+        "# One launcher per node: its node rank, the node count and node 0's address come from SLURM_*; its",
+        "# record and rank logs are in $PARATRAIN_HOME/slurm-<job id>, which a requeue of this job takes over.",
+        f'srun --ntasks-per-node=1 --kill-on-bad-exit=1 {launch} --name="slurm-$SLURM_JOB_ID" {flags}',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def pytorchjob(args, name: str, words: list[str], nnodes: int, nproc: int, gpus: bool) -> dict:
+    """A Kubeflow PyTorchJob: one pod per node, each with ``nproc`` ranks, restarted on failure."""
+    if nproc == 1 and words[:1] == ["train"]:  # the pod is the rank: paratrain.cluster reads PET_NODE_RANK
+        command = ["python", "-m", "paratrain", *words]
+    else:  # records and rank logs stay in the container: a restarted one must not find its own as running
+        command = ["python", "-m", "paratrain", "launch", *_launch_flags(args, name, nnodes=None, nproc_per_node=nproc,
+                                                                        master_port=None), "--", *words]
+    container = {"name": "pytorch", "image": args.image, "command": command,
+                 "ports": [{"name": "pytorchjob-port", "containerPort": args.master_port or KUBEFLOW_PORT}]}
+    if not gpus:
+        container["env"] = [{"name": "PARATRAIN_DEVICE", "value": "cpu"}]
+    container["resources"] = {"limits": {"nvidia.com/gpu": nproc} if gpus else {"cpu": nproc}}
+
+    def replicas(count: int) -> dict:
+        return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": {"containers": [container]}}}
+
+    specs = {"Master": replicas(1), **({"Worker": replicas(nnodes - 1)} if nnodes > 1 else {})}
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name},
+            "spec": {"nprocPerNode": str(nproc), "pytorchReplicaSpecs": specs}}
+
+
+def _kubernetes_name(name: str, given: bool, nnodes: int) -> str:
+    """``name`` as a PyTorchJob's name: a DNS label (the operator's rule) short enough for its pods' services,
+    ``<name>-worker-<i>``; a generated name is lower-cased, a given one that breaks the rule refused."""
+    if not given:
+        name = name.lower()
+    longest = len(f"-worker-{nnodes - 2}" if nnodes > 1 else "-master-0")
+    if _DNS_LABEL.fullmatch(name) is None or len(name) + longest > 63:
+        fixed = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:63 - longest].rstrip("-")
+        raise JobError(f"--name {name!r}: a PyTorchJob's name must be lowercase letters, digits and '-', start "
+                       f"with a letter and be at most {63 - longest} characters (its pods' services are "
+                       f"{name}-master-0, ...): e.g. --name {fixed or 'job'}")
+    return name
