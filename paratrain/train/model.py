@@ -289,6 +289,7 @@ class Model:
         if self.optimizer is None:
             raise UserError("Model.train needs an optimizer: Model(net, optimizer=torch.optim.AdamW(...))")
         rank, world_size = init_from_env()
+        progress.start(rank)  # under `paratrain launch`: the job's records show the steps and saves
         config, layout = self._layout_for(world_size)
         shards = getattr(train_dataset, "num_shards", None) or 1
         if shards > 1 and not shards == config.data_parallel == world_size:
