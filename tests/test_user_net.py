@@ -329,3 +329,51 @@ def test_a_ranks_share_that_does_not_split_into_micro_batches_is_refused_naming_
         placed.forward_backward(_batches(1)[0], rows_of_this_rank=True)
     with pytest.raises(UserError, match=r"\(data_parallel=1 x micro_batch_num=3\)"):
         placed.forward_backward(_batches(1)[0])
+
+
+class FusedNet(Net):
+    """Net whose cells are put in MindSpore's communication groups by hand (``comm_fusion``, as
+    ``Cell.set_comm_fusion`` sets it): blocks 0-1, blocks 2-3 with the head, the embedding alone."""
+
+    def __init__(self):
+        super().__init__()
+        for module, group in [(self.blocks[0], 1), (self.blocks[1], 1), (self.blocks[2], 2), (self.blocks[3], 2),
+                              (self.head, 2), (self.embedding, 3)]:
+            for inner in module.modules():
+                inner.comm_fusion = group
+
+
+def _fused_groups(parallel):
+    from paratrain.config import ParallelConfig
+    from paratrain.distributed import init_from_env
+    from paratrain.mesh import Layout
+    from paratrain.parallel.user import place_net
+
+    _, world = init_from_env()
+    torch.manual_seed(0)
+    net = FusedNet()
+    config = ParallelConfig(**parallel)
+    place_net(net, config, Layout(config, world), _batches(1)[0])
+    state = [m._get_fsdp_state() for m in (*net.blocks, net.head, net.embedding)]
+    return [a is b for a, b in zip(state, state[1:])]
+
+
+@pytest.mark.slow
+def test_comm_fusion_groups_are_the_fsdp_units_and_train_as_one_process(one_process):
+    parallel = {"data_parallel": 2, "zero_stage": 3}
+    # blocks 0 = 1, 1 != 2, 2 = 3, 3 = head, head != embedding
+    assert run_distributed(_fused_groups, 2, parallel, timeout=120)[0] == [True, False, True, True, False]
+    got = run_distributed(train, 2, parallel, 4, FusedNet, timeout=300)[0]
+    for step, (g, want) in enumerate(zip(got, one_process)):
+        assert g == pytest.approx(want, rel=1e-4), f"step {step + 1}"
+
+
+def test_sequence_parallel_on_a_users_net_is_refused():
+    from paratrain.config import ParallelConfig
+    from paratrain.errors import UserError
+    from paratrain.mesh import Layout
+    from paratrain.parallel.user import place_net
+
+    config = ParallelConfig(sequence_parallel=True)
+    with pytest.raises(UserError, match="sequence_parallel on a user's net is not offered"):
+        place_net(Net(), config, Layout(config, 1), _batches(1)[0])

@@ -40,7 +40,7 @@ from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
 from paratrain.precision import autocast
-from paratrain.parallel.data import apply_data_parallel
+from paratrain.parallel.data import apply_data_parallel, fusion_groups
 from paratrain.parallel.pipeline import SCHEDULES, integer_boundaries
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import _gradient_like_parameter
@@ -125,6 +125,10 @@ class PlacedNet:
     def __init__(self, net: nn.Module, config: ParallelConfig, layout: Layout, example: tuple,
                  precision: str = "none"):
         self.config, self.layout, self.device, self.precision = config, layout, layout.device, precision
+        if config.sequence_parallel:
+            raise UserError("sequence_parallel on a user's net is not offered: its own modules between the blocks "
+                            "(residuals, norms) would need sequence-sharded activations; leave it off (the built-in "
+                            "models of `paratrain train` have it)")
         self.summed = _sum_and_count(net)
         net.to(self.device)
         self.pipeline = None
@@ -160,7 +164,9 @@ class PlacedNet:
             for layer in [layer for layer in layers if layer in set(module.modules())] or [module]:
                 layer.compile()
         if config.data_parallel > 1:
-            apply_data_parallel(module, config, self.layout, root=root, every_batch_norm=False)
+            groups = [[m for m in group if m in set(module.modules())] for group in fusion_groups(originals)]
+            apply_data_parallel(module, config, self.layout, root=root, every_batch_norm=False,
+                                groups=[group for group in groups if group] or None)
         return module
 
     def _pipeline_stage(self, net: nn.Module, example: tuple) -> nn.Module:
