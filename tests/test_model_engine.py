@@ -193,3 +193,17 @@ def test_set_context_refuses_what_it_cannot_honour():
     with pytest.raises(UserError, match="not offered"):
         paratrain.set_context(save_graphs=True)
     assert paratrain.get_context("mode") == paratrain.PYNATIVE_MODE
+
+
+def test_a_net_that_cannot_fit_is_refused_before_its_first_step(monkeypatch):
+    from paratrain import preflight
+
+    monkeypatch.setattr(preflight, "host_memory", lambda: 4096)  # bytes: less than the net's state
+    torch.manual_seed(0)
+    net = Net()
+    ran = []
+    net.register_forward_pre_hook(lambda *_: ran.append(1))
+    params = sum(p.numel() for p in net.parameters())
+    with pytest.raises(UserError, match=f"the net's {params:.3g} parameters need .* more than this host's 4 KiB"):
+        Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2)).train(1, dataset(1))
+    assert not ran

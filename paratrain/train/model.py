@@ -25,6 +25,7 @@ from paratrain.nn import PipelineCell
 from paratrain.optim import tensor_kind
 from paratrain.parallel.data import shard_optimizer_state
 from paratrain.parallel.user import PlacedNet, place_net
+from paratrain.preflight import net_memory_problem
 from paratrain.precision import LossScaleFloor, LossScaler, autocast
 from paratrain.stopping import StopAgreement
 from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext, SummaryCollector
@@ -410,6 +411,9 @@ class Model:
         """Place the net on the layout (``batch``: an example) and rebuild the optimizer on its shards."""
         net = self.network.network if isinstance(self.network, PipelineCell) else self.network
         net = net if self.loss_fn is None else WithLoss(net, self.loss_fn)
+        problem = net_memory_problem(net, layout.world_size)
+        if problem:
+            raise UserError(f"Model.train: {problem}")
         names = group_names(self.optimizer, net) if self.optimizer is not None else None  # none: only eval
         self.train_network = place(net, config, layout, batch, self.precision)
         if isinstance(self.network, PipelineCell):
