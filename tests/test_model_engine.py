@@ -207,3 +207,33 @@ def test_a_net_that_cannot_fit_is_refused_before_its_first_step(monkeypatch):
     with pytest.raises(UserError, match=f"the net's {params:.3g} parameters need .* more than this host's 4 KiB"):
         Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2)).train(1, dataset(1))
     assert not ran
+
+
+def _pipelined_losses(stages, amp_level):
+    import paratrain
+    from paratrain.nn import PipelineCell
+    from test_user_net import Net as TokenNet, _batches
+
+    torch.manual_seed(0)
+    net = TokenNet()
+    for i, block in enumerate(net.blocks):
+        block.pipeline_stage = i * stages // len(net.blocks)
+    if stages > 1:
+        paratrain.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=stages)
+    losses = []
+
+    class Record(LossMonitor):
+        def on_train_step_end(self, run_context):
+            losses.append(float(run_context.original_args().net_outputs))
+
+    model = Model(PipelineCell(net, 2), optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2), amp_level=amp_level)
+    model.train(1, _batches(4), callbacks=[Record()])
+    return losses
+
+
+@pytest.mark.timeout(200)
+def test_bf16_through_pipeline_stages_gives_the_losses_of_one_process():
+    # the stages' bf16 outputs travel in the traced fp32 (the receive buffers' dtype), not as raw bf16 bytes
+    one = _pipelined_losses(1, "O2")
+    for losses in run_distributed(_pipelined_losses, 2, 2, "O2", timeout=180):
+        assert losses == pytest.approx(one, rel=5e-3)

@@ -302,9 +302,11 @@ class _InputsOnFirstStage(nn.Module):
 
 
 def _contiguous_boundaries(pipe: Pipe) -> None:
-    """Make every tensor that crosses a stage boundary contiguous, in the stage graphs and in the traced values that
-    torch builds the receive and gradient buffers from. Send and receive take only contiguous tensors, and a value a
-    forward hands on may be a view: a mask built with ``.expand`` has zero strides, a transpose swapped ones."""
+    """Make every tensor that crosses a stage boundary contiguous and of its traced dtype, in the stage graphs and in
+    the traced values that torch builds the receive and gradient buffers from. Send and receive take only contiguous
+    tensors, and a value a forward hands on may be a view: a mask built with ``.expand`` has zero strides, a transpose
+    swapped ones; under autocast (bf16, fp16) a stage's output is in the compute dtype, but the buffers that receive it
+    were made from the fp32 trace."""
     for index in range(pipe.num_stages):
         module = pipe.get_stage_module(index)
         graph = module.graph
@@ -318,12 +320,13 @@ def _contiguous_boundaries(pipe: Pipe) -> None:
 
 
 def _contiguous(node: fx.Node) -> fx.Node:
-    """``node`` made contiguous when it is a tensor (a no-op at run time on one that already is)."""
+    """``node`` in its traced dtype and contiguous when it is a tensor (no-ops at run time on one that already is)."""
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor):
         return node
-    copy = node.graph.call_method("contiguous", (node,))
-    copy.meta["val"] = value.contiguous()
+    cast = node.graph.call_method("to", (node, value.dtype))
+    copy = node.graph.call_method("contiguous", (cast,))
+    cast.meta["val"], copy.meta["val"] = value, value.contiguous()
     return copy
 
 
