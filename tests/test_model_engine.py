@@ -237,3 +237,46 @@ def test_bf16_through_pipeline_stages_gives_the_losses_of_one_process():
     one = _pipelined_losses(1, "O2")
     for losses in run_distributed(_pipelined_losses, 2, 2, "O2", timeout=180):
         assert losses == pytest.approx(one, rel=5e-3)
+
+
+def test_auto_parallel_wrapper_sets_the_layout_as_the_context_does():
+    import paratrain
+    from paratrain.context import parallel_config_for
+
+    net = paratrain.AutoParallel(Net(), parallel_mode="semi_auto")
+    net.pipeline(stages=2, interleave=True, scheduler="1f1b")
+    net.hsdp(optimizer_level="level3")
+    config = parallel_config_for([], 8, segments=2)
+    assert (config.pipeline_stage, config.data_parallel, config.effective_zero_stage) == (2, 4, 3)
+    assert (config.pipeline_schedule, config.virtual_pipeline_stage) == ("interleaved_1f1b", 2)
+    assert [name for name, _ in net.named_parameters()] == [f"network.{n}" for n, _ in Net().named_parameters()]
+    with pytest.raises(UserError, match="output_broadcast"):
+        net.pipeline(stages=2, output_broadcast=True)
+    with pytest.raises(UserError, match="shard_size"):
+        net.hsdp(shard_size=2)
+    with pytest.raises(UserError, match="parallel_mode='auto'"):
+        paratrain.AutoParallel(Net(), parallel_mode="auto")
+
+
+def _hsdp_losses():
+    import paratrain
+
+    torch.manual_seed(0)
+    net = paratrain.AutoParallel(Net())
+    net.hsdp(optimizer_level="level3")
+    losses = []
+
+    class Record(LossMonitor):
+        def on_train_step_end(self, run_context):
+            losses.append(float(run_context.original_args().net_outputs))
+
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2))
+    model.train(1, dataset(), callbacks=[Record()])
+    return losses, model.train_network.config.effective_zero_stage
+
+
+@pytest.mark.timeout(120)
+def test_auto_parallel_hsdp_level3_on_two_ranks_gives_the_losses_of_one_process():
+    one = model_losses(data=dataset())
+    for losses, zero in run_distributed(_hsdp_losses, 2, timeout=100):
+        assert zero == 3 and losses == pytest.approx(one, rel=1e-5)

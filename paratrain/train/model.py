@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from paratrain import progress
 from paratrain.amp import LossScaleManager, precision_of
+from paratrain.auto_parallel import AutoParallel
 from paratrain.config import MetricsConfig, ParallelConfig
 from paratrain.context import GRAPH_MODE, ParallelMode, get_auto_parallel_context, get_context, parallel_config_for
 from paratrain.distributed import init_from_env
@@ -258,6 +259,8 @@ class Model:
         self.eval_indexes = [0, 1, 2] if eval_network is None else eval_indexes
         self.precision = precision_of(amp_level, loss_scale_manager)
         self.loss_scale_manager = loss_scale_manager
+        if isinstance(network, AutoParallel):  # its settings are in the context already
+            network = network.network
         self.network, self.loss_fn, self.optimizer = network, loss_fn, optimizer
         self.loss_scaler: LossScaler | None = None  # made with the placed net; kept across train calls
         self._engine: Engine | None = None  # one per train call
