@@ -116,15 +116,6 @@ LAYOUTS = {
 }
 
 
-# torch < 2.13 cannot pass the integer labels a traced net's last stage needs: refused (below)
-TRACED_INTEGERS = "torch < 2.13: integer tensors between traced pipeline stages are refused"
-
-
-def skip_traced_pipelines_before_2_13(parallel: dict) -> None:
-    if parallel.get("pipeline_stage", 1) > 1 and TORCH_VERSION < (2, 13):
-        pytest.skip(TRACED_INTEGERS)
-
-
 @pytest.fixture(scope="module")
 def one_process():
     return train({})
@@ -134,7 +125,6 @@ def one_process():
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_user_net_matches_one_process(name, one_process):
     parallel = LAYOUTS[name]
-    skip_traced_pipelines_before_2_13(parallel)
     world = parallel.get("data_parallel", 1) * parallel.get("model_parallel", 1) * parallel.get("pipeline_stage", 1)
     got = run_distributed(train, world, parallel, timeout=300)[0]
     assert one_process[-1][0] < one_process[0][0] or one_process[-1] != one_process[0]
@@ -160,7 +150,6 @@ def test_a_stage_boundary_carries_an_expanded_mask(name):
     from paratrain.config import ParallelConfig
 
     parallel = LAYOUTS[name]
-    skip_traced_pipelines_before_2_13(parallel)
     want = train({}, 3, ExpandedMaskNet)
     got = run_distributed(train, ParallelConfig(**parallel).world_size, parallel, 3, ExpandedMaskNet, timeout=300)[0]
     assert want[-1][0] < want[0][0]
@@ -303,7 +292,6 @@ TUTORIAL_LAYOUTS = {"mp2_vocab_sharded": {"model_parallel": 2, "vocab_emb_dp": F
 @pytest.mark.parametrize("name", TUTORIAL_LAYOUTS)
 def test_tutorial_net_matches_one_process(name):
     parallel = TUTORIAL_LAYOUTS[name]
-    skip_traced_pipelines_before_2_13(parallel)
     world = parallel.get("data_parallel", 1) * parallel.get("model_parallel", 1) * parallel.get("pipeline_stage", 1)
     want = train_tutorial({})
     got = run_distributed(train_tutorial, world, parallel, timeout=400)[0]
