@@ -26,6 +26,7 @@ The net is a plain ``nn.Module`` whose ``forward(*batch)`` returns its loss, bui
 from __future__ import annotations
 
 import itertools
+import operator
 
 import torch
 from torch import fx, nn
@@ -169,12 +170,13 @@ class PlacedNet:
                                   f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}") from exc
         if pipe.num_stages != config.pipeline_stage:
             raise UnsplittableNet(f"the traced forward has {pipe.num_stages} stages, not {config.pipeline_stage}")
+        _inputs_to_every_stage(pipe)
+        _recompute_from_inputs(pipe)
         carried = integer_boundaries(pipe) if TORCH_VERSION < (2, 13) else []
         if carried:
             raise UnsplittableNet(f"torch {TORCH_VERSION} cannot pass integer tensors between the stages of a traced "
-                                  f"net ({', '.join(carried)}; 2.13 can): use torch 2.13, pipeline_stage=1, or "
-                                  f"paratrain's built-in models, whose stages take token ids as inputs")
-        _inputs_to_every_stage(pipe)
+                                  f"net ({', '.join(carried)}; 2.13 can): compute them from the net's inputs alone "
+                                  f"(the stage that uses them then computes them itself), or use torch 2.13")
         _contiguous_boundaries(pipe)
         index = layout.pp_rank
         stage_module = pipe.get_stage_module(index)
@@ -311,6 +313,93 @@ def _inputs_to_every_stage(pipe: Pipe) -> None:
                     graph.placeholder(root.target).meta["val"] = root.meta["val"]
         node.args = tuple(a for a in node.args if a not in inputs) + tuple(inputs)
         pipe.split_gm.get_submodule(node.target).recompile()
+    pipe.split_gm.recompile()
+
+
+def _stage_inputs(pipe: Pipe, stage: fx.Node) -> dict[str, fx.Node]:
+    """The placeholders of a stage module (``stage``: its node in the pipe's graph) that take the net's inputs,
+    by input name."""
+    placeholders = pipe.split_gm.get_submodule(stage.target).graph.find_nodes(op="placeholder")
+    return {arg.target: p for p, arg in zip(placeholders, stage.args, strict=True) if arg.op == "placeholder"}
+
+
+def _recompute_from_inputs(pipe: Pipe) -> None:
+    """Have each stage compute itself, from the net's inputs, the tensors it would receive that an earlier stage
+    computed from those inputs alone (labels shifted in the forward, a mask), and send those no more: torch
+    before 2.13 cannot send an integer tensor between stages, nor a float one that gets no gradient."""
+    split = pipe.split_gm
+    stages = split.graph.find_nodes(op="call_module")
+    for stage in stages:
+        graph = split.get_submodule(stage.target).graph
+        inputs = _stage_inputs(pipe, stage)
+        first_op = next(n for n in graph.nodes if n.op != "placeholder")
+        received = []
+        for placeholder, source in zip(graph.find_nodes(op="placeholder"), stage.args, strict=True):
+            if source.target is not operator.getitem:  # an input of the net, or the single output of a stage
+                received.append(source)
+                continue
+            producer, index = source.args
+            copies = {p: inputs[name] for name, p in _stage_inputs(pipe, producer).items()}
+            value = split.get_submodule(producer.target).graph.find_nodes(op="output")[0].args[0][index]
+            nodes = _computed_from(value, set(copies))
+            if nodes is None:
+                received.append(source)
+                continue
+            with graph.inserting_before(first_op):
+                for node in nodes:
+                    copies[node] = graph.node_copy(node, copies.__getitem__)
+            placeholder.replace_all_uses_with(copies[value])
+            graph.erase_node(placeholder)
+        stage.args = tuple(received)
+        split.get_submodule(stage.target).recompile()
+    for stage in stages:
+        _drop_unused_outputs(pipe, stage)
+    split.recompile()
+
+
+def _computed_from(value: fx.Node, inputs: set[fx.Node]) -> list[fx.Node] | None:
+    """The nodes that compute ``value`` from ``inputs`` alone, in graph order; None when it also needs a
+    parameter, a buffer, a received tensor or random numbers."""
+    needed, todo = set(), [value]
+    while todo:
+        node = todo.pop()
+        if node in needed or node in inputs:
+            continue
+        if node.op != "call_function" or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            return None
+        needed.add(node)
+        todo.extend(node.all_input_nodes)
+    return [node for node in value.graph.nodes if node in needed]
+
+
+def _drop_unused_outputs(pipe: Pipe, stage: fx.Node) -> None:
+    """Remove from a stage module's outputs those no other stage takes any more (``_recompute_from_inputs``),
+    and the computations only they needed."""
+    unused = [user for user in stage.users if user.target is operator.getitem and not user.users]
+    if not unused:
+        return
+    module = pipe.split_gm.get_submodule(stage.target)
+    output = module.graph.find_nodes(op="output")[0]
+    values = output.args[0]
+    for getitem in unused:
+        pipe.split_gm.graph.erase_node(getitem)
+    taken = sorted(stage.users, key=lambda getitem: getitem.args[1])
+    output.args = (tuple(values[getitem.args[1]] for getitem in taken),)
+    for index, getitem in enumerate(taken):
+        getitem.args = (stage, index)
+    for value in values:
+        _erase_if_unused(value)
+    module.recompile()
+
+
+def _erase_if_unused(node: fx.Node) -> None:
+    """Erase ``node`` when nothing uses it and it is a function call, then the same for its inputs."""
+    if node.users or node.op != "call_function":
+        return
+    inputs = node.all_input_nodes
+    node.graph.erase_node(node)
+    for node in inputs:
+        _erase_if_unused(node)
 
 
 class _TracedStage(_PipelineStage):
