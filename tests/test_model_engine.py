@@ -280,3 +280,64 @@ def test_auto_parallel_hsdp_level3_on_two_ranks_gives_the_losses_of_one_process(
     one = model_losses(data=dataset())
     for losses, zero in run_distributed(_hsdp_losses, 2, timeout=100):
         assert zero == 3 and losses == pytest.approx(one, rel=1e-5)
+
+
+def _scenario(directory, parallel=True, signal_rank=None, resume="none"):
+    """The issue's check, on 4 ranks: a user's token net of blocks declaring their tensor-parallel split,
+    model_parallel=2 x 2 interleaved pipeline stages (two segments each, 1F1B) x 2 micro-batches, in bf16, with a
+    SummaryCollector and a ModelCheckpoint (without ``parallel``: one process, the same context); rank
+    ``signal_rank`` gets SIGTERM at the start of step 2. Returns (exit code, [(step, loss)])."""
+    import os
+    import signal
+
+    import paratrain
+    from paratrain import TransformerOpParallelConfig
+    from paratrain.train import Callback, CheckpointConfig, ModelCheckpoint
+    from test_user_net import Net as TokenNet, _batches
+
+    torch.manual_seed(0)
+    net = TokenNet()
+    net.parallel_config = TransformerOpParallelConfig(model_parallel=2 if parallel else 1,
+                                                      micro_batch_num=2)
+    for i, block in enumerate(net.blocks):
+        block.pipeline_stage, block.pipeline_segment = i % 2, i // 2
+    paratrain.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_config={
+        "pipeline_interleave": True, "pipeline_scheduler": "1f1b"})
+    if parallel:
+        paratrain.set_auto_parallel_context(pipeline_stages=2)
+    steps = []
+
+    class Steps(Callback):
+        def on_train_step_begin(self, run_context):
+            params = run_context.original_args()
+            if params.rank == signal_rank and params.cur_step_num + 1 == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_train_step_end(self, run_context):
+            params = run_context.original_args()
+            steps.append((params.cur_step_num, float(params.net_outputs)))
+
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2), amp_level="O2")
+    saver = ModelCheckpoint(prefix="net", directory=directory, config=CheckpointConfig(save_checkpoint_steps=100))
+    try:
+        model.train(1, _batches(5), callbacks=[Steps(), saver, SummaryCollector(directory, collect_freq=1)],
+                    resume=resume)
+    except SystemExit as exc:
+        return exc.code, steps
+    return 0, steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_users_net_interleaved_mp2_pp2_bf16_stopped_and_resumed_gives_one_process_losses(tmp_path):
+    code, one = _scenario(str(tmp_path / "one"), parallel=False)  # one process: no pipeline, mp 1
+    assert code == 0 and [step for step, _ in one] == [1, 2, 3, 4, 5]
+    stopped = run_distributed(_scenario, 4, str(tmp_path / "run"), True, 3, timeout=240)
+    assert [code for code, _ in stopped] == [4] * 4  # rank 3 signalled in step 2: all stop after step 3, saved
+    resumed = run_distributed(_scenario, 4, str(tmp_path / "run"), True, None, "auto", timeout=240)
+    assert [code for code, _ in resumed] == [0] * 4
+    losses = stopped[0][1] + resumed[0][1]
+    assert [step for step, _ in losses] == [1, 2, 3, 4, 5]
+    assert [loss for _, loss in losses] == pytest.approx([loss for _, loss in one], rel=5e-3)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5] and all(r["mfu"] > 0 for r in logged)

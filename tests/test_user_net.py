@@ -247,11 +247,21 @@ def test_a_forward_that_cannot_be_split_is_refused_with_the_reason():
 
     net = Net()
     net.blocks[0].pipeline_stage, net.blocks[1].pipeline_stage = 1, 0
-    with pytest.raises(UnsplittableNet, match="blocks.1 runs after a module of stage 1"):
+    with pytest.raises(UnsplittableNet, match="blocks.1 runs after a module of stage 1 but is in stage 0"):
         stage_starts(net, _batches(1)[0], 2)
     net = Net()
     with pytest.raises(UnsplittableNet, match=r"no module has pipeline_stage in \[1\]"):
         stage_starts(net, _batches(1)[0], 2)
+    net.blocks[2].pipeline_stage, net.blocks[2].pipeline_segment = 0, 1
+    net.blocks[1].pipeline_stage = 1
+    with pytest.raises(UnsplittableNet, match=r"virtual stage in \[3\]"):
+        stage_starts(net, _batches(1)[0], 2, segments=2)
+    net.blocks[3].pipeline_stage, net.blocks[3].pipeline_segment = 1, 1
+    assert list(stage_starts(net, _batches(1)[0], 2, segments=2)) == ["blocks.1", "blocks.2", "blocks.3"]
+    net.blocks[0].pipeline_stage, net.blocks[0].pipeline_segment = 0, 1
+    with pytest.raises(UnsplittableNet, match="blocks.1 runs after a module of stage 0, segment 1 but is in stage 1, "
+                                              "segment 0"):
+        stage_starts(net, _batches(1)[0], 2, segments=2)
 
 
 class Branching(Net):
@@ -427,3 +437,35 @@ def test_sequence_parallel_on_a_users_net_is_refused():
     config = ParallelConfig(sequence_parallel=True)
     with pytest.raises(UserError, match="sequence_parallel on a user's net is not offered"):
         place_net(Net(), config, Layout(config, 1), _batches(1)[0])
+
+
+def train_interleaved(parallel: dict, steps=4):
+    """``train`` with the blocks over virtual stages: block i in segment i // pipeline_stage, on stage
+    i % pipeline_stage, or for the zero-bubble V on the stages 0, 1 then 1, 0 (the embedding before the first
+    block, the head after the last)."""
+    from paratrain.config import ParallelConfig
+    from paratrain.distributed import init_from_env
+    from paratrain.mesh import Layout
+
+    torch.set_num_threads(1)
+    _, world = init_from_env()
+    torch.manual_seed(0)
+    net = Net()
+    stages = parallel["pipeline_stage"]
+    v_shape = parallel["pipeline_schedule"] == "zbv_zero_bubble"
+    for i, block in enumerate(net.blocks):
+        segment = i // stages
+        block.pipeline_stage = stages - 1 - i % stages if v_shape and segment else i % stages
+        block.pipeline_segment = segment
+    config = ParallelConfig(**parallel, virtual_pipeline_stage=len(net.blocks) // stages)
+    return train_placed(net, config, Layout(config, world), _batches(steps))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                                      "zbv_zero_bubble"])
+def test_every_schedule_with_virtual_stages_matches_one_process(schedule, one_process):
+    parallel = {"pipeline_stage": 2, "micro_batch_num": 2, "pipeline_schedule": schedule}
+    got = run_distributed(train_interleaved, 2, parallel, timeout=300)[0]
+    for step, (g, want) in enumerate(zip(got, one_process)):
+        assert g == pytest.approx(want, rel=1e-4), f"{schedule}: step {step + 1}"

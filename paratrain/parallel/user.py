@@ -44,7 +44,7 @@ from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
 from paratrain.precision import autocast
 from paratrain.parallel.data import apply_data_parallel, fusion_groups
-from paratrain.parallel.pipeline import SCHEDULES, integer_boundaries
+from paratrain.parallel.pipeline import SCHEDULES, StageFixes, chunk_rank, integer_boundaries
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import _gradient_like_parameter
 
@@ -85,11 +85,24 @@ def _layer_stacks(net: nn.Module) -> dict[str, int]:
     return stacks
 
 
-def stage_starts(net: nn.Module, example: tuple, stages: int) -> dict[str, SplitPoint]:
+def stage_starts(net: nn.Module, example: tuple, stages: int, segments: int = 1,
+                 v_shape: bool = False) -> dict[str, SplitPoint]:
     """Where each pipeline stage after the first begins: the first module (in forward order) whose
-    ``pipeline_stage`` (set on it, not inherited) is that stage."""
+    ``pipeline_stage`` (set on it, not inherited) is that stage. With ``segments`` > 1 the stages are virtual:
+    a module of ``pipeline_stage`` s (the pipeline rank that holds it) and ``pipeline_segment`` g (MindSpore's
+    interleave) is virtual stage g * stages + s, or with ``v_shape`` (the zero-bubble V, two segments) s in
+    segment 0 and 2 * stages - 1 - s in segment 1."""
     order = []
-    hooks = [module.register_forward_pre_hook(lambda m, args, name=name: order.append((name, m.pipeline_stage)))
+
+    def note(module, args, name):
+        stage, segment = module.pipeline_stage, vars(module).get("pipeline_segment", 0)
+        if not (0 <= stage < stages and 0 <= segment < segments):
+            raise UnsplittableNet(f"{name}: pipeline_stage={stage}, pipeline_segment={segment} is not in "
+                                  f"0..{stages - 1}, 0..{segments - 1} (the job's pipeline stages and segments)")
+        chunk = 2 * stages - 1 - stage if v_shape and segment else segment * stages + stage
+        order.append((name, chunk, f"stage {stage}, segment {segment}" if segments > 1 else f"stage {stage}"))
+
+    hooks = [module.register_forward_pre_hook(lambda m, args, name=name: note(m, args, name))
              for name, module in net.named_modules() if "pipeline_stage" in vars(module)]
     try:
         with torch.no_grad():
@@ -97,20 +110,18 @@ def stage_starts(net: nn.Module, example: tuple, stages: int) -> dict[str, Split
     finally:
         for hook in hooks:
             hook.remove()
-    starts, current = {}, 0
-    for name, stage in order:
-        if not 0 <= stage < stages:
-            raise UnsplittableNet(f"{name}.pipeline_stage={stage} is not in 0..{stages - 1} "
-                                  f"(parallel.pipeline_stage={stages})")
-        if stage < current:
-            raise UnsplittableNet(f"{name} runs after a module of stage {current} but has pipeline_stage={stage}: "
-                                  f"stages must follow the order the forward runs the modules")
-        if stage > current:
-            starts[name], current = SplitPoint.BEGINNING, stage
-    missing = sorted(set(range(1, stages)) - {s for _, s in order})
+    starts, current, current_where = {}, 0, "stage 0"
+    for name, chunk, where in order:
+        if chunk < current:
+            raise UnsplittableNet(f"{name} runs after a module of {current_where} but is in {where}: stages "
+                                  f"(and segments) must follow the order the forward runs the modules")
+        if chunk > current:
+            starts[name], current, current_where = SplitPoint.BEGINNING, chunk, where
+    missing = sorted(set(range(1, stages * segments)) - {chunk for _, chunk, _ in order})
     if missing:
-        raise UnsplittableNet(f"no module has pipeline_stage in {missing}: set module.pipeline_stage (or pass "
-                              f"a lambda_func) so that every stage 0..{stages - 1} holds layers")
+        what = f"pipeline_stage in {missing}" if segments == 1 else f"virtual stage in {missing}"
+        raise UnsplittableNet(f"no module has {what}: set module.pipeline_stage (and pipeline_segment, or pass a "
+                              f"lambda_func) so that every stage holds layers")
     return starts
 
 
@@ -136,7 +147,7 @@ class PlacedNet:
         net.to(self.device)
         self.pipeline = None
         if config.pipeline_stage > 1:
-            self.parts = [self._pipeline_stage(net, example)]
+            self.parts = self._pipeline_stages(net, example)
         else:
             self.parts = [self._parallelize(net, net)]
         self._counts: list[torch.Tensor] = []
@@ -172,7 +183,8 @@ class PlacedNet:
                                 groups=[group for group in groups if group] or None)
         return module
 
-    def _pipeline_stage(self, net: nn.Module, example: tuple) -> nn.Module:
+    def _pipeline_stages(self, net: nn.Module, example: tuple) -> list[nn.Module]:
+        """The traced stage modules of this rank: one per virtual stage (``chunk_rank``), and the schedule."""
         config, layout = self.config, self.layout
         if get_context("mode") == GRAPH_MODE:
             raise UserError("set_context(mode=GRAPH_MODE) with pipeline stages: a traced stage runs its layers "
@@ -181,14 +193,17 @@ class PlacedNet:
                       for t in example)
         try:
             pipe = trace_pipeline(_InputsByName(net), (), _by_name(micro),
-                                  split_spec=stage_starts(net, micro, config.pipeline_stage))
+                                  split_spec=stage_starts(net, micro, config.pipeline_stage,
+                                                          config.virtual_pipeline_stage,
+                                                          config.pipeline_schedule == "zbv_zero_bubble"))
         except UnsplittableNet:
             raise
         except Exception as exc:  # torch.export's own message says what it could not trace
             raise UnsplittableNet(f"the net's forward cannot be split into pipeline stages: "
                                   f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}") from exc
-        if pipe.num_stages != config.pipeline_stage:
-            raise UnsplittableNet(f"the traced forward has {pipe.num_stages} stages, not {config.pipeline_stage}")
+        chunks = config.pipeline_stage * config.virtual_pipeline_stage
+        if pipe.num_stages != chunks:
+            raise UnsplittableNet(f"the traced forward has {pipe.num_stages} stages, not {chunks}")
         _inputs_to_every_stage(pipe)
         _recompute_from_inputs(pipe)
         carried = integer_boundaries(pipe) if TORCH_VERSION < (2, 13) else []
@@ -197,18 +212,18 @@ class PlacedNet:
                                   f"net ({', '.join(carried)}; 2.13 can): compute them from the net's inputs alone "
                                   f"(the stage that uses them then computes them itself), or use torch 2.13")
         _contiguous_boundaries(pipe)
-        index = layout.pp_rank
-        stage_module = pipe.get_stage_module(index)
-        self._parallelize(stage_module, net, root=stage_module)
-        stage = _TracedStage(stage_module, index, pipe.info(), self.device, group=layout.pp_group)
-        self.is_last = index == config.pipeline_stage - 1
+        ids = [chunk for chunk in range(chunks) if chunk_rank(chunk, config) == layout.pp_rank]
+        modules = [pipe.get_stage_module(chunk) for chunk in ids]
+        for module in modules:
+            self._parallelize(module, net, root=module)
+        stages = [_TracedStage(module, chunk, pipe.info(), self.device, group=layout.pp_group)
+                  for chunk, module in zip(ids, modules)]
+        self.is_last = chunks - 1 in ids
         schedule = SCHEDULES[config.pipeline_schedule]
-        if schedule not in (SCHEDULES["gpipe"], SCHEDULES["1f1b"]):
-            raise UserError(f"parallel.pipeline_schedule={config.pipeline_schedule!r}: a user's traced net runs "
-                            f"one stage per rank; use gpipe or 1f1b")
-        self.pipeline = schedule(stage, n_microbatches=config.micro_batch_num, loss_fn=self._micro_loss,
-                                 scale_grads=False)
-        return stage_module
+        single = schedule in (SCHEDULES["gpipe"], SCHEDULES["1f1b"])
+        self.pipeline = schedule(stages[0] if single else stages, n_microbatches=config.micro_batch_num,
+                                 loss_fn=self._micro_loss, scale_grads=False)
+        return modules
 
     # --- a step -----------------------------------------------------------------------------
 
@@ -422,7 +437,7 @@ def _erase_if_unused(node: fx.Node) -> None:
         _erase_if_unused(node)
 
 
-class _TracedStage(_PipelineStage):
+class _TracedStage(StageFixes, _PipelineStage):
     """A traced pipeline stage whose inputs from the net's caller are all keyword arguments
     (``_inputs_to_every_stage``): only the tensors received from the stage before are positional."""
 
