@@ -28,6 +28,17 @@ class Net(nn.Module):
         return F.mse_loss(self.fc2(torch.tanh(self.fc1(x))).float(), y)
 
 
+class Losses(LossMonitor):
+    """Each step's loss (``net_outputs``), read on the host every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_step_end(self, run_context):
+        self.losses.append(float(run_context.original_args().net_outputs))
+
+
 @pytest.fixture(autouse=True)
 def fresh_context():
     yield
@@ -44,14 +55,9 @@ def model_losses(amp_level="O0", manager=None, data=None, callbacks=()):
     net = Net()
     model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2), amp_level=amp_level,
                   loss_scale_manager=manager)
-    losses = []
-
-    class Record(LossMonitor):
-        def on_train_step_end(self, run_context):
-            losses.append(float(run_context.original_args().net_outputs))
-
-    model.train(1, data or dataset(), callbacks=[Record(), *callbacks])
-    return losses
+    losses = Losses()
+    model.train(1, data or dataset(), callbacks=[losses, *callbacks])
+    return losses.losses
 
 
 def plain_bf16_losses(data):
@@ -162,14 +168,9 @@ def _graph_mode_losses(graph):
     torch.manual_seed(0)
     net = Net()
     model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2))
-    losses = []
-
-    class Record(LossMonitor):
-        def on_train_step_end(self, run_context):
-            losses.append(float(run_context.original_args().net_outputs))
-
-    model.train(1, dataset(3), callbacks=[Record()])
-    return losses, model.train_network.parts[0]._compiled_call_impl is not None
+    losses = Losses()
+    model.train(1, dataset(3), callbacks=[losses])
+    return losses.losses, model.train_network.parts[0]._compiled_call_impl is not None
 
 
 @pytest.mark.slow
@@ -220,15 +221,10 @@ def _pipelined_losses(stages, amp_level):
         block.pipeline_stage = i * stages // len(net.blocks)
     if stages > 1:
         paratrain.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=stages)
-    losses = []
-
-    class Record(LossMonitor):
-        def on_train_step_end(self, run_context):
-            losses.append(float(run_context.original_args().net_outputs))
-
+    losses = Losses()
     model = Model(PipelineCell(net, 2), optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2), amp_level=amp_level)
-    model.train(1, _batches(4), callbacks=[Record()])
-    return losses
+    model.train(1, _batches(4), callbacks=[losses])
+    return losses.losses
 
 
 @pytest.mark.timeout(200)
@@ -264,15 +260,10 @@ def _hsdp_losses():
     torch.manual_seed(0)
     net = paratrain.AutoParallel(Net())
     net.hsdp(optimizer_level="level3")
-    losses = []
-
-    class Record(LossMonitor):
-        def on_train_step_end(self, run_context):
-            losses.append(float(run_context.original_args().net_outputs))
-
+    losses = Losses()
     model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2))
-    model.train(1, dataset(), callbacks=[Record()])
-    return losses, model.train_network.config.effective_zero_stage
+    model.train(1, dataset(), callbacks=[losses])
+    return losses.losses, model.train_network.config.effective_zero_stage
 
 
 @pytest.mark.timeout(120)
