@@ -4,7 +4,7 @@ from paratrain.config import (Config, ConfigError, DataConfig, ModelConfig, Para
 from paratrain.context import (GRAPH_MODE, PYNATIVE_MODE, ParallelMode, get_auto_parallel_context, get_context,
                                reset_auto_parallel_context, set_auto_parallel_context, set_context)
 
-__all__ = ["Config", "ConfigError", "DataConfig", "GRAPH_MODE", "ModelConfig", "PYNATIVE_MODE", "ParallelConfig",
+__all__ = ["AutoParallel", "Config", "ConfigError", "DataConfig", "GRAPH_MODE", "ModelConfig", "PYNATIVE_MODE", "ParallelConfig",
            "ParallelMode", "TrainConfig", "TransformerOpParallelConfig", "check", "get_auto_parallel_context",
            "get_context", "load_checkpoint", "load_distributed_checkpoint", "load_param_into_net",
            "reset_auto_parallel_context", "set_auto_parallel_context", "set_context", "validate"]
@@ -13,6 +13,9 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # imported on first use: `import paratrain` (and the command line) stays without torch
+    if name == "AutoParallel":
+        from paratrain.auto_parallel import AutoParallel
+        return AutoParallel
     if name in ("load_checkpoint", "load_param_into_net", "load_distributed_checkpoint"):
         from paratrain.train import serialization
         return getattr(serialization, name)

@@ -8,7 +8,8 @@ Who decides what, when ``paratrain.train.Model`` places a net (``parallel_config
   a net without one trains data-parallel over every rank; ``data_parallel`` not given is
   ``world_size // (model_parallel * pipeline_stage)``;
 - the context adds what only it says: ``enable_parallel_optimizer`` shards the optimizer (zero
-  stage 1; 2 with ``parallel_optimizer_config={"gradient_accumulation_shard": True}``),
+  stage 1; 2 with ``parallel_optimizer_config={"gradient_accumulation_shard": True}``; ``optimizer_level``
+  "level1"/"level2"/"level3" for stages 1/2/3),
   ``pipeline_stages`` sets the stage count the blocks' config leaves at 1, ``parallel_mode``
   restricts the layout (``data_parallel``: no model or pipeline parallelism; ``stand_alone``: one
   process), ``device_num`` and ``global_rank`` must be this job's;
@@ -53,7 +54,9 @@ DEFAULTS: dict[str, Any] = {
 PIPELINE_SCHEDULERS = {False: {"1f1b": "1f1b", "gpipe": "gpipe"},
                        True: {"1f1b": "interleaved_1f1b", "gpipe": "looped_bfs", "zero_bubble_v": "zbv_zero_bubble"}}
 SEARCH_MODES = ("dynamic_programming", "sharding_propagation")
-OPTIMIZER_CONFIG_KEYS = ("gradient_accumulation_shard", "parallel_optimizer_threshold", "optimizer_weight_shard_size")
+OPTIMIZER_CONFIG_KEYS = ("gradient_accumulation_shard", "parallel_optimizer_threshold", "optimizer_weight_shard_size",
+                         "optimizer_level")
+OPTIMIZER_LEVELS = {"level1": 1, "level2": 2, "level3": 3}  # what is sharded: optimizer state, + gradients, + weights
 _STRATEGY_FILES = "give the files as strategy_ckpt_save_file and strategy_ckpt_load_file"
 _COMM_BUCKETS = ("communication buckets are set by TransformerOpParallelConfig.gradient_aggregation_group or a "
                  "block's set_comm_fusion(k)")
@@ -143,6 +146,8 @@ def _optimizer_config(value: Any) -> dict:
     if not isinstance(value, dict) or set(value) - set(OPTIMIZER_CONFIG_KEYS):
         raise _refuse(key, value, f"expected a dict with keys among {', '.join(OPTIMIZER_CONFIG_KEYS)}")
     _bool(f"{key}['gradient_accumulation_shard']", value.get("gradient_accumulation_shard", False))
+    if value.get("optimizer_level", "level1") not in OPTIMIZER_LEVELS:
+        raise _refuse(key, value, f"optimizer_level must be one of {', '.join(OPTIMIZER_LEVELS)}")
     if value.get("parallel_optimizer_threshold", 0) != 0:
         raise _refuse(key, value, "every parameter is sharded whatever its size (FSDP): leave "
                                   "parallel_optimizer_threshold out")
@@ -230,7 +235,9 @@ def parallel_config_for(configs: list[ParallelConfig], world_size: int, segments
                         f"give the cells pipeline_segment 0 and 1")
     shard = _values.get("enable_parallel_optimizer")
     if shard:
-        stage = 2 if _values.get("parallel_optimizer_config", {}).get("gradient_accumulation_shard") else 1
+        options = _values.get("parallel_optimizer_config", {})
+        stage = max(OPTIMIZER_LEVELS[options.get("optimizer_level", "level1")],
+                    2 if options.get("gradient_accumulation_shard") else 1)
         config.zero_stage = max(config.effective_zero_stage, stage)
     elif shard is False and config.effective_zero_stage > 0:
         problems.append(f"set_auto_parallel_context(enable_parallel_optimizer=False) contradicts the blocks' "

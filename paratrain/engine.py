@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from paratrain import progress
 from paratrain.metrics.timer import StepTimer
 from paratrain.optim import clip_grad_norm
 from paratrain.precision import LossScaler
@@ -81,6 +82,7 @@ class Engine:
             record.update(loss_scale=self.loss_scaler.scale, skipped_steps=self.loss_scaler.skipped_steps)
         record["step_time_s"] = time.perf_counter() - start
         self._pending.append(self.timer.finish(record))
+        progress.step_done(number)
         if to_host:
             self.flush()
         return record

@@ -62,7 +62,7 @@ def check(cfg: Config, world_size: int, local_world_size: int | None = None, res
     problems = offload_problems(cfg)
     if problems:
         raise ConfigError(problems)
-    local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size
+    local = local_world_size or ranks_on_this_host(world_size)
     problems = memory_problems(cfg, world_size, local) + data_problems(cfg)
     if problems:
         raise ConfigError(problems)
@@ -106,9 +106,6 @@ def memory_problems(cfg: Config, world_size: int, local_world_size: int) -> list
     for the tokens of a micro-batch, exceed a device's memory (GPU runs) or this host's for its
     ``local_world_size`` ranks (CPU runs). With ZeRO-Offload the model state counts against the host's
     memory, the activations against the device's. Both are lower bounds: a layout needs at least that much."""
-    import torch
-
-    from paratrain.device import device
     from paratrain.plan.cost import DTYPE_BYTES, model_params
 
     m, p = cfg.model, cfg.parallel
@@ -120,20 +117,10 @@ def memory_problems(cfg: Config, world_size: int, local_world_size: int) -> list
     micro_batch_num = 1 if p.auto else p.micro_batch_num  # the planner may pick more micro-batches
     activations = cfg.train.global_batch_size * tokens * m.hidden_size * 4 * m.num_layers / (
         world_size * micro_batch_num)
-    dev = device()
-    host_where = f"this host's {_size(host_memory())} of memory for its {local_world_size} rank(s)"
-    if dev.type != "cuda":
-        checks = [((state + activations) * local_world_size, host_memory(), host_where)]
-    else:
-        capacity = torch.cuda.get_device_properties(dev).total_memory
-        checks = [(activations + (0 if p.offloads else state), capacity,
-                   f"the {_size(capacity)} of one {torch.cuda.get_device_name(dev)}")]
-        if p.offloads:  # the model state lives in host memory
-            checks.append((state * local_world_size, host_memory(), host_where))
-    over = [(need, where) for need, capacity, where in checks if need > capacity]
-    if not over:
+    over = _over_memory(state, activations, local_world_size, p.offloads)
+    if over is None:
         return []
-    need, where = over[0]
+    need, where = over
     sizes = ", ".join(f"model.{k}={getattr(m, k)}" for k in (
         "vocab_size", "hidden_size", "ffn_hidden_size", *(["encoder_layers"] if m.kind == "transformer" else []),
         "decoder_layers", *m.sequence_lengths()))
@@ -142,6 +129,47 @@ def memory_problems(cfg: Config, world_size: int, local_world_size: int) -> list
             f"{cfg.train.global_batch_size} at least {_size(activations)} of activations: {_size(need)} is more "
             f"than {where}; make the model or the batch smaller or use more devices (`paratrain plan` sizes "
             f"every layout)"]
+
+
+def _over_memory(state: float, activations: float, local_world_size: int, offloads: bool = False):
+    """(bytes needed, "where") when a rank's model ``state`` and ``activations`` (bytes) do not fit: a GPU
+    holds both (only the activations with ZeRO-Offload, whose state is in host memory), a host its
+    ``local_world_size`` CPU ranks'; None when they fit."""
+    import torch
+
+    from paratrain.device import device
+
+    dev = device()
+    host_where = f"this host's {_size(host_memory())} of memory for its {local_world_size} rank(s)"
+    if dev.type != "cuda":
+        checks = [((state + activations) * local_world_size, host_memory(), host_where)]
+    else:
+        capacity = torch.cuda.get_device_properties(dev).total_memory
+        checks = [(activations + (0 if offloads else state), capacity,
+                   f"the {_size(capacity)} of one {torch.cuda.get_device_name(dev)}")]
+        if offloads:  # the model state lives in host memory
+            checks.append((state * local_world_size, host_memory(), host_where))
+    return next(((need, where) for need, capacity, where in checks if need > capacity), None)
+
+
+def ranks_on_this_host(world_size: int) -> int:
+    """``$LOCAL_WORLD_SIZE``, else ``world_size`` (every rank on this host)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size
+
+
+def net_memory_problem(net, world_size: int) -> str | None:
+    """For a user's net (``Model.train``): a problem when its weights, gradients and two optimizer moments
+    (4 copies of every parameter in its dtype), divided over all ``world_size`` ranks, exceed a device's
+    memory or this host's for its ranks. A lower bound: activations come on top."""
+    params = sum(p.numel() for p in net.parameters())
+    state = 4 * sum(p.numel() * p.element_size() for p in net.parameters()) / world_size
+    over = _over_memory(state, 0.0, ranks_on_this_host(world_size))
+    if over is None:
+        return None
+    need, where = over
+    return (f"the net's {params:.3g} parameters need {_size(state)} per rank for their weights, gradients and "
+            f"optimizer state even sharded over all {world_size} ranks: {_size(need)} is more than {where}; make "
+            f"the net smaller or use more devices")
 
 
 def _size(nbytes: float) -> str:

@@ -110,7 +110,6 @@ class Trainer:
                 record = self.train_step()
                 history.append(record)
                 self.step += 1
-                progress.step_done(self.step)
                 self.metrics.advance(self.step)
                 with self.engine.between_steps():
                     if self.evaluator is not None:
@@ -118,8 +117,7 @@ class Trainer:
                     if self.metrics.should_log(self.step - 1) or "bleu" in record:
                         self.metrics.log(record)
                     stopping = stop.agreed()
-                    if self.checkpointer.maybe_save(self.step) is not None:
-                        progress.saved(self.step)
+                    self.checkpointer.maybe_save(self.step)
             self.engine.flush()
             stopping = stop.finish() or stopping
             if stopping or self.cfg.checkpoint.save_steps > 0:
@@ -135,7 +133,6 @@ class Trainer:
     def _save_last(self) -> None:
         if self.checkpointer.last_saved_step != self.step:
             self.checkpointer.save(self.step)
-            progress.saved(self.step)
 
     def train_step(self) -> dict:
         """One optimizer step (``paratrain.engine``). Its record's loss, grad norm and token count stay device

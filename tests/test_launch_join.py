@@ -24,7 +24,7 @@ def test_node_0_alone_gives_up_after_the_join_timeout_naming_node_1(tmp_path):
                          capture_output=True, text=True, timeout=80)
     elapsed = time.monotonic() - start
     assert out.returncode == 1, out.stderr
-    assert elapsed < 3 + 30  # start-up, the timeout, and the process exit
+    assert elapsed < 3 + 60  # start-up, the timeout, the process exit (a loaded machine); the default is minutes
     job_dir = tmp_path / "runs" / "alone"
     assert re.search(r"waited \d+ s of 3 s \(--join-timeout\) for node 1 \(no launcher record", out.stderr), out.stderr
     failure = "node 1 did not join the rendezvous at 127.0.0.1:"

@@ -39,9 +39,6 @@ def one_process(data, tmp_path_factory):
 @pytest.mark.parametrize("world, layout", [(4, ["--mp", "2"]), (2, ["--pp", "2", "--micro", "2"])],
                          ids=["dp2_mp2", "pipeline_cell_pp2"])
 def test_example_prints_the_one_process_losses(data, tmp_path, one_process, world, layout):
-    from test_user_net import skip_traced_pipelines_before_2_13
-
-    skip_traced_pipelines_before_2_13({"pipeline_stage": 2 if "--pp" in layout else 1})
     got = run_distributed(run_example, world, _argv(data, tmp_path, *layout), timeout=300)[0]
     assert one_process[-1] < one_process[0]
     assert got == pytest.approx(one_process, rel=1e-4)

@@ -28,6 +28,17 @@ class Net(nn.Module):
         return F.mse_loss(self.fc2(torch.tanh(self.fc1(x))).float(), y)
 
 
+class Losses(LossMonitor):
+    """Each step's loss (``net_outputs``), read on the host every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_step_end(self, run_context):
+        self.losses.append(float(run_context.original_args().net_outputs))
+
+
 @pytest.fixture(autouse=True)
 def fresh_context():
     yield
@@ -44,14 +55,9 @@ def model_losses(amp_level="O0", manager=None, data=None, callbacks=()):
     net = Net()
     model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2), amp_level=amp_level,
                   loss_scale_manager=manager)
-    losses = []
-
-    class Record(LossMonitor):
-        def on_train_step_end(self, run_context):
-            losses.append(float(run_context.original_args().net_outputs))
-
-    model.train(1, data or dataset(), callbacks=[Record(), *callbacks])
-    return losses
+    losses = Losses()
+    model.train(1, data or dataset(), callbacks=[losses, *callbacks])
+    return losses.losses
 
 
 def plain_bf16_losses(data):
@@ -162,14 +168,9 @@ def _graph_mode_losses(graph):
     torch.manual_seed(0)
     net = Net()
     model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2))
-    losses = []
-
-    class Record(LossMonitor):
-        def on_train_step_end(self, run_context):
-            losses.append(float(run_context.original_args().net_outputs))
-
-    model.train(1, dataset(3), callbacks=[Record()])
-    return losses, model.train_network.parts[0]._compiled_call_impl is not None
+    losses = Losses()
+    model.train(1, dataset(3), callbacks=[losses])
+    return losses.losses, model.train_network.parts[0]._compiled_call_impl is not None
 
 
 @pytest.mark.slow
@@ -193,3 +194,141 @@ def test_set_context_refuses_what_it_cannot_honour():
     with pytest.raises(UserError, match="not offered"):
         paratrain.set_context(save_graphs=True)
     assert paratrain.get_context("mode") == paratrain.PYNATIVE_MODE
+
+
+def test_a_net_that_cannot_fit_is_refused_before_its_first_step(monkeypatch):
+    from paratrain import preflight
+
+    monkeypatch.setattr(preflight, "host_memory", lambda: 4096)  # bytes: less than the net's state
+    torch.manual_seed(0)
+    net = Net()
+    ran = []
+    net.register_forward_pre_hook(lambda *_: ran.append(1))
+    params = sum(p.numel() for p in net.parameters())
+    with pytest.raises(UserError, match=f"the net's {params:.3g} parameters need .* more than this host's 4 KiB"):
+        Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2)).train(1, dataset(1))
+    assert not ran
+
+
+def _pipelined_losses(stages, amp_level):
+    import paratrain
+    from paratrain.nn import PipelineCell
+    from test_user_net import Net as TokenNet, _batches
+
+    torch.manual_seed(0)
+    net = TokenNet()
+    for i, block in enumerate(net.blocks):
+        block.pipeline_stage = i * stages // len(net.blocks)
+    if stages > 1:
+        paratrain.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=stages)
+    losses = Losses()
+    model = Model(PipelineCell(net, 2), optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2), amp_level=amp_level)
+    model.train(1, _batches(4), callbacks=[losses])
+    return losses.losses
+
+
+@pytest.mark.timeout(200)
+def test_bf16_through_pipeline_stages_gives_the_losses_of_one_process():
+    # the stages' bf16 outputs travel in the traced fp32 (the receive buffers' dtype), not as raw bf16 bytes
+    one = _pipelined_losses(1, "O2")
+    for losses in run_distributed(_pipelined_losses, 2, 2, "O2", timeout=180):
+        assert losses == pytest.approx(one, rel=5e-3)
+
+
+def test_auto_parallel_wrapper_sets_the_layout_as_the_context_does():
+    import paratrain
+    from paratrain.context import parallel_config_for
+
+    net = paratrain.AutoParallel(Net(), parallel_mode="semi_auto")
+    net.pipeline(stages=2, interleave=True, scheduler="1f1b")
+    net.hsdp(optimizer_level="level3")
+    config = parallel_config_for([], 8, segments=2)
+    assert (config.pipeline_stage, config.data_parallel, config.effective_zero_stage) == (2, 4, 3)
+    assert (config.pipeline_schedule, config.virtual_pipeline_stage) == ("interleaved_1f1b", 2)
+    assert [name for name, _ in net.named_parameters()] == [f"network.{n}" for n, _ in Net().named_parameters()]
+    with pytest.raises(UserError, match="output_broadcast"):
+        net.pipeline(stages=2, output_broadcast=True)
+    with pytest.raises(UserError, match="shard_size"):
+        net.hsdp(shard_size=2)
+    with pytest.raises(UserError, match="parallel_mode='auto'"):
+        paratrain.AutoParallel(Net(), parallel_mode="auto")
+
+
+def _hsdp_losses():
+    import paratrain
+
+    torch.manual_seed(0)
+    net = paratrain.AutoParallel(Net())
+    net.hsdp(optimizer_level="level3")
+    losses = Losses()
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2))
+    model.train(1, dataset(), callbacks=[losses])
+    return losses.losses, model.train_network.config.effective_zero_stage
+
+
+@pytest.mark.timeout(120)
+def test_auto_parallel_hsdp_level3_on_two_ranks_gives_the_losses_of_one_process():
+    one = model_losses(data=dataset())
+    for losses, zero in run_distributed(_hsdp_losses, 2, timeout=100):
+        assert zero == 3 and losses == pytest.approx(one, rel=1e-5)
+
+
+def _scenario(directory, parallel=True, signal_rank=None, resume="none"):
+    """The issue's check, on 4 ranks: a user's token net of blocks declaring their tensor-parallel split,
+    model_parallel=2 x 2 interleaved pipeline stages (two segments each, 1F1B) x 2 micro-batches, in bf16, with a
+    SummaryCollector and a ModelCheckpoint (without ``parallel``: one process, the same context); rank
+    ``signal_rank`` gets SIGTERM at the start of step 2. Returns (exit code, [(step, loss)])."""
+    import os
+    import signal
+
+    import paratrain
+    from paratrain import TransformerOpParallelConfig
+    from paratrain.train import Callback, CheckpointConfig, ModelCheckpoint
+    from test_user_net import Net as TokenNet, _batches
+
+    torch.manual_seed(0)
+    net = TokenNet()
+    net.parallel_config = TransformerOpParallelConfig(model_parallel=2 if parallel else 1,
+                                                      micro_batch_num=2)
+    for i, block in enumerate(net.blocks):
+        block.pipeline_stage, block.pipeline_segment = i % 2, i // 2
+    paratrain.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_config={
+        "pipeline_interleave": True, "pipeline_scheduler": "1f1b"})
+    if parallel:
+        paratrain.set_auto_parallel_context(pipeline_stages=2)
+    steps = []
+
+    class Steps(Callback):
+        def on_train_step_begin(self, run_context):
+            params = run_context.original_args()
+            if params.rank == signal_rank and params.cur_step_num + 1 == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_train_step_end(self, run_context):
+            params = run_context.original_args()
+            steps.append((params.cur_step_num, float(params.net_outputs)))
+
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2), amp_level="O2")
+    saver = ModelCheckpoint(prefix="net", directory=directory, config=CheckpointConfig(save_checkpoint_steps=100))
+    try:
+        model.train(1, _batches(5), callbacks=[Steps(), saver, SummaryCollector(directory, collect_freq=1)],
+                    resume=resume)
+    except SystemExit as exc:
+        return exc.code, steps
+    return 0, steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_users_net_interleaved_mp2_pp2_bf16_stopped_and_resumed_gives_one_process_losses(tmp_path):
+    code, one = _scenario(str(tmp_path / "one"), parallel=False)  # one process: no pipeline, mp 1
+    assert code == 0 and [step for step, _ in one] == [1, 2, 3, 4, 5]
+    stopped = run_distributed(_scenario, 4, str(tmp_path / "run"), True, 3, timeout=240)
+    assert [code for code, _ in stopped] == [4] * 4  # rank 3 signalled in step 2: all stop after step 3, saved
+    resumed = run_distributed(_scenario, 4, str(tmp_path / "run"), True, None, "auto", timeout=240)
+    assert [code for code, _ in resumed] == [0] * 4
+    losses = stopped[0][1] + resumed[0][1]
+    assert [step for step, _ in losses] == [1, 2, 3, 4, 5]
+    assert [loss for _, loss in losses] == pytest.approx([loss for _, loss in one], rel=5e-3)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5] and all(r["mfu"] > 0 for r in logged)

@@ -74,8 +74,9 @@ def _batches(steps=4):
              (torch.rand(8, 6, generator=g) > 0.2).float()) for _ in range(steps)]
 
 
-def train(parallel: dict, steps=4, net_class=Net):
-    """(loss, gradient norm) of each step of the tiny net (a ``net_class``) placed on ``parallel``."""
+def train(parallel: dict, steps=4, net_class=Net, batches=None):
+    """(loss, gradient norm) of each step of the tiny net (a ``net_class``) placed on ``parallel``, on ``batches``
+    (default: ``steps`` of ``_batches``)."""
     from paratrain.config import ParallelConfig
     from paratrain.distributed import init_from_env
     from paratrain.mesh import Layout
@@ -88,7 +89,7 @@ def train(parallel: dict, steps=4, net_class=Net):
     for i, block in enumerate(net.blocks):
         block.pipeline_stage = i * stages // len(net.blocks)
     config = ParallelConfig(**parallel)
-    return train_placed(net, config, Layout(config, world), _batches(steps))
+    return train_placed(net, config, Layout(config, world), batches or _batches(steps))
 
 
 def train_placed(net, config, layout, batches):
@@ -121,15 +122,6 @@ LAYOUTS = {
 }
 
 
-# torch < 2.13 cannot pass the integer labels a traced net's last stage needs: refused (below)
-TRACED_INTEGERS = "torch < 2.13: integer tensors between traced pipeline stages are refused"
-
-
-def skip_traced_pipelines_before_2_13(parallel: dict) -> None:
-    if parallel.get("pipeline_stage", 1) > 1 and TORCH_VERSION < (2, 13):
-        pytest.skip(TRACED_INTEGERS)
-
-
 @pytest.fixture(scope="module")
 def one_process():
     return train({})
@@ -139,7 +131,6 @@ def one_process():
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_user_net_matches_one_process(name, one_process):
     parallel = LAYOUTS[name]
-    skip_traced_pipelines_before_2_13(parallel)
     world = parallel.get("data_parallel", 1) * parallel.get("model_parallel", 1) * parallel.get("pipeline_stage", 1)
     got = run_distributed(train, world, parallel, timeout=300)[0]
     assert one_process[-1][0] < one_process[0][0] or one_process[-1] != one_process[0]
@@ -165,7 +156,6 @@ def test_a_stage_boundary_carries_an_expanded_mask(name):
     from paratrain.config import ParallelConfig
 
     parallel = LAYOUTS[name]
-    skip_traced_pipelines_before_2_13(parallel)
     want = train({}, 3, ExpandedMaskNet)
     got = run_distributed(train, ParallelConfig(**parallel).world_size, parallel, 3, ExpandedMaskNet, timeout=300)[0]
     assert want[-1][0] < want[0][0]
@@ -173,12 +163,73 @@ def test_a_stage_boundary_carries_an_expanded_mask(name):
         assert g == pytest.approx(w, rel=1e-5), f"{name}: step {step + 1}"
 
 
+class ShiftedNet(Net):
+    """Net that takes ids and a mask and computes in its forward, before the first block, the labels (the ids
+    shifted) and the mask of the positions that have one: tensors of the first stage used by the last, computed
+    from the inputs alone, one of them integer."""
+
+    def forward(self, ids, mask):
+        labels, keep = ids.roll(-1, 1), mask * (torch.arange(ids.shape[1]) < ids.shape[1] - 1)
+        return super().forward(ids, labels, keep)
+
+
+def train_shifted(parallel: dict) -> list:
+    """The losses of three steps of ShiftedNet on one batch."""
+    ids, _, mask = _batches(1)[0]
+    return [step[0] for step in train(parallel, net_class=ShiftedNet, batches=[(ids, mask)] * 3)]
+
+
+def _traced_stage_arguments() -> list[list[str]]:
+    """The arguments of each stage of ShiftedNet's traced pipeline (two stages): "input_i" for the net's inputs,
+    "received" for a tensor from the stage before."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from paratrain.parallel.user import _by_name, _inputs_to_every_stage, _InputsByName, _recompute_from_inputs
+
+    ids, _, mask = _batches(1)[0]
+    pipe = pipeline(_InputsByName(ShiftedNet()), (), _by_name((ids, mask)), split_spec={"blocks.2": SplitPoint.BEGINNING})
+    _inputs_to_every_stage(pipe)
+    _recompute_from_inputs(pipe)
+    return [[a.target if a.op == "placeholder" else "received" for a in stage.args]
+            for stage in pipe.split_gm.graph.find_nodes(op="call_module")]
+
+
+def test_a_traced_stage_receives_only_what_the_inputs_alone_do_not_give():
+    # in a worker: tracing leaves autograd unusable in the processes a test forks after it
+    assert run_distributed(_traced_stage_arguments, 1, timeout=120)[0] == [["input_0", "input_1"],
+                                                                           ["received", "input_0", "input_1"]]
+
+
+@pytest.mark.slow
+def test_tensors_computed_from_the_inputs_are_computed_again_by_the_stage_that_uses_them():
+    parallel = LAYOUTS["pp2"]
+    want = train_shifted({})
+    got = run_distributed(train_shifted, 2, parallel, timeout=300)[0]
+    assert want[-1] < want[0]
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+class ArgmaxNet(Net):
+    """Net whose second stage adds the argmax of the first stage's activations: an integer tensor that only the
+    first stage can compute."""
+
+    def forward(self, ids, labels, mask):
+        x = self.mine(self.embedding(ids))
+        for block in self.blocks:
+            if block.pipeline_stage == 0:
+                x = block(x)
+                hint = x.argmax(-1, keepdim=True)
+            else:
+                x = block(x + hint)
+        return self.loss(self.head(x).flatten(0, 1), labels.flatten(), mask.flatten())
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(TORCH_VERSION >= (2, 13), reason="torch 2.13 passes integer tensors between traced stages")
-def test_integer_tensors_between_traced_stages_are_refused_before_torch_2_13():
+def test_integer_tensors_computed_by_a_stage_are_refused_before_torch_2_13():
     with pytest.raises(RuntimeError, match=r"cannot pass integer tensors between the stages of a traced net \(\w+ "
                                            r"\(torch.int64\) into stage 1"):
-        run_distributed(train, 2, LAYOUTS["pp2"], timeout=300)
+        run_distributed(train, 2, LAYOUTS["pp2"], 1, ArgmaxNet, timeout=300)
 
 
 def test_declared_plan_and_stage_starts():
@@ -196,11 +247,21 @@ def test_a_forward_that_cannot_be_split_is_refused_with_the_reason():
 
     net = Net()
     net.blocks[0].pipeline_stage, net.blocks[1].pipeline_stage = 1, 0
-    with pytest.raises(UnsplittableNet, match="blocks.1 runs after a module of stage 1"):
+    with pytest.raises(UnsplittableNet, match="blocks.1 runs after a module of stage 1 but is in stage 0"):
         stage_starts(net, _batches(1)[0], 2)
     net = Net()
     with pytest.raises(UnsplittableNet, match=r"no module has pipeline_stage in \[1\]"):
         stage_starts(net, _batches(1)[0], 2)
+    net.blocks[2].pipeline_stage, net.blocks[2].pipeline_segment = 0, 1
+    net.blocks[1].pipeline_stage = 1
+    with pytest.raises(UnsplittableNet, match=r"virtual stage in \[3\]"):
+        stage_starts(net, _batches(1)[0], 2, segments=2)
+    net.blocks[3].pipeline_stage, net.blocks[3].pipeline_segment = 1, 1
+    assert list(stage_starts(net, _batches(1)[0], 2, segments=2)) == ["blocks.1", "blocks.2", "blocks.3"]
+    net.blocks[0].pipeline_stage, net.blocks[0].pipeline_segment = 0, 1
+    with pytest.raises(UnsplittableNet, match="blocks.1 runs after a module of stage 0, segment 1 but is in stage 1, "
+                                              "segment 0"):
+        stage_starts(net, _batches(1)[0], 2, segments=2)
 
 
 class Branching(Net):
@@ -308,7 +369,6 @@ TUTORIAL_LAYOUTS = {"mp2_vocab_sharded": {"model_parallel": 2, "vocab_emb_dp": F
 @pytest.mark.parametrize("name", TUTORIAL_LAYOUTS)
 def test_tutorial_net_matches_one_process(name):
     parallel = TUTORIAL_LAYOUTS[name]
-    skip_traced_pipelines_before_2_13(parallel)
     world = parallel.get("data_parallel", 1) * parallel.get("model_parallel", 1) * parallel.get("pipeline_stage", 1)
     want = train_tutorial({})
     got = run_distributed(train_tutorial, world, parallel, timeout=400)[0]
@@ -329,3 +389,83 @@ def test_a_ranks_share_that_does_not_split_into_micro_batches_is_refused_naming_
         placed.forward_backward(_batches(1)[0], rows_of_this_rank=True)
     with pytest.raises(UserError, match=r"\(data_parallel=1 x micro_batch_num=3\)"):
         placed.forward_backward(_batches(1)[0])
+
+
+class FusedNet(Net):
+    """Net whose cells are put in MindSpore's communication groups by hand (``comm_fusion``, as
+    ``Cell.set_comm_fusion`` sets it): blocks 0-1, blocks 2-3 with the head, the embedding alone."""
+
+    def __init__(self):
+        super().__init__()
+        for module, group in [(self.blocks[0], 1), (self.blocks[1], 1), (self.blocks[2], 2), (self.blocks[3], 2),
+                              (self.head, 2), (self.embedding, 3)]:
+            for inner in module.modules():
+                inner.comm_fusion = group
+
+
+def _fused_groups(parallel):
+    from paratrain.config import ParallelConfig
+    from paratrain.distributed import init_from_env
+    from paratrain.mesh import Layout
+    from paratrain.parallel.user import place_net
+
+    _, world = init_from_env()
+    torch.manual_seed(0)
+    net = FusedNet()
+    config = ParallelConfig(**parallel)
+    place_net(net, config, Layout(config, world), _batches(1)[0])
+    state = [m._get_fsdp_state() for m in (*net.blocks, net.head, net.embedding)]
+    return [a is b for a, b in zip(state, state[1:])]
+
+
+@pytest.mark.slow
+def test_comm_fusion_groups_are_the_fsdp_units_and_train_as_one_process(one_process):
+    parallel = {"data_parallel": 2, "zero_stage": 3}
+    # blocks 0 = 1, 1 != 2, 2 = 3, 3 = head, head != embedding
+    assert run_distributed(_fused_groups, 2, parallel, timeout=120)[0] == [True, False, True, True, False]
+    got = run_distributed(train, 2, parallel, 4, FusedNet, timeout=300)[0]
+    for step, (g, want) in enumerate(zip(got, one_process)):
+        assert g == pytest.approx(want, rel=1e-4), f"step {step + 1}"
+
+
+def test_sequence_parallel_on_a_users_net_is_refused():
+    from paratrain.config import ParallelConfig
+    from paratrain.errors import UserError
+    from paratrain.mesh import Layout
+    from paratrain.parallel.user import place_net
+
+    config = ParallelConfig(sequence_parallel=True)
+    with pytest.raises(UserError, match="sequence_parallel on a user's net is not offered"):
+        place_net(Net(), config, Layout(config, 1), _batches(1)[0])
+
+
+def train_interleaved(parallel: dict, steps=4):
+    """``train`` with the blocks over virtual stages: block i in segment i // pipeline_stage, on stage
+    i % pipeline_stage, or for the zero-bubble V on the stages 0, 1 then 1, 0 (the embedding before the first
+    block, the head after the last)."""
+    from paratrain.config import ParallelConfig
+    from paratrain.distributed import init_from_env
+    from paratrain.mesh import Layout
+
+    torch.set_num_threads(1)
+    _, world = init_from_env()
+    torch.manual_seed(0)
+    net = Net()
+    stages = parallel["pipeline_stage"]
+    v_shape = parallel["pipeline_schedule"] == "zbv_zero_bubble"
+    for i, block in enumerate(net.blocks):
+        segment = i // stages
+        block.pipeline_stage = stages - 1 - i % stages if v_shape and segment else i % stages
+        block.pipeline_segment = segment
+    config = ParallelConfig(**parallel, virtual_pipeline_stage=len(net.blocks) // stages)
+    return train_placed(net, config, Layout(config, world), _batches(steps))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                                      "zbv_zero_bubble"])
+def test_every_schedule_with_virtual_stages_matches_one_process(schedule, one_process):
+    parallel = {"pipeline_stage": 2, "micro_batch_num": 2, "pipeline_schedule": schedule}
+    got = run_distributed(train_interleaved, 2, parallel, timeout=300)[0]
+    for step, (g, want) in enumerate(zip(got, one_process)):
+        assert g == pytest.approx(want, rel=1e-4), f"{schedule}: step {step + 1}"

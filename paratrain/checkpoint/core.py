@@ -45,6 +45,7 @@ from paratrain.checkpoint.storage import (DCP_METADATA, FORMAT_VERSION, INTEGRAT
                                           holds_tensor_data, rank_file_name, read_meta, resolve, step_dirs,
                                           tensor_entries, verify, write_atomic, write_file, write_meta)
 
+from paratrain import progress
 from paratrain.config import Config, ModelConfig
 from paratrain.device import device
 from paratrain.mesh import Layout
@@ -311,6 +312,7 @@ class Checkpointer:
                 self._commit(step, tmp, final, layout, settings, written)
         _together(commit, final)
         self.last_saved_step = step
+        progress.saved(step)
         if rank == 0:
             log.info("checkpoint: saved %s in %.2f s", final, time.perf_counter() - start)
         return final

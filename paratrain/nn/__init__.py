@@ -12,6 +12,7 @@ from paratrain.nn.config import (EmbeddingOpParallelConfig, MoEConfig, OpParalle
 from paratrain.nn.dense import Dense
 from paratrain.nn.layers import AttentionMask, FeedForward, MultiHeadAttention, VocabEmbedding
 from paratrain.nn.loss import CrossEntropyLoss
+from paratrain.nn.metrics import Accuracy, Loss, Metric, rearrange_inputs  # MindSpore 1.x's place; 2.x: train
 from paratrain.nn.normalization import SyncBatchNorm
 from paratrain.nn.learning_rate_schedule import (CosineDecayLR, ExponentialDecayLR, LearningRateSchedule,
                                                  PolynomialDecayLR, WarmUpLR)
@@ -26,16 +27,5 @@ __all__ = ["Cell", "PipelineCell", "TransformerOpParallelConfig", "OpParallelCon
            "FeedForward", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
            "TransformerEncoder", "TransformerDecoder", "Transformer", "CrossEntropyLoss", "Dense", "Parameter", "Momentum",
            "AdamWeightDecay", "LearningRateSchedule", "WarmUpLR", "PolynomialDecayLR", "CosineDecayLR",
-           "ExponentialDecayLR", "SyncBatchNorm"]
+           "ExponentialDecayLR", "SyncBatchNorm", "Accuracy", "Loss", "Metric", "rearrange_inputs"]
 
-METRICS = ("Accuracy", "Loss", "Metric", "rearrange_inputs")  # MindSpore 1.x's mindspore.nn.Accuracy...
-
-
-def __getattr__(name: str):
-    """MindSpore 1.x's metrics under ``mindspore.nn`` (2.x's ``mindspore.train``): ``paratrain.train``'s, imported
-    when first asked for (``paratrain.train`` imports this package)."""
-    if name in METRICS:
-        from paratrain.train import metrics
-
-        return getattr(metrics, name)
-    raise AttributeError(f"module 'paratrain.nn' has no attribute {name!r}")

@@ -80,24 +80,42 @@ def uses_ddp(config: ParallelConfig) -> bool:
     return not config.shards_parameters and config.model_parallel == 1 and not split
 
 
+def fusion_groups(model: nn.Module) -> list[list[nn.Module]]:
+    """MindSpore's communication groups of a user's net: the outermost modules of each ``comm_fusion`` value
+    (``Cell.set_comm_fusion``), in the order the net holds them; none when no module has one."""
+    groups: dict[int, list[nn.Module]] = {}
+    inside: set[int] = set()  # modules already in a group through an outer module
+    for module in model.modules():
+        fusion = getattr(module, "comm_fusion", None)
+        if fusion is None or id(module) in inside:
+            continue
+        groups.setdefault(fusion, []).append(module)
+        inside.update(id(m) for m in module.modules())
+    return list(groups.values())
+
+
 def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout,
                         mp_policy: MixedPrecisionPolicy | None = None, root: nn.Module | None = None,
-                        every_batch_norm: bool = True) -> nn.Module:
+                        every_batch_norm: bool = True, groups: list[list[nn.Module]] | None = None) -> nn.Module:
     """Shard (or replicate) ``model`` over the data-parallel ranks as ``zero_stage`` says.
 
     ``root`` (default ``model``) is the module whose forward runs the rest: a pipeline
     stage module wrapping ``model``. ``mp_policy`` applies to FSDP2; under DDP the
     parameters stay fp32 and autocast alone lowers the compute dtype. Batch norm takes the
     global batch's statistics: every BatchNorm2d, or with ``every_batch_norm=False`` (a user's
-    net, as MindSpore) only ``paratrain.nn.SyncBatchNorm`` layers (``sync_batch_norm``).
+    net, as MindSpore) only ``paratrain.nn.SyncBatchNorm`` layers (``sync_batch_norm``). ``groups``: the
+    modules gathered and reduced together (a user's ``comm_fusion`` groups); default: the layers in
+    ``gradient_aggregation_group`` groups.
     """
     sync_batch_norm(model, layout.dp_group, layout.device, every_batch_norm)
     root = root if root is not None else model
     layers = [model.get_submodule(name) for name, _, _ in pipeline_blocks(model)]
-    groups = layer_groups(layers, config.aggregation_groups(len(layers)))
+    grouped = groups is not None or config.gradient_aggregation_group
+    if groups is None:
+        groups = layer_groups(layers, config.aggregation_groups(len(layers)))
     if uses_ddp(config):
         bucket_mb = None  # DDP's default
-        if config.gradient_aggregation_group:
+        if grouped and groups:
             bucket_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / len(groups) / 2 ** 20
         # every rank materialises the same weights and buffers (the same seed): nothing to broadcast
         replicate(root, process_group=layout.dp_group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,

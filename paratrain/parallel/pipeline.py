@@ -152,11 +152,12 @@ class _StageModule(nn.Module):
         return self.model(**inputs, hidden=hidden)
 
 
-class _Stage(PipelineStage):
-    """A PipelineStage that also drives a stage module replicated by DDP's reducer (composable ``replicate``),
-    which torch's stage treats as a plain module: its gradients accumulate locally over the micro-batches
-    (``set_requires_gradient_sync(False)``, set when the stage is built) and are all-reduced, bucket by
-    bucket, during the step's last backward."""
+class StageFixes:
+    """What every pipeline stage here needs besides torch's stage (mixed into the built-in models' stages and
+    a user's traced ones): a stage module replicated by DDP's reducer (composable ``replicate``), which torch's
+    stage treats as a plain module, accumulates its gradients locally over the micro-batches
+    (``set_requires_gradient_sync(False)``, set when the stage is built) and all-reduces them, bucket by
+    bucket, during the step's last backward; and no warm-up of a link to a stage on the same rank."""
 
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
         # torch 2.11 warms up the links to both neighbouring stages with a send and a receive each way,
@@ -169,6 +170,10 @@ class _Stage(PipelineStage):
             # what torch's stage does for a DistributedDataParallel module: arm the reducer for this backward
             replicate.state(self.submod)._ddp.reducer.prepare_for_backward([])
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+class _Stage(StageFixes, PipelineStage):
+    """A PipelineStage of a built-in model's chunk (``StageFixes``)."""
 
 
 def _parameters_by_name(module: nn.Module) -> dict[str, nn.Parameter]:

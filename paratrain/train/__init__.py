@@ -6,7 +6,7 @@ the weights-only loading (``load_checkpoint``, ``load_param_into_net``, ``load_d
 from paratrain.amp import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
 from paratrain.train.callbacks import (Callback, CallbackParams, CheckpointConfig, LossMonitor, ModelCheckpoint,
                                        OnRequestExit, RunContext, SummaryCollector, TimeMonitor)
-from paratrain.train.metrics import Accuracy, Loss, Metric, rearrange_inputs
+from paratrain.nn.metrics import Accuracy, Loss, Metric, rearrange_inputs
 from paratrain.train.model import Model, WithLoss, group_names, rebuild_optimizer
 from paratrain.train.serialization import load_checkpoint, load_distributed_checkpoint, load_param_into_net
 

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from paratrain import progress
 from paratrain.amp import LossScaleManager, precision_of
+from paratrain.auto_parallel import AutoParallel
 from paratrain.config import MetricsConfig, ParallelConfig
 from paratrain.context import GRAPH_MODE, ParallelMode, get_auto_parallel_context, get_context, parallel_config_for
 from paratrain.distributed import init_from_env
@@ -25,6 +26,7 @@ from paratrain.nn import PipelineCell
 from paratrain.optim import tensor_kind
 from paratrain.parallel.data import shard_optimizer_state
 from paratrain.parallel.user import PlacedNet, place_net
+from paratrain.preflight import net_memory_problem
 from paratrain.precision import LossScaleFloor, LossScaler, autocast
 from paratrain.stopping import StopAgreement
 from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext, SummaryCollector
@@ -257,6 +259,8 @@ class Model:
         self.eval_indexes = [0, 1, 2] if eval_network is None else eval_indexes
         self.precision = precision_of(amp_level, loss_scale_manager)
         self.loss_scale_manager = loss_scale_manager
+        if isinstance(network, AutoParallel):  # its settings are in the context already
+            network = network.network
         self.network, self.loss_fn, self.optimizer = network, loss_fn, optimizer
         self.loss_scaler: LossScaler | None = None  # made with the placed net; kept across train calls
         self._engine: Engine | None = None  # one per train call
@@ -289,6 +293,7 @@ class Model:
         if self.optimizer is None:
             raise UserError("Model.train needs an optimizer: Model(net, optimizer=torch.optim.AdamW(...))")
         rank, world_size = init_from_env()
+        progress.start(rank)  # under `paratrain launch`: the job's records show the steps and saves
         config, layout = self._layout_for(world_size)
         shards = getattr(train_dataset, "num_shards", None) or 1
         if shards > 1 and not shards == config.data_parallel == world_size:
@@ -409,6 +414,9 @@ class Model:
         """Place the net on the layout (``batch``: an example) and rebuild the optimizer on its shards."""
         net = self.network.network if isinstance(self.network, PipelineCell) else self.network
         net = net if self.loss_fn is None else WithLoss(net, self.loss_fn)
+        problem = net_memory_problem(net, layout.world_size)
+        if problem:
+            raise UserError(f"Model.train: {problem}")
         names = group_names(self.optimizer, net) if self.optimizer is not None else None  # none: only eval
         self.train_network = place(net, config, layout, batch, self.precision)
         if isinstance(self.network, PipelineCell):
