@@ -65,6 +65,8 @@ def restart_count() -> int:
     """Which restart of a launched job this is: torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 for the first
     attempt), the highest over the ranks, since the agent of a node restarted by another node's failure keeps
     its own count."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) == 0:
+        return 0  # not started by torchrun, or by one that never restarts: alike on every rank
     count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     if not dist.is_initialized():
         return count
