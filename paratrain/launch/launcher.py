@@ -18,8 +18,9 @@ SIGTERM, SIGINT or SIGHUP, or a ``stop.json`` request, is forwarded to the
 ranks as SIGTERM (SIGKILL with ``stop --now``), and the launcher waits the
 grace period for them to save and exit before killing what is left. Ranks that
 exit with :data:`paratrain.progress.EXIT_STOPPED` make the job "stopped, saved
-at step N"; neither a stop nor such a rank ever restarts the job. A multi-node launch that is still waiting for other nodes says who
-is missing every 30 s and gives up after ``--join-timeout`` seconds.
+at step N"; neither a stop nor such a rank ever restarts the job. A multi-node
+launch that is still waiting for other nodes says who is missing every 30 s and
+gives up after ``--join-timeout`` seconds.
 """
 from __future__ import annotations
 
