@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from multiprocess import free_port
 from test_cluster import CONFIG
 from test_launch import record, use_registry, wait_for
 from test_launch_inputs import refused
@@ -54,8 +55,9 @@ def _config(tmp_path: Path, extra: str = "") -> Path:
 
 
 def _launch(tmp_path: Path, *args: str) -> subprocess.Popen:
+    """``paratrain launch ARGS`` in ``tmp_path``, the registry under it."""
     env = {**os.environ, "PARATRAIN_HOME": str(tmp_path / "runs"), "TMPDIR": str(tmp_path), "SAVE_S": "0.5"}
-    return subprocess.Popen([PYTHON, "-m", "paratrain", "launch", "--nproc-per-node", "2", *args], cwd=tmp_path,
+    return subprocess.Popen([PYTHON, "-m", "paratrain", "launch", *args], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -65,8 +67,11 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("nodes", [1, 2])
 def test_a_killed_rank_restarts_the_job_from_its_checkpoint_with_the_losses_of_an_uninterrupted_run(
-        tmp_path, home, capsys):
+        tmp_path, home, capsys, nodes):
+    """2 ranks on one node, or on two nodes (two launchers here) that meet through a c10d rendezvous: the node
+    whose rank did not fail is restarted by the other's new round, with a restart count of 0 of its own."""
     config = _config(tmp_path)
     Trainer(Config.load(config, [f"run.dir={tmp_path / 'alone'}"])).train()  # one process, uninterrupted
     reference = dict(_losses(tmp_path / "alone"))
@@ -74,29 +79,45 @@ def test_a_killed_rank_restarts_the_job_from_its_checkpoint_with_the_losses_of_a
 
     (tmp_path / "dies.py").write_text(DIES)
     run_dir = home / "r"
-    job = _launch(tmp_path, "--max-restarts", "1", "--name", "r", "--", "dies.py", "--config", str(config),
-                  f"--run.dir={run_dir}")
-    _, stderr = job.communicate(timeout=240)
-    assert job.returncode == 0, stderr
-    assert "job r succeeded (attempt 2 of 2)" in stderr
+    command = ["--max-restarts", "1", "--name", "r", "--", "dies.py", "--config", str(config), f"--run.dir={run_dir}"]
+    if nodes == 1:
+        launchers = [_launch(tmp_path, "--nproc-per-node", "2", *command)]
+    else:
+        where = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+                 str(free_port())]
+        launchers = [_launch(tmp_path, *where, "--node-rank", str(node), *command) for node in (0, 1)]
+    try:
+        stderrs = [launcher.communicate(timeout=240)[1] for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    assert [launcher.returncode for launcher in launchers] == [0] * nodes, stderrs
+    assert all("job r succeeded (attempt 2 of 2)" in stderr for stderr in stderrs)
     logged = _losses(run_dir)
     # the second attempt went on from the checkpoint of step 2: steps 1 and 2 were trained once
     assert [step for step, _ in logged].count(1) == [step for step, _ in logged].count(2) == 1
-    assert "resumed from" in (run_dir / "rank0.log").read_text() and "step_00000002" in (
-        run_dir / "rank0.log").read_text()
+    log = (run_dir / "rank0.log").read_text()
+    assert "resumed from" in log and "step_00000002" in log
     last = dict(logged)  # a step trained again in the second attempt: its last loss
     assert sorted(last) == sorted(reference)
     assert [last[s] for s in sorted(last)] == pytest.approx([reference[s] for s in sorted(reference)], rel=1e-5)
 
-    attempts = record(tmp_path, "r")["attempts"]
-    assert [(a["number"], a["state"], a["failing_rank"], a["exit_code"]) for a in attempts] == [
+    # each node's record keeps its attempts; the rendezvous numbers the ranks of two nodes in its own order
+    records = [Job.from_file(path) for path in sorted(run_dir.glob("*.json"))]  # job.json, node1.json
+    assert len(records) == nodes
+    failed = next(r for r in records if "1" in r.pids)
+    assert [(a["number"], a["state"], a["failing_rank"], a["exit_code"]) for a in failed.attempts] == [
         (0, "failed", 1, -9), (1, "succeeded", None, None)]
-    assert attempts[0]["end_time"] <= attempts[1]["start_time"]
+    assert failed.attempts[0]["end_time"] <= failed.attempts[1]["start_time"]
+    for other in records:
+        if other is not failed:
+            assert [(a["number"], a["state"]) for a in other.attempts] == [(0, "restarted"), (1, "succeeded")]
     assert (run_dir / "rank1.attempt0.log").exists()  # the first attempt's log, kept
-    assert cli.main(["jobs", "r"]) == 0
-    out = capsys.readouterr().out
-    assert "r: 2 attempts (max_restarts 1): attempt 0 (started " in out and ") failed: rank 1 exit -9" in out
-    assert "attempt 1 (started " in out and ") succeeded" in out
+    if nodes == 1:
+        assert cli.main(["jobs", "r"]) == 0
+        out = capsys.readouterr().out
+        assert "r: 2 attempts (max_restarts 1): attempt 0 (started " in out and ") failed: rank 1 exit -9" in out
+        assert "attempt 1 (started " in out and ") succeeded" in out
 
 
 @pytest.mark.timeout(120)
@@ -105,7 +126,7 @@ def test_ranks_that_stop_and_save_never_restart_the_job(tmp_path, home, capsys, 
     """Ranks that exit with EXIT_STOPPED after saving, which torchrun's agent counts as failed: whether the job
     was stopped or one rank was (a scheduler's SIGTERM), the job ends stopped and saved, in one attempt."""
     (tmp_path / "rank.py").write_text(RANK)  # a stand-in rank that saves and exits on SIGTERM
-    job = _launch(tmp_path, "--max-restarts", "1", "--name", "s", "--", "rank.py")
+    job = _launch(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--name", "s", "--", "rank.py")
     try:
         wait_for(lambda: len(progress.read(home / "s" / PROGRESS_DIR)) == 2, 60, "both ranks to run")
         if how == "paratrain stop":
