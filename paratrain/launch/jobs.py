@@ -148,7 +148,7 @@ class Job:
 
     def requeued(self) -> bool:
         """Whether this process runs in the Slurm job that made the record, requeued since (its
-        ``SLURM_RESTART_COUNT`` is higher): the launcher that made it went with the job's first run."""
+        ``SLURM_RESTART_COUNT`` is higher): the launcher that made it ended with the earlier run."""
         return (bool(self.slurm_job_id) and os.environ.get("SLURM_JOB_ID") == self.slurm_job_id
                 and _slurm_restart_count(os.environ) > self.slurm_restart_count)
 
