@@ -540,6 +540,14 @@ class MetricsConfig(Section):
 
 
 @dataclass
+class LaunchConfig(Section):
+    """How ``paratrain launch`` runs the job's ranks (``paratrain train`` alone ignores it)."""
+
+    SECTION = "launch"
+    max_restarts: int = 0  # times a failed job is restarted from its newest checkpoint (--max-restarts wins)
+
+
+@dataclass
 class Config:
     """A whole run: one attribute per TOML section."""
 
@@ -550,6 +558,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -696,6 +705,9 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if cfg.checkpoint.keep_max < 0:
         problems.append(f"checkpoint.keep_max={cfg.checkpoint.keep_max} must be 0 (keep all) or the number of "
                         f"newest checkpoints kept")
+    if not 0 <= cfg.launch.max_restarts <= MAX_COUNT:
+        problems.append(f"launch.max_restarts={cfg.launch.max_restarts} must be 0 (no restart) or the number of "
+                        f"times a failed job restarts")
     if 0 < t.initial_loss_scale < t.min_loss_scale:
         problems.append(f"train.min_loss_scale={t.min_loss_scale:g} is above train.initial_loss_scale="
                         f"{t.initial_loss_scale:g}: lower it (default 1)")

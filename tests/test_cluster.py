@@ -13,7 +13,6 @@ import pytest
 from conftest import PYTHON, ROOT
 from paratrain import cli
 from paratrain.cluster import TopologyError, expand_nodelist, fill_env, locate, tasks_per_node
-from paratrain.launch import _earlier_attempt_gone
 from paratrain.launch.jobs import LOST_AFTER_S, Job, load
 
 FILLED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -259,11 +258,22 @@ def test_a_requeued_slurm_job_takes_over_its_record(tmp_path, monkeypatch, capsy
     script = tmp_path / "hello.py"
     script.write_text("print('hello')\n")
     monkeypatch.setenv("SLURM_JOB_ID", "55")
-    old = _record(home, "slurm-55", "other-node", 10)
-    assert _earlier_attempt_gone(old) == ""
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    assert _earlier_attempt_gone(old) == "Slurm requeued the job (SLURM_RESTART_COUNT=1)"
+    old = _record(home, "requeued", "other-node", 10)  # saved 10 s ago by the job's first requeue
+    assert old.shown_state() == "running"
+    monkeypatch.setenv("SLURM_JOB_ID", "56")  # another Slurm job says nothing about it
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert old.shown_state() == "running"
+    monkeypatch.setenv("SLURM_JOB_ID", "55")  # the same job, requeued again since
+    assert old.shown_state() == "lost"
+    assert old.lost_because() == "Slurm requeued job 55 since (SLURM_RESTART_COUNT 1 -> 2)"
+    assert cli.main(["launch", "--name", "requeued", "--", str(script)]) == 0
+    assert "taking over the record of an earlier launch, running on other-node: Slurm requeued" in (
+        capsys.readouterr().err)
+    assert (load("requeued").state, load("requeued").slurm_restart_count) == ("succeeded", 2)
     # the launcher that died abruptly on another node: a launch of the same name runs, saying so
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
     _record(home, "stale", "other-node", LOST_AFTER_S + 60)
     assert cli.main(["launch", "--name", "stale", "--", str(script)]) == 0
     assert "taking over the record of an earlier launch, running on other-node" in capsys.readouterr().err

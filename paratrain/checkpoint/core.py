@@ -25,6 +25,7 @@ import dataclasses
 import errno
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -59,6 +60,20 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def restart_count() -> int:
+    """Which restart of a launched job this is: torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 for the first
+    attempt), the highest over the ranks, since the agent of a node restarted by another node's failure keeps
+    its own count."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) == 0:
+        return 0  # not started by torchrun, or by one that never restarts: alike on every rank
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if not dist.is_initialized():
+        return count
+    counts = [0] * dist.get_world_size()
+    dist.all_gather_object(counts, count)
+    return max(counts)
 
 
 def _write_failed(final: Path, exc: OSError) -> str:
@@ -382,8 +397,12 @@ class Checkpointer:
         """Apply ``checkpoint.resume`` ("auto" | a path | "none"); returns the step to continue from.
 
         "auto" takes the newest complete checkpoint whose files are intact, going back past damaged
-        ones with a warning naming the file; a path must be intact or the resume is refused."""
+        ones with a warning naming the file; a path must be intact or the resume is refused. A restarted
+        attempt of a launch (:func:`restart_count`) resumes as "auto" whatever the config says when the
+        checkpoint directory holds a complete checkpoint (saved by an earlier attempt)."""
         spec = (self.cfg.resume or "none").strip()
+        if spec.lower() != "auto" and restart_count() > 0 and self._agreed_candidates():
+            spec = "auto"
         if spec.lower() == "none":
             return 0
         if spec.lower() != "auto":

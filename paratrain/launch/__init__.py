@@ -29,18 +29,19 @@ def is_script(words: list[str]) -> bool:
     return bool(words) and words[0].endswith(".py")
 
 
-def _check_train_config(words: list[str], world_size: int) -> None:
-    """Refuse a ``train`` command whose config breaks a rule for ``world_size`` ranks, before any rank starts."""
+def _check_train_config(words: list[str], world_size: int):
+    """Refuse a ``train`` command whose config breaks a rule for ``world_size`` ranks, before any rank starts;
+    returns the config (None for another command, or for a config file that only the nodes may have)."""
     if words[:1] != ["train"]:
-        return
+        return None
     from paratrain.config import check
     from paratrain.deepspeed_config import load_config
     from paratrain.preflight import train_args
 
     args, overrides = train_args(words[1:])
     if any(path is not None and not Path(path).is_file() for path in (args.config, args.deepspeed)):
-        return  # it may exist on the nodes that run it only; their ranks report it otherwise
-    check(load_config(args.config, overrides, args.deepspeed, world_size), world_size)
+        return None  # it may exist on the nodes that run it only; their ranks report it otherwise
+    return check(load_config(args.config, overrides, args.deepspeed, world_size), world_size)
 
 
 def _with_run_dir(words: list[str], job_dir: Path) -> list[str]:
@@ -55,7 +56,8 @@ def _launch_flags(args, name: str | None, **overrides) -> list[str]:
     without ``--name`` when ``name`` is None."""
     values = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes, "node_rank": args.node_rank,
               "master_addr": args.master_addr, "master_port": args.master_port,
-              "collective_timeout": args.collective_timeout, "join_timeout": args.join_timeout, **overrides}
+              "collective_timeout": args.collective_timeout, "join_timeout": args.join_timeout,
+              "max_restarts": args.max_restarts, **overrides}
     argv = [f"--{key.replace('_', '-')}={value}" for key, value in values.items() if value is not None]
     return argv if name is None else [*argv, f"--name={name}"]
 
@@ -101,6 +103,9 @@ def _check_numbers(args) -> None:
         if value is not None and not 0 < value < math.inf:
             finite = " and finite" if value > 0 else ""
             raise JobError(f"--{flag.replace('_', '-')} must be positive{finite}, got {value:g}")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise JobError(f"--max-restarts must be 0 (no restart) or the number of times a failed job restarts from "
+                       f"its newest checkpoint, got {args.max_restarts}")
     if args.master_port is not None and args.master_port > 65535:
         raise JobError(f"--master-port {args.master_port} is not a TCP port: use one in 1..65535 (default 29500)")
     if args.master_addr is not None:
@@ -143,7 +148,9 @@ def cmd_launch(args) -> int:
         from paratrain.device import check_local_ranks
 
         check_local_ranks(topo.nproc_per_node)
-    _check_train_config(words, sum(h.slots for h in hosts) if hosts else topo.nproc_per_node * topo.nnodes)
+    cfg = _check_train_config(words, sum(h.slots for h in hosts) if hosts else topo.nproc_per_node * topo.nnodes)
+    if args.max_restarts is None:  # the flag wins over the config's launch.max_restarts
+        args.max_restarts = cfg.launch.max_restarts if cfg is not None else 0
     if args.dry_run:
         return _dry_run(args, name, job_dir, words, hosts, topo)
     if words[:1] == ["train"]:  # the checks each rank would make, once, before any rank starts
@@ -160,17 +167,16 @@ def cmd_launch(args) -> int:
         except joblib.UnreadableRecord:
             old = None  # a damaged record is replaced
         if old is not None and old.state in joblib.ACTIVE:
-            gone = _earlier_attempt_gone(old)
-            if not gone:
+            if not old.launcher_gone():
                 raise JobError(f"job {name!r} is {old.state} (pid {old.launcher_pid} on {old.host}): stop it or "
                                f"pick another --name")
             print(f"paratrain launch: job {name}: taking over the record of an earlier launch, {old.state} on "
-                  f"{old.host}: {gone}", file=sys.stderr, flush=True)
+                  f"{old.host}: {old.lost_because()}", file=sys.stderr, flush=True)
     job_dir.mkdir(parents=True, exist_ok=True)
     job = Job(name=name, dir=str(job_dir), command=words, argv=_argv(args, name), run_dir=_run_dir(words, job_dir),
               hosts=[h.name for h in hosts] if hosts else [], nnodes=len(hosts) if hosts else topo.nnodes,
               node_rank=0 if hosts else topo.node_rank,
-              nproc_per_node=hosts[0].slots if hosts else topo.nproc_per_node)
+              nproc_per_node=hosts[0].slots if hosts else topo.nproc_per_node, max_restarts=args.max_restarts)
     if other_node:
         job.record = f"node{job.node_rank}.json"
     elif os.environ.get("PARATRAIN_JOB_PREPARED") and job.path.exists():
@@ -192,17 +198,6 @@ def cmd_launch(args) -> int:
         os.environ.update(host_memory.rank_env())
     return launcher.run_node(job, topo, launcher.rank_command(words),
                              console=not os.environ.get("PARATRAIN_JOB_PREPARED"), join_timeout_s=args.join_timeout)
-
-
-def _earlier_attempt_gone(old: Job) -> str:
-    """Why the active record ``old`` is of a launcher that is gone ('' when it may still run): a launcher
-    provably gone (:meth:`Job.launcher_gone`), or a Slurm job requeued since (``SLURM_RESTART_COUNT``)."""
-    if old.launcher_gone():
-        return old.lost_because()
-    restarts = os.environ.get("SLURM_RESTART_COUNT", "")
-    if restarts.isdigit() and int(restarts) > 0 and old.name == f"slurm-{os.environ.get('SLURM_JOB_ID')}":
-        return f"Slurm requeued the job (SLURM_RESTART_COUNT={restarts})"
-    return ""
 
 
 def _argv(args, name: str) -> list[str]:
@@ -236,7 +231,7 @@ def _dry_run(args, name, job_dir, words, hosts, topo) -> int:
     print(f"# job {name}: run directory {job_dir}")
     if not hosts:
         print(shlex.join(["torchrun", *launcher.torchrun_args(topo, name, launcher.rank_command(words),
-                                                              args.join_timeout)]))
+                                                              args.join_timeout, args.max_restarts)]))
         return 0
     env = launcher.forwarded_env(joblib.jobs_home())
     for i, (host, argv) in enumerate(_node_argvs(args, name, hosts, words)):
@@ -310,6 +305,9 @@ def register(sub) -> None:
     p.add_argument("--collective-timeout", type=float, help="seconds before a stuck collective fails (default 600)")
     p.add_argument("--join-timeout", type=float, default=600.0,
                    help="seconds a multi-node launch waits for every node to join before it gives up (default 600)")
+    p.add_argument("--max-restarts", type=int,
+                   help="times a failed job restarts, resuming from its newest checkpoint (default: the config's "
+                        "launch.max_restarts, else 0)")
     p.add_argument("words", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                    help="the paratrain subcommand each rank runs, e.g. -- train --config c.toml, "
                         "or a Python script and its arguments, e.g. -- train.py --epochs 2")

@@ -86,6 +86,11 @@ class Job:
     saved_step: int | None = None  # stopped after every rank saved a checkpoint of this step
     record: str = "job.json"  # node{R}.json for a node of a job another process owns
     heartbeat: float = field(default_factory=time.time)  # when the launcher last saved this record
+    max_restarts: int = 0  # times torchrun may restart the ranks after a failure
+    # every start of the ranks: number, start_time, end_time, state, failing_rank, exit_code (of that rank)
+    attempts: list[dict[str, int | float | str | None]] = field(default_factory=list)
+    slurm_job_id: str = field(default_factory=lambda: os.environ.get("SLURM_JOB_ID", ""))
+    slurm_restart_count: int = field(default_factory=lambda: _slurm_restart_count(os.environ))
 
     @property
     def path(self) -> Path:
@@ -128,6 +133,9 @@ class Job:
         self.state, self.exit_code, self.end_time = state, exit_code, time.time()
         self.exit_codes.update({str(r): c for r, c in (exit_codes or {}).items()})
         self.failing_rank, self.failure, self.saved_step = failing_rank, failure, saved_step
+        if self.attempts:  # the last attempt ended as the job did
+            self.attempts[-1].update(end_time=self.end_time, state=state, failing_rank=failing_rank,
+                                     exit_code=self.exit_codes.get(str(failing_rank)))
         self.save()
 
     def log_path(self, rank: int) -> Path:
@@ -138,9 +146,18 @@ class Job:
         if time.time() - self.heartbeat >= HEARTBEAT_S:
             self.save()
 
+    def requeued(self) -> bool:
+        """Whether this process runs in the Slurm job that made the record, requeued since (its
+        ``SLURM_RESTART_COUNT`` is higher): the launcher that made it ended with the earlier run."""
+        return (bool(self.slurm_job_id) and os.environ.get("SLURM_JOB_ID") == self.slurm_job_id
+                and _slurm_restart_count(os.environ) > self.slurm_restart_count)
+
     def launcher_gone(self) -> bool:
-        """Whether the launcher is provably gone: on this host its pid is dead; on another host it has not
-        saved the record for :data:`LOST_AFTER_S` (it died abruptly, or its node did)."""
+        """Whether the launcher is provably gone: the Slurm job was requeued since (:meth:`requeued`); on this
+        host its pid is dead; on another host it has not saved the record for :data:`LOST_AFTER_S` (it died
+        abruptly, or its node did)."""
+        if self.requeued():
+            return True
         if self.host == socket.gethostname():
             return not pid_alive(self.launcher_pid)
         return time.time() - self.heartbeat > LOST_AFTER_S
@@ -151,6 +168,9 @@ class Job:
 
     def lost_because(self) -> str:
         """Why a lost record counts as lost, for messages."""
+        if self.requeued():
+            return (f"Slurm requeued job {self.slurm_job_id} since (SLURM_RESTART_COUNT "
+                    f"{self.slurm_restart_count} -> {_slurm_restart_count(os.environ)})")
         if self.host == socket.gethostname():
             return f"its launcher (pid {self.launcher_pid} on this host) is gone"
         return (f"its launcher on {self.host} has not saved it for {time.time() - self.heartbeat:.0f} s "
@@ -189,6 +209,12 @@ class Job:
                 except json.JSONDecodeError:
                     continue  # a line being written
         return last
+
+
+def _slurm_restart_count(environ) -> int:
+    """How many times Slurm requeued the job this process runs in (``SLURM_RESTART_COUNT``; 0 if not set)."""
+    count = environ.get("SLURM_RESTART_COUNT", "")
+    return int(count) if count.isdigit() else 0
 
 
 def _has_type(value, hint) -> bool:
@@ -284,6 +310,9 @@ def format_table(jobs: list[Job | Unreadable]) -> str:
         if job.failing_rank is not None:
             exit_text += f" (rank {job.failing_rank})"
             notes.append(f"{job.name}: {job.failure}")
+        if len(job.attempts) > 1:
+            notes.append(f"{job.name}: {len(job.attempts)} attempts (max_restarts {job.max_restarts}): "
+                         + "; ".join(map(_attempt_text, job.attempts)))
         loss = metrics.get("loss")
         rows.append((job.name, state, str(job.world_size),
                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.start_time)),
@@ -292,6 +321,16 @@ def format_table(jobs: list[Job | Unreadable]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
     return "\n\n".join([table, *notes])
+
+
+def _attempt_text(attempt: dict) -> str:
+    """``attempt 0 (started 12:00:01) failed: rank 1 exit -9`` for one entry of a record's attempts."""
+    start = attempt.get("start_time")
+    started = time.strftime("%H:%M:%S", time.localtime(start)) if isinstance(start, (int, float)) else "?"
+    text = f"attempt {attempt.get('number')} (started {started}) {attempt.get('state')}"
+    if attempt.get("failing_rank") is not None:
+        text += f": rank {attempt['failing_rank']} exit {attempt.get('exit_code')}"
+    return text
 
 
 def follow(job: Job, rank: int, out=None, poll_s: float = 0.5) -> None:

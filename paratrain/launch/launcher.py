@@ -4,20 +4,27 @@ Each rank runs ``python -u -m paratrain <words>`` (``python -u <script.py> <args
 first word is a script, whose folder is then importable as with ``python script.py``); its stdout and stderr go to
 ``rank{R}.log`` and its environment to ``env{R}.log`` in the job directory
 (a torchrun :class:`LogsSpecs`). torchrun's agent stops the other ranks as soon
-as one fails (``--max-restarts 0``); the launcher then names the rank, its exit
-code and the end of its log (and, after a collective timeout, the rank that
+as one fails, and starts them all again while ``--max-restarts`` allows (an
+attempt; the earlier attempts' logs are kept as ``rank{R}.attempt{N}.log``, and
+every attempt is listed in ``job.json``); after the last it names the rank, its
+exit code and the end of its log (and, after a collective timeout, the rank that
 stopped making progress), records them in ``job.json`` and exits non-zero.
+Several nodes that may restart meet through a c10d rendezvous on node 0 (a
+restarted node's agent opens a new round, which the other nodes' agents join);
+without restarts, through a static one.
 
 torchrun's agent runs in a thread so that this process keeps its signals: a
 SIGTERM, SIGINT or SIGHUP, or a ``stop.json`` request, is forwarded to the
 ranks as SIGTERM (SIGKILL with ``stop --now``), and the launcher waits the
 grace period for them to save and exit before killing what is left. Ranks that
 exit with :data:`paratrain.progress.EXIT_STOPPED` make the job "stopped, saved
-at step N". A multi-node launch that is still waiting for other nodes says who
-is missing every 30 s and gives up after ``--join-timeout`` seconds.
+at step N"; neither a stop nor such a rank ever restarts the job. A multi-node
+launch that is still waiting for other nodes says who is missing every 30 s and
+gives up after ``--join-timeout`` seconds.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shlex
@@ -29,9 +36,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed.launcher.api as launcher_api
 from torch.distributed import DistError
+from torch.distributed.elastic.agent.server.api import WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
 from torch.torch_version import __version__ as TORCH_VERSION
@@ -60,12 +71,14 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 class RankLogs(LogsSpecs):
     """torchrun log destinations: ``rank{R}.log`` (stdout+stderr) and ``env{R}.log`` per global rank.
 
-    With ``console`` the output of local rank 0 is also shown on the launcher's stdout.
+    With ``console`` the output of local rank 0 is also shown on the launcher's stdout. When the ranks are
+    started again (a restart), the last attempt's logs are kept as ``rank{R}.attempt{N}.log``.
     """
 
     def __init__(self, job_dir: Path, console: bool):
         super().__init__(log_dir=str(job_dir), redirects=Std.OUT, tee=Std.NONE)
         self.job_dir, self.console = Path(job_dir), console
+        self.starts = 0
 
     @property
     def root_log_dir(self) -> str:
@@ -78,8 +91,11 @@ class RankLogs(LogsSpecs):
             merged = {**os.environ, **env}
             (self.job_dir / f"env{rank}.log").write_text("".join(f"{k}={merged[k]}\n" for k in sorted(merged)))
             stdouts[local_rank] = str(self.job_dir / f"rank{rank}.log")
+            if self.starts and Path(stdouts[local_rank]).exists():
+                Path(stdouts[local_rank]).replace(self.job_dir / f"rank{rank}.attempt{self.starts - 1}.log")
             errors[local_rank] = str(self.job_dir / f"error{rank}.json")
         tee = {0: stdouts[0]} if self.console and 0 in stdouts else {}
+        self.starts += 1
         return LogsDest(stdouts=stdouts, stderrs=dict.fromkeys(envs, ""), tee_stdouts=tee,
                         tee_stderrs={}, error_files=errors)
 
@@ -89,15 +105,20 @@ def rank_command(words: list[str]) -> list[str]:
     return [sys.executable, "-u", *words] if is_script(words) else [sys.executable, "-u", "-m", "paratrain", *words]
 
 
-def torchrun_args(topo: Topology, name: str, command: list[str], join_timeout_s: float) -> list[str]:
+def torchrun_args(topo: Topology, name: str, command: list[str], join_timeout_s: float,
+                  max_restarts: int = 0) -> list[str]:
     """The torchrun command line (without ``torchrun``) that runs ``command`` once per rank."""
+    join_s = max(1, round(join_timeout_s))
     if topo.master_addr is None:  # one machine: a c10d store on a free port, like --standalone
         where = ["--nnodes", "1", "--node-rank", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
                  "--rdzv-id", name]
+    elif max_restarts:  # c10d rendezvous: the store on node 0 holds rounds, one per (re)start of every node
+        where = ["--nnodes", str(topo.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                 f"{topo.master_addr}:{topo.master_port}", "--rdzv-id", name, "--rdzv-conf", f"join_timeout={join_s}"]
     else:  # static rendezvous: node 0's store waits for the others, theirs retry connecting, both give up then
         where = ["--nnodes", str(topo.nnodes), "--node-rank", str(topo.node_rank), "--master-addr", topo.master_addr,
-                 "--master-port", str(topo.master_port), "--rdzv-conf", f"timeout={max(1, round(join_timeout_s))}"]
-    return [*where, "--nproc-per-node", str(topo.nproc_per_node), "--max-restarts", "0",
+                 "--master-port", str(topo.master_port), "--rdzv-conf", f"timeout={join_s}"]
+    return [*where, "--nproc-per-node", str(topo.nproc_per_node), "--max-restarts", str(max_restarts),
             "--log-dir", os.devnull, *SHUTDOWN_FLAGS, "--no-python", *RANK_WRAPPER, *command]
 
 
@@ -172,19 +193,70 @@ class _ChildThreadWarning(logging.Filter):
         return "running on a child thread" not in record.getMessage()
 
 
+class _NodeAgent(LocalElasticAgent):
+    """torchrun's agent of this node, which tells the launcher's :class:`_Agent` thread (``watcher``) each time
+    it starts the ranks and how each attempt it restarts ended. A failed attempt is not restarted once the
+    launcher stops the job, nor when a rank exited with :data:`~paratrain.progress.EXIT_STOPPED` (it was
+    stopped and saved: a stop, never a crash)."""
+
+    def __init__(self, *args, watcher: "_Agent", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.watcher = watcher
+
+    def _start_workers(self, worker_group):
+        pids = super()._start_workers(worker_group)
+        self.watcher.started([worker.global_rank for worker in worker_group.workers])
+        return pids
+
+    def _monitor_workers(self, worker_group):
+        result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            saved = any(f.exitcode == progress.EXIT_STOPPED for f in result.failures.values())
+            if saved or self.watcher.stopping.is_set():
+                self._remaining_restarts = 0  # torchrun's agent ends rather than restart with none left
+            if self._remaining_restarts > 0:
+                self.watcher.restarting(result.failures)
+        return result
+
+
 class _Agent(threading.Thread):
-    """torchrun's elastic agent, run in a thread; ``error`` is what it raised (None: every rank exited 0)."""
+    """torchrun's elastic agent, run in a thread; ``error`` is what it raised (None: every rank exited 0).
+
+    ``attempts`` lists every start of this node's ranks as the job record keeps them; ``ranks`` are the global
+    ranks of the last start. Once ``stopping`` is set, a failed attempt is the last.
+    """
 
     def __init__(self, config, cmd, cmd_args):
         super().__init__(name="torchrun-agent", daemon=True)  # a daemon: a rendezvous wait must not keep us alive
-        self.launch, self.cmd_args = elastic_launch(config, cmd), cmd_args
+        self.config, self.cmd, self.cmd_args = config, cmd, cmd_args
         self.error: BaseException | None = None
+        self.stopping = threading.Event()
+        self.attempts: list[dict] = []
+        self.ranks: list[int] = []
 
     def run(self) -> None:
+        # torchrun builds its agent inside launch_agent and takes none from its caller: ours is put in its place
+        launcher_api.LocalElasticAgent = functools.partial(_NodeAgent, watcher=self)
         try:
-            self.launch(*self.cmd_args)
+            elastic_launch(self.config, self.cmd)(*self.cmd_args)
         except BaseException as exc:  # handed to the main thread, which reports it
             self.error = exc
+        finally:
+            launcher_api.LocalElasticAgent = LocalElasticAgent
+
+    def started(self, ranks: list[int]) -> None:
+        """The agent started the ranks ``ranks`` of this node: a new attempt."""
+        if self.attempts and self.attempts[-1]["state"] == "running":  # another node's failure restarted it
+            self.attempts[-1].update(end_time=time.time(), state="restarted")
+        self.ranks = ranks
+        self.attempts.append({"number": len(self.attempts), "start_time": time.time(), "end_time": None,
+                              "state": "running", "failing_rank": None, "exit_code": None})
+
+    def restarting(self, failures: dict) -> None:
+        """The agent restarts the ranks after the ``failures`` (rank -> torchrun's ProcessFailure) of this attempt."""
+        rank, failure = first_failure(failures) if failures else (None, None)
+        self.attempts[-1].update(end_time=time.time(), state="failed", failing_rank=rank,
+                                 exit_code=failure.exitcode if failure else None)
 
 
 @dataclass
@@ -198,8 +270,8 @@ class _Watched:
 
 def _watch(job: Job, topo: Topology, agent: _Agent, signals: _StopSignals, progress_dir: Path,
            join_timeout_s: float) -> _Watched:
-    """Until the agent ends: record the rank pids, act on stop requests, snapshot the progress records when
-    the first rank ends, and report (then give up on) nodes that do not join."""
+    """Until the agent ends: record the rank pids and the attempts, act on stop requests, snapshot the progress
+    records when the first rank of an attempt ends, and report (then give up on) nodes that do not join."""
     seen, started = _Watched(), time.monotonic()
     report_every = min(rendezvous.REPORT_EVERY_S, join_timeout_s / 2)
     next_report, kill_at, signalled = started + report_every, 0.0, set()
@@ -211,10 +283,16 @@ def _watch(job: Job, topo: Topology, agent: _Agent, signals: _StopSignals, progr
         if {**job.pids, **ranks} != job.pids:  # ranks that already exited keep their pid
             job.pids, job.state = {**job.pids, **ranks}, "running"
             job.save()
+        if agent.attempts != job.attempts:
+            if len(agent.attempts) != len(job.attempts):  # a new attempt: its own first exit
+                seen.progress_at_first_exit = None
+            job.attempts = [dict(attempt) for attempt in agent.attempts]
+            job.save()
         if job.pids and seen.progress_at_first_exit is None and len(ranks) < len(job.pids):
             seen.progress_at_first_exit = (progress.read(progress_dir), time.time())
             _signal_ranks(ranks.values(), signal.SIGCONT)  # a stopped rank acts on the agent's SIGTERM only then
         if seen.stop is None and (stop := signals.request(job)) is not None:
+            agent.stopping.set()  # before any rank is signalled: a rank that ends now must not restart the job
             seen.stop, kill_at = stop, time.monotonic() + (0 if stop.now else stop.grace_s)
             print(f"paratrain launch: job {job.name}: stopping ({stop.reason}"
                   f"{', now' if stop.now else f', grace {stop.grace_s:g} s'})", file=sys.stderr, flush=True)
@@ -239,18 +317,25 @@ def _watch(job: Job, topo: Topology, agent: _Agent, signals: _StopSignals, progr
 
 
 def run_node(job: Job, topo: Topology, command: list[str], console: bool, join_timeout_s: float) -> int:
-    """Run ``command`` on this node's ranks under torchrun until they end; record the outcome in ``job``.
+    """Run ``command`` on this node's ranks under torchrun until they end, restarting them up to
+    ``job.max_restarts`` times after a failure; record the outcome in ``job``.
 
     Returns the launcher's exit code: 0, :data:`~paratrain.progress.EXIT_STOPPED` when every rank stopped
-    after saving, 128 + signal when stopped otherwise, 1 when a rank failed or nodes did not join.
+    after saving, 128 + signal when stopped otherwise, 1 when a rank failed (in the last attempt) or nodes
+    did not join.
     """
-    config, cmd, cmd_args = _torchrun_config(torchrun_args(topo, job.name, command, join_timeout_s))
+    config, cmd, cmd_args = _torchrun_config(torchrun_args(topo, job.name, command, join_timeout_s, job.max_restarts))
     config.logs_specs = RankLogs(Path(job.dir), console)
     config.log_line_prefix_template = "[rank${rank}]: "
     my_ranks = _node_ranks(topo)
     progress_dir = Path(job.dir) / PROGRESS_DIR
     progress.clear(progress_dir, my_ranks)
     os.environ[progress.DIR_ENV] = str(progress_dir)
+    if job.max_restarts:
+        # the ranks of a restart would otherwise share the agent's store with the failed attempt's and can read
+        # its stale addresses ("Gloo connectFullMesh failed", NCCL "connection refused"; pytorch#135712): rank 0
+        # then hosts a store of each attempt's own, as torchrun did before torch 2.5
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     job.state = "starting"
     job.save()
     agent = _Agent(config, cmd, cmd_args)
@@ -263,26 +348,32 @@ def run_node(job: Job, topo: Topology, command: list[str], console: bool, join_t
     finally:
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(quiet)
     state, code, codes, failing_rank, message = _outcome(job, topo, agent, seen, join_timeout_s)
-    saved = _saved_step(progress_dir, my_ranks) if state == "stopped" and code == progress.EXIT_STOPPED else None
+    stopped_saved = state == "stopped" and code == progress.EXIT_STOPPED
+    saved = _saved_step(progress_dir, agent.ranks or my_ranks) if stopped_saved else None
+    job.attempts = [dict(attempt) for attempt in agent.attempts]
     job.finish(state, code, codes, failing_rank=failing_rank, failure=message if state == "failed" else "",
                saved_step=saved)
+    attempts = f" (attempt {len(job.attempts)} of {job.max_restarts + 1})" if len(job.attempts) > 1 else ""
     if state == "failed":
-        print(f"paratrain launch: job {job.name} failed: {message}", file=sys.stderr, flush=True)
+        print(f"paratrain launch: job {job.name} failed{attempts}: {message}", file=sys.stderr, flush=True)
     else:
-        print(f"paratrain launch: job {job.name} {job.outcome}; logs in {job.dir}", file=sys.stderr, flush=True)
+        print(f"paratrain launch: job {job.name} {job.outcome}{attempts}; logs in {job.dir}", file=sys.stderr,
+              flush=True)
     return code
 
 
 def _outcome(job: Job, topo: Topology, agent: _Agent, seen: _Watched, join_timeout_s: float) -> tuple:
-    """(state, exit code, rank -> exit code, failing rank, failure message) of a finished watch."""
-    my_ranks = _node_ranks(topo)
+    """(state, exit code, rank -> exit code, failing rank, failure message) of a finished watch: of its last
+    attempt, since torchrun restarts the ranks after the failures of the others."""
+    my_ranks = agent.ranks or _node_ranks(topo)  # a c10d rendezvous gives nodes their ranks in its own order
     stop_code = 128 + (signal.SIGKILL if seen.stop and seen.stop.now else signal.SIGTERM)
     master = f"{topo.master_addr}:{topo.master_port}"
     error = str(agent.error).strip().splitlines()[0] if agent.error is not None and str(agent.error).strip() else ""
-    if not job.pids and (seen.join_expired or (isinstance(agent.error, DistError) and TIMED_OUT.search(error))):
+    if not job.pids and (seen.join_expired or (isinstance(agent.error, (DistError, RendezvousError))
+                                               and TIMED_OUT.search(error))):
         cause = f" (torchrun: {error})" if error else ""
         return "failed", 1, {}, None, rendezvous.not_joined(job, master, join_timeout_s) + cause
-    if not job.pids and isinstance(agent.error, DistError):
+    if not job.pids and isinstance(agent.error, (DistError, RendezvousError)):
         return "failed", 1, {}, None, f"the rendezvous at {master} failed: {error}"
     if seen.stop is not None and not job.pids:  # before any rank started: nothing to save
         return "stopped", stop_code if seen.stop.now else progress.EXIT_STOPPED, {}, None, ""
@@ -363,6 +454,7 @@ def run_hosts(job: Job, commands: list[list[str]], poll_s: float = 0.5) -> int:
             p.terminate()
             p.wait()
     nodes, _ = job.node_records()
+    job.attempts = nodes[0].attempts if nodes else []  # node 0's, as on one node
     codes = {int(r): c for node in nodes for r, c in node.exit_codes.items()}
     failed = next((n for n in nodes if n.state == "failed"), None)
     if stop is None and first_failed is None:
