@@ -53,17 +53,6 @@ def attention_mask(key_pad: torch.Tensor | None, causal: bool, query_length: int
     return allowed[None, None] & ~key_pad[:, None, None, :]
 
 
-class AttentionMask(nn.Module):
-    """Mask module: key_pad (B, Tk) bool -> ``CAUSAL`` or (B, 1, Tq, Tk), see ``attention_mask``."""
-
-    def __init__(self, causal: bool):
-        super().__init__()
-        self.causal = causal
-
-    def forward(self, key_pad: torch.Tensor | None, query_length: int) -> torch.Tensor | str | None:
-        return attention_mask(key_pad, self.causal, query_length)
-
-
 class Residual(nn.Module):
     """x + dropout(sublayer(norm(x))): the pre-LN residual branch.
 
@@ -176,13 +165,12 @@ class TransformerDecoder(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The encoder and decoder stacks and their padding mask; ``Seq2SeqModel`` runs them (see its ``forward``)."""
+    """The encoder and decoder stacks; ``Seq2SeqModel`` runs them (see its ``forward``)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.encoder = TransformerEncoder(cfg, cfg.encoder_layers)
         self.decoder = TransformerDecoder(cfg)
-        self.padding_mask = AttentionMask(causal=False)
 
 
 class Seq2SeqModel(nn.Module):
@@ -235,7 +223,7 @@ class Seq2SeqModel(nn.Module):
         """src_ids (B, S) -> memory (B, S, H); ``hidden``: the encoder state an earlier chunk reached."""
         x = self.src_embed(src_ids) if hidden is None else hidden
         pad = src_ids == self.pad_token_id
-        return self.transformer.encoder(x, self.transformer.padding_mask(pad, pad.shape[1]))
+        return self.transformer.encoder(x, attention_mask(pad, False, pad.shape[1]))
 
     def decode(self, tgt_ids, memory, src_pad, hidden=None, caches: dict | None = None, start: int = 0,
                labels=None):
@@ -251,7 +239,7 @@ class Seq2SeqModel(nn.Module):
         # lengths come from the (B, S) / (B, T) ids: embedded inputs may be sequence-sharded
         length = tgt_ids.shape[1]
         self_mask = CAUSAL if caches is None else None
-        x = t.decoder(x, memory, self_mask, t.padding_mask(src_pad, length), caches)
+        x = t.decoder(x, memory, self_mask, attention_mask(src_pad, False, length), caches)
         return self.head(x, labels) if self.head is not None else x
 
 

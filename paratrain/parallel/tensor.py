@@ -1,25 +1,19 @@
 """Tensor (model) parallelism: the splits a model's modules declare, as DTensor styles over the "tp" mesh dim.
 
-Every module may declare how its direct children split over model_parallel with ``parallel_plan()``: child
-name -> kind (``paratrain.modules`` and the built-in models do; so do ``paratrain.nn``'s blocks, when their
-``parallel_config`` splits them, and a user's own modules). The kinds:
+A module declares how its direct children split with ``parallel_plan()``: child name -> kind (the modules of
+``paratrain.modules`` and the built-in models; ``paratrain.nn``'s blocks when their ``parallel_config``
+splits them; a user's own modules). The kinds: ``colwise`` (a Linear's output features sharded), ``rowwise``
+(its input features sharded, the partial outputs summed), ``vocab_rows`` (an Embedding's rows sharded, the
+lookups summed; for the built-in models only with ``vocab_emb_dp=false``), ``head`` (the output projection
+column-sharded, its logits kept vocab-sharded for the vocab-parallel loss, ``loss.py``), ``("gather", n)``
+(the module's n positional inputs made replicated first, so q, k and v share one input and backward sums
+their gradients over the tp ranks once), and with ``sequence_parallel`` ``norm`` (a LayerNorm on sequence
+shards) and ``position`` (a position table, this rank's sequence rows kept).
 
-- ``colwise``: a Linear's output features sharded, its output local;
-- ``rowwise``: a Linear's input features sharded, the partial outputs summed;
-- ``vocab_rows``: an Embedding's rows (the vocabulary) sharded, the lookups summed -- for the built-in
-  models only with ``vocab_emb_dp=false``;
-- ``head``: the output projection column-sharded, its logits kept vocab-sharded for the vocab-parallel
-  loss (``loss.py``);
-- ``("gather", n)``: the module's n positional inputs made replicated first;
-- with ``sequence_parallel`` only: ``norm`` (a LayerNorm on sequence shards) and ``position`` (a
-  position table, this rank's sequence rows kept).
-
-Megatron's split: column-sharded q/k/v and fc1, row-sharded out_proj and fc2, one all-reduce per
-attention and per FFN in forward. Gathering the attention and FFN inputs once makes q, k and v share one
-input DTensor, so backward sums their gradients over the tp ranks once. With ``sequence_parallel`` the
-residual stream between sublayers is sharded along the sequence: LayerNorms and dropout run on 1/mp of
-the tokens, attention and FFN inputs are all-gathered, and their outputs reduce-scattered instead of
-all-reduced.
+Megatron's split: column-sharded q/k/v and fc1, row-sharded out_proj and fc2, one all-reduce per attention
+and per FFN in forward. With ``sequence_parallel`` the residual stream between sublayers is sharded along the
+sequence: LayerNorms and dropout run on 1/mp of the tokens, attention and FFN inputs are all-gathered, and
+their outputs reduce-scattered instead of all-reduced.
 """
 from __future__ import annotations
 
@@ -72,20 +66,15 @@ def parallel_style(kind, sequence_parallel: bool = False, vocab_emb_dp: bool = F
                     f"head, norm, position or ('gather', inputs)")
 
 
-def tensor_parallel_plan(model: nn.Module, config: ParallelConfig) -> dict[str, ParallelStyle]:
-    """Module name -> DTensor style for every split the model declares that ``config`` applies."""
-    styles = {name: parallel_style(kind, config.sequence_parallel, config.vocab_emb_dp)
-              for name, kind in declared_plan(model).items()}
-    return {name: style for name, style in styles.items() if style is not None}
-
-
 def apply_tensor_parallel(model: nn.Module, config: ParallelConfig, tp_mesh: DeviceMesh) -> nn.Module:
-    """Shard ``model`` in place over ``tp_mesh``; keeps a tied head tied to the (sharded) table."""
+    """Shard ``model`` in place over ``tp_mesh`` as its modules declare; keeps a tied head tied to the (sharded)
+    table."""
+    plan = declared_plan(model)
     head = getattr(model, "head", None)
-    word = next((model.get_submodule(name) for name, kind in declared_plan(model).items() if kind == "vocab_rows"),
-                None)
+    word = next((model.get_submodule(name) for name, kind in plan.items() if kind == "vocab_rows"), None)
     tied = head is not None and word is not None and head.weight is word.weight
-    parallelize_module(model, tp_mesh, tensor_parallel_plan(model, config))
+    styles = {name: parallel_style(kind, config.sequence_parallel, config.vocab_emb_dp) for name, kind in plan.items()}
+    parallelize_module(model, tp_mesh, {name: style for name, style in styles.items() if style is not None})
     if tied:
         head.weight = word.weight
     if word is not None and not config.vocab_emb_dp:
