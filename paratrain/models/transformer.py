@@ -2,11 +2,10 @@
 modules in ``paratrain.modules``.
 
 Shapes: B batch, S source length, T target length, H hidden size, V vocab size.
-Parallelism is applied from outside by ``paratrain.parallel.parallelize`` using what the
-models declare: each module's tensor-parallel ``parallel_plan()`` (the kinds: ``paratrain.parallel.tensor``;
-with sequence parallel, ``norm`` and ``position`` shard along the sequence and ``("gather", n)`` gathers a
-sublayer's n inputs), and each model's ``layer_stacks`` and ``pipeline_parts`` (how its layers and other parts
-split into pipeline chunks, read by ``pipeline_blocks`` and ``paratrain.parallel.pipeline``).
+Parallelism is applied from outside by ``paratrain.parallel.parallelize`` using what the models declare:
+each module's ``parallel_plan()`` (the kinds: ``paratrain.parallel.tensor``), and each model's
+``layer_stacks`` and ``pipeline_parts`` (how its layers and other parts split into pipeline chunks, read
+by ``pipeline_blocks`` and ``paratrain.parallel.pipeline``).
 """
 from __future__ import annotations
 
@@ -130,9 +129,11 @@ class TransformerEncoder(nn.Module):
     In a pipeline chunk the stack holds some layers only, and the norm only where the decoder starts.
     """
 
+    layer = EncoderLayer
+
     def __init__(self, cfg: ModelConfig, num_layers: int):
         super().__init__()
-        self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in range(num_layers)})
+        self.layers = nn.ModuleDict({str(i): self.layer(cfg) for i in range(num_layers)})
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
 
     def parallel_plan(self) -> dict:
@@ -144,19 +145,13 @@ class TransformerEncoder(nn.Module):
         return self.norm(x) if self.norm is not None else x
 
 
-class TransformerDecoder(nn.Module):
-    """A stack of decoder layers and a final LayerNorm: (B, T, H), memory (B, S, H) -> (B, T, H).
+class TransformerDecoder(TransformerEncoder):
+    """The encoder's stack and norm of decoder layers: (B, T, H), memory (B, S, H) -> (B, T, H).
 
     In a pipeline chunk the stack holds some layers only, and the norm only in the last chunk.
     """
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.decoder_layers)})
-        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
-
-    def parallel_plan(self) -> dict:
-        return {"norm": "norm"}
+    layer = DecoderLayer
 
     def forward(self, x, memory, self_mask=None, memory_mask=None, caches: dict[str, dict] | None = None):
         for key, layer in self.layers.items():
@@ -170,7 +165,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.encoder = TransformerEncoder(cfg, cfg.encoder_layers)
-        self.decoder = TransformerDecoder(cfg)
+        self.decoder = TransformerDecoder(cfg, cfg.decoder_layers)
 
 
 class Seq2SeqModel(nn.Module):

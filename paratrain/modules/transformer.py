@@ -2,12 +2,9 @@
 feed-forward and the residual add, as plain single-device modules with no collectives.
 
 Shapes: B batch, Tq / Tk query / key lengths, H hidden size, F ffn hidden size, V vocab size, h heads of size d.
-Every forward also runs on one tensor-parallel shard of its module -- "colwise" Linears holding a slice of
-their output features, "rowwise" ones a slice of their input features -- so no reshape names the number of
-heads or ffn features: a column-sharded q/k/v simply holds fewer heads.
-
-A module's Linears are named by its class attribute ``names``: they are parameter names and so part of the
-checkpoint format, ``q_proj``... in the built-in models, MindSpore's ``dense1``... in ``paratrain.nn``.
+Every forward also runs on one tensor-parallel shard of its module, so no reshape names the number of heads or
+ffn features: a column-sharded q/k/v simply holds fewer heads. A module's Linears are named by its class
+attribute ``names``, as parameter names are part of the checkpoint format (``paratrain.nn`` keeps MindSpore's).
 """
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ CAUSAL = "causal"  # the mask of causal self-attention: SDPA's is_causal, no mas
 
 
 class VocabEmbedding(nn.Module):
-    """Token lookup: ids (B, T) -> (embeddings (B, T, H), table (V, H)), MindSpore's pair. Its rows (the
-    vocabulary) may be split over model_parallel, the lookups summed."""
+    """Token lookup: ids (B, T) -> (embeddings (B, T, H), table (V, H)); the table's rows may split."""
 
     def __init__(self, vocab_size: int, embedding_size: int):
         super().__init__()
@@ -57,10 +53,6 @@ class Attention(nn.Module):
         *qkv, out = self.names
         return {**dict.fromkeys(qkv, "colwise"), out: "rowwise"}
 
-    def projections(self) -> list[nn.Linear]:
-        """The query, key, value and output projections."""
-        return [getattr(self, name) for name in self.names]
-
     def forward(self, query, key=None, value=None, mask=None, cache: dict | None = None) -> torch.Tensor:
         return self.attend(*self.heads(query, key, value, cache), mask)
 
@@ -68,9 +60,8 @@ class Attention(nn.Module):
         """The projected query (B, h, Tq, d), key and value (B, h, Tk, d), h being this rank's heads."""
         key = query if key is None else key
         value = key if value is None else value
-        q_proj, k_proj, v_proj, _ = self.projections()
-        q, k, v = (proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-                   for proj, x in ((q_proj, query), (k_proj, key), (v_proj, value)))
+        q, k, v = (getattr(self, name)(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+                   for name, x in zip(self.names, (query, key, value)))
         if cache is not None:
             if cache:
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
@@ -84,7 +75,7 @@ class Attention(nn.Module):
             context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         else:
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
-        return self.projections()[-1](context.transpose(1, 2).flatten(2))
+        return getattr(self, self.names[-1])(context.transpose(1, 2).flatten(2))
 
 
 class FeedForward(nn.Module):

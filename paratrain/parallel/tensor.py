@@ -31,11 +31,11 @@ from paratrain.errors import UserError
 def declared_plan(model: nn.Module) -> dict[str, str | tuple]:
     """Module name -> split kind, from every ``parallel_plan()`` the model's modules declare; children a
     pipeline chunk does not hold are left out."""
-    plan = {}
-    for name, module in model.named_modules():
+    plan, modules = {}, dict(model.named_modules())
+    for name, module in modules.items():
         for child, kind in (module.parallel_plan() if hasattr(module, "parallel_plan") else {}).items():
             target = f"{name}.{child}" if name else child
-            if has_submodule(model, target):
+            if target in modules:
                 plan[target] = kind
     return plan
 
