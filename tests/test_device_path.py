@@ -230,7 +230,7 @@ def test_head_loss_chunks_are_few_on_a_gpu_and_its_matmuls_run_in_bf16(monkeypat
     gradient's in fp32."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from paratrain.models import linear_cross_entropy
+    from paratrain.modules import linear_cross_entropy
 
     tokens, vocab = 8 * 2048, 32000
     gpu, cpu = linear_cross_entropy.chunk_rows(vocab, "cuda"), linear_cross_entropy.chunk_rows(vocab, "cpu")

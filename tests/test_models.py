@@ -4,7 +4,7 @@ from torch import nn
 
 from paratrain.config import ModelConfig
 from paratrain.data.synthetic import PAD
-from paratrain.models import linear_cross_entropy
+from paratrain.modules import linear_cross_entropy
 from paratrain.models.transformer import (CAUSAL, EncoderLayer, GPTModel, Seq2SeqModel, VocabEmbedding,
                                           attention_mask, pipeline_blocks, token_loss_sum)
 

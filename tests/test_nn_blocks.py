@@ -65,6 +65,29 @@ def test_multi_head_attention_and_feed_forward_shapes():
     assert FeedForward(hidden_size=15, ffn_hidden_size=30, dropout_rate=0.1)(ones(2, 20, 15)).shape == (2, 20, 15)
 
 
+def test_blocks_are_the_built_in_models_modules_under_mindspore_names():
+    """MultiHeadAttention and FeedForward run paratrain.modules' Attention and FeedForward: the same weights under
+    the modules' names give the same outputs (a 0/1 mask as its boolean form)."""
+    from paratrain.modules import transformer as shared
+
+    def renamed(block, module):
+        names = dict(zip(type(block).names, type(module).names))
+        module.load_state_dict({f"{names[k.split('.')[0]]}.{k.split('.')[1]}": v for k, v in block.state_dict().items()})
+        return module
+
+    torch.manual_seed(0)
+    block = MultiHeadAttention(B, T, S, H, HEADS, **NO_DROPOUT)
+    module = renamed(block, shared.Attention(H, HEADS, 0.0))
+    query, memory = torch.randn(B, T, H), torch.randn(B, S, H)
+    mask = (torch.rand(B, T, S) > 0.4).float()
+    mask[..., 0] = 1  # every query attends some key
+    assert torch.allclose(block(query, memory, memory, mask)[0], module(query, memory, mask=mask.bool()[:, None]),
+                          atol=1e-6)
+    ffn = FeedForward(H, FFN, 0.0)
+    assert torch.equal(ffn(query), renamed(ffn, shared.FeedForward(H, FFN, 0.0, nn.GELU(approximate="tanh")))(query))
+    assert isinstance(VocabEmbedding(8, 4), shared.VocabEmbedding)
+
+
 def test_layer_and_stack_shapes():
     out, (key, value) = TransformerEncoderLayer(batch_size=2, hidden_size=8, ffn_hidden_size=64, seq_length=16,
                                                 num_heads=2)(ones(2, 16, 8), ones(2, 16, 16))

@@ -233,10 +233,11 @@ def test_integer_tensors_computed_by_a_stage_are_refused_before_torch_2_13():
 
 
 def test_declared_plan_and_stage_starts():
-    from paratrain.parallel.user import stage_starts, tensor_parallel_plan
+    from paratrain.parallel.tensor import declared_plan
+    from paratrain.parallel.user import stage_starts
 
     net = Net()
-    assert tensor_parallel_plan(net) == {"embedding.table": "vocab_rows", **{f"blocks.{i}.{n}": k for i in range(4)
+    assert declared_plan(net) == {"embedding.table": "vocab_rows", **{f"blocks.{i}.{n}": k for i in range(4)
                                                                             for n, k in (("fc1", "colwise"), ("fc2", "rowwise"))}}
     net.head.pipeline_stage = 1  # the blocks are stage 0 by default; a user's module starts stage 1
     assert list(stage_starts(net, _batches(1)[0], 2)) == ["head"]

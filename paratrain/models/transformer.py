@@ -1,10 +1,11 @@
-"""Plain single-device Transformer models ("Attention Is All You Need"), no collectives.
+"""Plain single-device Transformer models ("Attention Is All You Need"), no collectives, composed of the
+modules in ``paratrain.modules``.
 
 Shapes: B batch, S source length, T target length, H hidden size, V vocab size.
-Parallelism is applied from outside by ``paratrain.parallel.parallelize`` using what the
-models declare: the tensor-parallel plan at the bottom of this file (``TP_PLAN``) and each
-model's ``layer_stacks`` and ``pipeline_parts`` (how its layers and other parts split into
-pipeline chunks, read by ``pipeline_blocks`` and ``paratrain.parallel.pipeline``).
+Parallelism is applied from outside by ``paratrain.parallel.parallelize`` using what the models declare:
+each module's ``parallel_plan()`` (the kinds: ``paratrain.parallel.tensor``), and each model's
+``layer_stacks`` and ``pipeline_parts`` (how its layers and other parts split into pipeline chunks, read
+by ``pipeline_blocks`` and ``paratrain.parallel.pipeline``).
 """
 from __future__ import annotations
 
@@ -13,18 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.config import ModelConfig
-from paratrain.models.linear_cross_entropy import OutputHead
-
-
-class VocabEmbedding(nn.Module):
-    """Token lookup like MindSpore's: ids (B, S) -> (embeddings (B, S, H), table (V, H))."""
-
-    def __init__(self, vocab_size: int, embedding_size: int):
-        super().__init__()
-        self.embedding = nn.Embedding(vocab_size, embedding_size)
-
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.embedding(ids), self.embedding.weight
+from paratrain.modules.linear_cross_entropy import OutputHead
+from paratrain.modules.transformer import CAUSAL, Attention, FeedForward, VocabEmbedding, residual
 
 
 class Embeddings(nn.Module):
@@ -40,8 +31,8 @@ class Embeddings(nn.Module):
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)  # start: tokens already decoded
         return self.dropout(self.word(ids)[0] + self.position(positions))
 
-
-CAUSAL = "causal"  # the mask of causal self-attention: SDPA's is_causal, no mask tensor (the flash kernel on GPU)
+    def parallel_plan(self) -> dict:
+        return {"position": "position"}
 
 
 def attention_mask(key_pad: torch.Tensor | None, causal: bool, query_length: int) -> torch.Tensor | str | None:
@@ -61,75 +52,6 @@ def attention_mask(key_pad: torch.Tensor | None, causal: bool, query_length: int
     return allowed[None, None] & ~key_pad[:, None, None, :]
 
 
-class AttentionMask(nn.Module):
-    """Mask module: key_pad (B, Tk) bool -> ``CAUSAL`` or (B, 1, Tq, Tk), see ``attention_mask``."""
-
-    def __init__(self, causal: bool):
-        super().__init__()
-        self.causal = causal
-
-    def forward(self, key_pad: torch.Tensor | None, query_length: int) -> torch.Tensor | str | None:
-        return attention_mask(key_pad, self.causal, query_length)
-
-
-class ScaledDotProductAttention(nn.Module):
-    """The attention core softmax(QK^T/sqrt(d)) V: (B, heads, Tq, d) x (B, heads, Tk, d) -> (B, heads, Tq, d),
-    with a padding mask, ``CAUSAL`` (SDPA's is_causal) or neither."""
-
-    def __init__(self, dropout: float):
-        super().__init__()
-        self.dropout = dropout
-
-    def forward(self, q, k, v, mask: torch.Tensor | str | None) -> torch.Tensor:
-        dropout = self.dropout if self.training else 0.0
-        if mask is CAUSAL:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
-
-
-class MultiHeadAttention(nn.Module):
-    """Multi-head attention; self-attention when ``memory`` is None, else cross-attention.
-
-    x (B, Tq, H), memory (B, Tk, H) -> (B, Tq, H). Heads are counted from the
-    projection width, so a column-sharded q/k/v simply holds fewer heads.
-    With a ``cache`` dict (self-attention while decoding) the new keys/values
-    are appended to the cached ones, so x holds only the new positions.
-    """
-
-    def __init__(self, hidden_size: int, num_heads: int, dropout: float):
-        super().__init__()
-        self.head_dim = hidden_size // num_heads
-        self.q_proj = nn.Linear(hidden_size, hidden_size)
-        self.k_proj = nn.Linear(hidden_size, hidden_size)
-        self.v_proj = nn.Linear(hidden_size, hidden_size)
-        self.core = ScaledDotProductAttention(dropout)
-        self.out_proj = nn.Linear(hidden_size, hidden_size)
-
-    def forward(self, x, memory=None, mask=None, cache: dict | None = None):
-        memory = x if memory is None else memory
-        q, k, v = (proj(src).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-                   for proj, src in ((self.q_proj, x), (self.k_proj, memory), (self.v_proj, memory)))
-        if cache is not None:  # step-by-step decoding (MindSpore's use_past): keys/values of earlier steps
-            if cache:
-                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-            cache.update(k=k, v=v)
-        return self.out_proj(self.core(q, k, v, mask).transpose(1, 2).flatten(2))
-
-
-class FeedForward(nn.Module):
-    """Position-wise FFN: (B, T, H) -> (B, T, F) -> activation -> dropout -> (B, T, H)."""
-
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, dropout: float, activation: str):
-        super().__init__()
-        self.fc1 = nn.Linear(hidden_size, ffn_hidden_size)
-        self.act = nn.GELU() if activation == "gelu" else nn.ReLU()
-        self.dropout = nn.Dropout(dropout)
-        self.fc2 = nn.Linear(ffn_hidden_size, hidden_size)
-
-    def forward(self, x):
-        return self.fc2(self.dropout(self.act(self.fc1(x))))
-
-
 class Residual(nn.Module):
     """x + dropout(sublayer(norm(x))): the pre-LN residual branch.
 
@@ -143,9 +65,18 @@ class Residual(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.post_layernorm_residual = post_layernorm_residual
 
+    def parallel_plan(self) -> dict:
+        return {"norm": "norm"}
+
     def forward(self, x, sublayer):
         normed = self.norm(x)
-        return (normed if self.post_layernorm_residual else x) + self.dropout(sublayer(normed))
+        return residual(x, normed, self.dropout(sublayer(normed)), self.post_layernorm_residual)
+
+
+def feed_forward(cfg: ModelConfig) -> FeedForward:
+    """A layer's FFN, with exact GELU or ReLU."""
+    activation = nn.GELU() if cfg.hidden_act == "gelu" else nn.ReLU()
+    return FeedForward(cfg.hidden_size, cfg.ffn_hidden_size, cfg.hidden_dropout, activation)
 
 
 class EncoderLayer(nn.Module):
@@ -158,8 +89,11 @@ class EncoderLayer(nn.Module):
         super().__init__()
         args = (cfg.hidden_size, cfg.hidden_dropout, cfg.layernorm_eps, cfg.post_layernorm_residual)
         self.attn_branch, self.ffn_branch = Residual(*args), Residual(*args)
-        self.attn = MultiHeadAttention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
-        self.ffn = FeedForward(cfg.hidden_size, cfg.ffn_hidden_size, cfg.hidden_dropout, cfg.hidden_act)
+        self.attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
+        self.ffn = feed_forward(cfg)
+
+    def parallel_plan(self) -> dict:
+        return {"attn": ("gather", 1), "ffn": ("gather", 1)}
 
     def forward(self, x, mask=None):
         x = self.attn_branch(x, lambda h: self.attn(h, mask=mask))
@@ -176,9 +110,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         args = (cfg.hidden_size, cfg.hidden_dropout, cfg.layernorm_eps, cfg.post_layernorm_residual)
         self.self_attn_branch, self.cross_attn_branch, self.ffn_branch = Residual(*args), Residual(*args), Residual(*args)
-        self.self_attn = MultiHeadAttention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
-        self.cross_attn = MultiHeadAttention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
-        self.ffn = FeedForward(cfg.hidden_size, cfg.ffn_hidden_size, cfg.hidden_dropout, cfg.hidden_act)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
+        self.cross_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
+        self.ffn = feed_forward(cfg)
+
+    def parallel_plan(self) -> dict:
+        return {"self_attn": ("gather", 1), "cross_attn": ("gather", 2), "ffn": ("gather", 1)}
 
     def forward(self, x, memory, self_mask=None, memory_mask=None, cache: dict | None = None):
         x = self.self_attn_branch(x, lambda h: self.self_attn(h, mask=self_mask, cache=cache))
@@ -192,10 +129,15 @@ class TransformerEncoder(nn.Module):
     In a pipeline chunk the stack holds some layers only, and the norm only where the decoder starts.
     """
 
+    layer = EncoderLayer
+
     def __init__(self, cfg: ModelConfig, num_layers: int):
         super().__init__()
-        self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in range(num_layers)})
+        self.layers = nn.ModuleDict({str(i): self.layer(cfg) for i in range(num_layers)})
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+
+    def parallel_plan(self) -> dict:
+        return {"norm": "norm"}
 
     def forward(self, x, mask=None):
         for layer in self.layers.values():
@@ -203,16 +145,13 @@ class TransformerEncoder(nn.Module):
         return self.norm(x) if self.norm is not None else x
 
 
-class TransformerDecoder(nn.Module):
-    """A stack of decoder layers and a final LayerNorm: (B, T, H), memory (B, S, H) -> (B, T, H).
+class TransformerDecoder(TransformerEncoder):
+    """The encoder's stack and norm of decoder layers: (B, T, H), memory (B, S, H) -> (B, T, H).
 
     In a pipeline chunk the stack holds some layers only, and the norm only in the last chunk.
     """
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.decoder_layers)})
-        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+    layer = DecoderLayer
 
     def forward(self, x, memory, self_mask=None, memory_mask=None, caches: dict[str, dict] | None = None):
         for key, layer in self.layers.items():
@@ -221,13 +160,12 @@ class TransformerDecoder(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The encoder and decoder stacks and their padding mask; ``Seq2SeqModel`` runs them (see its ``forward``)."""
+    """The encoder and decoder stacks; ``Seq2SeqModel`` runs them (see its ``forward``)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.encoder = TransformerEncoder(cfg, cfg.encoder_layers)
-        self.decoder = TransformerDecoder(cfg)
-        self.padding_mask = AttentionMask(causal=False)
+        self.decoder = TransformerDecoder(cfg, cfg.decoder_layers)
 
 
 class Seq2SeqModel(nn.Module):
@@ -262,6 +200,9 @@ class Seq2SeqModel(nn.Module):
         self.layer_stacks = {"transformer.encoder.layers": 0, "transformer.decoder.layers": cfg.encoder_layers}
         init_weights(self)
 
+    def parallel_plan(self) -> dict:
+        return {"head": "head"}
+
     def forward(self, src_ids, tgt_in_ids, hidden: tuple = (), labels=None):
         src_pad = src_ids == self.pad_token_id
         if len(hidden) < 2:  # the encoder has not finished
@@ -277,7 +218,7 @@ class Seq2SeqModel(nn.Module):
         """src_ids (B, S) -> memory (B, S, H); ``hidden``: the encoder state an earlier chunk reached."""
         x = self.src_embed(src_ids) if hidden is None else hidden
         pad = src_ids == self.pad_token_id
-        return self.transformer.encoder(x, self.transformer.padding_mask(pad, pad.shape[1]))
+        return self.transformer.encoder(x, attention_mask(pad, False, pad.shape[1]))
 
     def decode(self, tgt_ids, memory, src_pad, hidden=None, caches: dict | None = None, start: int = 0,
                labels=None):
@@ -293,7 +234,7 @@ class Seq2SeqModel(nn.Module):
         # lengths come from the (B, S) / (B, T) ids: embedded inputs may be sequence-sharded
         length = tgt_ids.shape[1]
         self_mask = CAUSAL if caches is None else None
-        x = t.decoder(x, memory, self_mask, t.padding_mask(src_pad, length), caches)
+        x = t.decoder(x, memory, self_mask, attention_mask(src_pad, False, length), caches)
         return self.head(x, labels) if self.head is not None else x
 
 
@@ -320,6 +261,9 @@ class GPTModel(nn.Module):
         self.layer_stacks = {"layers": 0}  # see Seq2SeqModel
         init_weights(self)
 
+    def parallel_plan(self) -> dict:
+        return {"norm": "norm", "head": "head"}
+
     def forward(self, input_ids, hidden: tuple = (), labels=None):
         x = hidden[0] if hidden else self.embed(input_ids)
         for layer in self.layers.values():
@@ -344,24 +288,6 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
     that batch whatever the split into ranks and micro-batches.
     """
     return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=ignore_index, reduction="sum")
-
-
-# --- Parallel plan: what ``paratrain.parallel`` may split, declared in one place. ---
-
-# Tensor parallel: module-name suffix -> how it is split over model_parallel.
-#   colwise: output features sharded; rowwise: input features sharded (sums partial outputs);
-#   vocab: embedding rows sharded (only when vocab_emb_dp=false);
-#   head: output projection column-sharded, logits stay sharded for the vocab-parallel loss.
-# With sequence_parallel the residual stream is sharded along the sequence:
-#   norm: LayerNorm on sequence shards; position: the position table's rows split along the
-#   sequence (the word embedding then yields sequence shards too);
-#   ("gather", n): the module's n positional inputs are gathered first.
-TP_PLAN = {
-    "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "out_proj": "rowwise",
-    "fc1": "colwise", "fc2": "rowwise", "word.embedding": "vocab", "head": "head",
-    "norm": "norm", "position": "position",
-    "attn": ("gather", 1), "self_attn": ("gather", 1), "cross_attn": ("gather", 2), "ffn": ("gather", 1),
-}
 
 
 def pipeline_blocks(model: nn.Module) -> list[tuple[str, int, int]]:

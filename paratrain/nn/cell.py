@@ -6,9 +6,10 @@ A block never calls a collective. It states, for the runtime to apply:
 - ``recompute_mode``: ``"none"``, ``"full"`` (redo its forward in backward) or ``"selective"``;
 - ``comm_fusion``: its gradient communication group (MindSpore's fusion index), None when unset;
 - ``parallel_plan()``: how its own direct ``nn.Linear`` / ``nn.Embedding`` children split over
-  ``model_parallel``, by child name: ``"colwise"`` (output features sharded, a local output),
-  ``"rowwise"`` (input features sharded, outputs summed) or ``"vocab_rows"`` (embedding rows sharded,
-  lookups summed); ``{}`` when nothing is split.
+  ``model_parallel``, by child name, in the kinds every module uses (``paratrain.parallel.tensor``):
+  ``"colwise"`` (output features sharded, a local output), ``"rowwise"`` (input features sharded,
+  outputs summed) or ``"vocab_rows"`` (embedding rows sharded, lookups summed); ``{}`` when nothing
+  is split.
 """
 from __future__ import annotations
 

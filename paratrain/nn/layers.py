@@ -1,13 +1,12 @@
-"""MindSpore's transformer sub-blocks as plain modules: VocabEmbedding, AttentionMask, FeedForward,
-MultiHeadAttention.
+"""MindSpore's transformer sub-blocks: VocabEmbedding, AttentionMask, FeedForward, MultiHeadAttention.
+
+VocabEmbedding, FeedForward and MultiHeadAttention are adapters over the modules the built-in models
+are made of (``paratrain.modules``): MindSpore's argument names, parameter names, initialisation,
+dtypes, shapes, return tuples and refusals around the same forward and the same tensor-parallel plan,
+declared when the block's ``parallel_config`` splits it.
 
 Shapes: B batch, T (Tq, Tk) sequence lengths, H hidden size, F ffn hidden size, V vocab size,
 h heads of size d = H / heads.
-
-Every forward also runs on one tensor-parallel shard of its block -- the heads and ffn features
-of one rank, where "colwise" Linears hold a slice of their output features and "rowwise" ones a
-slice of their input features -- so no reshape names the number of heads or ffn features: the
-sharded dimension is always ``-1`` next to the per-head size.
 
 Dtypes: dense layers compute in their parameters' dtype (``param_init_type``; inputs are cast to
 it, outputs back to the input's dtype) and LayerNorms in ``layernorm_compute_type``. MindSpore's
@@ -19,12 +18,14 @@ accumulate in fp32).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paratrain.errors import UserError
-from paratrain.models import transformer as builtin  # the built-in models' lookup and attention core
+from paratrain.modules import transformer as shared
 from paratrain.nn.cell import Cell
 from paratrain.nn.config import (check_divisible, check_rate, default_dpmp_config, default_embedding_parallel_config,
                                  op_config, refuse_unsupported, to_dtype)
@@ -105,7 +106,7 @@ class _LayerNorm(nn.LayerNorm):
                             self.eps).to(x.dtype)
 
 
-class VocabEmbedding(builtin.VocabEmbedding, Cell):
+class VocabEmbedding(shared.VocabEmbedding, Cell):
     """Token lookup: input_ids (B, T) -> (embeddings (B, T, E), embedding table (V, E)).
 
     With ``parallel_config.vocab_emb_dp=False`` and model_parallel > 1 the table's rows (the
@@ -128,7 +129,7 @@ class VocabEmbedding(builtin.VocabEmbedding, Cell):
         return self.embedding.weight
 
     def parallel_plan(self) -> dict[str, str]:
-        return {"embedding": "vocab_rows"} if self.model_parallel > 1 else {}
+        return super().parallel_plan() if self.model_parallel > 1 else {}
 
 
 class AttentionMask(Cell):
@@ -147,37 +148,37 @@ class AttentionMask(Cell):
         return real[:, :, None] * real[:, None, :] * causal
 
 
-class FeedForward(Cell):
+class FeedForward(shared.FeedForward, Cell):
     """Position-wise FFN as MindSpore's: dropout(projection(act(mapping(x)))), (B, T, H) or (B*T, H) -> same shape.
 
     ``mapping`` (H -> F) is split colwise and ``projection`` (F -> H) rowwise over model_parallel.
     """
 
+    names = ("mapping", "projection")
+
     def __init__(self, hidden_size: int, ffn_hidden_size: int, dropout_rate: float, hidden_act="gelu",
                  expert_num: int = 1, expert_group_size: int | None = None, param_init_type=torch.float32,
                  parallel_config=default_dpmp_config):
-        super().__init__()
         owner = "FeedForward"
         if expert_num > 1:
             raise UserError(f"{owner}: expert_num={expert_num}: mixture of experts is not supported; use expert_num=1")
         check_rate(owner, dropout_rate=dropout_rate)
-        self.model_parallel = op_config(parallel_config, owner).model_parallel
-        check_divisible(owner, self.model_parallel, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        model_parallel = op_config(parallel_config, owner).model_parallel
+        check_divisible(owner, model_parallel, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         dtype = to_dtype(param_init_type, "param_init_type", owner)
-        self.mapping = dense(hidden_size, ffn_hidden_size, dtype)
-        self.activation = activation(hidden_act, owner)
-        self.projection = dense(ffn_hidden_size, hidden_size, dtype)
+        # MindSpore drops the FFN's output, not its hidden features
+        super().__init__(hidden_size, ffn_hidden_size, 0.0, activation(hidden_act, owner), partial(dense, dtype=dtype))
+        self.model_parallel = model_parallel
         self.dropout = nn.Dropout(dropout_rate)
 
     def parallel_plan(self) -> dict[str, str]:
-        return {"mapping": "colwise", "projection": "rowwise"} if self.model_parallel > 1 else {}
+        return super().parallel_plan() if self.model_parallel > 1 else {}
 
     def forward(self, x):
-        hidden = self.activation(self.mapping(x.to(self.mapping.weight.dtype)))
-        return self.dropout(self.projection(hidden)).to(x.dtype)
+        return self.dropout(super().forward(x.to(self.mapping.weight.dtype))).to(x.dtype)
 
 
-class MultiHeadAttention(Cell):
+class MultiHeadAttention(shared.Attention, Cell):
     """Multi-head attention of query (B, Tq, H) over key and value (B, Tk, H) (or (B*T, H) each) under
     attention_mask (B, Tq, Tk), 1 where a query may attend a key (None: everywhere).
 
@@ -189,47 +190,39 @@ class MultiHeadAttention(Cell):
     belong to incremental decoding (``use_past``, refused) and are ignored.
     """
 
+    names = ("dense1", "dense2", "dense3", "projection")
+
     def __init__(self, batch_size: int, src_seq_length: int, tgt_seq_length: int, hidden_size: int, num_heads: int,
                  hidden_dropout_rate: float = 0.1, attention_dropout_rate: float = 0.1, compute_dtype=torch.float16,
                  softmax_compute_type=torch.float32, param_init_type=torch.float32, use_past: bool = False,
                  parallel_config=default_dpmp_config):
-        super().__init__()
         owner = "MultiHeadAttention"
         refuse_unsupported(owner, use_past)
         check_rate(owner, hidden_dropout_rate=hidden_dropout_rate, attention_dropout_rate=attention_dropout_rate)
         if hidden_size % num_heads:
             raise UserError(f"{owner}: hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
-        self.model_parallel = op_config(parallel_config, owner).model_parallel
-        check_divisible(owner, self.model_parallel, num_heads=num_heads)
+        model_parallel = op_config(parallel_config, owner).model_parallel
+        check_divisible(owner, model_parallel, num_heads=num_heads)
+        compute_dtype = to_dtype(compute_dtype, "compute_dtype", owner)
+        softmax_dtype = to_dtype(softmax_compute_type, "softmax_compute_type", owner)
+        dtype = to_dtype(param_init_type, "param_init_type", owner)
+        super().__init__(hidden_size, num_heads, attention_dropout_rate, partial(dense, dtype=dtype))
+        self.model_parallel, self.compute_dtype, self.softmax_dtype = model_parallel, compute_dtype, softmax_dtype
         self.batch_size, self.src_seq_length, self.tgt_seq_length = batch_size, src_seq_length, tgt_seq_length
         self.hidden_size, self.n_head, self.size_per_head = hidden_size, num_heads, hidden_size // num_heads
-        self.compute_dtype = to_dtype(compute_dtype, "compute_dtype", owner)
-        self.softmax_dtype = to_dtype(softmax_compute_type, "softmax_compute_type", owner)
-        dtype = to_dtype(param_init_type, "param_init_type", owner)
-        self.dense1, self.dense2, self.dense3 = (dense(hidden_size, hidden_size, dtype) for _ in range(3))
-        self.core = builtin.ScaledDotProductAttention(attention_dropout_rate)
-        self.projection = dense(hidden_size, hidden_size, dtype)
         self.dropout = nn.Dropout(hidden_dropout_rate)
 
     def parallel_plan(self) -> dict[str, str]:
-        if self.model_parallel == 1:
-            return {}
-        return {"dense1": "colwise", "dense2": "colwise", "dense3": "colwise", "projection": "rowwise"}
+        return super().parallel_plan() if self.model_parallel > 1 else {}
 
     def forward(self, query_tensor, key_tensor, value_tensor, attention_mask=None, key_past=None, value_past=None,
                 batch_valid_length=None):
         shape, dtype = query_tensor.shape, query_tensor.dtype
         batch = shape[0] if query_tensor.dim() == 3 else attention_mask.shape[0]
-        q, k, v = (self._heads(proj, x, batch) for proj, x in
-                   ((self.dense1, query_tensor), (self.dense2, key_tensor), (self.dense3, value_tensor)))
-        context = self.core(q, k, v, self._score_bias(attention_mask, q.dtype))
-        output = self.dropout(self.projection(context.transpose(1, 2).flatten(2)))
+        q, k, v = self.heads(*(x.reshape(batch, -1, x.shape[-1]).to(self.dense1.weight.dtype)
+                               for x in (query_tensor, key_tensor, value_tensor)))
+        output = self.dropout(self.attend(q, k, v, self._score_bias(attention_mask, q.dtype)))
         return output.reshape(shape).to(dtype), (k.transpose(-2, -1), v)
-
-    def _heads(self, proj: nn.Linear, x: torch.Tensor, batch: int) -> torch.Tensor:
-        """(B, T, H) or (B*T, H) -> (B, h, T, d), h being this rank's heads."""
-        x = x.reshape(batch, -1, x.shape[-1]).to(proj.weight.dtype)
-        return proj(x).unflatten(-1, (-1, self.size_per_head)).transpose(1, 2)
 
     @staticmethod
     def _score_bias(attention_mask, dtype) -> torch.Tensor | None:
@@ -244,4 +237,3 @@ class MultiHeadAttention(Cell):
         if mask.dim() == 3:
             mask = mask.unsqueeze(1)
         return (1.0 - mask) * MASKED_SCORE
-

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
+from paratrain.modules.transformer import residual
 from paratrain.nn.cell import Cell
 from paratrain.nn.config import (check_divisible, default_dpmp_config, default_moe_config, default_transformer_config,
                                  op_config, refuse_unsupported, stack_config, to_dtype)
@@ -49,11 +50,6 @@ def _get_lambda_func(total_layer: int | None = None):
             network.recompute(mode)
 
     return set_parallel_configure_for_layer
-
-
-def _residual(x, normed, update, post_layernorm_residual: bool):
-    """The residual add: onto the LayerNorm's output with ``post_layernorm_residual``, else onto its input."""
-    return (normed if post_layernorm_residual else x) + update
 
 
 def _check_layer(owner: str, hidden_size: int, ffn_hidden_size: int, num_heads: int, use_past: bool, moe_config,
@@ -95,9 +91,9 @@ class TransformerEncoderLayer(Cell):
     def forward(self, x, input_mask=None, init_reset=True, batch_valid_length=None):
         normed = self.layernorm1(x)
         attention, layer_present = self.attention(normed, normed, normed, input_mask)
-        x = _residual(x, normed, attention, self.post_layernorm_residual)
+        x = residual(x, normed, attention, self.post_layernorm_residual)
         normed = self.layernorm2(x)
-        return _residual(x, normed, self.output(normed), self.post_layernorm_residual), layer_present
+        return residual(x, normed, self.output(normed), self.post_layernorm_residual), layer_present
 
 
 class TransformerDecoderLayer(Cell):
@@ -140,14 +136,14 @@ class TransformerDecoderLayer(Cell):
         x, post = hidden_stats, self.post_layernorm_residual
         normed = self.layernorm1(x)
         attention, layer_present = self.attention(normed, normed, normed, decoder_mask)
-        x = _residual(x, normed, attention, post)
+        x = residual(x, normed, attention, post)
         if encoder_output is not None:
             normed = self.cross_attention_layernorm(x)
             attention, cross_present = self.cross_attention(normed, encoder_output, encoder_output, memory_mask)
-            x = _residual(x, normed, attention, post)
+            x = residual(x, normed, attention, post)
             layer_present += cross_present
         normed = self.layernorm2(x)
-        return _residual(x, normed, self.output(normed), post), layer_present
+        return residual(x, normed, self.output(normed), post), layer_present
 
 
 def _stack(layer_class: type, args: dict, owner: str) -> nn.ModuleList:

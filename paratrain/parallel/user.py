@@ -4,10 +4,10 @@ The net is a plain ``nn.Module`` whose ``forward(*batch)`` returns its loss, bui
 ``paratrain.nn`` blocks and plain torch layers. What is split comes from the net itself:
 
 - **Tensor parallel**: every module with a ``parallel_plan()`` method (the ``paratrain.nn``
-  blocks) names its own Linear/Embedding submodules and their split over ``model_parallel``:
-  ``colwise`` (output features), ``rowwise`` (input features, outputs summed) or
-  ``vocab_rows`` (embedding rows, lookups summed). Everything else is replicated and
-  data-parallel, as MindSpore does with ops that have no strategy.
+  blocks) names its own Linear/Embedding submodules and their split over ``model_parallel``,
+  in the kinds of ``paratrain.parallel.tensor``: ``colwise`` (output features), ``rowwise``
+  (input features, outputs summed), ``vocab_rows`` (embedding rows, lookups summed)...
+  Everything else is replicated and data-parallel, as MindSpore does with ops that have no strategy.
 - **Layers**: modules marked ``is_transformer_layer`` are the units of recompute and of FSDP
   (their own ``recompute_mode``, set by ``recompute()`` or MindSpore's ``lambda_func``, or the
   config's ``recompute`` for all of them).
@@ -32,8 +32,8 @@ import torch
 from torch import fx, nn
 from torch.distributed.pipelining import Pipe, SplitPoint, pipeline as trace_pipeline
 from torch.distributed.pipelining.stage import _PipelineStage
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.fx.node import map_arg
 from torch.torch_version import __version__ as TORCH_VERSION
 
@@ -46,31 +46,11 @@ from paratrain.precision import autocast
 from paratrain.parallel.data import apply_data_parallel, fusion_groups
 from paratrain.parallel.pipeline import SCHEDULES, StageFixes, chunk_rank, integer_boundaries
 from paratrain.parallel.recompute import apply_recompute
-from paratrain.parallel.tensor import _gradient_like_parameter
+from paratrain.parallel.tensor import declared_plan, gradient_like_parameter, has_submodule, parallel_style
 
 
 class UnsplittableNet(UserError):
     """A net that cannot be split into the pipeline stages its ``pipeline_stage`` attributes ask for."""
-
-
-def _styles(kind: str):
-    if kind == "colwise":
-        return ColwiseParallel()
-    if kind == "rowwise":
-        return RowwiseParallel()
-    if kind == "vocab_rows":
-        return RowwiseParallel(input_layouts=Replicate())
-    raise UserError(f"unknown tensor-parallel kind {kind!r} in a parallel_plan: use colwise, rowwise or vocab_rows")
-
-
-def tensor_parallel_plan(net: nn.Module) -> dict[str, str]:
-    """Module name -> split kind, from every ``parallel_plan()`` the net's modules declare."""
-    plan = {}
-    for name, module in net.named_modules():
-        if hasattr(module, "parallel_plan"):
-            prefix = f"{name}." if name else ""
-            plan.update({prefix + child: kind for child, kind in module.parallel_plan().items()})
-    return plan
 
 
 def _layer_stacks(net: nn.Module) -> dict[str, int]:
@@ -160,16 +140,17 @@ class PlacedNet:
         """Tensor parallel, recompute and data parallel on ``module`` (the net or a traced stage of it)."""
         config = self.config
         if config.model_parallel > 1:
-            for name, kind in tensor_parallel_plan(originals).items():
-                if not _has(module, name):
+            for name, kind in declared_plan(originals).items():
+                style = parallel_style(kind)  # a user's net: no sequence parallel, declared embedding splits
+                if style is None or not has_submodule(module, name):
                     continue
                 original = originals.get_submodule(name)
                 parent, _, child = name.rpartition(".")
                 module.get_submodule(parent).register_module(child, original)  # a traced leaf: the real layer again
-                parallelize_module(original, self.layout.tp_mesh, _styles(kind))
+                parallelize_module(original, self.layout.tp_mesh, style)
                 if kind == "vocab_rows":
-                    original.weight.register_post_accumulate_grad_hook(_gradient_like_parameter)
-        module.layer_stacks = {s: o for s, o in _layer_stacks(originals).items() if _has(module, s)}
+                    original.weight.register_post_accumulate_grad_hook(gradient_like_parameter)
+        module.layer_stacks = {s: o for s, o in _layer_stacks(originals).items() if has_submodule(module, s)}
         layers = [originals.get_submodule(n) for n, m in originals.named_modules() if getattr(m, "is_transformer_layer", 0)]
         if any(getattr(layer, "recompute_mode", "none") != "none" for layer in layers):
             config = _with_layer_recompute(config, layers)
@@ -481,14 +462,6 @@ def place_net(net: nn.Module, config: ParallelConfig, layout: Layout, example_ba
               precision: str = "none") -> PlacedNet:
     """Place ``net`` (built identically on every rank) on ``layout``; ``example_batch`` is one global batch."""
     return PlacedNet(net, config, layout, example_batch, precision)
-
-
-def _has(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
 
 
 def _sum_and_count(net: nn.Module) -> bool:

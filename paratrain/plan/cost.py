@@ -3,7 +3,7 @@
 Everything is derived from the model's shapes and from how paratrain shards (see
 ``paratrain/parallel``), without building the model:
 
-- Parameters: Megatron's tensor-parallel split as ``TP_PLAN`` declares it (q/k/v/fc1
+- Parameters: Megatron's tensor-parallel split as the modules' ``parallel_plan()`` declares it (q/k/v/fc1
   weight and bias and the head column-sharded, out_proj/fc2 weights row-sharded, their
   biases, LayerNorms and position tables replicated, the word table sharded only with
   ``vocab_emb_dp=false``); shards follow ``torch.chunk`` (rank 0 holds the largest).
