@@ -333,24 +333,24 @@ def _recompute_from_inputs(pipe: Pipe) -> None:
         graph = split.get_submodule(stage.target).graph
         inputs = _stage_inputs(pipe, stage)
         first_op = next(n for n in graph.nodes if n.op != "placeholder")
-        received = []
+        args = []
         for placeholder, source in zip(graph.find_nodes(op="placeholder"), stage.args, strict=True):
             if source.target is not operator.getitem:  # an input of the net, or the single output of a stage
-                received.append(source)
+                args.append(source)
                 continue
             producer, index = source.args
             copies = {p: inputs[name] for name, p in _stage_inputs(pipe, producer).items()}
             value = split.get_submodule(producer.target).graph.find_nodes(op="output")[0].args[0][index]
             nodes = _computed_from(value, set(copies))
             if nodes is None:
-                received.append(source)
+                args.append(source)
                 continue
             with graph.inserting_before(first_op):
                 for node in nodes:
                     copies[node] = graph.node_copy(node, copies.__getitem__)
             placeholder.replace_all_uses_with(copies[value])
             graph.erase_node(placeholder)
-        stage.args = tuple(received)
+        stage.args = tuple(args)
         split.get_submodule(stage.target).recompile()
     for stage in stages:
         _drop_unused_outputs(pipe, stage)
@@ -381,13 +381,14 @@ def _drop_unused_outputs(pipe: Pipe, stage: fx.Node) -> None:
     module = pipe.split_gm.get_submodule(stage.target)
     output = module.graph.find_nodes(op="output")[0]
     values = output.args[0]
+    dropped = [values[getitem.args[1]] for getitem in unused]
     for getitem in unused:
         pipe.split_gm.graph.erase_node(getitem)
     taken = sorted(stage.users, key=lambda getitem: getitem.args[1])
     output.args = (tuple(values[getitem.args[1]] for getitem in taken),)
     for index, getitem in enumerate(taken):
         getitem.args = (stage, index)
-    for value in values:
+    for value in dropped:
         _erase_if_unused(value)
     module.recompile()
 
@@ -396,10 +397,10 @@ def _erase_if_unused(node: fx.Node) -> None:
     """Erase ``node`` when nothing uses it and it is a function call, then the same for its inputs."""
     if node.users or node.op != "call_function":
         return
-    inputs = node.all_input_nodes
+    sources = node.all_input_nodes
     node.graph.erase_node(node)
-    for node in inputs:
-        _erase_if_unused(node)
+    for source in sources:
+        _erase_if_unused(source)
 
 
 class _TracedStage(_PipelineStage):
