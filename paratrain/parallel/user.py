@@ -14,10 +14,11 @@ The net is a plain ``nn.Module`` whose ``forward(*batch)`` returns its loss, bui
 - **Pipeline** (``pipeline_stage > 1``): ``pipeline_stage`` attributes set on any submodule say
   where each stage starts, in the order the forward runs them. The forward is traced with
   ``torch.distributed.pipelining`` (torch.export) at those points, so tensors computed on one
-  stage reach the later stages that use them, and the net's inputs (ids, labels, masks) reach
-  every stage as keyword arguments of the schedule; a forward that cannot be traced
-  (data-dependent Python control flow...) is refused with torch's reason. Each rank keeps its stage's module,
-  then tensor parallel, recompute and FSDP are applied to it. Parameter names stay the net's.
+  stage reach the later stages that use them (those computed from the net's inputs alone are
+  computed again there); the net's inputs (ids, labels, masks) reach every stage as keyword
+  arguments of the schedule. A forward that cannot be traced (data-dependent Python control
+  flow...) is refused with torch's reason. Each rank keeps its stage's module, then tensor
+  parallel, recompute and FSDP are applied to it. Parameter names stay the net's.
 - **Loss**: token losses that declare ``supports_sum_and_count`` (``paratrain.nn.CrossEntropyLoss``)
   get ``reduction = "sum_and_count"`` and return (sum, count), so the loss of a step is the mean
   over every masked token of the global batch whatever the layout; a net returning any other
@@ -181,6 +182,7 @@ class PlacedNet:
         index = layout.pp_rank
         stage_module = pipe.get_stage_module(index)
         self._parallelize(stage_module, net, root=stage_module)
+        # what pipe.build_stage builds, less its rewrite of the device of factory calls: the trace ran on this device
         stage = _TracedStage(stage_module, index, pipe.info(), self.device, group=layout.pp_group)
         self.is_last = index == config.pipeline_stage - 1
         schedule = SCHEDULES[config.pipeline_schedule]
