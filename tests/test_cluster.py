@@ -211,7 +211,8 @@ def _train(tmp_path: Path, name: str, envs: list[dict[str, str]]) -> tuple[list[
         for p in procs:
             p.kill()
     if outputs is None:
-        pytest.fail("a rank ran for more than 180 s; the ranks printed:\n" + "\n".join(p.communicate()[0] for p in procs))
+        printed = "\n".join(p.communicate()[0] for p in procs)
+        pytest.fail(f"a rank ran for more than 180 s; the ranks printed:\n{printed}")
     assert [p.returncode for p in procs] == [0] * len(procs), outputs
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records], outputs[0]

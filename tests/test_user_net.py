@@ -183,7 +183,8 @@ def _traced_stage_arguments() -> list[list[str]]:
     from paratrain.parallel.user import _by_name, _inputs_to_every_stage, _InputsByName, _recompute_from_inputs
 
     ids, _, mask = _batches(1)[0]
-    pipe = pipeline(_InputsByName(ShiftedNet()), (), _by_name((ids, mask)), split_spec={"blocks.2": SplitPoint.BEGINNING})
+    pipe = pipeline(_InputsByName(ShiftedNet()), (), _by_name((ids, mask)),
+                    split_spec={"blocks.2": SplitPoint.BEGINNING})
     _inputs_to_every_stage(pipe)
     _recompute_from_inputs(pipe)
     return [[a.target if a.op == "placeholder" else "received" for a in stage.args]
