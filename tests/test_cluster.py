@@ -3,6 +3,7 @@ contradictory ones, what ``paratrain launch`` reads in an allocation or a pod, a
 with only a cluster's variables forming one job with the losses of one process."""
 import json
 import os
+import random
 import socket
 import subprocess
 import time
@@ -137,8 +138,9 @@ def test_launch_in_a_kubeflow_pod(capsys, monkeypatch):
 
 
 def _free_slurm_job_id() -> str:
-    """A job id whose derived port (29500 + id mod 1000) is free here now."""
-    for offset in range(997, 0, -7):
+    """A job id whose derived port (29500 + id mod 1000) is free here now; tried in random order, so that suites
+    running side by side (other checkouts) do not all take the same port and join each other's jobs."""
+    for offset in random.sample(range(1, 1000), 999):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", 29500 + offset))
@@ -202,9 +204,14 @@ def _train(tmp_path: Path, name: str, envs: list[dict[str, str]]) -> tuple[list[
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for env in envs]
     try:
         outputs = [p.communicate(timeout=180)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        outputs = None
     finally:
         for p in procs:
             p.kill()
+    if outputs is None:
+        printed = "\n".join(p.communicate()[0] for p in procs)
+        pytest.fail(f"a rank ran for more than 180 s; the ranks printed:\n{printed}")
     assert [p.returncode for p in procs] == [0] * len(procs), outputs
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records], outputs[0]

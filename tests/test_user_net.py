@@ -139,12 +139,13 @@ def test_user_net_matches_one_process(name, one_process):
 
 
 class ExpandedMaskNet(Net):
-    """Net whose blocks mix the tokens under a (B, T, T) mask built with ``.expand``, as people build attention
-    masks: the view (zero strides) is used on both sides of a stage boundary, so the pipeline sends it."""
+    """Net whose blocks mix the tokens under (B, T, T) weights built with ``.expand``, as people build attention
+    masks, from the mask and the embeddings: the view (zero strides) is used on both sides of a stage boundary and
+    needs more than the inputs, so the pipeline sends it."""
 
     def forward(self, ids, labels, mask):
-        keep = mask[:, None, :].expand(-1, ids.shape[1], -1)
         x = self.mine(self.embedding(ids))
+        keep = (mask * x.mean(-1).sigmoid())[:, None, :].expand(-1, ids.shape[1], -1)
         for block in self.blocks:
             x = block(x + keep @ x / ids.shape[1])
         return self.loss(self.head(x).flatten(0, 1), labels.flatten(), mask.flatten())
@@ -187,7 +188,8 @@ def _traced_stage_arguments() -> list[list[str]]:
     from paratrain.parallel.user import _by_name, _inputs_to_every_stage, _InputsByName, _recompute_from_inputs
 
     ids, _, mask = _batches(1)[0]
-    pipe = pipeline(_InputsByName(ShiftedNet()), (), _by_name((ids, mask)), split_spec={"blocks.2": SplitPoint.BEGINNING})
+    pipe = pipeline(_InputsByName(ShiftedNet()), (), _by_name((ids, mask)),
+                    split_spec={"blocks.2": SplitPoint.BEGINNING})
     _inputs_to_every_stage(pipe)
     _recompute_from_inputs(pipe)
     return [[a.target if a.op == "placeholder" else "received" for a in stage.args]

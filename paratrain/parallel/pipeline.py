@@ -126,9 +126,9 @@ def _keep_only(module: nn.Module, needed: list[str]) -> None:
 
 def integer_boundaries(pipe) -> list[str]:
     """The tensors that a stage of the traced ``pipe`` (``torch.distributed.pipelining.pipeline``) receives
-    from the stage before and that are not floating point (token ids, labels), as "name (dtype) into stage k".
-    torch 2.11 and 2.12 cannot pass one: their receiving stage asks it to require grad, their sending stage
-    waits for its gradient."""
+    from the stage before and that are not floating point (the argmax of activations), as "name (dtype) into
+    stage k". torch 2.11 and 2.12 cannot pass one: their receiving stage asks it to require grad, their sending
+    stage waits for its gradient."""
     found = []
     stages = [node for node in pipe.split_gm.graph.nodes if node.op == "call_module"]
     for index, node in enumerate(stages):

@@ -14,10 +14,11 @@ The net is a plain ``nn.Module`` whose ``forward(*batch)`` returns its loss, bui
 - **Pipeline** (``pipeline_stage > 1``): ``pipeline_stage`` attributes set on any submodule say
   where each stage starts, in the order the forward runs them. The forward is traced with
   ``torch.distributed.pipelining`` (torch.export) at those points, so tensors computed on one
-  stage reach the later stages that use them, and the net's inputs (ids, labels, masks) reach
-  every stage as keyword arguments of the schedule; a forward that cannot be traced
-  (data-dependent Python control flow...) is refused with torch's reason. Each rank keeps its stage's module,
-  then tensor parallel, recompute and FSDP are applied to it. Parameter names stay the net's.
+  stage reach the later stages that use them (those computed from the net's inputs alone are
+  computed again there); the net's inputs (ids, labels, masks) reach every stage as keyword
+  arguments of the schedule. A forward that cannot be traced (data-dependent Python control
+  flow...) is refused with torch's reason. Each rank keeps its stage's module, then tensor
+  parallel, recompute and FSDP are applied to it. Parameter names stay the net's.
 - **Loss**: token losses that declare ``supports_sum_and_count`` (``paratrain.nn.CrossEntropyLoss``)
   get ``reduction = "sum_and_count"`` and return (sum, count), so the loss of a step is the mean
   over every masked token of the global batch whatever the layout; a net returning any other
@@ -197,6 +198,7 @@ class PlacedNet:
         modules = [pipe.get_stage_module(chunk) for chunk in ids]
         for module in modules:
             self._parallelize(module, net, root=module)
+        # what pipe.build_stage builds, less its rewrite of the device of factory calls: the trace ran on this device
         stages = [_TracedStage(module, chunk, pipe.info(), self.device, group=layout.pp_group)
                   for chunk, module in zip(ids, modules)]
         self.is_last = chunks - 1 in ids
@@ -349,24 +351,24 @@ def _recompute_from_inputs(pipe: Pipe) -> None:
         graph = split.get_submodule(stage.target).graph
         inputs = _stage_inputs(pipe, stage)
         first_op = next(n for n in graph.nodes if n.op != "placeholder")
-        received = []
+        args = []
         for placeholder, source in zip(graph.find_nodes(op="placeholder"), stage.args, strict=True):
             if source.target is not operator.getitem:  # an input of the net, or the single output of a stage
-                received.append(source)
+                args.append(source)
                 continue
             producer, index = source.args
             copies = {p: inputs[name] for name, p in _stage_inputs(pipe, producer).items()}
             value = split.get_submodule(producer.target).graph.find_nodes(op="output")[0].args[0][index]
             nodes = _computed_from(value, set(copies))
             if nodes is None:
-                received.append(source)
+                args.append(source)
                 continue
             with graph.inserting_before(first_op):
                 for node in nodes:
                     copies[node] = graph.node_copy(node, copies.__getitem__)
             placeholder.replace_all_uses_with(copies[value])
             graph.erase_node(placeholder)
-        stage.args = tuple(received)
+        stage.args = tuple(args)
         split.get_submodule(stage.target).recompile()
     for stage in stages:
         _drop_unused_outputs(pipe, stage)
@@ -397,13 +399,14 @@ def _drop_unused_outputs(pipe: Pipe, stage: fx.Node) -> None:
     module = pipe.split_gm.get_submodule(stage.target)
     output = module.graph.find_nodes(op="output")[0]
     values = output.args[0]
+    dropped = [values[getitem.args[1]] for getitem in unused]
     for getitem in unused:
         pipe.split_gm.graph.erase_node(getitem)
     taken = sorted(stage.users, key=lambda getitem: getitem.args[1])
     output.args = (tuple(values[getitem.args[1]] for getitem in taken),)
     for index, getitem in enumerate(taken):
         getitem.args = (stage, index)
-    for value in values:
+    for value in dropped:
         _erase_if_unused(value)
     module.recompile()
 
@@ -412,10 +415,10 @@ def _erase_if_unused(node: fx.Node) -> None:
     """Erase ``node`` when nothing uses it and it is a function call, then the same for its inputs."""
     if node.users or node.op != "call_function":
         return
-    inputs = node.all_input_nodes
+    sources = node.all_input_nodes
     node.graph.erase_node(node)
-    for node in inputs:
-        _erase_if_unused(node)
+    for source in sources:
+        _erase_if_unused(source)
 
 
 class _TracedStage(StageFixes, _PipelineStage):
