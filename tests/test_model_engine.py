@@ -332,3 +332,37 @@ def test_a_users_net_interleaved_mp2_pp2_bf16_stopped_and_resumed_gives_one_proc
     assert [loss for _, loss in losses] == pytest.approx([loss for _, loss in one], rel=5e-3)
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2, 3, 4, 5] and all(r["mfu"] > 0 for r in logged)
+
+
+def _deferred_losses(deferred, model_parallel=1):
+    """Losses of the token net with its blocks split over ``model_parallel`` ranks, built plainly or under
+    no_init_parameters (then placed on the meta device and materialised shard by shard)."""
+    import contextlib
+
+    import paratrain
+    from paratrain import TransformerOpParallelConfig
+    from test_user_net import Net as TokenNet, _batches
+
+    torch.manual_seed(0)
+    with paratrain.no_init_parameters() if deferred else contextlib.nullcontext():
+        net = TokenNet()
+        net.parallel_config = TransformerOpParallelConfig(model_parallel=model_parallel)
+    assert all(p.is_meta for p in net.parameters()) == deferred
+    losses = Losses()
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2))
+    model.train(1, _batches(3), callbacks=[losses])
+    return losses.losses
+
+
+@pytest.mark.timeout(120)
+def test_a_net_built_under_no_init_parameters_trains_as_the_plain_build():
+    plain = _deferred_losses(False)
+    assert _deferred_losses(True) == plain
+    for losses in run_distributed(_deferred_losses, 2, True, 2, timeout=100):  # each rank makes its shards only
+        assert losses == pytest.approx(plain, rel=1e-5)
+
+
+def test_a_meta_net_not_built_under_no_init_parameters_is_refused():
+    net = Net().to("meta")
+    with pytest.raises(UserError, match="not built under paratrain.no_init_parameters"):
+        Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2)).train(1, dataset(1))

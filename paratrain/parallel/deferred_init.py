@@ -17,6 +17,7 @@ computes a parameter from other tensors, cannot be replayed and is refused with 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -78,11 +79,39 @@ def record_init(build) -> InitRecord:
     recorder = _Recorder()
     with torch.device("meta"), recorder:
         model = build()
+    return _resolve(model, recorder.ops)
+
+
+_DEFERRED: list[tuple[list, torch.Tensor]] = []  # (ops, CPU random state at its start) of each no_init_parameters
+
+
+@contextlib.contextmanager
+def no_init_parameters():
+    """MindSpore's ``no_init_parameters()``: the modules built inside are made on the meta device, their
+    initialisation recorded; ``paratrain.train.Model`` places such a net on the meta device and materialises
+    only this rank's shards, with the values a plain build from the random state at the block's start draws."""
+    recorder, state = _Recorder(), torch.get_rng_state()
+    with torch.device("meta"), recorder:
+        yield
+    _DEFERRED.append((recorder.ops, state))
+
+
+def deferred_record(model: nn.Module) -> tuple[InitRecord, torch.Tensor] | None:
+    """(record, CPU random state to replay it from) of the ``no_init_parameters`` block that built ``model``."""
+    storages = {_storage(p) for p in model.parameters()}
+    for ops, state in reversed(_DEFERRED):
+        if any(isinstance(out, torch.Tensor) and _storage(out) in storages for *_, out in ops):
+            return _resolve(model, ops), state
+    return None
+
+
+def _resolve(model: nn.Module, ops: list) -> InitRecord:
+    """The steps of ``ops`` (recorded while building ``model`` on the meta device) that set ``model``'s tensors."""
     names = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         names.setdefault(_storage(t), name)
     record = InitRecord(model)
-    for func, args, kwargs, out in recorder.ops:
+    for func, args, kwargs, out in ops:
         op = func._schema.name.split("::")[-1]
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         random = torch.Tag.nondeterministic_seeded in func.tags

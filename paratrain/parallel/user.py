@@ -125,7 +125,9 @@ class PlacedNet:
                             "(residuals, norms) would need sequence-sharded activations; leave it off (the built-in "
                             "models of `paratrain train` have it)")
         self.summed = _sum_and_count(net)
-        net.to(self.device)
+        self.on_meta = any(p.is_meta for p in net.parameters())  # placed as it is, materialised after
+        if not self.on_meta:
+            net.to(self.device)
         self.pipeline = None
         if config.pipeline_stage > 1:
             self.parts = self._pipeline_stages(net, example)
@@ -171,8 +173,8 @@ class PlacedNet:
         if get_context("mode") == GRAPH_MODE:
             raise UserError("set_context(mode=GRAPH_MODE) with pipeline stages: a traced stage runs its layers "
                             "inlined, so they cannot be compiled one by one; use PYNATIVE_MODE with pipeline_stages")
-        micro = tuple(t[: t.shape[0] // (config.data_parallel * config.micro_batch_num)].to(self.device)
-                      for t in example)
+        micro = tuple(t[: t.shape[0] // (config.data_parallel * config.micro_batch_num)].to(
+            "meta" if self.on_meta else self.device) for t in example)
         try:
             pipe = trace_pipeline(_InputsByName(net), (), _by_name(micro),
                                   split_spec=stage_starts(net, micro, config.pipeline_stage,

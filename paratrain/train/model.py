@@ -25,6 +25,7 @@ from paratrain.metrics.timer import StepTimer
 from paratrain.nn import PipelineCell
 from paratrain.optim import tensor_kind
 from paratrain.parallel.data import shard_optimizer_state
+from paratrain.parallel.deferred_init import deferred_record, materialize
 from paratrain.parallel.user import PlacedNet, place_net
 from paratrain.preflight import net_memory_problem
 from paratrain.precision import LossScaleFloor, LossScaler, autocast
@@ -115,7 +116,14 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]],
 def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, precision: str = "none"):
     """``net`` placed as the context's ``parallel_mode`` says: whole on every rank with its own collectives
     (hybrid), op by op on its strategies (semi-auto or auto parallel with ``paratrain.ops``), else by
-    ``place_net`` (the blocks' plans, pipeline, data parallel)."""
+    ``place_net`` (the blocks' plans, pipeline, data parallel). A net built under ``no_init_parameters`` is placed
+    on the meta device and only this rank's shards are made (``place_net``; the others materialise it whole
+    first)."""
+    on_meta = any(p.is_meta for p in net.parameters())
+    deferred = deferred_record(net) if on_meta else None
+    if on_meta and deferred is None:
+        raise UserError("Model: the net's parameters are on the meta device but it was not built under "
+                        "paratrain.no_init_parameters(), so nothing says how to initialise them")
     from paratrain.ops import Primitive
 
     mode = get_auto_parallel_context("parallel_mode")
@@ -123,12 +131,13 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
             isinstance(m, Primitive) for m in net.modules())):
         raise UserError("set_context(mode=GRAPH_MODE) compiles the layers of a net of paratrain.nn blocks or "
                         "torch modules; a hybrid-parallel net or one of paratrain.ops runs in PYNATIVE_MODE")
-    if get_auto_parallel_context("parameter_broadcast") and layout.world_size > 1:
+    if get_auto_parallel_context("parameter_broadcast") and layout.world_size > 1 and not on_meta:
+        # (a deferred build is replayed from one random state on every rank: nothing to broadcast)
         broadcast_parameters(net.to(layout.device))  # on its device first: NCCL broadcasts only GPU tensors
     if mode == ParallelMode.HYBRID_PARALLEL:
         from paratrain.parallel.hybrid import HybridNet
 
-        return HybridNet(net, layout.device, precision)
+        return HybridNet(_materialized(net, deferred, layout.device), layout.device, precision)
     if mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and layout.world_size > 1 and any(
             isinstance(m, Primitive) for m in net.modules()):
         from paratrain.parallel.semi_auto import place_semi_auto
@@ -141,9 +150,26 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
             from paratrain.parallel.auto import StrategyChooser
 
             choose = StrategyChooser.from_context(layout.world_size)
-        return place_semi_auto(net, batch, layout.device, layout.world_size, config.effective_zero_stage > 0, choose,
-                               precision)
-    return place_net(net, config, layout, batch, precision)
+        return place_semi_auto(_materialized(net, deferred, layout.device), batch, layout.device, layout.world_size,
+                               config.effective_zero_stage > 0, choose, precision)
+    placed = place_net(net, config, layout, batch, precision)
+    if deferred is not None:
+        _materialize(placed.parts, deferred, layout.device)
+    return placed
+
+
+def _materialize(parts: list[nn.Module], deferred: tuple, device: torch.device) -> None:
+    """Make the meta ``parts`` on ``device`` with the values the recorded build draws from its random state."""
+    record, state = deferred
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(state)
+        materialize(parts, record, device)
+
+
+def _materialized(net: nn.Module, deferred: tuple | None, device: torch.device) -> nn.Module:
+    if deferred is not None:
+        _materialize([net], deferred, device)
+    return net
 
 
 @torch.no_grad()
