@@ -197,31 +197,39 @@ def test_cross_entropy_loss_is_the_mean_over_masked_tokens():
 
 
 def _vocab_parallel_loss(logits, labels, input_mask):
-    """On each of 2 ranks: the loss and logits gradient with the vocab split in halves, for both reductions."""
+    """On each of 2 ranks: the loss and logits gradient with the vocab split in (uneven) halves under
+    ``loss_context``, for both reductions, on a mesh of the vocab alone and on a (1, 2) mesh as semi-auto
+    strategies make."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from paratrain.config import ParallelConfig
+    from paratrain.parallel.loss import loss_context
 
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    rank, half = dist.get_rank(), logits.shape[-1] // 2
     out = {}
-    for reduction in ("mean", "sum_and_count"):
-        local = logits[..., rank * half:(rank + 1) * half].clone().requires_grad_()
-        loss_fn = CrossEntropyLoss(OpParallelConfig(model_parallel=2))
-        loss_fn.reduction = reduction
-        loss = loss_fn(DTensor.from_local(local, mesh, [Shard(logits.ndim - 1)]), labels, input_mask)
-        loss[0].backward() if reduction == "sum_and_count" else loss.backward()
-        out[reduction] = (type(loss).__name__, loss.tolist(), local.grad.tolist())
+    for shape in ((2,), (1, 2)):
+        mesh = init_device_mesh("cpu", shape)
+        placements = [Replicate()] * (len(shape) - 1) + [Shard(logits.ndim - 1)]
+        for reduction in ("mean", "sum_and_count"):
+            local = logits.chunk(2, dim=-1)[dist.get_rank()].clone().requires_grad_()  # DTensor's split: 5 + 4
+            sharded = DTensor.from_local(local, mesh, placements, shape=logits.shape, stride=logits.stride())
+            loss_fn = CrossEntropyLoss(OpParallelConfig(model_parallel=2))
+            loss_fn.reduction = reduction
+            with loss_context(ParallelConfig(model_parallel=2)):
+                loss = loss_fn(sharded, labels, input_mask)
+                loss[0].backward() if reduction == "sum_and_count" else loss.backward()
+            out[shape, reduction] = (type(loss).__name__, loss.tolist(), local.grad.tolist())
     return out  # lists: tensors would be passed as shared memory that the exiting worker frees
 
 
 @pytest.mark.slow
 def test_vocab_parallel_cross_entropy_on_two_processes_equals_one():
     torch.manual_seed(0)
-    logits = 3 * torch.randn(4, 5, 10)
-    labels = torch.randint(10, (4, 5))
-    labels[0, :3] = torch.tensor([0, 5, 9])  # both halves and their edges
+    logits = 3 * torch.randn(4, 5, 9)
+    labels = torch.randint(9, (4, 5))
+    labels[0, :4] = torch.tensor([0, 4, 5, 8])  # both shards and their edges
     input_mask = (torch.rand(4, 5) > 0.25).float()
     ranks = run_distributed(_vocab_parallel_loss, 2, logits, labels, input_mask, timeout=120)
     for reduction in ("mean", "sum_and_count"):
@@ -230,12 +238,13 @@ def test_vocab_parallel_cross_entropy_on_two_processes_equals_one():
         loss_fn.reduction = reduction
         expected = loss_fn(whole, labels, input_mask)
         (expected[0] if reduction == "sum_and_count" else expected).backward()
-        for rank, out in enumerate(ranks):
-            kind, loss, grad = out[reduction]
-            assert kind == "Tensor"  # a plain tensor, the same on every rank
-            torch.testing.assert_close(torch.tensor(loss), expected.detach(), rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(torch.tensor(grad), whole.grad[..., rank * 5:(rank + 1) * 5], rtol=1e-6,
-                                       atol=1e-7)
+        for shape in ((2,), (1, 2)):
+            for rank, out in enumerate(ranks):
+                kind, loss, grad = out[shape, reduction]
+                assert kind == "Tensor"  # a plain tensor, the same on every rank
+                torch.testing.assert_close(torch.tensor(loss), expected.detach(), rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(torch.tensor(grad), whole.grad.chunk(2, dim=-1)[rank], rtol=1e-6,
+                                           atol=1e-7)
 
 
 # --- training ---------------------------------------------------------------------------------------------

@@ -11,10 +11,18 @@ cross-entropy), then frees them; backward only scales the saved gradients. Same 
 The matmuls run in the compute dtype (bf16 under autocast), the weight gradient's too, its
 chunks summed in fp32; under fp16 the weight gradient is computed in fp32, as a chunk's sum
 over many rows may exceed fp16's range.
+
+With vocab-sharded logits there is no such head: ``token_cross_entropy`` takes the logits as they
+come, through PyTorch's ``loss_parallel`` (``paratrain.parallel.loss.loss_context``).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from paratrain.errors import UserError
 
 CHUNK_BYTES = 16 << 20  # fp32 logits of one chunk of rows on the CPU
 GPU_CHUNK_BYTES = 256 << 20  # on a GPU: a 16k-token micro-batch at a 32k vocabulary in 8 chunks
@@ -88,3 +96,25 @@ class OutputHead(torch.nn.Linear):
         if labels is None:
             return super().forward(hidden)
         return linear_token_loss_sum(hidden, self.weight, labels, self.ignore_index)
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each token's cross-entropy, float32 (N,), of logits (..., V) and labels (...): a plain tensor.
+
+    Logits that are a DTensor sharded on V over one mesh dimension (and replicated on any other) are
+    reduced vocab-parallel by ``loss_parallel``, so forward and backward must run under it
+    (``paratrain.parallel.loss.loss_context``); the result is then the same on every rank."""
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    labels = labels.reshape(-1).long()
+    if not isinstance(logits, DTensor):
+        return F.cross_entropy(logits, labels, reduction="none")
+    vocab_dims = [i for i, p in enumerate(logits.placements) if p.is_shard(1)]
+    if len(vocab_dims) != 1 or not all(p.is_replicate() for i, p in enumerate(logits.placements) if i != vocab_dims[0]):
+        raise UserError(f"cross-entropy: logits with placements {logits.placements} are not sharded on the vocab "
+                        f"dimension over exactly one mesh dimension and replicated on the others")
+    mesh = logits.device_mesh
+    if mesh.ndim > 1:  # torch 2.11's loss_parallel takes a one-dimensional mesh only: the vocab's
+        vocab_mesh = DeviceMesh.from_group(mesh.get_group(vocab_dims[0]), mesh.device_type)
+        logits = DTensor.from_local(logits.to_local(), vocab_mesh, [Shard(1)], shape=logits.shape,
+                                    stride=logits.stride())
+    return F.cross_entropy(logits, labels, reduction="none").to_local()

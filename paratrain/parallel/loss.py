@@ -1,8 +1,10 @@
 """The loss over vocab-sharded logits: cross-entropy without gathering the full vocabulary.
 
 Under ``loss_parallel()`` PyTorch computes the softmax statistics of each vocab shard
-locally and all-reduces only (B*T)-sized maxima and sums. The context must cover the
-backward too, so the trainer enters it around a whole micro-batch (forward + backward).
+locally and all-reduces only (B*T)-sized maxima and sums: for the built-in models' loss and
+``paratrain.nn.CrossEntropyLoss`` alike (``paratrain.modules.linear_cross_entropy.token_cross_entropy``).
+The context must cover the backward too, so the trainer and a user's placed net enter it around
+a whole micro-batch (forward + backward), or around a pipeline's whole step.
 """
 from __future__ import annotations
 

@@ -45,6 +45,7 @@ from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
 from paratrain.precision import autocast
 from paratrain.parallel.data import apply_data_parallel, fusion_groups
+from paratrain.parallel.loss import loss_context
 from paratrain.parallel.pipeline import SCHEDULES, StageFixes, chunk_rank, integer_boundaries
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import declared_plan, gradient_like_parameter, has_submodule, parallel_style
@@ -246,7 +247,7 @@ class PlacedNet:
         if self.pipeline is not None:
             losses = [] if self.is_last else None
             target = torch.zeros(rows, device=self.device) if self.is_last else None
-            with autocast(self.precision, self.device), self.phase("pipeline"):
+            with loss_context(config), autocast(self.precision, self.device), self.phase("pipeline"):
                 self.pipeline.step(**_by_name(mine), target=target, losses=losses, return_outputs=False)
             scaled = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         else:
@@ -254,10 +255,11 @@ class PlacedNet:
             scaled = torch.zeros((), device=self.device)
             for i, micro in enumerate(micro_batches):
                 self._sync_gradients(last=i == len(micro_batches) - 1)
-                with autocast(self.precision, self.device), self.phase("forward"):
-                    loss = self._micro_loss(self.parts[0](*micro))
-                with self.phase("backward"):
-                    loss.backward()
+                with loss_context(config):  # vocab-sharded logits: the loss and its backward are loss_parallel's
+                    with autocast(self.precision, self.device), self.phase("forward"):
+                        loss = self._micro_loss(self.parts[0](*micro))
+                    with self.phase("backward"):
+                        loss.backward()
                 scaled += loss.detach()
         scaled = scaled / loss_scale
         if self.summed:
