@@ -139,10 +139,10 @@ def timed_save_load(ckpt, step: int) -> tuple[float, float, Path]:
 
 
 def build_trainer(args, run_dir: Path):
-    from paratrain.config import Config
+    from paratrain import config_file
     from paratrain.trainer import Trainer
 
-    cfg = Config.from_dict({
+    cfg = config_file.from_dict({
         "run": {"dir": str(run_dir)},
         "model": {"kind": "gpt", "vocab_size": args.vocab, "hidden_size": args.hidden, "num_heads": 8,
                   "ffn_hidden_size": 4 * args.hidden, "decoder_layers": args.layers, "seq_length": args.seq,

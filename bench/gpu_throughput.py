@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from paratrain import config_file  # noqa: E402
 from paratrain.config import Config  # noqa: E402
 from paratrain.data.loader import build_dataset  # noqa: E402
 from paratrain.metrics.flops import gpt_flops, gpu_peak_tflops, measure_cpu_peak_tflops  # noqa: E402
@@ -96,7 +97,7 @@ def bench_config(a: argparse.Namespace, run_dir: str, offload: bool = False) -> 
              "mixed_precision": "bf16" if a.device == "cuda" else "none"}
     if a.compile:
         train["compile"] = True
-    return Config.from_dict({
+    return config_file.from_dict({
         "run": {"dir": run_dir},
         "model": {"kind": "gpt", **model, "hidden_dropout": 0.0, "attention_dropout": 0.0},
         "train": train,

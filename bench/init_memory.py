@@ -41,9 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def config(a: argparse.Namespace):
-    from paratrain.config import Config
+    from paratrain import config_file
 
-    return Config.from_dict({
+    return config_file.from_dict({
         "model": {"kind": "gpt", "vocab_size": a.vocab, "hidden_size": a.hidden, "num_heads": 16,
                   "ffn_hidden_size": 4 * a.hidden, "decoder_layers": a.layers, "seq_length": 128,
                   "hidden_dropout": 0.0, "attention_dropout": 0.0},

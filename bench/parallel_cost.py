@@ -89,9 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def make_config(a: argparse.Namespace, kind: str, parallel: dict, run_dir: str):
-    from paratrain.config import Config
+    from paratrain import config_file
 
-    return Config.from_dict({
+    return config_file.from_dict({
         "run": {"dir": run_dir, "seed": 0},
         "model": {"kind": kind, "vocab_size": a.vocab, "hidden_size": a.hidden, "num_heads": a.heads,
                   "ffn_hidden_size": a.ffn, "encoder_layers": a.layers, "decoder_layers": a.layers,

@@ -152,9 +152,9 @@ def selected(a: argparse.Namespace) -> list[str]:
 
 def make_config(model: dict, parallel: dict | None = None, run_dir: str = "", steps: int = 1):
     """The paratrain Config of every system: the GPT, no dropout, constant LR, clipping 1.0."""
-    from paratrain.config import Config
+    from paratrain import config_file
 
-    return Config.from_dict({
+    return config_file.from_dict({
         "run": {"dir": run_dir, "seed": model["seed"]},
         "model": {"kind": "gpt", "vocab_size": model["vocab"], "hidden_size": model["hidden"],
                   "num_heads": model["heads"], "ffn_hidden_size": model["ffn"], "decoder_layers": model["layers"],

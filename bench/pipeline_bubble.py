@@ -104,12 +104,12 @@ def theory(p: int, m: int, v: int = 1) -> float:
 
 
 def make_config(a: argparse.Namespace, case: dict):
-    from paratrain.config import Config
+    from paratrain import config_file
 
     p, v = case["p"], case["v"]
     chunks = p * v
     per_chunk = a.layers_per_rank // v
-    return Config.from_dict({
+    return config_file.from_dict({
         "run": {"seed": 0},
         "model": {"kind": "gpt", "vocab_size": a.vocab, "hidden_size": a.hidden, "num_heads": a.heads,
                   "ffn_hidden_size": a.ffn, "decoder_layers": chunks * per_chunk, "seq_length": a.length,
@@ -173,7 +173,7 @@ def measure(a: argparse.Namespace, group: list[dict]) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from paratrain.config import check
+    from paratrain.config_rules import check
     from paratrain.distributed import init_from_env
     from paratrain.mesh import Layout
     from paratrain.models import build_model, token_loss_sum

@@ -39,9 +39,9 @@ LAYOUTS = {  # name: parallel section
 
 
 def make_config(a, parallel: dict, run_dir: str):
-    from paratrain.config import Config
+    from paratrain import config_file
 
-    return Config.from_dict({
+    return config_file.from_dict({
         "run": {"dir": run_dir, "seed": 0},
         "model": {"kind": "gpt", "vocab_size": a.vocab, "hidden_size": a.hidden, "num_heads": 4,
                   "ffn_hidden_size": 4 * a.hidden, "decoder_layers": a.layers, "seq_length": a.length,

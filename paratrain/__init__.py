@@ -1,6 +1,7 @@
 """paratrain: train Transformer models on many devices with one parallel config."""
 from paratrain.config import (Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig,
-                              TransformerOpParallelConfig, check, validate)
+                              TransformerOpParallelConfig)
+from paratrain.config_rules import check, validate
 from paratrain.context import (GRAPH_MODE, PYNATIVE_MODE, ParallelMode, get_auto_parallel_context, get_context,
                                reset_auto_parallel_context, set_auto_parallel_context, set_context)
 

@@ -15,7 +15,7 @@ import os
 import sys
 
 from paratrain import cluster, host_memory, progress, stopping
-from paratrain.config import parse_overrides
+from paratrain.config_file import parse_overrides
 from paratrain.deepspeed_config import load_config
 from paratrain.errors import UserError
 

@@ -20,7 +20,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from paratrain.config import Config, ConfigError, dotted
+from paratrain.config import Config, ConfigError
+from paratrain.config_file import dotted, from_dict, read_toml
 from paratrain.deepspeed_keys import DEFAULTS, DIRECT, KNOWN, NO_EFFECT, REQUIRED, SCHEDULES, SPECIAL
 
 AUTO = "auto"
@@ -259,11 +260,11 @@ class Mapping:
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), deepspeed: str | None = None,
                 world_size: int | None = None, report: Callable[[str], None] | None = None) -> Config:
-    """``Config.load(path, overrides)`` with a DeepSpeed JSON config mapped onto the file's keys first (the
+    """``config_file.load(path, overrides)`` with a DeepSpeed JSON config mapped onto the file's keys first (the
     overrides win over both): ``deepspeed`` (``--deepspeed``), else the file's top-level ``deepspeed = "path"``,
     relative to the file. ``world_size`` derives ``data_parallel`` for DeepSpeed's batch rule; ``report`` gets
     one line per DeepSpeed key."""
-    data = Config.read_toml(path) if path is not None else {}
+    data = read_toml(path) if path is not None else {}
     named = data.pop("deepspeed", None)
     if deepspeed is None and named is not None:
         if not isinstance(named, str):
@@ -273,14 +274,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), deeps
         for line in apply(deepspeed, data, list(overrides), world_size):
             if report is not None:
                 report(line)
-    return Config.from_dict(data, overrides)
+    return from_dict(data, overrides)
 
 
 def apply(path: str | Path, data: dict[str, Any], overrides: list[str], world_size: int | None) -> list[str]:
     """Map DeepSpeed config ``path`` onto the TOML tables ``data`` (in place, before ``overrides``); return
     the report, one line per key. ConfigError listing every refused key, before anything is built."""
     ds = flatten(read(path))
-    base = Config.from_dict({k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}, overrides)
+    base = from_dict({k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}, overrides)
     overridden = set()
     for item in overrides:
         section, _, key = item.partition("=")[0].partition(".")
@@ -302,7 +303,7 @@ def apply(path: str | Path, data: dict[str, Any], overrides: list[str], world_si
     for target, value in mapping.values.items():
         section, key = target.split(".")
         table = data.setdefault(section, {})
-        if isinstance(table, dict):  # else Config.from_dict says what is wrong with the TOML
+        if isinstance(table, dict):  # else from_dict says what is wrong with the TOML
             names = (key, "optimizer_shard") if target == "parallel.zero_stage" else (key,)
             for alias in [a for a, name in Config.sections()[section].ALIASES.items() if name in names]:
                 table.pop(alias, None)

@@ -103,12 +103,12 @@ def load_translation_model(checkpoint: str | Path, config: str | Path | None = N
     """
     from paratrain.checkpoint.full import load_full_tensors
     from paratrain.checkpoint.storage import read_meta, resolve
-    from paratrain.config import Config
+    from paratrain import config_file
     from paratrain.models import build_model
 
     path = resolve(checkpoint)
     meta = read_meta(path)
-    cfg = Config.load(config, overrides) if config else Config.from_dict(meta["config"], overrides)
+    cfg = config_file.load(config, overrides) if config else config_file.from_dict(meta["config"], overrides)
     if cfg.model.kind != "transformer":
         raise TranslateError(f"checkpoint {path} holds a {cfg.model.kind!r} model; paratrain translate needs the "
                              f"encoder-decoder (model.kind = \"transformer\")")

@@ -6,7 +6,7 @@ once before starting any rank, with the job's world size. Everything wrong is
 reported at once as one ``ConfigError`` (a ``UserError``: one message, exit code 2),
 each problem naming the key, file or value and a fix:
 
-- the config rules (:func:`paratrain.config.validate`);
+- the config rules (:func:`paratrain.config_rules.validate`);
 - ZeRO-Offload (``parallel.offload_optimizer`` / ``offload_param``) only with an accelerator;
 - sizes: the model's weights, gradients and AdamW state (the planner's parameter
   count), spread as thinly as ``world_size`` ranks could spread them, and a lower bound
@@ -17,7 +17,7 @@ each problem naming the key, file or value and a fix:
   that exists or can be trained with ``model.vocab_size`` tokens and saved;
 - the run directory and the checkpoint directory (saved to on a stop even without
   ``checkpoint.save_steps``) can be created and written; the run name and checkpoint
-  prefix are plain names (``paratrain.config.validate``);
+  prefix are plain names (``paratrain.config_rules.validate``);
 - an explicit ``checkpoint.resume`` path holds a checkpoint, and the model config of the
   checkpoint a resume would take is this one (``paratrain.checkpoint.core.check_resume_config``).
 """
@@ -29,7 +29,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from paratrain.config import Config, ConfigError, parse_overrides, validate
+from paratrain.config import Config, ConfigError
+from paratrain.config_file import parse_overrides
+from paratrain.config_rules import validate
 
 TEXT_HEAD = 1 << 20  # bytes of a text file read to tell text from binary
 MIN_BPE_VOCAB = 260  # a byte-level BPE needs the 256 bytes and 4 special tokens

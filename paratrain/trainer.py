@@ -8,7 +8,7 @@ from paratrain.checkpoint import Checkpointer
 from paratrain.config import Config
 from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.device import DTYPES
-from paratrain import host_memory, preflight, progress
+from paratrain import config_file, host_memory, preflight, progress
 from paratrain.distributed import init_from_env
 from paratrain.engine import Engine, TrainingDiverged
 from paratrain.evaluate import bleu_evaluator
@@ -74,7 +74,7 @@ class Trainer:
         self.run_dir = cfg.run.path
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
-            cfg.save(self.run_dir / "config.toml")
+            config_file.save(cfg, self.run_dir / "config.toml")
         self.metrics = MetricsLogger(self.run_dir, cfg.metrics, cfg.train.steps, enabled=self.is_main)
         self.timer = StepTimer(cfg.metrics, self.pipeline, self.device)
         if self.is_main:

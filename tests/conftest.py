@@ -54,7 +54,7 @@ def host_reads(monkeypatch) -> list[str]:
 
 def tiny_config(**sections):
     """A tiny Config for tests: dropout 0, 2+2 layers, hidden 32; override with section dicts."""
-    from paratrain.config import Config
+    from paratrain import config_file
 
     base = {
         "model": {"kind": "transformer", "vocab_size": 48, "hidden_size": 32, "num_heads": 4,
@@ -65,4 +65,4 @@ def tiny_config(**sections):
     }
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
-    return Config.from_dict(base)
+    return config_file.from_dict(base)

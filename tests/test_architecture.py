@@ -86,6 +86,27 @@ def test_one_implementation_of_the_transformer_parts():
     assert issubclass(blocks.MultiHeadAttention, Attention) and issubclass(blocks.FeedForward, FeedForward)
 
 
+
+MINDSPORE_FACE = ("paratrain.train", "paratrain.nn", "paratrain.context", "paratrain.amp", "paratrain.auto_parallel",
+                  "paratrain.parallel.user", "paratrain.parallel.semi_auto", "paratrain.parallel.hybrid")
+TOML_FACE = ("paratrain.config_file", "paratrain.config_rules", "paratrain.deepspeed_config",
+             "paratrain.deepspeed_keys", "paratrain.cli")
+
+
+def test_the_mindspore_face_imports_only_the_settings_vocabulary():
+    """The settings vocabulary (paratrain.config: the dataclasses) stands alone, and the MindSpore face takes
+    its settings from it, never from the TOML face (files, overrides, hints, the config rules, DeepSpeed's
+    mapping)."""
+    graph = import_graph()
+    face = [m for m in graph if m in MINDSPORE_FACE or m.startswith(tuple(f"{f}." for f in MINDSPORE_FACE))]
+    assert "paratrain.train.model" in face and "paratrain.nn.config" in face and "paratrain.context" in face
+    assert {"paratrain.config"} <= graph["paratrain.nn.config"] and {"paratrain.config"} <= graph["paratrain.context"]
+    assert {m: sorted(graph[m] & set(TOML_FACE)) for m in face if graph[m] & set(TOML_FACE)} == {}
+    assert graph["paratrain.config"] == {"paratrain.errors"}  # the vocabulary leans on no face
+    assert graph["paratrain.config_file"] == {"paratrain.config"}
+    assert graph["paratrain.config_rules"] == {"paratrain.config"}
+
+
 def test_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

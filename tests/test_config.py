@@ -1,10 +1,12 @@
 import pytest
 
-from paratrain.config import Config, ConfigError, ParallelConfig, TransformerOpParallelConfig, check, validate
+from paratrain import config_file
+from paratrain.config import Config, ConfigError, ParallelConfig, TransformerOpParallelConfig
+from paratrain.config_rules import check, validate
 
 
 def problems_for(world_size=None, **sections):
-    cfg = Config.from_dict(sections)
+    cfg = config_file.from_dict(sections)
     return validate(cfg, world_size)
 
 
@@ -78,32 +80,32 @@ def test_every_violation_reported_at_once():
     text = "\n".join(problems)
     assert "num_heads=6" in text and "world size 2" in text
     with pytest.raises(ConfigError) as err:
-        check(Config.from_dict({"parallel": {"mp": 4}, "model": {"num_heads": 6}}), world_size=4)
+        check(config_file.from_dict({"parallel": {"mp": 4}, "model": {"num_heads": 6}}), world_size=4)
     assert "num_heads=6" in str(err.value)
 
 
 def test_unknown_keys_get_a_suggestion():
     with pytest.raises(ConfigError) as err:
-        Config.from_dict({"model": {"hiden_size": 3}, "paralel": {}})
+        config_file.from_dict({"model": {"hiden_size": 3}, "paralel": {}})
     text = str(err.value)
     assert "model.hiden_size" in text and "did you mean model.hidden_size" in text
     assert "[paralel]" in text and "[parallel]" in text
 
 
 def test_overrides_and_aliases():
-    cfg = Config.from_dict({"parallel": {"dp": 2}}, ["parallel.tp=4", "model.hidden_dropout=0", "train.lr=1e-3",
-                                                      "parallel.vocab_emb_dp=false", "run.name=x"])
+    cfg = config_file.from_dict({"parallel": {"dp": 2}}, ["parallel.tp=4", "model.hidden_dropout=0", "train.lr=1e-3",
+                                                           "parallel.vocab_emb_dp=false", "run.name=x"])
     p = cfg.parallel
     assert (p.data_parallel, p.model_parallel, p.mp, p.tp, p.vocab_emb_dp) == (2, 4, 4, 4, False)
     assert cfg.model.hidden_dropout == 0.0 and cfg.train.lr == 1e-3 and cfg.run.name == "x"
     with pytest.raises(ConfigError, match="expected an integer"):
-        Config.from_dict({}, ["parallel.dp=two"])
+        config_file.from_dict({}, ["parallel.dp=two"])
 
 
 def test_toml_round_trip(tmp_path):
-    cfg = Config.from_dict({}, ["parallel.mp=2", "model.kind=gpt", "parallel.recompute=selective"])
-    cfg.save(tmp_path / "c.toml")
-    again = Config.load(tmp_path / "c.toml")
+    cfg = config_file.from_dict({}, ["parallel.mp=2", "model.kind=gpt", "parallel.recompute=selective"])
+    config_file.save(cfg, tmp_path / "c.toml")
+    again = config_file.load(tmp_path / "c.toml")
     assert again == cfg
 
 
@@ -146,11 +148,11 @@ def test_zero_bubble_schedules_are_refused_for_the_encoder_decoder():
 
 
 def test_data_parallel_derived_from_the_world_size_when_not_given():
-    cfg = Config.from_dict({"parallel": {"model_parallel": 2, "pipeline_stage": 2, "micro_batch_num": 2}})
+    cfg = config_file.from_dict({"parallel": {"model_parallel": 2, "pipeline_stage": 2, "micro_batch_num": 2}})
     assert validate(cfg, world_size=8) == [] and not cfg.parallel.data_parallel_given  # validate changes nothing
     assert check(cfg, world_size=8).parallel.data_parallel == 2 and cfg.parallel.data_parallel_given
     assert TransformerOpParallelConfig(model_parallel=2).derive(6).data_parallel == 3
-    explicit = Config.from_dict({"parallel": {"dp": 1, "mp": 2}})
+    explicit = config_file.from_dict({"parallel": {"dp": 1, "mp": 2}})
     assert "= 2 does not equal the world size 4" in only_problem(4, parallel={"dp": 1, "mp": 2})
     assert check(explicit).parallel.data_parallel == 1  # no world size: nothing derived
     msg = only_problem(6, parallel={"mp": 4})
@@ -158,7 +160,7 @@ def test_data_parallel_derived_from_the_world_size_when_not_given():
 
 
 def test_mindspore_names_are_aliases():
-    cfg = Config.from_dict({
+    cfg = config_file.from_dict({
         "checkpoint": {"save_checkpoint_steps": 5, "keep_checkpoint_max": 2, "directory": "ck", "prefix": "net"},
         "parallel": {"enable_parallel_optimizer": True, "stage_num": 2},
         "model": {"hidden_dropout_rate": 0.2, "attention_dropout_rate": 0.3}}, ["parallel.pipeline_stages=2"])
@@ -180,7 +182,7 @@ def test_mindspore_names_are_aliases():
 ])
 def test_mindspore_names_point_to_the_right_key(section, key, hint):
     with pytest.raises(ConfigError) as err:
-        Config.from_dict({section: {key: 1}})
+        config_file.from_dict({section: {key: 1}})
     assert f"unknown key {section}.{key} (" in str(err.value) and hint in str(err.value)
     assert "did you mean parallel.data_parallel" not in str(err.value)
 

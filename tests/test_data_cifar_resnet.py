@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from paratrain.config import Config
+from paratrain import config_file
 from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.data.cifar import write_cifar_bin
 from paratrain.models.resnet import ResNet, build_resnet
@@ -16,8 +16,8 @@ def test_resnet_learns_cifar_batches(tmp_path):
     noise = rng.integers(0, 40, (16, 3, 32, 32))
     images = (labels[:, None, None, None] * 20 + noise).astype(np.uint8)  # brightness tells the label
     write_cifar_bin(tmp_path / "data_batch_1.bin", images, labels)
-    cfg = Config.from_dict({"data": {"kind": "cifar10", "path": str(tmp_path)},
-                            "model": {"hidden_size": 8, "encoder_layers": 1}})
+    cfg = config_file.from_dict({"data": {"kind": "cifar10", "path": str(tmp_path)},
+                                 "model": {"hidden_size": 8, "encoder_layers": 1}})
     batches = ShardedBatches(build_dataset(cfg), 16)
     torch.manual_seed(0)
     model = build_resnet(cfg.model)
@@ -47,10 +47,10 @@ def test_normalization_can_be_replaced_from_outside():
 
 
 def resnet_config(tmp_path, run_dir, **parallel):
-    return Config.from_dict({"run": {"dir": str(run_dir)}, "data": {"kind": "cifar10", "path": str(tmp_path)},
-                             "model": {"kind": "resnet", "hidden_size": 4, "encoder_layers": 1},
-                             "parallel": parallel, "metrics": {"log_steps": 100},
-                             "train": {"global_batch_size": 16, "steps": 2, "lr": 1e-2, "warmup_steps": 1}})
+    return config_file.from_dict({"run": {"dir": str(run_dir)}, "data": {"kind": "cifar10", "path": str(tmp_path)},
+                                  "model": {"kind": "resnet", "hidden_size": 4, "encoder_layers": 1},
+                                  "parallel": parallel, "metrics": {"log_steps": 100},
+                                  "train": {"global_batch_size": 16, "steps": 2, "lr": 1e-2, "warmup_steps": 1}})
 
 
 def resnet_losses(cfg):

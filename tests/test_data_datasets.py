@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from paratrain.cli import main
-from paratrain.config import Config, ConfigError
+from paratrain import config_file
+from paratrain.config import ConfigError
 from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.data.cifar import CifarDataset, write_cifar_bin
 from paratrain.data.datasets import TextDataset
@@ -35,10 +36,10 @@ def test_tokenizer_round_trip_and_special_ids(corpus, tmp_path):
 
 
 def _config(tmp_path, path, **data):
-    return Config.from_dict({"run": {"seed": 3, "dir": str(tmp_path / "run")},
-                             "model": {"vocab_size": 1000, "src_seq_length": 32, "tgt_seq_length": 32},
-                             "data": {"kind": "translation", "path": str(path),
-                                      "tokenizer": str(tmp_path / "tok.json"), **data}})
+    return config_file.from_dict({"run": {"seed": 3, "dir": str(tmp_path / "run")},
+                                  "model": {"vocab_size": 1000, "src_seq_length": 32, "tgt_seq_length": 32},
+                                  "data": {"kind": "translation", "path": str(path),
+                                           "tokenizer": str(tmp_path / "tok.json"), **data}})
 
 
 def test_translation_batches_shapes_and_shift(corpus, tmp_path):
@@ -98,7 +99,7 @@ def test_cifar_binary_reader(tmp_path):
     batch = data.rows(np.array([5, 1]))
     assert batch["labels"].tolist() == [5, 0] and batch["images"].shape == (2, 3, 32, 32)
     assert batch["images"][0, 2, 31, 0].item() == pytest.approx((images[5, 2, 31, 0] / 255 - 0.4465) / 0.2616, rel=1e-5)
-    cfg = Config.from_dict({"data": {"kind": "cifar10", "path": str(tmp_path)}, "train": {"global_batch_size": 4}})
+    cfg = config_file.from_dict({"data": {"kind": "cifar10", "path": str(tmp_path)}, "train": {"global_batch_size": 4}})
     assert ShardedBatches(build_dataset(cfg), 4, 0, 2).batch(1)["images"].shape == (2, 3, 32, 32)
     (tmp_path / "test_batch.bin").write_bytes(b"\0" * 3000)
     with pytest.raises(ValueError, match="not a whole number"):

@@ -7,7 +7,9 @@ import pytest
 
 from conftest import ROOT
 from paratrain import cli
-from paratrain.config import Config, ConfigError, check
+from paratrain import config_file
+from paratrain.config import ConfigError
+from paratrain.config_rules import check
 from paratrain.deepspeed_config import load_config
 from paratrain.optim import lr_at
 from paratrain.precision import LossScaler
@@ -77,10 +79,10 @@ def test_seed_shaped_config_trains_like_its_toml(tmp_path, capsys):
     ds, plain = records(tmp_path / "ds"), records(tmp_path / "toml")
     assert [r["loss"] for r in ds] == [r["loss"] for r in plain] and len(ds) == 4
     assert [r["loss_scale"] for r in ds] == [r["loss_scale"] for r in plain]
-    saved = Config.load(tmp_path / "ds" / "config.toml").to_dict()  # resolved: DeepSpeed's values in it
-    toml_saved = Config.load(tmp_path / "toml" / "config.toml").to_dict()
+    saved = config_file.load(tmp_path / "ds" / "config.toml").to_dict()  # resolved: DeepSpeed's values in it
+    toml_saved = config_file.load(tmp_path / "toml" / "config.toml").to_dict()
     assert {k: v for k, v in saved.items() if k != "run"} == {k: v for k, v in toml_saved.items() if k != "run"}
-    cfg = Config.from_dict(saved).train  # WarmupDecayLR as DeepSpeed runs it: step s at scheduler iteration s - 1
+    cfg = config_file.from_dict(saved).train  # WarmupDecayLR as DeepSpeed runs it: step s at scheduler iteration s - 1
     assert [r["lr"] for r in ds] == pytest.approx([lr_at(s, cfg) for s in range(4)], rel=1e-12, abs=1e-15)
     assert [r["lr"] for r in ds][:2] == [0.0, 0.0] and ds[2]["lr"] == pytest.approx(2e-3 * math.log(2) / math.log(5))
 
@@ -301,7 +303,7 @@ def test_schedules_follow_deepspeeds_formulas(tmp_path, kind, params):
 
 def test_schedule_values_by_hand():
     def lr(kind, step, **train):
-        return lr_at(step, Config.from_dict({"train": {"lr_schedule": kind, "steps": 10, **train}}).train)
+        return lr_at(step, config_file.from_dict({"train": {"lr_schedule": kind, "steps": 10, **train}}).train)
 
     log10 = dict(lr=1.0, warmup_steps=10, warmup_type="log")
     assert [lr("warmup_lr", s, **log10) for s in (0, 1, 5, 11, 30)] == pytest.approx([0, 0, math.log10(5), 1, 1])
@@ -342,11 +344,11 @@ def test_preflight_counts_offloaded_state_against_host_memory(monkeypatch):
     monkeypatch.setattr(preflight, "host_memory", lambda: 256 * 2**30)
     model = {"kind": "gpt", "vocab_size": 50000, "hidden_size": 2048, "num_heads": 16, "ffn_hidden_size": 8192,
              "decoder_layers": 24, "seq_length": 1024}
-    plain = Config.from_dict({"model": model, "train": {"global_batch_size": 1}})
+    plain = config_file.from_dict({"model": model, "train": {"global_batch_size": 1}})
     (problem,) = preflight.memory_problems(plain, 1, 1)
     assert "is more than the 16 GiB of one Pretend GPU" in problem
-    offload = Config.from_dict({"model": model, "train": {"global_batch_size": 1},
-                                "parallel": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}})
+    offload = config_file.from_dict({"model": model, "train": {"global_batch_size": 1},
+                                     "parallel": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}})
     assert preflight.memory_problems(offload, 1, 1) == []
     monkeypatch.setattr(preflight, "host_memory", lambda: 8 * 2**30)
     (problem,) = preflight.memory_problems(offload, 1, 1)

@@ -630,11 +630,11 @@ def trained(run_dir: Path, steps: int, *overrides: str):
     """A Trainer of the BASE model for ``steps`` steps, saving every step, after ``train()``, and its losses."""
     import tomllib
 
-    from paratrain.config import Config
+    from paratrain import config_file
     from paratrain.trainer import Trainer
 
-    cfg = Config.from_dict(tomllib.loads(BASE), [f"run.dir={run_dir}", f"train.steps={steps}",
-                                                 "checkpoint.save_steps=1", *overrides])
+    cfg = config_file.from_dict(tomllib.loads(BASE), [f"run.dir={run_dir}", f"train.steps={steps}",
+                                                      "checkpoint.save_steps=1", *overrides])
     trainer = Trainer(cfg)
     return trainer, [r["loss"] for r in trainer.train()]
 
@@ -853,13 +853,13 @@ def loader(tmp_path, four_steps):
     """(a copy of the 4-step run's checkpoints, a Checkpointer of the BASE model that has loaded nothing)."""
     import tomllib
 
-    from paratrain.config import Config
+    from paratrain import config_file
     from paratrain.trainer import Trainer
 
     checkpoints = tmp_path / "run" / "checkpoints"
     shutil.copytree(four_steps[0], checkpoints)
-    cfg = Config.from_dict(tomllib.loads(BASE), [f"run.dir={tmp_path / 'run'}", "train.steps=4",
-                                                 "checkpoint.resume=none"])
+    cfg = config_file.from_dict(tomllib.loads(BASE), [f"run.dir={tmp_path / 'run'}", "train.steps=4",
+                                                      "checkpoint.resume=none"])
     return checkpoints, Trainer(cfg).checkpointer
 
 

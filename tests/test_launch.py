@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain import cli, progress
+from paratrain import cli, config_file, progress
 from paratrain.launch import jobs as J
 from paratrain.launch.jobs import Job
 
@@ -209,7 +209,7 @@ def test_two_node_launch_trains_like_one_process(tmp_path):
     from multiprocess import free_port
 
     config = tmp_path / "tiny.toml"
-    tiny_config(train={"steps": 4}).save(config)
+    config_file.save(tiny_config(train={"steps": 4}), config)
     env = {**os.environ, "PARATRAIN_HOME": str(tmp_path / "runs"), "TMPDIR": str(tmp_path)}
     reference = subprocess.run([PYTHON, "-m", "paratrain", "train", "--config", str(config),
                                 f"--run.dir={tmp_path / 'ref'}"], cwd=tmp_path, env=env, capture_output=True, text=True)

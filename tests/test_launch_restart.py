@@ -17,7 +17,7 @@ from test_launch_stop import RANK
 
 from conftest import PYTHON
 from paratrain import cli, progress
-from paratrain.config import Config
+from paratrain import config_file
 from paratrain.launch import launcher
 from paratrain.launch.hosts import Topology
 from paratrain.launch.jobs import PROGRESS_DIR, Job
@@ -73,7 +73,7 @@ def test_a_killed_rank_restarts_the_job_from_its_checkpoint_with_the_losses_of_a
     """2 ranks on one node, or on two nodes (two launchers here) that meet through a c10d rendezvous: the node
     whose rank did not fail is restarted by the other's new round, with a restart count of 0 of its own."""
     config = _config(tmp_path)
-    Trainer(Config.load(config, [f"run.dir={tmp_path / 'alone'}"])).train()  # one process, uninterrupted
+    Trainer(config_file.load(config, [f"run.dir={tmp_path / 'alone'}"])).train()  # one process, uninterrupted
     reference = dict(_losses(tmp_path / "alone"))
     assert sorted(reference) == [1, 2, 3, 4, 5, 6]
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from multiprocess import run_distributed
-from paratrain.config import validate
+from paratrain import config_file
+from paratrain.config_rules import validate
 from paratrain.errors import UserError
 from paratrain.nn import (AttentionMask, Cell, CrossEntropyLoss, EmbeddingOpParallelConfig, FeedForward, MoEConfig,
                           MultiHeadAttention, OpParallelConfig, Transformer, TransformerDecoder,
@@ -400,7 +401,7 @@ def test_recompute_config_in_the_parallel_config():
     cfg = tiny_config()
     cfg.parallel = config
     assert validate(cfg) == []
-    assert "recompute = \"full\"" in cfg.to_toml()
+    assert "recompute = \"full\"" in config_file.to_toml(cfg)
 
 
 def test_cell_protocol():

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.config import Config, ParallelConfig, check, validate
+from paratrain import config_file
+from paratrain.config import ParallelConfig
+from paratrain.config_rules import check, validate
 from paratrain.plan import cost
 from paratrain.plan.search import Hardware, choose_layout, evaluate, search
 
@@ -15,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def small(kind, tie=False, **parallel):
-    return Config.from_dict({
+    return config_file.from_dict({
         "model": {"kind": kind, "vocab_size": 60, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 64,
                   "encoder_layers": 3, "decoder_layers": 4, "tie_embeddings": tie},
         "parallel": parallel, "train": {"global_batch_size": 64}})
@@ -53,7 +55,7 @@ def test_dry_run_512_ranks(zero):
     """dp 8 x mp 8 x pp 8 on a fake process group of 512 ranks: every stage's bytes as predicted."""
     from paratrain.plan.dryrun import dry_run
 
-    cfg = Config.from_dict({
+    cfg = config_file.from_dict({
         "model": {"kind": "gpt", "vocab_size": 1000, "hidden_size": 256, "num_heads": 8, "ffn_hidden_size": 1024,
                   "decoder_layers": 16, "seq_length": 128},
         "parallel": {"dp": 8, "mp": 8, "pp": 8, "zero_stage": zero, "micro_batch_num": 8, "vocab_emb_dp": False},
@@ -173,7 +175,7 @@ def test_activation_bytes_within_15_percent(kind, mode):
     from paratrain.models import build_model, token_loss_sum
     from paratrain.parallel.recompute import apply_recompute
 
-    cfg = Config.from_dict({
+    cfg = config_file.from_dict({
         "model": {"kind": kind, "vocab_size": 256, "hidden_size": 64, "num_heads": 4, "ffn_hidden_size": 256,
                   "encoder_layers": 2, "decoder_layers": 3, "seq_length": 64, "src_seq_length": 48,
                   "tgt_seq_length": 32, "hidden_dropout": 0.0, "attention_dropout": 0.0},
@@ -193,9 +195,9 @@ def test_activation_bytes_within_15_percent(kind, mode):
 
 
 def test_recompute_and_sequence_parallel_shrink_activations():
-    cfg = Config.from_dict({"model": {"kind": "gpt", "hidden_size": 1024, "num_heads": 16, "ffn_hidden_size": 4096,
-                                      "decoder_layers": 4, "seq_length": 1024, "vocab_size": 1000},
-                            "train": {"global_batch_size": 8}})
+    cfg = config_file.from_dict({"model": {"kind": "gpt", "hidden_size": 1024, "num_heads": 16, "ffn_hidden_size": 4096,
+                                           "decoder_layers": 4, "seq_length": 1024, "vocab_size": 1000},
+                                 "train": {"global_batch_size": 8}})
     spec = cost.activation_spec(cfg)
     values = {}
     for mode in ("none", "selective", "full"):
@@ -307,7 +309,7 @@ BIG_GPT = {"kind": "gpt", "vocab_size": 50000, "hidden_size": 2048, "num_heads":
 
 
 def test_offload_proposed_only_when_nothing_else_fits():
-    cfg = Config.from_dict({"model": BIG_GPT, "train": {"global_batch_size": 8, "mixed_precision": "bf16"}})
+    cfg = config_file.from_dict({"model": BIG_GPT, "train": {"global_batch_size": 8, "mixed_precision": "bf16"}})
     rows = search(cfg, Hardware(1, device_memory=16 * 2**30))
     best = rows[0]
     assert best["feasible"] and best["offload_optimizer"] == "cpu" and best["zero_stage"] in (1, 3)

@@ -13,6 +13,8 @@ import pytest
 from conftest import tiny_config
 from multiprocess import run_distributed
 
+from paratrain import config_file
+
 
 def _config(run_dir, steps=6, log_steps=100, **checkpoint):
     return tiny_config(run={"dir": str(run_dir)}, model={"encoder_layers": 1, "decoder_layers": 1},
@@ -107,8 +109,8 @@ def test_every_rank_stops_at_the_same_step(tmp_path):
 
 def _cli_config(tmp_path, name: str, steps: int = 8) -> Path:
     path = tmp_path / f"{name}.toml"
-    tiny_config(run={"dir": str(tmp_path / name)}, model={"encoder_layers": 1, "decoder_layers": 1},
-                train={"steps": steps}, metrics={"log_steps": 1, "progress": False}).save(path)
+    config_file.save(tiny_config(run={"dir": str(tmp_path / name)}, model={"encoder_layers": 1, "decoder_layers": 1},
+                                 train={"steps": steps}, metrics={"log_steps": 1, "progress": False}), path)
     return path
 
 

@@ -48,6 +48,7 @@ from paratrain.checkpoint.storage import (DCP_METADATA, FORMAT_VERSION, INTEGRAT
 
 from paratrain import progress
 from paratrain.config import Config, ModelConfig
+from paratrain.config_file import to_toml
 from paratrain.device import device
 from paratrain.mesh import Layout
 
@@ -343,7 +344,7 @@ class Checkpointer:
             # the whole model from the shards just written: same code path as `paratrain export`
             self._write_meta(tmp, step, layout, settings, files={})
             export(tmp, tmp / INTEGRATED_FILE)
-        written = {**written, "config.toml": write_file(tmp / "config.toml", self.config.to_toml().encode())}
+        written = {**written, "config.toml": write_file(tmp / "config.toml", to_toml(self.config).encode())}
         files = {}
         for p in sorted(tmp.iterdir()):
             if p.is_file() and p.name != META_FILE:  # the integrated model.safetensors is hashed here, once

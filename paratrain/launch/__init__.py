@@ -34,7 +34,7 @@ def _check_train_config(words: list[str], world_size: int):
     returns the config (None for another command, or for a config file that only the nodes may have)."""
     if words[:1] != ["train"]:
         return None
-    from paratrain.config import check
+    from paratrain.config_rules import check
     from paratrain.deepspeed_config import load_config
     from paratrain.preflight import train_args
 

@@ -24,7 +24,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from paratrain.config import Config, ConfigError, ParallelConfig, validate
+from paratrain.config import Config, ConfigError, ParallelConfig
+from paratrain.config_rules import validate
 from paratrain.metrics.flops import layer_flops, model_flops
 from paratrain.plan import cost
 

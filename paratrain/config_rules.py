@@ -1,0 +1,297 @@
+"""The rules a whole :class:`paratrain.config.Config` must meet: ``validate`` lists every rule it breaks, each
+with the numbers and a fix, and ``check`` raises them as one ConfigError.
+
+One validator for the settings, whichever way they came: a TOML file or the command line (``paratrain train``
+and ``paratrain launch`` check before any process starts, :mod:`paratrain.preflight`), a DeepSpeed JSON config,
+or the layouts the planner weighs (:mod:`paratrain.plan.search`). It is its own module, not part of the TOML face
+(:mod:`paratrain.config_file`), because the planner, below the faces, uses it too; it reads only the settings
+vocabulary (:mod:`paratrain.config`). The MindSpore face checks its own arguments where it takes them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from paratrain.config import (ACTIVATIONS, DATA_KINDS, DTYPES, LOG_FORMATS, LR_SCHEDULES, MIXED_PRECISION,
+                              MODEL_KINDS, NAME_RULE, OFFLOAD_DEVICES, PIPELINE_SCHEDULES, RECOMPUTE_MODES,
+                              SPECIAL_TOKENS, SYNTHETIC_TASKS, WARMUP_TYPES, Config, ConfigError, DataConfig,
+                              ModelConfig, ParallelConfig, Section, TrainConfig, TransformerRecomputeConfig,
+                              is_plain_name)
+
+MAX_COUNT = 10**12  # steps, batch sizes: more would not finish (10^12 steps of 1 ms are 31 years)
+
+
+def validate(cfg: Config, world_size: int | None = None, resolved: bool = False) -> list[str]:
+    """Every rule ``cfg`` breaks, each naming the fields, the numbers and a fix.
+
+    With ``parallel.auto`` the parallel sizes need not match ``world_size`` yet, unless the layout
+    is ``resolved`` (``paratrain.plan.resolve_auto``), as the trainer needs it.
+    """
+    if world_size is not None and (resolved or not cfg.parallel.auto):
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel).derive(world_size))
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    problems: list[str] = [q for name in cfg.sections() for q in _unusable(getattr(cfg, name))]
+    if problems:  # the rules below compare these numbers
+        return problems
+
+    def positive(section: Section, names: list[str]):
+        for name in names:
+            value = getattr(section, name)
+            if value <= 0:
+                problems.append(f"{section.SECTION}.{name}={value} must be positive")
+
+    def choice(section: Section, name: str, allowed: tuple[str, ...]):
+        value = getattr(section, name)
+        if value not in allowed:
+            problems.append(f"{section.SECTION}.{name}={value!r} is not one of {', '.join(allowed)}")
+
+    positive(m, ["vocab_size", "hidden_size", "num_heads", "ffn_hidden_size", "decoder_layers",
+                 *m.sequence_lengths()])
+    if m.kind == "transformer":
+        positive(m, ["encoder_layers"])
+    positive(p, ["data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num",
+                 "virtual_pipeline_stage"])
+    if p.gradient_aggregation_group < 0 or m.kind != "resnet" and p.gradient_aggregation_group > m.num_layers > 0:
+        problems.append(f"parallel.gradient_aggregation_group={p.gradient_aggregation_group} must be 0 (one group "
+                        f"per layer) or a number of groups of the model's {m.num_layers} layers, 1..{m.num_layers}")
+    positive(t, ["global_batch_size", "steps", "lr", "eps", "initial_loss_scale", "min_loss_scale",
+                 "loss_scale_window", "loss_scale_hysteresis"])
+    positive(cfg.metrics, ["log_steps"])
+    if t.warmup_steps < 0 or t.min_lr < 0 or t.weight_decay < 0 or t.grad_clip < 0:
+        problems.append(f"train.warmup_steps={t.warmup_steps}, min_lr={t.min_lr}, weight_decay={t.weight_decay} "
+                        f"and grad_clip={t.grad_clip} must not be negative")
+    for section, name in ((t, "steps"), (t, "warmup_steps"), (t, "global_batch_size"), (t, "eval_steps"),
+                          (cfg.checkpoint, "save_steps"), (cfg.metrics, "log_steps")):
+        if getattr(section, name) > MAX_COUNT:
+            problems.append(f"{section.SECTION}.{name}={getattr(section, name):.3g} is absurd (more than "
+                            f"{MAX_COUNT:.0e}): give a count that can finish")
+    for section, name in ((t, "eval_steps"), (t, "max_skipped_steps"), (t, "lr_decay_steps"), (t, "warmup_min_lr"),
+                          (cfg.checkpoint, "save_steps"),
+                          (cfg.metrics, "peak_tflops")):
+        if getattr(section, name) < 0:
+            problems.append(f"{section.SECTION}.{name}={getattr(section, name)} must be 0 (off) or positive")
+    if cfg.checkpoint.keep_max < 0:
+        problems.append(f"checkpoint.keep_max={cfg.checkpoint.keep_max} must be 0 (keep all) or the number of "
+                        f"newest checkpoints kept")
+    if not 0 <= cfg.launch.max_restarts <= MAX_COUNT:
+        problems.append(f"launch.max_restarts={cfg.launch.max_restarts} must be 0 (no restart) or the number of "
+                        f"times a failed job restarts")
+    if 0 < t.initial_loss_scale < t.min_loss_scale:
+        problems.append(f"train.min_loss_scale={t.min_loss_scale:g} is above train.initial_loss_scale="
+                        f"{t.initial_loss_scale:g}: lower it (default 1)")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(t, name) < 1:
+            problems.append(f"train.{name}={getattr(t, name)} is outside [0, 1): use e.g. 0.9 and 0.98")
+    if not 0 <= cfg.run.seed < 2**63:
+        problems.append(f"run.seed={cfg.run.seed} must be in [0, 2**63)")
+    problems += _output_problems(cfg)
+    if t.lr_schedule in ("cosine", "warmup_cosine_lr") and 0 < t.lr < t.min_lr:
+        default = " (the default)" if t.min_lr == TrainConfig.min_lr else ""
+        problems.append(f"train.min_lr={t.min_lr:g}{default} is above train.lr={t.lr:g}: the LR would climb to "
+                        f"min_lr instead of decaying; set min_lr at most lr (e.g. lr / 10)")
+    if m.vocab_size > 0 and not 0 <= m.pad_token_id < m.vocab_size:
+        problems.append(f"model.pad_token_id={m.pad_token_id} is not a token id of model.vocab_size={m.vocab_size}")
+    if m.layernorm_eps <= 0:
+        problems.append(f"model.layernorm_eps={m.layernorm_eps} must be positive (e.g. 1e-5)")
+    choice(m, "kind", MODEL_KINDS)
+    choice(m, "dtype", DTYPES)
+    choice(m, "hidden_act", ACTIVATIONS)
+    choice(p, "pipeline_schedule", PIPELINE_SCHEDULES)
+    choice(t, "mixed_precision", MIXED_PRECISION)
+    choice(t, "lr_schedule", LR_SCHEDULES)
+    choice(t, "warmup_type", WARMUP_TYPES)
+    choice(cfg.metrics, "log_format", LOG_FORMATS)
+    if t.lr_schedule == "warmup_cosine_lr" and (t.lr_decay_steps or t.steps) <= max(2, t.warmup_steps):
+        problems.append(f"train.lr_schedule='warmup_cosine_lr' decays over train.lr_decay_steps (0: train.steps) "
+                        f"= {t.lr_decay_steps or t.steps} steps, not more than its warmup of max(2, warmup_steps="
+                        f"{t.warmup_steps}) steps: raise lr_decay_steps or lower warmup_steps")
+    problems += _offload_problems(p)
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(m, name)
+        if not 0 <= value < 1:
+            problems.append(f"model.{name}={value} is outside [0, 1): use a probability such as 0.1, or 0 for none")
+    if p.zero_stage not in (0, 1, 2, 3):
+        problems.append(f"parallel.zero_stage={p.zero_stage} is not one of 0, 1, 2, 3")
+    problems += _recompute_problems(p, m.num_layers)
+    problems += _data_problems(cfg.data, m)
+    if problems:  # the rules below divide by these sizes
+        return problems
+
+    if m.kind == "resnet" and (p.model_parallel > 1 or p.pipeline_stage > 1):
+        problems.append(f"model.kind='resnet' trains with data parallelism only, got parallel.model_parallel="
+                        f"{p.model_parallel} and pipeline_stage={p.pipeline_stage}: set both to 1")
+    if m.hidden_size % m.num_heads:
+        problems.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}: "
+                        f"use num_heads in {_divisors(m.hidden_size)}")
+    mp = p.model_parallel
+    for name in ("num_heads", "hidden_size", "ffn_hidden_size"):
+        value = getattr(m, name)
+        if value % mp:
+            problems.append(f"model.{name}={value} is not divisible by parallel.model_parallel={mp}: "
+                            f"use model_parallel in {_divisors(value)}")
+    if not p.vocab_emb_dp and m.vocab_size % mp:
+        problems.append(f"model.vocab_size={m.vocab_size} is not divisible by parallel.model_parallel={mp} "
+                        f"with parallel.vocab_emb_dp=false: pad vocab_size to {math.ceil(m.vocab_size / mp) * mp} "
+                        f"or set vocab_emb_dp=true")
+    if p.sequence_parallel:
+        for name, value in m.sequence_lengths().items():
+            if value % mp:
+                problems.append(f"model.{name}={value} is not divisible by parallel.model_parallel={mp} "
+                                f"with parallel.sequence_parallel=true: use a multiple of {mp}")
+    chunks = p.pipeline_stage * p.virtual_pipeline_stage
+    if m.num_layers < chunks:
+        problems.append(f"model has {m.num_layers} layers, fewer than parallel.pipeline_stage={p.pipeline_stage}"
+                        + (f" x virtual_pipeline_stage={p.virtual_pipeline_stage}" if p.virtual_pipeline_stage > 1 else "")
+                        + f": use pipeline_stage <= {m.num_layers // p.virtual_pipeline_stage} or add layers")
+    problems += _pipeline_problems(p, m.num_layers)
+    if m.kind == "transformer" and p.pipeline_stage > 1 and "zero_bubble" in p.pipeline_schedule:
+        problems.append(f"parallel.pipeline_schedule={p.pipeline_schedule!r} cannot run the encoder-decoder: "
+                        f"PyTorch's split weight-gradient pass fails on the encoder output carried across "
+                        f"stages; use 1f1b or interleaved_1f1b (zero-bubble schedules run with model.kind='gpt')")
+    split = p.data_parallel * p.micro_batch_num
+    if t.global_batch_size % split:
+        problems.append(f"train.global_batch_size={t.global_batch_size} is not divisible by parallel.data_parallel="
+                        f"{p.data_parallel} x parallel.micro_batch_num={p.micro_batch_num} = {split}: "
+                        f"use a multiple of {split} such as {max(split, t.global_batch_size // split * split)}")
+    if world_size is not None and not p.data_parallel_given and (resolved or not p.auto):
+        problems.append(f"parallel.model_parallel={p.model_parallel} x pipeline_stage={p.pipeline_stage} = "
+                        f"{p.model_parallel * p.pipeline_stage} does not divide the world size {world_size}, so "
+                        f"data_parallel (not given) cannot be derived: launch a multiple of "
+                        f"{p.model_parallel * p.pipeline_stage} processes or change the parallel sizes")
+    elif world_size is not None and p.world_size != world_size and (resolved or not p.auto):
+        problems.append(f"parallel.data_parallel={p.data_parallel} x model_parallel={p.model_parallel} x "
+                        f"pipeline_stage={p.pipeline_stage} = {p.world_size} does not equal the world size "
+                        f"{world_size}: launch {p.world_size} processes or change the parallel sizes")
+    if m.tie_embeddings and mp > 1 and p.vocab_emb_dp:
+        problems.append(f"model.tie_embeddings=true with parallel.model_parallel={mp} needs the embedding split like "
+                        f"the vocab-sharded head: set parallel.vocab_emb_dp=false or tie_embeddings=false")
+    return problems
+
+
+def _output_problems(cfg: Config) -> list[str]:
+    """What names the files a run writes: plain names (``is_plain_name``) and directories taken as written."""
+    problems = []
+    if not is_plain_name(cfg.run.name):
+        problems.append(f"run.name={cfg.run.name!r} is not a plain name (the run directory is runs/<name>): "
+                        f"{NAME_RULE}")
+    if cfg.checkpoint.prefix and not is_plain_name(cfg.checkpoint.prefix):
+        problems.append(f"checkpoint.prefix={cfg.checkpoint.prefix!r} is not a plain name (checkpoints are "
+                        f"<prefix>-1_<step> in checkpoint.dir): {NAME_RULE}; or \"\" for step_<step>")
+    for key, path in (("run.dir", cfg.run.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if path.startswith("~"):
+            problems.append(f"{key}={path!r}: '~' is not expanded here (a directory named '~' would be made): "
+                            f"give the full path")
+    return problems
+
+
+def _data_problems(d: DataConfig, m: ModelConfig) -> list[str]:
+    """What the data of ``d`` cannot give the model ``m``."""
+    if d.kind not in DataConfig.KINDS or m.kind not in MODEL_KINDS:
+        return []  # said by DataConfig.problems and validate
+    if d.kind not in DATA_KINDS[m.kind]:
+        return [f"data.kind={d.kind!r} has no batches for model.kind={m.kind!r}: use data.kind "
+                f"{' or '.join(map(repr, DATA_KINDS[m.kind]))}"]
+    if d.kind != "synthetic":
+        return []
+    problems = []
+    tasks = SYNTHETIC_TASKS[m.kind]
+    if d.task and d.task not in tasks:
+        problems.append(f"data.task={d.task!r} is not a synthetic task of model.kind={m.kind!r}: use "
+                        f"{' or '.join(map(repr, tasks))} (or leave it out: {tasks[0]!r})")
+    if 0 < m.vocab_size <= SPECIAL_TOKENS:
+        problems.append(f"model.vocab_size={m.vocab_size} leaves synthetic data no token: ids 0-{SPECIAL_TOKENS - 1} "
+                        f"are pad, bos, eos and unk; use vocab_size >= {SPECIAL_TOKENS + 1}")
+    if m.kind == "transformer" and m.tgt_seq_length == 1:
+        problems.append("model.tgt_seq_length=1 leaves a synthetic target no token (it ends with eos): use "
+                        "tgt_seq_length >= 2")
+    return problems
+
+
+def _recompute_problems(p: ParallelConfig, num_layers: int) -> list[str]:
+    spec = p.recompute
+    if callable(spec) or isinstance(spec, (bool, TransformerRecomputeConfig)):
+        return []
+    if isinstance(spec, str):
+        return [] if spec in RECOMPUTE_MODES else [
+            f"parallel.recompute={spec!r} is not one of {', '.join(RECOMPUTE_MODES)} (or true/false, a list, a function)"]
+    if isinstance(spec, list):
+        bad = [s for s in spec if s not in RECOMPUTE_MODES and not isinstance(s, bool)]
+        if len(spec) != num_layers or bad:
+            return [f"parallel.recompute list has {len(spec)} entries {spec}, needs one of "
+                    f"{', '.join(RECOMPUTE_MODES)} for each of the {num_layers} layers"]
+        return []
+    return [f"parallel.recompute={spec!r} must be a mode name, a bool, a list or a function"]
+
+
+def _offload_problems(p: ParallelConfig) -> list[str]:
+    """ZeRO-Offload's rules (DeepSpeed's): optimizer offload with stages 1-3, parameter offload with stage 3,
+    host memory only. That the device must be an accelerator is checked by ``paratrain.preflight``."""
+    problems = []
+    for name in ("offload_optimizer", "offload_param"):
+        value = getattr(p, name)
+        if value not in OFFLOAD_DEVICES:
+            problems.append(f"parallel.{name}={value!r} is not one of {', '.join(OFFLOAD_DEVICES)}")
+        elif value == "nvme":
+            problems.append(f"parallel.{name}='nvme' is refused: paratrain has no NVMe offload (DeepSpeed's "
+                            f"ZeRO-Infinity); FSDP2 offloads to host memory only: use 'cpu'")
+    if p.offload_optimizer == "cpu" and p.effective_zero_stage == 0:
+        problems.append("parallel.offload_optimizer='cpu' needs the optimizer state sharded: set "
+                        "parallel.zero_stage to 1, 2 or 3")
+    if p.offload_param == "cpu" and p.effective_zero_stage != 3:
+        problems.append(f"parallel.offload_param='cpu' needs parameters sharded and freed after use: set "
+                        f"parallel.zero_stage=3 (it is {p.effective_zero_stage})")
+    return problems
+
+
+def _pipeline_problems(p: ParallelConfig, num_layers: int) -> list[str]:
+    problems = []
+    chunks = p.pipeline_stage * p.virtual_pipeline_stage
+    single = p.pipeline_schedule in ("gpipe", "1f1b")
+    if p.pipeline_stage > 1 and single and p.virtual_pipeline_stage != 1:
+        problems.append(f"parallel.pipeline_schedule={p.pipeline_schedule!r} runs one stage per rank, but "
+                        f"virtual_pipeline_stage={p.virtual_pipeline_stage}: use interleaved_1f1b or set it to 1")
+    if p.pipeline_schedule == "zbv_zero_bubble" and p.virtual_pipeline_stage != 2:
+        problems.append(f"parallel.pipeline_schedule='zbv_zero_bubble' needs virtual_pipeline_stage=2, "
+                        f"got {p.virtual_pipeline_stage}")
+    if p.pipeline_stage > 1 and p.micro_batch_num < p.pipeline_stage:
+        problems.append(f"parallel.micro_batch_num={p.micro_batch_num} is fewer than pipeline_stage="
+                        f"{p.pipeline_stage}: stages would idle; use micro_batch_num >= {p.pipeline_stage}")
+    if not single and p.pipeline_stage > 1 and p.micro_batch_num % p.pipeline_stage:
+        problems.append(f"parallel.micro_batch_num={p.micro_batch_num} must be a multiple of pipeline_stage="
+                        f"{p.pipeline_stage} for {p.pipeline_schedule}")
+    stages = p.layer_stages
+    if isinstance(stages, list) and stages:
+        integers = all(isinstance(s, int) and not isinstance(s, bool) for s in stages)
+        if not integers or len(stages) != num_layers or stages != sorted(stages) or set(stages) != set(range(chunks)):
+            problems.append(f"parallel.layer_stages={stages} must give each of the {num_layers} layers a stage, "
+                            f"in order, using every stage 0..{chunks - 1} (pipeline_stage x virtual_pipeline_stage)")
+    return problems
+
+
+def check(cfg: Config, world_size: int | None = None, resolved: bool = False) -> Config:
+    """Raise ConfigError listing every violation (see ``validate``), or return ``cfg``, its ``data_parallel``
+    derived from ``world_size`` when not given."""
+    if world_size is not None and (resolved or not cfg.parallel.auto):
+        cfg.parallel.derive(world_size)
+    problems = validate(cfg, world_size, resolved)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _unusable(section: Section) -> list[str]:
+    """A problem for every number of ``section`` that is NaN or infinite, and every string holding a NUL
+    character (no path or name can)."""
+    problems = []
+    for name, value in section.to_dict().items():
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{section.SECTION}.{name}={value} is not a finite number")
+        elif isinstance(value, str) and "\0" in value:
+            problems.append(f"{section.SECTION}.{name}={value!r} holds a NUL character, which no path or name "
+                            f"can: remove it")
+    return problems
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
