@@ -55,15 +55,13 @@ def lr_schedule(cfg: TrainConfig) -> Piecewise:
     """The LR of optimizer step ``s`` (0-based) under ``train.lr_schedule``, of ``paratrain.nn``'s schedules.
 
     ``cosine``: linear warmup to ``lr`` over ``warmup_steps`` (step ``s`` at ``(s + 1) / warmup_steps`` of it),
-    then cosine decay to ``min_lr`` at ``lr_decay_steps`` (0: ``steps``). The others are DeepSpeed's WarmupLR,
-    WarmupDecayLR and WarmupCosineLR (its ``deepspeed/runtime/lr_schedules.py``). DeepSpeed sets the LR of the
-    first step when the scheduler is made (iteration -1: ``warmup_min_lr``, WarmupCosineLR 0) and steps the
-    scheduler after each optimizer step, so step ``s`` runs at iteration ``s - 1``. The warmup runs over
-    ``w = max(2, warmup_steps)`` iterations from ``warmup_min_lr`` to ``lr``, linear or ``log``
-    (``warmup_type``). After it WarmupLR stays at ``lr``; WarmupDecayLR falls linearly to ``warmup_min_lr`` at
-    iteration ``total`` (``lr_decay_steps``, 0: ``steps``); WarmupCosineLR follows a cosine from iteration
-    ``w - 1`` to ``min_lr`` at ``total`` and rises again past it, as DeepSpeed's does. WarmupCosineLR's ratios
-    are given here as LRs (``warmup_min_lr = warmup_min_ratio x lr``, ``min_lr = cos_min_ratio x lr``).
+    then cosine decay to ``min_lr`` at ``lr_decay_steps`` (0: ``steps``; ``total`` here). The others are
+    DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR (``deepspeed/runtime/lr_schedules.py``): step ``s``
+    runs at DeepSpeed's iteration ``s - 1`` (-1: as the scheduler is made, at ``warmup_min_lr``, WarmupCosineLR
+    at 0), warming up over ``w = max(2, warmup_steps)`` iterations from ``warmup_min_lr`` to ``lr``, linear or
+    ``log``; then WarmupLR stays at ``lr``, WarmupDecayLR falls linearly to ``warmup_min_lr`` at ``total``, and
+    WarmupCosineLR follows a cosine from iteration ``w - 1`` to ``min_lr`` at ``total``, rising again past it
+    (its ratios are given as LRs: ``warmup_min_lr = warmup_min_ratio x lr``, ``min_lr = cos_min_ratio x lr``).
     """
     total = cfg.lr_decay_steps or cfg.steps
     if cfg.lr_schedule == "cosine":
@@ -75,8 +73,8 @@ def lr_schedule(cfg: TrainConfig) -> Piecewise:
     after = {"warmup_lr": (w + 1, 0, cfg.lr),
              "warmup_decay_lr": (w + 1, total + 1 - decay, PolynomialDecay(cfg.lr, cfg.warmup_min_lr, decay, 1.0)),
              "warmup_cosine_lr": (w + 1, w, CosineDecay(cfg.lr, cfg.min_lr, decay, hold=False))}[cfg.lr_schedule]
-    first = 0.0 if cfg.lr_schedule == "warmup_cosine_lr" else cfg.warmup_min_lr
-    return Piecewise((0, 0, first), (1, 1, Warmup(cfg.warmup_min_lr, cfg.lr, w, cfg.warmup_type)), after)
+    return Piecewise((0, 0, 0.0 if cfg.lr_schedule == "warmup_cosine_lr" else cfg.warmup_min_lr),
+                     (1, 1, Warmup(cfg.warmup_min_lr, cfg.lr, w, cfg.warmup_type)), after)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:

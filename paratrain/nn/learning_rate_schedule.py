@@ -1,12 +1,10 @@
-"""Learning rates as modules of the global step, written once: MindSpore's ``nn.learning_rate_schedule``
-and the pieces the TOML schedules are composed of (``paratrain.optim.lr_schedule``).
+"""Learning rates as modules of the global step, written once for both faces: MindSpore's
+``nn.learning_rate_schedule`` (checked as MindSpore checks them) over pieces that take any rates, which
+``paratrain.optim.lr_schedule`` also composes into the TOML schedules.
 
-Each schedule maps ``global_step`` (an int or a 0-d tensor; steps taken so far, 0 at the first
-update) to the learning rate, as a 0-d tensor on the step's device (the host, when an optimizer asks):
-float32, or float64 for a float64 step. Users compose them with tensor ops, as the tutorial's
-``LearningRate`` does, or with ``Piecewise``, and pass the result to
-``paratrain.nn.AdamWeightDecay(learning_rate=...)``. ``Warmup``, ``PolynomialDecay`` and ``CosineDecay``
-take any rates; MindSpore's classes check their arguments as MindSpore does.
+Each maps ``global_step`` (an int or a 0-d tensor; steps taken so far, 0 at the first update) to the rate, a
+0-d tensor on the step's device: float32, or float64 for a float64 step. Compose them with tensor ops (as the
+tutorial's ``LearningRate``) or ``Piecewise``, and pass one to ``paratrain.nn.AdamWeightDecay(learning_rate=)``.
 """
 from __future__ import annotations
 
@@ -57,8 +55,8 @@ class PolynomialDecay(LearningRateSchedule):
 
     def __init__(self, start_lr: float, end_lr: float, steps: int, power: float, restart: bool = False):
         super().__init__()
-        self.start_lr, self.end_lr, self.steps, self.power, self.restart = (float(start_lr), float(end_lr), steps,
-                                                                            power, restart)
+        self.start_lr, self.end_lr, self.steps = float(start_lr), float(end_lr), steps
+        self.power, self.restart = power, restart
 
     def forward(self, global_step) -> torch.Tensor:
         step = _step(global_step)
