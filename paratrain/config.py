@@ -316,7 +316,7 @@ class TrainConfig(Section):
     beta2: float = 0.98
     eps: float = 1e-8
     grad_clip: float = 1.0
-    # LR schedule (paratrain.optim.lr_schedule): "cosine" (linear warmup, cosine to min_lr), or DeepSpeed's
+    # LR schedule (paratrain.optim.lr_at): "cosine" (linear warmup, cosine to min_lr), or DeepSpeed's
     # "warmup_lr" / "warmup_decay_lr" / "warmup_cosine_lr" starting at warmup_min_lr with a linear or log warmup
     lr_schedule: str = "cosine"
     warmup_type: str = "linear"

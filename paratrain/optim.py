@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -9,7 +10,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain.config import TrainConfig
-from paratrain.nn.learning_rate_schedule import CosineDecay, Piecewise, PolynomialDecay, Warmup
 
 # Norms of FSDP x TP gradients reduce over two mesh dims one after the other; DTensor warns
 # that a flattened dim would be faster, once per run. Two scalar all-reduces a step: not worth it.
@@ -51,37 +51,52 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
                              eps=cfg.eps, fused=True)
 
 
-def lr_schedule(cfg: TrainConfig) -> Piecewise:
-    """The LR of optimizer step ``s`` (0-based) under ``train.lr_schedule``, of ``paratrain.nn``'s schedules.
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """The LR of optimizer step ``step`` (0-based) under ``train.lr_schedule``.
 
-    ``cosine``: linear warmup to ``lr`` over ``warmup_steps`` (step ``s`` at ``(s + 1) / warmup_steps`` of it),
-    then cosine decay to ``min_lr`` at ``lr_decay_steps`` (0: ``steps``; ``total`` here). The others are
-    DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR (``deepspeed/runtime/lr_schedules.py``): step ``s``
-    runs at DeepSpeed's iteration ``s - 1`` (-1: as the scheduler is made, at ``warmup_min_lr``, WarmupCosineLR
-    at 0), warming up over ``w = max(2, warmup_steps)`` iterations from ``warmup_min_lr`` to ``lr``, linear or
-    ``log``; then WarmupLR stays at ``lr``, WarmupDecayLR falls linearly to ``warmup_min_lr`` at ``total``, and
-    WarmupCosineLR follows a cosine from iteration ``w - 1`` to ``min_lr`` at ``total``, rising again past it
-    (its ratios are given as LRs: ``warmup_min_lr = warmup_min_ratio x lr``, ``min_lr = cos_min_ratio x lr``).
+    ``cosine``: linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at
+    ``lr_decay_steps`` (0: ``steps``). The others are DeepSpeed's schedules (its
+    ``deepspeed/runtime/lr_schedules.py``), see :func:`deepspeed_lr`.
     """
-    total = cfg.lr_decay_steps or cfg.steps
-    if cfg.lr_schedule == "cosine":
-        warmup = cfg.warmup_steps
-        return Piecewise((0, -1, Warmup(0.0, cfg.lr, warmup)),
-                         (warmup, warmup, CosineDecay(cfg.lr, cfg.min_lr, max(1, total - warmup))))
-    w = max(2, cfg.warmup_steps)
-    decay = max(1, total - w)
-    after = {"warmup_lr": (w + 1, 0, cfg.lr),
-             "warmup_decay_lr": (w + 1, total + 1 - decay, PolynomialDecay(cfg.lr, cfg.warmup_min_lr, decay, 1.0)),
-             "warmup_cosine_lr": (w + 1, w, CosineDecay(cfg.lr, cfg.min_lr, decay, hold=False))}[cfg.lr_schedule]
-    return Piecewise((0, 0, 0.0 if cfg.lr_schedule == "warmup_cosine_lr" else cfg.warmup_min_lr),
-                     (1, 1, Warmup(cfg.warmup_min_lr, cfg.lr, w, cfg.warmup_type)), after)
+    decay_steps = cfg.lr_decay_steps or cfg.steps
+    if cfg.lr_schedule != "cosine":
+        return deepspeed_lr(step, cfg, decay_steps)
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, decay_steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def deepspeed_lr(step: int, cfg: TrainConfig, total: int) -> float:
+    """DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR at optimizer step ``step``.
+
+    DeepSpeed sets the LR of the first step when the scheduler is made (iteration -1) and steps the
+    scheduler after each optimizer step, so step ``s`` runs at iteration ``i = s - 1``. The warmup runs
+    over ``w = max(2, warmup_steps)`` iterations from ``warmup_min_lr`` to ``lr`` by the fraction
+    ``log(i + 1) / log(w)`` (``warmup_type = "log"``) or ``i / w`` (linear), 0 before the first
+    iteration. After it WarmupLR stays at ``lr``; WarmupDecayLR falls linearly,
+    ``lr_min + (lr - lr_min) * max(0, (total - i) / max(1, total - w))``; WarmupCosineLR follows
+    ``max(0, min_lr + (lr - min_lr) * (1 + cos(pi * (i - w + 1) / (total - w))) / 2)`` (past ``total``
+    the cosine rises again, as DeepSpeed's does) and runs its first step at LR 0. ``total`` is DeepSpeed's
+    ``total_num_steps``; WarmupCosineLR's ratios are given here as LRs (``warmup_min_lr = warmup_min_ratio
+    x lr``, ``min_lr = cos_min_ratio x lr``).
+    """
+    i, w = step - 1, max(2, cfg.warmup_steps)
+    if i < 0 and cfg.lr_schedule == "warmup_cosine_lr":
+        return 0.0
+    if i < w:
+        fraction = 0.0 if i < 0 else (math.log(i + 1) / math.log(w) if cfg.warmup_type == "log" else i / w)
+        return cfg.warmup_min_lr + (cfg.lr - cfg.warmup_min_lr) * fraction
+    if cfg.lr_schedule == "warmup_lr":
+        return cfg.lr
+    if cfg.lr_schedule == "warmup_decay_lr":
+        return cfg.warmup_min_lr + (cfg.lr - cfg.warmup_min_lr) * max(0.0, (total - i) / max(1, total - w))
+    cosine = (1 + math.cos(math.pi * (i - w + 1) / (total - w))) / 2
+    return max(0.0, cfg.min_lr + (cfg.lr - cfg.min_lr) * cosine)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """torch's LambdaLR over ``lr_schedule(cfg)`` taken in float64 (its state: the step counters)."""
-    schedule = lr_schedule(cfg)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: float(schedule(torch.tensor(step, dtype=torch.float64))) / cfg.lr)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
 
 
 def clip_grad_norm(parameters, max_norm: float, counted: set[int] | None = None,

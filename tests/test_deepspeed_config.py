@@ -4,7 +4,6 @@ import json
 import math
 
 import pytest
-import torch
 
 from conftest import ROOT
 from paratrain import cli
@@ -12,7 +11,7 @@ from paratrain import config_file
 from paratrain.config import ConfigError
 from paratrain.config_rules import check
 from paratrain.deepspeed_config import load_config
-from paratrain.optim import lr_schedule
+from paratrain.optim import lr_at
 from paratrain.precision import LossScaler
 
 EXAMPLE = ROOT / "examples" / "deepspeed"
@@ -86,11 +85,6 @@ def test_seed_shaped_config_trains_like_its_toml(tmp_path, capsys):
     cfg = config_file.from_dict(saved).train  # WarmupDecayLR as DeepSpeed runs it: step s at scheduler iteration s - 1
     assert [r["lr"] for r in ds] == pytest.approx([lr_at(s, cfg) for s in range(4)], rel=1e-12, abs=1e-15)
     assert [r["lr"] for r in ds][:2] == [0.0, 0.0] and ds[2]["lr"] == pytest.approx(2e-3 * math.log(2) / math.log(5))
-
-
-def lr_at(step: int, cfg) -> float:
-    """The LR of optimizer step ``step`` under the train config ``cfg``."""
-    return float(lr_schedule(cfg)(torch.tensor(step, dtype=torch.float64)))
 
 
 def write(tmp_path, ds: dict):
@@ -322,6 +316,8 @@ def test_schedule_values_by_hand():
 
 
 def test_fp16_hysteresis_as_deepspeed():
+    import torch
+
     inf, ok = torch.tensor(math.inf, device="cpu"), torch.tensor(1.0, device="cpu")
     scaler = LossScaler(True, 1024.0, growth_interval=3, hysteresis=2)
     assert scaler.update(inf) and scaler.scale == 1024  # the first overflow only spends the hysteresis
@@ -338,6 +334,8 @@ def test_fp16_hysteresis_as_deepspeed():
 def test_preflight_counts_offloaded_state_against_host_memory(monkeypatch):
     """On a (pretend) 16 GiB GPU a 1.4 B-parameter GPT's 21 GiB of weights, gradients and AdamW state is refused
     without offload and accepted with it, unless the host cannot hold them either."""
+    import torch
+
     from paratrain import device, preflight
 
     monkeypatch.setattr(device, "device", lambda choice=None: torch.device("cuda", 0))
