@@ -11,6 +11,7 @@ then fails and the launcher stops the others, whose stacks are dumped.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import os
@@ -59,4 +60,13 @@ def init_from_env(timeout_s: float | None = None, offload: bool = False) -> tupl
         dist.init_process_group(backend(offload), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         dist.init_process_group(backend(offload), timeout=timeout)
+    atexit.register(_leave)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _leave() -> None:
+    """At a normal exit, leave the process group: a group still alive while the interpreter tears down can abort the
+    process after its work is done ("terminate called without an active exception", SIGABRT; seen with a
+    MindSpore-style script that never calls ``communication.release()``)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
