@@ -9,6 +9,7 @@ functions, which the TOML face's schedules use too; optimizers call them (``rate
 from __future__ import annotations
 
 from functools import partial
+
 import torch
 from torch import nn
 
