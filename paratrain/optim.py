@@ -72,9 +72,25 @@ def cosine_decay(step: float, start: float, end: float, steps: int, hold: bool =
     return end + (start - end) * (1 + math.cos(math.pi * (min(step, steps) if hold else step) / steps)) / 2
 
 
+def _decay_progress(step: float, steps: int, stair: bool) -> float:
+    """``step / steps``, floored with ``stair``: how far the exponential, natural-exponential and inverse decays
+    have gone."""
+    return step // steps if stair else step / steps
+
+
 def exponential_decay(step: float, start: float, rate: float, steps: int, stair: bool = False) -> float:
     """``start * rate ** p`` with ``p = step / steps``, floored with ``stair``."""
-    return start * rate ** (step // steps if stair else step / steps)
+    return start * rate ** _decay_progress(step, steps, stair)
+
+
+def natural_exp_decay(step: float, start: float, rate: float, steps: int, stair: bool = False) -> float:
+    """``start * e ** (-rate * p)`` with ``p = step / steps``, floored with ``stair``."""
+    return start * math.exp(-rate * _decay_progress(step, steps, stair))
+
+
+def inverse_decay(step: float, start: float, rate: float, steps: int, stair: bool = False) -> float:
+    """``start / (1 + rate * p)`` with ``p = step / steps``, floored with ``stair``."""
+    return start / (1 + rate * _decay_progress(step, steps, stair))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -2,8 +2,8 @@
 
 Each schedule maps ``global_step`` (an int or a 0-d tensor; steps taken so far, 0 at the first
 update) to the learning rate, as a 0-d float32 tensor on the step's device. Users compose them with
-tensor ops, as the tutorial's ``LearningRate`` does, and pass the result to
-``paratrain.nn.AdamWeightDecay(learning_rate=...)``. The rates are ``paratrain.optim``'s schedule
+tensor ops, as the tutorial's ``LearningRate`` does, and pass the result to ``paratrain.nn.Momentum`` or
+``paratrain.nn.AdamWeightDecay`` as ``learning_rate``. The rates are ``paratrain.optim``'s schedule
 functions, which the TOML face's schedules use too; optimizers call them (``rate``) in plain Python.
 """
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
-from paratrain.optim import cosine_decay, exponential_decay, polynomial_decay, warmup
+from paratrain.optim import (cosine_decay, exponential_decay, inverse_decay, natural_exp_decay, polynomial_decay,
+                             warmup)
 
 
 def _positive(owner: str, **values) -> None:
@@ -71,10 +72,33 @@ class CosineDecayLR(LearningRateSchedule):
         super().__init__(partial(cosine_decay, start=max_lr, end=min_lr, steps=decay_steps))
 
 
-class ExponentialDecayLR(LearningRateSchedule):
-    """``learning_rate * decay_rate ** p`` with ``p = global_step / decay_steps`` (floored with ``is_stair``)."""
+class _Decay(LearningRateSchedule):
+    """A decay of ``learning_rate`` by ``decay_rate`` with ``p = global_step / decay_steps`` (floored with
+    ``is_stair``), by ``paratrain.optim``'s function ``decay``; subclasses name the function."""
+
+    decay = None
 
     def __init__(self, learning_rate: float, decay_rate: float, decay_steps: int, is_stair: bool = False):
-        _positive("ExponentialDecayLR", learning_rate=learning_rate, decay_rate=decay_rate, decay_steps=decay_steps)
-        super().__init__(partial(exponential_decay, start=learning_rate, rate=decay_rate,
-                                 steps=decay_steps, stair=is_stair))
+        _positive(type(self).__name__, learning_rate=learning_rate, decay_rate=decay_rate, decay_steps=decay_steps)
+        super().__init__(partial(type(self).decay, start=learning_rate, rate=decay_rate, steps=decay_steps,
+                                 stair=is_stair))
+
+
+class ExponentialDecayLR(_Decay):
+    """``learning_rate * decay_rate ** p`` with ``p = global_step / decay_steps`` (floored with ``is_stair``)."""
+
+    decay = staticmethod(exponential_decay)
+
+
+class NaturalExpDecayLR(_Decay):
+    """``learning_rate * e ** (-decay_rate * p)`` with ``p = global_step / decay_steps`` (floored with
+    ``is_stair``)."""
+
+    decay = staticmethod(natural_exp_decay)
+
+
+class InverseDecayLR(_Decay):
+    """``learning_rate / (1 + decay_rate * p)`` with ``p = global_step / decay_steps`` (floored with
+    ``is_stair``)."""
+
+    decay = staticmethod(inverse_decay)

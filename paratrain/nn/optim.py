@@ -1,5 +1,8 @@
-"""MindSpore's ``nn.Momentum`` (torch's SGD) and ``nn.AdamWeightDecay`` optimizers."""
+"""MindSpore's ``nn.Momentum`` (torch's SGD) and ``nn.AdamWeightDecay`` optimizers, with MindSpore's forms of
+``learning_rate``: a number, a list (a dynamic LR, as ``paratrain.nn.dynamic_lr`` builds) or a schedule."""
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -7,36 +10,111 @@ from paratrain.errors import UserError
 from paratrain.nn.learning_rate_schedule import LearningRateSchedule
 
 
-class Momentum(torch.optim.SGD):
+def _is_rate(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+
+def rate_function(learning_rate, owner: str) -> Callable[[int], float]:
+    """``learning_rate`` in any form MindSpore's optimizers take, as a plain-Python function from the number of
+    steps taken to the rate: a number >= 0 (constant); a list, tuple or other iterable of them, or a 1-d tensor
+    (read once, here), a dynamic LR: step ``i`` takes element ``i``, past the end the last one; a
+    ``paratrain.nn`` schedule (its ``rate``, no tensor made); or any other module or function of the step, given
+    as a 0-d int32 host tensor. Anything else is refused naming ``owner``."""
+    if isinstance(learning_rate, LearningRateSchedule) and learning_rate.rate is not None:
+        return learning_rate.rate
+    if callable(learning_rate):
+        return lambda step: float(learning_rate(torch.tensor(step, dtype=torch.int32, device="cpu")))
+    if isinstance(learning_rate, torch.Tensor):
+        learning_rate = learning_rate.tolist()
+    if _is_rate(learning_rate):
+        return lambda step: float(learning_rate)
+    rates = list(learning_rate) if isinstance(learning_rate, Iterable) and not isinstance(learning_rate, str) else []
+    if not rates or not all(_is_rate(rate) for rate in rates):
+        raise UserError(f"{owner}(learning_rate={learning_rate!r}): expected a number >= 0, a non-empty list of "
+                        f"them (one per step) or a schedule of the global step")
+    rates = [float(rate) for rate in rates]
+    return lambda step: rates[min(step, len(rates) - 1)]
+
+
+class _Scheduled:
+    """What both optimizers share: ``rate_function(learning_rate)`` kept as ``rate``; with a list or a schedule
+    (``scheduled``) each step sets every group's ``lr`` to the rate of ``global_step``, the steps taken, which
+    ``load_state_dict`` takes back from the parameters' ``step`` state, so a resumed run goes on with the rates
+    of an uninterrupted one. ``learning_rate`` stays in ``defaults`` (``Model`` builds the optimizer again from
+    them) and out of the groups (a checkpoint holds numbers, not a schedule)."""
+
+    def _init_rate(self, learning_rate, owner: str) -> None:
+        """``rate``, ``scheduled`` and ``global_step``, before the groups are added."""
+        self.rate = rate_function(learning_rate, owner)
+        self.scheduled = not _is_rate(learning_rate)
+        self.global_step = 0
+
+    def add_param_group(self, param_group: dict) -> None:
+        param_group.setdefault("lr", self.rate(self.global_step))
+        super().add_param_group(param_group)
+        self.param_groups[-1].pop("learning_rate", None)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        steps = [s["step"] for s in self.state.values() if "step" in s]
+        self.global_step = int(steps[0]) if steps else 0  # once, when resuming
+
+    def _set_rates(self) -> None:
+        """Each group's ``lr`` for this step (a number stays as the groups hold it: torch's LR schedulers may
+        change it)."""
+        if self.scheduled:
+            lr = self.rate(self.global_step)
+            for group in self.param_groups:
+                group["lr"] = lr
+
+    def _count_step(self, params) -> None:
+        """One more step in the ``step`` state of each of ``params`` (a host scalar, as torch's Adam keeps it)."""
+        for p in params:
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
+            state["step"] += 1
+
+
+class Momentum(_Scheduled, torch.optim.SGD):
     """``Momentum(params, learning_rate, momentum, weight_decay=0.0, use_nesterov=False, loss_scale=1.0)``:
     ``accum = momentum * accum + grad + weight_decay * param; param -= learning_rate * accum`` (Nesterov:
     ``param -= learning_rate * (grad + momentum * accum)``), MindSpore's update, which is torch's SGD with
     momentum and no dampening. ``lr`` and ``nesterov`` are accepted as torch spells them.
-    ``learning_rate`` is a number (torch's LR schedulers change it)."""
+    ``learning_rate`` is a number (torch's LR schedulers may change it), a list (one rate per step) or a
+    schedule of the steps taken (see ``rate_function``)."""
 
-    def __init__(self, params, learning_rate: float | None = None, momentum: float | None = None,
+    def __init__(self, params, learning_rate=None, momentum: float | None = None,
                  weight_decay: float = 0.0, use_nesterov: bool = False, loss_scale: float = 1.0,
-                 lr: float | None = None, nesterov: bool | None = None):
+                 lr=None, nesterov: bool | None = None):
         learning_rate = lr if learning_rate is None else learning_rate
-        if not isinstance(learning_rate, (int, float)) or isinstance(learning_rate, bool):
-            raise UserError(f"Momentum(learning_rate={learning_rate!r}): expected a number")
         if not isinstance(momentum, (int, float)) or momentum < 0:
             raise UserError(f"Momentum(momentum={momentum!r}): expected a number >= 0")
         if loss_scale != 1.0:
             raise UserError("Momentum(loss_scale=...): losses are not scaled here (float32); leave it at 1.0")
-        super().__init__(params, lr=learning_rate, momentum=momentum, weight_decay=weight_decay,
+        self._init_rate(learning_rate, "Momentum")
+        super().__init__(params, lr=self.rate(0), momentum=momentum, weight_decay=weight_decay,
                          nesterov=use_nesterov if nesterov is None else nesterov)
+        self.defaults["learning_rate"] = learning_rate
+
+    def step(self, closure=None):
+        self._set_rates()
+        loss = super().step(closure)
+        if self.scheduled:
+            self._count_step(p for group in self.param_groups for p in group["params"] if p.grad is not None)
+        self.global_step += 1
+        return loss
 
 
-class AdamWeightDecay(torch.optim.Optimizer):
+class AdamWeightDecay(_Scheduled, torch.optim.Optimizer):
     """``AdamWeightDecay(params, learning_rate=1e-3, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.0)``,
     MindSpore's update, which has no bias correction (unlike torch's AdamW)::
 
         m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
         param -= lr * (m / (sqrt(v) + eps) + weight_decay * param)
 
-    ``learning_rate`` is a number or a schedule of the number of steps taken so far: ``paratrain.nn``'s
-    (computed in plain Python), or any module or function, given the step as a 0-d int32 host tensor.
+    ``learning_rate`` is a number, a list (one rate per step) or a schedule of the steps taken (see
+    ``rate_function``); a group may hold its own ``lr`` with a number.
     ``params`` may be MindSpore's groups: dicts with ``params`` and their own ``weight_decay``; a group of
     ``order_params`` is accepted and has no effect (torch keeps the parameters' order itself).
     """
@@ -48,32 +126,12 @@ class AdamWeightDecay(torch.optim.Optimizer):
                 raise UserError(f"AdamWeightDecay({name}={value!r}): expected a number in [0, 1)")
         if not eps > 0:
             raise UserError(f"AdamWeightDecay(eps={eps!r}): expected a number > 0")
-        if not callable(learning_rate) and not (isinstance(learning_rate, (int, float)) and learning_rate >= 0):
-            raise UserError(f"AdamWeightDecay(learning_rate={learning_rate!r}): expected a number >= 0 or a "
-                            f"schedule of the global step")
         params = list(params)
         if params and isinstance(params[0], dict):
             params = [group for group in params if "order_params" not in group]
+        self._init_rate(learning_rate, "AdamWeightDecay")
         super().__init__(params, {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "eps": eps,
                                   "weight_decay": weight_decay})
-        self.global_step = 0
-
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        # the rate lives on the optimizer (a schedule is no checkpointable value); groups hold this step's
-        self.param_groups[-1]["lr"] = self._rate(getattr(self, "global_step", 0))
-        del self.param_groups[-1]["learning_rate"]
-
-    def _rate(self, step: int) -> float:
-        rate = self.defaults["learning_rate"]
-        if isinstance(rate, LearningRateSchedule) and rate.rate is not None:
-            return float(rate.rate(step))
-        return float(rate(torch.tensor(step, dtype=torch.int32, device="cpu")) if callable(rate) else rate)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        steps = [s["step"] for s in self.state.values() if "step" in s]
-        self.global_step = int(steps[0]) if steps else 0  # once, when resuming
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -81,21 +139,18 @@ class AdamWeightDecay(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        lr = self._rate(self.global_step)
+        self._set_rates()
         for group in self.param_groups:
-            group["lr"] = lr
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            for p in params:
-                if not self.state[p]:
-                    self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device="cpu"),
-                                     "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            self._count_step(params)
             states = [self.state[p] for p in params]
+            for p, s in zip(params, states):
+                if "exp_avg" not in s:
+                    s.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
             grads = [p.grad for p in params]
             m, v = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-            for s in states:
-                s["step"] += 1
             torch._foreach_lerp_(m, grads, 1 - group["beta1"])
             torch._foreach_mul_(v, group["beta2"])
             torch._foreach_addcmul_(v, grads, grads, value=1 - group["beta2"])
@@ -104,6 +159,6 @@ class AdamWeightDecay(torch.optim.Optimizer):
             update = torch._foreach_div(m, denominator)
             if group["weight_decay"]:
                 torch._foreach_add_(update, params, alpha=group["weight_decay"])
-            torch._foreach_add_(params, update, alpha=-lr)
+            torch._foreach_add_(params, update, alpha=-group["lr"])
         self.global_step += 1
         return loss
