@@ -85,7 +85,7 @@ def exponential_decay(step: float, start: float, rate: float, steps: int, stair:
 
 def natural_exp_decay(step: float, start: float, rate: float, steps: int, stair: bool = False) -> float:
     """``start * e ** (-rate * p)`` with ``p = step / steps``, floored with ``stair``."""
-    return start * math.exp(-rate * _decay_progress(step, steps, stair))
+    return start * math.e ** (-rate * _decay_progress(step, steps, stair))
 
 
 def inverse_decay(step: float, start: float, rate: float, steps: int, stair: bool = False) -> float:

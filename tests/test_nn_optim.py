@@ -1,6 +1,7 @@
-"""MindSpore's AdamWeightDecay and learning-rate schedules: the update and the rates written out from
-MindSpore's formulas, a tutorial-style composed schedule, refusals, resume, and a schedule kept when
-``Model`` rebuilds the optimizer on two data-parallel ranks."""
+"""MindSpore's AdamWeightDecay, Momentum and learning-rate schedules: the update and the rates written out from
+MindSpore's formulas, a tutorial-style composed schedule, Momentum on a list or a schedule against torch's SGD
+driven by hand, refusals, resume, and a schedule kept when ``Model`` rebuilds the optimizer on two data-parallel
+ranks."""
 import contextlib
 import io
 import math
@@ -10,7 +11,8 @@ import torch
 
 from multiprocess import run_distributed
 from paratrain.errors import UserError
-from paratrain.nn import AdamWeightDecay, CosineDecayLR, ExponentialDecayLR, PolynomialDecayLR, WarmUpLR
+from paratrain.nn import (AdamWeightDecay, CosineDecayLR, ExponentialDecayLR, InverseDecayLR, Momentum,
+                          NaturalExpDecayLR, PolynomialDecayLR, WarmUpLR)
 
 
 def reference_updates(param, grads, lr_of_step, beta1, beta2, eps, weight_decay):
@@ -57,7 +59,12 @@ def test_the_update_is_mindspores_without_bias_correction(learning_rate):
     (CosineDecayLR(0.01, 0.1, 5), lambda s: 0.01 + 0.09 * (1 + math.cos(math.pi * min(s, 5) / 5)) / 2),
     (ExponentialDecayLR(0.1, 0.5, 2), lambda s: 0.1 * 0.5 ** (s / 2)),
     (ExponentialDecayLR(0.1, 0.5, 2, is_stair=True), lambda s: 0.1 * 0.5 ** (s // 2)),
-], ids=["warmup", "polynomial", "polynomial-restarting", "cosine", "exponential", "exponential-stair"])
+    (NaturalExpDecayLR(0.1, 0.3, 4), lambda s: 0.1 * math.exp(-0.3 * s / 4)),
+    (NaturalExpDecayLR(0.1, 0.3, 4, is_stair=True), lambda s: 0.1 * math.exp(-0.3 * (s // 4))),
+    (InverseDecayLR(0.1, 0.5, 3), lambda s: 0.1 / (1 + 0.5 * s / 3)),
+    (InverseDecayLR(0.1, 0.5, 3, is_stair=True), lambda s: 0.1 / (1 + 0.5 * (s // 3))),
+], ids=["warmup", "polynomial", "polynomial-restarting", "cosine", "exponential", "exponential-stair",
+        "natural-exp", "natural-exp-stair", "inverse", "inverse-stair"])
 def test_schedules_follow_mindspores_formulas(schedule, formula):
     for step in range(12):
         assert float(schedule(torch.tensor(step))) == pytest.approx(formula(step), rel=1e-5, abs=1e-7), step
@@ -105,6 +112,115 @@ def test_schedule_arguments_are_checked():
         WarmUpLR(0.1, 0)
     with pytest.raises(UserError, match="end_learning_rate=0.5"):
         PolynomialDecayLR(0.1, 0.5, 10, 1.0)
+    with pytest.raises(UserError, match="NaturalExpDecayLR\\(decay_rate=0\\)"):
+        NaturalExpDecayLR(0.1, 0, 10)
+    with pytest.raises(UserError, match="InverseDecayLR\\(decay_steps=-1\\)"):
+        InverseDecayLR(0.1, 0.5, -1)
+
+
+@pytest.mark.parametrize("optimizer", [Momentum, AdamWeightDecay])
+@pytest.mark.parametrize("learning_rate", [[], [0.1, -0.1], "fast", [0.1, "fast"], None])
+def test_each_optimizer_refuses_a_learning_rate_it_cannot_use(optimizer, learning_rate):
+    with pytest.raises(UserError, match=f"{optimizer.__name__}\\(learning_rate="):
+        optimizer([torch.nn.Parameter(torch.ones(2))], learning_rate=learning_rate, **(
+            {"momentum": 0.9} if optimizer is Momentum else {}))
+
+
+def _momentum_run(learning_rate, grads, nesterov=False, split=None):
+    """Momentum(learning_rate, 0.9, weight_decay 0.01) over ``grads`` from ones: the parameter after each step
+    and the rate its group holds then; at step ``split`` the optimizer is saved, made again and loaded."""
+    param = torch.nn.Parameter(torch.ones(3))
+
+    def make():
+        return Momentum([param], learning_rate, 0.9, weight_decay=0.01, use_nesterov=nesterov)
+
+    opt, params, rates = make(), [], []
+    for i, g in enumerate(grads):
+        if i == split:
+            state = opt.state_dict()
+            opt = make()
+            opt.load_state_dict(state)
+        param.grad = g.clone()
+        opt.step()
+        params.append(param.detach().clone())
+        rates.append(opt.param_groups[0]["lr"])
+    return params, rates
+
+
+def _sgd_by_hand(rates, grads, nesterov=False):
+    """torch's SGD (momentum 0.9, weight_decay 0.01, no dampening) with its ``lr`` set to ``rates[i]`` at step
+    ``i``: the parameter after each step."""
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.0, momentum=0.9, weight_decay=0.01, nesterov=nesterov)
+    out = []
+    for rate, g in zip(rates, grads):
+        opt.param_groups[0]["lr"] = rate
+        param.grad = g.clone()
+        opt.step()
+        out.append(param.detach().clone())
+    return out
+
+
+@pytest.mark.parametrize("learning_rate, rates", [
+    ([0.1, 0.05, 0.02, 0.01], [0.1, 0.05, 0.02, 0.01, 0.01, 0.01, 0.01]),  # past the end: the last one
+    ((0.2, 0.1), [0.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]),
+    (CosineDecayLR(0.01, 0.1, 4), [0.01 + 0.09 * (1 + math.cos(math.pi * min(s, 4) / 4)) / 2 for s in range(7)]),
+    (InverseDecayLR(0.1, 0.5, 2, is_stair=True), [0.1 / (1 + 0.5 * (s // 2)) for s in range(7)]),
+    (torch.tensor([0.3, 0.2, 0.1]), [0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1]),
+], ids=["list", "tuple", "cosine", "inverse-stair", "tensor"])
+@pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
+def test_momentum_follows_a_list_or_a_schedule_step_by_step_as_sgd_driven_by_hand(learning_rate, rates, nesterov):
+    torch.manual_seed(0)
+    grads = [torch.randn(3) for _ in rates]
+    params, got = _momentum_run(learning_rate, grads, nesterov)
+    assert got == pytest.approx(rates, rel=1e-6)  # float32 tensor elements: to float32's precision
+    for a, b in zip(params, _sgd_by_hand(got, grads, nesterov)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    resumed, resumed_rates = _momentum_run(learning_rate, grads, nesterov, split=3)
+    assert resumed_rates == got and all(torch.equal(a, b) for a, b in zip(resumed, params))
+
+
+def test_momentum_with_a_number_is_torchs_sgd_that_torchs_schedulers_drive():
+    torch.manual_seed(0)
+    grads = [torch.randn(3) for _ in range(4)]
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = Momentum([param], 0.1, 0.9, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    params = []
+    for g in grads:
+        param.grad = g.clone()
+        opt.step()
+        scheduler.step()
+        params.append(param.detach().clone())
+    for a, b in zip(params, _sgd_by_hand([0.1, 0.1, 0.05, 0.05], grads)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert "step" not in opt.state[param]  # a plain SGD state
+
+
+def test_adam_weight_decay_takes_a_list_and_a_reload_goes_on_with_its_rates():
+    torch.manual_seed(0)
+    grads = [torch.randn(4) for _ in range(5)]
+    rates = [0.05, 0.04, 0.03]
+
+    def run(split):
+        param = torch.nn.Parameter(torch.ones(4))
+        opt, seen = AdamWeightDecay([param], learning_rate=rates), []
+        for i, g in enumerate(grads):
+            if i == split:
+                state = opt.state_dict()
+                opt = AdamWeightDecay([param], learning_rate=rates)
+                opt.load_state_dict(state)
+            param.grad = g.clone()
+            opt.step()
+            seen.append(opt.param_groups[0]["lr"])
+        return param.detach(), seen
+
+    param, seen = run(split=-1)
+    assert seen == [0.05, 0.04, 0.03, 0.03, 0.03]
+    want = reference_updates(torch.ones(4), grads, lambda s: rates[min(s, 2)], 0.9, 0.999, 1e-6, 0.0)[-1]
+    torch.testing.assert_close(param, want)
+    resumed, resumed_seen = run(split=2)
+    assert resumed_seen == seen and torch.equal(resumed, param)
 
 
 def test_a_reloaded_optimizer_goes_on_from_its_step():

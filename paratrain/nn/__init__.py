@@ -14,8 +14,10 @@ from paratrain.nn.layers import AttentionMask, FeedForward, MultiHeadAttention, 
 from paratrain.nn.loss import CrossEntropyLoss
 from paratrain.nn.metrics import Accuracy, Loss, Metric, rearrange_inputs  # MindSpore 1.x's place; 2.x: train
 from paratrain.nn.normalization import SyncBatchNorm
-from paratrain.nn.learning_rate_schedule import (CosineDecayLR, ExponentialDecayLR, LearningRateSchedule,
-                                                 PolynomialDecayLR, WarmUpLR)
+from paratrain.nn.dynamic_lr import (cosine_decay_lr, exponential_decay_lr, inverse_decay_lr, natural_exp_decay_lr,
+                                     piecewise_constant_lr, polynomial_decay_lr, warmup_lr)
+from paratrain.nn.learning_rate_schedule import (CosineDecayLR, ExponentialDecayLR, InverseDecayLR,
+                                                 LearningRateSchedule, NaturalExpDecayLR, PolynomialDecayLR, WarmUpLR)
 from paratrain.nn.optim import AdamWeightDecay, Momentum
 from paratrain.nn.parameter import Parameter
 from paratrain.nn.transformer import (Transformer, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
@@ -27,5 +29,7 @@ __all__ = ["Cell", "PipelineCell", "TransformerOpParallelConfig", "OpParallelCon
            "FeedForward", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
            "TransformerEncoder", "TransformerDecoder", "Transformer", "CrossEntropyLoss", "Dense", "Parameter", "Momentum",
            "AdamWeightDecay", "LearningRateSchedule", "WarmUpLR", "PolynomialDecayLR", "CosineDecayLR",
-           "ExponentialDecayLR", "SyncBatchNorm", "Accuracy", "Loss", "Metric", "rearrange_inputs"]
+           "ExponentialDecayLR", "NaturalExpDecayLR", "InverseDecayLR", "piecewise_constant_lr",
+           "exponential_decay_lr", "natural_exp_decay_lr", "inverse_decay_lr", "cosine_decay_lr", "polynomial_decay_lr",
+           "warmup_lr", "SyncBatchNorm", "Accuracy", "Loss", "Metric", "rearrange_inputs"]
 
