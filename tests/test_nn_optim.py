@@ -3,6 +3,7 @@ MindSpore's formulas, a tutorial-style composed schedule, Momentum on a list or 
 driven by hand, refusals, resume, and a schedule kept when ``Model`` rebuilds the optimizer on two data-parallel
 ranks."""
 import contextlib
+import copy
 import io
 import math
 
@@ -273,3 +274,41 @@ def test_model_keeps_the_schedule_when_it_rebuilds_the_optimizer_on_two_ranks(tm
     assert two == pytest.approx(one, rel=1e-5)
     assert set(load_checkpoint(tmp_path / "adw-2_3")) >= {"fc1.weight"}
     assert _model_train_losses(100) != pytest.approx(one, rel=1e-3)  # the schedule matters to these losses
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: Momentum(params, [0.1, 0.05, 0.02, 0.01], 0.9, weight_decay=0.1),
+    lambda params: AdamWeightDecay(params, CosineDecayLR(0.01, 0.1, 4), weight_decay=0.1),
+], ids=["momentum-list", "adam-weight-decay-cosine"])
+def test_a_resume_through_torchs_distributed_checkpoint_goes_on_as_if_uninterrupted(make_optimizer):
+    """The checkpointer's path: the net loaded, then the optimizer state by ``set_optimizer_state_dict``, which
+    steps a fresh optimizer once with zero gradients and its groups' ``lr`` zeroed to make its state."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2, device="cpu")
+    batches = [torch.randn(4, 3, device="cpu") for _ in range(4)]
+
+    def train(net, opt, batches):
+        rates = []
+        for x in batches:
+            net(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            rates.append(opt.param_groups[0]["lr"])
+        return rates
+
+    opt = make_optimizer(net.parameters())
+    train(net, opt, batches[:2])
+    saved_net = {k: v.clone() for k, v in net.state_dict().items()}
+    saved_opt = copy.deepcopy(get_optimizer_state_dict(net, opt, options=options))  # as written to disk
+    rates = train(net, opt, batches[2:])
+
+    resumed = torch.nn.Linear(3, 2, device="cpu")
+    resumed.load_state_dict(saved_net)
+    resumed_opt = make_optimizer(resumed.parameters())
+    set_optimizer_state_dict(resumed, resumed_opt, saved_opt, options=options)
+    assert all(torch.equal(resumed.state_dict()[k], v) for k, v in saved_net.items())  # not moved by the load
+    assert train(resumed, resumed_opt, batches[2:]) == rates and len(set(rates)) == 2
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), net.parameters()))

@@ -38,9 +38,11 @@ def rate_function(learning_rate, owner: str) -> Callable[[int], float]:
 
 class _Scheduled:
     """What both optimizers share: ``rate_function(learning_rate)`` kept as ``rate``; with a list or a schedule
-    (``scheduled``) each step sets every group's ``lr`` to the rate of ``global_step``, the steps taken, which
+    (``scheduled``) each step sets the groups' ``lr`` to the rate of ``global_step``, the steps taken, which
     ``load_state_dict`` takes back from the parameters' ``step`` state, so a resumed run goes on with the rates
-    of an uninterrupted one. ``learning_rate`` stays in ``defaults`` (``Model`` builds the optimizer again from
+    of an uninterrupted one. A group whose ``lr`` was set from outside since the optimizer last set it keeps it
+    for the step: torch's distributed checkpoint zeroes it for the step with which it makes a fresh optimizer's
+    state as it loads one, a step that must not move the (already loaded) parameters. ``learning_rate`` stays in ``defaults`` (``Model`` builds the optimizer again from
     them) and out of the groups (a checkpoint holds numbers, not a schedule)."""
 
     def _init_rate(self, learning_rate, owner: str) -> None:
@@ -48,24 +50,29 @@ class _Scheduled:
         self.rate = rate_function(learning_rate, owner)
         self.scheduled = not _is_rate(learning_rate)
         self.global_step = 0
+        self._lrs_set: list[float] = []  # per group, the lr this optimizer last set there
 
     def add_param_group(self, param_group: dict) -> None:
-        param_group.setdefault("lr", self.rate(self.global_step))
+        lr = self.rate(self.global_step)
+        param_group.setdefault("lr", lr)
         super().add_param_group(param_group)
         self.param_groups[-1].pop("learning_rate", None)
+        self._lrs_set.append(lr)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         steps = [s["step"] for s in self.state.values() if "step" in s]
         self.global_step = int(steps[0]) if steps else 0  # once, when resuming
+        self._lrs_set = [group["lr"] for group in self.param_groups]  # as the saved run set them
 
     def _set_rates(self) -> None:
-        """Each group's ``lr`` for this step (a number stays as the groups hold it: torch's LR schedulers may
-        change it)."""
+        """Each group's ``lr`` for this step, unless set from outside (a number stays as the groups hold it:
+        torch's LR schedulers may change it)."""
         if self.scheduled:
             lr = self.rate(self.global_step)
-            for group in self.param_groups:
-                group["lr"] = lr
+            for i, group in enumerate(self.param_groups):
+                if group["lr"] == self._lrs_set[i]:
+                    group["lr"] = self._lrs_set[i] = lr
 
     def _count_step(self, params) -> None:
         """One more step in the ``step`` state of each of ``params`` (a host scalar, as torch's Adam keeps it)."""
