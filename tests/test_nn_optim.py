@@ -6,7 +6,9 @@ import contextlib
 import copy
 import io
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -120,9 +122,12 @@ def test_schedule_arguments_are_checked():
 
 
 @pytest.mark.parametrize("optimizer", [Momentum, AdamWeightDecay])
-@pytest.mark.parametrize("learning_rate", [[], [0.1, -0.1], "fast", [0.1, "fast"], None])
-def test_each_optimizer_refuses_a_learning_rate_it_cannot_use(optimizer, learning_rate):
-    with pytest.raises(UserError, match=f"{optimizer.__name__}\\(learning_rate="):
+@pytest.mark.parametrize("learning_rate, named", [
+    ([], "learning_rate=[]"), ([0.1, -0.1], "learning_rate[1]=-0.1"), ("fast", "learning_rate='fast'"),
+    ((0.1, "fast"), "learning_rate[1]='fast'"), (None, "learning_rate=None"),
+])
+def test_each_optimizer_refuses_a_learning_rate_it_cannot_use_naming_it(optimizer, learning_rate, named):
+    with pytest.raises(UserError, match=re.escape(f"{optimizer.__name__}({named}): expected a number >= 0")):
         optimizer([torch.nn.Parameter(torch.ones(2))], learning_rate=learning_rate, **(
             {"momentum": 0.9} if optimizer is Momentum else {}))
 
@@ -168,7 +173,8 @@ def _sgd_by_hand(rates, grads, nesterov=False):
     (CosineDecayLR(0.01, 0.1, 4), [0.01 + 0.09 * (1 + math.cos(math.pi * min(s, 4) / 4)) / 2 for s in range(7)]),
     (InverseDecayLR(0.1, 0.5, 2, is_stair=True), [0.1 / (1 + 0.5 * (s // 2)) for s in range(7)]),
     (torch.tensor([0.3, 0.2, 0.1]), [0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1]),
-], ids=["list", "tuple", "cosine", "inverse-stair", "tensor"])
+    (np.array([0.3, 0.2], dtype=np.float32), [0.3, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2]),
+], ids=["list", "tuple", "cosine", "inverse-stair", "tensor", "numpy"])
 @pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
 def test_momentum_follows_a_list_or_a_schedule_step_by_step_as_sgd_driven_by_hand(learning_rate, rates, nesterov):
     torch.manual_seed(0)

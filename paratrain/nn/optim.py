@@ -2,6 +2,7 @@
 ``learning_rate``: a number, a list (a dynamic LR, as ``paratrain.nn.dynamic_lr`` builds) or a schedule."""
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable
 
 import torch
@@ -11,7 +12,8 @@ from paratrain.nn.learning_rate_schedule import LearningRateSchedule
 
 
 def _is_rate(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+    """A number >= 0 (numpy's too, as in a MindSpore user's array of rates)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value >= 0
 
 
 def rate_function(learning_rate, owner: str) -> Callable[[int], float]:
@@ -29,9 +31,12 @@ def rate_function(learning_rate, owner: str) -> Callable[[int], float]:
     if _is_rate(learning_rate):
         return lambda step: float(learning_rate)
     rates = list(learning_rate) if isinstance(learning_rate, Iterable) and not isinstance(learning_rate, str) else []
-    if not rates or not all(_is_rate(rate) for rate in rates):
+    if not rates:
         raise UserError(f"{owner}(learning_rate={learning_rate!r}): expected a number >= 0, a non-empty list of "
                         f"them (one per step) or a schedule of the global step")
+    bad = next((i for i, rate in enumerate(rates) if not _is_rate(rate)), None)
+    if bad is not None:
+        raise UserError(f"{owner}(learning_rate[{bad}]={rates[bad]!r}): expected a number >= 0")
     rates = [float(rate) for rate in rates]
     return lambda step: rates[min(step, len(rates) - 1)]
 
@@ -42,8 +47,9 @@ class _Scheduled:
     ``load_state_dict`` takes back from the parameters' ``step`` state, so a resumed run goes on with the rates
     of an uninterrupted one. A group whose ``lr`` was set from outside since the optimizer last set it keeps it
     for the step: torch's distributed checkpoint zeroes it for the step with which it makes a fresh optimizer's
-    state as it loads one, a step that must not move the (already loaded) parameters. ``learning_rate`` stays in ``defaults`` (``Model`` builds the optimizer again from
-    them) and out of the groups (a checkpoint holds numbers, not a schedule)."""
+    state as it loads one, a step that must not move the (already loaded) parameters. ``learning_rate`` stays in
+    ``defaults`` (``Model`` builds the optimizer again from them) and out of the groups (a checkpoint holds
+    numbers, not a schedule)."""
 
     def _init_rate(self, learning_rate, owner: str) -> None:
         """``rate``, ``scheduled`` and ``global_step``, before the groups are added."""
