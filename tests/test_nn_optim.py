@@ -318,3 +318,23 @@ def test_a_resume_through_torchs_distributed_checkpoint_goes_on_as_if_uninterrup
     assert all(torch.equal(resumed.state_dict()[k], v) for k, v in saved_net.items())  # not moved by the load
     assert train(resumed, resumed_opt, batches[2:]) == rates and len(set(rates)) == 2
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), net.parameters()))
+
+
+@pytest.mark.parametrize("learning_rate", [[0.1, 0.05, 0.02], CosineDecayLR(0.01, 0.1, 2), 0.1],
+                         ids=["list", "schedule", "number"])
+def test_model_rebuilds_momentum_with_its_learning_rate_and_groups(learning_rate):
+    from paratrain.train.model import group_names, rebuild_optimizer
+
+    net = torch.nn.Linear(3, 2, device="cpu")
+    opt = Momentum([{"params": [net.weight], "weight_decay": 0.01}, {"params": [net.bias]}], learning_rate, 0.9)
+    rebuilt = rebuild_optimizer(opt, group_names(opt, net), net.named_parameters())
+    assert type(rebuilt) is Momentum and rebuilt.scheduled == opt.scheduled
+    assert [g["weight_decay"] for g in rebuilt.param_groups] == [0.01, 0.0]
+    assert all("learning_rate" not in g for g in rebuilt.param_groups)
+    rates = []
+    for _ in range(4):
+        net(torch.ones(1, 3, device="cpu")).sum().backward()
+        rebuilt.step()
+        rebuilt.zero_grad()
+        rates.append(rebuilt.param_groups[1]["lr"])
+    assert rates == [opt.rate(s) for s in range(4)]
