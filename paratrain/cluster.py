@@ -176,7 +176,6 @@ def _kubeflow(env) -> Place:
 def locate(env=None) -> Place | None:
     """This process's place from the first launcher that describes it, variables already set taken over;
     None when torchrun set them already or no launcher did (one process)."""
-
     env = os.environ if env is None else env
     if all(name in env for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         return None

@@ -131,7 +131,6 @@ def _hint(cls: type[Section], key: str) -> str:
     return f" (known: {', '.join(sorted(cls.key_names()))})"
 
 
-
 def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
     """Convert ``value`` (from TOML or the command line) to the type of the field it sets."""
     kind = next((t for t in (bool, int, float, str) if isinstance(current, t)), None)

@@ -13,7 +13,6 @@ on every rank with its own collectives (``hybrid_parallel``). Where both state a
 agree: a contradiction is refused naming both, and an option paratrain cannot honour is refused
 when set, with the reason.
 """
-
 from __future__ import annotations
 
 import dataclasses

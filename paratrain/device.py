@@ -3,7 +3,6 @@
 ``PARATRAIN_DEVICE`` = ``auto`` (default: ``cuda:LOCAL_RANK`` when CUDA is present, else the CPU),
 ``cpu`` or ``cuda``; the backend follows: NCCL on CUDA, gloo on the CPU. More ranks on a host than
 GPUs are refused before anything starts (NCCL would fail later with "Duplicate GPU").
-
 """
 from __future__ import annotations
 

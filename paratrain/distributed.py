@@ -55,7 +55,6 @@ def init_from_env(timeout_s: float | None = None, offload: bool = False) -> tupl
     timeout = datetime.timedelta(seconds=collective_timeout() if timeout_s is None else timeout_s)
     alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if world_size == 1 else {}
     dist.init_process_group(backend(offload), timeout=timeout, **alone)
-
     atexit.register(_leave)
     return dist.get_rank(), dist.get_world_size()
 

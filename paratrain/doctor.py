@@ -40,7 +40,6 @@ def environment() -> list[tuple[str, str]]:
                    ("gloo", "available" if dist.is_gloo_available() else "MISSING")]
 
 
-
 def check_all_reduce(world: int, rank: int, device="cpu") -> list[str]:
     """Problems found when all-reducing known values on ``device`` (sum and average, fp32 and int64); [] if exact."""
     import torch

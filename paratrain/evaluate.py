@@ -118,7 +118,6 @@ class BleuEvaluator:
     """BLEU of greedy translations of held-out ``pairs`` every ``every`` steps: every rank decodes (the
     forward is collective under FSDP and tensor parallelism), only the main rank's record gets ``bleu``."""
 
-
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, pairs: list[tuple[str, str]], every: int,
                  src_seq_length: int, tgt_seq_length: int, is_main: bool):
         self.model, self.tokenizer, self.pairs, self.every = model, tokenizer, pairs, every

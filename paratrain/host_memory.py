@@ -115,7 +115,6 @@ def fix_mmap_threshold() -> bool:
     """Fix glibc's mmap threshold at 4 MiB (blocks above it returned to the system when freed; 10-25 % of a
     CPU rank's peak in ``bench/peers.py``), unless an allocator is preloaded, ``MALLOC_MMAP_THRESHOLD_`` is set
     or the C library is not glibc; returns whether it was set."""
-
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") or not sys.platform.startswith("linux") or loaded_allocator():
         return False
     try:

@@ -3,7 +3,6 @@
 Dims ("pp", "dp_replicate", "dp_shard", "tp"): data parallelism lives in ``dp_replicate`` when
 parameters stay whole (zero stages 0 and 1) and in ``dp_shard`` when FSDP2 shards them (stages 2 and
 3); the other has size 1 and is never handed to FSDP2 (it would cost a collective per layer and step).
-
 """
 from __future__ import annotations
 

@@ -89,7 +89,6 @@ class LossScaler:
         """The optimizer and LR steps of a step whose gradients are unscaled; with fp16 an overflowed step
         leaves the parameters and optimizer state as they were (a fused torch optimizer takes the decision as
         ``found_inf`` on the device; any other waits for it). The LR schedule advances either way."""
-
         if not self.enabled:
             optimizer.step()
         elif getattr(optimizer, "_step_supports_amp_scaling", False):

@@ -144,7 +144,6 @@ def ranks_on_this_host(world_size: int) -> int:
 def net_memory_problem(net, world_size: int) -> str | None:
     """For a user's net (``Model.train``): a problem when 4 copies of its parameters (weights, gradients, two
     moments) over all ``world_size`` ranks exceed a device's or this host's memory (activations not counted)."""
-
     params = sum(p.numel() for p in net.parameters())
     state = 4 * sum(p.numel() * p.element_size() for p in net.parameters()) / world_size
     over = _over_memory(state, 0.0, ranks_on_this_host(world_size))

@@ -17,7 +17,6 @@ import threading
 import time
 from contextlib import suppress
 from dataclasses import asdict, dataclass
-
 from pathlib import Path
 
 EXIT_STOPPED = 4  # a rank stopped by SIGTERM/SIGINT after saving a checkpoint; torchrun passes it through

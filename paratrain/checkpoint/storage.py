@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
-
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner

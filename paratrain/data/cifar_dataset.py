@@ -5,7 +5,6 @@ Each rank reads only its share of the memory-mapped records: record ``i`` belong
 records to ``ceil(records / num_shards)`` rows so that every rank takes as many steps. Images are
 normalised only (no random crop, flip or resize). ``write_cifar10_sample`` writes a small sample in
 the real binary format for examples and tests that have no CIFAR-10 download.
-
 """
 from __future__ import annotations
 

@@ -112,7 +112,6 @@ class TextDataset:
     """A token stream (a ``.npy`` array, or a text file tokenized once, EOS after each line) cut into windows
     of ``seq_length + 1`` tokens: ``rows`` returns input_ids (b, L) and labels (b, L), shifted left by one."""
 
-
     def __init__(self, path: str | Path, tokenizer: Tokenizer | None, seq_length: int):
         self.path, self.seq_length = Path(path), seq_length
         if self.path.suffix == ".npy":

@@ -77,7 +77,6 @@ class DistributedSampler:
     def padding_fraction(self, steps: int, start: int = 0) -> float:
         """Share of padding when each global batch of ``steps`` steps is padded to its longest example (needs
         ``lengths``; with ``dynamic_padding`` the padding the model sees)."""
-
         real = padded = 0
         for step in range(start, start + steps):
             lengths = self.lengths[self.global_indices(step)]

@@ -169,7 +169,6 @@ def preprocess_archive(archive: str | Path, out_dir: str | Path, src_lang: str =
                        test_set: str = "newstest2014", prefix: str = "wmt14") -> dict[str, Path]:
     """Read ``{test_set}-{pair}-src.{src_lang}.sgm`` and ``-ref.{tgt_lang}.sgm`` straight from ``test-full.tgz``
     (``pair``: the two language codes in either order)."""
-
     try:
         tar = tarfile.open(archive)
     except FileNotFoundError:

@@ -27,7 +27,6 @@ import threading
 import time
 from contextlib import suppress
 from dataclasses import dataclass
-
 from pathlib import Path
 
 import torch.distributed.launcher.api as launcher_api

@@ -186,7 +186,6 @@ class StepTimer:
         seconds = {part: self.times[phase] - self.comm[phase] for part, phase in phases.items()}
         seconds["comm"] = float(sum(self.comm.values()))
         seconds["other"] = self.wall - sum(seconds.values())
-
         out = {"step_s": self.wall}
         for part in PARTS:
             out[f"{part}_s"] = max(seconds[part], 0.0)

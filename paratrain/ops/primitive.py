@@ -4,7 +4,6 @@ Once the semi-auto placement gave an op the job's ``StrategyMesh``, it redistrib
 input to the placements its strategy asks before calling the torch op; DTensor derives the output's
 layout (a MatMul split along its contraction gives a ``Partial`` sum). Without a mesh it is the torch
 op on plain tensors. An op without a strategy runs data-parallel, as MindSpore's default.
-
 """
 from __future__ import annotations
 

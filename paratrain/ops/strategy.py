@@ -10,7 +10,6 @@ All ops of a job share one ``StrategyMesh``: a DeviceMesh of prime factors of ``
 so that every op's device matrix coarsens it; a tensor dimension split along a device-matrix
 dimension is ``Shard(d)`` on each of its mesh dimensions, outer first (MindSpore's row-major device
 numbering), so DTensor redistributes between the layouts of consecutive ops, with autograd.
-
 """
 from __future__ import annotations
 
