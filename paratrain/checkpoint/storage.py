@@ -488,10 +488,7 @@ def fsync_dir(path: Path) -> None:
 def write_atomic(file: Path, text: str) -> None:
     """Write ``text`` to ``file`` through a temporary file and a rename."""
     tmp = file.with_name(file.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    write_file(tmp, text.encode())
     os.replace(tmp, file)
     fsync_dir(file.parent)
 
