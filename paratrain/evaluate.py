@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.nn.utils.rnn import pad_sequence
 
 from paratrain.data.synthetic import BOS, EOS, PAD
 from paratrain.errors import UserError
@@ -54,10 +55,9 @@ def translate(model: Seq2SeqModel, tokenizer: Tokenizer, sentences: list[str], s
     device = next(model.parameters()).device
     out = []
     for start in range(0, len(sentences), batch_size):
-        rows = [ids[:src_seq_length] for ids in tokenizer.encode_batch(sentences[start : start + batch_size])]
-        src = torch.full((len(rows), max(map(len, rows))), PAD, dtype=torch.long, device="cpu")
-        for i, ids in enumerate(rows):
-            src[i, : len(ids)] = torch.tensor(ids, dtype=torch.long, device="cpu")
+        rows = [torch.tensor(ids[:src_seq_length], dtype=torch.long, device="cpu")
+                for ids in tokenizer.encode_batch(sentences[start : start + batch_size])]
+        src = pad_sequence(rows, batch_first=True, padding_value=PAD)
         out += tokenizer.decode_batch(greedy_decode(model, src.to(device, non_blocking=True), tgt_seq_length).tolist())
     return out
 
