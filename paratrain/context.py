@@ -56,7 +56,8 @@ REFUSED = {  # options that exist in MindSpore and have no counterpart here: why
     "all_reduce_fusion_config": _COMM_BUCKETS, "comm_fusion": _COMM_BUCKETS,
 }
 
-# gradients_mean=False: data_parallel sums the ranks' gradients (paratrain.train.Model)
+# in data_parallel mode (paratrain.train.Model) gradients_mean=False sums the ranks' gradients and
+# parameter_broadcast gives every rank rank 0's initial parameters
 BOOL_OPTIONS = ("enable_parallel_optimizer", "gradients_mean", "parameter_broadcast")
 ONE_VALUE = {  # boolean options paratrain honours with one value only: (that value, why)
     "full_batch": (True, "every rank gives Model.train the whole global batch and keeps its own rows; a rank "
