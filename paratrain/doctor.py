@@ -71,18 +71,15 @@ def rank0_says(condition: bool, device) -> bool:
 def timed_all_reduces(tensor, iters: int) -> float:
     """Seconds per all-reduce of ``tensor`` over ``iters`` back-to-back ones, the device waited for once at
     the end (NCCL queues them on its stream; gloo's return when done)."""
-    import torch
     import torch.distributed as dist
 
-    def synchronize():
-        if tensor.device.type == "cuda":
-            torch.cuda.synchronize(tensor.device)
+    from paratrain.metrics.timer import synchronize
 
-    synchronize()
+    synchronize(tensor.device)
     start = time.perf_counter()
     for _ in range(iters):
         dist.all_reduce(tensor)
-    synchronize()
+    synchronize(tensor.device)
     return (time.perf_counter() - start) / iters
 
 
