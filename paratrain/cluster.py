@@ -1,21 +1,12 @@
 """Where this process is in its job, read from whichever launcher started it (no torch import: the CLI asks
 before anything is built).
 
-:func:`fill_env` sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
-``MASTER_PORT`` (what ``torch.distributed``'s ``env://`` rendezvous reads) from the first source that
-describes this process, in this order:
-
-- torchrun (or ``paratrain launch``): ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` already set; nothing to do;
-- SLURM, one task per rank (``srun --ntasks-per-node=G python -m paratrain train``): ``SLURM_PROCID``,
-  ``SLURM_NTASKS``, ``SLURM_LOCALID``, the tasks per node (``SLURM_STEP_TASKS_PER_NODE``,
-  ``SLURM_TASKS_PER_NODE`` or ``SLURM_NTASKS_PER_NODE``, compressed like ``4(x2),3``), the first host of the
-  node list as the address and a port derived from ``SLURM_JOB_ID``;
-- Open MPI (``OMPI_COMM_WORLD_RANK``/``SIZE``/``LOCAL_RANK``/``LOCAL_SIZE``) and MPICH/Intel MPI's PMI
-  (``PMI_RANK``/``PMI_SIZE``, ``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``);
-- a Kubeflow PyTorchJob pod running one process (``PET_NNODES``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``).
-
-A variable already set wins over the source's value when they agree; when they do not, or when the source
-contradicts itself, a :class:`TopologyError` says which numbers and how to fix the launch.
+:func:`fill_env` sets the variables of ``torch.distributed``'s ``env://`` rendezvous (:data:`VARIABLES`) from
+the first source that describes this process: torchrun (already set: nothing to do); SLURM, one task per
+rank (``srun --ntasks-per-node=G``; address: the node list's first host, port: from the job id); Open MPI or
+MPICH/Intel MPI's PMI; a Kubeflow PyTorchJob pod running one process. A variable already set must agree
+with the source; a contradiction raises a :class:`TopologyError` saying which numbers and how to fix the
+launch.
 """
 from __future__ import annotations
 
@@ -183,8 +174,8 @@ def _kubeflow(env) -> Place:
 
 
 def locate(env=None) -> Place | None:
-    """This process's place from the first launcher that describes it (see the module), variables already
-    set taken over; None when torchrun set them already or no launcher did (one process)."""
+    """This process's place from the first launcher that describes it, variables already set taken over;
+    None when torchrun set them already or no launcher did (one process)."""
     env = os.environ if env is None else env
     if all(name in env for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         return None

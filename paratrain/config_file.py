@@ -1,11 +1,8 @@
 """The TOML face of the settings: config files, ``section.key=value`` overrides and hints for misnamed keys.
 
-``load`` reads a TOML file into a :class:`paratrain.config.Config`; ``from_dict`` builds one from nested
-tables (a TOML file's, a checkpoint's record, a script's dicts) with the sections' aliases, converts each value
-to the type of its key and names, for every unknown key, what to write instead (``MINDSPORE_HINTS`` for
-MindSpore's names); ``parse_overrides`` reads the command line's ``--section.key=value``; ``to_toml`` and
-``save`` write a config back. The rules a config must meet are :mod:`paratrain.config_rules`; a DeepSpeed JSON
-config is mapped onto these keys by :mod:`paratrain.deepspeed_config`.
+``from_dict`` builds a :class:`paratrain.config.Config` from nested tables (a TOML file's, a checkpoint's
+record, a script's dicts), converting each value to its key's type and naming, for every unknown key, what
+to write instead. The rules a config must meet are :mod:`paratrain.config_rules`.
 """
 from __future__ import annotations
 
@@ -105,22 +102,19 @@ def from_dict(data: dict[str, Any], overrides: list[str] = ()) -> Config:
 
 
 def _section_from_dict(cls: type[Section], values: dict[str, Any], problems: list[str]) -> Section:
-    """Section ``cls`` with ``values`` set; a problem for every unknown key and every value of the wrong type."""
-    section = cls()
+    """Section ``cls`` with ``values`` set (keys or their aliases), each converted to its field's type; a
+    problem for every unknown key and every value of the wrong type."""
+    section, known = cls(), {f.name: f for f in fields(cls)}
     for key, value in values.items():
-        name = _canonical(cls, key, problems)
-        if name is not None:
-            _set(section, name, value, problems)
+        name = cls.ALIASES.get(key, key)
+        if name not in known:
+            problems.append(f"unknown key {cls.SECTION}.{name}{_hint(cls, name)}")
+            continue
+        try:
+            setattr(section, name, _coerce(value, getattr(section, name), known[name]))
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{cls.SECTION}.{name}={value!r}: {exc}")
     return section
-
-
-def _canonical(cls: type[Section], key: str, problems: list[str]) -> str | None:
-    """The field of section ``cls`` that ``key`` (or its alias) names; None and a problem when none."""
-    key = cls.ALIASES.get(key, key)
-    if key in {f.name for f in fields(cls)}:
-        return key
-    problems.append(f"unknown key {cls.SECTION}.{key}{_hint(cls, key)}")
-    return None
 
 
 def _hint(cls: type[Section], key: str) -> str:
@@ -135,16 +129,6 @@ def _hint(cls: type[Section], key: str) -> str:
     if close:
         return f" (did you mean {cls.SECTION}.{close[0]}?)"
     return f" (known: {', '.join(sorted(cls.key_names()))})"
-
-
-def _set(section: Section, name: str, value: Any, problems: list[str]) -> None:
-    """Set field ``name`` of ``section`` to ``value`` converted to the field's type, or add why it cannot be."""
-    default = next(f for f in fields(section) if f.name == name)
-    current = getattr(section, name)
-    try:
-        setattr(section, name, _coerce(value, current, default))
-    except (TypeError, ValueError) as exc:
-        problems.append(f"{section.SECTION}.{name}={value!r}: {exc}")
 
 
 def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:

@@ -1,26 +1,17 @@
 """MindSpore's auto-parallel context: ``set_auto_parallel_context``, ``get_auto_parallel_context``,
 ``reset_auto_parallel_context`` and ``ParallelMode``.
 
-Who decides what, when ``paratrain.train.Model`` places a net (``parallel_config_for``):
-
-- the sizes come from the ``TransformerOpParallelConfig`` given to the net's blocks
-  (``data_parallel``, ``model_parallel``, ``pipeline_stage``, ``micro_batch_num``, ``zero_stage``...);
-  a net without one trains data-parallel over every rank; ``data_parallel`` not given is
-  ``world_size // (model_parallel * pipeline_stage)``;
-- the context adds what only it says: ``enable_parallel_optimizer`` shards the optimizer (zero
-  stage 1; 2 with ``parallel_optimizer_config={"gradient_accumulation_shard": True}``; ``optimizer_level``
-  "level1"/"level2"/"level3" for stages 1/2/3),
-  ``pipeline_stages`` sets the stage count the blocks' config leaves at 1, ``parallel_mode``
-  restricts the layout (``data_parallel``: no model or pipeline parallelism; ``stand_alone``: one
-  process), ``device_num`` and ``global_rank`` must be this job's;
-- a net of ``paratrain.ops`` under ``semi_auto_parallel``/``auto_parallel`` is placed op by op
-  (``paratrain.parallel.semi_auto``; ``search_mode``, ``strategy_ckpt_save_file`` and
-  ``strategy_ckpt_load_file`` for auto parallel), and any net under ``hybrid_parallel`` runs whole on
-  every rank with its own collectives (``paratrain.parallel.hybrid``); in ``data_parallel`` mode
-  ``gradients_mean=False`` (MindSpore's default) sums the ranks' gradients and ``parameter_broadcast``
-  gives every rank rank 0's initial parameters;
-- where both state a value they must agree: a contradiction is refused naming both, never
-  settled silently. An option paratrain cannot honour is refused when set, with the reason.
+When ``paratrain.train.Model`` places a net (``parallel_config_for``), the sizes come from the
+``TransformerOpParallelConfig`` given to its blocks (none: data parallel over every rank;
+``data_parallel`` not given: ``world_size // (model_parallel * pipeline_stage)``). The context adds
+what only it says: ``enable_parallel_optimizer`` shards the optimizer (stage 2 with
+``gradient_accumulation_shard``, ``optimizer_level`` "level1".."level3" for stages 1..3),
+``pipeline_stages`` sets the stage count the blocks leave at 1, ``parallel_mode`` restricts the
+layout (``data_parallel``: no model or pipeline parallelism; ``stand_alone``: one process) or places
+a net of ``paratrain.ops`` op by op (``semi_auto_parallel``/``auto_parallel``) or runs any net whole
+on every rank with its own collectives (``hybrid_parallel``). Where both state a value they must
+agree: a contradiction is refused naming both, and an option paratrain cannot honour is refused
+when set, with the reason.
 """
 from __future__ import annotations
 
@@ -63,6 +54,17 @@ _COMM_BUCKETS = ("communication buckets are set by TransformerOpParallelConfig.g
 REFUSED = {  # options that exist in MindSpore and have no counterpart here: why
     "strategy_ckpt_config": _STRATEGY_FILES,
     "all_reduce_fusion_config": _COMM_BUCKETS, "comm_fusion": _COMM_BUCKETS,
+}
+
+# in data_parallel mode (paratrain.train.Model) gradients_mean=False sums the ranks' gradients and
+# parameter_broadcast gives every rank rank 0's initial parameters
+BOOL_OPTIONS = ("enable_parallel_optimizer", "gradients_mean", "parameter_broadcast")
+ONE_VALUE = {  # boolean options paratrain honours with one value only: (that value, why)
+    "full_batch": (True, "every rank gives Model.train the whole global batch and keeps its own rows; a rank "
+                         "reading only its rows is not offered"),
+    "loss_repeated_mean": (True, "the loss is always the mean over the whole global batch"),
+    "gradient_fp32_sync": (True, "gradients are always reduced in float32"),
+    "enable_alltoall": (False, "no layout here uses all-to-all"),
 }
 
 _values: dict[str, Any] = {}  # the options set, as given
@@ -116,24 +118,13 @@ def _check(key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise _refuse(key, value, "expected a positive integer")
         return value
-    if key == "enable_parallel_optimizer":
+    if key in BOOL_OPTIONS:
         return _bool(key, value)
-    if key == "gradients_mean":
-        return _bool(key, value)  # data_parallel sums the ranks' gradients when False (paratrain.train.Model)
-    if key == "full_batch":
-        return _only(key, _bool(key, value), True, "every rank gives Model.train the whole global batch and keeps "
-                                                   "its own rows; a rank reading only its rows is not offered")
+    if key in ONE_VALUE:
+        return _only(key, _bool(key, value), *ONE_VALUE[key])
     if key == "dataset_strategy":
         return _only(key, value, "full_batch", "only 'full_batch' is offered: every rank reads the whole global "
                                                "batch and keeps its own rows")
-    if key == "loss_repeated_mean":
-        return _only(key, _bool(key, value), True, "the loss is always the mean over the whole global batch")
-    if key == "gradient_fp32_sync":
-        return _only(key, _bool(key, value), True, "gradients are always reduced in float32")
-    if key == "parameter_broadcast":
-        return _bool(key, value)
-    if key == "enable_alltoall":
-        return _only(key, _bool(key, value), False, "no layout here uses all-to-all")
     if key == "parallel_optimizer_config":
         return _optimizer_config(value)
     if key == "pipeline_config":

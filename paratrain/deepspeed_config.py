@@ -1,17 +1,12 @@
 """A DeepSpeed JSON config read onto paratrain's keys: ``paratrain train --deepspeed ds_config.json``.
 
-:func:`apply` maps each key of the JSON onto the TOML tables of a run, before the command-line
-overrides (which win), and returns one line per key saying what it became. Every key is mapped,
-accepted with no effect (with the reason, e.g. bucket sizes: FSDP2 gathers and reduces one layer
-group at a time), or refused with the reason; an unknown key is refused with the closest known one.
-
-The keys and what each is to paratrain are in ``paratrain.deepspeed_keys``. Values as DeepSpeed
-defines them: the batch sizes follow its rule ``train_batch_size = train_micro_batch_size_per_gpu x
-gradient_accumulation_steps x data_parallel`` (two give the third; one alone takes one accumulation
-step); inside an ``fp16``, ``optimizer`` or ``scheduler``
-block a parameter left out takes DeepSpeed's default. ``"auto"`` (which DeepSpeed's config drops, and
-the HF Trainer fills from its own arguments) keeps paratrain's value: the TOML's, else its default;
-an ``"auto"`` batch size is derived from the others by the same rule.
+:func:`apply` maps each key of the JSON (``paratrain.deepspeed_keys``) onto the TOML tables of a run,
+before the command-line overrides (which win), and returns one line per key saying what it became:
+mapped, accepted with no effect (with the reason) or refused (with the reason; an unknown key with the
+closest known one). Values are as DeepSpeed defines them: the batch sizes follow its rule
+``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x data_parallel``, a
+block's parameter left out takes DeepSpeed's default, and ``"auto"`` (as the HF Trainer fills it) keeps
+paratrain's value, or derives a batch size from the others.
 """
 from __future__ import annotations
 

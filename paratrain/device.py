@@ -1,10 +1,8 @@
 """The one place that decides a run's device, its collective backend and the torch dtypes of config names.
 
 ``PARATRAIN_DEVICE`` = ``auto`` (default: ``cuda:LOCAL_RANK`` when CUDA is present, else the CPU),
-``cpu`` or ``cuda``. The collective backend follows the device: NCCL on CUDA, gloo on the CPU.
-Each rank on a host has a GPU of its own: more ranks on a host (``LOCAL_WORLD_SIZE``) than GPUs
-are refused before anything starts, rather than two ranks sharing one GPU (NCCL fails on that
-later, with "Duplicate GPU").
+``cpu`` or ``cuda``; the backend follows: NCCL on CUDA, gloo on the CPU. More ranks on a host than
+GPUs are refused before anything starts (NCCL would fail later with "Duplicate GPU").
 """
 from __future__ import annotations
 

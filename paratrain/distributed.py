@@ -1,13 +1,10 @@
 """Process-group set-up from the environment torchrun gives (RANK, WORLD_SIZE, MASTER_ADDR, ...), or that
 :mod:`paratrain.cluster` fills from SLURM, MPI or Kubeflow's variables.
 
-A rank that joins a process group also gets stack dumps: on SIGTERM (how the
-launcher stops the other ranks when one fails, and how ``paratrain stop`` ends a
-job) and on SIGUSR1 (``kill -USR1 PID`` on a hung rank) the Python stacks of all
-its threads go to stderr, which the launcher writes into ``rank{R}.log``. A
-collective that does not complete within the timeout (``PARATRAIN_COLLECTIVE_TIMEOUT``
-seconds, ``paratrain launch --collective-timeout``) raises on its rank, which
-then fails and the launcher stops the others, whose stacks are dumped.
+A rank that joins a process group dumps the Python stacks of all its threads to stderr (its
+``rank{R}.log``) on SIGTERM (how the launcher stops the ranks) and on SIGUSR1 (``kill -USR1 PID`` on a
+hung rank). A collective that does not complete within ``PARATRAIN_COLLECTIVE_TIMEOUT`` seconds raises
+on its rank, which fails, and the launcher stops the others.
 """
 from __future__ import annotations
 
@@ -56,10 +53,8 @@ def init_from_env(timeout_s: float | None = None, offload: bool = False) -> tupl
     install_stack_dumps()
     configure(device())
     timeout = datetime.timedelta(seconds=collective_timeout() if timeout_s is None else timeout_s)
-    if world_size == 1:
-        dist.init_process_group(backend(offload), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    else:
-        dist.init_process_group(backend(offload), timeout=timeout)
+    alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if world_size == 1 else {}
+    dist.init_process_group(backend(offload), timeout=timeout, **alone)
     atexit.register(_leave)
     return dist.get_rank(), dist.get_world_size()
 

@@ -1,14 +1,10 @@
 """``paratrain doctor``: is this machine (or this set of machines) ready to train?
 
-It reports the environment (Python, torch, CUDA/NCCL or gloo, devices, threads),
-then, across the ranks of a launched job, checks the rendezvous (every rank
-answers with its host), the correctness of all-reduce (sum and average of known
-values, exact), and measures all-reduce bus bandwidth (as nccl-tests defines it:
-algorithm bandwidth x 2(n-1)/n) from 1 KB (latency) up to ``--size-mb`` (default 1 GiB on
-GPUs, where NVLink needs large messages to reach its bandwidth; 16 MB over gloo), each
-size timed over back-to-back all-reduces with one synchronisation at the end, as
-nccl-tests do. ``--duration`` keeps measuring, a soak test of the network. Without a
-launch, ``--nproc-per-node``/``--hostfile`` start one.
+It reports the environment, then across the ranks of a launched job checks the rendezvous and that
+all-reduce is exact, and measures all-reduce bus bandwidth as nccl-tests do (back-to-back, one
+synchronisation, algorithm bandwidth x 2(n-1)/n) from 1 KB up to ``--size-mb`` (default 1 GiB on GPUs,
+where NVLink needs large messages; 16 MB over gloo). ``--duration`` keeps measuring (a network soak
+test). Without a launch, ``--nproc-per-node``/``--hostfile`` start one.
 """
 from __future__ import annotations
 
@@ -40,10 +36,8 @@ def environment() -> list[tuple[str, str]]:
                  ("nccl", ".".join(map(str, torch.cuda.nccl.version())))]
     else:
         rows += [("cuda", "not available"), ("devices", "cpu")]
-    rows.append(("backend", backend()))
-    rows.append(("host allocator", describe()))
-    rows.append(("gloo", "available" if dist.is_gloo_available() else "MISSING"))
-    return rows
+    return rows + [("backend", backend()), ("host allocator", describe()),
+                   ("gloo", "available" if dist.is_gloo_available() else "MISSING")]
 
 
 def check_all_reduce(world: int, rank: int, device="cpu") -> list[str]:
@@ -77,18 +71,15 @@ def rank0_says(condition: bool, device) -> bool:
 def timed_all_reduces(tensor, iters: int) -> float:
     """Seconds per all-reduce of ``tensor`` over ``iters`` back-to-back ones, the device waited for once at
     the end (NCCL queues them on its stream; gloo's return when done)."""
-    import torch
     import torch.distributed as dist
 
-    def synchronize():
-        if tensor.device.type == "cuda":
-            torch.cuda.synchronize(tensor.device)
+    from paratrain.metrics.timer import synchronize
 
-    synchronize()
+    synchronize(tensor.device)
     start = time.perf_counter()
     for _ in range(iters):
         dist.all_reduce(tensor)
-    synchronize()
+    synchronize(tensor.device)
     return (time.perf_counter() - start) / iters
 
 

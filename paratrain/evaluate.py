@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.nn.utils.rnn import pad_sequence
 
 from paratrain.data.synthetic import BOS, EOS, PAD
 from paratrain.errors import UserError
@@ -27,9 +28,8 @@ def bleu(hypotheses: list[str], references: list[str]) -> float:
 def greedy_decode(model: Seq2SeqModel, src_ids: torch.Tensor, max_length: int) -> torch.Tensor:
     """Most likely next token, one at a time: src_ids (B, S) -> tokens (B, <= max_length), PAD after EOS.
 
-    The source is encoded once; each step feeds only the newest token to the model's
-    decoder, whose self-attention keeps earlier keys/values in a cache (MindSpore's
-    ``use_past``). ``max_length`` is at most the model's tgt_seq_length.
+    The source is encoded once; each step feeds only the newest token to the decoder, which caches
+    earlier keys/values (MindSpore's ``use_past``). ``max_length`` <= the model's tgt_seq_length.
     """
     model.eval()
     src_pad = src_ids == model.pad_token_id
@@ -55,10 +55,9 @@ def translate(model: Seq2SeqModel, tokenizer: Tokenizer, sentences: list[str], s
     device = next(model.parameters()).device
     out = []
     for start in range(0, len(sentences), batch_size):
-        rows = [ids[:src_seq_length] for ids in tokenizer.encode_batch(sentences[start : start + batch_size])]
-        src = torch.full((len(rows), max(map(len, rows))), PAD, dtype=torch.long, device="cpu")
-        for i, ids in enumerate(rows):
-            src[i, : len(ids)] = torch.tensor(ids, dtype=torch.long, device="cpu")
+        rows = [torch.tensor(ids[:src_seq_length], dtype=torch.long, device="cpu")
+                for ids in tokenizer.encode_batch(sentences[start : start + batch_size])]
+        src = pad_sequence(rows, batch_first=True, padding_value=PAD)
         out += tokenizer.decode_batch(greedy_decode(model, src.to(device, non_blocking=True), tgt_seq_length).tolist())
     return out
 
@@ -70,12 +69,9 @@ class TranslateError(UserError, RuntimeError):
 def translate_lines(model: Seq2SeqModel, tokenizer: Tokenizer, lines: list[str], src_seq_length: int,
                     tgt_seq_length: int, batch_size: int = 64) -> list[str]:
     """One translation per line; blank lines stay blank."""
-    idx = [i for i, line in enumerate(lines) if line.strip()]
-    out = [""] * len(lines)
-    for i, hyp in zip(idx, translate(model, tokenizer, [lines[i].strip() for i in idx], src_seq_length,
-                                     tgt_seq_length, batch_size)):
-        out[i] = hyp
-    return out
+    hypotheses = iter(translate(model, tokenizer, [line.strip() for line in lines if line.strip()], src_seq_length,
+                                tgt_seq_length, batch_size))
+    return [next(hypotheses) if line.strip() else "" for line in lines]
 
 
 def translation_tokenizer(cfg) -> Tokenizer:
@@ -95,12 +91,9 @@ def translation_tokenizer(cfg) -> Tokenizer:
 
 def load_translation_model(checkpoint: str | Path, config: str | Path | None = None, overrides: list[str] = (),
                            device: torch.device | str = "cpu"):
-    """(plain Seq2SeqModel in eval mode on ``device``, Config, Tokenizer) from a checkpoint, in this one process.
-
-    ``checkpoint`` is a ``step_*`` directory, a checkpoints directory or a run directory
-    (the newest checkpoint). The config stored with the checkpoint is used, with
-    ``overrides`` (``section.key=value``) applied; ``config`` (a TOML file) replaces it.
-    """
+    """(plain Seq2SeqModel in eval mode on ``device``, Config, Tokenizer) from a checkpoint (or the newest of a
+    checkpoints or run directory), in this one process, with the checkpoint's config (``config``, a TOML file,
+    replaces it) and ``overrides`` (``section.key=value``)."""
     from paratrain.checkpoint.full import load_full_tensors
     from paratrain.checkpoint.storage import read_meta, resolve
     from paratrain import config_file
@@ -122,11 +115,8 @@ def load_translation_model(checkpoint: str | Path, config: str | Path | None = N
 
 
 class BleuEvaluator:
-    """BLEU of greedy translations of held-out ``pairs`` every ``every`` steps.
-
-    Every rank decodes (under FSDP and tensor parallelism the forward is collective);
-    only the main rank's record gets ``bleu``.
-    """
+    """BLEU of greedy translations of held-out ``pairs`` every ``every`` steps: every rank decodes (the
+    forward is collective under FSDP and tensor parallelism), only the main rank's record gets ``bleu``."""
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, pairs: list[tuple[str, str]], every: int,
                  src_seq_length: int, tgt_seq_length: int, is_main: bool):

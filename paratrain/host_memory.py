@@ -1,23 +1,19 @@
 """How CPU ranks allocate host memory: tcmalloc when it is found, else glibc with a fixed mmap threshold.
 
-A training step on the CPU frees and allocates the same large buffers every step (FSDP2's
-gather and reduce buffers, gradients, activations, the logits). glibc serves blocks above its
-mmap threshold from fresh mappings: each step the kernel zeroes them again, page by page
-(in ``bench/peers.py`` 400k-540k page faults and about 1.3 s of system time a step, a third of
-the step). Below the threshold, glibc's heap keeps freed space and grows with the allocation
-pattern. tcmalloc keeps freed spans and hands the same ones out again, so a step after the
-first faults no page in, at about the peak memory of the fixed-threshold glibc heap; with
-``TCMALLOC_RELEASE_RATE=10`` it returns unused spans to the system sooner. That is why torch's
-own CPU launcher (``torch.backends.xeon.run_cpu``) preloads it as well.
+A CPU step frees and allocates the same large buffers every step. glibc serves blocks above its
+mmap threshold from fresh mappings, which the kernel zeroes again page by page each step (a third of
+the step in ``bench/peers.py``); below it, glibc's heap keeps freed space and grows with the
+allocation pattern (its threshold rises up to 32 MiB as such blocks are freed). tcmalloc hands the
+same freed spans out again: no page faults after the first step, at about the fixed-threshold heap's
+peak. torch's own CPU launcher (``torch.backends.xeon.run_cpu``) preloads it too.
 
-tcmalloc must be loaded before the process starts, so ``paratrain launch`` starts CPU ranks
-with it in ``LD_PRELOAD`` (:func:`rank_env`) and ``paratrain train`` (or ``python -m paratrain
-train``) run by hand restarts itself with it once (:func:`restart_with_allocator`). ``PARATRAIN_HOST_ALLOCATOR``
-chooses: ``auto`` (default: tcmalloc when found, see :data:`SEARCH`), ``system`` (glibc), or the
-path of an allocator library to preload. Without tcmalloc, :func:`fix_mmap_threshold` fixes
-glibc's threshold at 4 MiB: no heap growth, at the cost of the page faults.
-``make install`` puts Debian's ``libtcmalloc-minimal4`` into ``.venv/lib`` where the system has
-none (``tools/install_tcmalloc.sh``).
+tcmalloc must be loaded before the process starts: ``paratrain launch`` puts it in CPU ranks'
+``LD_PRELOAD`` (:func:`rank_env`) and ``paratrain train`` run by hand restarts itself with it once
+(:func:`restart_with_allocator`). ``PARATRAIN_HOST_ALLOCATOR`` chooses: ``auto`` (tcmalloc when
+found in :data:`SEARCH`), ``system`` (glibc) or an allocator library's path. Without tcmalloc,
+:func:`fix_mmap_threshold` fixes glibc's threshold at 4 MiB: no heap growth, at the cost of the
+page faults. ``make install`` puts Debian's ``libtcmalloc-minimal4`` into ``.venv/lib`` where the
+system has none.
 
 This module imports no torch: the launcher and the command line use it before torch loads.
 """
@@ -99,11 +95,9 @@ def describe() -> str:
 
 
 def restart_with_allocator(argv: list[str]) -> None:
-    """Replace this process by itself with the allocator preloaded, when it will train on the CPU and
-    does not have it yet (``paratrain train`` run by hand, torchrun's ranks of it); else return.
-
-    Only ``train`` restarts, before torch is imported; a machine with an NVIDIA device file is taken to
-    train on the GPU unless ``PARATRAIN_DEVICE=cpu``."""
+    """Replace this process (``train`` only, before torch is imported) by itself with the allocator
+    preloaded when it will train on the CPU (a machine with an NVIDIA device file trains on the GPU unless
+    ``PARATRAIN_DEVICE=cpu``) and does not have it yet; else return."""
     if not argv or argv[0] != "train" or os.environ.get(RESTARTED_ENV) or loaded_allocator():
         return
     on_gpu = any(Path("/dev").glob("nvidia[0-9]*"))
@@ -118,16 +112,9 @@ def restart_with_allocator(argv: list[str]) -> None:
 
 
 def fix_mmap_threshold() -> bool:
-    """Without a preloaded allocator, serve host blocks of 4 MiB and more from their own mappings,
-    returned to the system when freed.
-
-    glibc raises its mmap threshold (up to 32 MiB) each time such a block is freed and then
-    serves them from its heap, which keeps the freed space: a CPU run's peak resident memory
-    grows with its allocation pattern (FSDP2's gather and reduce buffers most), 10-25 % of a
-    rank's peak in ``bench/peers.py``. A fixed threshold stops that. Left alone when an allocator
-    is preloaded, ``MALLOC_MMAP_THRESHOLD_`` is set or the C library is not glibc; returns whether it
-    was set.
-    """
+    """Fix glibc's mmap threshold at 4 MiB (blocks above it returned to the system when freed; 10-25 % of a
+    CPU rank's peak in ``bench/peers.py``), unless an allocator is preloaded, ``MALLOC_MMAP_THRESHOLD_`` is set
+    or the C library is not glibc; returns whether it was set."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") or not sys.platform.startswith("linux") or loaded_allocator():
         return False
     try:

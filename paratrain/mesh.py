@@ -1,10 +1,8 @@
 """The device mesh of a run and where this rank sits in it.
 
-Dims ("pp", "dp_replicate", "dp_shard", "tp"): data parallelism lives in
-``dp_replicate`` when parameters stay whole (zero stages 0 and 1, DDP-like) and in
-``dp_shard`` when FSDP2 shards them (zero stages 2 and 3, ``ParallelConfig.shards_parameters``);
-the other one has size 1 and is never handed to FSDP2 (a size-1 dim would cost it a copy or a
-collective over one rank per layer and step).
+Dims ("pp", "dp_replicate", "dp_shard", "tp"): data parallelism lives in ``dp_replicate`` when
+parameters stay whole (zero stages 0 and 1) and in ``dp_shard`` when FSDP2 shards them (stages 2 and
+3); the other has size 1 and is never handed to FSDP2 (it would cost a collective per layer and step).
 """
 from __future__ import annotations
 

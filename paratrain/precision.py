@@ -32,22 +32,18 @@ class LossScaleFloor(RuntimeError):
 
 
 class LossScaler:
-    """Dynamic loss scale for fp16: the loss is multiplied by ``scale`` before backward so
-    small gradients do not underflow; a step whose gradients overflow is skipped and the
-    scale halved, down to ``min_scale``; after ``growth_interval`` good steps in a row it doubles.
+    """Dynamic loss scale for fp16: the loss is multiplied by ``scale`` before backward; a step whose
+    gradients overflow is skipped and the scale halved, down to ``min_scale``; after ``growth_interval``
+    good steps in a row it doubles.
 
-    As DeepSpeed's ``DynamicLossScaler``: with ``hysteresis`` h > 1 the first h - 1 overflows only
-    skip their steps and the h-th halves the scale; the allowance is refilled when the scale doubles,
-    or after every good step with ``consecutive_hysteresis``. An overflow that would halve the scale
-    when it is already ``min_scale`` (DeepSpeed's ``min_loss_scale``), or ``max_skipped`` overflowed
-    steps in a row (0: no limit), make :meth:`check` raise :class:`LossScaleFloor`: such a run only
-    skips steps. With ``enabled=False`` (bf16, fp32) the scale is fixed at 1 and no step is skipped; with
-    ``dynamic=False`` (MindSpore's ``FixedLossScaleManager``) it stays ``init_scale`` and an overflowed step
-    is only skipped.
+    As DeepSpeed's ``DynamicLossScaler``: with ``hysteresis`` h > 1 only the h-th overflow halves the scale,
+    the allowance refilled when it doubles (after every good step with ``consecutive_hysteresis``). An
+    overflow at ``min_scale``, or ``max_skipped`` in a row (0: no limit), make :meth:`check` raise
+    :class:`LossScaleFloor`. ``enabled=False`` (bf16, fp32): scale 1, nothing skipped; ``dynamic=False``
+    (MindSpore's ``FixedLossScaleManager``): the scale stays ``init_scale``.
 
-    The scale and the counters are tensors on ``device``, updated there from each step's gradient
-    norm: no step waits for the device to tell whether it overflowed. The host reads them when
-    the trainer brings a step's values over anyway (``check``, ``summary``, ``state_dict``).
+    The scale and counters are tensors on ``device``, updated there: no step waits for the device; the
+    host reads them when it reads a step's values anyway (``check``, ``summary``, ``state_dict``).
     """
 
     def __init__(self, enabled: bool, init_scale: float = 2.0 ** 16, growth_interval: int = 1000,
@@ -91,9 +87,8 @@ class LossScaler:
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler, grad_norm: torch.Tensor) -> None:
         """The optimizer and LR steps of a step whose gradients are unscaled; with fp16 an overflowed step
-        leaves the parameters and the optimizer state as they were, decided on the device by a fused torch
-        optimizer, which takes the decision as ``found_inf``; any other optimizer (a user's) waits for the
-        device to tell. The LR schedule (if any) advances either way."""
+        leaves the parameters and optimizer state as they were (a fused torch optimizer takes the decision as
+        ``found_inf`` on the device; any other waits for it). The LR schedule advances either way."""
         if not self.enabled:
             optimizer.step()
         elif getattr(optimizer, "_step_supports_amp_scaling", False):

@@ -1,25 +1,12 @@
 """What a ``train`` command checks before anything is built or any rank starts.
 
-``paratrain train`` runs :func:`check` before joining its process group (and the
-``Trainer`` again, for Python callers); ``paratrain launch -- train ...`` runs it
-once before starting any rank, with the job's world size. Everything wrong is
-reported at once as one ``ConfigError`` (a ``UserError``: one message, exit code 2),
-each problem naming the key, file or value and a fix:
-
-- the config rules (:func:`paratrain.config_rules.validate`);
-- ZeRO-Offload (``parallel.offload_optimizer`` / ``offload_param``) only with an accelerator;
-- sizes: the model's weights, gradients and AdamW state (the planner's parameter
-  count), spread as thinly as ``world_size`` ranks could spread them, and a lower bound
-  of the activations of one micro-batch, against the memory of a device or of this host
-  (so ``decoder_layers=1e12`` is refused in milliseconds, not after minutes of building);
-- data files: present, a file (a directory for CIFAR-10), not empty, UTF-8 text where
-  text is read, a ``.npy`` stream of integer ids below ``model.vocab_size``, and a tokenizer
-  that exists or can be trained with ``model.vocab_size`` tokens and saved;
-- the run directory and the checkpoint directory (saved to on a stop even without
-  ``checkpoint.save_steps``) can be created and written; the run name and checkpoint
-  prefix are plain names (``paratrain.config_rules.validate``);
-- an explicit ``checkpoint.resume`` path holds a checkpoint, and the model config of the
-  checkpoint a resume would take is this one (``paratrain.checkpoint.core.check_resume_config``).
+``paratrain train`` (and the ``Trainer``) runs :func:`check` before joining its process group,
+``paratrain launch -- train ...`` once before starting any rank. Everything wrong is reported at
+once as one ``ConfigError`` (exit code 2), each problem naming the key, file or value and a fix:
+the config rules; ZeRO-Offload only with an accelerator; the model state and a lower bound of the
+activations against a device's or this host's memory (``decoder_layers=1e12`` is refused in
+milliseconds); the data files and tokenizer; writable run and checkpoint directories; and the
+checkpoint a resume would take.
 """
 from __future__ import annotations
 
@@ -49,30 +36,27 @@ def train_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def train_config(argv: list[str], world_size: int | None = None) -> Config:
     """The Config of the ``train`` command line ``argv`` (``--config FILE``, ``--deepspeed FILE`` and
     ``--section.key=value``) for ``world_size`` ranks."""
-    args, overrides = train_args(argv)
     from paratrain.deepspeed_config import load_config
 
+    args, overrides = train_args(argv)
     return load_config(args.config, overrides, args.deepspeed, world_size)
 
 
 def check(cfg: Config, world_size: int, local_world_size: int | None = None, resolved: bool = False) -> Config:
     """Raise ConfigError listing every problem above, or a CheckpointError about the resume; else return
     ``cfg``. ``local_world_size``: ranks on this host (default ``$LOCAL_WORLD_SIZE``, else ``world_size``)."""
-    problems = validate(cfg, world_size, resolved)
-    if problems:  # the checks below trust these numbers
-        raise ConfigError(problems)
-    problems = offload_problems(cfg)
-    if problems:
-        raise ConfigError(problems)
+    _raise_any(validate(cfg, world_size, resolved))  # the checks below trust these numbers
+    _raise_any(offload_problems(cfg))
     local = local_world_size or ranks_on_this_host(world_size)
-    problems = memory_problems(cfg, world_size, local) + data_problems(cfg)
-    if problems:
-        raise ConfigError(problems)
+    _raise_any(memory_problems(cfg, world_size, local) + data_problems(cfg))
     check_resume(cfg)
-    problems = directory_problems(cfg)
+    _raise_any(directory_problems(cfg))
+    return cfg
+
+
+def _raise_any(problems: list[str]) -> None:
     if problems:
         raise ConfigError(problems)
-    return cfg
 
 
 def offload_problems(cfg: Config) -> list[str]:
@@ -103,11 +87,10 @@ def host_memory() -> int:
 
 
 def memory_problems(cfg: Config, world_size: int, local_world_size: int) -> list[str]:
-    """A problem when the model cannot fit: its weights, gradients and AdamW moments (4 copies of every
-    parameter in ``model.dtype``) divided over all ``world_size`` ranks, plus one hidden state per layer
-    for the tokens of a micro-batch, exceed a device's memory (GPU runs) or this host's for its
-    ``local_world_size`` ranks (CPU runs). With ZeRO-Offload the model state counts against the host's
-    memory, the activations against the device's. Both are lower bounds: a layout needs at least that much."""
+    """A problem when the model cannot fit: weights, gradients and AdamW moments (4 copies of every parameter)
+    over all ``world_size`` ranks, plus one hidden state per layer for a micro-batch's tokens, exceed a
+    device's memory or this host's for its ``local_world_size`` ranks (model state against the host's with
+    ZeRO-Offload). Both are lower bounds."""
     from paratrain.plan.cost import DTYPE_BYTES, model_params
 
     m, p = cfg.model, cfg.parallel
@@ -134,9 +117,8 @@ def memory_problems(cfg: Config, world_size: int, local_world_size: int) -> list
 
 
 def _over_memory(state: float, activations: float, local_world_size: int, offloads: bool = False):
-    """(bytes needed, "where") when a rank's model ``state`` and ``activations`` (bytes) do not fit: a GPU
-    holds both (only the activations with ZeRO-Offload, whose state is in host memory), a host its
-    ``local_world_size`` CPU ranks'; None when they fit."""
+    """(bytes needed, "where") when a rank's model ``state`` and ``activations`` (bytes) do not fit on a GPU
+    (state in host memory with ZeRO-Offload) or a host with ``local_world_size`` ranks; None when they fit."""
     import torch
 
     from paratrain.device import device
@@ -160,9 +142,8 @@ def ranks_on_this_host(world_size: int) -> int:
 
 
 def net_memory_problem(net, world_size: int) -> str | None:
-    """For a user's net (``Model.train``): a problem when its weights, gradients and two optimizer moments
-    (4 copies of every parameter in its dtype), divided over all ``world_size`` ranks, exceed a device's
-    memory or this host's for its ranks. A lower bound: activations come on top."""
+    """For a user's net (``Model.train``): a problem when 4 copies of its parameters (weights, gradients, two
+    moments) over all ``world_size`` ranks exceed a device's or this host's memory (activations not counted)."""
     params = sum(p.numel() for p in net.parameters())
     state = 4 * sum(p.numel() * p.element_size() for p in net.parameters()) / world_size
     over = _over_memory(state, 0.0, ranks_on_this_host(world_size))

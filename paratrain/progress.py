@@ -1,15 +1,10 @@
 """Per-rank progress records that the launcher reads: last step, collectives issued, heartbeat, saved step.
 
-A rank started by ``paratrain launch`` finds ``$PARATRAIN_PROGRESS_DIR`` set. It calls :func:`start` once
-after joining its process group, :func:`step_done` after every step and :func:`saved` after every
-checkpoint; a daemon thread rewrites ``rank{R}.json`` in that directory every :data:`HEARTBEAT_S`
-seconds (atomically, without fsync). :func:`step_done` only stores an integer, so the training loop pays
-nothing and never waits for a device. A rank asked to stop (SIGTERM/SIGINT) that saved a checkpoint ends
-with ``sys.exit(progress.stopped(step))``. The launcher reads the records (:func:`read`) to name the rank
-that stopped making progress when a collective times out, and to report the step of the checkpoint saved by
-ranks that exit with :data:`EXIT_STOPPED`.
-
-This module imports nothing heavy, so the trainer, ``doctor`` and the launcher can all use it.
+A rank started by ``paratrain launch`` (``$PARATRAIN_PROGRESS_DIR`` set) calls :func:`start` once, then
+:func:`step_done` after every step (it only stores an integer: the loop never waits for a device) and
+:func:`saved` after every checkpoint; a daemon thread rewrites ``rank{R}.json`` every :data:`HEARTBEAT_S`
+seconds. The launcher reads the records to name the rank that stopped making progress when a collective
+times out, and the step saved by ranks that exit with :data:`EXIT_STOPPED`. Imports nothing heavy.
 """
 from __future__ import annotations
 
@@ -20,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -70,24 +66,22 @@ class _Reporter:
             tmp.write_text(json.dumps(asdict(self.record)))
             os.replace(tmp, self.path)
 
+    def write_quietly(self) -> None:
+        with suppress(OSError):  # a full or vanished directory must not end the training; the next beat retries
+            self.write()
+
     def beat(self) -> None:
         while True:
             time.sleep(HEARTBEAT_S)
-            try:
-                self.write()
-            except OSError:
-                pass  # a full or vanished directory must not end the training; the next beat retries
+            self.write_quietly()
 
 
 _reporter: _Reporter | None = None
 
 
 def start(rank: int | None = None) -> bool:
-    """Start reporting this rank's progress if the launcher asked for it; True if it did.
-
-    ``rank`` defaults to ``$RANK``. Call once, after the process group is initialised (so that the
-    collectives it issued can be counted); later calls do nothing.
-    """
+    """Start reporting this rank's (default ``$RANK``) progress if the launcher asked for it; True if it did.
+    Call after the process group is initialised (its collectives are counted); later calls do nothing."""
     global _reporter
     directory = os.environ.get(DIR_ENV)
     if _reporter is not None or not directory:
@@ -110,20 +104,15 @@ def saved(step: int) -> None:
     """Record, at once, that a checkpoint of ``step`` is saved (the launcher reports it when the job stops)."""
     if _reporter is not None:
         _reporter.record.saved_step = step
-        try:
-            _reporter.write()
-        except OSError:
-            pass  # as for a heartbeat: a full or vanished directory must not end the training
+        _reporter.write_quietly()
 
 
 def stopped(saved_step: int | None) -> int:
-    """Record that this rank stops on request after saving a checkpoint of ``saved_step`` (None: stopped
-    before its first step, nothing to save); returns :data:`EXIT_STOPPED`, the exit code to end the process
-    with.
+    """Record that this rank stops on request after saving a checkpoint of ``saved_step`` (None: nothing
+    saved); returns :data:`EXIT_STOPPED`, the exit code to end the process with.
 
-    From here on SIGTERM and SIGINT are ignored: when the first rank exits, torchrun's agent sends SIGTERM to
-    the others, and Python restores the default handlers while it exits, so a rank that saved would otherwise
-    die of that signal on its way out and no longer look saved.
+    SIGTERM and SIGINT are ignored from here on: torchrun's agent sends SIGTERM to the others when the first
+    rank exits, which would kill a rank that saved on its way out (Python restores the default handlers).
     """
     if saved_step is not None:
         saved(saved_step)

@@ -16,9 +16,8 @@ def cmd_translate(args) -> int:
         lines = Path(args.input).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read --input {args.input}: {getattr(exc, 'strerror', None) or exc}") from None
-    from paratrain.evaluate import load_translation_model, translate_lines
-
     from paratrain.device import device
+    from paratrain.evaluate import load_translation_model, translate_lines
 
     model, cfg, tokenizer = load_translation_model(args.checkpoint, args.config, args.overrides, device(args.device))
     out = translate_lines(model, tokenizer, lines, cfg.model.src_seq_length, cfg.model.tgt_seq_length,

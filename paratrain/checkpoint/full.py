@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -14,10 +15,8 @@ OPTIM_PREFIX = "optim."
 
 
 def load_full_tensors(path: str | Path, prefix: str = MODEL_PREFIX) -> dict[str, torch.Tensor]:
-    """Every tensor of checkpoint ``path`` whose key starts with ``prefix``, whole, keyed without it.
-
-    Reads the DCP shards of all ranks in this process (no process group needed, none used).
-    """
+    """Every tensor of checkpoint ``path`` whose key starts with ``prefix``, whole, keyed without it, read from
+    the DCP shards of all ranks in this process (no process group used)."""
     path = resolve(path)
     _, metadata = verify(path)
     state = {key: torch.empty(entry.size, dtype=entry.properties.dtype, device="cpu")
@@ -27,11 +26,8 @@ def load_full_tensors(path: str | Path, prefix: str = MODEL_PREFIX) -> dict[str,
 
 
 def export(path: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write the model of checkpoint ``path`` to one ``.safetensors`` file with plain parameter names.
-
-    Load it with ``model.load_state_dict(safetensors.torch.load_file(out))``. Tied or
-    shared weights appear under each of their names (as in ``model.state_dict()``).
-    """
+    """Write the model of checkpoint ``path`` to one ``.safetensors`` file with plain parameter names, tied
+    weights under each of their names, as ``model.load_state_dict(safetensors.torch.load_file(out))`` takes."""
     from safetensors.torch import save_file
 
     path = resolve(path)
@@ -54,11 +50,8 @@ def info(path: str | Path) -> dict:
     meta, metadata = verify(path, checksums=False)  # sizes only: `paratrain checkpoint verify` reads every byte
     tensors = {}
     for key, entry in sorted(tensor_entries(metadata).items()):
-        numel = 1
-        for s in entry.size:
-            numel *= s
         tensors[key] = {"shape": list(entry.size), "dtype": str(entry.properties.dtype).removeprefix("torch."),
-                        "bytes": numel * entry.properties.dtype.itemsize, "shards": len(entry.chunks)}
+                        "bytes": math.prod(entry.size) * entry.properties.dtype.itemsize, "shards": len(entry.chunks)}
     files = meta["files"]
     return {"path": str(path), "step": meta["step"], "layout": meta["layout"], "saved_at": meta.get("saved_at"),
             "integrated": INTEGRATED_FILE in files, "disk_bytes": sum(recorded_bytes(e) for e in files.values()),
@@ -74,12 +67,10 @@ def format_info(summary: dict, all_tensors: bool = False) -> str:
              f"x pp {lay['pipeline_stage']}, zero stage {lay['zero_stage']}",
              f"  on disk        {summary['disk_bytes'] / 2**20:.2f} MiB"
              + (" (with model.safetensors)" if summary["integrated"] else "")]
-    groups = {"model": MODEL_PREFIX, "optimizer": OPTIM_PREFIX}
-    for title, prefix in groups.items():
+    for title, prefix in {"model": MODEL_PREFIX, "optimizer": OPTIM_PREFIX}.items():
         items = {k[len(prefix):]: v for k, v in summary["tensors"].items() if k.startswith(prefix)}
         total = sum(v["bytes"] for v in items.values())
-        numel = sum(v["bytes"] // max(1, getattr(torch, v["dtype"]).itemsize)
-                    for v in items.values())
+        numel = sum(v["bytes"] // max(1, getattr(torch, v["dtype"]).itemsize) for v in items.values())
         lines.append(f"  {title:<14} {len(items)} tensors, {numel:,} elements, {total / 2**20:.2f} MiB")
         if title == "model" or all_tensors:
             width = max((len(k) for k in items), default=0)

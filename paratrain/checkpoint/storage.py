@@ -1,41 +1,31 @@
 """On-disk format of a checkpoint, finding the newest complete one, and reading it safely.
 
-A checkpoint is one directory ``<checkpoint dir>/step_00000008`` (with ``checkpoint.prefix``, or
-from ``paratrain.train.ModelCheckpoint``, MindSpore's ``<prefix>-<epoch>_<step in epoch>``)::
+A checkpoint is one directory ``<checkpoint dir>/step_00000008`` (with a prefix, MindSpore's
+``<prefix>-<epoch>_<step in epoch>``)::
 
-    .metadata              DCP's global index of every tensor shard (written by PyTorch)
+    .metadata              DCP's global index of every tensor shard
     __<rank>_0.distcp      DCP shard files: each rank's own slices of model and optimizer tensors
     rank_00003.safetensors per-rank state: RNG generator states (tensors) + JSON metadata
     model.safetensors      (integrated_save) the whole model, plain parameter names
     config.toml            the resolved config, for people
     paratrain.json         written last: step, layout, schedule, loss scale, data position,
-                           the optimizer's non-tensor settings, the size and xxh3_64 checksum
-                           of every file above (``files``) and a checksum of its own content
+                           optimizer settings, the size and xxh3_64 checksum of every file
+                           above (``files``) and a checksum of its own content
 
-It is written as ``.tmp-step_00000008`` and renamed once every rank has finished and
-``paratrain.json`` is in place, then ``latest`` (a text file naming the directory) is
-replaced. So a directory named ``step_*`` with a ``paratrain.json`` is complete; a
-``.tmp-*`` directory, or a ``step_*`` one without ``paratrain.json``, is a save that
-was killed.
+It is written as ``.tmp-step_00000008``, renamed once every rank has finished, then ``latest``
+(a text file naming the directory) is replaced: a ``step_*`` directory with a ``paratrain.json``
+is complete, anything else is a killed save.
 
-Checksums are xxh3_64 (the ``xxhash`` package, several GB/s). Each file is hashed as it
-is written: DCP's shards and index through :class:`HashingFileSystem`, whose streams hash
-every block they write, the other files from the bytes written. Nothing read from a
-checkpoint is trusted before its checksum is checked: ``paratrain.json`` first (its own),
-then DCP's index before it is unpickled (:func:`verify`), the other small files before any
-is read, and the shards in a background thread while DCP reads them (:class:`ChecksumCheck`,
-:func:`holds_tensor_data`), each rank hashing its own share (:func:`checksum_owner`); a
-damaged file raises :class:`DamagedCheckpoint` naming it. Checkpoints of format 1 (sizes
-only, no checksums) still load.
+Each file is hashed as it is written (DCP's through :class:`HashingFileSystem`). Nothing read is
+trusted before its checksum is checked: ``paratrain.json`` first, DCP's index before it is
+unpickled, the other small files before any is read, and the shards in a background thread while
+DCP reads them (:class:`ChecksumCheck`); a damaged file raises :class:`DamagedCheckpoint` naming
+it. Format 1 checkpoints (sizes only) still load.
 
-Never unpickling arbitrary objects: everything we store ourselves is JSON or
-safetensors. The tensors we hand DCP are plain tensors only (no non-tensor values,
-which DCP would pickle with ``torch.save`` and read back with ``torch.load(weights_only=False)``);
-DCP reads tensor shards with ``torch.load(weights_only=True)``; the loader refuses
-any pickled-bytes item (:class:`TensorOnlyLoadPlanner`). The one pickle left is DCP's
-own ``.metadata`` index: :class:`SafeFileSystemReader` reads it with an unpickler that
-only resolves the handful of DCP metadata classes, ``torch.Size``, dtypes and layouts
-(:data:`_METADATA_GLOBALS`) and rejects anything else, so a crafted file cannot run code.
+Nothing arbitrary is unpickled: what we store is JSON or safetensors, DCP is handed plain tensors
+only and the loader refuses pickled items (:class:`TensorOnlyLoadPlanner`). DCP's own
+``.metadata`` is read by an unpickler that resolves only DCP's metadata classes, ``torch.Size``,
+dtypes and layouts (:class:`SafeFileSystemReader`), so a crafted file cannot run code.
 """
 from __future__ import annotations
 
@@ -45,15 +35,18 @@ import os
 import pickle
 import re
 import threading
-from contextlib import contextmanager
+import warnings
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from paratrain.errors import UserError
 
@@ -142,8 +135,6 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader with :func:`read_dcp_metadata` in place of a bare ``pickle.load``."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         metadata = read_dcp_metadata(Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -315,12 +306,10 @@ def recorded_bytes(entry) -> int:
 
 
 def verify(path: Path, meta: dict | None = None, checksums: bool = True) -> tuple[dict, Metadata]:
-    """Check that every file of checkpoint ``path`` is there with its recorded size, that DCP's index has
-    its recorded checksum (before it is read) and fits the shard files and, with ``checksums``, that every
-    other file's content has its recorded checksum too.
+    """Check that every file of checkpoint ``path`` has its recorded size, DCP's index its checksum (before
+    it is read) and fits the shards and, with ``checksums``, every other file its checksum.
 
-    Returns (paratrain.json, DCP metadata); raises DamagedCheckpoint naming the first
-    missing, truncated, unreadable or changed file.
+    Returns (paratrain.json, DCP metadata); raises DamagedCheckpoint naming the first bad file.
     """
     path = Path(path)
     if not path.is_dir():
@@ -424,13 +413,8 @@ def step_dirs(root: Path, prefix: str | None = "") -> list[tuple[tuple[int, int]
 
 
 def complete_checkpoints(root: Path, warn: bool = True, prefix: str | None = None) -> list[Path]:
-    """The complete checkpoints under ``root`` (named with ``prefix``; None: any), newest first, skipping
-    (with a warning) saves that were killed.
-
-    Complete = renamed from its temporary name and holding ``paratrain.json``. Whether
-    its files are intact is for :func:`verify` to say (``resume = "auto"`` goes back
-    past damaged ones).
-    """
+    """The complete checkpoints (holding ``paratrain.json``) under ``root`` named with ``prefix`` (None: any),
+    newest first, skipping (with a warning) saves that were killed; :func:`verify` says if they are intact."""
     root = Path(root)
     if warn and root.is_dir():
         for tmp in sorted(root.glob(TMP_PREFIX + "*")):
@@ -496,38 +480,36 @@ def fsync_dir(path: Path) -> None:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
-    try:
+    with suppress(OSError):
         os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)
 
 
 def write_atomic(file: Path, text: str) -> None:
     """Write ``text`` to ``file`` through a temporary file and a rename."""
     tmp = file.with_name(file.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    write_file(tmp, text.encode())
     os.replace(tmp, file)
     fsync_dir(file.parent)
 
 
 @contextmanager
-def _unwrapped_failures():
-    """Raise the exception behind DCP's ``CheckpointException`` (the first failed rank's, e.g. the OSError of a
-    full disk) instead of it: that one is a BaseException whose text is a traceback."""
+def _dcp_call():
+    """Around a DCP call: host tensors on the CPU (DCP plans shard offsets of 2D (FSDP x TP) tensors with tensors
+    made on the default device), no warning for one process (intended), and the exception behind DCP's
+    ``CheckpointException`` (the first failed rank's, e.g. a full disk's OSError) raised in place of it, a
+    BaseException whose text is a traceback."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    try:
-        yield
-    except CheckpointException as exc:
-        failure = next(iter(exc.failures.values()), None)
-        if isinstance(failure, tuple) and isinstance(failure[0], Exception):
-            raise failure[0] from None
-        raise
+    with warnings.catch_warnings(), torch.device("cpu"):
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            yield
+        except CheckpointException as exc:
+            failure = next(iter(exc.failures.values()), None)
+            if isinstance(failure, tuple) and isinstance(failure[0], Exception):
+                raise failure[0] from None
+            raise
 
 
 def dcp_save(state: dict, path: Path) -> dict[str, dict]:
@@ -535,29 +517,15 @@ def dcp_save(state: dict, path: Path) -> dict[str, dict]:
 
     Returns the :func:`file_entry` of every file this rank wrote (its shards; on rank 0 also ``.metadata``).
     """
-    import warnings
-
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    no_dist = not dist.is_initialized()
     writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True)
     writer.fs = HashingFileSystem()
-    # DCP plans shard offsets of 2D (FSDP x TP) tensors with host tensors made on the default device
-    with warnings.catch_warnings(), torch.device("cpu"), _unwrapped_failures():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process is intended
-        dcp.save(state, storage_writer=writer, no_dist=no_dist)
+    with _dcp_call():
+        dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
     return writer.fs.entries
 
 
 def dcp_load(state: dict, path: Path, no_dist: bool | None = None) -> None:
     """``dcp.load`` in place into ``state``'s tensors, tensors only, through the safe metadata reader."""
-    import warnings
-
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
     no_dist = (not dist.is_initialized()) if no_dist is None else no_dist
-    with warnings.catch_warnings(), torch.device("cpu"), _unwrapped_failures():  # see dcp_save
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with _dcp_call():
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=TensorOnlyLoadPlanner(), no_dist=no_dist)

@@ -1,14 +1,10 @@
 """MindSpore's ``Cifar10Dataset(dataset_dir, num_shards=..., shard_id=...).batch(...)`` for user scripts.
 
-Each rank reads only its share of the binary files (``paratrain.data.cifar``: memory-mapped records,
-only the pages of the rows asked for are read): record ``i`` belongs to shard ``i % num_shards``,
-as MindSpore's distributed sampler deals them, and every shard has ``ceil(records / num_shards)``
-rows, the last shards padded with the first records, so that every rank takes as many steps.
-Global batch ``k`` of ``num_shards`` ranks with ``batch(b)`` is then, in another row order, batch ``k``
-of one process with ``batch(num_shards * b)`` (without ``shuffle``). Images are normalised only:
-the seed's random crop, flip and resize to 224 are left out. ``write_cifar10_sample`` writes a small sample in the
-real binary format, with images whose colour tells their class, for examples and tests that have
-no CIFAR-10 download.
+Each rank reads only its share of the memory-mapped records: record ``i`` belongs to shard
+``i % num_shards``, as MindSpore's distributed sampler deals them, every shard padded with the first
+records to ``ceil(records / num_shards)`` rows so that every rank takes as many steps. Images are
+normalised only (no random crop, flip or resize). ``write_cifar10_sample`` writes a small sample in
+the real binary format for examples and tests that have no CIFAR-10 download.
 """
 from __future__ import annotations
 

@@ -46,9 +46,8 @@ def cmd_preprocess_sample(args) -> int:
 
 
 def cmd_tokenizer_train(args) -> int:
-    from paratrain.data.tokenizer import train_tokenizer
-
     from paratrain.data import DataError, not_utf8
+    from paratrain.data.tokenizer import train_tokenizer
 
     if args.min_frequency < 0:
         raise ConfigError([f"--min-frequency {args.min_frequency} must be 0 or more (pairs seen fewer times are "

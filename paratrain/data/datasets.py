@@ -1,10 +1,8 @@
 """Datasets over real text: sentence pairs for translation, a token stream for language modelling.
 
-Text is tokenized once and cached as ``.npy`` arrays next to the data, named by
-the tokenizer's fingerprint, and read memory-mapped; a rank touches only the
-rows it is given. Each dataset answers ``rows(indices, batch_indices)`` with
-the padded tensors of those examples (``batch_indices``, the whole global
-batch, sets the padded width when padding to the longest).
+Text is tokenized once, cached as ``.npy`` arrays next to the data (named by the tokenizer's
+fingerprint) and read memory-mapped. ``rows(indices, batch_indices)`` gives the padded tensors of
+those examples (``batch_indices``, the whole global batch, sets the width when padding to the longest).
 """
 from __future__ import annotations
 
@@ -30,11 +28,8 @@ def _ragged(rows: list[list[int]]) -> dict[str, np.ndarray]:
 
 
 def cached_arrays(source: Path, tokenizer: Tokenizer, build) -> dict[str, np.ndarray]:
-    """Arrays ``build()`` makes from ``source``, saved once in ``<source>.<fingerprint>.cache/`` and memory-mapped.
-
-    The cache directory appears atomically, so ranks that build it at the same
-    time do not read a half-written one.
-    """
+    """Arrays ``build()`` makes from ``source``, saved once in ``<source>.<fingerprint>.cache/`` (appearing
+    atomically: ranks building it together never read a half-written one) and memory-mapped."""
     stat = source.stat()
     cache = source.with_name(f"{source.name}.{tokenizer.fingerprint()}-{stat.st_size}-{int(stat.st_mtime)}.cache")
     if not cache.is_dir():
@@ -59,12 +54,9 @@ def _pad(rows: list[np.ndarray], width: int) -> torch.Tensor:
 class TranslationDataset:
     """Tokenized (source, target) pairs from a ``source<TAB>target`` file.
 
-    ``rows`` returns src_ids (b, S) = source tokens; tgt_in_ids (b, T) = BOS +
-    target; labels (b, T) = target + EOS; PAD=0 after. S, T are the model's
-    ``src_seq_length``/``tgt_seq_length``, or with ``dynamic_padding`` the
-    longest example of the global batch. Pairs longer than that are dropped
-    (``too_long="filter"``, counted in ``num_filtered``) or cut
-    (``"truncate"``: a cut target has no EOS).
+    ``rows`` returns src_ids (b, S); tgt_in_ids (b, T) = BOS + target; labels (b, T) = target + EOS; PAD=0
+    after. S, T are the model's sequence lengths, or with ``dynamic_padding`` the global batch's longest.
+    Longer pairs are dropped (``too_long="filter"``, counted in ``num_filtered``) or cut (``"truncate"``).
     """
 
     def __init__(self, path: str | Path, tokenizer: Tokenizer, src_seq_length: int, tgt_seq_length: int,
@@ -117,12 +109,8 @@ class TranslationDataset:
 
 
 class TextDataset:
-    """A token stream cut into consecutive windows of ``seq_length + 1`` tokens for a language model.
-
-    ``path`` is a ``.npy`` token array, or a text file tokenized once (EOS after
-    each line) into a cached stream. ``rows`` returns input_ids (b, L) and
-    labels (b, L) = input_ids shifted left by one.
-    """
+    """A token stream (a ``.npy`` array, or a text file tokenized once, EOS after each line) cut into windows
+    of ``seq_length + 1`` tokens: ``rows`` returns input_ids (b, L) and labels (b, L), shifted left by one."""
 
     def __init__(self, path: str | Path, tokenizer: Tokenizer | None, seq_length: int):
         self.path, self.seq_length = Path(path), seq_length

@@ -131,11 +131,8 @@ ANIMATE = [n for n in NOUNS if n.en[0] in {
 
 
 def _adjectives(table: str, before: bool) -> list[Adjective]:
-    out = []
-    for line in table.strip().splitlines():
-        en, fr = line.split(maxsplit=1)
-        out.append(Adjective(en, tuple(fr.split()), before))
-    return out
+    rows = (line.split(maxsplit=1) for line in table.strip().splitlines())
+    return [Adjective(en, tuple(fr.split()), before) for en, fr in rows]
 
 
 ADJECTIVES = _adjectives("""
@@ -387,8 +384,7 @@ def to_sgm(segments: list[str], set_tag: str, docs: list[str], doc_size: int, la
     """Newstest markup: documents of ``doc_size`` segments, entities escaped, blank lines between documents."""
     lines = [f'<{set_tag} setid="paratrain-sample" srclang="any" trglang="{lang}">']
     for d, docid in enumerate(docs):
-        lines.append(f'<doc sysid="ref" docid="{docid}" genre="news" origlang="en">')
-        lines.append("<p>")
+        lines += [f'<doc sysid="ref" docid="{docid}" genre="news" origlang="en">', "<p>"]
         for i, text in enumerate(segments[d * doc_size : (d + 1) * doc_size], 1):
             lines.append(f'<seg id="{i}">{html.escape(text)}</seg>')
         lines += ["</p>", "</doc>", ""]

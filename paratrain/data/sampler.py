@@ -1,11 +1,8 @@
 """Which examples form global batch ``step`` and which rows of it each data-parallel rank reads.
 
-The order is step-indexed: the example stream is the concatenation of epoch
-orders, each a pure function of (seed, epoch), and global batch ``step`` is the
-slice ``[step * B, (step + 1) * B)`` of that stream. So every rank can compute
-any step on its own, nothing is dropped at epoch ends, and resuming at step s
-(on any number of data-parallel ranks, with the same global batch) continues
-exactly.
+The example stream is the concatenation of epoch orders, each a pure function of (seed, epoch), and
+global batch ``step`` is its slice ``[step * B, (step + 1) * B)``: every rank computes any step on its
+own, nothing is dropped at epoch ends, and a resume on any number of data-parallel ranks is exact.
 """
 from __future__ import annotations
 
@@ -15,15 +12,10 @@ import numpy as np
 class DistributedSampler:
     """Step -> example indices; rank ``dp_rank`` of ``dp_size`` reads rows ``[r*B/dp, (r+1)*B/dp)`` of each batch.
 
-    ``shuffle``: each epoch is a permutation seeded by (seed, epoch); otherwise
-    examples come in file order. ``lengths`` (N,) with ``bucket_size`` > 0
-    enables length bucketing: each window of ``bucket_size`` global batches of
-    the shuffled order is sorted by length and cut into batches, and the batches
-    of the window are shuffled, so a batch holds examples of similar length.
-
-    The sampler also iterates (``next(sampler)`` gives this rank's indices of
-    ``sampler.step`` and advances); ``state_dict``/``load_state_dict`` save and
-    restore that position exactly.
+    ``shuffle``: each epoch is a permutation seeded by (seed, epoch), else file order. ``lengths`` (N,) with
+    ``bucket_size`` > 0: each window of ``bucket_size`` global batches is sorted by length, cut into batches
+    and those shuffled, so a batch holds examples of similar length. ``next(sampler)`` gives this rank's
+    indices of ``sampler.step`` and advances; ``state_dict``/``load_state_dict`` save and restore it.
     """
 
     def __init__(self, num_examples: int, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
@@ -83,10 +75,8 @@ class DistributedSampler:
         return self.global_indices(step)[self.dp_rank * rows : (self.dp_rank + 1) * rows]
 
     def padding_fraction(self, steps: int, start: int = 0) -> float:
-        """Share of padding when each global batch of ``steps`` steps is padded to its longest example.
-
-        Needs ``lengths``; with ``dynamic_padding`` this is the padding the model sees.
-        """
+        """Share of padding when each global batch of ``steps`` steps is padded to its longest example (needs
+        ``lengths``; with ``dynamic_padding`` the padding the model sees)."""
         real = padded = 0
         for step in range(start, start + steps):
             lengths = self.lengths[self.global_indices(step)]

@@ -1,8 +1,7 @@
 """Learnable data made in-process from a seed, so training needs no download.
 
-Every row of every global batch is a pure function of (seed, step, row): a rank
-makes only its own rows of any step, which keeps data order exact across
-restarts and layouts. Tensors are made on the host (``device="cpu"``).
+Every row of every global batch is a pure function of (seed, step, row): a rank makes only its own
+rows, and the order is exact across restarts and layouts. Tensors are made on the host.
 """
 from __future__ import annotations
 
@@ -23,11 +22,9 @@ def _generator(*key: int) -> torch.Generator:
 
 
 class SyntheticTranslation:
-    """Seq2seq task on random token strings of random length, padded with PAD at the end.
-
-    ``reverse``: target is the source reversed; ``copy``: target equals source.
-    Rows of a global batch: src_ids (b, S); tgt_in_ids (b, T) = BOS + target; labels (b, T) = target + EOS.
-    """
+    """Seq2seq task on random token strings of random length, padded with PAD: the target is the source
+    reversed (``reverse``) or itself (``copy``). Rows: src_ids (b, S); tgt_in_ids (b, T) = BOS + target;
+    labels (b, T) = target + EOS."""
 
     def __init__(self, model: ModelConfig, seed: int, task: str = "reverse", min_length: int = 4):
         if task not in ("reverse", "copy"):
@@ -65,11 +62,8 @@ class SyntheticTranslation:
 
 
 class SyntheticLM:
-    """Token streams from a fixed random Markov chain (each token has ``branching`` successors).
-
-    Rows of a global batch: input_ids (b, S), labels (b, S) = input_ids shifted by one.
-    A model that learns the chain reaches loss ln(branching), far below ln(V).
-    """
+    """Token streams from a fixed random Markov chain (each token has ``branching`` successors): a model that
+    learns it reaches loss ln(branching). Rows: input_ids (b, S), labels (b, S) = input_ids shifted by one."""
 
     def __init__(self, model: ModelConfig, seed: int, branching: int = 2):
         self.seed, self.seq_length, self.vocab_size = seed, model.seq_length, model.vocab_size

@@ -1,9 +1,7 @@
 """Subword tokenizer: byte-pair encoding trained with HF ``tokenizers``, saved as one ``tokenizer.json``.
 
-Special tokens have fixed ids shared with ``paratrain.data.synthetic``:
-PAD=0, BOS=1, EOS=2, UNK=3. Text is NFC-normalised and split GPT-2 style into
-words and punctuation over UTF-8 bytes, so any text round-trips exactly and
-no character is unknown.
+Special tokens have the fixed ids of ``paratrain.data.synthetic`` (PAD=0, BOS=1, EOS=2, UNK=3). Text is
+NFC-normalised and split GPT-2 style over UTF-8 bytes: any text round-trips and no character is unknown.
 """
 from __future__ import annotations
 
@@ -22,11 +20,8 @@ SPECIAL_TOKENS = {PAD: "<pad>", BOS: "<s>", EOS: "</s>", UNK: "<unk>"}
 
 
 class Tokenizer:
-    """A trained BPE tokenizer: text -> token ids (no BOS/EOS added) and back.
-
-    ``decode`` stops at the first EOS and skips PAD/BOS, so a row of model output
-    decodes directly.
-    """
+    """A trained BPE tokenizer: text -> token ids (no BOS/EOS added) and back (``decode`` stops at the first
+    EOS and skips PAD/BOS, so a row of model output decodes directly)."""
 
     def __init__(self, hf: HFTokenizer):
         for token_id, token in SPECIAL_TOKENS.items():

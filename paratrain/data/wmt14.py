@@ -1,12 +1,9 @@
 """WMT newstest ``.sgm`` files -> tab-separated sentence pairs, like the MindSpore tutorial's ``wmt14.fr_en.txt``.
 
-A newstest file is "fake SGML": one ``<srcset>``/``<refset>`` holding ``<doc docid=..>``
-blocks, each holding ``<seg id=..>text</seg>`` lines, optionally inside ``<p>`` or
-``<hl>``. Text is UTF-8 with HTML/XML entities (``&amp;``, ``&quot;``, ``&#39;``,
-``&eacute;``). It is not well-formed XML, so it is read with a few regular
-expressions and ``html.unescape``. Source and reference are paired by
-(document id, segment id); any mismatch is an error naming the document and the
-segment, and any text outside a ``<seg>`` is an error, so nothing is dropped.
+A newstest file is "fake SGML" (``<doc docid=..>`` blocks of ``<seg id=..>text</seg>`` lines, HTML
+entities), not well-formed XML, so it is read with a few regular expressions and ``html.unescape``.
+Source and reference are paired by (document id, segment id); a mismatch, or text outside a
+``<seg>``, is an error naming the document and segment, so nothing is dropped.
 """
 from __future__ import annotations
 
@@ -44,12 +41,8 @@ def _context(text: str, start: int) -> str:
 
 
 def parse_sgm(text: str, name: str = "<sgm>") -> dict[str, dict[str, str]]:
-    """Documents of one newstest file: ``{docid: {seg id: text}}``, both in file order.
-
-    Raises SgmError for a ``<doc>`` without ``docid``, a repeated document or
-    segment id, an unclosed ``<doc>``, a ``<seg>`` outside a document, or text
-    outside a ``<seg>``.
-    """
+    """Documents of one newstest file: ``{docid: {seg id: text}}``, both in file order; SgmError for a
+    malformed document or segment, or text outside a ``<seg>``."""
     docs: dict[str, dict[str, str]] = {}
     outside = _SET_TAG.sub("", _DOC.sub("", text))
     if "<seg" in outside.lower():
@@ -82,9 +75,7 @@ def parse_sgm(text: str, name: str = "<sgm>") -> dict[str, dict[str, str]]:
 def pair_documents(src: dict[str, dict[str, str]], ref: dict[str, dict[str, str]],
                    src_name: str = "source", ref_name: str = "reference") -> list[tuple[str, str]]:
     """(source, reference) sentence pairs in source order; SgmError listing every unmatched document/segment."""
-    problems = []
-    for docid in ref.keys() - src.keys():
-        problems.append(f"document {docid!r} is in {ref_name} but not in {src_name}")
+    problems = [f"document {docid!r} is in {ref_name} but not in {src_name}" for docid in ref.keys() - src.keys()]
     pairs = []
     for docid, segs in src.items():
         if docid not in ref:
@@ -176,10 +167,8 @@ def _decode(data: bytes, name) -> str:
 
 def preprocess_archive(archive: str | Path, out_dir: str | Path, src_lang: str = "en", tgt_lang: str = "fr",
                        test_set: str = "newstest2014", prefix: str = "wmt14") -> dict[str, Path]:
-    """Read ``{test_set}-{pair}-src.{src_lang}.sgm`` and ``-ref.{tgt_lang}.sgm`` straight from ``test-full.tgz``.
-
-    ``pair`` is the two language codes in either order (``fren`` or ``enfr``).
-    """
+    """Read ``{test_set}-{pair}-src.{src_lang}.sgm`` and ``-ref.{tgt_lang}.sgm`` straight from ``test-full.tgz``
+    (``pair``: the two language codes in either order)."""
     try:
         tar = tarfile.open(archive)
     except FileNotFoundError:

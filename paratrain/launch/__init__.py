@@ -1,9 +1,8 @@
 """``paratrain launch | jobs | logs | stop``: named jobs started with torchrun on one or many nodes.
 
-``hosts`` reads hostfiles, rank tables, Slurm allocations and Kubeflow pods, ``jobs`` keeps the
-job records, ``launcher`` runs torchrun on a node or ssh on every node, ``stop``
-asks every node to stop, ``failure`` and ``rendezvous`` say what went wrong, ``emit`` writes a launch as a
-Slurm batch script or a Kubeflow PyTorchJob (``--emit``), and ``msrun`` takes MindSpore's msrun flags.
+``hosts`` reads where a job runs, ``jobs`` keeps the job records, ``launcher`` runs torchrun on a node or
+ssh on every node, ``stop`` stops them, ``failure`` and ``rendezvous`` say what went wrong, ``emit`` writes
+a launch as a cluster's job file and ``msrun`` takes MindSpore's msrun flags.
 """
 from __future__ import annotations
 

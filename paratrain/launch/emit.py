@@ -1,16 +1,13 @@
 """``paratrain launch --emit sbatch|pytorchjob``: the job file a cluster's scheduler runs, written from a
 launch's own arguments instead of starting anything.
 
-- ``sbatch``: a Slurm batch script whose one task per node runs ``paratrain launch``; each of those reads its
-  node rank, the node count and node 0's address from the allocation (:func:`paratrain.launch.hosts.slurm_from_env`)
-  and starts its node's ranks. ``--requeue``: a requeued job resumes from the run directory's last checkpoint.
-- ``pytorchjob``: a Kubeflow PyTorchJob (``kubeflow.org/v1``) as JSON, which ``kubectl apply -f`` takes: a Master
-  and ``nnodes - 1`` Workers, one pod per node, each running ``paratrain train`` itself (one rank per pod) or
-  ``paratrain launch``, which reads the operator's ``PET_*`` variables
-  (:func:`paratrain.launch.hosts.kubeflow_from_env`).
+- ``sbatch``: a Slurm batch script whose one task per node runs ``paratrain launch``, which reads its node's
+  place from the allocation; ``--requeue``: a requeued job resumes from the run directory's last checkpoint.
+- ``pytorchjob``: a Kubeflow PyTorchJob as JSON for ``kubectl apply -f``: a Master and ``nnodes - 1`` Workers,
+  one pod per node, each running ``paratrain train`` (one rank per pod) or ``paratrain launch``.
 
-Both ask for GPUs (``nproc_per_node`` a node) unless ``PARATRAIN_DEVICE=cpu`` is set where they are written, in
-which case they ask for as many CPUs and pass that setting on.
+Both ask for ``nproc_per_node`` GPUs a node, or as many CPUs (passing the setting on) when written with
+``PARATRAIN_DEVICE=cpu``.
 """
 from __future__ import annotations
 

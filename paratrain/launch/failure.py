@@ -39,11 +39,8 @@ def timed_out(job: Job, rank: int, lines: int = 40) -> bool:
 
 def describe_laggards(records: dict[int, Progress], at: float, failed_rank: int) -> str | None:
     """``rank R stopped making progress at step S (...); rank F timed out waiting for it``, or None when the
-    records (as they were at time ``at``) single out no rank.
-
-    The laggards are the ranks that issued the fewest collectives at the lowest step when other ranks got
-    further; when all got equally far, the ranks whose heartbeat stopped.
-    """
+    records (as they were at time ``at``) single out no rank: the laggards are the ranks that got least far
+    (step, then collectives) when others got further, else those whose heartbeat stopped."""
     if len(records) < 2:
         return None
     reached = {rank: (r.step if r.step is not None else -1, r.collectives or 0) for rank, r in records.items()}

@@ -1,9 +1,7 @@
 """Where a job runs: DeepSpeed hostfiles, MindSpore rank tables, Slurm allocations and Kubeflow pods.
 
-Every source is turned into the same list of :class:`Host` (one per node, in
-node-rank order). Host names are checked against the host-name grammar before
-they are used, so a name such as ``a;rm -rf ~`` is refused here and never
-reaches ssh or a shell.
+Every source becomes the same list of :class:`Host` (one per node, in node-rank order). Host names are
+checked against the host-name grammar first: ``a;rm -rf ~`` is refused here and never reaches ssh.
 """
 from __future__ import annotations
 
@@ -131,13 +129,9 @@ def select_hosts(hosts: list[Host], include: str = "", exclude: str = "") -> lis
 
 
 def parse_rank_table(path: str | Path) -> list[Host]:
-    """Turn a MindSpore rank table (``server_list`` / ``device`` / ``rank_id``) into hosts.
-
-    Each server becomes a node whose ranks are its devices ordered by ``rank_id``;
-    the rank ids of every server must form one contiguous block, the blocks must
-    cover 0..world-1 in server order, and every server must hold the same number
-    of devices (one ``nproc_per_node`` for the whole job).
-    """
+    """Turn a MindSpore rank table (``server_list`` / ``device`` / ``rank_id``) into hosts: each server a node
+    whose ranks are its devices by ``rank_id``, numbered server by server without gaps, every server holding
+    as many devices (one ``nproc_per_node``)."""
     text = _read(path)
     try:
         table = json.loads(text)

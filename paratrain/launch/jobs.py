@@ -1,11 +1,8 @@
 """Job records: ``job.json`` in each job's run directory, listing and logs.
 
-The registry is one directory (``$PARATRAIN_HOME``, default ``runs``) holding
-one run directory per job name. A launcher process owns its job's record and
-rewrites it atomically as the job moves through its states; the launchers of
-the other nodes of a multi-node job keep ``node{R}.json`` beside it. A record
-that cannot be read (damaged, edited by hand) is reported as unreadable and
-never hides the other jobs.
+The registry (``$PARATRAIN_HOME``, default ``runs``) holds one run directory per job name. A launcher
+owns its job's record and rewrites it atomically; the other nodes' launchers keep ``node{R}.json``
+beside it. A record that cannot be read is reported as unreadable and never hides the other jobs.
 """
 from __future__ import annotations
 
@@ -17,6 +14,7 @@ import sys
 import time
 import types
 import typing
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -47,8 +45,7 @@ def jobs_home() -> Path:
 
 
 def check_name(name: str) -> str:
-    """Return ``name`` if it can name a job directory, else raise a JobError saying what is allowed (the rule
-    of ``run.name``)."""
+    """``name`` if it can name a job directory (the rule of ``run.name``), else a JobError saying why."""
     if not is_plain_name(name):
         raise JobError(f"job name {name!r}: {NAME_RULE}")
     return name
@@ -147,15 +144,14 @@ class Job:
             self.save()
 
     def requeued(self) -> bool:
-        """Whether this process runs in the Slurm job that made the record, requeued since (its
-        ``SLURM_RESTART_COUNT`` is higher): the launcher that made it ended with the earlier run."""
+        """Whether this process runs in the Slurm job that made the record, requeued since (a higher
+        ``SLURM_RESTART_COUNT``): the launcher that made it is gone."""
         return (bool(self.slurm_job_id) and os.environ.get("SLURM_JOB_ID") == self.slurm_job_id
                 and _slurm_restart_count(os.environ) > self.slurm_restart_count)
 
     def launcher_gone(self) -> bool:
-        """Whether the launcher is provably gone: the Slurm job was requeued since (:meth:`requeued`); on this
-        host its pid is dead; on another host it has not saved the record for :data:`LOST_AFTER_S` (it died
-        abruptly, or its node did)."""
+        """Whether the launcher is provably gone: the Slurm job was requeued since, its pid on this host is dead,
+        or on another host it has not saved the record for :data:`LOST_AFTER_S`."""
         if self.requeued():
             return True
         if self.host == socket.gethostname():
@@ -202,12 +198,9 @@ class Job:
         """The last ``metrics.jsonl`` record of the run directory ({} if none yet)."""
         path = Path(self.run_dir or self.dir) / "metrics.jsonl"
         last = {}
-        if path.exists():
-            for line in path.read_text(errors="replace").splitlines():
-                try:
-                    last = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line being written
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            with suppress(json.JSONDecodeError):  # a line being written
+                last = json.loads(line)
         return last
 
 

@@ -1,26 +1,18 @@
 """Start a job: torchrun (``torch.distributed.run`` as a library) on this node, or ssh to every node.
 
-Each rank runs ``python -u -m paratrain <words>`` (``python -u <script.py> <args>`` when the
-first word is a script, whose folder is then importable as with ``python script.py``); its stdout and stderr go to
-``rank{R}.log`` and its environment to ``env{R}.log`` in the job directory
-(a torchrun :class:`LogsSpecs`). torchrun's agent stops the other ranks as soon
-as one fails, and starts them all again while ``--max-restarts`` allows (an
-attempt; the earlier attempts' logs are kept as ``rank{R}.attempt{N}.log``, and
-every attempt is listed in ``job.json``); after the last it names the rank, its
-exit code and the end of its log (and, after a collective timeout, the rank that
-stopped making progress), records them in ``job.json`` and exits non-zero.
-Several nodes that may restart meet through a c10d rendezvous on node 0 (a
-restarted node's agent opens a new round, which the other nodes' agents join);
-without restarts, through a static one.
+Each rank runs ``python -u -m paratrain <words>`` (or ``python -u <script.py> <args>``); its stdout and
+stderr go to ``rank{R}.log`` and its environment to ``env{R}.log`` in the job directory. torchrun's agent
+stops the other ranks as soon as one fails and starts them all again while ``--max-restarts`` allows (each
+attempt is listed in ``job.json``, earlier attempts' logs kept as ``rank{R}.attempt{N}.log``); after the
+last it names the rank, its exit code, the end of its log and, after a collective timeout, the rank that
+stopped making progress. Nodes that may restart meet through a c10d rendezvous on node 0; without
+restarts, through a static one.
 
-torchrun's agent runs in a thread so that this process keeps its signals: a
-SIGTERM, SIGINT or SIGHUP, or a ``stop.json`` request, is forwarded to the
-ranks as SIGTERM (SIGKILL with ``stop --now``), and the launcher waits the
-grace period for them to save and exit before killing what is left. Ranks that
-exit with :data:`paratrain.progress.EXIT_STOPPED` make the job "stopped, saved
-at step N"; neither a stop nor such a rank ever restarts the job. A multi-node
-launch that is still waiting for other nodes says who is missing every 30 s and
-gives up after ``--join-timeout`` seconds.
+The agent runs in a thread so that this process keeps its signals: SIGTERM, SIGINT, SIGHUP or a
+``stop.json`` request is forwarded to the ranks as SIGTERM (SIGKILL with ``stop --now``), and what is left
+after the grace period is killed. Ranks exiting with :data:`paratrain.progress.EXIT_STOPPED` make the job
+"stopped, saved at step N"; neither that nor a stop ever restarts it. A multi-node launch still waiting for
+other nodes says who is missing every 30 s and gives up after ``--join-timeout`` seconds.
 """
 from __future__ import annotations
 
@@ -33,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,11 +62,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class RankLogs(LogsSpecs):
-    """torchrun log destinations: ``rank{R}.log`` (stdout+stderr) and ``env{R}.log`` per global rank.
-
-    With ``console`` the output of local rank 0 is also shown on the launcher's stdout. When the ranks are
-    started again (a restart), the last attempt's logs are kept as ``rank{R}.attempt{N}.log``.
-    """
+    """torchrun log destinations: ``rank{R}.log`` (stdout+stderr) and ``env{R}.log`` per global rank, local
+    rank 0's output also on the launcher's stdout with ``console``; a restart keeps the last attempt's logs."""
 
     def __init__(self, job_dir: Path, console: bool):
         super().__init__(log_dir=str(job_dir), redirects=Std.OUT, tee=Std.NONE)
@@ -158,10 +148,8 @@ def _child_ranks() -> dict[str, int]:
 def _signal_ranks(pids, sig: int) -> None:
     """Send ``sig`` to each rank's process group (torchrun starts every rank in a session of its own)."""
     for pid in pids:
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 class _StopSignals:
@@ -194,10 +182,9 @@ class _ChildThreadWarning(logging.Filter):
 
 
 class _NodeAgent(LocalElasticAgent):
-    """torchrun's agent of this node, which tells the launcher's :class:`_Agent` thread (``watcher``) each time
-    it starts the ranks and how each attempt it restarts ended. A failed attempt is not restarted once the
-    launcher stops the job, nor when a rank exited with :data:`~paratrain.progress.EXIT_STOPPED` (it was
-    stopped and saved: a stop, never a crash)."""
+    """torchrun's agent of this node, telling ``watcher`` each start of the ranks and how each restarted attempt
+    ended. A failed attempt is not restarted once the job is stopping, nor when a rank exited with
+    :data:`~paratrain.progress.EXIT_STOPPED` (stopped and saved: never a crash)."""
 
     def __init__(self, *args, watcher: "_Agent", **kwargs):
         super().__init__(*args, **kwargs)
@@ -220,11 +207,8 @@ class _NodeAgent(LocalElasticAgent):
 
 
 class _Agent(threading.Thread):
-    """torchrun's elastic agent, run in a thread; ``error`` is what it raised (None: every rank exited 0).
-
-    ``attempts`` lists every start of this node's ranks as the job record keeps them; ``ranks`` are the global
-    ranks of the last start. Once ``stopping`` is set, a failed attempt is the last.
-    """
+    """torchrun's elastic agent, run in a thread; ``error`` is what it raised (None: every rank exited 0),
+    ``attempts`` every start of this node's ranks (as ``job.json`` keeps them), ``ranks`` the last start's."""
 
     def __init__(self, config, cmd, cmd_args):
         super().__init__(name="torchrun-agent", daemon=True)  # a daemon: a rendezvous wait must not keep us alive
@@ -320,9 +304,8 @@ def run_node(job: Job, topo: Topology, command: list[str], console: bool, join_t
     """Run ``command`` on this node's ranks under torchrun until they end, restarting them up to
     ``job.max_restarts`` times after a failure; record the outcome in ``job``.
 
-    Returns the launcher's exit code: 0, :data:`~paratrain.progress.EXIT_STOPPED` when every rank stopped
-    after saving, 128 + signal when stopped otherwise, 1 when a rank failed (in the last attempt) or nodes
-    did not join.
+    Returns 0, :data:`~paratrain.progress.EXIT_STOPPED` when every rank stopped after saving, 128 + signal
+    when stopped otherwise, 1 when a rank failed (in the last attempt) or nodes did not join.
     """
     config, cmd, cmd_args = _torchrun_config(torchrun_args(topo, job.name, command, join_timeout_s, job.max_restarts))
     config.logs_specs = RankLogs(Path(job.dir), console)
@@ -354,11 +337,8 @@ def run_node(job: Job, topo: Topology, command: list[str], console: bool, join_t
     job.finish(state, code, codes, failing_rank=failing_rank, failure=message if state == "failed" else "",
                saved_step=saved)
     attempts = f" (attempt {len(job.attempts)} of {job.max_restarts + 1})" if len(job.attempts) > 1 else ""
-    if state == "failed":
-        print(f"paratrain launch: job {job.name} failed{attempts}: {message}", file=sys.stderr, flush=True)
-    else:
-        print(f"paratrain launch: job {job.name} {job.outcome}{attempts}; logs in {job.dir}", file=sys.stderr,
-              flush=True)
+    said = f"failed{attempts}: {message}" if state == "failed" else f"{job.outcome}{attempts}; logs in {job.dir}"
+    print(f"paratrain launch: job {job.name} {said}", file=sys.stderr, flush=True)
     return code
 
 

@@ -1,12 +1,9 @@
 """Stopping a job on every node: the stop request file, and ``paratrain stop``.
 
-``paratrain stop`` writes ``stop.json`` into the job's (shared) run directory.
-The launcher of every node, the hostfile coordinator included, watches for it
-and stops its own ranks: SIGTERM, then SIGKILL after the request's grace period
-(at once with ``--now``), and records the outcome. ``stop`` itself signals only
-processes recorded on the host it runs on (``socket.gethostname()``): the ranks
-of a launcher that is gone, and after the grace period whatever is left there.
-A pid recorded by another host means nothing here and is never signalled.
+``paratrain stop`` writes ``stop.json`` into the job's (shared) run directory; every node's launcher
+watches for it and stops its own ranks (SIGTERM, SIGKILL after the grace period or at once with
+``--now``) and records the outcome. ``stop`` itself signals only processes recorded on its own host:
+the ranks of a launcher that is gone, and after the grace period whatever is left there.
 """
 from __future__ import annotations
 
@@ -16,6 +13,7 @@ import signal
 import socket
 import sys
 import time
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -106,11 +104,8 @@ def stop(job: Job, grace_s: float = 10.0, now: bool = False, out=None) -> Job:
 
 
 def _local_processes(records: list[Job], job_dir: str) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-    """(launchers alive, ranks, ranks whose launcher is gone) of the active ``records``, as who -> pid.
-
-    A recorded rank counts only while its pid still runs a rank of this job: a pid reused since by another
-    process is left alone.
-    """
+    """(launchers alive, ranks, ranks whose launcher is gone) of the active ``records``, as who -> pid; a
+    recorded rank counts only while its pid still runs a rank of this job (a reused pid is left alone)."""
     launchers, ranks, orphans = {}, {}, {}
     for record in records:
         if record.state not in ACTIVE:
@@ -149,9 +144,7 @@ def _active(records: list[Job]) -> list[Job]:
     """Those of ``records`` whose file still says they are starting or running."""
     active = []
     for record in records:
-        try:
+        with suppress(JobError):  # a damaged record cannot be waited for
             if Job.from_file(record.path).state in ACTIVE:
                 active.append(record)
-        except JobError:
-            continue  # a damaged record cannot be waited for
     return active

@@ -56,9 +56,8 @@ class MetricsLogger:
     def _progress_bar(self):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
             TimeRemainingColumn
-        progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=True)
-        return progress
+        return Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=True)
 
     def should_log(self, step: int) -> bool:
         return (step + 1) % self.cfg.log_steps == 0 or step + 1 == self.total_steps

@@ -1,9 +1,8 @@
 """``paratrain plot RUN_DIR [RUN_DIR ...] [--out DIR]`` and ``paratrain summary RUN_DIR``: read ``metrics.jsonl`` back.
 
-plot writes ``loss.png``, ``throughput.png`` (tokens/s and MFU) and, when the runs
-were trained with ``metrics.breakdown = true``, ``breakdown.png`` (one stacked bar per
-run: mean share of the step in forward, backward, optimizer, communication, pipeline
-idle, other); several runs are overlaid, labelled by their directory names.
+plot writes ``loss.png``, ``throughput.png`` (tokens/s and MFU) and, with ``metrics.breakdown = true``,
+``breakdown.png`` (a stacked bar per run of where the mean step went); runs are overlaid, labelled by
+their directory names.
 """
 from __future__ import annotations
 

@@ -1,24 +1,14 @@
 """Where a step's time goes: forward, backward, optimizer, exposed communication, pipeline idle, other.
 
-The trainer brackets its work with ``timer.phase(name)``; with ``metrics.breakdown``
-off every phase is the same no-op context and nothing is synchronized or measured.
-When it is on:
-
-* phase boundaries synchronize the device (``synchronize``: CUDA only), like
-  DeepSpeed's ``wall_clock_breakdown``; phases nest, a phase's time excludes its
-  inner phases';
-* a ``TorchDispatchMode`` active during the step times every collective
-  (``c10d.*``, ``_c10d_functional.*``) until it completes (it waits for the
-  collective right there; on a GPU with CUDA events around it, read when the step is
-  over), so time spent communicating is taken out of the phase it ran in and reported
-  as exposed communication. Point-to-point sends/receives of
-  the pipeline are not timed: waiting for a neighbour stage is pipeline idle time;
-* for a pipeline step (``phase("pipeline")`` around ``Pipeline.step``) the stages'
-  forward and backward (``forward_one_chunk``, ``backward_one_chunk``,
-  ``backward_weight_one_chunk`` and the loss) are timed inside the schedule; the
-  rest of the schedule's step minus communication is pipeline idle.
-
-``other`` is everything else (data, loss bookkeeping), so the parts add up to the step.
+The trainer brackets its work with ``timer.phase(name)``; with ``metrics.breakdown`` off that is
+a no-op. When it is on, phase boundaries synchronize the device (like DeepSpeed's
+``wall_clock_breakdown``) and phases nest, a phase's time excluding its inner phases'. A
+``TorchDispatchMode`` times every collective until it completes (with CUDA events on a GPU), so
+communication is taken out of the phase it ran in and reported as exposed communication;
+point-to-point sends/receives are not timed: waiting for a neighbour stage is pipeline idle. In a
+pipeline step the stages' forward and backward are timed inside the schedule, the rest of it
+(minus communication) is pipeline idle. ``other`` is the rest (data, loss bookkeeping), so the
+parts add up to the step.
 """
 from __future__ import annotations
 
@@ -53,13 +43,10 @@ def _wait(namespace: str, name: str, out) -> None:
     """Block until the collective that returned ``out`` is complete."""
     if name == "wait_tensor":
         return
-    if namespace == "c10d":
-        for item in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(item, torch.ScriptObject):
-                dist.Work.unbox(item).wait()
-        return
     for item in out if isinstance(out, (tuple, list)) else (out,):
-        if isinstance(item, torch.Tensor):
+        if namespace == "c10d" and isinstance(item, torch.ScriptObject):
+            dist.Work.unbox(item).wait()
+        elif namespace != "c10d" and isinstance(item, torch.Tensor):
             torch.ops._c10d_functional.wait_tensor(item)
 
 
@@ -104,9 +91,8 @@ class StepTimer:
     """Per-step timing phases plus what the record needs besides the loss: MFU, memory, skipped steps.
 
     ``cfg`` is the ``[metrics]`` section; ``pipeline`` a ``paratrain.parallel.pipeline.Pipeline`` or None.
-    The peak FLOP/s of the job for ``mfu`` is taken at start (``peak_source`` says how); a CPU peak
-    is measured per rank (each its own share of the cores) and summed. With ``mfu=False`` nothing is
-    measured and records get no ``tflops``/``mfu``.
+    The job's peak FLOP/s is taken at start (``peak_source`` says how; a CPU peak is measured per rank and
+    summed); with ``mfu=False`` records get no ``tflops``/``mfu``.
     """
 
     def __init__(self, cfg: MetricsConfig, pipeline=None, device: torch.device | None = None, mfu: bool = True):
@@ -196,14 +182,9 @@ class StepTimer:
 
     def breakdown(self) -> dict[str, float]:
         """``<part>_s`` and ``<part>_pct`` for each of PARTS, over the measured step time ``step_s``."""
-        comm = float(sum(self.comm.values()))
-        seconds = {
-            "forward": self.times["forward"] - self.comm["forward"],
-            "backward": self.times["backward"] - self.comm["backward"],
-            "optimizer": self.times["optimizer"] - self.comm["optimizer"],
-            "comm": comm,
-            "pipeline_idle": self.times["pipeline"] - self.comm["pipeline"],
-        }
+        phases = {"forward": "forward", "backward": "backward", "optimizer": "optimizer", "pipeline_idle": "pipeline"}
+        seconds = {part: self.times[phase] - self.comm[phase] for part, phase in phases.items()}
+        seconds["comm"] = float(sum(self.comm.values()))
         seconds["other"] = self.wall - sum(seconds.values())
         out = {"step_s": self.wall}
         for part in PARTS:

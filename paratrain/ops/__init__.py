@@ -1,10 +1,6 @@
-"""MindSpore's primitives (``mindspore.ops``) as torch modules with ``.shard(strategy)``.
-
-``MatMul``, ``BatchMatMul``, ``Add``, ``Sub``, ``Mul``, ``RealDiv``, ``BiasAdd``, ``Exp``, ``Log``,
-``ReLU``, ``ReduceSum``, ``ReduceMean``, ``ReduceMax``, ``Softmax``, ``OneHot``, ``NotEqual``, ``Gather``,
-``Reshape``, ``Transpose``, and the collective ``AllReduce``. A strategy is applied under
-``semi_auto_parallel``/``auto_parallel`` (``paratrain.parallel.semi_auto``); elsewhere the ops are
-the plain torch computation. See ``paratrain.ops.strategy`` for what a strategy means.
+"""MindSpore's primitives (``mindspore.ops``) as torch modules with ``.shard(strategy)``, applied under
+``semi_auto_parallel``/``auto_parallel`` (``paratrain.parallel.semi_auto``; what a strategy means:
+``paratrain.ops.strategy``); elsewhere the ops are the plain torch computation.
 """
 from paratrain.ops.comm import AllReduce
 from paratrain.ops.math import (Add, BatchMatMul, BiasAdd, Exp, Gather, Log, MatMul, Mul, NotEqual, RealDiv,

@@ -7,6 +7,8 @@ the input's strategy is the device matrix.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
@@ -115,29 +117,25 @@ class _Elementwise(Primitive):
 class Add(_Elementwise):
     """``Add()(x, y)``: x + y, broadcast."""
 
-    def compute(self, x, y):
-        return x + y
+    compute = staticmethod(operator.add)
 
 
 class Sub(_Elementwise):
     """``Sub()(x, y)``: x - y, broadcast."""
 
-    def compute(self, x, y):
-        return x - y
+    compute = staticmethod(operator.sub)
 
 
 class Mul(_Elementwise):
     """``Mul()(x, y)``: x * y, broadcast."""
 
-    def compute(self, x, y):
-        return x * y
+    compute = staticmethod(operator.mul)
 
 
 class RealDiv(_Elementwise):
     """``RealDiv()(x, y)``: x / y, broadcast."""
 
-    def compute(self, x, y):
-        return x / y
+    compute = staticmethod(operator.truediv)
 
 
 class NotEqual(_Elementwise):
@@ -170,57 +168,47 @@ class BiasAdd(Primitive):
 class Exp(Primitive):
     """``Exp()(x)``: e ** x."""
 
-    def compute(self, x):
-        return torch.exp(x)
+    compute = staticmethod(torch.exp)
 
 
 class Log(Primitive):
     """``Log()(x)``: the natural logarithm."""
 
-    def compute(self, x):
-        return torch.log(x)
+    compute = staticmethod(torch.log)
 
 
 class ReLU(Primitive):
     """``ReLU()(x)``: max(x, 0)."""
 
-    def compute(self, x):
-        return torch.relu(x)
+    compute = staticmethod(torch.relu)
 
 
 class _Reduce(Primitive):
     """``Reduce*(keep_dims=False)(x, axis=())``: over ``axis`` (all dimensions when empty)."""
+
+    reduce = None  # torch's reduction, called with dim= and keepdim=
 
     def __init__(self, keep_dims: bool = False):
         super().__init__()
         self.keep_dims = keep_dims
 
     def compute(self, x, axis=()):
-        return self.reduce(x, _axes(axis, x.ndim), self.keep_dims)
+        return self.reduce(x, dim=_axes(axis, x.ndim), keepdim=self.keep_dims)
 
 
 class ReduceSum(_Reduce):
     __doc__ = _Reduce.__doc__.replace("Reduce*", "ReduceSum") + " Sum."
-
-    @staticmethod
-    def reduce(x, dims, keep):
-        return torch.sum(x, dim=dims, keepdim=keep)
+    reduce = staticmethod(torch.sum)
 
 
 class ReduceMean(_Reduce):
     __doc__ = _Reduce.__doc__.replace("Reduce*", "ReduceMean") + " Mean."
-
-    @staticmethod
-    def reduce(x, dims, keep):
-        return torch.mean(x, dim=dims, keepdim=keep)
+    reduce = staticmethod(torch.mean)
 
 
 class ReduceMax(_Reduce):
     __doc__ = _Reduce.__doc__.replace("Reduce*", "ReduceMax") + " Maximum."
-
-    @staticmethod
-    def reduce(x, dims, keep):
-        return torch.amax(x, dim=dims, keepdim=keep)
+    reduce = staticmethod(torch.amax)
 
 
 class Softmax(Primitive):

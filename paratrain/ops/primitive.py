@@ -1,14 +1,9 @@
 """``Primitive``: the base of MindSpore's ops as torch modules, with ``.shard(strategy)``.
 
-An op holds its strategy and, once the semi-auto placement gave it the job's ``StrategyMesh``,
-redistributes each tensor input to the placements its strategy asks before calling the torch
-op; DTensor derives the output's layout (a MatMul split along its contraction gives a
-``Partial`` sum, which the next op that needs it whole reduces). Without a mesh (one process,
-``STAND_ALONE``, data parallel) it is the torch op on plain tensors, strategies ignored.
-
-An op without a strategy runs data-parallel: dimension 0 of its inputs of the highest rank
-split over all devices when it divides (parameters are never split by default), as MindSpore's
-default strategy; any other input whole.
+Once the semi-auto placement gave an op the job's ``StrategyMesh``, it redistributes each tensor
+input to the placements its strategy asks before calling the torch op; DTensor derives the output's
+layout (a MatMul split along its contraction gives a ``Partial`` sum). Without a mesh it is the torch
+op on plain tensors. An op without a strategy runs data-parallel, as MindSpore's default.
 """
 from __future__ import annotations
 
@@ -97,10 +92,10 @@ class Primitive(nn.Module):
     # --- running ----------------------------------------------------------------------------
 
     def effective_strategy(self, inputs: list[torch.Tensor], device_num: int) -> Strategy:
-        shapes = [tuple(t.shape) for t in inputs]
         if self.strategy is not None:
             return self.strategy
-        return self.default_strategy(shapes, [isinstance(t, nn.Parameter) for t in inputs], device_num)
+        return self.default_strategy([tuple(t.shape) for t in inputs], [isinstance(t, nn.Parameter) for t in inputs],
+                                     device_num)
 
     def placed_inputs(self, args: tuple) -> tuple[tuple, OpLayout]:
         """``args`` with each tensor redistributed to this op's placements on the mesh, and the op's layout."""
@@ -118,9 +113,8 @@ class Primitive(nn.Module):
         return tuple(out), layout
 
     def forward(self, *args):
-        if self.mesh is None:
-            return self.compute(*args)
-        args, _ = self.placed_inputs(args)
+        if self.mesh is not None:
+            args, _ = self.placed_inputs(args)
         return self.compute(*args)
 
     def compute(self, *args):

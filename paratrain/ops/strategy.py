@@ -1,19 +1,15 @@
 """MindSpore's shard strategies as DTensor placements.
 
 A strategy gives, for each tensor input of an op, the number of slices of each dimension:
-``MatMul().shard(((2, 1), (1, 2)))``. MindSpore turns it into a **device matrix** -- one dimension
-per independent split of the op (MatMul's ``[a, b, c]`` for ``((a, b), (b, c))``) -- and a
-**tensor map** per input: which device-matrix dimension splits each tensor dimension. When the
-product of the device matrix is less than ``device_num``, a last dimension of size
-``device_num // product`` is appended (MindSpore's default, ``repeated_num_in_dev_matrix_right_``):
-the devices along it repeat the computation. Devices are numbered row-major over the matrix.
+``MatMul().shard(((2, 1), (1, 2)))``. MindSpore turns it into a **device matrix** (one dimension
+per independent split: MatMul's ``[a, b, c]`` for ``((a, b), (b, c))``; a last dimension of the
+devices that repeat the computation appended when it uses fewer than ``device_num``) and a **tensor
+map** per input: which device-matrix dimension splits each tensor dimension.
 
-All ops of a job share one ``StrategyMesh``: a DeviceMesh whose dimensions are factors of
-``device_num`` ordered so that every op's device matrix is a coarsening of it (a device-matrix
-dimension of size 4 on 8 devices is two mesh dimensions of size 2). A tensor dimension split
-along such a dimension is ``Shard(d)`` on each of its mesh dimensions, outer first, which is
-DTensor's nested order and MindSpore's row-major numbering. Every tensor thus lives on the
-same mesh, and DTensor redistributes between the layouts of consecutive ops, with autograd.
+All ops of a job share one ``StrategyMesh``: a DeviceMesh of prime factors of ``device_num`` ordered
+so that every op's device matrix coarsens it; a tensor dimension split along a device-matrix
+dimension is ``Shard(d)`` on each of its mesh dimensions, outer first (MindSpore's row-major device
+numbering), so DTensor redistributes between the layouts of consecutive ops, with autograd.
 """
 from __future__ import annotations
 
