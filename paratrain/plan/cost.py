@@ -158,6 +158,14 @@ def model_chunk_parts(m: ModelConfig, owner: list[int], chunk: int) -> set[str]:
     return held
 
 
+OPTIMIZER_STATES = 2  # AdamW's exp_avg and exp_avg_sq, each the size of its parameter
+
+
+def state_bytes(param_bytes: float) -> float:
+    """Model-state bytes of parameters of ``param_bytes`` at rest: themselves, their gradients, AdamW's states."""
+    return (2 + OPTIMIZER_STATES) * param_bytes
+
+
 @dataclass
 class StageState:
     """Model-state bytes of one pipeline rank (tensor/data-parallel rank 0: the largest shards)."""
@@ -225,7 +233,7 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
 
             mine = [n for n, o in zip(sizes[id(st)], owners(sizes[id(st)], par.data_parallel)) if o == 0]
             st.stepped, stepped_tensors = sum(mine) * b, len(mine)
-        st.optimizer = 2 * st.stepped + 4 * stepped_tensors
+        st.optimizer = OPTIMIZER_STATES * st.stepped + 4 * stepped_tensors
     return stages
 
 
@@ -431,3 +439,56 @@ def stage_activation_bytes(cfg: Config, par: ParallelConfig, stage: int, st: Sta
     flight = in_flight(par, stage)
     return {"per_micro_batch": per_micro, "in_flight": flight, "recompute_peak": recompute_peak,
             "total": per_micro * flight + recompute_peak}
+
+
+# --- time: compute and communication ------------------------------------------------------------
+
+@dataclass
+class Hardware:
+    """The devices a job runs on: memory, peak FLOP/s and link bandwidths, and the time of compute and of
+    collectives on them (the one model of both the layout planner and the op-strategy search)."""
+
+    devices: int
+    devices_per_node: int = 8
+    device_memory: float = 80e9  # bytes
+    peak_flops: float = 312e12  # per device, in the training dtype
+    intra_bw: float = 200e9  # bytes/s of bus bandwidth per device inside a node
+    inter_bw: float = 25e9  # bytes/s per device across nodes
+    efficiency: float = 0.5  # fraction of peak the matmuls reach
+    reserve: float = 0.05  # fraction of device memory kept free (allocator fragmentation, workspaces)
+    mem_bw: float = 2e12  # bytes/s of device memory: elementwise ops and the optimizer step are bound by it
+    layer_overhead: float = 3e-5  # seconds per layer and micro-batch (kernel launches)
+    latency: float = 2e-5  # seconds of start-up per collective
+    host_memory: float = 128e9  # bytes of host memory per device (offload keeps the model state there)
+    host_bw: float = 25e9  # bytes/s between host and device each way (PCIe 4 x16)
+    host_mem_bw: float = 20e9  # bytes/s of host memory one rank's optimizer step streams (offload)
+
+    @property
+    def usable_memory(self) -> float:
+        return self.device_memory * (1 - self.reserve)
+
+    def bandwidth(self, span: int) -> float:
+        """Bandwidth of a group whose members lie within ``span`` consecutive ranks."""
+        return self.intra_bw if span <= self.devices_per_node else self.inter_bw
+
+    def compute_time(self, flops: float) -> float:
+        """Seconds of ``flops`` of matmuls on one device."""
+        return flops / (self.peak_flops * self.efficiency)
+
+    def transfer_time(self, nbytes: float, span: int, calls: int = 0) -> float:
+        """Seconds to move ``nbytes`` per device in ``calls`` collectives of a group within ``span`` ranks."""
+        return nbytes / self.bandwidth(span) + calls * self.latency
+
+    def collective_time(self, kind: str, size: float, group: int, span: int | None = None) -> float:
+        """Seconds of one ring collective (``collective_bytes``) of ``group`` ranks within ``span`` ranks
+        (default: the group's own)."""
+        if group <= 1:
+            return 0.0
+        return self.transfer_time(collective_bytes(kind, size, group), span or group, calls=1)
+
+
+def collective_bytes(kind: str, size: float, group: int) -> float:
+    """Bytes each of ``group`` ranks sends in a ring collective over a tensor of ``size`` bytes (the whole
+    one: an all-gather's output, a reduce-scatter's input): ``all_reduce`` 2 (p - 1) / p of it,
+    ``all_gather`` and ``reduce_scatter`` (p - 1) / p."""
+    return {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[kind] * (group - 1) / group * size

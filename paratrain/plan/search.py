@@ -22,42 +22,15 @@ import copy
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
 
 from paratrain.config import Config, ConfigError, ParallelConfig
 from paratrain.config_rules import validate
 from paratrain.metrics.flops import layer_flops, model_flops
 from paratrain.plan import cost
+from paratrain.plan.cost import Hardware, collective_bytes
 
 FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "zero_stage", "recompute",
           "sequence_parallel", "offload_optimizer", "offload_param")
-
-
-@dataclass
-class Hardware:
-    devices: int
-    devices_per_node: int = 8
-    device_memory: float = 80e9  # bytes
-    peak_flops: float = 312e12  # per device, in the training dtype
-    intra_bw: float = 200e9  # bytes/s of bus bandwidth per device inside a node
-    inter_bw: float = 25e9  # bytes/s per device across nodes
-    efficiency: float = 0.5  # fraction of peak the matmuls reach
-    reserve: float = 0.05  # fraction of device memory kept free (allocator fragmentation, workspaces)
-    mem_bw: float = 2e12  # bytes/s of device memory: elementwise ops and the optimizer step are bound by it
-    layer_overhead: float = 3e-5  # seconds per layer and micro-batch (kernel launches)
-    latency: float = 2e-5  # seconds of start-up per collective
-    host_memory: float = 128e9  # bytes of host memory per device (offload keeps the model state there)
-    host_bw: float = 25e9  # bytes/s between host and device each way (PCIe 4 x16)
-    host_mem_bw: float = 20e9  # bytes/s of host memory one rank's optimizer step streams (offload)
-
-    @property
-    def usable_memory(self) -> float:
-        return self.device_memory * (1 - self.reserve)
-
-
-def _bw(hw: Hardware, span: int) -> float:
-    """Bandwidth of a group whose members lie within ``span`` consecutive ranks."""
-    return hw.intra_bw if span <= hw.devices_per_node else hw.inter_bw
 
 
 def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None = None) -> dict:
@@ -105,7 +78,6 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
             worst = (total, stage, st, act, transient)
     total, stage, st, act, transient = worst
     offset = m.encoder_layers if m.kind == "transformer" else 0
-    ring = 2 * (tp - 1) / tp if tp > 1 else 0.0
     per_layer = {}
     for d in (False, True):
         f = layer_flops(m, d, b)
@@ -129,26 +101,29 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         # elementwise work (norms, softmax, activations, dropout) streams the activations ~3 times (4 with
         # full recompute); each layer costs a fixed overhead per micro-batch
         memory_time = act_micro[len(times)] / hw.mem_bw + len(s.layers) * hw.layer_overhead + calls * hw.latency
-        times.append((flops / (hw.peak_flops * hw.efficiency) + memory_time + ring * tp_bytes / _bw(hw, tp), flops))
+        tp_time = hw.transfer_time(collective_bytes("all_reduce", tp_bytes, tp), tp) if tp > 1 else 0.0
+        times.append((hw.compute_time(flops) + memory_time + tp_time, flops))
     t_micro = max(t for t, _ in times)
     pp_time = 0.0
     if pp > 1:  # forward activation and backward gradient over each boundary, per micro-batch
         boundary = tokens_b * m.hidden_size * spec.elem / (tp if par.sequence_parallel else 1)
         if m.kind == "transformer":
             boundary *= 2  # encoder output + decoder state
-        pp_time = 2 * boundary * par.virtual_pipeline_stage / _bw(hw, dp * tp * pp)
-    dp_volume = 0.0
+        pp_time = hw.transfer_time(2 * boundary * par.virtual_pipeline_stage, dp * tp * pp)
+    dp_time = 0.0
     if dp > 1:
-        f = (dp - 1) / dp
         whole = max(s.whole_params for s in states)
-        if zero == 3:
-            dp_volume = 3 * f * whole * (1 if pp > 1 else mb)
+        if zero == 3:  # parameters gathered in forward and backward, gradients reduce-scattered
+            gathers = 1 if pp > 1 else mb
+            volume = gathers * (2 * collective_bytes("all_gather", whole, dp)
+                                + collective_bytes("reduce_scatter", whole, dp))
         else:  # stage 1 on replicas: the all-reduce, then every parameter broadcast from its owner
-            dp_volume = (3 if par.shards_only_optimizer_state else 2) * f * whole
-    dp_time = dp_volume / _bw(hw, dp * tp)
-    if dp > 1:  # one gather and/or reduction per layer group (gradient_aggregation_group buckets)
+            volume = collective_bytes("all_reduce", whole, dp) + (
+                collective_bytes("all_gather", whole, dp) if par.shards_only_optimizer_state else 0)
+        # one gather and/or reduction per layer group (gradient_aggregation_group buckets)
         groups = par.aggregation_groups(max(len(s.layers) for s in states)) + 1
-        dp_time += groups * (3 * (1 if pp > 1 else mb) if zero == 3 else (2 if zero else 1)) * hw.latency
+        dp_time = hw.transfer_time(volume, dp * tp, groups * (3 * (1 if pp > 1 else mb) if zero == 3 else
+                                                              (2 if zero else 1)))
     bubble = cost.bubble_micro_batches(par)
     # AdamW reads parameter, gradient and two states and writes three of them
     optimizer_time = max(7 * s.stepped for s in states) / (hw.host_mem_bw if par.offloads else hw.mem_bw)
@@ -172,7 +147,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
                step_time_s=step, mfu=mfu,
                breakdown={"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "zero_gathered": transient,
                           "activations": act["total"], "in_flight": act["in_flight"],
-                          "compute_s": (mb + bubble) * max(fl for _, fl in times) / (hw.peak_flops * hw.efficiency),
+                          "compute_s": (mb + bubble) * hw.compute_time(max(fl for _, fl in times)),
                           "bubble_micro_batches": bubble, "dp_comm_s": dp_time, "pp_comm_s": (mb + bubble) * pp_time,
                           "optimizer_s": optimizer_time, "host_bytes": host["host"],
                           "host_to_device_bytes": host["host_to_device"],
