@@ -84,7 +84,7 @@ def layer_params(m: ModelConfig, decoder: bool) -> list[Param]:
 def other_params(m: ModelConfig) -> list[Param]:
     """Parameters outside the layers, tagged with the pipeline part that holds them."""
     h, v = m.hidden_size, m.vocab_size
-    if m.kind == "gpt":
+    if not m.spec.encoder_decoder:
         out = [Param("embed.word.embedding.weight", (v, h), "vocab", "word"),
                Param("embed.position.weight", (m.seq_length, h), part="input_embed")]
         out += _norm("norm", h, "head")
@@ -117,11 +117,10 @@ def tp_numel(p: Param, par: ParallelConfig) -> int:
 
 
 def layer_blocks(m: ModelConfig) -> list[tuple[bool, int, int]]:
-    """(is_decoder_layer, layer_id, offset) of every layer in execution order (``pipeline_blocks``)."""
-    if m.kind == "gpt":
-        return [(False, i, 0) for i in range(m.decoder_layers)]
-    return ([(False, i, 0) for i in range(m.encoder_layers)]
-            + [(True, i, m.encoder_layers) for i in range(m.decoder_layers)])
+    """(is_decoder_layer, layer_id, offset) of every layer in execution order (``pipeline_blocks``): the layers of
+    a second stack are an encoder-decoder's decoder layers."""
+    counts = list(m.stack_layers.values())
+    return [(stack > 0, i, sum(counts[:stack])) for stack, n in enumerate(counts) for i in range(n)]
 
 
 def chunk_of_layers(m: ModelConfig, par: ParallelConfig) -> list[int]:
@@ -139,19 +138,15 @@ PART_ROLES = {"embed": "input_embed", "src_embed": "input_embed", "tgt_embed": "
 
 def layer_names(m: ModelConfig) -> list[str]:
     """The names of the model's layers in execution order (``pipeline_blocks``)."""
-    if m.kind == "gpt":
-        return [f"layers.{i}" for i in range(m.decoder_layers)]
-    return ([f"transformer.encoder.layers.{i}" for i in range(m.encoder_layers)]
-            + [f"transformer.decoder.layers.{i}" for i in range(m.decoder_layers)])
+    return [f"{stack}.{i}" for stack, n in m.stack_layers.items() for i in range(n)]
 
 
 def model_chunk_parts(m: ModelConfig, owner: list[int], chunk: int) -> set[str]:
     """The roles of what besides its layers a chunk holds, placed as the model's ``pipeline_parts`` say
     (``paratrain.parallel.pipeline.part_chunks``), and "word" when it holds a copy of the word table."""
-    from paratrain.models.transformer import GPTModel, Seq2SeqModel
     from paratrain.parallel.pipeline import part_chunks
 
-    parts = (GPTModel if m.kind == "gpt" else Seq2SeqModel).pipeline_parts
+    parts = m.spec.build_function().pipeline_parts
     held = {PART_ROLES[p] for p, c in part_chunks(parts, layer_names(m), owner).items() if c == chunk}
     if held & {"input_embed", "target_embed"} or (m.tie_embeddings and "head" in held):
         held.add("word")
@@ -242,9 +237,7 @@ def model_params(m: ModelConfig) -> int:
     def per_layer(decoder: bool) -> int:
         return sum(math.prod(p.shape) for p in layer_params(m, decoder))
     n = sum(math.prod(p.shape) for p in other_params(m))
-    if m.kind == "gpt":
-        return n + m.decoder_layers * per_layer(False)
-    return n + m.encoder_layers * per_layer(False) + m.decoder_layers * per_layer(True)
+    return n + sum(count * per_layer(stack > 0) for stack, count in enumerate(m.stack_layers.values()))
 
 
 def offload_bytes(par: ParallelConfig, st: StageState) -> dict:
@@ -341,11 +334,8 @@ def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int
     ``none``: everything autograd saves.
     """
     t, sp, h, b = par.model_parallel, par.sequence_parallel, m.hidden_size, micro_batch
-    if m.kind == "gpt":
-        n_q = n_kv = b * m.seq_length
-    else:
-        n_kv = b * m.src_seq_length
-        n_q = b * (m.tgt_seq_length if decoder else m.src_seq_length)
+    source, target = m.lengths
+    n_kv, n_q = b * source, b * (target if decoder else source)
     layer_input = n_q * h * spec.elem / (t if sp else 1)
     if mode == "full":
         return layer_input
@@ -365,10 +355,10 @@ def extra_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int
     """Bytes kept outside the layers per micro-batch: ids, masks, embeddings, final norms, logits, loss."""
     t, sp, h, b, e = par.model_parallel, par.sequence_parallel, m.hidden_size, micro_batch, spec.elem
     ss = t if sp else 1
-    lengths = [m.seq_length] if m.kind == "gpt" else [m.src_seq_length, m.tgt_seq_length]
+    lengths = list(m.sequence_lengths().values())
     out = sum(b * s * 8 for s in lengths)  # token ids (int64)
     out += sum(b * s * s for s in lengths)  # boolean attention masks (B, 1, T, T)
-    if m.kind == "transformer":
+    if m.spec.encoder_decoder:
         out += b * m.tgt_seq_length * m.src_seq_length  # cross-attention mask
     if "input_embed" in parts:
         out += b * lengths[0] * h * spec.hidden_mask / ss
@@ -424,10 +414,9 @@ def stage_activation_bytes(cfg: Config, par: ParallelConfig, stage: int, st: Sta
     spec = spec or activation_spec(cfg)
     b = -(-cfg.train.global_batch_size // (par.data_parallel * par.micro_batch_num))
     modes = modes or recompute_modes(par, m)
-    offset = m.encoder_layers if m.kind == "transformer" else 0
     counts: dict = {}
     for _, d, i in st.layers:
-        key = (d, modes[i + offset if d else i])
+        key = (d, modes[i + m.encoder_layers if d else i])  # a decoder layer's offset: the encoder's layers
         counts[key] = counts.get(key, 0) + 1
     per_micro, recompute_peak = 0.0, 0.0
     for (d, mode), n in counts.items():

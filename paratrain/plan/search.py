@@ -77,23 +77,23 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         if worst is None or total > worst[0]:
             worst = (total, stage, st, act, transient)
     total, stage, st, act, transient = worst
-    offset = m.encoder_layers if m.kind == "transformer" else 0
     per_layer = {}
+    source, target = m.lengths
     for d in (False, True):
         f = layer_flops(m, d, b)
-        tokens = b * (m.seq_length if m.kind == "gpt" else (m.tgt_seq_length if d else m.src_seq_length))
+        tokens = b * (target if d else source)
         for mode in ("none", "selective", "full"):
             fwd = f["dense"] + f["core"]
             extra = fwd if mode == "full" else (f["core"] if mode == "selective" else 0)
             collectives = (7 if d else 4) + ((3 if d else 2) if mode == "full" else 0)  # TP all-reduces
             calls = collectives * (2 if par.sequence_parallel else 1) if tp > 1 else 0  # SP: gather + scatter
             per_layer[(d, mode)] = ((3 * fwd + extra) / tp, collectives * tokens * m.hidden_size * spec.elem, calls)
-    tokens_b = b * (m.seq_length if m.kind == "gpt" else m.tgt_seq_length)
+    tokens_b = b * target
     times = []
     for s in states:
         flops, tp_bytes, calls = 0.0, 0.0, 0
         for _, d, i in s.layers:
-            fl, by, n = per_layer[(d, modes[i + offset if d else i])]
+            fl, by, n = per_layer[(d, modes[i + m.encoder_layers if d else i])]  # decoder: after the encoder
             flops, tp_bytes, calls = flops + fl, tp_bytes + by, calls + n
         if any("head" in parts for parts in s.parts):
             flops += 3 * 2 * tokens_b * m.hidden_size * m.vocab_size / tp
@@ -107,7 +107,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     pp_time = 0.0
     if pp > 1:  # forward activation and backward gradient over each boundary, per micro-batch
         boundary = tokens_b * m.hidden_size * spec.elem / (tp if par.sequence_parallel else 1)
-        if m.kind == "transformer":
+        if m.spec.encoder_decoder:
             boundary *= 2  # encoder output + decoder state
         pp_time = hw.transfer_time(2 * boundary * par.virtual_pipeline_stage, dp * tp * pp)
     dp_time = 0.0
