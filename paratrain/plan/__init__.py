@@ -8,7 +8,7 @@ lazily, so that the command line does not load torch to list its commands.
 import importlib
 
 _EXPORTS = {
-    "Hardware": "search", "candidates": "search", "choose_layout": "search", "evaluate": "search",
+    "Hardware": "cost", "candidates": "search", "choose_layout": "search", "evaluate": "search",
     "resolve_auto": "search", "search": "search", "model_params": "cost", "stage_states": "cost",
 }
 __all__ = [*_EXPORTS, "model_flops"]
