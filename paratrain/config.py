@@ -168,8 +168,7 @@ class ModelConfig(Section):
     @property
     def lengths(self) -> tuple[int, int]:
         """(source, target) sequence lengths: the encoder's and the decoder's, or the one of a decoder-only model."""
-        source, target = (getattr(self, key) for key in self.spec.length_keys)
-        return source, target
+        return tuple(getattr(self, key) for key in self.spec.length_keys)
 
     def sequence_lengths(self) -> dict[str, int]:
         return {key: getattr(self, key) for key in dict.fromkeys(self.spec.length_keys)}

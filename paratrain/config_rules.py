@@ -123,13 +123,13 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
                         f"{p.model_parallel} and pipeline_stage={p.pipeline_stage}: set both to 1")
     if m.hidden_size % m.num_heads:
         problems.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}: "
-                        f"use num_heads in {_divisors(m.hidden_size)}")
+                        f"use num_heads in {divisors(m.hidden_size)}")
     mp = p.model_parallel
     for name in ("num_heads", "hidden_size", "ffn_hidden_size"):
         value = getattr(m, name)
         if value % mp:
             problems.append(f"model.{name}={value} is not divisible by parallel.model_parallel={mp}: "
-                            f"use model_parallel in {_divisors(value)}")
+                            f"use model_parallel in {divisors(value)}")
     if not p.vocab_emb_dp and m.vocab_size % mp:
         problems.append(f"model.vocab_size={m.vocab_size} is not divisible by parallel.model_parallel={mp} "
                         f"with parallel.vocab_emb_dp=false: pad vocab_size to {math.ceil(m.vocab_size / mp) * mp} "
@@ -293,6 +293,6 @@ def _unusable(section: Section) -> list[str]:
     return problems
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

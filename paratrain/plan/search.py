@@ -18,13 +18,12 @@ offload only when no layout fits without it.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
 
 from paratrain.config import Config, ConfigError, ParallelConfig
-from paratrain.config_rules import validate
+from paratrain.config_rules import divisors, validate
 from paratrain.metrics.flops import layer_flops, model_flops
 from paratrain.plan import cost
 from paratrain.plan.cost import Hardware, collective_bytes
@@ -47,7 +46,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     b = -(-gb // (dp * mb))
     row.update(pipeline_schedule=par.pipeline_schedule if pp > 1 else "none",
                virtual_pipeline_stage=par.virtual_pipeline_stage, micro_batch_size=b)
-    problems = validate(_with(cfg, par), dp * tp * pp)
+    problems = validate(dataclasses.replace(cfg, parallel=par), dp * tp * pp)
     if m.num_heads % tp or m.hidden_size % tp or m.ffn_hidden_size % tp or pp * par.virtual_pipeline_stage > m.num_layers:
         row.update(feasible=False, reason="; ".join(problems), memory_gib=None, step_time_s=None, mfu=None)
         return row
@@ -156,16 +155,6 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     return row
 
 
-def _with(cfg: Config, par: ParallelConfig) -> Config:
-    out = copy.copy(cfg)
-    out.parallel = par
-    return out
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidates(cfg: Config, devices: int, micro_batch_sizes=(1, 2, 4, 8, 16, 32),
                zero_stages=(0, 1, 3), recomputes=("none", "selective", "full")) -> list[ParallelConfig]:
     """Every layout worth considering for ``devices``: dp x tp x pp = devices, tp dividing the heads,
@@ -173,10 +162,10 @@ def candidates(cfg: Config, devices: int, micro_batch_sizes=(1, 2, 4, 8, 16, 32)
     m, gb = cfg.model, cfg.train.global_batch_size
     base = cfg.parallel
     out = []
-    for tp in _divisors(devices):
+    for tp in divisors(devices):
         if m.num_heads % tp or m.hidden_size % tp or m.ffn_hidden_size % tp:
             continue
-        for pp in _divisors(devices // tp):
+        for pp in divisors(devices // tp):
             if pp > m.num_layers:
                 continue
             dp = devices // tp // pp
