@@ -478,6 +478,6 @@ class Hardware:
 
 def collective_bytes(kind: str, size: float, group: int) -> float:
     """Bytes each of ``group`` ranks sends in a ring collective over a tensor of ``size`` bytes (the whole
-    one: an all-gather's output, a reduce-scatter's input): ``all_reduce`` 2 (p - 1) / p of it,
-    ``all_gather`` and ``reduce_scatter`` (p - 1) / p."""
-    return {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[kind] * (group - 1) / group * size
+    one: an all-gather's output, a reduce-scatter's input): ``all_reduce`` 2 (p - 1) / p of it, the others
+    (all-gather, reduce-scatter, all-to-all, pipelined broadcast) (p - 1) / p."""
+    return (2 if kind == "all_reduce" else 1) * (group - 1) / group * size

@@ -100,7 +100,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         # elementwise work (norms, softmax, activations, dropout) streams the activations ~3 times (4 with
         # full recompute); each layer costs a fixed overhead per micro-batch
         memory_time = act_micro[len(times)] / hw.mem_bw + len(s.layers) * hw.layer_overhead + calls * hw.latency
-        tp_time = hw.transfer_time(collective_bytes("all_reduce", tp_bytes, tp), tp) if tp > 1 else 0.0
+        tp_time = hw.transfer_time(collective_bytes("all_reduce", tp_bytes, tp), tp)
         times.append((hw.compute_time(flops) + memory_time + tp_time, flops))
     t_micro = max(t for t, _ in times)
     pp_time = 0.0
