@@ -28,7 +28,6 @@ from paratrain.ops.primitive import Primitive
 from paratrain.ops.strategy import Strategy
 from paratrain.parallel.semi_auto import Call
 from paratrain.plan import cost
-from paratrain.plan.search import default_hardware
 
 FORMAT = "paratrain-strategy-1"
 BYTES = 4  # float32
@@ -106,7 +105,7 @@ class StrategyChooser:
                  save_file: str = "", hw: cost.Hardware | None = None):
         self.device_num, self.search_mode = device_num, search_mode
         self.load_file, self.save_file = load_file, save_file
-        self.hw = hw or default_hardware(device_num, device_num)
+        self.hw = hw or cost.Hardware.default(device_num, device_num)
         self.chosen: dict[str, tuple[Primitive, Strategy]] = {}
 
     @classmethod

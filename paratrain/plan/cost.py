@@ -452,6 +452,19 @@ class Hardware:
     host_bw: float = 25e9  # bytes/s between host and device each way (PCIe 4 x16)
     host_mem_bw: float = 20e9  # bytes/s of host memory one rank's optimizer step streams (offload)
 
+    @classmethod
+    def default(cls, devices: int, devices_per_node: int) -> "Hardware":
+        """This machine's kind of device: on CUDA its memory with an 80 GB, 312 TFLOP/s device's other figures; on
+        the CPU (gloo) matmuls at ~50 GFLOP/s a core and collectives at ~0.5 GB/s, memory not the limit."""
+        import torch
+
+        from paratrain.device import device
+
+        if device().type == "cuda":
+            return cls(devices, devices_per_node, device_memory=torch.cuda.get_device_properties(device()).total_memory)
+        return cls(devices, devices_per_node, device_memory=math.inf, peak_flops=1e11, intra_bw=0.5e9,
+                   inter_bw=0.1e9, efficiency=0.6, mem_bw=5e9, layer_overhead=1e-3, latency=3e-3)
+
     @property
     def usable_memory(self) -> float:
         return self.device_memory * (1 - self.reserve)

@@ -226,9 +226,7 @@ def choose_layout(cfg: Config, world_size: int, devices_per_node: int | None = N
     hardware defaults to an 80 GB, 312 TFLOP/s device; on a machine without CUDA the memory is
     taken as unlimited and only the predicted step time ranks layouts.
     """
-    if hw is None:
-        hw = default_hardware(world_size, devices_per_node or world_size)
-    rows = search(cfg, hw)
+    rows = search(cfg, hw or Hardware.default(world_size, devices_per_node or world_size))
     if not rows:
         raise ConfigError([f"parallel.auto: no layout of this model fits {world_size} processes (global batch "
                            f"{cfg.train.global_batch_size}, {cfg.model.num_heads} heads)"])
@@ -257,16 +255,3 @@ def resolve_auto(cfg: Config, world_size: int, report=print) -> Config:
     cfg.parallel, why = choose_layout(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     report(why)
     return cfg
-
-
-def default_hardware(world_size: int, devices_per_node: int) -> Hardware:
-    import torch
-
-    from paratrain.device import device
-
-    if device().type == "cuda":
-        props = torch.cuda.get_device_properties(device())
-        return Hardware(world_size, devices_per_node, device_memory=props.total_memory)
-    # CPU (gloo): matmuls at ~50 GFLOP/s a core, collectives ~0.5 GB/s; memory is not the limit here
-    return Hardware(world_size, devices_per_node, device_memory=math.inf, peak_flops=1e11, intra_bw=0.5e9,
-                    inter_bw=0.1e9, efficiency=0.6, mem_bw=5e9, layer_overhead=1e-3, latency=3e-3)
