@@ -201,10 +201,9 @@ def resume_changes(saved: dict, config: Config) -> tuple[list[str], list[str]]:
         return out
 
     kinds = (saved.get("model", {}).get("kind", config.model.kind), config.model.kind)
-    # a user's net (checkpoints before paratrain recorded it as one: "transformer"): the names and shapes of its
-    # tensors, checked as they load, say whether the checkpoint fits
-    strict = [] if kinds[1] == USER_MODEL_KIND else [k for k in _model_keys(kinds[0]) if k in _model_keys(kinds[1])
-                                                     or k == "kind"]
+    strict = [k for k in _model_keys(kinds[0]) if k in _model_keys(kinds[1]) or k == "kind"]
+    if kinds[1] == USER_MODEL_KIND:  # its tensors' names and shapes, checked as they load, say whether it fits
+        strict = []  # (older checkpoints of a user's net record a default "transformer")
     refused = differ("model", strict)
     changed = differ("model", [k for k in MODEL_TRAINING_KEYS if k not in strict])
     for section in CHANGEABLE_SECTIONS:
