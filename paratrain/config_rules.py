@@ -118,9 +118,10 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if problems:  # the rules below divide by these sizes
         return problems
 
-    if not m.spec.stacks and (p.model_parallel > 1 or p.pipeline_stage > 1):
-        problems.append(f"model.kind={m.kind!r} trains with data parallelism only, got parallel.model_parallel="
-                        f"{p.model_parallel} and pipeline_stage={p.pipeline_stage}: set both to 1")
+    if not m.spec.stacks and (p.model_parallel > 1 or p.pipeline_stage > 1 or p.auto):
+        problems.append(f"model.kind={m.kind!r} trains with data parallelism only (the planner knows Transformer "
+                        f"layers), got parallel.model_parallel={p.model_parallel}, pipeline_stage={p.pipeline_stage} "
+                        f"and auto={str(p.auto).lower()}: set both to 1, auto to false")
     if m.hidden_size % m.num_heads:
         problems.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}: "
                         f"use num_heads in {divisors(m.hidden_size)}")

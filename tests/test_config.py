@@ -230,6 +230,8 @@ def test_the_registry_of_model_kinds_drives_validation(monkeypatch):
                                                     "tiny_lm"]
     assert problems_for(model={"kind": "tiny_lm"}) == ["data.kind='synthetic' has no batches for "
                                                        "model.kind='tiny_lm': use data.kind 'text'"]
+    resnet = {"model": {"kind": "resnet"}, "data": {"kind": "cifar10", "path": "x"}}
+    assert "the planner knows Transformer layers" in only_problem(parallel={"auto": True}, **resnet)
     for kind in ("transformer", "gpt"):
         cfg = tiny_config(model={"kind": kind}).model
         model = build_model(cfg)
