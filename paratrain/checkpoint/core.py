@@ -354,7 +354,8 @@ class Checkpointer:
             # the whole model from the shards just written: same code path as `paratrain export`
             self._write_meta(tmp, step, layout, settings, files={})
             export(tmp, tmp / INTEGRATED_FILE)
-        written = {**written, "config.toml": write_file(tmp / "config.toml", tomli_w.dumps(self.settings()).encode())}
+        config_toml = tomli_w.dumps(self.recorded_config()).encode()
+        written = {**written, "config.toml": write_file(tmp / "config.toml", config_toml)}
         files = {}
         for p in sorted(tmp.iterdir()):
             if p.is_file() and p.name != META_FILE:  # the integrated model.safetensors is hashed here, once
@@ -382,7 +383,7 @@ class Checkpointer:
             "step": step,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "layout": layout,
-            "config": self.settings(),
+            "config": self.recorded_config(),
             "scheduler": schedule,
             **{name: state.state_dict() for name, state in self.states.items()},
             "optimizer_settings": {k: _json_value(v) for k, v in settings.items()},
@@ -391,13 +392,13 @@ class Checkpointer:
         }
         write_meta(directory, meta)
 
-    def settings(self) -> dict:
-        """The run's settings as its checkpoints record them: a user's net (``USER_MODEL_KIND``) by its kind alone,
+    def recorded_config(self) -> dict:
+        """The run's config as its checkpoints record it: a user's net (``USER_MODEL_KIND``) by its kind alone,
         not by the sizes of a built-in model it is not."""
-        settings = self.config.to_dict()
+        config = self.config.to_dict()
         if self.config.model.kind == USER_MODEL_KIND:
-            settings["model"] = {"kind": USER_MODEL_KIND}
-        return settings
+            config["model"] = {"kind": USER_MODEL_KIND}
+        return config
 
     def _prune(self, keep: Path) -> None:
         """Keep the ``keep_max`` newest complete checkpoints (0: all); drop leftovers of killed saves."""
