@@ -1,4 +1,4 @@
-"""AdamW with decay groups, warmup + cosine LR, and a global gradient norm."""
+"""AdamW with decay groups, the LR schedules of both faces (plain Python), and a global gradient norm."""
 from __future__ import annotations
 
 import logging
@@ -51,51 +51,60 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
                              eps=cfg.eps, fused=True)
 
 
+def warmup(step: float, steps: int, start: float, end: float, log: bool = False) -> float:
+    """``start + (end - start) * f``: ``f = min(step, steps) / steps``, or DeepSpeed's ``log(step + 1) / log(steps)``
+    (at most 1) with ``log``; steps before 0 count as 0."""
+    step = min(max(step, 0), steps)
+    return start + (end - start) * (min(1.0, math.log(step + 1) / math.log(steps)) if log else step / steps)
+
+
+def polynomial_decay(step: float, start: float, end: float, steps: int, power: float = 1.0,
+                     restart: bool = False) -> float:
+    """``end + (start - end) * (1 - p) ** power`` with ``p = min(step, steps) / steps``; with ``restart`` the decay
+    starts again every ``steps`` (``p = step / (steps * max(1, ceil(step / steps)))``)."""
+    p = step / (steps * max(1, math.ceil(step / steps))) if restart else min(step, steps) / steps
+    return end + (start - end) * (1 - p) ** power
+
+
+def cosine_decay(step: float, start: float, end: float, steps: int, hold: bool = True) -> float:
+    """``end + (start - end) * (1 + cos(pi * p)) / 2`` with ``p = min(step, steps) / steps``, or ``p = step / steps``
+    without ``hold`` (the rate rises again past ``steps``, as DeepSpeed's WarmupCosineLR)."""
+    return end + (start - end) * (1 + math.cos(math.pi * (min(step, steps) if hold else step) / steps)) / 2
+
+
+def exponential_decay(step: float, start: float, rate: float, steps: int, stair: bool = False) -> float:
+    """``start * rate ** p`` with ``p = step / steps``, floored with ``stair``."""
+    return start * rate ** (step // steps if stair else step / steps)
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """The LR of optimizer step ``step`` (0-based) under ``train.lr_schedule``.
 
-    ``cosine``: linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at
-    ``lr_decay_steps`` (0: ``steps``). The others are DeepSpeed's schedules (its
-    ``deepspeed/runtime/lr_schedules.py``), see :func:`deepspeed_lr`.
+    ``cosine``: linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``lr_decay_steps``
+    (0: ``steps``; ``total`` here). The others are DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR
+    (``deepspeed/runtime/lr_schedules.py``): step ``s`` runs at DeepSpeed's iteration ``i = s - 1`` (-1: as the
+    scheduler is made), warming up from ``warmup_min_lr`` (WarmupCosineLR: 0 at -1) to ``lr`` over ``w = max(2,
+    warmup_steps)`` iterations; then WarmupLR stays, WarmupDecayLR falls linearly to ``warmup_min_lr`` at ``total``
+    and WarmupCosineLR follows a cosine to ``min_lr`` (``cos_min_ratio x lr``) at ``total``, rising past it.
     """
-    decay_steps = cfg.lr_decay_steps or cfg.steps
-    if cfg.lr_schedule != "cosine":
-        return deepspeed_lr(step, cfg, decay_steps)
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, decay_steps - cfg.warmup_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def deepspeed_lr(step: int, cfg: TrainConfig, total: int) -> float:
-    """DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR at optimizer step ``step``.
-
-    DeepSpeed sets the LR of the first step when the scheduler is made (iteration -1) and steps the
-    scheduler after each optimizer step, so step ``s`` runs at iteration ``i = s - 1``. The warmup runs
-    over ``w = max(2, warmup_steps)`` iterations from ``warmup_min_lr`` to ``lr`` by the fraction
-    ``log(i + 1) / log(w)`` (``warmup_type = "log"``) or ``i / w`` (linear), 0 before the first
-    iteration. After it WarmupLR stays at ``lr``; WarmupDecayLR falls linearly,
-    ``lr_min + (lr - lr_min) * max(0, (total - i) / max(1, total - w))``; WarmupCosineLR follows
-    ``max(0, min_lr + (lr - min_lr) * (1 + cos(pi * (i - w + 1) / (total - w))) / 2)`` (past ``total``
-    the cosine rises again, as DeepSpeed's does) and runs its first step at LR 0. ``total`` is DeepSpeed's
-    ``total_num_steps``; WarmupCosineLR's ratios are given here as LRs (``warmup_min_lr = warmup_min_ratio
-    x lr``, ``min_lr = cos_min_ratio x lr``).
-    """
+    total = cfg.lr_decay_steps or cfg.steps
+    if cfg.lr_schedule == "cosine":
+        if step < cfg.warmup_steps:
+            return warmup(step + 1, cfg.warmup_steps, 0.0, cfg.lr)
+        return cosine_decay(step - cfg.warmup_steps, cfg.lr, cfg.min_lr, max(1, total - cfg.warmup_steps))
     i, w = step - 1, max(2, cfg.warmup_steps)
     if i < 0 and cfg.lr_schedule == "warmup_cosine_lr":
         return 0.0
-    if i < w:
-        fraction = 0.0 if i < 0 else (math.log(i + 1) / math.log(w) if cfg.warmup_type == "log" else i / w)
-        return cfg.warmup_min_lr + (cfg.lr - cfg.warmup_min_lr) * fraction
-    if cfg.lr_schedule == "warmup_lr":
-        return cfg.lr
+    if i < w or cfg.lr_schedule == "warmup_lr":
+        return warmup(i, w, cfg.warmup_min_lr, cfg.lr, log=cfg.warmup_type == "log")
     if cfg.lr_schedule == "warmup_decay_lr":
-        return cfg.warmup_min_lr + (cfg.lr - cfg.warmup_min_lr) * max(0.0, (total - i) / max(1, total - w))
-    cosine = (1 + math.cos(math.pi * (i - w + 1) / (total - w))) / 2
-    return max(0.0, cfg.min_lr + (cfg.lr - cfg.min_lr) * cosine)
+        decay = max(1, total - w)  # from w to total (at its end already if the warmup runs past total)
+        return polynomial_decay(i - (total - decay), cfg.lr, cfg.warmup_min_lr, decay)
+    return cosine_decay(i - w + 1, cfg.lr, cfg.min_lr, total - w, hold=False)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """torch's LambdaLR over ``lr_at`` (plain Python: no tensor made, nothing read from the device)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
 
 

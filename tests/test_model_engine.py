@@ -274,8 +274,9 @@ def test_auto_parallel_hsdp_level3_on_two_ranks_gives_the_losses_of_one_process(
 
 
 def _scenario(directory, parallel=True, signal_rank=None, resume="none"):
-    """The issue's check, on 4 ranks: a user's token net of blocks declaring their tensor-parallel split,
-    model_parallel=2 x 2 interleaved pipeline stages (two segments each, 1F1B) x 2 micro-batches, in bf16, with a
+    """The issue's check, on 8 ranks: a user's token net of blocks declaring their tensor-parallel split,
+    data_parallel=2 x model_parallel=2 x 2 interleaved pipeline stages (two segments each, 1F1B) x 2 micro-batches,
+    in bf16, with a
     SummaryCollector and a ModelCheckpoint (without ``parallel``: one process, the same context); rank
     ``signal_rank`` gets SIGTERM at the start of step 2. Returns (exit code, [(step, loss)])."""
     import os
@@ -288,8 +289,8 @@ def _scenario(directory, parallel=True, signal_rank=None, resume="none"):
 
     torch.manual_seed(0)
     net = TokenNet()
-    net.parallel_config = TransformerOpParallelConfig(model_parallel=2 if parallel else 1,
-                                                      micro_batch_num=2)
+    net.parallel_config = TransformerOpParallelConfig(data_parallel=2 if parallel else 1,
+                                                      model_parallel=2 if parallel else 1, micro_batch_num=2)
     for i, block in enumerate(net.blocks):
         block.pipeline_stage, block.pipeline_segment = i % 2, i // 2
     paratrain.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_config={
@@ -320,13 +321,13 @@ def _scenario(directory, parallel=True, signal_rank=None, resume="none"):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_users_net_interleaved_mp2_pp2_bf16_stopped_and_resumed_gives_one_process_losses(tmp_path):
-    code, one = _scenario(str(tmp_path / "one"), parallel=False)  # one process: no pipeline, mp 1
+def test_a_users_net_dp2_mp2_interleaved_pp2_bf16_stopped_and_resumed_gives_one_process_losses(tmp_path):
+    code, one = _scenario(str(tmp_path / "one"), parallel=False)  # one process: no pipeline, dp 1, mp 1
     assert code == 0 and [step for step, _ in one] == [1, 2, 3, 4, 5]
-    stopped = run_distributed(_scenario, 4, str(tmp_path / "run"), True, 3, timeout=240)
-    assert [code for code, _ in stopped] == [4] * 4  # rank 3 signalled in step 2: all stop after step 3, saved
-    resumed = run_distributed(_scenario, 4, str(tmp_path / "run"), True, None, "auto", timeout=240)
-    assert [code for code, _ in resumed] == [0] * 4
+    stopped = run_distributed(_scenario, 8, str(tmp_path / "run"), True, 5, timeout=240)
+    assert [code for code, _ in stopped] == [4] * 8  # rank 5 signalled in step 2: all stop after step 3, saved
+    resumed = run_distributed(_scenario, 8, str(tmp_path / "run"), True, None, "auto", timeout=240)
+    assert [code for code, _ in resumed] == [0] * 8
     losses = stopped[0][1] + resumed[0][1]
     assert [step for step, _ in losses] == [1, 2, 3, 4, 5]
     assert [loss for _, loss in losses] == pytest.approx([loss for _, loss in one], rel=5e-3)

@@ -229,3 +229,34 @@ def test_whole_and_sliced_checkpoints_of_4_devices_load_under_another_strategy_o
     assert params["network.fc1.weight"][0] == "(Shard(dim=0),)"  # split by rows over the 2 devices
     for name, (_, value) in params.items():
         assert torch.allclose(torch.tensor(value), trained[name], atol=1e-6), name
+
+
+class Classifier(nn.Module):
+    """``MLP`` ending in paratrain.nn's CrossEntropyLoss of (logits, labels, mask): (N, 16), (N,), (N,) -> ()."""
+
+    def __init__(self, dp: int = 1):
+        from paratrain.nn import CrossEntropyLoss
+
+        super().__init__()
+        self.mlp, self.loss = MLP(dp), CrossEntropyLoss()
+
+    def forward(self, x, labels, mask):
+        return self.loss(self.mlp(x), labels, mask)
+
+
+def _classifier_losses(dp):
+    reset_auto_parallel_context()
+    set_auto_parallel_context(parallel_mode=ParallelMode.SEMI_AUTO_PARALLEL)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 8, (8,), generator=g),
+                (torch.rand(8, generator=g) > 0.25).float()) for _ in range(4)]
+    net, losses = Classifier(dp), loss_recorder()
+    Model(net, optimizer=Momentum(net.parameters(), 0.05, 0.9)).train(1, batches, callbacks=[losses])
+    return losses.values
+
+
+@pytest.mark.slow
+def test_cross_entropy_loss_of_rows_split_by_a_strategy_gives_one_process_losses():
+    one = _classifier_losses(1)
+    for losses in run_distributed(_classifier_losses, 2, 2, timeout=120):
+        assert losses == pytest.approx(one, rel=1e-5)

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from paratrain.errors import UserError
 
 CHUNK_BYTES = 16 << 20  # fp32 logits of one chunk of rows on the CPU
 GPU_CHUNK_BYTES = 256 << 20  # on a GPU: a 16k-token micro-batch at a 32k vocabulary in 8 chunks
@@ -103,15 +102,16 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 
     Logits that are a DTensor sharded on V over one mesh dimension (and replicated on any other) are
     reduced vocab-parallel by ``loss_parallel``, so forward and backward must run under it
-    (``paratrain.parallel.loss.loss_context``); the result is then the same on every rank."""
+    (``paratrain.parallel.loss.loss_context``); the result is then the same on every rank. Logits
+    placed any other way (rows split by a semi-auto strategy) are gathered whole first."""
     logits = logits.reshape(-1, logits.shape[-1]).float()
     labels = labels.reshape(-1).long()
+    vocab_dims = [i for i, p in enumerate(logits.placements) if p.is_shard(1)] if isinstance(logits, DTensor) else []
+    if isinstance(logits, DTensor) and (len(vocab_dims) != 1 or not all(
+            p.is_replicate() for i, p in enumerate(logits.placements) if i != vocab_dims[0])):
+        logits = logits.full_tensor()  # rows split by an op strategy (semi-auto): the whole batch's on every rank
     if not isinstance(logits, DTensor):
         return F.cross_entropy(logits, labels, reduction="none")
-    vocab_dims = [i for i, p in enumerate(logits.placements) if p.is_shard(1)]
-    if len(vocab_dims) != 1 or not all(p.is_replicate() for i, p in enumerate(logits.placements) if i != vocab_dims[0]):
-        raise UserError(f"cross-entropy: logits with placements {logits.placements} are not sharded on the vocab "
-                        f"dimension over exactly one mesh dimension and replicated on the others")
     mesh = logits.device_mesh
     if mesh.ndim > 1:  # torch 2.11's loss_parallel takes a one-dimensional mesh only: the vocab's
         vocab_mesh = DeviceMesh.from_group(mesh.get_group(vocab_dims[0]), mesh.device_type)

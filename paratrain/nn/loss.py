@@ -7,6 +7,7 @@ models.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from paratrain.errors import UserError
 from paratrain.modules.linear_cross_entropy import token_cross_entropy
@@ -41,6 +42,8 @@ class CrossEntropyLoss(Cell):
     def forward(self, logits, labels, input_mask):
         if self.reduction not in REDUCTIONS:
             raise UserError(f"CrossEntropyLoss: reduction={self.reduction!r} is not one of {', '.join(REDUCTIONS)}")
+        # rows split by a semi-auto strategy: the whole batch's (token_cross_entropy gathers such logits too)
+        labels, input_mask = (t.full_tensor() if isinstance(t, DTensor) else t for t in (labels, input_mask))
         mask = input_mask.reshape(-1).float()
         token_loss = token_cross_entropy(logits, torch.where(mask != 0, labels.reshape(-1), 0))
         total, count = (token_loss * mask).sum(), mask.sum()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from paratrain.errors import UserError
+from paratrain.nn.learning_rate_schedule import LearningRateSchedule
 
 
 class Momentum(torch.optim.SGD):
@@ -34,8 +35,8 @@ class AdamWeightDecay(torch.optim.Optimizer):
         m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
         param -= lr * (m / (sqrt(v) + eps) + weight_decay * param)
 
-    ``learning_rate`` is a number or a schedule (``paratrain.nn.learning_rate_schedule``, or any module
-    or function of the global step), evaluated on the host with the number of steps taken so far.
+    ``learning_rate`` is a number or a schedule of the number of steps taken so far: ``paratrain.nn``'s
+    (computed in plain Python), or any module or function, given the step as a 0-d int32 host tensor.
     ``params`` may be MindSpore's groups: dicts with ``params`` and their own ``weight_decay``; a group of
     ``order_params`` is accepted and has no effect (torch keeps the parameters' order itself).
     """
@@ -65,9 +66,9 @@ class AdamWeightDecay(torch.optim.Optimizer):
 
     def _rate(self, step: int) -> float:
         rate = self.defaults["learning_rate"]
-        if not callable(rate):
-            return float(rate)
-        return float(rate(torch.tensor(step, dtype=torch.int32, device="cpu")))  # a host value: no device wait
+        if isinstance(rate, LearningRateSchedule) and rate.rate is not None:
+            return float(rate.rate(step))
+        return float(rate(torch.tensor(step, dtype=torch.int32, device="cpu")) if callable(rate) else rate)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)

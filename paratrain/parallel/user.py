@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import warnings
 
 import torch
 from torch import fx, nn
@@ -49,6 +50,11 @@ from paratrain.parallel.loss import loss_context
 from paratrain.parallel.pipeline import SCHEDULES, StageFixes, chunk_rank, integer_boundaries
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import declared_plan, gradient_like_parameter, has_submodule, parallel_style
+
+# torch 2.13's FSDP2 warns whenever a wrapped module returns a view; a traced stage's outputs only go to the
+# pipeline's send and to its backward, never into an in-place op, which is what the warning is about
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w*GraphModule\) returned a view",
+                        category=UserWarning)
 
 
 class UnsplittableNet(UserError):
