@@ -469,17 +469,14 @@ class Hardware:
     def usable_memory(self) -> float:
         return self.device_memory * (1 - self.reserve)
 
-    def bandwidth(self, span: int) -> float:
-        """Bandwidth of a group whose members lie within ``span`` consecutive ranks."""
-        return self.intra_bw if span <= self.devices_per_node else self.inter_bw
-
     def compute_time(self, flops: float) -> float:
         """Seconds of ``flops`` of matmuls on one device."""
         return flops / (self.peak_flops * self.efficiency)
 
     def transfer_time(self, nbytes: float, span: int, calls: int = 0) -> float:
-        """Seconds to move ``nbytes`` per device in ``calls`` collectives of a group within ``span`` ranks."""
-        return nbytes / self.bandwidth(span) + calls * self.latency
+        """Seconds to move ``nbytes`` per device in ``calls`` collectives of a group within ``span`` consecutive
+        ranks: over the node's links when they fit in one, else the network's."""
+        return nbytes / (self.intra_bw if span <= self.devices_per_node else self.inter_bw) + calls * self.latency
 
     def collective_time(self, kind: str, size: float, group: int, span: int | None = None) -> float:
         """Seconds of one ring collective (``collective_bytes``) of ``group`` ranks within ``span`` ranks
