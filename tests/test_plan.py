@@ -356,3 +356,13 @@ def test_op_strategy_search_and_planner_cost_a_collective_alike():
     whole = cost.stage_states(cfg.model, par)[0].whole_params
     groups = par.aggregation_groups(cfg.model.num_layers) + 1  # one all-reduce per layer and one for the rest
     assert evaluate(cfg, par, hw)["breakdown"]["dp_comm_s"] == pytest.approx(all_reduce(whole, 2, groups))
+
+
+def test_only_kinds_of_transformer_layers_are_planned(capsys):
+    from paratrain.cli import main
+
+    for kind in ("resnet", "bert"):
+        for dry_run in ([], ["--dry-run"]):
+            assert main(["plan", "--devices", "2", f"--model.kind={kind}", *dry_run]) == 2
+            assert (f"model.kind='{kind}' cannot be planned: the planner costs Transformer layers, of model.kind "
+                    f"'transformer' or 'gpt'") in capsys.readouterr().err
