@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # tests/multiprocess.py: forked gloo workers
 
 from multiprocess import run_distributed  # noqa: E402
+from paratrain.plan.cost import collective_bytes  # noqa: E402
 
 # name: parallel section (micro_batch_num stays 1: every formula below is per micro-batch
 # for tensor parallel, and ZeRO < 3 communicates once per step anyway)
@@ -131,15 +132,6 @@ FUNCTIONAL_OPS = {
 NOT_COMMUNICATING = {"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier_"}
 
 
-def ring_bytes(kind: str, full_bytes: float, n: int) -> float:
-    """Bytes one rank sends for a collective whose full tensor has ``full_bytes``, over ``n`` ranks."""
-    if n <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n * full_bytes
-    return (n - 1) / n * full_bytes  # all-gather, reduce-scatter, all-to-all, (pipelined) broadcast
-
-
 def _tensor_bytes(value) -> int:
     import torch
 
@@ -202,7 +194,7 @@ def _counter_class():
                 module += " (bw)" if self.tracker.is_bw else ""
             self.events.append({"phase": self.phase, "op": f"{ns}.{name}", "kind": kind, "group_size": n,
                                 "shape": _shape(args[index]), "full_bytes": full,
-                                "bytes_sent": ring_bytes(kind, full, n), "module": module})
+                                "bytes_sent": collective_bytes(kind, full, n), "module": module})
 
     return CollectiveCounter
 

@@ -13,6 +13,7 @@ config must meet are :mod:`paratrain.config_rules`.
 """
 from __future__ import annotations
 
+import importlib
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -23,15 +24,12 @@ from paratrain.errors import UserError
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 RECOMPUTE_MODES = ("none", "full", "selective")
 MIXED_PRECISION = ("auto", "none", "bf16", "fp16")
-MODEL_KINDS = ("transformer", "gpt", "resnet")
 LR_SCHEDULES = ("cosine", "warmup_lr", "warmup_decay_lr", "warmup_cosine_lr")  # the last three: DeepSpeed's
 WARMUP_TYPES = ("linear", "log")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("gelu", "relu")
 LOG_FORMATS = ("default", "mindspore")
-DATA_KINDS = {"transformer": ("synthetic", "translation"), "gpt": ("synthetic", "text"), "resnet": ("cifar10",)}
-SYNTHETIC_TASKS = {"transformer": ("reverse", "copy"), "gpt": ("markov",)}  # the first: data.task left out
 SPECIAL_TOKENS = 4  # ids 0-3 are pad, bos, eos and unk; synthetic data draws its tokens from the ids above
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 NAME_RULE = "use letters, digits, '.', '_' and '-', starting with a letter or digit (at most 128 characters)"
@@ -84,6 +82,41 @@ class RunConfig(Section):
         return Path(self.dir or f"runs/{self.name}")
 
 
+@dataclass(frozen=True)
+class ModelKind:
+    """What paratrain knows of one built-in ``model.kind`` without building it (the registry: ``MODEL_KINDS``):
+    its builder, the data it trains on, its layer stacks and sequence lengths, how its loss is computed."""
+
+    builder: str  # "module:name" of the class or function that builds it from a ModelConfig
+    data_kinds: tuple[str, ...]
+    synthetic_tasks: tuple[str, ...] = ()  # the first: data.task left out
+    # the Transformer layer stacks in execution order (``layer_stacks``): one, or an encoder's and a decoder's
+    # whose layers attend to the encoder output; none: not built of Transformer layers (data parallel only)
+    stacks: tuple[str, ...] = ()
+    length_keys: tuple[str, ...] = ()  # the ModelConfig keys of its (source, target) sequence lengths
+    loss_in_head: bool = False  # its head computes the token loss from ``labels`` without whole logits
+
+    @property
+    def encoder_decoder(self) -> bool:
+        return len(self.stacks) == 2
+
+    def build_function(self):
+        """The class or function ``builder`` names (imported now: it needs torch)."""
+        module, _, name = self.builder.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+MODEL_KINDS = {
+    "transformer": ModelKind("paratrain.models.transformer:Seq2SeqModel", ("synthetic", "translation"),
+                             ("reverse", "copy"), ("transformer.encoder.layers", "transformer.decoder.layers"),
+                             ("src_seq_length", "tgt_seq_length"), loss_in_head=True),
+    "gpt": ModelKind("paratrain.models.transformer:GPTModel", ("synthetic", "text"), ("markov",), ("layers",),
+                     ("seq_length", "seq_length"), loss_in_head=True),
+    "resnet": ModelKind("paratrain.models.resnet:build_resnet", ("cifar10",)),
+}
+USER_MODEL_KIND = "user"  # model.kind a user's own net is recorded as (MindSpore face): none of the built-in ones
+
+
 @dataclass
 class ModelConfig(Section):
     """Sizes of the encoder-decoder ``transformer`` or the decoder-only ``gpt``."""
@@ -114,18 +147,31 @@ class ModelConfig(Section):
         return self.hidden_size // self.num_heads
 
     @property
+    def spec(self) -> ModelKind:
+        """This kind's entry of the registry ``MODEL_KINDS`` (``validate`` rejects a kind not in it)."""
+        return MODEL_KINDS[self.kind]
+
+    @property
+    def stack_layers(self) -> dict[str, int]:
+        """The number of layers of each of the kind's layer stacks, in execution order."""
+        return dict(zip(self.spec.stacks, (self.encoder_layers, self.decoder_layers)[-len(self.spec.stacks):]))
+
+    @property
     def num_layers(self) -> int:
-        return self.decoder_layers + (self.encoder_layers if self.kind == "transformer" else 0)
+        return self.decoder_layers + (self.encoder_layers if self.spec.encoder_decoder else 0)
 
     @property
     def ignore_index(self) -> int:
         """Target value that does not count in the loss: padding, or none for image classes."""
-        return -100 if self.kind == "resnet" else self.pad_token_id
+        return self.pad_token_id if self.spec.stacks else -100
+
+    @property
+    def lengths(self) -> tuple[int, int]:
+        """(source, target) sequence lengths: the encoder's and the decoder's, or the one of a decoder-only model."""
+        return tuple(getattr(self, key) for key in self.spec.length_keys)
 
     def sequence_lengths(self) -> dict[str, int]:
-        if self.kind == "gpt":
-            return {"seq_length": self.seq_length}
-        return {"src_seq_length": self.src_seq_length, "tgt_seq_length": self.tgt_seq_length}
+        return {key: getattr(self, key) for key in dict.fromkeys(self.spec.length_keys)}
 
 
 @dataclass
@@ -380,7 +426,7 @@ class DataConfig(Section):
 
     def synthetic_task(self, model_kind: str) -> str:
         """``task``, or when not given the first synthetic task of ``model_kind``."""
-        return self.task or SYNTHETIC_TASKS[model_kind][0]
+        return self.task or MODEL_KINDS[model_kind].synthetic_tasks[0]
 
 
 @dataclass

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from paratrain.config import (ACTIVATIONS, DATA_KINDS, DTYPES, LOG_FORMATS, LR_SCHEDULES, MIXED_PRECISION,
+from paratrain.config import (ACTIVATIONS, DTYPES, LOG_FORMATS, LR_SCHEDULES, MIXED_PRECISION,
                               MODEL_KINDS, NAME_RULE, OFFLOAD_DEVICES, PIPELINE_SCHEDULES, RECOMPUTE_MODES,
-                              SPECIAL_TOKENS, SYNTHETIC_TASKS, WARMUP_TYPES, Config, ConfigError, DataConfig,
+                              SPECIAL_TOKENS, WARMUP_TYPES, Config, ConfigError, DataConfig,
                               ModelConfig, ParallelConfig, Section, TrainConfig, TransformerRecomputeConfig,
                               is_plain_name)
 
@@ -31,7 +31,9 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel).derive(world_size))
     m, p, t = cfg.model, cfg.parallel, cfg.train
     problems: list[str] = [q for name in cfg.sections() for q in _unusable(getattr(cfg, name))]
-    if problems:  # the rules below compare these numbers
+    if m.kind not in MODEL_KINDS:
+        problems.append(f"model.kind={m.kind!r} is not one of {', '.join(MODEL_KINDS)}")
+    if problems:  # the rules below compare these numbers and depend on the kind
         return problems
 
     def positive(section: Section, names: list[str]):
@@ -47,11 +49,11 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
 
     positive(m, ["vocab_size", "hidden_size", "num_heads", "ffn_hidden_size", "decoder_layers",
                  *m.sequence_lengths()])
-    if m.kind == "transformer":
+    if m.spec.encoder_decoder:
         positive(m, ["encoder_layers"])
     positive(p, ["data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num",
                  "virtual_pipeline_stage"])
-    if p.gradient_aggregation_group < 0 or m.kind != "resnet" and p.gradient_aggregation_group > m.num_layers > 0:
+    if p.gradient_aggregation_group < 0 or m.spec.stacks and p.gradient_aggregation_group > m.num_layers > 0:
         problems.append(f"parallel.gradient_aggregation_group={p.gradient_aggregation_group} must be 0 (one group "
                         f"per layer) or a number of groups of the model's {m.num_layers} layers, 1..{m.num_layers}")
     positive(t, ["global_batch_size", "steps", "lr", "eps", "initial_loss_scale", "min_loss_scale",
@@ -93,7 +95,6 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         problems.append(f"model.pad_token_id={m.pad_token_id} is not a token id of model.vocab_size={m.vocab_size}")
     if m.layernorm_eps <= 0:
         problems.append(f"model.layernorm_eps={m.layernorm_eps} must be positive (e.g. 1e-5)")
-    choice(m, "kind", MODEL_KINDS)
     choice(m, "dtype", DTYPES)
     choice(m, "hidden_act", ACTIVATIONS)
     choice(p, "pipeline_schedule", PIPELINE_SCHEDULES)
@@ -117,18 +118,19 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if problems:  # the rules below divide by these sizes
         return problems
 
-    if m.kind == "resnet" and (p.model_parallel > 1 or p.pipeline_stage > 1):
-        problems.append(f"model.kind='resnet' trains with data parallelism only, got parallel.model_parallel="
-                        f"{p.model_parallel} and pipeline_stage={p.pipeline_stage}: set both to 1")
+    if not m.spec.stacks and (p.model_parallel > 1 or p.pipeline_stage > 1 or p.auto):
+        problems.append(f"model.kind={m.kind!r} trains with data parallelism only (the planner knows Transformer "
+                        f"layers), got parallel.model_parallel={p.model_parallel}, pipeline_stage={p.pipeline_stage} "
+                        f"and auto={str(p.auto).lower()}: set both to 1, auto to false")
     if m.hidden_size % m.num_heads:
         problems.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}: "
-                        f"use num_heads in {_divisors(m.hidden_size)}")
+                        f"use num_heads in {divisors(m.hidden_size)}")
     mp = p.model_parallel
     for name in ("num_heads", "hidden_size", "ffn_hidden_size"):
         value = getattr(m, name)
         if value % mp:
             problems.append(f"model.{name}={value} is not divisible by parallel.model_parallel={mp}: "
-                            f"use model_parallel in {_divisors(value)}")
+                            f"use model_parallel in {divisors(value)}")
     if not p.vocab_emb_dp and m.vocab_size % mp:
         problems.append(f"model.vocab_size={m.vocab_size} is not divisible by parallel.model_parallel={mp} "
                         f"with parallel.vocab_emb_dp=false: pad vocab_size to {math.ceil(m.vocab_size / mp) * mp} "
@@ -144,7 +146,7 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
                         + (f" x virtual_pipeline_stage={p.virtual_pipeline_stage}" if p.virtual_pipeline_stage > 1 else "")
                         + f": use pipeline_stage <= {m.num_layers // p.virtual_pipeline_stage} or add layers")
     problems += _pipeline_problems(p, m.num_layers)
-    if m.kind == "transformer" and p.pipeline_stage > 1 and "zero_bubble" in p.pipeline_schedule:
+    if m.spec.encoder_decoder and p.pipeline_stage > 1 and "zero_bubble" in p.pipeline_schedule:
         problems.append(f"parallel.pipeline_schedule={p.pipeline_schedule!r} cannot run the encoder-decoder: "
                         f"PyTorch's split weight-gradient pass fails on the encoder output carried across "
                         f"stages; use 1f1b or interleaved_1f1b (zero-bubble schedules run with model.kind='gpt')")
@@ -186,22 +188,22 @@ def _output_problems(cfg: Config) -> list[str]:
 
 def _data_problems(d: DataConfig, m: ModelConfig) -> list[str]:
     """What the data of ``d`` cannot give the model ``m``."""
-    if d.kind not in DataConfig.KINDS or m.kind not in MODEL_KINDS:
-        return []  # said by DataConfig.problems and validate
-    if d.kind not in DATA_KINDS[m.kind]:
+    if d.kind not in DataConfig.KINDS:
+        return []  # said by DataConfig.problems
+    if d.kind not in m.spec.data_kinds:
         return [f"data.kind={d.kind!r} has no batches for model.kind={m.kind!r}: use data.kind "
-                f"{' or '.join(map(repr, DATA_KINDS[m.kind]))}"]
+                f"{' or '.join(map(repr, m.spec.data_kinds))}"]
     if d.kind != "synthetic":
         return []
     problems = []
-    tasks = SYNTHETIC_TASKS[m.kind]
+    tasks = m.spec.synthetic_tasks
     if d.task and d.task not in tasks:
         problems.append(f"data.task={d.task!r} is not a synthetic task of model.kind={m.kind!r}: use "
                         f"{' or '.join(map(repr, tasks))} (or leave it out: {tasks[0]!r})")
     if 0 < m.vocab_size <= SPECIAL_TOKENS:
         problems.append(f"model.vocab_size={m.vocab_size} leaves synthetic data no token: ids 0-{SPECIAL_TOKENS - 1} "
                         f"are pad, bos, eos and unk; use vocab_size >= {SPECIAL_TOKENS + 1}")
-    if m.kind == "transformer" and m.tgt_seq_length == 1:
+    if m.spec.encoder_decoder and m.tgt_seq_length == 1:
         problems.append("model.tgt_seq_length=1 leaves a synthetic target no token (it ends with eos): use "
                         "tgt_seq_length >= 2")
     return problems
@@ -292,6 +294,6 @@ def _unusable(section: Section) -> list[str]:
     return problems
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

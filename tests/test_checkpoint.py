@@ -376,3 +376,37 @@ def test_load_checkpoint_checks_an_integrated_model_file(one_process, tmp_path):
     (tmp_path / "loose.safetensors").write_bytes(b"\x10" + bytes(7) + b"{}")
     with pytest.raises(UserError, match=r"loose\.safetensors is not a readable safetensors file"):
         load_checkpoint(tmp_path / "loose.safetensors")
+
+
+def test_a_user_nets_checkpoint_records_what_it_is_and_resumes(tmp_path, capsys):
+    """A MindSpore-style net's checkpoint records model kind "user", not the sizes of a built-in transformer it
+    is not; it resumes (also one saved before, which recorded a default transformer), and `paratrain checkpoint
+    info` and `export` read it."""
+    import json
+
+    from test_train_api import Net, dataset, decay_optimizer
+
+    from paratrain.checkpoint.storage import write_meta
+    from paratrain.cli import main
+    from paratrain.train import CheckpointConfig, Model, ModelCheckpoint
+
+    def train(directory, resume="none"):
+        torch.manual_seed(0)
+        net = Net()
+        policy = CheckpointConfig(save_checkpoint_steps=2, integrated_save=False)
+        Model(net, optimizer=decay_optimizer(net)).train(
+            1, dataset(3), callbacks=[ModelCheckpoint(prefix="u", directory=directory, config=policy)], resume=resume)
+        return load_full_tensors(directory / "u-1_3")
+
+    whole = train(tmp_path / "a")
+    meta_file = tmp_path / "a" / "u-1_2" / "paratrain.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["config"]["model"] == {"kind": "user"}
+    assert "[model]\nkind = \"user\"\n\n" in (tmp_path / "a" / "u-1_2" / "config.toml").read_text()
+    meta["config"]["model"] = {"kind": "transformer", "hidden_size": 64}  # as saved before
+    write_meta(meta_file.parent, meta)
+    resumed = train(tmp_path / "a", resume=str(tmp_path / "a" / "u-1_2"))
+    assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)
+    assert main(["checkpoint", "info", str(tmp_path / "a" / "u-1_3")]) == 0
+    assert "fc1.weight" in capsys.readouterr().out
+    assert main(["export", str(tmp_path / "a" / "u-1_3"), str(tmp_path / "m.safetensors")]) == 0

@@ -211,3 +211,29 @@ def test_synthetic_task_defaults_to_the_models_own():
     assert cfg.data.synthetic_task("gpt") == "markov"
     assert problems_for(model={"kind": "gpt"}, data={"task": "markov"}) == []
     assert problems_for(data={"task": "copy"}) == []
+
+
+def test_the_registry_of_model_kinds_drives_validation(monkeypatch):
+    """model.kind is checked against MODEL_KINDS, whose entry says which data a kind takes; its layer stacks are
+    those of the model its builder makes."""
+    import dataclasses
+
+    from conftest import tiny_config
+    from paratrain import config
+    from paratrain.models import build_model
+    from paratrain.models.transformer import pipeline_blocks
+    from paratrain.plan.cost import layer_names
+
+    monkeypatch.setitem(config.MODEL_KINDS, "tiny_lm", dataclasses.replace(config.MODEL_KINDS["gpt"],
+                                                                           data_kinds=("text",)))
+    assert problems_for(model={"kind": "bert"}) == ["model.kind='bert' is not one of transformer, gpt, resnet, "
+                                                    "tiny_lm"]
+    assert problems_for(model={"kind": "tiny_lm"}) == ["data.kind='synthetic' has no batches for "
+                                                       "model.kind='tiny_lm': use data.kind 'text'"]
+    resnet = {"model": {"kind": "resnet"}, "data": {"kind": "cifar10", "path": "x"}}
+    assert "the planner knows Transformer layers" in only_problem(parallel={"auto": True}, **resnet)
+    for kind in ("transformer", "gpt"):
+        cfg = tiny_config(model={"kind": kind}).model
+        model = build_model(cfg)
+        assert list(model.layer_stacks) == list(cfg.spec.stacks)
+        assert [name for name, _, _ in pipeline_blocks(model)] == layer_names(cfg)

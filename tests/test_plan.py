@@ -333,3 +333,36 @@ def test_offload_bytes_per_step():
     assert cost.offload_bytes(stage1, st) == {"host": 408, "host_to_device": 100, "device_to_host": 100}
     stage3 = ParallelConfig(zero_stage=3, micro_batch_num=4, offload_optimizer="cpu", offload_param="cpu")
     assert cost.offload_bytes(stage3, st) == {"host": 408, "host_to_device": 800, "device_to_host": 400}
+
+
+def test_op_strategy_search_and_planner_cost_a_collective_alike():
+    """One cost model: the time auto parallel's strategy search gives a MatMul's all-reduces and the planner's
+    data-parallel gradient all-reduce are both the ring formula computed here, on the same hardware."""
+    from conftest import tiny_config
+    from paratrain.parallel.auto import matmul_cost
+
+    hw = Hardware(2, 8, peak_flops=1e12, efficiency=1.0, intra_bw=1e9, latency=1e-5)
+
+    def all_reduce(size, group, collectives=1):  # seconds of ring all-reduces of `size` bytes in total
+        return 2 * (group - 1) / group * size / hw.intra_bw + collectives * hw.latency
+
+    m, k, n = 8, 16, 32
+    compute = 3 * 2 * m * k * n / 2 / hw.peak_flops
+    # a=2: the weight gradient all-reduced over the batch split; b=2: the output all-reduced in forward
+    assert matmul_cost(m, k, n, 2, 1, 1, hw)[0] == pytest.approx(compute + all_reduce(k * n * 4, 2))
+    assert matmul_cost(m, k, n, 1, 2, 1, hw)[0] == pytest.approx(compute + all_reduce(m * n * 4, 2))
+    cfg = tiny_config(model={"kind": "gpt"})
+    par = ParallelConfig(data_parallel=2)
+    whole = cost.stage_states(cfg.model, par)[0].whole_params
+    groups = par.aggregation_groups(cfg.model.num_layers) + 1  # one all-reduce per layer and one for the rest
+    assert evaluate(cfg, par, hw)["breakdown"]["dp_comm_s"] == pytest.approx(all_reduce(whole, 2, groups))
+
+
+def test_only_kinds_of_transformer_layers_are_planned(capsys):
+    from paratrain.cli import main
+
+    for kind in ("resnet", "bert"):
+        for dry_run in ([], ["--dry-run"]):
+            assert main(["plan", "--devices", "2", f"--model.kind={kind}", *dry_run]) == 2
+            assert (f"model.kind='{kind}' cannot be planned: the planner costs Transformer layers, of model.kind "
+                    f"'transformer' or 'gpt'") in capsys.readouterr().err

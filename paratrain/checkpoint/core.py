@@ -47,8 +47,9 @@ from paratrain.checkpoint.storage import (DCP_METADATA, FORMAT_VERSION, INTEGRAT
                                           tensor_entries, verify, write_atomic, write_file, write_meta)
 
 from paratrain import progress
-from paratrain.config import Config, ModelConfig
-from paratrain.config_file import to_toml
+import tomli_w
+
+from paratrain.config import MODEL_KINDS, USER_MODEL_KIND, Config, ModelConfig
 from paratrain.device import device
 from paratrain.mesh import Layout
 
@@ -164,18 +165,25 @@ def _like(value, template):
 
 # model keys that change no weight's shape or meaning (regularisation only): they may change on resume
 MODEL_TRAINING_KEYS = ("hidden_dropout", "attention_dropout")
-# model keys each kind reads: the others cannot make its checkpoint mismatch
-RESNET_MODEL_KEYS = ("kind", "encoder_layers", "hidden_size", "dtype")
-UNUSED_MODEL_KEYS = {"gpt": ("encoder_layers", "src_seq_length", "tgt_seq_length"), "transformer": ("seq_length",)}
+# the model keys an image classifier (a kind without Transformer layers) reads
+IMAGE_MODEL_KEYS = ("kind", "encoder_layers", "hidden_size", "dtype")
+LENGTH_KEYS = ("seq_length", "src_seq_length", "tgt_seq_length")
 CHANGEABLE_SECTIONS = ("train", "data", "parallel")  # listed when changed; run, checkpoint, metrics are not
 
 
 def _model_keys(kind: str) -> list[str]:
-    """The model keys that shape the weights of a model of ``kind`` or give them their meaning."""
+    """The model keys that shape the weights of a model of ``kind`` or give them their meaning (only ``kind`` for
+    a user's net: its tensors' names and shapes say the rest)."""
+    spec = MODEL_KINDS.get(kind)
+    if spec is None:
+        return ["kind"]
     names = [f.name for f in dataclasses.fields(ModelConfig)]
-    if kind == "resnet":
-        return [n for n in names if n in RESNET_MODEL_KEYS]
-    return [n for n in names if n not in MODEL_TRAINING_KEYS and n not in UNUSED_MODEL_KEYS.get(kind, ())]
+    if not spec.stacks:
+        return [n for n in names if n in IMAGE_MODEL_KEYS]
+    unused = [k for k in LENGTH_KEYS if k not in spec.length_keys]
+    if not spec.encoder_decoder:
+        unused.append("encoder_layers")
+    return [n for n in names if n not in MODEL_TRAINING_KEYS and n not in unused]
 
 
 def resume_changes(saved: dict, config: Config) -> tuple[list[str], list[str]]:
@@ -194,6 +202,8 @@ def resume_changes(saved: dict, config: Config) -> tuple[list[str], list[str]]:
 
     kinds = (saved.get("model", {}).get("kind", config.model.kind), config.model.kind)
     strict = [k for k in _model_keys(kinds[0]) if k in _model_keys(kinds[1]) or k == "kind"]
+    if kinds[1] == USER_MODEL_KIND:  # its tensors' names and shapes, checked as they load, say whether it fits
+        strict = []  # (older checkpoints of a user's net record a default "transformer")
     refused = differ("model", strict)
     changed = differ("model", [k for k in MODEL_TRAINING_KEYS if k not in strict])
     for section in CHANGEABLE_SECTIONS:
@@ -344,7 +354,8 @@ class Checkpointer:
             # the whole model from the shards just written: same code path as `paratrain export`
             self._write_meta(tmp, step, layout, settings, files={})
             export(tmp, tmp / INTEGRATED_FILE)
-        written = {**written, "config.toml": write_file(tmp / "config.toml", to_toml(self.config).encode())}
+        config_toml = tomli_w.dumps(self.recorded_config()).encode()
+        written = {**written, "config.toml": write_file(tmp / "config.toml", config_toml)}
         files = {}
         for p in sorted(tmp.iterdir()):
             if p.is_file() and p.name != META_FILE:  # the integrated model.safetensors is hashed here, once
@@ -372,7 +383,7 @@ class Checkpointer:
             "step": step,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "layout": layout,
-            "config": self.config.to_dict(),
+            "config": self.recorded_config(),
             "scheduler": schedule,
             **{name: state.state_dict() for name, state in self.states.items()},
             "optimizer_settings": {k: _json_value(v) for k, v in settings.items()},
@@ -380,6 +391,14 @@ class Checkpointer:
             "files": files,
         }
         write_meta(directory, meta)
+
+    def recorded_config(self) -> dict:
+        """The run's config as its checkpoints record it: a user's net (``USER_MODEL_KIND``) by its kind alone,
+        not by the sizes of a built-in model it is not."""
+        config = self.config.to_dict()
+        if self.config.model.kind == USER_MODEL_KIND:
+            config["model"] = {"kind": USER_MODEL_KIND}
+        return config
 
     def _prune(self, keep: Path) -> None:
         """Keep the ``keep_max`` newest complete checkpoints (0: all); drop leftovers of killed saves."""

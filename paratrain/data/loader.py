@@ -109,9 +109,9 @@ def build_dataset(cfg: Config):
     if d.problems():
         raise ConfigError(d.problems())
     if d.kind == "synthetic":
-        if m.kind == "gpt":
-            return SyntheticLM(m, cfg.run.seed)
-        return SyntheticTranslation(m, cfg.run.seed, d.synthetic_task(m.kind), d.min_length)
+        if m.spec.encoder_decoder:
+            return SyntheticTranslation(m, cfg.run.seed, d.synthetic_task(m.kind), d.min_length)
+        return SyntheticLM(m, cfg.run.seed)
     try:
         if d.kind == "translation":
             dataset = TranslationDataset(d.path, load_tokenizer(cfg), m.src_seq_length, m.tgt_seq_length,

@@ -34,14 +34,12 @@ def layer_flops(m: ModelConfig, decoder: bool, batch: int, lengths: tuple[int, i
     QK^T and (softmax)V (``core``).
 
     ``lengths``: (source, target) lengths of the encoder-decoder, or (seq, seq) of GPT; default the
-    configured ones. Encoder and GPT layers see their own sequence; a decoder layer's self-attention
+    configured ones (``ModelConfig.lengths``). Encoder and GPT layers see their own sequence; a decoder layer's self-attention
     and FFN see the target, its cross-attention queries target positions while its K and V
     projections run over the source (the memory).
     """
     h, f = m.hidden_size, m.ffn_hidden_size
-    if lengths is None:
-        lengths = (m.seq_length,) * 2 if m.kind == "gpt" else (m.src_seq_length, m.tgt_seq_length)
-    source, target = lengths
+    source, target = lengths or m.lengths
     own = target if decoder else source
     n = batch * own
     dense = 2 * n * (4 * h * h + 2 * h * f)
@@ -55,13 +53,9 @@ def layer_flops(m: ModelConfig, decoder: bool, batch: int, lengths: tuple[int, i
 def model_flops(m: ModelConfig, batch: int, lengths: tuple[int, int] | None = None) -> float:
     """Training FLOPs (forward + backward = 3 x forward, no recompute) of one step on ``batch`` sequences;
     ``lengths`` as in ``layer_flops``. Layers plus the output head over the target tokens."""
-    if m.kind == "gpt":
-        layers = [False] * m.decoder_layers
-    else:
-        layers = [False] * m.encoder_layers + [True] * m.decoder_layers
-    forward = sum(sum(layer_flops(m, d, batch, lengths).values()) for d in layers)
-    target = (lengths or (m.seq_length if m.kind == "gpt" else m.tgt_seq_length,) * 2)[1]
-    forward += 2 * batch * target * m.hidden_size * m.vocab_size
+    forward = sum(n * sum(layer_flops(m, stack > 0, batch, lengths).values())
+                  for stack, n in enumerate(m.stack_layers.values()))
+    forward += 2 * batch * (lengths or m.lengths)[1] * m.hidden_size * m.vocab_size
     return float(3 * forward)
 
 

@@ -2,10 +2,11 @@
 
 - ``search_mode="dynamic_programming"`` (the default): every MatMul call without a strategy (a
   ``Dense``'s included) gets the ``((a, b), (b, c))`` with ``a * b * c = device_num`` that minimises,
-  over the chain of MatMuls in call order, the bytes a step moves per device (``matmul_cost``) plus
-  the bytes each device holds for it, plus the bytes moved to re-lay one MatMul's output as the next
-  one's input (``relayout_bytes``); the Viterbi pass over the chain is exact for that sum. A
-  ``Dense``'s ``bias_add`` follows its MatMul's output split. Then the strategies spread as below.
+  over the chain of MatMuls in call order, the step time per device by the planner's cost model
+  (``paratrain.plan.cost.Hardware``: the matmuls and their collectives, ``matmul_cost``, and the time to
+  re-lay one MatMul's output as the next one's input, ``relayout_bytes``), then the bytes each device
+  holds; the Viterbi pass over the chain is exact for those sums. A ``Dense``'s ``bias_add`` follows its
+  MatMul's output split. Then the strategies spread as below.
 - ``search_mode="sharding_propagation"``: strategies set on some ops spread forward to the elementwise,
   unary, ``BiasAdd``, ``Softmax`` and ``MatMul`` ops that read their outputs, where the split fits; the
   rest stay data-parallel.
@@ -26,10 +27,10 @@ from paratrain.ops.math import BiasAdd, Exp, Log, MatMul, ReLU, Softmax, _Elemen
 from paratrain.ops.primitive import Primitive
 from paratrain.ops.strategy import Strategy
 from paratrain.parallel.semi_auto import Call
+from paratrain.plan import cost
 
 FORMAT = "paratrain-strategy-1"
 BYTES = 4  # float32
-STATE_COPIES = 4  # parameter, gradient and two optimizer moments
 FOLLOWING = (BiasAdd, Softmax, Exp, Log, ReLU)  # one output split as their first input
 
 
@@ -47,21 +48,22 @@ def _strategy(op: MatMul, a: int, b: int, c: int) -> Strategy:
     return x, w
 
 
-def matmul_cost(m: int, k: int, n: int, a: int, b: int, c: int) -> tuple[float, float]:
-    """(bytes moved per device in a step, bytes held per device) of (m, k) x (k, n) split ((a, b), (b, c)):
-    forward all-reduces the output over b, backward the input gradient over c and the weight gradient
-    over a (ring all-reduce: 2 (p - 1) / p of the tensor); a device holds its weight slice's state copies
-    and its slices of input and output."""
-    moved = (2 * (b - 1) / b * m * n / (a * c) + 2 * (c - 1) / c * m * k / (a * b)
-             + 2 * (a - 1) / a * k * n / (b * c)) * BYTES
-    held = (STATE_COPIES * k * n / (b * c) + m * k / (a * b) + m * n / (a * c)) * BYTES
-    return moved, held
+def matmul_cost(m: int, k: int, n: int, a: int, b: int, c: int, hw: cost.Hardware) -> tuple[float, float]:
+    """(seconds of a step on a device, bytes held per device) of (m, k) x (k, n) split ((a, b), (b, c)), by the
+    planner's cost model: the forward and backward matmuls, and the all-reduces of the output over b (forward),
+    of the input gradient over c and of the weight gradient over a (backward); a device holds its weight
+    slice's model state and its slices of input and output."""
+    out, inp, weight = m * n / (a * c) * BYTES, m * k / (a * b) * BYTES, k * n / (b * c) * BYTES
+    seconds = (hw.compute_time(3 * 2 * m * k * n / (a * b * c)) + hw.collective_time("all_reduce", out, b, hw.devices)
+               + hw.collective_time("all_reduce", inp, c, hw.devices)
+               + hw.collective_time("all_reduce", weight, a, hw.devices))
+    return seconds, cost.state_bytes(weight) + inp + out
 
 
-def relayout_bytes(m: int, k: int, produced: tuple[int, int], wanted: tuple[int, int]) -> float:
+def relayout_bytes(m: int, k: int, produced: tuple[int, int] | None, wanted: tuple[int, int]) -> float:
     """Bytes a device receives to turn an (m, k) tensor split ``produced`` into one split ``wanted``: none when
-    they agree, else (at most) its slice under ``wanted``."""
-    return 0.0 if produced == wanted else m * k * BYTES / (wanted[0] * wanted[1])
+    they agree or it is the chain's input (None), else (at most) its slice under ``wanted``."""
+    return 0.0 if produced in (None, wanted) else m * k * BYTES / (wanted[0] * wanted[1])
 
 
 def _split_of(op: Primitive, strategy: Strategy) -> tuple[int, ...] | None:
@@ -100,10 +102,11 @@ class StrategyChooser:
     says, or from ``load_file``; saves all to ``save_file``; rank 0 prints what it chose."""
 
     def __init__(self, device_num: int, search_mode: str = "dynamic_programming", load_file: str = "",
-                 save_file: str = ""):
+                 save_file: str = "", hw: cost.Hardware | None = None):
         self.device_num, self.search_mode = device_num, search_mode
         self.load_file, self.save_file = load_file, save_file
-        self.chosen: dict[str, Strategy] = {}
+        self.hw = hw or cost.Hardware.default(device_num, device_num)
+        self.chosen: dict[str, tuple[Primitive, Strategy]] = {}
 
     @classmethod
     def from_context(cls, device_num: int) -> "StrategyChooser":
@@ -119,14 +122,14 @@ class StrategyChooser:
                 self._search(calls)
             self._propagate(calls)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            for path, strategy in self.chosen.items():
-                print(f"auto_parallel: {path} ({type(_op(calls, path)).__name__}) strategy {strategy}", flush=True)
+            for path, (op, strategy) in self.chosen.items():
+                print(f"auto_parallel: {path} ({type(op).__name__}) strategy {strategy}", flush=True)
             if self.save_file:
                 self._save(calls)
 
     def _set(self, call: Call, strategy: Strategy) -> None:
         call.op.strategy = strategy
-        self.chosen[call.path] = strategy
+        self.chosen[call.path] = call.op, strategy
 
     # --- dynamic programming over the chain of MatMuls ----------------------------------------
 
@@ -137,23 +140,18 @@ class StrategyChooser:
 
     def _search(self, calls: list[Call]) -> None:
         chain = [c for c in calls if type(c.op) is MatMul and c.op.strategy is None and self._candidates(c)]
-        if not chain:
-            return
-        # best[i][s]: least cost of the chain up to op i with op i on candidate s, and the path to it
-        best = []
-        for i, call in enumerate(chain):
+        # candidate of the last op so far -> least (seconds, bytes held) of the chain up to it, and the path to it
+        best: dict = {None: ((0.0, 0.0), [])}
+        for call in chain:
             m, k, n = _kn(call.op, call.shapes)
             row = {}
             for a, b, c in self._candidates(call):
-                moved, held = matmul_cost(m, k, n, a, b, c)
-                own = moved + held
-                if i == 0:
-                    row[a, b, c] = own, [(a, b, c)]
-                    continue
-                row[a, b, c] = min(((cost + own + relayout_bytes(m, k, (pa, pc), (a, b)), path + [(a, b, c)])
-                                    for (pa, pb, pc), (cost, path) in best[-1].items()), key=lambda t: t[0])
-            best.append(row)
-        _, path = min(best[-1].values(), key=lambda t: t[0])
+                seconds, held = matmul_cost(m, k, n, a, b, c, self.hw)
+                row[a, b, c] = min((((t + seconds + self.hw.transfer_time(relayout_bytes(
+                    m, k, last and (last[0], last[2]), (a, b)), self.device_num), h + held), path + [(a, b, c)])
+                                    for last, ((t, h), path) in best.items()), key=lambda e: e[0])
+            best = row
+        _, path = min(best.values(), key=lambda e: e[0])
         for call, (a, b, c) in zip(chain, path):
             self._set(call, _strategy(call.op, a, b, c))
 
@@ -208,7 +206,3 @@ class StrategyChooser:
             elif call.op.strategy != strategy:
                 raise UserError(f"{path}: the net gives strategy {call.op.strategy}, strategy_ckpt_load_file "
                                 f"{strategy}: make them agree or leave one out")
-
-
-def _op(calls: list[Call], path: str) -> Primitive:
-    return next(c.op for c in calls if c.path == path)

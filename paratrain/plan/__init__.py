@@ -8,16 +8,14 @@ lazily, so that the command line does not load torch to list its commands.
 import importlib
 
 _EXPORTS = {
-    "Hardware": "search", "candidates": "search", "choose_layout": "search", "evaluate": "search",
-    "resolve_auto": "search", "search": "search", "model_params": "cost", "stage_states": "cost",
+    "Hardware": "plan.cost", "candidates": "plan.search", "choose_layout": "plan.search", "evaluate": "plan.search",
+    "resolve_auto": "plan.search", "search": "plan.search", "model_params": "plan.cost", "stage_states": "plan.cost",
+    "model_flops": "metrics.flops",
 }
-__all__ = [*_EXPORTS, "model_flops"]
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name):
-    if name == "model_flops":
-        from paratrain.metrics.flops import model_flops
-        return model_flops
     if name in _EXPORTS:
-        return getattr(importlib.import_module(f"paratrain.plan.{_EXPORTS[name]}"), name)
+        return getattr(importlib.import_module(f"paratrain.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module 'paratrain.plan' has no attribute {name!r}")

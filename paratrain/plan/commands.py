@@ -75,8 +75,14 @@ def hardware(args, devices: int):
 
 
 def cmd_plan(args) -> int:
+    from paratrain.config import MODEL_KINDS, ConfigError
+
     check_args(args)
     cfg = _config(args)
+    planned = [kind for kind, spec in MODEL_KINDS.items() if spec.stacks]
+    if cfg.model.kind not in planned:
+        raise ConfigError([f"model.kind={cfg.model.kind!r} cannot be planned: the planner costs Transformer layers, "
+                           f"of model.kind {' or '.join(map(repr, planned))}"])
     devices = args.devices or cfg.parallel.world_size
     if args.dry_run:
         return _dry_run(cfg, devices, args.json)

@@ -84,7 +84,7 @@ def layer_params(m: ModelConfig, decoder: bool) -> list[Param]:
 def other_params(m: ModelConfig) -> list[Param]:
     """Parameters outside the layers, tagged with the pipeline part that holds them."""
     h, v = m.hidden_size, m.vocab_size
-    if m.kind == "gpt":
+    if not m.spec.encoder_decoder:
         out = [Param("embed.word.embedding.weight", (v, h), "vocab", "word"),
                Param("embed.position.weight", (m.seq_length, h), part="input_embed")]
         out += _norm("norm", h, "head")
@@ -117,11 +117,10 @@ def tp_numel(p: Param, par: ParallelConfig) -> int:
 
 
 def layer_blocks(m: ModelConfig) -> list[tuple[bool, int, int]]:
-    """(is_decoder_layer, layer_id, offset) of every layer in execution order (``pipeline_blocks``)."""
-    if m.kind == "gpt":
-        return [(False, i, 0) for i in range(m.decoder_layers)]
-    return ([(False, i, 0) for i in range(m.encoder_layers)]
-            + [(True, i, m.encoder_layers) for i in range(m.decoder_layers)])
+    """(is_decoder_layer, layer_id, offset) of every layer in execution order (``pipeline_blocks``): the layers of
+    a second stack are an encoder-decoder's decoder layers."""
+    counts = list(m.stack_layers.values())
+    return [(stack > 0, i, sum(counts[:stack])) for stack, n in enumerate(counts) for i in range(n)]
 
 
 def chunk_of_layers(m: ModelConfig, par: ParallelConfig) -> list[int]:
@@ -139,23 +138,27 @@ PART_ROLES = {"embed": "input_embed", "src_embed": "input_embed", "tgt_embed": "
 
 def layer_names(m: ModelConfig) -> list[str]:
     """The names of the model's layers in execution order (``pipeline_blocks``)."""
-    if m.kind == "gpt":
-        return [f"layers.{i}" for i in range(m.decoder_layers)]
-    return ([f"transformer.encoder.layers.{i}" for i in range(m.encoder_layers)]
-            + [f"transformer.decoder.layers.{i}" for i in range(m.decoder_layers)])
+    return [f"{stack}.{i}" for stack, n in m.stack_layers.items() for i in range(n)]
 
 
 def model_chunk_parts(m: ModelConfig, owner: list[int], chunk: int) -> set[str]:
     """The roles of what besides its layers a chunk holds, placed as the model's ``pipeline_parts`` say
     (``paratrain.parallel.pipeline.part_chunks``), and "word" when it holds a copy of the word table."""
-    from paratrain.models.transformer import GPTModel, Seq2SeqModel
     from paratrain.parallel.pipeline import part_chunks
 
-    parts = (GPTModel if m.kind == "gpt" else Seq2SeqModel).pipeline_parts
+    parts = m.spec.build_function().pipeline_parts
     held = {PART_ROLES[p] for p, c in part_chunks(parts, layer_names(m), owner).items() if c == chunk}
     if held & {"input_embed", "target_embed"} or (m.tie_embeddings and "head" in held):
         held.add("word")
     return held
+
+
+OPTIMIZER_STATES = 2  # AdamW's exp_avg and exp_avg_sq, each the size of its parameter
+
+
+def state_bytes(param_bytes: float) -> float:
+    """Model-state bytes of parameters of ``param_bytes`` at rest: themselves, their gradients, AdamW's states."""
+    return (2 + OPTIMIZER_STATES) * param_bytes
 
 
 @dataclass
@@ -225,7 +228,7 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
 
             mine = [n for n, o in zip(sizes[id(st)], owners(sizes[id(st)], par.data_parallel)) if o == 0]
             st.stepped, stepped_tensors = sum(mine) * b, len(mine)
-        st.optimizer = 2 * st.stepped + 4 * stepped_tensors
+        st.optimizer = OPTIMIZER_STATES * st.stepped + 4 * stepped_tensors
     return stages
 
 
@@ -234,9 +237,7 @@ def model_params(m: ModelConfig) -> int:
     def per_layer(decoder: bool) -> int:
         return sum(math.prod(p.shape) for p in layer_params(m, decoder))
     n = sum(math.prod(p.shape) for p in other_params(m))
-    if m.kind == "gpt":
-        return n + m.decoder_layers * per_layer(False)
-    return n + m.encoder_layers * per_layer(False) + m.decoder_layers * per_layer(True)
+    return n + sum(count * per_layer(stack > 0) for stack, count in enumerate(m.stack_layers.values()))
 
 
 def offload_bytes(par: ParallelConfig, st: StageState) -> dict:
@@ -333,11 +334,8 @@ def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int
     ``none``: everything autograd saves.
     """
     t, sp, h, b = par.model_parallel, par.sequence_parallel, m.hidden_size, micro_batch
-    if m.kind == "gpt":
-        n_q = n_kv = b * m.seq_length
-    else:
-        n_kv = b * m.src_seq_length
-        n_q = b * (m.tgt_seq_length if decoder else m.src_seq_length)
+    source, target = m.lengths
+    n_kv, n_q = b * source, b * (target if decoder else source)
     layer_input = n_q * h * spec.elem / (t if sp else 1)
     if mode == "full":
         return layer_input
@@ -357,10 +355,10 @@ def extra_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int
     """Bytes kept outside the layers per micro-batch: ids, masks, embeddings, final norms, logits, loss."""
     t, sp, h, b, e = par.model_parallel, par.sequence_parallel, m.hidden_size, micro_batch, spec.elem
     ss = t if sp else 1
-    lengths = [m.seq_length] if m.kind == "gpt" else [m.src_seq_length, m.tgt_seq_length]
+    lengths = list(m.sequence_lengths().values())
     out = sum(b * s * 8 for s in lengths)  # token ids (int64)
     out += sum(b * s * s for s in lengths)  # boolean attention masks (B, 1, T, T)
-    if m.kind == "transformer":
+    if m.spec.encoder_decoder:
         out += b * m.tgt_seq_length * m.src_seq_length  # cross-attention mask
     if "input_embed" in parts:
         out += b * lengths[0] * h * spec.hidden_mask / ss
@@ -416,10 +414,9 @@ def stage_activation_bytes(cfg: Config, par: ParallelConfig, stage: int, st: Sta
     spec = spec or activation_spec(cfg)
     b = -(-cfg.train.global_batch_size // (par.data_parallel * par.micro_batch_num))
     modes = modes or recompute_modes(par, m)
-    offset = m.encoder_layers if m.kind == "transformer" else 0
     counts: dict = {}
     for _, d, i in st.layers:
-        key = (d, modes[i + offset if d else i])
+        key = (d, modes[i + m.encoder_layers if d else i])  # a decoder layer's offset: the encoder's layers
         counts[key] = counts.get(key, 0) + 1
     per_micro, recompute_peak = 0.0, 0.0
     for (d, mode), n in counts.items():
@@ -431,3 +428,66 @@ def stage_activation_bytes(cfg: Config, par: ParallelConfig, stage: int, st: Sta
     flight = in_flight(par, stage)
     return {"per_micro_batch": per_micro, "in_flight": flight, "recompute_peak": recompute_peak,
             "total": per_micro * flight + recompute_peak}
+
+
+# --- time: compute and communication ------------------------------------------------------------
+
+@dataclass
+class Hardware:
+    """The devices a job runs on: memory, peak FLOP/s and link bandwidths, and the time of compute and of
+    collectives on them (the one model of both the layout planner and the op-strategy search)."""
+
+    devices: int
+    devices_per_node: int = 8
+    device_memory: float = 80e9  # bytes
+    peak_flops: float = 312e12  # per device, in the training dtype
+    intra_bw: float = 200e9  # bytes/s of bus bandwidth per device inside a node
+    inter_bw: float = 25e9  # bytes/s per device across nodes
+    efficiency: float = 0.5  # fraction of peak the matmuls reach
+    reserve: float = 0.05  # fraction of device memory kept free (allocator fragmentation, workspaces)
+    mem_bw: float = 2e12  # bytes/s of device memory: elementwise ops and the optimizer step are bound by it
+    layer_overhead: float = 3e-5  # seconds per layer and micro-batch (kernel launches)
+    latency: float = 2e-5  # seconds of start-up per collective
+    host_memory: float = 128e9  # bytes of host memory per device (offload keeps the model state there)
+    host_bw: float = 25e9  # bytes/s between host and device each way (PCIe 4 x16)
+    host_mem_bw: float = 20e9  # bytes/s of host memory one rank's optimizer step streams (offload)
+
+    @classmethod
+    def default(cls, devices: int, devices_per_node: int) -> "Hardware":
+        """This machine's kind of device: on CUDA its memory with an 80 GB, 312 TFLOP/s device's other figures; on
+        the CPU (gloo) matmuls at ~50 GFLOP/s a core and collectives at ~0.5 GB/s, memory not the limit."""
+        import torch
+
+        from paratrain.device import device
+
+        if device().type == "cuda":
+            return cls(devices, devices_per_node, device_memory=torch.cuda.get_device_properties(device()).total_memory)
+        return cls(devices, devices_per_node, device_memory=math.inf, peak_flops=1e11, intra_bw=0.5e9,
+                   inter_bw=0.1e9, efficiency=0.6, mem_bw=5e9, layer_overhead=1e-3, latency=3e-3)
+
+    @property
+    def usable_memory(self) -> float:
+        return self.device_memory * (1 - self.reserve)
+
+    def compute_time(self, flops: float) -> float:
+        """Seconds of ``flops`` of matmuls on one device."""
+        return flops / (self.peak_flops * self.efficiency)
+
+    def transfer_time(self, nbytes: float, span: int, calls: int = 0) -> float:
+        """Seconds to move ``nbytes`` per device in ``calls`` collectives of a group within ``span`` consecutive
+        ranks: over the node's links when they fit in one, else the network's."""
+        return nbytes / (self.intra_bw if span <= self.devices_per_node else self.inter_bw) + calls * self.latency
+
+    def collective_time(self, kind: str, size: float, group: int, span: int | None = None) -> float:
+        """Seconds of one ring collective (``collective_bytes``) of ``group`` ranks within ``span`` ranks
+        (default: the group's own)."""
+        if group <= 1:
+            return 0.0
+        return self.transfer_time(collective_bytes(kind, size, group), span or group, calls=1)
+
+
+def collective_bytes(kind: str, size: float, group: int) -> float:
+    """Bytes each of ``group`` ranks sends in a ring collective over a tensor of ``size`` bytes (the whole
+    one: an all-gather's output, a reduce-scatter's input): ``all_reduce`` 2 (p - 1) / p of it, the others
+    (all-gather, reduce-scatter, all-to-all, pipelined broadcast) (p - 1) / p."""
+    return (2 if kind == "all_reduce" else 1) * (group - 1) / group * size

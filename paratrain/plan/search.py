@@ -18,46 +18,18 @@ offload only when no layout fits without it.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
 
 from paratrain.config import Config, ConfigError, ParallelConfig
-from paratrain.config_rules import validate
+from paratrain.config_rules import divisors, validate
 from paratrain.metrics.flops import layer_flops, model_flops
 from paratrain.plan import cost
+from paratrain.plan.cost import Hardware, collective_bytes
 
 FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "zero_stage", "recompute",
           "sequence_parallel", "offload_optimizer", "offload_param")
-
-
-@dataclass
-class Hardware:
-    devices: int
-    devices_per_node: int = 8
-    device_memory: float = 80e9  # bytes
-    peak_flops: float = 312e12  # per device, in the training dtype
-    intra_bw: float = 200e9  # bytes/s of bus bandwidth per device inside a node
-    inter_bw: float = 25e9  # bytes/s per device across nodes
-    efficiency: float = 0.5  # fraction of peak the matmuls reach
-    reserve: float = 0.05  # fraction of device memory kept free (allocator fragmentation, workspaces)
-    mem_bw: float = 2e12  # bytes/s of device memory: elementwise ops and the optimizer step are bound by it
-    layer_overhead: float = 3e-5  # seconds per layer and micro-batch (kernel launches)
-    latency: float = 2e-5  # seconds of start-up per collective
-    host_memory: float = 128e9  # bytes of host memory per device (offload keeps the model state there)
-    host_bw: float = 25e9  # bytes/s between host and device each way (PCIe 4 x16)
-    host_mem_bw: float = 20e9  # bytes/s of host memory one rank's optimizer step streams (offload)
-
-    @property
-    def usable_memory(self) -> float:
-        return self.device_memory * (1 - self.reserve)
-
-
-def _bw(hw: Hardware, span: int) -> float:
-    """Bandwidth of a group whose members lie within ``span`` consecutive ranks."""
-    return hw.intra_bw if span <= hw.devices_per_node else hw.inter_bw
 
 
 def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None = None) -> dict:
@@ -74,7 +46,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     b = -(-gb // (dp * mb))
     row.update(pipeline_schedule=par.pipeline_schedule if pp > 1 else "none",
                virtual_pipeline_stage=par.virtual_pipeline_stage, micro_batch_size=b)
-    problems = validate(_with(cfg, par), dp * tp * pp)
+    problems = validate(dataclasses.replace(cfg, parallel=par), dp * tp * pp)
     if m.num_heads % tp or m.hidden_size % tp or m.ffn_hidden_size % tp or pp * par.virtual_pipeline_stage > m.num_layers:
         row.update(feasible=False, reason="; ".join(problems), memory_gib=None, step_time_s=None, mfu=None)
         return row
@@ -104,24 +76,23 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         if worst is None or total > worst[0]:
             worst = (total, stage, st, act, transient)
     total, stage, st, act, transient = worst
-    offset = m.encoder_layers if m.kind == "transformer" else 0
-    ring = 2 * (tp - 1) / tp if tp > 1 else 0.0
     per_layer = {}
+    source, target = m.lengths
     for d in (False, True):
         f = layer_flops(m, d, b)
-        tokens = b * (m.seq_length if m.kind == "gpt" else (m.tgt_seq_length if d else m.src_seq_length))
+        tokens = b * (target if d else source)
         for mode in ("none", "selective", "full"):
             fwd = f["dense"] + f["core"]
             extra = fwd if mode == "full" else (f["core"] if mode == "selective" else 0)
             collectives = (7 if d else 4) + ((3 if d else 2) if mode == "full" else 0)  # TP all-reduces
             calls = collectives * (2 if par.sequence_parallel else 1) if tp > 1 else 0  # SP: gather + scatter
             per_layer[(d, mode)] = ((3 * fwd + extra) / tp, collectives * tokens * m.hidden_size * spec.elem, calls)
-    tokens_b = b * (m.seq_length if m.kind == "gpt" else m.tgt_seq_length)
+    tokens_b = b * target
     times = []
     for s in states:
         flops, tp_bytes, calls = 0.0, 0.0, 0
         for _, d, i in s.layers:
-            fl, by, n = per_layer[(d, modes[i + offset if d else i])]
+            fl, by, n = per_layer[(d, modes[i + m.encoder_layers if d else i])]  # decoder: after the encoder
             flops, tp_bytes, calls = flops + fl, tp_bytes + by, calls + n
         if any("head" in parts for parts in s.parts):
             flops += 3 * 2 * tokens_b * m.hidden_size * m.vocab_size / tp
@@ -129,26 +100,29 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         # elementwise work (norms, softmax, activations, dropout) streams the activations ~3 times (4 with
         # full recompute); each layer costs a fixed overhead per micro-batch
         memory_time = act_micro[len(times)] / hw.mem_bw + len(s.layers) * hw.layer_overhead + calls * hw.latency
-        times.append((flops / (hw.peak_flops * hw.efficiency) + memory_time + ring * tp_bytes / _bw(hw, tp), flops))
+        tp_time = hw.transfer_time(collective_bytes("all_reduce", tp_bytes, tp), tp)
+        times.append((hw.compute_time(flops) + memory_time + tp_time, flops))
     t_micro = max(t for t, _ in times)
     pp_time = 0.0
     if pp > 1:  # forward activation and backward gradient over each boundary, per micro-batch
         boundary = tokens_b * m.hidden_size * spec.elem / (tp if par.sequence_parallel else 1)
-        if m.kind == "transformer":
+        if m.spec.encoder_decoder:
             boundary *= 2  # encoder output + decoder state
-        pp_time = 2 * boundary * par.virtual_pipeline_stage / _bw(hw, dp * tp * pp)
-    dp_volume = 0.0
+        pp_time = hw.transfer_time(2 * boundary * par.virtual_pipeline_stage, dp * tp * pp)
+    dp_time = 0.0
     if dp > 1:
-        f = (dp - 1) / dp
         whole = max(s.whole_params for s in states)
-        if zero == 3:
-            dp_volume = 3 * f * whole * (1 if pp > 1 else mb)
+        if zero == 3:  # parameters gathered in forward and backward, gradients reduce-scattered
+            gathers = 1 if pp > 1 else mb
+            volume = gathers * (2 * collective_bytes("all_gather", whole, dp)
+                                + collective_bytes("reduce_scatter", whole, dp))
         else:  # stage 1 on replicas: the all-reduce, then every parameter broadcast from its owner
-            dp_volume = (3 if par.shards_only_optimizer_state else 2) * f * whole
-    dp_time = dp_volume / _bw(hw, dp * tp)
-    if dp > 1:  # one gather and/or reduction per layer group (gradient_aggregation_group buckets)
+            volume = collective_bytes("all_reduce", whole, dp) + (
+                collective_bytes("all_gather", whole, dp) if par.shards_only_optimizer_state else 0)
+        # one gather and/or reduction per layer group (gradient_aggregation_group buckets)
         groups = par.aggregation_groups(max(len(s.layers) for s in states)) + 1
-        dp_time += groups * (3 * (1 if pp > 1 else mb) if zero == 3 else (2 if zero else 1)) * hw.latency
+        dp_time = hw.transfer_time(volume, dp * tp, groups * (3 * (1 if pp > 1 else mb) if zero == 3 else
+                                                              (2 if zero else 1)))
     bubble = cost.bubble_micro_batches(par)
     # AdamW reads parameter, gradient and two states and writes three of them
     optimizer_time = max(7 * s.stepped for s in states) / (hw.host_mem_bw if par.offloads else hw.mem_bw)
@@ -172,23 +146,13 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
                step_time_s=step, mfu=mfu,
                breakdown={"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "zero_gathered": transient,
                           "activations": act["total"], "in_flight": act["in_flight"],
-                          "compute_s": (mb + bubble) * max(fl for _, fl in times) / (hw.peak_flops * hw.efficiency),
+                          "compute_s": (mb + bubble) * hw.compute_time(max(fl for _, fl in times)),
                           "bubble_micro_batches": bubble, "dp_comm_s": dp_time, "pp_comm_s": (mb + bubble) * pp_time,
                           "optimizer_s": optimizer_time, "host_bytes": host["host"],
                           "host_to_device_bytes": host["host_to_device"],
                           "device_to_host_bytes": host["device_to_host"], "offload_s": offload_time,
                           "worst_stage": stage})
     return row
-
-
-def _with(cfg: Config, par: ParallelConfig) -> Config:
-    out = copy.copy(cfg)
-    out.parallel = par
-    return out
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidates(cfg: Config, devices: int, micro_batch_sizes=(1, 2, 4, 8, 16, 32),
@@ -198,10 +162,10 @@ def candidates(cfg: Config, devices: int, micro_batch_sizes=(1, 2, 4, 8, 16, 32)
     m, gb = cfg.model, cfg.train.global_batch_size
     base = cfg.parallel
     out = []
-    for tp in _divisors(devices):
+    for tp in divisors(devices):
         if m.num_heads % tp or m.hidden_size % tp or m.ffn_hidden_size % tp:
             continue
-        for pp in _divisors(devices // tp):
+        for pp in divisors(devices // tp):
             if pp > m.num_layers:
                 continue
             dp = devices // tp // pp
@@ -262,9 +226,7 @@ def choose_layout(cfg: Config, world_size: int, devices_per_node: int | None = N
     hardware defaults to an 80 GB, 312 TFLOP/s device; on a machine without CUDA the memory is
     taken as unlimited and only the predicted step time ranks layouts.
     """
-    if hw is None:
-        hw = default_hardware(world_size, devices_per_node or world_size)
-    rows = search(cfg, hw)
+    rows = search(cfg, hw or Hardware.default(world_size, devices_per_node or world_size))
     if not rows:
         raise ConfigError([f"parallel.auto: no layout of this model fits {world_size} processes (global batch "
                            f"{cfg.train.global_batch_size}, {cfg.model.num_heads} heads)"])
@@ -293,16 +255,3 @@ def resolve_auto(cfg: Config, world_size: int, report=print) -> Config:
     cfg.parallel, why = choose_layout(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     report(why)
     return cfg
-
-
-def default_hardware(world_size: int, devices_per_node: int) -> Hardware:
-    import torch
-
-    from paratrain.device import device
-
-    if device().type == "cuda":
-        props = torch.cuda.get_device_properties(device())
-        return Hardware(world_size, devices_per_node, device_memory=props.total_memory)
-    # CPU (gloo): matmuls at ~50 GFLOP/s a core, collectives ~0.5 GB/s; memory is not the limit here
-    return Hardware(world_size, devices_per_node, device_memory=math.inf, peak_flops=1e11, intra_bw=0.5e9,
-                    inter_bw=0.1e9, efficiency=0.6, mem_bw=5e9, layer_overhead=1e-3, latency=3e-3)

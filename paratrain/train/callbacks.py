@@ -249,13 +249,14 @@ class ModelCheckpoint(Callback):
 
     def _checkpointer_for(self, params: CallbackParams, resume: str = "none"):
         from paratrain.checkpoint import Checkpointer
-        from paratrain.config import CheckpointConfig as CheckpointSection, Config
+        from paratrain.config import USER_MODEL_KIND, CheckpointConfig as CheckpointSection, Config, ModelConfig
 
         if self._checkpointer is None:
             section = CheckpointSection(dir=str(self.directory), save_steps=self.config.save_checkpoint_steps,
                                         keep_max=self.config.keep_checkpoint_max,
                                         integrated_save=self.config.integrated_save, resume=resume, prefix=self.prefix)
-            config = Config(parallel=params.parallel_config, checkpoint=section)
+            config = Config(model=ModelConfig(kind=USER_MODEL_KIND), parallel=params.parallel_config,
+                            checkpoint=section)
             states = {"position": _Position(params)}
             if params.loss_scaler.enabled:
                 states["loss_scaler"] = params.loss_scaler
