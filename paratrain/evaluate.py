@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.utils.rnn import pad_sequence
 
+from paratrain.config import MODEL_KINDS
 from paratrain.data.synthetic import BOS, EOS, PAD
 from paratrain.errors import UserError
 from paratrain.data.tokenizer import Tokenizer
@@ -102,7 +103,7 @@ def load_translation_model(checkpoint: str | Path, config: str | Path | None = N
     path = resolve(checkpoint)
     meta = read_meta(path)
     cfg = config_file.load(config, overrides) if config else config_file.from_dict(meta["config"], overrides)
-    if cfg.model.kind != "transformer":
+    if cfg.model.kind not in MODEL_KINDS or not cfg.model.spec.encoder_decoder:
         raise TranslateError(f"checkpoint {path} holds a {cfg.model.kind!r} model; paratrain translate needs the "
                              f"encoder-decoder (model.kind = \"transformer\")")
     tokenizer = translation_tokenizer(cfg)
@@ -153,7 +154,7 @@ def bleu_evaluator(cfg, model_parts: list[nn.Module], pipelined: bool, is_main: 
     if cfg.train.eval_steps <= 0:
         return None
     why = None
-    if cfg.model.kind != "transformer" or cfg.data.kind != "translation":
+    if not cfg.model.spec.encoder_decoder or cfg.data.kind != "translation":
         why = (f"BLEU needs the encoder-decoder on a translation dataset (model.kind={cfg.model.kind!r}, "
                f"data.kind={cfg.data.kind!r})")
     elif pipelined:

@@ -91,13 +91,13 @@ def memory_problems(cfg: Config, world_size: int, local_world_size: int) -> list
     over all ``world_size`` ranks, plus one hidden state per layer for a micro-batch's tokens, exceed a
     device's memory or this host's for its ``local_world_size`` ranks (model state against the host's with
     ZeRO-Offload). Both are lower bounds."""
-    from paratrain.plan.cost import DTYPE_BYTES, model_params
+    from paratrain.plan.cost import DTYPE_BYTES, model_params, state_bytes
 
     m, p = cfg.model, cfg.parallel
-    if m.kind not in ("transformer", "gpt"):
+    if not m.spec.stacks:  # not built of Transformer layers: not costed
         return []
     params = model_params(m)
-    state = 4 * params * DTYPE_BYTES[m.dtype] / world_size
+    state = state_bytes(params * DTYPE_BYTES[m.dtype]) / world_size
     tokens = sum(m.sequence_lengths().values())
     micro_batch_num = 1 if p.auto else p.micro_batch_num  # the planner may pick more micro-batches
     activations = cfg.train.global_batch_size * tokens * m.hidden_size * 4 * m.num_layers / (
@@ -107,7 +107,7 @@ def memory_problems(cfg: Config, world_size: int, local_world_size: int) -> list
         return []
     need, where = over
     sizes = ", ".join(f"model.{k}={getattr(m, k)}" for k in (
-        "vocab_size", "hidden_size", "ffn_hidden_size", *(["encoder_layers"] if m.kind == "transformer" else []),
+        "vocab_size", "hidden_size", "ffn_hidden_size", *(["encoder_layers"] if m.spec.encoder_decoder else []),
         "decoder_layers", *m.sequence_lengths()))
     return [f"{sizes} make {params:.3g} parameters, whose weights, gradients and AdamW state need {_size(state)} "
             f"per rank even sharded over all {world_size} ranks, and train.global_batch_size="
