@@ -15,6 +15,7 @@ from paratrain.evaluate import bleu_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
 from paratrain.models import build_model, token_loss_sum
+from paratrain.modules.moe import moe_aux_loss, moe_metrics
 from paratrain.metrics.flops import batch_flops
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallel import parallelize, shard_optimizer_state
@@ -158,7 +159,11 @@ class Trainer:
         loss /= self.layout.dp_size * loss_scale
         self.layout.all_reduce_dp(loss)
         self.layout.all_reduce_pp(loss)  # only the last stage has it
-        return {"loss": loss, "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops}
+        moe = moe_metrics(self.model)  # the last micro-batch's, averaged over the data-parallel ranks
+        if moe:
+            moe = dict(zip(moe, self.layout.all_reduce_dp(torch.stack(list(moe.values()))) / self.layout.dp_size))
+        return {"loss": loss, "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops,
+                **moe}
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
         """A micro-batch's summed token loss over the global batch's token count, times the data-parallel
@@ -183,6 +188,10 @@ class Trainer:
                             micro_loss = self._scaled(self.model(**micro, labels=labels), num_tokens)
                         else:
                             micro_loss = self._loss(self.model(**micro), labels, num_tokens)
+                        aux = moe_aux_loss(self.model)  # load balancing, weighted by the micro-batch's tokens
+                        if aux is not None:
+                            n = (labels != self.cfg.model.ignore_index).sum()
+                            micro_loss = micro_loss + self._scaled(aux * n, num_tokens)
                 with self.timer.phase("backward"):
                     micro_loss.backward()
             loss += whole(micro_loss.detach())

@@ -50,22 +50,23 @@ class MoE(nn.Module):
 
     Each token goes to its ``num_experts_chosen`` (k) most probable experts (softmax of the ``router``'s
     logits, float32), the outputs weighted by those probabilities (renormalised to sum 1 when k > 1).
-    Within a group of ``group_size`` tokens (default: all tokens of the call; MindSpore's
-    ``expert_group_size``) each expert takes ``capacity`` tokens: first choices before second choices,
+    Within a group of ``group_size`` tokens (MindSpore's ``expert_group_size``; default: the call's tokens cut
+    into ``groups`` groups, MindSpore's data-parallel groups) each expert takes ``capacity`` tokens: first choices before second choices,
     earlier tokens first; a token over capacity gets nothing from that expert (with no expert at all, 0:
     only the residual carries it). ``aux_loss`` is MindSpore's (Switch Transformer's) load-balancing loss,
     ``aux_loss_factor * E * sum_e f_e * P_e`` averaged over the groups: f_e the fraction of tokens whose first
     choice is e, P_e their mean router probability for e. After each forward ``dropped`` holds the fraction of
-    (token, choice) assignments over capacity and ``aux_loss`` the last aux loss (detached device tensors,
-    for metrics).
+    (token, choice) assignments over capacity (detached) and ``aux_loss`` the aux loss (``moe_aux_loss``
+    collects it for the training loss).
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, expert_num: int, activation: nn.Module,
                  num_experts_chosen: int = 1, capacity_factor: float = 1.1, aux_loss_factor: float = 0.05,
-                 group_size: int | None = None, dropout: float = 0.0, dtype: torch.dtype = torch.float32):
+                 group_size: int | None = None, groups: int = 1, dropout: float = 0.0, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.expert_num, self.k = expert_num, num_experts_chosen
-        self.capacity_factor, self.aux_loss_factor, self.group_size = capacity_factor, aux_loss_factor, group_size
+        self.capacity_factor, self.aux_loss_factor = capacity_factor, aux_loss_factor
+        self.group_size, self.groups = group_size, groups
         self.router = nn.Linear(hidden_size, expert_num, bias=False, dtype=dtype)
         nn.init.normal_(self.router.weight, std=0.02)
         self.experts = Experts(expert_num, hidden_size, ffn_hidden_size, activation, dropout, dtype=dtype)
@@ -74,7 +75,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape, hidden = x.shape, x.shape[-1]
         tokens = x.reshape(-1, hidden)
-        size = self.group_size or tokens.shape[0]
+        size = self.group_size or tokens.shape[0] // self.groups
         groups = tokens.reshape(-1, size, hidden)  # (G, S, H)
         slot, gate, aux = self.route(groups)
         e = self.expert_num
@@ -108,5 +109,21 @@ class MoE(nn.Module):
         slot = torch.where(kept, expert * capacity + position, e * capacity)
         first = one_hot[:, :size].float().mean(1)  # (G, E): fraction of first choices per expert
         aux = self.aux_loss_factor * e * (first * probs.mean(1)).sum(-1).mean()
-        self.aux_loss, self.dropped = aux.detach(), 1.0 - kept.float().mean()
+        self.aux_loss, self.dropped = aux, 1.0 - kept.float().mean()
         return slot, gate * kept, aux
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """The summed load-balancing losses of the last forward of ``model``'s MoE blocks (None without any)."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+def moe_metrics(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``aux_loss`` (summed over the blocks) and ``dropped`` (mean fraction of assignments over capacity) of
+    the last forward of ``model``'s MoE blocks, device tensors; empty without any."""
+    blocks = [m for m in model.modules() if isinstance(m, MoE) and m.dropped is not None]
+    if not blocks:
+        return {}
+    return {"aux_loss": torch.stack([m.aux_loss.detach() for m in blocks]).sum(),
+            "dropped": torch.stack([m.dropped for m in blocks]).mean()}
