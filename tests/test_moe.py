@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from paratrain.modules.moe import MoE, expert_capacity
@@ -68,3 +69,81 @@ def test_block_matches_per_token_reference(k, capacity_factor, group_size):
 def test_capacity_is_mindspores():
     assert expert_capacity(tokens=64, expert_num=8, num_experts_chosen=2, capacity_factor=1.1) == 18
     assert expert_capacity(tokens=5, expert_num=8, num_experts_chosen=1, capacity_factor=1.0) == 1
+
+
+# --- the MindSpore face: a user's net with moe_config trained by Model.train --------------------------------
+
+VOCAB, HIDDEN, SEQ, ROWS = 32, 16, 6, 8
+GROUP = 12  # tokens per MoE group: one rank's share under data_parallel=4; data_parallel=2 and 1 hold several
+
+
+class MoENet(nn.Module):
+    """A MindSpore-style net: VocabEmbedding, a 2-layer decoder-only Transformer whose FFNs are mixtures of
+    experts, a head; forward returns the mean token loss plus the Transformer's load-balancing loss."""
+
+    def __init__(self, parallel_config, moe_config):
+        super().__init__()
+        from paratrain.nn import AttentionMask, Transformer, VocabEmbedding
+
+        self.embedding = VocabEmbedding(VOCAB, HIDDEN, parallel_config=parallel_config.embedding_dp_mp_config)
+        self.mask = AttentionMask(SEQ, parallel_config=parallel_config.dp_mp_config)
+        self.transformer = Transformer(HIDDEN, ROWS, 32, SEQ, SEQ, encoder_layers=0, decoder_layers=2, num_heads=2,
+                                       attention_dropout_rate=0.0, hidden_dropout_rate=0.0, moe_config=moe_config,
+                                       parallel_config=parallel_config)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids, labels):
+        x, _ = self.embedding(ids)
+        output, _, _, aux_loss = self.transformer(x, self.mask(torch.ones_like(ids)))
+        return F.cross_entropy(self.head(output).flatten(0, 1), labels.flatten()) + aux_loss
+
+
+def moe_dataset(batches=4):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, VOCAB, (ROWS, SEQ), generator=g), torch.randint(0, VOCAB, (ROWS, SEQ), generator=g))
+            for _ in range(batches)]
+
+
+def model_train_losses(parallel: dict, capacity_factor: float, directory: str | None = None, resume=None):
+    """Losses of Model.train on ``parallel`` (TransformerOpParallelConfig's arguments), with a ModelCheckpoint
+    saving the last step in ``directory`` and ``resume`` as Model.train's."""
+    from multiprocess import loss_recorder
+    from paratrain import TransformerOpParallelConfig
+    from paratrain.nn import MoEConfig
+    from paratrain.train import CheckpointConfig, Model, ModelCheckpoint
+
+    torch.manual_seed(0)
+    moe = MoEConfig(expert_num=4, num_experts_chosen=2, capacity_factor=capacity_factor, aux_loss_factor=0.05,
+                    expert_group_size=GROUP)
+    net = MoENet(TransformerOpParallelConfig(**parallel), moe)
+    losses = loss_recorder()
+    callbacks = [losses]
+    if directory:
+        callbacks.append(ModelCheckpoint(prefix="moe", directory=directory,
+                                         config=CheckpointConfig(save_checkpoint_steps=4)))
+    Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2)).train(
+        1, moe_dataset(), callbacks=callbacks, **({"resume": resume} if resume else {}))
+    return losses.values
+
+
+def _model_train_layouts(layouts: dict, capacity_factor: float):
+    return {name: model_train_losses(parallel, capacity_factor) for name, parallel in layouts.items()}
+
+
+USER_LAYOUTS = {2: {"ep2": {"data_parallel": 2, "expert_parallel": 2}},
+                4: {"dp4_ep2": {"data_parallel": 4, "expert_parallel": 2},
+                    "dp4_ep4": {"data_parallel": 4, "expert_parallel": 4},
+                    "dp2_ep2_mp2": {"data_parallel": 2, "model_parallel": 2, "expert_parallel": 2}}}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("capacity_factor", [4.0, 0.75], ids=["no_drop", "dropping"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_user_net_with_moe_config_matches_one_process(world, capacity_factor):
+    from multiprocess import run_distributed
+
+    reference = model_train_losses({}, capacity_factor)
+    assert reference[-1] < reference[0]
+    got = run_distributed(_model_train_layouts, world, USER_LAYOUTS[world], capacity_factor, timeout=560)[0]
+    for name, losses in got.items():
+        assert losses == pytest.approx(reference, rel=1e-4), name
