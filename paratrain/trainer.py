@@ -159,7 +159,7 @@ class Trainer:
         loss /= self.layout.dp_size * loss_scale
         self.layout.all_reduce_dp(loss)
         self.layout.all_reduce_pp(loss)  # only the last stage has it
-        moe = moe_metrics(self.model)  # the last micro-batch's, averaged over the data-parallel ranks
+        moe = moe_metrics(self.model)  # averaged over the micro-batches and the data-parallel ranks
         if moe:
             moe = dict(zip(moe, self.layout.all_reduce_dp(torch.stack(list(moe.values()))) / self.layout.dp_size))
         return {"loss": loss, "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops,

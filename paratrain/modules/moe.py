@@ -55,9 +55,9 @@ class MoE(nn.Module):
     earlier tokens first; a token over capacity gets nothing from that expert (with no expert at all, 0:
     only the residual carries it). ``aux_loss`` is MindSpore's (Switch Transformer's) load-balancing loss,
     ``aux_loss_factor * E * sum_e f_e * P_e`` averaged over the groups: f_e the fraction of tokens whose first
-    choice is e, P_e their mean router probability for e. After each forward ``dropped`` holds the fraction of
-    (token, choice) assignments over capacity (detached) and ``aux_loss`` the aux loss (``moe_aux_loss``
-    collects it for the training loss).
+    choice is e, P_e their mean router probability for e. After a forward ``aux_loss`` holds its aux loss
+    (``moe_aux_loss`` collects it for the training loss); ``moe_metrics`` reports the mean aux loss and
+    fraction of (token, choice) assignments over capacity of the forwards since it last did.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, expert_num: int, activation: nn.Module,
@@ -70,7 +70,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(hidden_size, expert_num, bias=False, dtype=dtype)
         nn.init.normal_(self.router.weight, std=0.02)
         self.experts = Experts(expert_num, hidden_size, ffn_hidden_size, activation, dropout, dtype=dtype)
-        self.aux_loss = self.dropped = None
+        self.aux_loss = self.seen = None  # the last forward's aux loss; (aux, dropped, forwards) summed
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape, hidden = x.shape, x.shape[-1]
@@ -109,7 +109,9 @@ class MoE(nn.Module):
         slot = torch.where(kept, expert * capacity + position, e * capacity)
         first = one_hot[:, :size].float().mean(1)  # (G, E): fraction of first choices per expert
         aux = self.aux_loss_factor * e * (first * probs.mean(1)).sum(-1).mean()
-        self.aux_loss, self.dropped = aux, 1.0 - kept.float().mean()
+        self.aux_loss = aux
+        seen = torch.stack([aux.detach(), 1.0 - kept.float().mean(), torch.ones((), device=aux.device)])
+        self.seen = seen if self.seen is None else self.seen + seen
         return slot, gate * kept, aux
 
 
@@ -120,10 +122,13 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
 
 
 def moe_metrics(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``aux_loss`` (summed over the blocks) and ``dropped`` (mean fraction of assignments over capacity) of
-    the last forward of ``model``'s MoE blocks, device tensors; empty without any."""
-    blocks = [m for m in model.modules() if isinstance(m, MoE) and m.dropped is not None]
+    """``aux_loss`` (summed over the blocks) and ``dropped`` (the fraction of (token, choice) assignments over
+    capacity, averaged over the blocks) of ``model``'s MoE blocks, each the mean over the forwards since the
+    last call (micro-batches; device tensors); empty without any."""
+    blocks = [m for m in model.modules() if isinstance(m, MoE) and m.seen is not None]
     if not blocks:
         return {}
-    return {"aux_loss": torch.stack([m.aux_loss.detach() for m in blocks]).sum(),
-            "dropped": torch.stack([m.dropped for m in blocks]).mean()}
+    means = torch.stack([m.seen[:2] / m.seen[2] for m in blocks])
+    for m in blocks:
+        m.seen = None
+    return {"aux_loss": means[:, 0].sum(), "dropped": means[:, 1].mean()}
