@@ -332,6 +332,9 @@ def _moe_problems(cfg: Config) -> list[str]:
         problems.append(f"model.moe.capacity_factor={moe.capacity_factor} gives each expert a capacity of "
                         f"{capacity} tokens (capacity_factor x {group} tokens x num_experts_chosen="
                         f"{moe.num_experts_chosen} / expert_num={moe.expert_num}): use capacity_factor > 0, e.g. 1.25")
+    if p.sequence_parallel:
+        problems.append("model.moe with parallel.sequence_parallel=true is not supported yet (the experts take "
+                        "whole sequences): set sequence_parallel=false")
     if p.pipeline_stage > 1:
         problems.append(f"model.moe with parallel.pipeline_stage={p.pipeline_stage} is not supported yet (the "
                         f"load-balancing loss of the layers on earlier stages does not reach the loss): use "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from paratrain.checkpoint import Checkpointer
 from paratrain.config import Config
@@ -190,8 +191,10 @@ class Trainer:
                             micro_loss = self._loss(self.model(**micro), labels, num_tokens)
                         aux = moe_aux_loss(self.model)  # load balancing, weighted by the micro-batch's tokens
                         if aux is not None:
-                            n = (labels != self.cfg.model.ignore_index).sum()
-                            micro_loss = micro_loss + self._scaled(aux * n, num_tokens)
+                            aux = self._scaled(aux * (labels != self.cfg.model.ignore_index).sum(), num_tokens)
+                            if isinstance(micro_loss, DTensor):  # the vocab-parallel loss, replicated
+                                aux = DTensor.from_local(aux, micro_loss.device_mesh, micro_loss.placements)
+                            micro_loss = micro_loss + aux
                 with self.timer.phase("backward"):
                     micro_loss.backward()
             loss += whole(micro_loss.detach())

@@ -84,6 +84,12 @@ def feed_forward(cfg: ModelConfig, layer_id: int) -> FeedForward | MoE:
     return FeedForward(cfg.hidden_size, cfg.ffn_hidden_size, cfg.hidden_dropout, activation)
 
 
+def ffn_plan(ffn: FeedForward | MoE) -> dict:
+    """The FFN's input gathered for its tensor-parallel split; a mixture of experts is not split over
+    model_parallel (each tp rank runs the whole of its experts on the plain replicated input)."""
+    return {} if isinstance(ffn, MoE) else {"ffn": ("gather", 1)}
+
+
 def ffn_output(ffn: FeedForward | MoE, x: torch.Tensor) -> torch.Tensor:
     """The FFN's output; a mixture of experts keeps its aux loss itself (``moe_aux_loss``)."""
     return ffn(x)[0] if isinstance(ffn, MoE) else ffn(x)
@@ -103,7 +109,7 @@ class EncoderLayer(nn.Module):
         self.ffn = feed_forward(cfg, layer_id)
 
     def parallel_plan(self) -> dict:
-        return {"attn": ("gather", 1), "ffn": ("gather", 1)}
+        return {"attn": ("gather", 1), **ffn_plan(self.ffn)}
 
     def forward(self, x, mask=None):
         x = self.attn_branch(x, lambda h: self.attn(h, mask=mask))
@@ -125,7 +131,7 @@ class DecoderLayer(nn.Module):
         self.ffn = feed_forward(cfg, layer_id)
 
     def parallel_plan(self) -> dict:
-        return {"self_attn": ("gather", 1), "cross_attn": ("gather", 2), "ffn": ("gather", 1)}
+        return {"self_attn": ("gather", 1), "cross_attn": ("gather", 2), **ffn_plan(self.ffn)}
 
     def forward(self, x, memory, self_mask=None, memory_mask=None, cache: dict | None = None):
         x = self.self_attn_branch(x, lambda h: self.self_attn(h, mask=self_mask, cache=cache))
