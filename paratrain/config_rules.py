@@ -165,6 +165,7 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if m.tie_embeddings and mp > 1 and p.vocab_emb_dp:
         problems.append(f"model.tie_embeddings=true with parallel.model_parallel={mp} needs the embedding split like "
                         f"the vocab-sharded head: set parallel.vocab_emb_dp=false or tie_embeddings=false")
+    problems += _moe_problems(cfg)
     return problems
 
 

@@ -197,3 +197,69 @@ def test_gpt_with_moe_matches_one_process(world, tmp_path):
         assert reference[-1][0] < reference[0][0] and any(r[3] > 0 for r in reference)  # trains, drops tokens
         for step, (have, want) in enumerate(zip(records, reference), 1):
             assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"{name}: step {step}"
+
+
+# --- validation before any process starts ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("parallel,moe,fragment", [
+    ({"dp": 2, "ep": 4}, {"expert_num": 8}, "parallel.expert_parallel=4 does not divide parallel.data_parallel=2"),
+    ({"dp": 4, "ep": 4}, {"expert_num": 6}, "model.moe.expert_num=6 is not divisible by parallel.expert_parallel=4"),
+    ({"dp": 2}, {"expert_num": 4, "capacity_factor": 0.0}, "gives each expert a capacity of 0 tokens"),
+    ({"dp": 2, "ep": 2}, {}, "parallel.expert_parallel=2 needs experts to split"),
+    ({}, {"expert_num": 4, "num_experts_chosen": 5}, "num_experts_chosen=5 must be in 1..expert_num=4"),
+    ({}, {"expert_num": 4, "expert_group_size": 7}, "expert_group_size=7 does not divide the 128 tokens"),
+    ({}, {"expert_num": 4, "top": 2}, "model.moe={'expert_num': 4, 'top': 2} must be a table of"),
+])
+def test_moe_config_rules(parallel, moe, fragment):
+    from conftest import tiny_config
+    from paratrain.config_rules import validate
+
+    cfg = tiny_config(model={"kind": "gpt", "moe": moe}, parallel=parallel)
+    problems = validate(cfg, world_size=parallel.get("dp", 1))
+    assert any(fragment in p for p in problems), problems
+    assert not validate(tiny_config(model={"kind": "gpt", "moe": {"expert_num": 4}}, parallel={"dp": 2, "ep": 2}),
+                        world_size=2)
+
+
+def test_cli_refuses_a_bad_expert_layout_with_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    config = tmp_path / "moe.toml"
+    config.write_text('[model]\nkind = "gpt"\nmoe = {expert_num = 6, num_experts_chosen = 2}\n'
+                      '[parallel]\ndp = 4\nep = 4\n')
+    done = subprocess.run([sys.executable, "-m", "paratrain", "train", "--config", str(config)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "model.moe.expert_num=6 is not divisible by parallel.expert_parallel=4" in done.stderr + done.stdout
+
+
+def test_mindspore_blocks_refuse_what_the_experts_cannot_split():
+    from paratrain import TransformerOpParallelConfig
+    from paratrain.errors import UserError
+    from paratrain.nn import MoEConfig, Transformer
+
+    with pytest.raises(UserError, match="expert_num=6 is not divisible by parallel_config.expert_parallel=4"):
+        Transformer(16, 8, 32, 6, 6, encoder_layers=0, decoder_layers=1, num_heads=2,
+                    moe_config=MoEConfig(expert_num=6), parallel_config=TransformerOpParallelConfig(
+                        data_parallel=4, expert_parallel=4))
+
+
+# --- checkpoints: experts saved sliced, reloaded under another expert layout ---------------------------------
+
+def _train_then_resume(root):
+    """2 steps under ep2 (saved), then the same job resumed to step 4 under ep1 x dp2."""
+    first = trainer_records(gpt_config(root, {"dp": 2, "ep": 2}, steps=2))
+    resumed = trainer_records(gpt_config(root, {"dp": 2}, steps=4))
+    return first + resumed
+
+
+@pytest.mark.timeout(600)
+def test_checkpoint_saved_under_ep2_resumes_under_dp2(tmp_path):
+    from multiprocess import run_distributed
+
+    reference = trainer_records(gpt_config(tmp_path / "ref", {}, steps=4))
+    got = run_distributed(_train_then_resume, 2, str(tmp_path / "job"), timeout=560)[0]
+    assert len(got) == 4
+    for step, (have, want) in enumerate(zip(got, reference), 1):
+        assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"step {step}"
