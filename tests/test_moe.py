@@ -263,3 +263,17 @@ def test_checkpoint_saved_under_ep2_resumes_under_dp2(tmp_path):
     assert len(got) == 4
     for step, (have, want) in enumerate(zip(got, reference), 1):
         assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"step {step}"
+
+
+def test_flops_count_only_the_active_experts():
+    from conftest import tiny_config
+    from paratrain.metrics.flops import gpt_flops
+
+    dense = tiny_config(model={"kind": "gpt"}).model
+    moe = tiny_config(model={"kind": "gpt", "moe": {"expert_num": 8, "num_experts_chosen": 2}}).model
+    every_other = tiny_config(model={"kind": "gpt", "moe": {"expert_num": 8, "num_experts_chosen": 2,
+                                                            "every": 2}}).model
+    h, f, tokens, layers = dense.hidden_size, dense.ffn_hidden_size, 4 * 16, dense.decoder_layers
+    per_layer = 3 * 2 * tokens * (2 * h * f + h * 8)  # a second expert's FFN and the router, forward + backward
+    assert gpt_flops(moe, 4, 16) - gpt_flops(dense, 4, 16) == pytest.approx(layers * per_layer)
+    assert gpt_flops(every_other, 4, 16) - gpt_flops(dense, 4, 16) == pytest.approx(per_layer)

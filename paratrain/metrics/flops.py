@@ -29,14 +29,16 @@ GPU_PEAK_TFLOPS = [
 ]
 
 
-def layer_flops(m: ModelConfig, decoder: bool, batch: int, lengths: tuple[int, int] | None = None) -> dict:
+def layer_flops(m: ModelConfig, decoder: bool, batch: int, lengths: tuple[int, int] | None = None,
+                layer_id: int | None = None) -> dict:
     """Forward FLOPs of one layer on ``batch`` sequences: its weight matmuls (``dense``) and attention's
     QK^T and (softmax)V (``core``).
 
     ``lengths``: (source, target) lengths of the encoder-decoder, or (seq, seq) of GPT; default the
     configured ones. Encoder and GPT layers see their own sequence; a decoder layer's self-attention
     and FFN see the target, its cross-attention queries target positions while its K and V
-    projections run over the source (the memory).
+    projections run over the source (the memory). Layer ``layer_id`` a mixture of experts (``model.moe``)
+    counts its router and the ``num_experts_chosen`` experts each token goes to, not the others.
     """
     h, f = m.hidden_size, m.ffn_hidden_size
     if lengths is None:
@@ -44,6 +46,9 @@ def layer_flops(m: ModelConfig, decoder: bool, batch: int, lengths: tuple[int, i
     source, target = lengths
     own = target if decoder else source
     n = batch * own
+    moe = m.moe_config
+    if layer_id is not None and moe.used_in(layer_id):  # the router and the k experts a token runs through
+        f = f * moe.num_experts_chosen + moe.expert_num / 2
     dense = 2 * n * (4 * h * h + 2 * h * f)
     core = 4 * n * own * h
     if decoder:
@@ -59,7 +64,7 @@ def model_flops(m: ModelConfig, batch: int, lengths: tuple[int, int] | None = No
         layers = [False] * m.decoder_layers
     else:
         layers = [False] * m.encoder_layers + [True] * m.decoder_layers
-    forward = sum(sum(layer_flops(m, d, batch, lengths).values()) for d in layers)
+    forward = sum(sum(layer_flops(m, d, batch, lengths, i).values()) for i, d in enumerate(layers))
     target = (lengths or (m.seq_length if m.kind == "gpt" else m.tgt_seq_length,) * 2)[1]
     forward += 2 * batch * target * m.hidden_size * m.vocab_size
     return float(3 * forward)
