@@ -277,3 +277,21 @@ def test_flops_count_only_the_active_experts():
     per_layer = 3 * 2 * tokens * (2 * h * f + h * 8)  # a second expert's FFN and the router, forward + backward
     assert gpt_flops(moe, 4, 16) - gpt_flops(dense, 4, 16) == pytest.approx(layers * per_layer)
     assert gpt_flops(every_other, 4, 16) - gpt_flops(dense, 4, 16) == pytest.approx(per_layer)
+
+
+@pytest.mark.parametrize("kind,every", [("gpt", 1), ("gpt", 2), ("transformer", 1), ("transformer", 2)])
+def test_planner_counts_expert_parameters_and_their_split(kind, every):
+    from conftest import tiny_config
+    from paratrain.models import build_model
+    from paratrain.plan.cost import model_params, stage_states
+
+    cfg = tiny_config(model={"kind": kind, "encoder_layers": 3, "moe": {"expert_num": 4, "every": every}},
+                      parallel={"dp": 4})
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    assert model_params(cfg.model) == sum(p.numel() for p in model.parameters())
+    one = stage_states(cfg.model, cfg.parallel)[0]
+    cfg.parallel.expert_parallel = 4
+    split = stage_states(cfg.model, cfg.parallel)[0]
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * 4  # fp32 bytes
+    assert one.params - split.params == experts * 3 // 4 and one.optimizer - split.optimizer == 2 * (one.params - split.params)
