@@ -295,3 +295,15 @@ def test_planner_counts_expert_parameters_and_their_split(kind, every):
     split = stage_states(cfg.model, cfg.parallel)[0]
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * 4  # fp32 bytes
     assert one.params - split.params == experts * 3 // 4 and one.optimizer - split.optimizer == 2 * (one.params - split.params)
+
+
+def test_planner_counts_all_to_all_bytes():
+    from conftest import tiny_config
+    from paratrain.plan.cost import all_to_all_bytes
+
+    cfg = tiny_config(model={"kind": "gpt", "moe": {"expert_num": 4, "num_experts_chosen": 2,
+                                                    "capacity_factor": 1.0, "every": 2}}, parallel={"dp": 4, "ep": 2})
+    m = cfg.model  # 2 layers, the second a mixture; a micro-batch of 2 rows x 16 tokens: capacity 16 a group
+    assert all_to_all_bytes(m, cfg.parallel, 2, 4) == 4 * (1 / 2) * 4 * 16 * m.hidden_size * 4
+    cfg.parallel.expert_parallel = 1
+    assert all_to_all_bytes(m, cfg.parallel, 2, 4) == 0

@@ -242,6 +242,24 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
     return stages
 
 
+def all_to_all_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, elem: int) -> float:
+    """Bytes one rank sends per micro-batch of ``micro_batch`` rows in the experts' all-to-all
+    (``paratrain.parallel.expert``): each mixture-of-experts layer sends the (ep-1)/ep of its capacity slots
+    (E x C x H a group) held by other ranks, to dispatch and to combine, in forward and in backward."""
+    moe, ep = m.moe_config, par.expert_parallel
+    if ep == 1 or moe.expert_num == 1:
+        return 0.0
+    total = 0.0
+    for decoder, layer_id, offset in layer_blocks(m):
+        if moe.used_in(offset + layer_id):
+            length = m.seq_length if m.kind == "gpt" else (m.tgt_seq_length if decoder else m.src_seq_length)
+            tokens = micro_batch * length
+            group = moe.expert_group_size or tokens
+            capacity = math.ceil(moe.capacity_factor * group * moe.num_experts_chosen / moe.expert_num)
+            total += 4 * (ep - 1) / ep * (tokens // group) * moe.expert_num * capacity * m.hidden_size * elem
+    return total
+
+
 def model_params(m: ModelConfig) -> int:
     """Number of parameters of the whole (unsplit) model; as fast for 10^12 layers as for 2."""
     def per_layer(decoder: bool, moe: bool = False) -> int:
