@@ -16,10 +16,11 @@ from paratrain.evaluate import bleu_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
 from paratrain.models import build_model, token_loss_sum
-from paratrain.modules.moe import moe_aux_loss, moe_metrics
+from paratrain.modules.moe import moe_aux_loss
 from paratrain.metrics.flops import batch_flops
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallel import parallelize, shard_optimizer_state
+from paratrain.parallel.expert import moe_step_metrics
 from paratrain.parallel.deferred_init import materialize, record_init
 from paratrain.parallel.loss import loss_context, whole
 from paratrain.precision import LossScaler, autocast, resolve_mixed_precision
@@ -160,11 +161,8 @@ class Trainer:
         loss /= self.layout.dp_size * loss_scale
         self.layout.all_reduce_dp(loss)
         self.layout.all_reduce_pp(loss)  # only the last stage has it
-        moe = moe_metrics(self.model)  # averaged over the micro-batches and the data-parallel ranks
-        if moe:
-            moe = dict(zip(moe, self.layout.all_reduce_dp(torch.stack(list(moe.values()))) / self.layout.dp_size))
         return {"loss": loss, "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops,
-                **moe}
+                **moe_step_metrics(self.model, self.layout)}
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
         """A micro-batch's summed token loss over the global batch's token count, times the data-parallel

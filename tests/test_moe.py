@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.modules.moe import MoE, expert_capacity
+from paratrain.train import Callback
 
 
 def naive_moe(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -106,6 +107,17 @@ def moe_dataset(batches=4):
             for _ in range(batches)]
 
 
+class StepStats(Callback):
+    """A Model.train callback keeping each step's reported aux loss and dropped fraction."""
+
+    def __init__(self):
+        self.values = []
+
+    def on_train_step_end(self, run_context):
+        record = run_context.original_args().step_record
+        self.values.append((float(record["aux_loss"]), float(record["dropped"])))
+
+
 def model_train_losses(parallel: dict, capacity_factor: float, directory: str | None = None, resume=None):
     """Losses of Model.train on ``parallel`` (TransformerOpParallelConfig's arguments), with a ModelCheckpoint
     saving the last step in ``directory`` and ``resume`` as Model.train's."""
@@ -118,15 +130,15 @@ def model_train_losses(parallel: dict, capacity_factor: float, directory: str | 
     moe = MoEConfig(expert_num=4, num_experts_chosen=2, capacity_factor=capacity_factor, aux_loss_factor=0.05,
                     expert_group_size=GROUP)
     net = MoENet(TransformerOpParallelConfig(**parallel), moe)
-    losses = loss_recorder()
-    callbacks = [losses]
+    losses, stats = loss_recorder(), StepStats()
+    callbacks = [losses, stats]
     if directory:
         callbacks.append(ModelCheckpoint(prefix="moe", directory=directory,
                                          config=CheckpointConfig(save_checkpoint_steps=4)))
     # SGD: a wrong gradient scale shows in the losses (Adam would hide it)
     Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)).train(
         1, moe_dataset(), callbacks=callbacks, **({"resume": resume} if resume else {}))
-    return losses.values
+    return [(loss, *step) for loss, step in zip(losses.values, stats.values)]
 
 
 def _model_train_layouts(layouts: dict, capacity_factor: float):
@@ -146,10 +158,12 @@ def test_user_net_with_moe_config_matches_one_process(world, capacity_factor):
     from multiprocess import run_distributed
 
     reference = model_train_losses({}, capacity_factor)
-    assert reference[-1] < reference[0]
+    assert reference[-1][0] < reference[0][0]
+    assert any(dropped > 0 for *_, dropped in reference) == (capacity_factor < 1)
     got = run_distributed(_model_train_layouts, world, USER_LAYOUTS[world], capacity_factor, timeout=560)[0]
-    for name, losses in got.items():
-        assert losses == pytest.approx(reference, rel=1e-4), name
+    for name, records in got.items():
+        for step, (have, want) in enumerate(zip(records, reference), 1):
+            assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"{name}: step {step}"
 
 
 # --- the built-in GPT with [model] moe, `paratrain train`'s Trainer -------------------------------------------

@@ -31,8 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from paratrain.config import ParallelConfig
+from paratrain.errors import UserError
 from paratrain.mesh import Layout
-from paratrain.modules.moe import MoE
+from paratrain.modules.moe import MoE, moe_metrics
 
 
 def is_expert_parallel(module: nn.Module) -> bool:
@@ -49,10 +50,16 @@ def apply_expert_parallel(model: nn.Module, config: ParallelConfig, layout: Layo
     """Place ``model``'s MoE blocks on ``layout``: one token group per data-parallel rank where a block was
     built for ``groups`` of them (MindSpore's grouping), and with ``expert_parallel`` > 1 the experts split as
     the module docstring says."""
+    ep = config.expert_parallel
+    if ep > 1 and config.pipeline_stage > 1:
+        raise UserError(f"expert_parallel={ep} with pipeline_stage={config.pipeline_stage} is not supported yet: "
+                        f"use pipeline_stage=1, or expert_parallel=1")
+    if config.data_parallel % ep:
+        raise UserError(f"expert_parallel={ep} does not divide data_parallel={config.data_parallel}: the experts "
+                        f"are split over data-parallel ranks; use a divisor of {config.data_parallel}")
     blocks = [m for m in model.modules() if isinstance(m, MoE)]
     for block in blocks:
         block.groups = max(block.groups // layout.dp_size, 1)
-    ep = config.expert_parallel
     if ep == 1 or not blocks:
         return
     mesh = _expert_mesh(layout, ep)
@@ -67,6 +74,15 @@ def apply_expert_parallel(model: nn.Module, config: ParallelConfig, layout: Layo
         experts.expert_mesh, experts.edp_group, experts.dp_size = mesh["ep"], edp, layout.dp_size
         experts.register_forward_pre_hook(_dispatch)
         experts.register_forward_hook(_combine)
+
+
+def moe_step_metrics(model: nn.Module, layout: Layout) -> dict[str, torch.Tensor]:
+    """``moe_metrics`` of ``model`` (its blocks' aux loss and dropped fraction over this step's micro-batches)
+    averaged over the data-parallel ranks: the values of one process. Empty without MoE blocks."""
+    metrics = moe_metrics(model)
+    if not metrics:
+        return {}
+    return dict(zip(metrics, layout.all_reduce_dp(torch.stack(list(metrics.values()))) / layout.dp_size))
 
 
 def _expert_mesh(layout: Layout, ep: int) -> DeviceMesh:
