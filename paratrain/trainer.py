@@ -187,9 +187,10 @@ class Trainer:
                             micro_loss = self._scaled(self.model(**micro, labels=labels), num_tokens)
                         else:
                             micro_loss = self._loss(self.model(**micro), labels, num_tokens)
-                        aux = moe_aux_loss(self.model)  # load balancing, weighted by the micro-batch's tokens
+                        aux = moe_aux_loss(self.model)  # load balancing, weighted by the micro-batch's rows
                         if aux is not None:
-                            aux = self._scaled(aux * (labels != self.cfg.model.ignore_index).sum(), num_tokens)
+                            share = labels.shape[0] / self.cfg.train.global_batch_size
+                            aux = aux * (share * self.layout.dp_size * self.loss_scaler.scale)
                             if isinstance(micro_loss, DTensor):  # the vocab-parallel loss, replicated
                                 aux = DTensor.from_local(aux, micro_loss.device_mesh, micro_loss.placements)
                             micro_loss = micro_loss + aux

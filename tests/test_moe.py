@@ -172,7 +172,8 @@ GPT_MOE = {"kind": "gpt", "moe": {"expert_num": 4, "num_experts_chosen": 2, "cap
                                   "expert_group_size": 32}}  # 32 tokens: a rank's rows under dp4 (8 x 16 / 4)
 GPT_LAYOUTS = {2: {"ep2": {"dp": 2, "ep": 2}, "ep2_micro2": {"dp": 2, "ep": 2, "micro_batch_num": 2},
                    "ep2_zero3": {"dp": 2, "ep": 2, "zero_stage": 3},
-                   "ep2_zero1": {"dp": 2, "ep": 2, "zero_stage": 1}},
+                   "ep2_zero1": {"dp": 2, "ep": 2, "zero_stage": 1},
+                   "encoder_decoder_ep2": {"dp": 2, "ep": 2}},
                4: {"dp4_ep2": {"dp": 4, "ep": 2}, "dp2_ep2_mp2": {"dp": 2, "ep": 2, "mp": 2},
                    "dp4_ep4_every_other": {"dp": 4, "ep": 4}}}
 
@@ -197,6 +198,8 @@ def _gpt_layouts(root, layouts):
 
 
 def _model_of(name):
+    if name.startswith("encoder_decoder"):  # 12 tokens a group: a row of source or target
+        return {"kind": "transformer", "moe": {"expert_group_size": 12}}
     return {"moe": {"every": 2}} if name.endswith("every_other") else {}
 
 
