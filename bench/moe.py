@@ -102,7 +102,8 @@ def main(argv=None) -> dict:
     print(f"{'run':<10} {'tokens/s':>10} {'peak MB':>9} {'all-to-all':>11} {'loss':>8}")
     for name, r in results.items():
         share = f"{100 * r['dispatch_share']:.1f}%" if name == "moe_ep2" else "-"
-        print(f"{name:<10} {r['tokens_per_s']:>10,.0f} {r['peak_memory_mb']:>9,.0f} {share:>11} {r['final_loss']:>8.4f}")
+        print(f"{name:<10} {r['tokens_per_s']:>10,.0f} {r['peak_memory_mb']:>9,.0f} {share:>11} "
+              f"{r['final_loss']:>8.4f}")
     report = {"args": vars(args), "cpu_count": os.cpu_count(), "load_average": load, "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from paratrain.errors import UserError
+
 
 def expert_capacity(tokens: int, expert_num: int, num_experts_chosen: int, capacity_factor: float) -> int:
     """Slots per expert for a group of ``tokens`` tokens, as MindSpore's ``calculate_expert_capacity``."""
@@ -51,9 +53,9 @@ class MoE(nn.Module):
     Each token goes to its ``num_experts_chosen`` (k) most probable experts (softmax of the ``router``'s
     logits, float32), the outputs weighted by those probabilities (renormalised to sum 1 when k > 1).
     Within a group of ``group_size`` tokens (MindSpore's ``expert_group_size``; default: the call's tokens cut
-    into ``groups`` groups, MindSpore's data-parallel groups) each expert takes ``capacity`` tokens: first choices before second choices,
-    earlier tokens first; a token over capacity gets nothing from that expert (with no expert at all, 0:
-    only the residual carries it). ``aux_loss`` is MindSpore's (Switch Transformer's) load-balancing loss,
+    into ``groups`` groups, MindSpore's data-parallel groups) each expert takes ``capacity`` tokens: first
+    choices before second choices, earlier tokens first; a token over capacity gets nothing from that expert
+    (with no expert at all, 0: only the residual carries it). ``aux_loss`` is MindSpore's (Switch Transformer's) load-balancing loss,
     ``aux_loss_factor * E * sum_e f_e * P_e`` averaged over the groups: f_e the fraction of tokens whose first
     choice is e, P_e their mean router probability for e. After a forward ``aux_loss`` holds its aux loss
     (``moe_aux_loss`` collects it for the training loss); ``moe_metrics`` reports the mean aux loss and
@@ -62,7 +64,8 @@ class MoE(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, expert_num: int, activation: nn.Module,
                  num_experts_chosen: int = 1, capacity_factor: float = 1.1, aux_loss_factor: float = 0.05,
-                 group_size: int | None = None, groups: int = 1, dropout: float = 0.0, dtype: torch.dtype = torch.float32):
+                 group_size: int | None = None, groups: int = 1, dropout: float = 0.0,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         self.expert_num, self.k = expert_num, num_experts_chosen
         self.capacity_factor, self.aux_loss_factor = capacity_factor, aux_loss_factor
@@ -76,6 +79,10 @@ class MoE(nn.Module):
         shape, hidden = x.shape, x.shape[-1]
         tokens = x.reshape(-1, hidden)
         size = self.group_size or tokens.shape[0] // self.groups
+        if not size or tokens.shape[0] % size:
+            raise UserError(f"MoE: {tokens.shape[0]} tokens do not split into groups of {size or 0} "
+                            f"(expert_group_size={self.group_size}, {self.groups} data-parallel groups): give a "
+                            f"batch whose tokens are a multiple of the group size")
         groups = tokens.reshape(-1, size, hidden)  # (G, S, H)
         slot, gate, aux = self.route(groups)
         e = self.expert_num
