@@ -325,3 +325,17 @@ def test_planner_counts_all_to_all_bytes():
     assert all_to_all_bytes(m, cfg.parallel, 2, 4) == 4 * (1 / 2) * 4 * 16 * m.hidden_size * 4
     cfg.parallel.expert_parallel = 1
     assert all_to_all_bytes(m, cfg.parallel, 2, 4) == 0
+
+
+def test_dry_run_counts_the_experts_a_rank_holds_as_the_cost_model_does():
+    from conftest import tiny_config
+    from paratrain.plan.cost import stage_states
+    from paratrain.plan.dryrun import dry_run
+
+    held = {}
+    for ep in (1, 2):
+        cfg = tiny_config(model={"kind": "gpt", "moe": {"expert_num": 4}}, parallel={"dp": 2, "ep": ep})
+        (rank0,) = dry_run(cfg, 2)
+        assert rank0["params"] == stage_states(cfg.model, cfg.parallel)[0].params
+        held[ep] = rank0["params"]
+    assert held[2] < held[1]
