@@ -118,9 +118,11 @@ class StepStats(Callback):
         self.values.append((float(record["aux_loss"]), float(record["dropped"])))
 
 
-def model_train_losses(parallel: dict, capacity_factor: float, directory: str | None = None, resume=None):
-    """Losses of Model.train on ``parallel`` (TransformerOpParallelConfig's arguments), with a ModelCheckpoint
-    saving the last step in ``directory`` and ``resume`` as Model.train's."""
+def model_train_losses(parallel: dict, capacity_factor: float, directory: str | None = None, resume=None,
+                       epochs: int = 1):
+    """(loss, aux loss, dropped) of each step of Model.train on ``parallel`` (TransformerOpParallelConfig's
+    arguments), ``epochs`` of 4 steps, with a ModelCheckpoint saving every 4th step in ``directory`` and
+    ``resume`` as Model.train's."""
     from multiprocess import loss_recorder
     from paratrain import TransformerOpParallelConfig
     from paratrain.nn import MoEConfig
@@ -137,7 +139,7 @@ def model_train_losses(parallel: dict, capacity_factor: float, directory: str | 
                                          config=CheckpointConfig(save_checkpoint_steps=4)))
     # SGD: a wrong gradient scale shows in the losses (Adam would hide it)
     Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)).train(
-        1, moe_dataset(), callbacks=callbacks, **({"resume": resume} if resume else {}))
+        epochs, moe_dataset(), callbacks=callbacks, **({"resume": resume} if resume else {}))
     return [(loss, *step) for loss, step in zip(losses.values, stats.values)]
 
 
@@ -339,3 +341,20 @@ def test_dry_run_counts_the_experts_a_rank_holds_as_the_cost_model_does():
         assert rank0["params"] == stage_states(cfg.model, cfg.parallel)[0].params
         held[ep] = rank0["params"]
     assert held[2] < held[1]
+
+
+def _model_train_then_resume(directory):
+    """An epoch under ep2 (saved), then a second one resumed under ep1 x dp2."""
+    first = model_train_losses({"data_parallel": 2, "expert_parallel": 2}, 0.75, directory)
+    return first, model_train_losses({"data_parallel": 2}, 0.75, directory, resume="auto", epochs=2)
+
+
+@pytest.mark.timeout(600)
+def test_model_train_checkpoint_saved_under_ep2_resumes_under_dp2(tmp_path):
+    from multiprocess import run_distributed
+
+    reference = model_train_losses({}, 0.75, epochs=2)
+    first, resumed = run_distributed(_model_train_then_resume, 2, str(tmp_path / "ckpt"), timeout=560)[0]
+    assert len(first) == 4 and len(resumed) == 4  # the second run went on from step 4
+    for step, (have, want) in enumerate(zip(first + resumed, reference), 1):
+        assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"step {step}"
