@@ -358,3 +358,12 @@ def test_model_train_checkpoint_saved_under_ep2_resumes_under_dp2(tmp_path):
     assert len(first) == 4 and len(resumed) == 4  # the second run went on from step 4
     for step, (have, want) in enumerate(zip(first + resumed, reference), 1):
         assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"step {step}"
+
+
+def test_moe_table_from_the_command_line():
+    from paratrain import config_file
+
+    cfg = config_file.from_dict({"model": {"kind": "gpt"}},
+                                ["model.moe={expert_num = 8, num_experts_chosen = 2, every = 2}", "parallel.ep=2"])
+    assert cfg.model.moe_config.expert_num == 8 and cfg.model.moe_config.every == 2
+    assert cfg.parallel.expert_parallel == 2
