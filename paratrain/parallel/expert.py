@@ -127,11 +127,8 @@ def _reduce_gradients_once(experts: nn.Module) -> None:
 @torch.no_grad()
 def _reduce(grad: torch.Tensor, experts: nn.Module) -> torch.Tensor:
     """One backward's gradient of a rank's experts: summed over the ranks holding the same experts, over dp."""
-    local = grad.to_local() if isinstance(grad, DTensor) else grad
-    local = local.clone()
+    local = grad.to_local().clone()  # the parameters are DTensors sharded over ep, and so are their gradients
     if experts.edp_group is not None:
         dist.all_reduce(local, group=experts.edp_group)
     local /= experts.dp_size
-    if isinstance(grad, DTensor):
-        return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
-    return local
+    return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
