@@ -367,3 +367,19 @@ def test_moe_table_from_the_command_line():
                                 ["model.moe={expert_num = 8, num_experts_chosen = 2, every = 2}", "parallel.ep=2"])
     assert cfg.model.moe_config.expert_num == 8 and cfg.model.moe_config.every == 2
     assert cfg.parallel.expert_parallel == 2
+
+
+def test_mindspore_moe_groups_tokens_by_data_parallel_as_its_ranks_would():
+    from paratrain.config import OpParallelConfig
+    from paratrain.nn import MoE as MindSporeMoE
+    from paratrain.nn import MoEConfig
+
+    torch.manual_seed(0)
+    moe = MindSporeMoE(8, 16, 0.0, moe_config=MoEConfig(expert_num=4, num_experts_chosen=2, capacity_factor=0.5),
+                       parallel_config=OpParallelConfig(data_parallel=2))
+    x = torch.randn(4, 6, 8)
+    whole, aux = moe(x)
+    moe.groups = 1  # what placing it on 2 data-parallel ranks does: each rank's rows are one group
+    halves = [moe(part) for part in x.chunk(2)]
+    torch.testing.assert_close(whole, torch.cat([out for out, _ in halves]))
+    torch.testing.assert_close(aux, sum(a for _, a in halves) / 2)
