@@ -118,6 +118,31 @@ USER_MODEL_KIND = "user"  # model.kind a user's own net is recorded as (MindSpor
 
 
 @dataclass
+class MoEConfig:
+    """MindSpore's mixture-of-experts settings (``paratrain.modules.moe.MoE``): ``expert_num`` expert FFNs
+    instead of one (1: a plain FFN), each token sent to ``num_experts_chosen`` of them, each expert taking at
+    most ``ceil(capacity_factor * tokens * num_experts_chosen / expert_num)`` tokens of a group of
+    ``expert_group_size`` tokens (None: the tokens of one rank's micro-batch), the load-balancing loss
+    weighted by ``aux_loss_factor``. ``every`` (paratrain's, the TOML face): every layer (1) or the second
+    of every ``every`` layers (2: every other layer, as GShard) is a mixture of experts."""
+
+    expert_num: int = 1
+    capacity_factor: float = 1.1
+    aux_loss_factor: float = 0.05
+    num_experts_chosen: int = 1
+    expert_group_size: int | None = None
+    every: int = 1
+
+    def used_in(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id`` (counted over the whole model) is a mixture of experts."""
+        return self.expert_num > 1 and layer_id % self.every == self.every - 1
+
+    def layers_in(self, start: int, count: int) -> int:
+        """How many of the layers ``start`` .. ``start + count - 1`` are mixtures of experts (``used_in``)."""
+        return (start + count) // self.every - start // self.every if self.expert_num > 1 else 0
+
+
+@dataclass
 class ModelConfig(Section):
     """Sizes of the encoder-decoder ``transformer`` or the decoder-only ``gpt``."""
 
@@ -141,6 +166,24 @@ class ModelConfig(Section):
     layernorm_eps: float = 1e-5
     dtype: str = "float32"
     pad_token_id: int = 0
+    moe: dict = field(default_factory=dict)  # MoEConfig's fields, e.g. {expert_num = 8, num_experts_chosen = 2}
+
+    @property
+    def moe_config(self) -> MoEConfig:
+        """``moe`` as a MoEConfig (expert_num 1 when empty: no mixture of experts)."""
+        return MoEConfig(**self.moe)
+
+    def layer_counts(self) -> dict[tuple[bool, bool], int]:
+        """How many layers of each kind the model has: (a decoder layer of an encoder-decoder, a mixture of
+        experts) -> count; as fast for 10^12 layers as for 2."""
+        counts, start = {}, 0
+        for stack, count in enumerate(self.stack_layers.values()):
+            experts = self.moe_config.layers_in(start, count)
+            for kind, n in (((stack > 0, False), count - experts), ((stack > 0, True), experts)):
+                if n:
+                    counts[kind] = counts.get(kind, 0) + n
+            start += count
+        return counts
 
     @property
     def head_dim(self) -> int:
@@ -239,7 +282,7 @@ class ParallelConfig(Section):
     SECTION = "parallel"
     ALIASES = {"dp": "data_parallel", "mp": "model_parallel", "tp": "model_parallel", "pp": "pipeline_stage",
                "stage_num": "pipeline_stage", "pipeline_stages": "pipeline_stage",
-               "enable_parallel_optimizer": "optimizer_shard"}
+               "enable_parallel_optimizer": "optimizer_shard", "ep": "expert_parallel"}
     data_parallel: int = DERIVED
     model_parallel: int = 1
     pipeline_stage: int = 1
@@ -255,6 +298,7 @@ class ParallelConfig(Section):
     layer_stages: StageSpec = field(default_factory=list)
     offload_optimizer: str = "none"  # "cpu": optimizer state and step on the host (ZeRO-Offload, stages 1-3)
     offload_param: str = "none"  # "cpu": parameters at rest on the host too (stage 3)
+    expert_parallel: int = 1  # ranks among the data-parallel ones over which the experts are split
     auto: bool = False  # `paratrain train` picks the layout for its world size (paratrain.plan.resolve_auto)
 
     @property
@@ -283,6 +327,10 @@ class ParallelConfig(Section):
     @property
     def pp(self) -> int:
         return self.pipeline_stage
+
+    @property
+    def ep(self) -> int:
+        return self.expert_parallel
 
     @property
     def world_size(self) -> int:

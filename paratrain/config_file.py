@@ -147,8 +147,8 @@ def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
             return value
         raise TypeError("expected none/full/selective, true/false, a per-layer list, a function "
                         "or a TransformerRecomputeConfig")
-    if isinstance(value, str) and kind in (int, float, bool):
-        value = _parse_literal(value)
+    if isinstance(value, str) and (kind in (int, float, bool) or isinstance(current, dict)):
+        value = _parse_literal(value)  # a table from the command line: --model.moe='{expert_num = 8}'
     if kind is bool:
         if not isinstance(value, bool):
             raise TypeError(f"expected true or false, got {value!r}")

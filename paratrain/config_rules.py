@@ -15,7 +15,7 @@ import math
 from paratrain.config import (ACTIVATIONS, DTYPES, LOG_FORMATS, LR_SCHEDULES, MIXED_PRECISION,
                               MODEL_KINDS, NAME_RULE, OFFLOAD_DEVICES, PIPELINE_SCHEDULES, RECOMPUTE_MODES,
                               SPECIAL_TOKENS, WARMUP_TYPES, Config, ConfigError, DataConfig,
-                              ModelConfig, ParallelConfig, Section, TrainConfig, TransformerRecomputeConfig,
+                              MoEConfig, ModelConfig, ParallelConfig, Section, TrainConfig, TransformerRecomputeConfig,
                               is_plain_name)
 
 MAX_COUNT = 10**12  # steps, batch sizes: more would not finish (10^12 steps of 1 ms are 31 years)
@@ -167,6 +167,7 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if m.tie_embeddings and mp > 1 and p.vocab_emb_dp:
         problems.append(f"model.tie_embeddings=true with parallel.model_parallel={mp} needs the embedding split like "
                         f"the vocab-sharded head: set parallel.vocab_emb_dp=false or tie_embeddings=false")
+    problems += _moe_problems(cfg)
     return problems
 
 
@@ -291,6 +292,56 @@ def _unusable(section: Section) -> list[str]:
         elif isinstance(value, str) and "\0" in value:
             problems.append(f"{section.SECTION}.{name}={value!r} holds a NUL character, which no path or name "
                             f"can: remove it")
+    return problems
+
+
+def _moe_problems(cfg: Config) -> list[str]:
+    """The mixture-of-experts settings (``model.moe``) and ``parallel.expert_parallel``, which splits the
+    experts over ranks among the data-parallel ones."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    ep, dp = p.expert_parallel, p.data_parallel
+    known = [f.name for f in dataclasses.fields(MoEConfig)]
+    if not isinstance(m.moe, dict) or set(m.moe) - set(known):
+        return [f"model.moe={m.moe!r} must be a table of {', '.join(known)}, e.g. "
+                f"moe = {{expert_num = 8, num_experts_chosen = 2}}"]
+    moe = m.moe_config
+    problems = []
+    if ep < 1:
+        return [f"parallel.expert_parallel={ep} must be positive (1: every rank holds every expert)"]
+    if dp % ep:
+        problems.append(f"parallel.expert_parallel={ep} does not divide parallel.data_parallel={dp}: the experts "
+                        f"are split over data-parallel ranks; use expert_parallel in {divisors(dp)}")
+    if moe.expert_num < 1 or not 1 <= moe.num_experts_chosen <= moe.expert_num:
+        return problems + [f"model.moe.num_experts_chosen={moe.num_experts_chosen} must be in 1..expert_num="
+                           f"{moe.expert_num}"]
+    if moe.expert_num % ep:
+        problems.append(f"model.moe.expert_num={moe.expert_num} is not divisible by parallel.expert_parallel={ep}: "
+                        f"use expert_parallel in {[d for d in divisors(moe.expert_num) if dp % d == 0]}")
+    if ep > 1 and moe.expert_num == 1:
+        problems.append(f"parallel.expert_parallel={ep} needs experts to split: set model.moe.expert_num to a "
+                        f"multiple of {ep}, or expert_parallel=1")
+    if moe.every < 1 or moe.expert_num > 1 and moe.every > m.num_layers:
+        problems.append(f"model.moe.every={moe.every} must be in 1..{m.num_layers} (1: every layer, 2: every other)")
+    if moe.expert_num == 1:
+        return problems
+    length = min(m.lengths)
+    tokens = t.global_batch_size // max(dp * p.micro_batch_num, 1) * length  # one rank's micro-batch
+    group = moe.expert_group_size or tokens
+    if moe.expert_group_size is not None and (group < 1 or tokens % group):
+        problems.append(f"model.moe.expert_group_size={group} does not divide the {tokens} tokens of a rank's "
+                        f"micro-batch: use a divisor such as {math.gcd(tokens, max(group, 1))}")
+    capacity = math.ceil(moe.capacity_factor * group * moe.num_experts_chosen / moe.expert_num)
+    if capacity < 1:
+        problems.append(f"model.moe.capacity_factor={moe.capacity_factor} gives each expert a capacity of "
+                        f"{capacity} tokens (capacity_factor x {group} tokens x num_experts_chosen="
+                        f"{moe.num_experts_chosen} / expert_num={moe.expert_num}): use capacity_factor > 0, e.g. 1.25")
+    if p.sequence_parallel:
+        problems.append("model.moe with parallel.sequence_parallel=true is not supported yet (the experts take "
+                        "whole sequences): set sequence_parallel=false")
+    if p.pipeline_stage > 1:
+        problems.append(f"model.moe with parallel.pipeline_stage={p.pipeline_stage} is not supported yet (the "
+                        f"load-balancing loss of the layers on earlier stages does not reach the loss): use "
+                        f"pipeline_stage=1")
     return problems
 
 

@@ -30,7 +30,7 @@ from paratrain.optim import clip_grad_norm
 from paratrain.precision import LossScaler
 
 # record values that stay on the device until a flush (the last two: fp16 only)
-ON_DEVICE = ("loss", "grad_norm", "tokens", "loss_scale", "skipped_steps")
+ON_DEVICE = ("loss", "grad_norm", "tokens", "loss_scale", "skipped_steps", "aux_loss", "dropped")
 
 
 class TrainingDiverged(RuntimeError):
@@ -78,6 +78,7 @@ class Engine:
         record = {"step": number, "loss": out["loss"], "grad_norm": grad_norm, "tokens": out["tokens"],
                   "samples": out["samples"], "flops": out["flops"],
                   "lr": lr if lr is not None else float(self.optimizer.param_groups[0]["lr"])}
+        record.update({k: out[k] for k in ("aux_loss", "dropped") if k in out})  # mixture of experts
         if self.loss_scaler.enabled:
             record.update(loss_scale=self.loss_scaler.scale, skipped_steps=self.loss_scaler.skipped_steps)
         record["step_time_s"] = time.perf_counter() - start

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from paratrain.checkpoint import Checkpointer
 from paratrain.config import Config
@@ -15,9 +16,11 @@ from paratrain.evaluate import bleu_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
 from paratrain.models import build_model, token_loss_sum
+from paratrain.modules.moe import moe_aux_loss
 from paratrain.metrics.flops import batch_flops
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallel import parallelize, shard_optimizer_state
+from paratrain.parallel.expert import moe_step_metrics
 from paratrain.parallel.deferred_init import materialize, record_init
 from paratrain.parallel.loss import loss_context, whole
 from paratrain.precision import LossScaler, autocast, resolve_mixed_precision
@@ -158,7 +161,8 @@ class Trainer:
         loss /= self.layout.dp_size * loss_scale
         self.layout.all_reduce_dp(loss)
         self.layout.all_reduce_pp(loss)  # only the last stage has it
-        return {"loss": loss, "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops}
+        return {"loss": loss, "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops,
+                **moe_step_metrics(self.model, self.layout)}
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
         """A micro-batch's summed token loss over the global batch's token count, times the data-parallel
@@ -183,6 +187,13 @@ class Trainer:
                             micro_loss = self._scaled(self.model(**micro, labels=labels), num_tokens)
                         else:
                             micro_loss = self._loss(self.model(**micro), labels, num_tokens)
+                        aux = moe_aux_loss(self.model)  # load balancing, weighted by the micro-batch's rows
+                        if aux is not None:
+                            share = labels.shape[0] / self.cfg.train.global_batch_size
+                            aux = aux * (share * self.layout.dp_size * self.loss_scaler.scale)
+                            if isinstance(micro_loss, DTensor):  # the vocab-parallel loss, replicated
+                                aux = DTensor.from_local(aux, micro_loss.device_mesh, micro_loss.placements)
+                            micro_loss = micro_loss + aux
                 with self.timer.phase("backward"):
                     micro_loss.backward()
             loss += whole(micro_loss.detach())

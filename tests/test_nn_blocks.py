@@ -523,7 +523,7 @@ def test_dtype_arguments():
 @pytest.mark.parametrize("build, words", [
     (lambda: encoder_layer(use_past=True), "use_past=True"),
     (lambda: transformer(use_past=True), "use_past=True"),
-    (lambda: decoder_layer(moe_config=MoEConfig(expert_num=4)), "moe_config.expert_num=4"),
+    (lambda: decoder_layer(moe_config=MoEConfig(expert_num=4, num_experts_chosen=5)), "num_experts_chosen=5"),
     (lambda: FeedForward(H, FFN, 0.1, expert_num=2), "expert_num=2"),
     (lambda: encoder_layer(param_init_type="float64"), "param_init_type='float64'"),
     (lambda: encoder_layer(hidden_act="swishy"), "hidden_act='swishy'"),

@@ -29,19 +29,24 @@ GPU_PEAK_TFLOPS = [
 ]
 
 
-def layer_flops(m: ModelConfig, decoder: bool, batch: int, lengths: tuple[int, int] | None = None) -> dict:
+def layer_flops(m: ModelConfig, decoder: bool, batch: int, lengths: tuple[int, int] | None = None,
+                experts: bool = False) -> dict:
     """Forward FLOPs of one layer on ``batch`` sequences: its weight matmuls (``dense``) and attention's
     QK^T and (softmax)V (``core``).
 
     ``lengths``: (source, target) lengths of the encoder-decoder, or (seq, seq) of GPT; default the
     configured ones (``ModelConfig.lengths``). Encoder and GPT layers see their own sequence; a decoder layer's self-attention
     and FFN see the target, its cross-attention queries target positions while its K and V
-    projections run over the source (the memory).
+    projections run over the source (the memory). A mixture-of-experts layer (``experts``, ``model.moe``)
+    counts its router and the ``num_experts_chosen`` experts each token goes to, not the others.
     """
     h, f = m.hidden_size, m.ffn_hidden_size
     source, target = lengths or m.lengths
     own = target if decoder else source
     n = batch * own
+    if experts:  # the router and the k experts a token runs through
+        moe = m.moe_config
+        f = f * moe.num_experts_chosen + moe.expert_num / 2
     dense = 2 * n * (4 * h * h + 2 * h * f)
     core = 4 * n * own * h
     if decoder:
@@ -53,8 +58,8 @@ def layer_flops(m: ModelConfig, decoder: bool, batch: int, lengths: tuple[int, i
 def model_flops(m: ModelConfig, batch: int, lengths: tuple[int, int] | None = None) -> float:
     """Training FLOPs (forward + backward = 3 x forward, no recompute) of one step on ``batch`` sequences;
     ``lengths`` as in ``layer_flops``. Layers plus the output head over the target tokens."""
-    forward = sum(n * sum(layer_flops(m, stack > 0, batch, lengths).values())
-                  for stack, n in enumerate(m.stack_layers.values()))
+    forward = sum(n * sum(layer_flops(m, decoder, batch, lengths, experts).values())
+                  for (decoder, experts), n in m.layer_counts().items())
     forward += 2 * batch * (lengths or m.lengths)[1] * m.hidden_size * m.vocab_size
     return float(3 * forward)
 

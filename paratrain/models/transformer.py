@@ -15,6 +15,7 @@ from torch import nn
 
 from paratrain.config import ModelConfig
 from paratrain.modules.linear_cross_entropy import OutputHead
+from paratrain.modules.moe import MoE
 from paratrain.modules.transformer import CAUSAL, Attention, FeedForward, VocabEmbedding, residual
 
 
@@ -73,10 +74,25 @@ class Residual(nn.Module):
         return residual(x, normed, self.dropout(sublayer(normed)), self.post_layernorm_residual)
 
 
-def feed_forward(cfg: ModelConfig) -> FeedForward:
-    """A layer's FFN, with exact GELU or ReLU."""
+def feed_forward(cfg: ModelConfig, layer_id: int) -> FeedForward | MoE:
+    """Layer ``layer_id``'s FFN, with exact GELU or ReLU: a mixture of experts where ``cfg.moe`` puts one."""
     activation = nn.GELU() if cfg.hidden_act == "gelu" else nn.ReLU()
+    moe = cfg.moe_config
+    if moe.used_in(layer_id):
+        return MoE(cfg.hidden_size, cfg.ffn_hidden_size, moe.expert_num, activation, moe.num_experts_chosen,
+                   moe.capacity_factor, moe.aux_loss_factor, moe.expert_group_size, dropout=cfg.hidden_dropout)
     return FeedForward(cfg.hidden_size, cfg.ffn_hidden_size, cfg.hidden_dropout, activation)
+
+
+def ffn_plan(ffn: FeedForward | MoE) -> dict:
+    """The FFN's input gathered for its tensor-parallel split; a mixture of experts is not split over
+    model_parallel (each tp rank runs the whole of its experts on the plain replicated input)."""
+    return {} if isinstance(ffn, MoE) else {"ffn": ("gather", 1)}
+
+
+def ffn_output(ffn: FeedForward | MoE, x: torch.Tensor) -> torch.Tensor:
+    """The FFN's output; a mixture of experts keeps its aux loss itself (``moe_aux_loss``)."""
+    return ffn(x)[0] if isinstance(ffn, MoE) else ffn(x)
 
 
 class EncoderLayer(nn.Module):
@@ -85,19 +101,19 @@ class EncoderLayer(nn.Module):
     Causal when used as a decoder-only (GPT) block.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         args = (cfg.hidden_size, cfg.hidden_dropout, cfg.layernorm_eps, cfg.post_layernorm_residual)
         self.attn_branch, self.ffn_branch = Residual(*args), Residual(*args)
         self.attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
-        self.ffn = feed_forward(cfg)
+        self.ffn = feed_forward(cfg, layer_id)
 
     def parallel_plan(self) -> dict:
-        return {"attn": ("gather", 1), "ffn": ("gather", 1)}
+        return {"attn": ("gather", 1), **ffn_plan(self.ffn)}
 
     def forward(self, x, mask=None):
         x = self.attn_branch(x, lambda h: self.attn(h, mask=mask))
-        return self.ffn_branch(x, self.ffn)
+        return self.ffn_branch(x, lambda h: ffn_output(self.ffn, h))
 
 
 class DecoderLayer(nn.Module):
@@ -106,21 +122,21 @@ class DecoderLayer(nn.Module):
     x (B, T, H), memory (B, S, H) -> (B, T, H).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         args = (cfg.hidden_size, cfg.hidden_dropout, cfg.layernorm_eps, cfg.post_layernorm_residual)
         self.self_attn_branch, self.cross_attn_branch, self.ffn_branch = Residual(*args), Residual(*args), Residual(*args)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
         self.cross_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
-        self.ffn = feed_forward(cfg)
+        self.ffn = feed_forward(cfg, layer_id)
 
     def parallel_plan(self) -> dict:
-        return {"self_attn": ("gather", 1), "cross_attn": ("gather", 2), "ffn": ("gather", 1)}
+        return {"self_attn": ("gather", 1), "cross_attn": ("gather", 2), **ffn_plan(self.ffn)}
 
     def forward(self, x, memory, self_mask=None, memory_mask=None, cache: dict | None = None):
         x = self.self_attn_branch(x, lambda h: self.self_attn(h, mask=self_mask, cache=cache))
         x = self.cross_attn_branch(x, lambda h: self.cross_attn(h, memory, mask=memory_mask))
-        return self.ffn_branch(x, self.ffn)
+        return self.ffn_branch(x, lambda h: ffn_output(self.ffn, h))
 
 
 class TransformerEncoder(nn.Module):
@@ -131,9 +147,9 @@ class TransformerEncoder(nn.Module):
 
     layer = EncoderLayer
 
-    def __init__(self, cfg: ModelConfig, num_layers: int):
+    def __init__(self, cfg: ModelConfig, num_layers: int, offset: int = 0):
         super().__init__()
-        self.layers = nn.ModuleDict({str(i): self.layer(cfg) for i in range(num_layers)})
+        self.layers = nn.ModuleDict({str(i): self.layer(cfg, offset + i) for i in range(num_layers)})
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
 
     def parallel_plan(self) -> dict:
@@ -165,7 +181,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.encoder = TransformerEncoder(cfg, cfg.encoder_layers)
-        self.decoder = TransformerDecoder(cfg, cfg.decoder_layers)
+        self.decoder = TransformerDecoder(cfg, cfg.decoder_layers, offset=cfg.encoder_layers)
 
 
 class Seq2SeqModel(nn.Module):
@@ -253,7 +269,7 @@ class GPTModel(nn.Module):
         self.pad_token_id = cfg.pad_token_id
         self.embed = Embeddings(VocabEmbedding(cfg.vocab_size, cfg.hidden_size), cfg.seq_length,
                                 cfg.hidden_size, cfg.hidden_dropout)
-        self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg) for i in range(cfg.decoder_layers)})
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(cfg, i) for i in range(cfg.decoder_layers)})
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
         self.head = OutputHead(cfg.hidden_size, cfg.vocab_size, cfg.ignore_index)
         if cfg.tie_embeddings:
@@ -272,7 +288,7 @@ class GPTModel(nn.Module):
 
 
 def init_weights(model: nn.Module, std: float = 0.02) -> None:
-    """GPT-2 style init: normal(0, std) weights, zero biases, unit LayerNorm."""
+    """GPT-2 style init: normal(0, std) weights, zero biases, unit LayerNorm (experts: ``Experts``' own)."""
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=std)

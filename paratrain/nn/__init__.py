@@ -10,7 +10,7 @@ from paratrain.nn.config import (EmbeddingOpParallelConfig, MoEConfig, OpParalle
                                  TransformerRecomputeConfig, default_dpmp_config, default_embedding_parallel_config,
                                  default_moe_config, default_transformer_config)
 from paratrain.nn.dense import Dense
-from paratrain.nn.layers import AttentionMask, FeedForward, MultiHeadAttention, VocabEmbedding
+from paratrain.nn.layers import AttentionMask, FeedForward, MoE, MultiHeadAttention, VocabEmbedding
 from paratrain.nn.loss import CrossEntropyLoss
 from paratrain.nn.metrics import Accuracy, Loss, Metric, rearrange_inputs  # MindSpore 1.x's place; 2.x: train
 from paratrain.nn.normalization import SyncBatchNorm
@@ -26,7 +26,7 @@ from paratrain.nn.transformer import (Transformer, TransformerDecoder, Transform
 __all__ = ["Cell", "PipelineCell", "TransformerOpParallelConfig", "OpParallelConfig", "EmbeddingOpParallelConfig",
            "TransformerRecomputeConfig", "MoEConfig", "default_transformer_config", "default_dpmp_config",
            "default_embedding_parallel_config", "default_moe_config", "VocabEmbedding", "AttentionMask",
-           "FeedForward", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
+           "FeedForward", "MoE", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
            "TransformerEncoder", "TransformerDecoder", "Transformer", "CrossEntropyLoss", "Dense", "Parameter", "Momentum",
            "AdamWeightDecay", "LearningRateSchedule", "WarmUpLR", "PolynomialDecayLR", "CosineDecayLR",
            "ExponentialDecayLR", "NaturalExpDecayLR", "InverseDecayLR", "piecewise_constant_lr",

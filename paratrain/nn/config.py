@@ -6,12 +6,10 @@ declare their tensor-parallel plans.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 # the configs live in paratrain.config; MindSpore users import them from nn.transformer, so they are here too
-from paratrain.config import (EmbeddingOpParallelConfig, OpParallelConfig, ParallelConfig,  # noqa: F401
+from paratrain.config import (EmbeddingOpParallelConfig, MoEConfig, OpParallelConfig, ParallelConfig,  # noqa: F401
                               TransformerOpParallelConfig, TransformerRecomputeConfig)
 from paratrain.device import DTYPES
 from paratrain.errors import UserError
@@ -19,17 +17,6 @@ from paratrain.errors import UserError
 default_transformer_config = TransformerOpParallelConfig()
 default_dpmp_config = OpParallelConfig()
 default_embedding_parallel_config = EmbeddingOpParallelConfig()
-
-
-@dataclass
-class MoEConfig:
-    """MindSpore's mixture-of-experts settings; only ``expert_num=1`` (a plain FeedForward) runs here."""
-
-    expert_num: int = 1
-    capacity_factor: float = 1.1
-    aux_loss_factor: float = 0.05
-    num_experts_chosen: int = 1
-    expert_group_size: int | None = None
 
 
 default_moe_config = MoEConfig()
@@ -73,14 +60,25 @@ def check_divisible(owner: str, model_parallel: int, **sizes: int) -> None:
                         f"{model_parallel}: use multiples of {model_parallel} or a smaller model_parallel")
 
 
-def refuse_unsupported(owner: str, use_past: bool = False, moe_config: MoEConfig = default_moe_config) -> None:
+def refuse_unsupported(owner: str, use_past: bool = False) -> None:
     """Options of MindSpore's blocks that paratrain does not run, refused by name."""
     if use_past:
         raise UserError(f"{owner}: use_past=True (incremental decoding with saved keys and values) is not "
                         f"supported; build the block with use_past=False")
-    if moe_config.expert_num > 1:
-        raise UserError(f"{owner}: moe_config.expert_num={moe_config.expert_num}: mixture of experts is not "
-                        f"supported; use MoEConfig(expert_num=1)")
+
+
+def check_moe(owner: str, moe_config: MoEConfig, parallel_config) -> None:
+    """Refuse a MoEConfig the block cannot build, naming the numbers."""
+    expert_parallel = getattr(parallel_config, "expert_parallel", 1)
+    if not 1 <= moe_config.num_experts_chosen <= max(moe_config.expert_num, 1):
+        raise UserError(f"{owner}: moe_config.num_experts_chosen={moe_config.num_experts_chosen} must be in "
+                        f"1..expert_num={moe_config.expert_num}")
+    if moe_config.capacity_factor <= 0:
+        raise UserError(f"{owner}: moe_config.capacity_factor={moe_config.capacity_factor} leaves the experts no "
+                        f"capacity: use a positive factor such as 1.1")
+    if moe_config.expert_num % expert_parallel:
+        raise UserError(f"{owner}: moe_config.expert_num={moe_config.expert_num} is not divisible by "
+                        f"parallel_config.expert_parallel={expert_parallel}: use a multiple of {expert_parallel}")
 
 
 def check_rate(owner: str, **rates: float) -> None:

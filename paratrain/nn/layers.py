@@ -1,4 +1,4 @@
-"""MindSpore's transformer sub-blocks: VocabEmbedding, AttentionMask, FeedForward, MultiHeadAttention.
+"""MindSpore's transformer sub-blocks: VocabEmbedding, AttentionMask, FeedForward, MoE, MultiHeadAttention.
 
 VocabEmbedding, FeedForward and MultiHeadAttention are adapters over the modules the built-in models
 are made of (``paratrain.modules``): MindSpore's argument names, parameter names, initialisation,
@@ -25,10 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.errors import UserError
+from paratrain.modules import moe as shared_moe
 from paratrain.modules import transformer as shared
 from paratrain.nn.cell import Cell
-from paratrain.nn.config import (check_divisible, check_rate, default_dpmp_config, default_embedding_parallel_config,
-                                 op_config, refuse_unsupported, to_dtype)
+from paratrain.nn.config import (MoEConfig, check_divisible, check_moe, check_rate, default_dpmp_config,
+                                 default_embedding_parallel_config, default_moe_config, op_config, refuse_unsupported,
+                                 to_dtype)
 
 MASKED_SCORE = -10000.0  # added to the scores of keys a query may not attend (MindSpore's value)
 
@@ -161,7 +163,8 @@ class FeedForward(shared.FeedForward, Cell):
                  parallel_config=default_dpmp_config):
         owner = "FeedForward"
         if expert_num > 1:
-            raise UserError(f"{owner}: expert_num={expert_num}: mixture of experts is not supported; use expert_num=1")
+            raise UserError(f"{owner}: expert_num={expert_num}: the experts of a mixture are built by MoE; give the "
+                            f"layers moe_config=MoEConfig(expert_num={expert_num}) or use paratrain.nn.MoE")
         check_rate(owner, dropout_rate=dropout_rate)
         model_parallel = op_config(parallel_config, owner).model_parallel
         check_divisible(owner, model_parallel, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
@@ -176,6 +179,33 @@ class FeedForward(shared.FeedForward, Cell):
 
     def forward(self, x):
         return self.dropout(super().forward(x.to(self.mapping.weight.dtype))).to(x.dtype)
+
+
+class MoE(shared_moe.MoE, Cell):
+    """MindSpore's mixture-of-experts FFN: x (B, T, H) or (B*T, H) -> ``(output shaped like x, aux_loss ())``.
+
+    ``moe_config`` (MindSpore's ``MoEConfig``) as in ``paratrain.modules.moe.MoE``; without
+    ``expert_group_size`` the tokens form ``parallel_config.data_parallel`` groups, as MindSpore's (one per
+    data-parallel rank once placed). Dropout applies to the output. The experts split over
+    ``expert_parallel`` ranks when the net is placed (``paratrain.parallel.expert``).
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, dropout_rate: float, hidden_act="gelu",
+                 param_init_type=torch.float32, moe_config: MoEConfig = default_moe_config,
+                 parallel_config=default_dpmp_config):
+        owner = "MoE"
+        check_rate(owner, dropout_rate=dropout_rate)
+        check_moe(owner, moe_config, parallel_config)
+        data_parallel = op_config(parallel_config, owner).data_parallel
+        super().__init__(hidden_size, ffn_hidden_size, moe_config.expert_num, activation(hidden_act, owner),
+                         moe_config.num_experts_chosen, moe_config.capacity_factor, moe_config.aux_loss_factor,
+                         moe_config.expert_group_size, data_parallel,
+                         dtype=to_dtype(param_init_type, "param_init_type", owner))
+        self.dropout = nn.Dropout(dropout_rate)
+
+    def forward(self, x):
+        output, aux_loss = super().forward(x.to(self.router.weight.dtype))
+        return self.dropout(output).to(x.dtype), aux_loss
 
 
 class MultiHeadAttention(shared.Attention, Cell):

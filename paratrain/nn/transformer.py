@@ -3,7 +3,10 @@ TransformerDecoderLayer, TransformerEncoder, TransformerDecoder, Transformer.
 
 Shapes: B batch, S source length, T target length, H hidden size; masks are float or bool
 (B, Tq, Tk) with 1 where a query may attend a key. Every layer returns ``(output, layer_present)``
-with the projected keys and values of its attentions (see ``MultiHeadAttention``). The
+with the projected keys and values of its attentions (see ``MultiHeadAttention``). With
+``moe_config.expert_num > 1`` the FFNs are mixtures of experts (``MoE``) and, as in MindSpore, every
+layer and stack also returns its load-balancing loss (a stack: summed over its layers; the
+Transformer: over both stacks) as the last element of its tuple, for the net to add to its loss. The
 ``init_reset`` and ``batch_valid_length`` inputs belong to incremental decoding (``use_past``,
 refused) and are ignored.
 
@@ -21,9 +24,9 @@ from torch import nn
 from paratrain.errors import UserError
 from paratrain.modules.transformer import residual
 from paratrain.nn.cell import Cell
-from paratrain.nn.config import (check_divisible, default_dpmp_config, default_moe_config, default_transformer_config,
-                                 op_config, refuse_unsupported, stack_config, to_dtype)
-from paratrain.nn.layers import FeedForward, MultiHeadAttention, _LayerNorm
+from paratrain.nn.config import (check_divisible, check_moe, default_dpmp_config, default_moe_config,
+                                 default_transformer_config, op_config, refuse_unsupported, stack_config, to_dtype)
+from paratrain.nn.layers import MoE, FeedForward, MultiHeadAttention, _LayerNorm
 
 
 def _get_lambda_func(total_layer: int | None = None):
@@ -55,11 +58,21 @@ def _get_lambda_func(total_layer: int | None = None):
 def _check_layer(owner: str, hidden_size: int, ffn_hidden_size: int, num_heads: int, use_past: bool, moe_config,
                  parallel_config) -> int:
     """Refuse what a layer cannot build; returns its model_parallel."""
-    refuse_unsupported(owner, use_past, moe_config)
+    refuse_unsupported(owner, use_past)
+    check_moe(owner, moe_config, parallel_config)
     model_parallel = op_config(parallel_config, owner).model_parallel
     check_divisible(owner, model_parallel, num_heads=num_heads, hidden_size=hidden_size,
                     ffn_hidden_size=ffn_hidden_size)
     return model_parallel
+
+
+def _ffn(layer, x, post_layernorm_residual: bool, layer_present: tuple) -> tuple:
+    """A layer's last sublayer, the FFN or the mixture of experts, and the layer's return tuple."""
+    normed = layer.layernorm2(x)
+    if not layer.use_moe:
+        return residual(x, normed, layer.output(normed), post_layernorm_residual), layer_present
+    output, aux_loss = layer.output(normed)
+    return residual(x, normed, output, post_layernorm_residual), layer_present, aux_loss
 
 
 class TransformerEncoderLayer(Cell):
@@ -85,15 +98,19 @@ class TransformerEncoderLayer(Cell):
                                             softmax_compute_type=softmax_compute_type, param_init_type=dtype,
                                             parallel_config=parallel_config)
         self.layernorm2 = _LayerNorm(hidden_size, norm_dtype, dtype)
-        self.output = FeedForward(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act,
-                                  param_init_type=dtype, parallel_config=parallel_config)
+        self.use_moe = moe_config.expert_num > 1
+        if self.use_moe:
+            self.output = MoE(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act, dtype, moe_config,
+                              parallel_config)
+        else:
+            self.output = FeedForward(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act,
+                                      param_init_type=dtype, parallel_config=parallel_config)
 
     def forward(self, x, input_mask=None, init_reset=True, batch_valid_length=None):
         normed = self.layernorm1(x)
         attention, layer_present = self.attention(normed, normed, normed, input_mask)
         x = residual(x, normed, attention, self.post_layernorm_residual)
-        normed = self.layernorm2(x)
-        return residual(x, normed, self.output(normed), self.post_layernorm_residual), layer_present
+        return _ffn(self, x, self.post_layernorm_residual, layer_present)
 
 
 class TransformerDecoderLayer(Cell):
@@ -128,8 +145,13 @@ class TransformerDecoderLayer(Cell):
         self.cross_attention = MultiHeadAttention(src_seq_length=tgt_seq_length, tgt_seq_length=src_seq_length,
                                                   **attention)
         self.layernorm2 = _LayerNorm(hidden_size, norm_dtype, dtype)
-        self.output = FeedForward(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act,
-                                  param_init_type=dtype, parallel_config=parallel_config)
+        self.use_moe = moe_config.expert_num > 1
+        if self.use_moe:
+            self.output = MoE(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act, dtype, moe_config,
+                              parallel_config)
+        else:
+            self.output = FeedForward(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act,
+                                      param_init_type=dtype, parallel_config=parallel_config)
 
     def forward(self, hidden_stats, decoder_mask=None, encoder_output=None, memory_mask=None, init_reset=True,
                 batch_valid_length=None):
@@ -142,14 +164,19 @@ class TransformerDecoderLayer(Cell):
             attention, cross_present = self.cross_attention(normed, encoder_output, encoder_output, memory_mask)
             x = residual(x, normed, attention, post)
             layer_present += cross_present
-        normed = self.layernorm2(x)
-        return residual(x, normed, self.output(normed), post), layer_present
+        return _ffn(self, x, post, layer_present)
+
+
+def _accumulated(aux_losses: list, use_moe: bool) -> tuple:
+    """A stack's summed load-balancing loss as the last element of its return tuple (nothing without MoE)."""
+    return (torch.stack(aux_losses).sum(),) if use_moe else ()
 
 
 def _stack(layer_class: type, args: dict, owner: str) -> nn.ModuleList:
     """A stack's ``num_layers`` layers, built from the stack's arguments ``args`` that ``layer_class`` takes,
     each passed to ``lambda_func`` as it is built."""
     config = stack_config(args["parallel_config"], owner)
+    check_moe(owner, args["moe_config"], config)
     lambda_func = args["lambda_func"] or _get_lambda_func()
     layer_args = {name: args[name] for name in inspect.signature(layer_class).parameters if name != "parallel_config"}
     blocks = nn.ModuleList()
@@ -177,14 +204,16 @@ class TransformerEncoder(Cell):
         super().__init__()
         self.num_layers = num_layers
         self.parallel_config = parallel_config  # the layout paratrain.train.Model reads
+        self.use_moe = moe_config.expert_num > 1
         self.blocks = _stack(TransformerEncoderLayer, locals(), "TransformerEncoder")
 
     def forward(self, hidden_states, attention_mask=None, init_reset=True, batch_valid_length=None):
-        present_layer = ()
+        present_layer, aux_losses = (), []
         for block in self.blocks:
-            hidden_states, present = block(hidden_states, attention_mask, init_reset, batch_valid_length)
+            hidden_states, present, *aux = block(hidden_states, attention_mask, init_reset, batch_valid_length)
             present_layer += (present,)
-        return hidden_states, present_layer
+            aux_losses += aux
+        return (hidden_states, present_layer) + _accumulated(aux_losses, self.use_moe)
 
 
 class TransformerDecoder(Cell):
@@ -204,16 +233,18 @@ class TransformerDecoder(Cell):
         super().__init__()
         self.num_layers = num_layers
         self.parallel_config = parallel_config  # the layout paratrain.train.Model reads
+        self.use_moe = moe_config.expert_num > 1
         self.blocks = _stack(TransformerDecoderLayer, locals(), "TransformerDecoder")
 
     def forward(self, hidden_states, attention_mask=None, encoder_output=None, memory_mask=None, init_reset=True,
                 batch_valid_length=None):
-        present_layer = ()
+        present_layer, aux_losses = (), []
         for block in self.blocks:
-            hidden_states, present = block(hidden_states, attention_mask, encoder_output, memory_mask, init_reset,
-                                           batch_valid_length)
+            hidden_states, present, *aux = block(hidden_states, attention_mask, encoder_output, memory_mask,
+                                                 init_reset, batch_valid_length)
             present_layer += (present,)
-        return hidden_states, present_layer
+            aux_losses += aux
+        return (hidden_states, present_layer) + _accumulated(aux_losses, self.use_moe)
 
 
 class Transformer(Cell):
@@ -239,7 +270,8 @@ class Transformer(Cell):
         if encoder_layers < 0 or decoder_layers < 0 or encoder_layers + decoder_layers == 0:
             raise UserError(f"Transformer: encoder_layers={encoder_layers} and decoder_layers={decoder_layers} "
                             f"must not be negative, and at least one must be positive")
-        refuse_unsupported("Transformer", use_past, moe_config)
+        refuse_unsupported("Transformer", use_past)
+        self.use_moe = moe_config.expert_num > 1
         lambda_func = lambda_func or _get_lambda_func(total_layer=encoder_layers + decoder_layers)
         common = dict(batch_size=batch_size, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
                       num_heads=num_heads, attention_dropout_rate=attention_dropout_rate,
@@ -259,15 +291,20 @@ class Transformer(Cell):
     def forward(self, encoder_inputs, encoder_masks, decoder_inputs=None, decoder_masks=None, memory_mask=None,
                 init_reset=True, batch_valid_length=None):
         output = encoder_output = encoder_layer_present = decoder_layer_present = None
+        aux_losses = []
         if self.encoder is not None:
-            output, encoder_layer_present = self.encoder(encoder_inputs, encoder_masks, init_reset, batch_valid_length)
-            encoder_output = output
+            output, encoder_layer_present, *aux = self.encoder(encoder_inputs, encoder_masks, init_reset,
+                                                               batch_valid_length)
+            encoder_output, aux_losses = output, aux_losses + aux
         if self.decoder is not None and self.encoder is None:
             if decoder_inputs is None:
                 decoder_inputs, decoder_masks = encoder_inputs, encoder_masks
-            output, decoder_layer_present = self.decoder(decoder_inputs, decoder_masks, init_reset, batch_valid_length)
+            output, decoder_layer_present, *aux = self.decoder(decoder_inputs, decoder_masks, init_reset,
+                                                               batch_valid_length)
+            aux_losses += aux
         elif self.decoder is not None:
-            output, decoder_layer_present = self.decoder(decoder_inputs, decoder_masks, encoder_output, memory_mask,
-                                                         init_reset, batch_valid_length)
-        return output, encoder_layer_present, decoder_layer_present
+            output, decoder_layer_present, *aux = self.decoder(decoder_inputs, decoder_masks, encoder_output,
+                                                               memory_mask, init_reset, batch_valid_length)
+            aux_losses += aux
+        return (output, encoder_layer_present, decoder_layer_present) + _accumulated(aux_losses, self.use_moe)
 

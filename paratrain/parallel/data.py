@@ -56,6 +56,7 @@ from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.models.transformer import pipeline_blocks
+from paratrain.parallel.expert import is_expert_param, is_expert_parallel
 
 SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble")  # schedules computing weight grads apart
 # DDP without buffer broadcasts in forward: torch 2.13 renamed broadcast_buffers (deprecated there) to
@@ -109,6 +110,7 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
     """
     sync_batch_norm(model, layout.dp_group, layout.device, every_batch_norm)
     root = root if root is not None else model
+    experts = [m for m in root.modules() if is_expert_parallel(m)]  # reduced by paratrain.parallel.expert
     layers = [model.get_submodule(name) for name, _, _ in pipeline_blocks(model)]
     grouped = groups is not None or config.gradient_aggregation_group
     if groups is None:
@@ -119,9 +121,11 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
             bucket_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / len(groups) / 2 ** 20
         # every rank materialises the same weights and buffers (the same seed): nothing to broadcast
         replicate(root, process_group=layout.dp_group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
-                  init_sync=False, **NO_BUFFER_SYNC)
+                  init_sync=False, ignored_modules=experts, **NO_BUFFER_SYNC)
         return model
     kwargs = {"mesh": layout.dp_mesh}
+    if experts:
+        kwargs["ignored_params"] = {p for m in experts for p in m.parameters()}
     if config.shards_parameters:
         kwargs["reshard_after_forward"] = config.effective_zero_stage == 3
     if mp_policy is not None:
@@ -184,7 +188,8 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, config: ParallelConf
     hold each parameter's state once, saved by its owner, and load under any layout
     (``paratrain.checkpoint``).
     """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    # each rank steps its own experts (paratrain.parallel.expert): only the others are dealt out
+    params = [p for group in optimizer.param_groups for p in group["params"] if not is_expert_param(p)]
     owner = parameter_owners(params, config, layout)
     if owner is None:
         return

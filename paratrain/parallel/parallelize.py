@@ -1,6 +1,6 @@
 """The one entry point: ``parallelize(model, config, layout)``.
 
-Order (as torchtitan): pipeline split -> tensor parallel -> recompute -> compile
+Order (as torchtitan): pipeline split -> tensor parallel -> expert parallel -> recompute -> compile
 (``train.compile``: each layer) -> data parallel / ZeRO (the last four on each pipeline
 chunk). Each step is applied only when its dimension is used, so one process gets the
 plain model.
@@ -16,6 +16,7 @@ from paratrain.device import DTYPES
 from paratrain.mesh import Layout
 from paratrain.models.transformer import pipeline_blocks
 from paratrain.parallel.data import apply_data_parallel
+from paratrain.parallel.expert import apply_expert_parallel
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import apply_tensor_parallel
@@ -39,6 +40,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_f
     def parallelize_chunk(chunk: nn.Module, root: nn.Module | None = None) -> nn.Module:
         if config.model_parallel > 1:
             apply_tensor_parallel(chunk, config, layout.tp_mesh)
+        apply_expert_parallel(chunk, config, layout)
         apply_recompute(chunk, config)
         if train.compile:
             for name, _, _ in pipeline_blocks(chunk):

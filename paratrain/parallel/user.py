@@ -46,6 +46,7 @@ from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
 from paratrain.precision import autocast
 from paratrain.parallel.data import apply_data_parallel, fusion_groups
+from paratrain.parallel.expert import apply_expert_parallel
 from paratrain.parallel.loss import loss_context
 from paratrain.parallel.pipeline import SCHEDULES, StageFixes, chunk_rank, integer_boundaries
 from paratrain.parallel.recompute import apply_recompute
@@ -160,6 +161,7 @@ class PlacedNet:
                 parallelize_module(original, self.layout.tp_mesh, style)
                 if kind == "vocab_rows":
                     original.weight.register_post_accumulate_grad_hook(gradient_like_parameter)
+        apply_expert_parallel(module, config, self.layout)
         module.layer_stacks = {s: o for s, o in _layer_stacks(originals).items() if has_submodule(module, s)}
         layers = [originals.get_submodule(n) for n, m in originals.named_modules() if getattr(m, "is_transformer_layer", 0)]
         if any(getattr(layer, "recompute_mode", "none") != "none" for layer in layers):

@@ -71,14 +71,22 @@ def _ffn(name: str, h: int, f: int) -> list[Param]:
     return _linear(f"{name}.fc1", f, h, "col") + _linear(f"{name}.fc2", h, f, "row")
 
 
-def layer_params(m: ModelConfig, decoder: bool) -> list[Param]:
-    """Parameters of one encoder/GPT layer or one encoder-decoder decoder layer (names relative to the layer)."""
+def _experts(name: str, h: int, f: int, e: int) -> list[Param]:
+    """A mixture of experts: the router (replicated) and the experts' tensors, split on E over expert_parallel."""
+    return [Param(f"{name}.router.weight", (e, h)), Param(f"{name}.experts.w1", (e, h, f), "expert"),
+            Param(f"{name}.experts.b1", (e, f), "expert"), Param(f"{name}.experts.w2", (e, f, h), "expert"),
+            Param(f"{name}.experts.b2", (e, h), "expert")]
+
+
+def layer_params(m: ModelConfig, decoder: bool, moe: bool = False) -> list[Param]:
+    """Parameters of one encoder/GPT layer or one encoder-decoder decoder layer (names relative to the layer);
+    ``moe``: its FFN a mixture of experts (``model.moe``)."""
     h = m.hidden_size
+    ffn = _experts("ffn", h, m.ffn_hidden_size, m.moe_config.expert_num) if moe else _ffn("ffn", h, m.ffn_hidden_size)
     if not decoder:
-        return (_norm("attn_branch.norm", h) + _norm("ffn_branch.norm", h) + _attention("attn", h)
-                + _ffn("ffn", h, m.ffn_hidden_size))
+        return _norm("attn_branch.norm", h) + _norm("ffn_branch.norm", h) + _attention("attn", h) + ffn
     return (_norm("self_attn_branch.norm", h) + _norm("cross_attn_branch.norm", h) + _norm("ffn_branch.norm", h)
-            + _attention("self_attn", h) + _attention("cross_attn", h) + _ffn("ffn", h, m.ffn_hidden_size))
+            + _attention("self_attn", h) + _attention("cross_attn", h) + ffn)
 
 
 def other_params(m: ModelConfig) -> list[Param]:
@@ -106,6 +114,8 @@ def local_numel(p: Param, par: ParallelConfig, tp_rank: int = 0, dp_rank: int = 
         shape[0] = chunk_size(shape[0], tp, tp_rank)
     elif p.tp == "row":
         shape[1] = chunk_size(shape[1], tp, tp_rank)
+    elif p.tp == "expert":  # E/ep experts a rank, whole (data parallelism leaves them alone)
+        return math.prod([chunk_size(shape[0], par.expert_parallel), *shape[1:]])
     if par.shards_parameters and par.data_parallel > 1:
         shape[0] = chunk_size(shape[0], par.data_parallel, dp_rank)
     return math.prod(shape)
@@ -113,7 +123,8 @@ def local_numel(p: Param, par: ParallelConfig, tp_rank: int = 0, dp_rank: int = 
 
 def tp_numel(p: Param, par: ParallelConfig) -> int:
     """Elements of ``p`` on tensor-parallel rank 0 before data-parallel sharding (what FSDP gathers)."""
-    return local_numel(p, ParallelConfig(model_parallel=par.model_parallel, vocab_emb_dp=par.vocab_emb_dp))
+    return local_numel(p, ParallelConfig(model_parallel=par.model_parallel, vocab_emb_dp=par.vocab_emb_dp,
+                                         expert_parallel=par.expert_parallel))
 
 
 def layer_blocks(m: ModelConfig) -> list[tuple[bool, int, int]]:
@@ -188,21 +199,23 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
     blocks = layer_blocks(m)
     owner = chunk_of_layers(m, par) if par.pipeline_stage > 1 else [0] * len(blocks)
     num_chunks = par.pipeline_stage * par.virtual_pipeline_stage if par.pipeline_stage > 1 else 1
-    enc, dec = layer_params(m, False), layer_params(m, True)
+    kinds = {(d, moe): layer_params(m, d, moe) for d in (False, True) for moe in (False, True)}
     local = {k: (sum(local_numel(p, par) for p in ps), sum(tp_numel(p, par) for p in ps), len(ps))
-             for k, ps in ((False, enc), (True, dec))}
+             for k, ps in kinds.items()}
+    # each layer as (is_decoder, is_moe): the key of its parameters
+    blocks = [((d, m.moe_config.used_in(offset + i)), i, offset) for d, i, offset in blocks]
     others = other_params(m)
     stages = [StageState() for _ in range(par.pipeline_stage)]
     # zero stage 1 on replicas: each rank steps (and keeps the state of) the parameters dealt to it by size
     steps_owned = par.shards_only_optimizer_state and par.data_parallel > 1
-    local_sizes = {d: [local_numel(p, par) for p in ps] for d, ps in ((False, enc), (True, dec))}
+    local_sizes = {k: [local_numel(p, par) for p in ps] for k, ps in kinds.items()}
     sizes = {id(st): [] for st in stages}
     for chunk in range(num_chunks):
         st = stages[chunk_rank(chunk, par) if par.pipeline_stage > 1 else 0]
         parts = model_chunk_parts(m, owner, chunk)
         st.parts.append(parts)
         held = [blk for blk, o in zip(blocks, owner) if o == chunk]
-        st.layers += [(chunk, d, i) for d, i, _ in held]
+        st.layers += [(chunk, d, i) for (d, _), i, _ in held]
         n_local = sum(local[d][0] for d, _, _ in held)
         n_whole = sum(local[d][1] for d, _, _ in held)
         tensors = sum(local[d][2] for d, _, _ in held)
@@ -219,7 +232,7 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
         st.tensors += tensors
         groups = par.aggregation_groups(len(held))
         per_group = max(1, math.ceil(len(held) / groups)) if held else 0
-        st.group_params = max(st.group_params, per_group * max(local[True][1], local[False][1]) * b)
+        st.group_params = max(st.group_params, per_group * max(whole for whole in (local[k][1] for k in local)) * b)
     for st in stages:
         st.grads = st.params
         st.stepped, stepped_tensors = st.params, st.tensors
@@ -232,12 +245,30 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
     return stages
 
 
+def all_to_all_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, elem: int) -> float:
+    """Bytes one rank sends per micro-batch of ``micro_batch`` rows in the experts' all-to-all
+    (``paratrain.parallel.expert``): each mixture-of-experts layer sends the (ep-1)/ep of its capacity slots
+    (E x C x H a group) held by other ranks, to dispatch and to combine, in forward and in backward."""
+    moe, ep = m.moe_config, par.expert_parallel
+    if ep == 1 or moe.expert_num == 1:
+        return 0.0
+    total = 0.0
+    for decoder, layer_id, offset in layer_blocks(m):
+        if moe.used_in(offset + layer_id):
+            length = m.lengths[decoder]
+            tokens = micro_batch * length
+            group = moe.expert_group_size or tokens
+            capacity = math.ceil(moe.capacity_factor * group * moe.num_experts_chosen / moe.expert_num)
+            total += 4 * (ep - 1) / ep * (tokens // group) * moe.expert_num * capacity * m.hidden_size * elem
+    return total
+
+
 def model_params(m: ModelConfig) -> int:
     """Number of parameters of the whole (unsplit) model; as fast for 10^12 layers as for 2."""
-    def per_layer(decoder: bool) -> int:
-        return sum(math.prod(p.shape) for p in layer_params(m, decoder))
+    def per_layer(decoder: bool, moe: bool = False) -> int:
+        return sum(math.prod(p.shape) for p in layer_params(m, decoder, moe))
     n = sum(math.prod(p.shape) for p in other_params(m))
-    return n + sum(count * per_layer(stack > 0) for stack, count in enumerate(m.stack_layers.values()))
+    return n + sum(count * per_layer(*kind) for kind, count in m.layer_counts().items())
 
 
 def offload_bytes(par: ParallelConfig, st: StageState) -> dict:

@@ -128,7 +128,8 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     optimizer_time = max(7 * s.stepped for s in states) / (hw.host_mem_bw if par.offloads else hw.mem_bw)
     host = cost.offload_bytes(par, st) if par.offloads else {"host": 0, "host_to_device": 0, "device_to_host": 0}
     offload_time = (host["host_to_device"] + host["device_to_host"]) / hw.host_bw
-    step = (mb + bubble) * (t_micro + pp_time) + dp_time + offload_time + optimizer_time
+    ep_time = hw.transfer_time(mb * cost.all_to_all_bytes(m, par, b, spec.elem), dp * tp)  # the experts' all-to-all
+    step = (mb + bubble) * (t_micro + pp_time) + dp_time + ep_time + offload_time + optimizer_time
     mfu = model_flops(m, gb) / (step * hw.devices * hw.peak_flops)
     fits = total <= hw.usable_memory
     memory = (f"needs {total / cost.GiB:.2f} GiB on pipeline rank {stage} > {hw.usable_memory / cost.GiB:.2f} GiB "
@@ -147,7 +148,8 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
                breakdown={"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "zero_gathered": transient,
                           "activations": act["total"], "in_flight": act["in_flight"],
                           "compute_s": (mb + bubble) * hw.compute_time(max(fl for _, fl in times)),
-                          "bubble_micro_batches": bubble, "dp_comm_s": dp_time, "pp_comm_s": (mb + bubble) * pp_time,
+                          "bubble_micro_batches": bubble, "dp_comm_s": dp_time, "ep_comm_s": ep_time,
+                          "pp_comm_s": (mb + bubble) * pp_time,
                           "optimizer_s": optimizer_time, "host_bytes": host["host"],
                           "host_to_device_bytes": host["host_to_device"],
                           "device_to_host_bytes": host["device_to_host"], "offload_s": offload_time,

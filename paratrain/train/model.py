@@ -26,6 +26,7 @@ from paratrain.nn import PipelineCell
 from paratrain.optim import tensor_kind
 from paratrain.parallel.data import shard_optimizer_state
 from paratrain.parallel.deferred_init import deferred_record, materialize
+from paratrain.parallel.expert import moe_step_metrics
 from paratrain.parallel.user import PlacedNet, place_net
 from paratrain.preflight import net_memory_problem
 from paratrain.precision import LossScaleFloor, LossScaler, autocast
@@ -491,7 +492,8 @@ class Model:
                 for param in self.train_network.parameters():
                     if param.grad is not None:
                         param.grad.mul_(config.data_parallel)
-            return {"loss": loss, "tokens": tokens, "samples": rows, "flops": 6.0 * self._parameter_count * tokens}
+            return {"loss": loss, "tokens": tokens, "samples": rows, "flops": 6.0 * self._parameter_count * tokens,
+                    **moe_step_metrics(self.train_network.parts[0], layout)}  # a mixture of experts' aux loss
 
         step = params.cur_step_num + 1
         record = self._engine.step(step, run, any(c.needs_host_values(step) for c in hooks.callbacks))

@@ -1,0 +1,385 @@
+"""Mixture of experts: the block against a per-token reference, its config and validation, expert parallelism
+against one process (forked gloo workers), checkpoints across expert layouts."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.modules.moe import MoE, expert_capacity
+from paratrain.train import Callback
+
+
+def naive_moe(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Token by token: route, count each expert's slots within the group, add each kept choice's FFN output."""
+    hidden = x.shape[-1]
+    tokens = x.reshape(-1, hidden)
+    size = moe.group_size or tokens.shape[0]
+    e, k = moe.expert_num, moe.k
+    capacity = math.ceil(moe.capacity_factor * size * k / e)
+    out = torch.zeros_like(tokens)
+    aux, dropped = 0.0, 0
+    w1, b1, w2, b2 = moe.experts.w1, moe.experts.b1, moe.experts.w2, moe.experts.b2
+    groups = tokens.shape[0] // size
+    for g in range(groups):
+        rows = tokens[g * size:(g + 1) * size]
+        probs = torch.softmax(rows @ moe.router.weight.T, -1)
+        top_p, top_e = probs.topk(k, -1)
+        gates = top_p / top_p.sum(-1, keepdim=True) if k > 1 else top_p
+        used = [0] * e
+        for choice in range(k):
+            for t in range(size):
+                expert = int(top_e[t, choice])
+                if used[expert] >= capacity:
+                    dropped += 1
+                    continue
+                used[expert] += 1
+                h = moe.experts.activation(rows[t] @ w1[expert] + b1[expert])
+                out[g * size + t] += gates[t, choice] * (h @ w2[expert] + b2[expert])
+        first = torch.zeros(e)
+        for t in range(size):
+            first[int(top_e[t, 0])] += 1 / size
+        aux = aux + moe.aux_loss_factor * e * (first * probs.mean(0)).sum() / groups
+    return out.reshape(x.shape), aux, dropped / (tokens.shape[0] * k)
+
+
+@pytest.mark.parametrize("k,capacity_factor,group_size", [(1, 1.0, None), (2, 1.0, 6), (2, 4.0, None),
+                                                          (3, 0.5, 4)])
+def test_block_matches_per_token_reference(k, capacity_factor, group_size):
+    torch.manual_seed(0)
+    moe = MoE(8, 16, expert_num=4, activation=nn.GELU(), num_experts_chosen=k, capacity_factor=capacity_factor,
+              aux_loss_factor=0.1, group_size=group_size)
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    out, aux = moe(x)
+    ref, ref_aux, ref_dropped = naive_moe(moe, x)
+    assert out.shape == x.shape and aux.shape == ()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux, torch.as_tensor(ref_aux, dtype=aux.dtype), atol=1e-6, rtol=1e-5)
+    from paratrain.modules.moe import moe_metrics
+
+    assert moe_metrics(moe)["dropped"].item() == pytest.approx(ref_dropped)
+    if capacity_factor < 1:
+        assert ref_dropped > 0
+    grads = torch.autograd.grad((out ** 2).sum() + aux, [x, *moe.parameters()])
+    ref_grads = torch.autograd.grad((ref ** 2).sum() + ref_aux, [x, *moe.parameters()])
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_capacity_is_mindspores():
+    assert expert_capacity(tokens=64, expert_num=8, num_experts_chosen=2, capacity_factor=1.1) == 18
+    assert expert_capacity(tokens=5, expert_num=8, num_experts_chosen=1, capacity_factor=1.0) == 1
+
+
+# --- the MindSpore face: a user's net with moe_config trained by Model.train --------------------------------
+
+VOCAB, HIDDEN, SEQ, ROWS = 32, 16, 6, 8
+GROUP = 12  # tokens per MoE group: one rank's share under data_parallel=4; data_parallel=2 and 1 hold several
+
+
+class MoENet(nn.Module):
+    """A MindSpore-style net: VocabEmbedding, a 2-layer decoder-only Transformer whose FFNs are mixtures of
+    experts, a head; forward returns the mean token loss plus the Transformer's load-balancing loss."""
+
+    def __init__(self, parallel_config, moe_config):
+        super().__init__()
+        from paratrain.nn import AttentionMask, Transformer, VocabEmbedding
+
+        self.embedding = VocabEmbedding(VOCAB, HIDDEN, parallel_config=parallel_config.embedding_dp_mp_config)
+        self.mask = AttentionMask(SEQ, parallel_config=parallel_config.dp_mp_config)
+        self.transformer = Transformer(HIDDEN, ROWS, 32, SEQ, SEQ, encoder_layers=0, decoder_layers=2, num_heads=2,
+                                       attention_dropout_rate=0.0, hidden_dropout_rate=0.0, moe_config=moe_config,
+                                       parallel_config=parallel_config)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids, labels):
+        x, _ = self.embedding(ids)
+        output, _, _, aux_loss = self.transformer(x, self.mask(torch.ones_like(ids)))
+        return F.cross_entropy(self.head(output).flatten(0, 1), labels.flatten()) + aux_loss
+
+
+def moe_dataset(batches=4):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, VOCAB, (ROWS, SEQ), generator=g), torch.randint(0, VOCAB, (ROWS, SEQ), generator=g))
+            for _ in range(batches)]
+
+
+class StepStats(Callback):
+    """A Model.train callback keeping each step's reported aux loss and dropped fraction."""
+
+    def __init__(self):
+        self.values = []
+
+    def on_train_step_end(self, run_context):
+        record = run_context.original_args().step_record
+        self.values.append((float(record["aux_loss"]), float(record["dropped"])))
+
+
+def model_train_losses(parallel: dict, capacity_factor: float, directory: str | None = None, resume=None,
+                       epochs: int = 1):
+    """(loss, aux loss, dropped) of each step of Model.train on ``parallel`` (TransformerOpParallelConfig's
+    arguments), ``epochs`` of 4 steps, with a ModelCheckpoint saving every 4th step in ``directory`` and
+    ``resume`` as Model.train's."""
+    from multiprocess import loss_recorder
+    from paratrain import TransformerOpParallelConfig
+    from paratrain.nn import MoEConfig
+    from paratrain.train import CheckpointConfig, Model, ModelCheckpoint
+
+    torch.manual_seed(0)
+    moe = MoEConfig(expert_num=4, num_experts_chosen=2, capacity_factor=capacity_factor, aux_loss_factor=0.05,
+                    expert_group_size=GROUP)
+    net = MoENet(TransformerOpParallelConfig(**parallel), moe)
+    losses, stats = loss_recorder(), StepStats()
+    callbacks = [losses, stats]
+    if directory:
+        callbacks.append(ModelCheckpoint(prefix="moe", directory=directory,
+                                         config=CheckpointConfig(save_checkpoint_steps=4)))
+    # SGD: a wrong gradient scale shows in the losses (Adam would hide it)
+    Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)).train(
+        epochs, moe_dataset(), callbacks=callbacks, **({"resume": resume} if resume else {}))
+    return [(loss, *step) for loss, step in zip(losses.values, stats.values)]
+
+
+def _model_train_layouts(layouts: dict, capacity_factor: float):
+    return {name: model_train_losses(parallel, capacity_factor) for name, parallel in layouts.items()}
+
+
+USER_LAYOUTS = {2: {"ep2": {"data_parallel": 2, "expert_parallel": 2}},
+                4: {"dp4_ep2": {"data_parallel": 4, "expert_parallel": 2},
+                    "dp4_ep4": {"data_parallel": 4, "expert_parallel": 4},
+                    "dp2_ep2_mp2": {"data_parallel": 2, "model_parallel": 2, "expert_parallel": 2}}}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("capacity_factor", [4.0, 0.75], ids=["no_drop", "dropping"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_user_net_with_moe_config_matches_one_process(world, capacity_factor):
+    from multiprocess import run_distributed
+
+    reference = model_train_losses({}, capacity_factor)
+    assert reference[-1][0] < reference[0][0]
+    assert any(dropped > 0 for *_, dropped in reference) == (capacity_factor < 1)
+    got = run_distributed(_model_train_layouts, world, USER_LAYOUTS[world], capacity_factor, timeout=560)[0]
+    for name, records in got.items():
+        for step, (have, want) in enumerate(zip(records, reference), 1):
+            assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"{name}: step {step}"
+
+
+# --- the built-in GPT with [model] moe, `paratrain train`'s Trainer -------------------------------------------
+
+GPT_MOE = {"kind": "gpt", "moe": {"expert_num": 4, "num_experts_chosen": 2, "capacity_factor": 1.0,
+                                  "expert_group_size": 32}}  # 32 tokens: a rank's rows under dp4 (8 x 16 / 4)
+GPT_LAYOUTS = {2: {"ep2": {"dp": 2, "ep": 2}, "ep2_micro2": {"dp": 2, "ep": 2, "micro_batch_num": 2},
+                   "ep2_zero3": {"dp": 2, "ep": 2, "zero_stage": 3},
+                   "ep2_zero1": {"dp": 2, "ep": 2, "zero_stage": 1},
+                   "encoder_decoder_ep2": {"dp": 2, "ep": 2}},
+               4: {"dp4_ep2": {"dp": 4, "ep": 2}, "dp2_ep2_mp2": {"dp": 2, "ep": 2, "mp": 2},
+                   "dp4_ep4_every_other": {"dp": 4, "ep": 4}}}
+
+
+def gpt_config(directory, parallel, steps=4, **model):
+    from conftest import tiny_config
+
+    moe = {**GPT_MOE["moe"], **model.pop("moe", {})}
+    return tiny_config(run={"dir": str(directory)}, parallel=parallel, model={**GPT_MOE, "moe": moe, **model},
+                       train={"steps": steps, "lr_decay_steps": 4}, checkpoint={"save_steps": 2})
+
+
+def trainer_records(cfg, keys=("loss", "grad_norm", "aux_loss", "dropped")):
+    from paratrain.trainer import Trainer
+
+    return [tuple(r[k] for k in keys) for r in Trainer(cfg).train()]
+
+
+def _gpt_layouts(root, layouts):
+    return {name: trainer_records(gpt_config(f"{root}/{name}", parallel, **_model_of(name)))
+            for name, parallel in layouts.items()}
+
+
+def _model_of(name):
+    if name.startswith("encoder_decoder"):  # 12 tokens a group: a row of source or target
+        return {"kind": "transformer", "moe": {"expert_group_size": 12}}
+    return {"moe": {"every": 2}} if name.endswith("every_other") else {}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpt_with_moe_matches_one_process(world, tmp_path):
+    from multiprocess import run_distributed
+
+    got = run_distributed(_gpt_layouts, world, str(tmp_path), GPT_LAYOUTS[world], timeout=560)[0]
+    for name, records in got.items():
+        reference = trainer_records(gpt_config(tmp_path / f"ref_{name}", {}, **_model_of(name)))
+        assert reference[-1][0] < reference[0][0] and any(r[3] > 0 for r in reference)  # trains, drops tokens
+        for step, (have, want) in enumerate(zip(records, reference), 1):
+            assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"{name}: step {step}"
+
+
+# --- validation before any process starts ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("parallel,moe,fragment", [
+    ({"dp": 2, "ep": 4}, {"expert_num": 8}, "parallel.expert_parallel=4 does not divide parallel.data_parallel=2"),
+    ({"dp": 4, "ep": 4}, {"expert_num": 6}, "model.moe.expert_num=6 is not divisible by parallel.expert_parallel=4"),
+    ({"dp": 2}, {"expert_num": 4, "capacity_factor": 0.0}, "gives each expert a capacity of 0 tokens"),
+    ({"dp": 2, "ep": 2}, {}, "parallel.expert_parallel=2 needs experts to split"),
+    ({}, {"expert_num": 4, "num_experts_chosen": 5}, "num_experts_chosen=5 must be in 1..expert_num=4"),
+    ({}, {"expert_num": 4, "expert_group_size": 7}, "expert_group_size=7 does not divide the 128 tokens"),
+    ({}, {"expert_num": 4, "top": 2}, "model.moe={'expert_num': 4, 'top': 2} must be a table of"),
+])
+def test_moe_config_rules(parallel, moe, fragment):
+    from conftest import tiny_config
+    from paratrain.config_rules import validate
+
+    cfg = tiny_config(model={"kind": "gpt", "moe": moe}, parallel=parallel)
+    problems = validate(cfg, world_size=parallel.get("dp", 1))
+    assert any(fragment in p for p in problems), problems
+    assert not validate(tiny_config(model={"kind": "gpt", "moe": {"expert_num": 4}}, parallel={"dp": 2, "ep": 2}),
+                        world_size=2)
+
+
+def test_cli_refuses_a_bad_expert_layout_with_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    config = tmp_path / "moe.toml"
+    config.write_text('[model]\nkind = "gpt"\nmoe = {expert_num = 6, num_experts_chosen = 2}\n'
+                      '[parallel]\ndp = 4\nep = 4\n')
+    done = subprocess.run([sys.executable, "-m", "paratrain", "train", "--config", str(config)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "model.moe.expert_num=6 is not divisible by parallel.expert_parallel=4" in done.stderr + done.stdout
+
+
+def test_mindspore_blocks_refuse_what_the_experts_cannot_split():
+    from paratrain import TransformerOpParallelConfig
+    from paratrain.errors import UserError
+    from paratrain.nn import MoEConfig, Transformer
+
+    with pytest.raises(UserError, match="expert_num=6 is not divisible by parallel_config.expert_parallel=4"):
+        Transformer(16, 8, 32, 6, 6, encoder_layers=0, decoder_layers=1, num_heads=2,
+                    moe_config=MoEConfig(expert_num=6), parallel_config=TransformerOpParallelConfig(
+                        data_parallel=4, expert_parallel=4))
+
+
+# --- checkpoints: experts saved sliced, reloaded under another expert layout ---------------------------------
+
+def _train_then_resume(root):
+    """2 steps under ep2 (saved), then the same job resumed to step 4 under ep1 x dp2."""
+    first = trainer_records(gpt_config(root, {"dp": 2, "ep": 2}, steps=2))
+    resumed = trainer_records(gpt_config(root, {"dp": 2}, steps=4))
+    return first + resumed
+
+
+@pytest.mark.timeout(600)
+def test_checkpoint_saved_under_ep2_resumes_under_dp2(tmp_path):
+    from multiprocess import run_distributed
+
+    reference = trainer_records(gpt_config(tmp_path / "ref", {}, steps=4))
+    got = run_distributed(_train_then_resume, 2, str(tmp_path / "job"), timeout=560)[0]
+    assert len(got) == 4
+    for step, (have, want) in enumerate(zip(got, reference), 1):
+        assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"step {step}"
+
+
+def test_flops_count_only_the_active_experts():
+    from conftest import tiny_config
+    from paratrain.metrics.flops import gpt_flops
+
+    dense = tiny_config(model={"kind": "gpt"}).model
+    moe = tiny_config(model={"kind": "gpt", "moe": {"expert_num": 8, "num_experts_chosen": 2}}).model
+    every_other = tiny_config(model={"kind": "gpt", "moe": {"expert_num": 8, "num_experts_chosen": 2,
+                                                            "every": 2}}).model
+    h, f, tokens, layers = dense.hidden_size, dense.ffn_hidden_size, 4 * 16, dense.decoder_layers
+    per_layer = 3 * 2 * tokens * (2 * h * f + h * 8)  # a second expert's FFN and the router, forward + backward
+    assert gpt_flops(moe, 4, 16) - gpt_flops(dense, 4, 16) == pytest.approx(layers * per_layer)
+    assert gpt_flops(every_other, 4, 16) - gpt_flops(dense, 4, 16) == pytest.approx(per_layer)
+
+
+@pytest.mark.parametrize("kind,every", [("gpt", 1), ("gpt", 2), ("transformer", 1), ("transformer", 2)])
+def test_planner_counts_expert_parameters_and_their_split(kind, every):
+    from conftest import tiny_config
+    from paratrain.models import build_model
+    from paratrain.plan.cost import model_params, stage_states
+
+    cfg = tiny_config(model={"kind": kind, "encoder_layers": 3, "moe": {"expert_num": 4, "every": every}},
+                      parallel={"dp": 4})
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    assert model_params(cfg.model) == sum(p.numel() for p in model.parameters())
+    one = stage_states(cfg.model, cfg.parallel)[0]
+    cfg.parallel.expert_parallel = 4
+    split = stage_states(cfg.model, cfg.parallel)[0]
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * 4  # fp32 bytes
+    assert one.params - split.params == experts * 3 // 4
+    assert one.optimizer - split.optimizer == 2 * (one.params - split.params)
+
+
+def test_planner_counts_all_to_all_bytes():
+    from conftest import tiny_config
+    from paratrain.plan.cost import all_to_all_bytes
+
+    cfg = tiny_config(model={"kind": "gpt", "moe": {"expert_num": 4, "num_experts_chosen": 2,
+                                                    "capacity_factor": 1.0, "every": 2}}, parallel={"dp": 4, "ep": 2})
+    m = cfg.model  # 2 layers, the second a mixture; a micro-batch of 2 rows x 16 tokens: capacity 16 a group
+    assert all_to_all_bytes(m, cfg.parallel, 2, 4) == 4 * (1 / 2) * 4 * 16 * m.hidden_size * 4
+    cfg.parallel.expert_parallel = 1
+    assert all_to_all_bytes(m, cfg.parallel, 2, 4) == 0
+
+
+def test_dry_run_counts_the_experts_a_rank_holds_as_the_cost_model_does():
+    from conftest import tiny_config
+    from paratrain.plan.cost import stage_states
+    from paratrain.plan.dryrun import dry_run
+
+    held = {}
+    for ep in (1, 2):
+        cfg = tiny_config(model={"kind": "gpt", "moe": {"expert_num": 4}}, parallel={"dp": 2, "ep": ep})
+        (rank0,) = dry_run(cfg, 2)
+        assert rank0["params"] == stage_states(cfg.model, cfg.parallel)[0].params
+        held[ep] = rank0["params"]
+    assert held[2] < held[1]
+
+
+def _model_train_then_resume(directory):
+    """An epoch under ep2 (saved), then a second one resumed under ep1 x dp2."""
+    first = model_train_losses({"data_parallel": 2, "expert_parallel": 2}, 0.75, directory)
+    return first, model_train_losses({"data_parallel": 2}, 0.75, directory, resume="auto", epochs=2)
+
+
+@pytest.mark.timeout(600)
+def test_model_train_checkpoint_saved_under_ep2_resumes_under_dp2(tmp_path):
+    from multiprocess import run_distributed
+
+    reference = model_train_losses({}, 0.75, epochs=2)
+    first, resumed = run_distributed(_model_train_then_resume, 2, str(tmp_path / "ckpt"), timeout=560)[0]
+    assert len(first) == 4 and len(resumed) == 4  # the second run went on from step 4
+    for step, (have, want) in enumerate(zip(first + resumed, reference), 1):
+        assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"step {step}"
+
+
+def test_moe_table_from_the_command_line():
+    from paratrain import config_file
+
+    cfg = config_file.from_dict({"model": {"kind": "gpt"}},
+                                ["model.moe={expert_num = 8, num_experts_chosen = 2, every = 2}", "parallel.ep=2"])
+    assert cfg.model.moe_config.expert_num == 8 and cfg.model.moe_config.every == 2
+    assert cfg.parallel.expert_parallel == 2
+
+
+def test_mindspore_moe_groups_tokens_by_data_parallel_as_its_ranks_would():
+    from paratrain.config import OpParallelConfig
+    from paratrain.nn import MoE as MindSporeMoE
+    from paratrain.nn import MoEConfig
+
+    torch.manual_seed(0)
+    moe = MindSporeMoE(8, 16, 0.0, moe_config=MoEConfig(expert_num=4, num_experts_chosen=2, capacity_factor=0.5),
+                       parallel_config=OpParallelConfig(data_parallel=2))
+    x = torch.randn(4, 6, 8)
+    whole, aux = moe(x)
+    moe.groups = 1  # what placing it on 2 data-parallel ranks does: each rank's rows are one group
+    halves = [moe(part) for part in x.chunk(2)]
+    torch.testing.assert_close(whole, torch.cat([out for out, _ in halves]))
+    torch.testing.assert_close(aux, sum(a for _, a in halves) / 2)
