@@ -8,7 +8,7 @@ from paratrain.checkpoint import Checkpointer
 from paratrain.config import Config
 from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.device import DTYPES
-from paratrain import config_file, host_memory, preflight, progress
+from paratrain import config_file, host_memory, loop, preflight, progress
 from paratrain.distributed import init_from_env
 from paratrain.engine import Engine, TrainingDiverged
 from paratrain.evaluate import bleu_evaluator
@@ -21,12 +21,11 @@ from paratrain.parallel import parallelize, shard_optimizer_state
 from paratrain.parallel.deferred_init import materialize, record_init
 from paratrain.parallel.loss import loss_context, whole
 from paratrain.precision import LossScaler, autocast, resolve_mixed_precision
-from paratrain.stopping import StopAgreement
 
 __all__ = ["Trainer", "TrainingDiverged"]
 
 
-class Trainer:
+class Trainer(loop.Face):
     """Trains the model a finished Config describes (``parallel.auto`` already resolved) and logs one
     record per step.
 
@@ -99,40 +98,15 @@ class Trainer:
 
     def train(self) -> list[dict]:
         """Run until ``train.steps``, or until a stop is asked (SIGTERM/SIGINT on any rank: every rank stops
-        at the same step, saves it and sets ``stopped_at``; a stop during the last steps or the last save
-        ends the run as stopped too); returns every step's record. With checkpoints on
-        (``checkpoint.save_steps``) the last step is always saved."""
-        history = []
-        stop = StopAgreement(self.world_size)
-        try:
-            stopping = False
-            while self.step < self.cfg.train.steps and not stopping:
-                record = self.train_step()
-                history.append(record)
-                self.step += 1
-                self.metrics.advance(self.step)
-                with self.engine.between_steps():
-                    if self.evaluator is not None:
-                        self.evaluator(self.step, record)  # every rank decodes; the main rank's record gets "bleu"
-                    if self.metrics.should_log(self.step - 1) or "bleu" in record:
-                        self.metrics.log(record)
-                    stopping = stop.agreed()
-                    self.checkpointer.maybe_save(self.step)
-            self.engine.flush()
-            stopping = stop.finish() or stopping
-            if stopping or self.cfg.checkpoint.save_steps > 0:
-                self._save_last()
-            self.stopped_at = self.step if stopping else None
-        finally:
-            stop.close()
-            self.metrics.close()
-            if self.is_main and self.loss_scaler.skipped_steps:
-                print(f"fp16: {self.loss_scaler.summary()}", flush=True)
-        return history
+        at the same step, saves it and sets ``stopped_at``; ``paratrain.loop``); returns every step's record.
+        With checkpoints on (``checkpoint.save_steps``) the last step is always saved."""
+        return self.run().records
 
-    def _save_last(self) -> None:
-        if self.checkpointer.last_saved_step != self.step:
-            self.checkpointer.save(self.step)
+    def run(self) -> loop.Outcome:
+        """``train``, returning how the run ended (``paratrain.loop.exit_code`` makes it ``paratrain train``'s)."""
+        outcome = loop.run(self, (self.train_step for _ in range(self.step, self.cfg.train.steps)), self.world_size)
+        self.stopped_at = self.step if outcome.stopped else None
+        return outcome
 
     def train_step(self) -> dict:
         """One optimizer step (``paratrain.engine``). Its record's loss, grad norm and token count stay device
@@ -142,6 +116,29 @@ class Trainer:
         to_host = (self.metrics.should_log(step - 1) or self.checkpointer.due(step) or step == self.cfg.train.steps
                    or (self.evaluator is not None and self.evaluator.due(step)))
         return self.engine.step(step, self._forward_backward_step, to_host)
+
+    # the loop's Face: metrics, evaluation and checkpoints between steps
+    def after_step(self, record: dict) -> bool:
+        self.step += 1
+        self.metrics.advance(self.step)
+        if self.evaluator is not None:
+            self.evaluator(self.step, record)  # every rank decodes; the main rank's record gets "bleu"
+        if self.metrics.should_log(self.step - 1) or "bleu" in record:
+            self.metrics.log(record)
+        return True
+
+    def save(self) -> None:
+        self.checkpointer.maybe_save(self.step)
+
+    def end(self, stopped: bool) -> int | None:
+        if (stopped or self.cfg.checkpoint.save_steps > 0) and self.checkpointer.last_saved_step != self.step:
+            self.checkpointer.save(self.step)
+        return self.checkpointer.last_saved_step or None
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.is_main and self.loss_scaler.skipped_steps:
+            print(f"fp16: {self.loss_scaler.summary()}", flush=True)
 
     def _forward_backward_step(self, loss_scale: torch.Tensor) -> dict:
         """Forward and backward of this rank's share of the next global batch (``Engine.step``'s ``run``)."""
