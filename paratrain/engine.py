@@ -5,10 +5,12 @@ net: ``paratrain.train.model``) build a model, its placement and an optimizer, t
 placement does what depends on it, forward and backward of one global batch::
 
     out = run(loss_scale)   # {"loss": the global batch's loss (a device tensor, the same on every rank),
-                            #  "tokens": ..., "samples": ..., "flops": ...}
+                            #  "tokens": ..., "samples": ..., "flops": ..., optionally "grad_scale"}
 
-leaving on every parameter the gradient of ``loss * loss_scale`` that one device would compute. The engine
-does the rest the same way for every net: unscale, clip by the global norm, optimizer and LR steps (an
+leaving on every parameter the gradient of ``loss * loss_scale`` that one device would compute (times
+``1 / grad_scale``, when the normalisation is known only after the backward). Every net runs its micro-batches
+through :func:`forward_backward` and normalises its loss with :class:`StepLoss`, also under a pipeline schedule.
+The engine does the rest the same way for every net: unscale, clip by the global norm, optimizer and LR steps (an
 fp16 overflow skips the update, decided on the device), the loss-scale update, ``zero_grad``; then the
 step's record, whose device values (loss, grad norm, tokens, loss scale) stay on the device until a step
 that needs them on the host (``flush``): logged, saved, evaluated or the last. They come over together, then
@@ -25,9 +27,12 @@ from typing import Callable
 import torch
 
 from paratrain import progress
+from paratrain.config import ParallelConfig
+from paratrain.mesh import Layout
 from paratrain.metrics.timer import StepTimer
 from paratrain.optim import clip_grad_norm
-from paratrain.precision import LossScaler
+from paratrain.parallel.loss import loss_context, whole
+from paratrain.precision import LossScaler, autocast
 
 # record values that stay on the device until a flush (the last two: fp16 only)
 ON_DEVICE = ("loss", "grad_norm", "tokens", "loss_scale", "skipped_steps")
@@ -37,6 +42,72 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the message names the step. Both faces exit with code 3."""
 
     EXIT_CODE = 3
+
+
+class StepLoss:
+    """The one normalisation of a step's loss, for every net and layout: the global batch's summed token loss over
+    its token count (the built-in models, a user's loss that returns its sum and count), else the mean of a plain
+    scalar loss over the micro-batches and the data-parallel replicas. Whatever the split, the loss and the
+    gradients are one device's.
+
+    ``token_sum`` and ``mean`` give what backward runs on for one micro-batch (times the loss scale) and keep its
+    value; ``result`` adds them up over the ranks. A token count known before the forward (``tokens``: computed
+    from the labels) divides each micro-batch's loss; counts that come out of the forward (``counted``) are added
+    up after, and divide the gradients in the engine's unscale (``grad_scale``): no pass of its own over them."""
+
+    def __init__(self, layout: Layout, micro_batch_num: int, loss_scale: torch.Tensor | float,
+                 tokens: torch.Tensor | None = None, counted: bool = False):
+        self.layout, self.micro_batch_num, self.loss_scale = layout, micro_batch_num, loss_scale
+        self.tokens, self.counted = tokens, counted
+        self.total = torch.zeros((), device=layout.device)
+        self.counts: list[torch.Tensor] = []
+
+    def token_sum(self, loss_sum: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
+        """A micro-batch's summed token loss (and its token count when ``counted``), times the data-parallel size
+        (gradient reduction averages where a sum is wanted)."""
+        if count is not None:
+            self.counts.append(whole(count.detach()))
+        factor = self.layout.dp_size * self.loss_scale
+        return self._kept(loss_sum * (factor if self.tokens is None else factor / self.tokens))
+
+    def mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's plain scalar loss: its share of the mean over the micro-batches."""
+        return self._kept(loss * (self.loss_scale / self.micro_batch_num))
+
+    def _kept(self, loss: torch.Tensor) -> torch.Tensor:
+        self.total += whole(loss.detach())
+        return loss
+
+    def result(self) -> dict:
+        """{"loss": the global batch's loss, the same on every rank} and, when ``counted``, ``grad_scale``."""
+        layout = self.layout
+        loss = layout.all_reduce_dp(self.total / (layout.dp_size * self.loss_scale))
+        out = {}
+        if self.counted:  # only the last pipeline stage counted
+            count = torch.stack(self.counts).sum() if self.counts else torch.zeros((), device=layout.device)
+            count = layout.all_reduce_pp(layout.all_reduce_dp(count))
+            loss, out["grad_scale"] = loss / count, count.reciprocal()
+        out["loss"] = layout.all_reduce_pp(loss)  # only the last stage has it
+        return out
+
+
+def forward_backward(module: torch.nn.Module, batch: dict | tuple, loss_of: Callable, config: ParallelConfig,
+                     precision: str, device: torch.device, phase) -> None:
+    """Forward and backward of this rank's rows of a global batch (a dict or tuple of tensors, rows first) in
+    ``config.micro_batch_num`` micro-batches, gradients accumulated: ``loss_of(micro_batch)`` runs the forward
+    and returns what backward runs on (a :class:`StepLoss`'s). With ZeRO < 3 gradients are reduced once, during
+    the last backward. ``phase``: a StepTimer's."""
+    chunks = zip(*(t.chunk(config.micro_batch_num) for t in (batch.values() if isinstance(batch, dict) else batch)))
+    micro_batches = [dict(zip(batch, c)) if isinstance(batch, dict) else c for c in chunks]
+    sync = hasattr(module, "set_requires_gradient_sync") and config.effective_zero_stage < 3
+    for i, micro in enumerate(micro_batches):
+        if sync:
+            module.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        with loss_context(config):  # vocab-sharded logits: the loss and its backward are loss_parallel's
+            with phase("forward"), autocast(precision, device):
+                loss = loss_of(micro)
+            with phase("backward"):
+                loss.backward()
 
 
 class Engine:
@@ -69,7 +140,7 @@ class Engine:
         with self.timer.step():
             out = run(self.loss_scaler.scale)
             with self.timer.phase("optimizer"):
-                self.loss_scaler.unscale_(self.parameters())
+                self.loss_scaler.unscale_(self.parameters(), out.get("grad_scale"))
                 grad_norm = clip_grad_norm(list(self.parameters()), self.grad_clip, self.counted_in_norm,
                                            self.layout.pp_group, self.device)
                 lr = self.scheduler.get_last_lr()[0] if self.scheduler is not None else None

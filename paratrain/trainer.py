@@ -10,7 +10,7 @@ from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.device import DTYPES
 from paratrain import config_file, host_memory, loop, preflight, progress
 from paratrain.distributed import init_from_env
-from paratrain.engine import Engine, TrainingDiverged
+from paratrain.engine import Engine, StepLoss, TrainingDiverged, forward_backward
 from paratrain.evaluate import bleu_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
@@ -19,7 +19,7 @@ from paratrain.metrics.flops import batch_flops
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallel import parallelize, shard_optimizer_state
 from paratrain.parallel.deferred_init import materialize, record_init
-from paratrain.parallel.loss import loss_context, whole
+from paratrain.parallel.loss import loss_context
 from paratrain.precision import LossScaler, autocast, resolve_mixed_precision
 
 __all__ = ["Trainer", "TrainingDiverged"]
@@ -141,51 +141,28 @@ class Trainer(loop.Face):
             print(f"fp16: {self.loss_scaler.summary()}", flush=True)
 
     def _forward_backward_step(self, loss_scale: torch.Tensor) -> dict:
-        """Forward and backward of this rank's share of the next global batch (``Engine.step``'s ``run``)."""
+        """Forward and backward of this rank's share of the next global batch (``Engine.step``'s ``run``); the
+        loss is normalised by the global batch's non-pad target tokens (``paratrain.engine.StepLoss``)."""
         batch = self.data.batch(self.step)
         flops = batch_flops(self.cfg.model, batch, self.layout.dp_size)
         num_tokens = self.layout.all_reduce_dp((batch["labels"] != self.cfg.model.ignore_index).sum())
+        norm = StepLoss(self.layout, self.cfg.parallel.micro_batch_num, loss_scale, tokens=num_tokens)
         self.model.train()
         if self.pipeline:
             with loss_context(self.cfg.parallel), autocast(self.cfg.train.mixed_precision, self.device), \
                     self.timer.phase("pipeline"):
-                loss = self.pipeline.step(batch, {"num_tokens": num_tokens})
+                self.pipeline.step(batch, {"norm": norm})
         else:
-            loss = self._forward_backward(batch, num_tokens)
-        loss /= self.layout.dp_size * loss_scale
-        self.layout.all_reduce_dp(loss)
-        self.layout.all_reduce_pp(loss)  # only the last stage has it
-        return {"loss": loss, "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops}
+            forward_backward(self.model, batch, lambda micro: self._micro_loss(micro, norm), self.cfg.parallel,
+                             self.cfg.train.mixed_precision, self.device, self.timer.phase)
+        return {**norm.result(), "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops}
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's summed token loss over the global batch's token count, times the data-parallel
-        size (gradient reduction averages where a sum is wanted) and the fp16 loss scale."""
-        return self._scaled(token_loss_sum(logits.float(), labels, self.cfg.model.ignore_index), num_tokens)
+    def _micro_loss(self, micro: dict[str, torch.Tensor], norm: StepLoss) -> torch.Tensor:
+        inputs = {k: v for k, v in micro.items() if k != "labels"}
+        if self.loss_in_head:
+            return norm.token_sum(self.model(**inputs, labels=micro["labels"]))
+        return self._loss(self.model(**inputs), micro["labels"], norm)
 
-    def _scaled(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
-        return loss_sum * (self.layout.dp_size * self.loss_scaler.scale / num_tokens)
-
-    def _forward_backward(self, batch: dict[str, torch.Tensor], num_tokens: torch.Tensor) -> torch.Tensor:
-        """Gradient accumulation over ``micro_batch_num`` micro-batches; returns the summed (scaled) loss."""
-        micro_batches = [dict(zip(batch, parts)) for parts in
-                         zip(*(v.chunk(self.cfg.parallel.micro_batch_num) for v in batch.values()))]
-        loss = torch.zeros((), device=self.device)
-        for i, micro in enumerate(micro_batches):
-            self._sync_gradients(last_micro_batch=i == len(micro_batches) - 1)
-            labels = micro.pop("labels")
-            with loss_context(self.cfg.parallel):
-                with self.timer.phase("forward"):
-                    with autocast(self.cfg.train.mixed_precision, self.device):
-                        if self.loss_in_head:
-                            micro_loss = self._scaled(self.model(**micro, labels=labels), num_tokens)
-                        else:
-                            micro_loss = self._loss(self.model(**micro), labels, num_tokens)
-                with self.timer.phase("backward"):
-                    micro_loss.backward()
-            loss += whole(micro_loss.detach())
-        return loss
-
-    def _sync_gradients(self, last_micro_batch: bool) -> None:
-        """With ZeRO < 3, reduce gradients once per step, after the last micro-batch."""
-        if hasattr(self.model, "set_requires_gradient_sync") and self.cfg.parallel.effective_zero_stage < 3:
-            self.model.set_requires_gradient_sync(last_micro_batch)
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, norm: StepLoss) -> torch.Tensor:
+        """A micro-batch's summed token loss, normalised by ``norm`` (also a pipeline's last stage's loss)."""
+        return norm.token_sum(token_loss_sum(logits.float(), labels, self.cfg.model.ignore_index))

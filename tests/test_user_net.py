@@ -107,7 +107,7 @@ def train_placed(net, config, layout, batches):
                     StepTimer(MetricsConfig(), device=layout.device, mfu=False), grad_clip=1.0)
     out = []
     for step, batch in enumerate(batches, 1):
-        record = engine.step(step, lambda scale: {"loss": placed.forward_backward(batch, scale), "tokens": 0,
+        record = engine.step(step, lambda scale: {**placed.forward_backward(batch, scale), "tokens": 0,
                                                   "samples": 0, "flops": 0.0}, to_host=True)
         out.append((record["loss"], record["grad_norm"]))
     return out

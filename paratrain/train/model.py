@@ -500,14 +500,12 @@ class Model:
 
         def run(loss_scale: torch.Tensor) -> dict:
             try:
-                loss = self.train_network.forward_backward(batch, loss_scale, params.rows_of_this_rank)
+                out = self.train_network.forward_backward(batch, loss_scale, params.rows_of_this_rank)
             except UserError as exc:  # a batch that does not split, a loss that is no scalar
                 raise UserError(f"Model.train: {where}: {exc}") from None
-            if summed:  # MindSpore's default: the ranks' gradients summed
-                for param in self.train_network.parameters():
-                    if param.grad is not None:
-                        param.grad.mul_(config.data_parallel)
-            return {"loss": loss, "tokens": tokens, "samples": rows, "flops": 6.0 * self._parameter_count * tokens}
+            if summed:  # MindSpore's default: the ranks' gradients summed (in the engine's unscale)
+                out["grad_scale"] = out.get("grad_scale", 1.0) * config.data_parallel
+            return {**out, "tokens": tokens, "samples": rows, "flops": 6.0 * self._parameter_count * tokens}
 
         step = params.cur_step_num + 1
         record = self._engine.step(step, run, any(c.needs_host_values(step) for c in hooks.callbacks))
