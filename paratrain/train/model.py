@@ -249,6 +249,9 @@ class _Callbacks:
             getattr(callback, hook)(run_context)
 
 
+_END = object()
+
+
 def _with_last(items: Iterable):
     """(item, whether it is the last) of each of ``items``, drawing each one a step ahead."""
     items = iter(items)
@@ -257,9 +260,6 @@ def _with_last(items: Iterable):
         following = next(items, _END)
         yield current, following is _END
         current = following
-
-
-_END = object()
 
 
 class _Training(loop.Face):
