@@ -59,33 +59,34 @@ class StepLoss:
                  tokens: torch.Tensor | None = None, counted: bool = False):
         self.layout, self.micro_batch_num, self.loss_scale = layout, micro_batch_num, loss_scale
         self.tokens, self.counted = tokens, counted
-        self.total = torch.zeros((), device=layout.device)
-        self.counts: list[torch.Tensor] = []
+        # (value, token count or None) of each micro-batch's loss; a pipeline schedule may call its loss function
+        # before the micro-batches too (torch 2.13 infers the backward's shapes so): only the last ones count
+        self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def token_sum(self, loss_sum: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         """A micro-batch's summed token loss (and its token count when ``counted``), times the data-parallel size
         (gradient reduction averages where a sum is wanted)."""
-        if count is not None:
-            self.counts.append(whole(count.detach()))
         factor = self.layout.dp_size * self.loss_scale
-        return self._kept(loss_sum * (factor if self.tokens is None else factor / self.tokens))
+        return self._kept(loss_sum * (factor if self.tokens is None else factor / self.tokens), count)
 
     def mean(self, loss: torch.Tensor) -> torch.Tensor:
         """A micro-batch's plain scalar loss: its share of the mean over the micro-batches."""
         return self._kept(loss * (self.loss_scale / self.micro_batch_num))
 
-    def _kept(self, loss: torch.Tensor) -> torch.Tensor:
-        self.total += whole(loss.detach())
+    def _kept(self, loss: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
+        self.kept.append((whole(loss.detach()), None if count is None else whole(count.detach())))
         return loss
+
+    def _sum(self, values: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(values).sum() if values else torch.zeros((), device=self.layout.device)
 
     def result(self) -> dict:
         """{"loss": the global batch's loss, the same on every rank} and, when ``counted``, ``grad_scale``."""
-        layout = self.layout
-        loss = layout.all_reduce_dp(self.total / (layout.dp_size * self.loss_scale))
+        layout, kept = self.layout, self.kept[-self.micro_batch_num:]  # only the last pipeline stage has any
+        loss = layout.all_reduce_dp(self._sum([value for value, _ in kept]) / (layout.dp_size * self.loss_scale))
         out = {}
-        if self.counted:  # only the last pipeline stage counted
-            count = torch.stack(self.counts).sum() if self.counts else torch.zeros((), device=layout.device)
-            count = layout.all_reduce_pp(layout.all_reduce_dp(count))
+        if self.counted:
+            count = layout.all_reduce_pp(layout.all_reduce_dp(self._sum([count for _, count in kept])))
             loss, out["grad_scale"] = loss / count, count.reciprocal()
         out["loss"] = layout.all_reduce_pp(loss)  # only the last stage has it
         return out
