@@ -92,12 +92,18 @@ class StepLoss:
         return out
 
 
-def forward_backward(module: torch.nn.Module, batch: dict | tuple, loss_of: Callable, config: ParallelConfig,
-                     precision: str, device: torch.device, phase) -> None:
+def forward_backward(batch: dict | tuple, config: ParallelConfig, precision: str, device: torch.device, phase, *,
+                     module: torch.nn.Module | None = None, loss_of: Callable | None = None,
+                     pipeline: Callable | None = None) -> None:
     """Forward and backward of this rank's rows of a global batch (a dict or tuple of tensors, rows first) in
-    ``config.micro_batch_num`` micro-batches, gradients accumulated: ``loss_of(micro_batch)`` runs the forward
-    and returns what backward runs on (a :class:`StepLoss`'s). With ZeRO < 3 gradients are reduced once, during
-    the last backward. ``phase``: a StepTimer's."""
+    ``config.micro_batch_num`` micro-batches, gradients accumulated, forward in ``precision``: ``pipeline(batch)``
+    (a pipeline schedule's step, its loss function a :class:`StepLoss`'s), else ``module``'s, where
+    ``loss_of(micro_batch)`` runs the forward and returns what backward runs on (a :class:`StepLoss`'s); with
+    ZeRO < 3 gradients are then reduced once, during the last backward. ``phase``: a StepTimer's."""
+    if pipeline is not None:
+        with loss_context(config), autocast(precision, device), phase("pipeline"):
+            pipeline(batch)
+        return
     chunks = zip(*(t.chunk(config.micro_batch_num) for t in (batch.values() if isinstance(batch, dict) else batch)))
     micro_batches = [dict(zip(batch, c)) if isinstance(batch, dict) else c for c in chunks]
     sync = hasattr(module, "set_requires_gradient_sync") and config.effective_zero_stage < 3

@@ -1,5 +1,8 @@
-"""The training loop of one rank: its share of each global batch, micro-batches, AdamW, logging."""
+"""The TOML face (``paratrain train``): a built-in model, its placement, AdamW, the data, metrics, evaluation and
+checkpoints from a Config, trained in ``paratrain.loop`` one step at a time on ``paratrain.engine``."""
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -19,8 +22,7 @@ from paratrain.metrics.flops import batch_flops
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallel import parallelize, shard_optimizer_state
 from paratrain.parallel.deferred_init import materialize, record_init
-from paratrain.parallel.loss import loss_context
-from paratrain.precision import LossScaler, autocast, resolve_mixed_precision
+from paratrain.precision import LossScaler, resolve_mixed_precision
 
 __all__ = ["Trainer", "TrainingDiverged"]
 
@@ -148,13 +150,9 @@ class Trainer(loop.Face):
         num_tokens = self.layout.all_reduce_dp((batch["labels"] != self.cfg.model.ignore_index).sum())
         norm = StepLoss(self.layout, self.cfg.parallel.micro_batch_num, loss_scale, tokens=num_tokens)
         self.model.train()
-        if self.pipeline:
-            with loss_context(self.cfg.parallel), autocast(self.cfg.train.mixed_precision, self.device), \
-                    self.timer.phase("pipeline"):
-                self.pipeline.step(batch, {"norm": norm})
-        else:
-            forward_backward(self.model, batch, lambda micro: self._micro_loss(micro, norm), self.cfg.parallel,
-                             self.cfg.train.mixed_precision, self.device, self.timer.phase)
+        forward_backward(batch, self.cfg.parallel, self.cfg.train.mixed_precision, self.device, self.timer.phase,
+                         module=self.model, loss_of=lambda micro: self._micro_loss(micro, norm),
+                         pipeline=self.pipeline and functools.partial(self.pipeline.step, loss_kwargs={"norm": norm}))
         return {**norm.result(), "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops}
 
     def _micro_loss(self, micro: dict[str, torch.Tensor], norm: StepLoss) -> torch.Tensor:

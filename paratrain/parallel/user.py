@@ -43,9 +43,7 @@ from paratrain.engine import StepLoss, forward_backward
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
-from paratrain.precision import autocast
 from paratrain.parallel.data import apply_data_parallel, fusion_groups
-from paratrain.parallel.loss import loss_context
 from paratrain.parallel.pipeline import SCHEDULES, StageFixes, chunk_rank, integer_boundaries
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import declared_plan, gradient_like_parameter, has_submodule, parallel_style
@@ -240,13 +238,11 @@ class PlacedNet:
         start = 0 if rows_of_this_rank else layout.dp_rank * rows
         mine = tuple(t[start:start + rows].to(self.device, non_blocking=True) for t in batch)
         self._norm = StepLoss(layout, config.micro_batch_num, loss_scale, counted=self.summed)
-        if self.pipeline is not None:
-            target = torch.zeros(rows, device=self.device) if self.is_last else None
-            with loss_context(config), autocast(self.precision, self.device), self.phase("pipeline"):
-                self.pipeline.step(**_by_name(mine), target=target, return_outputs=False)
-        else:
-            forward_backward(self.parts[0], mine, lambda micro: self._micro_loss(self.parts[0](*micro)), config,
-                             self.precision, self.device, self.phase)
+        target = torch.zeros(rows, device=self.device) if self.pipeline is not None and self.is_last else None
+        forward_backward(mine, config, self.precision, self.device, self.phase, module=self.parts[0],
+                         loss_of=lambda micro: self._micro_loss(self.parts[0](*micro)),
+                         pipeline=None if self.pipeline is None else lambda inputs: self.pipeline.step(
+                             **_by_name(inputs), target=target, return_outputs=False))
         return self._norm.result()
 
     def parameters(self):
