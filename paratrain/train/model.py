@@ -249,6 +249,17 @@ class _Callbacks:
             getattr(callback, hook)(run_context)
 
 
+def _stream(dataset: Iterable):
+    """The batches of ``dataset`` without end, iterating it again whenever it runs out."""
+    while True:
+        empty = True
+        for batch in dataset:
+            empty = False
+            yield batch
+        if empty:
+            raise UserError("Model.train: train_dataset gave no batch")
+
+
 _END = object()
 
 
@@ -280,7 +291,7 @@ class _Training(loop.Face):
         epoch and step callbacks between them."""
         params, run_context, call = self.params, self.run_context, self.hooks.call
         sinks = self.sink_mode and sink_size > 0
-        stream = self.model._stream(dataset) if sinks else None
+        stream = _stream(dataset) if sinks else None
         config, layout = params.parallel_config, params.layout
         for current in range(done["epoch"] or 1, epochs + 1):  # a resumed run skips the epochs done
             params.update(cur_epoch_num=current, cur_step_in_epoch=0)
@@ -440,17 +451,6 @@ class Model:
         if self.train_network is None:
             self._place(_as_batch(first), config, layout, params)
         return savers[0].resume(params, spec.strip())
-
-    @staticmethod
-    def _stream(dataset: Iterable):
-        """The batches of ``dataset`` without end, iterating it again whenever it runs out."""
-        while True:
-            empty = True
-            for batch in dataset:
-                empty = False
-                yield batch
-            if empty:
-                raise UserError("Model.train: train_dataset gave no batch")
 
     def _place(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams) -> None:
         """Place the net on the layout (``batch``: an example) and rebuild the optimizer on its shards."""
