@@ -46,9 +46,8 @@ class Face:
 
 @dataclass
 class Outcome:
-    """How a run ended: every step's record, whether it stopped on request and the step saved last (None: none)."""
+    """How a run ended: whether it stopped on request, and the step saved last (None: none)."""
 
-    records: list[dict]
     stopped: bool
     saved_step: int | None
 
@@ -56,13 +55,13 @@ class Outcome:
 def run(face: Face, steps: Iterable[Callable[[], dict]], world_size: int) -> Outcome:
     """Take ``steps`` until they end or every rank agrees to stop (SIGTERM/SIGINT on any rank; a stop during the
     last steps or the last save ends the run as stopped too). ``TrainingDiverged`` and ``LossScaleFloor`` pass."""
-    records, stopping = [], False
+    stopping = False
     stop = StopAgreement(world_size)
     try:
         for step in steps:
-            records.append(step())
+            record = step()
             with face.engine.between_steps():
-                if face.after_step(records[-1]):
+                if face.after_step(record):
                     stopping = stop.agreed()
                 face.save()
             if stopping:
@@ -70,7 +69,7 @@ def run(face: Face, steps: Iterable[Callable[[], dict]], world_size: int) -> Out
         if face.engine is not None:
             face.engine.flush()
         stopping = stop.finish() or stopping
-        return Outcome(records, stopping, face.end(stopping))
+        return Outcome(stopping, face.end(stopping))
     finally:
         stop.close()
         face.close()

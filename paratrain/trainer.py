@@ -93,6 +93,7 @@ class Trainer(loop.Face):
         self.evaluator = bleu_evaluator(cfg, self.model_parts, self.pipeline is not None, self.is_main)
         self.world_size = world_size
         self.stopped_at: int | None = None  # the step saved when a stop was asked (SIGTERM/SIGINT)
+        self.history: list[dict] = []  # the records of the last train()
         self.engine = Engine(self.model_parts, self.optimizer, self.scheduler, self.layout, self.loss_scaler,
                              self.timer, grad_clip=cfg.train.grad_clip,
                              counted_in_norm=self.pipeline.counted_in_norm() if self.pipeline else None,
@@ -102,10 +103,12 @@ class Trainer(loop.Face):
         """Run until ``train.steps``, or until a stop is asked (SIGTERM/SIGINT on any rank: every rank stops
         at the same step, saves it and sets ``stopped_at``; ``paratrain.loop``); returns every step's record.
         With checkpoints on (``checkpoint.save_steps``) the last step is always saved."""
-        return self.run().records
+        self.run()
+        return self.history
 
     def run(self) -> loop.Outcome:
         """``train``, returning how the run ended (``paratrain.loop.exit_code`` makes it ``paratrain train``'s)."""
+        self.history = []
         outcome = loop.run(self, (self.train_step for _ in range(self.step, self.cfg.train.steps)), self.world_size)
         self.stopped_at = self.step if outcome.stopped else None
         return outcome
@@ -121,6 +124,7 @@ class Trainer(loop.Face):
 
     # the loop's Face: metrics, evaluation and checkpoints between steps
     def after_step(self, record: dict) -> bool:
+        self.history.append(record)
         self.step += 1
         self.metrics.advance(self.step)
         if self.evaluator is not None:
