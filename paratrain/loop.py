@@ -22,7 +22,7 @@ from paratrain.stopping import StopAgreement
 
 
 class Face:
-    """What a face does between and after the loop's steps; every method's default does nothing.
+    """What a face does between and after the loop's steps (the defaults: nothing, and agree after every step).
     ``engine`` runs the steps; a face may make it during its first step (a user's net is placed on its first
     batch)."""
 
