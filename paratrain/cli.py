@@ -32,8 +32,9 @@ def cmd_train(args) -> int:
     cfg = preflight.check(load_config(args.config, args.overrides, args.deepspeed, world_size, report), world_size)
     from paratrain.device import device
     from paratrain.distributed import init_from_env
-    from paratrain.precision import LossScaleFloor, resolve_mixed_precision
-    from paratrain.trainer import Trainer, TrainingDiverged
+    from paratrain import loop
+    from paratrain.precision import resolve_mixed_precision
+    from paratrain.trainer import Trainer
 
     rank, world_size = init_from_env(offload=cfg.parallel.offloads)
     # the planner below sizes activations in the compute dtype
@@ -42,20 +43,7 @@ def cmd_train(args) -> int:
         from paratrain.plan import resolve_auto
         print_main = print if rank == 0 else (lambda *a, **k: None)
         resolve_auto(cfg, world_size, report=lambda why: print_main(why, flush=True))
-    trainer = Trainer(cfg)
-    try:
-        trainer.train()
-    except TrainingDiverged as exc:
-        print(f"paratrain: training stopped: {exc}", file=sys.stderr)
-        return 3
-    except LossScaleFloor as exc:
-        print(f"paratrain: training stopped: {exc}", file=sys.stderr)
-        return LossScaleFloor.EXIT_CODE
-    if trainer.stopped_at is not None:
-        if rank == 0:
-            print(f"paratrain: stopped on request, saved at step {trainer.stopped_at}", file=sys.stderr, flush=True)
-        return progress.stopped(trainer.stopped_at)
-    return 0
+    return loop.exit_code(Trainer(cfg).run, rank)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

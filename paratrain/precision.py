@@ -56,11 +56,11 @@ class LossScaler:
         self.device = torch.device(device)
         self.load_state_dict({"scale": init_scale if enabled else 1.0, "good_steps": 0, "skipped_steps": 0})
 
-    def unscale_(self, parameters) -> None:
-        """Divide every gradient by the scale (``paratrain.optim.scale_grads_``: a foreach multiply per device
-        and dtype)."""
-        if self.enabled:
-            scale_grads_(parameters, self.scale.reciprocal())
+    def unscale_(self, parameters, factor: torch.Tensor | None = None) -> None:
+        """Divide every gradient by the scale, and multiply it by ``factor`` if given, in one pass
+        (``paratrain.optim.scale_grads_``: a foreach multiply per device and dtype)."""
+        if self.enabled or factor is not None:
+            scale_grads_(parameters, self.scale.reciprocal() if factor is None else factor / self.scale)
 
     def update(self, grad_norm: torch.Tensor) -> torch.Tensor | bool:
         """Record one step from its (unscaled) gradient norm, the same on every rank; returns whether it

@@ -1,17 +1,19 @@
-"""The training loop of one rank: its share of each global batch, micro-batches, AdamW, logging."""
+"""The TOML face (``paratrain train``): a built-in model, its placement, AdamW, the data, metrics, evaluation and
+checkpoints from a Config, trained in ``paratrain.loop`` one step at a time on ``paratrain.engine``."""
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from paratrain.checkpoint import Checkpointer
 from paratrain.config import Config
 from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.device import DTYPES
-from paratrain import config_file, host_memory, preflight, progress
+from paratrain import config_file, host_memory, loop, preflight, progress
 from paratrain.distributed import init_from_env
-from paratrain.engine import Engine, TrainingDiverged
+from paratrain.engine import Engine, StepLoss, TrainingDiverged, forward_backward
 from paratrain.evaluate import bleu_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
@@ -22,14 +24,12 @@ from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallel import parallelize, shard_optimizer_state
 from paratrain.parallel.expert import moe_step_metrics
 from paratrain.parallel.deferred_init import materialize, record_init
-from paratrain.parallel.loss import loss_context, whole
-from paratrain.precision import LossScaler, autocast, resolve_mixed_precision
-from paratrain.stopping import StopAgreement
+from paratrain.precision import LossScaler, resolve_mixed_precision
 
 __all__ = ["Trainer", "TrainingDiverged"]
 
 
-class Trainer:
+class Trainer(loop.Face):
     """Trains the model a finished Config describes (``parallel.auto`` already resolved) and logs one
     record per step.
 
@@ -88,13 +88,14 @@ class Trainer:
                 print(f"host memory: {host_memory.describe()}", flush=True)
         # the Transformer's head computes the loss a few rows at a time, with no whole logits, unless the
         # logits are vocab-sharded (the loss is then loss_parallel's); ResNet's classes go to _loss
-        self.loss_in_head = cfg.parallel.model_parallel == 1 and cfg.model.kind != "resnet"
+        self.loss_in_head = cfg.parallel.model_parallel == 1 and cfg.model.spec.loss_in_head
         self.checkpointer = Checkpointer(cfg, self.layout, self.model_parts, self.optimizer, self.scheduler,
                                          {"loss_scaler": self.loss_scaler, "data": self.data})
         self.step = self.checkpointer.resume()  # checkpoint.resume: "auto" | path | "none"
         self.evaluator = bleu_evaluator(cfg, self.model_parts, self.pipeline is not None, self.is_main)
         self.world_size = world_size
         self.stopped_at: int | None = None  # the step saved when a stop was asked (SIGTERM/SIGINT)
+        self.history: list[dict] = []  # the records of the last train()
         self.engine = Engine(self.model_parts, self.optimizer, self.scheduler, self.layout, self.loss_scaler,
                              self.timer, grad_clip=cfg.train.grad_clip,
                              counted_in_norm=self.pipeline.counted_in_norm() if self.pipeline else None,
@@ -102,40 +103,17 @@ class Trainer:
 
     def train(self) -> list[dict]:
         """Run until ``train.steps``, or until a stop is asked (SIGTERM/SIGINT on any rank: every rank stops
-        at the same step, saves it and sets ``stopped_at``; a stop during the last steps or the last save
-        ends the run as stopped too); returns every step's record. With checkpoints on
-        (``checkpoint.save_steps``) the last step is always saved."""
-        history = []
-        stop = StopAgreement(self.world_size)
-        try:
-            stopping = False
-            while self.step < self.cfg.train.steps and not stopping:
-                record = self.train_step()
-                history.append(record)
-                self.step += 1
-                self.metrics.advance(self.step)
-                with self.engine.between_steps():
-                    if self.evaluator is not None:
-                        self.evaluator(self.step, record)  # every rank decodes; the main rank's record gets "bleu"
-                    if self.metrics.should_log(self.step - 1) or "bleu" in record:
-                        self.metrics.log(record)
-                    stopping = stop.agreed()
-                    self.checkpointer.maybe_save(self.step)
-            self.engine.flush()
-            stopping = stop.finish() or stopping
-            if stopping or self.cfg.checkpoint.save_steps > 0:
-                self._save_last()
-            self.stopped_at = self.step if stopping else None
-        finally:
-            stop.close()
-            self.metrics.close()
-            if self.is_main and self.loss_scaler.skipped_steps:
-                print(f"fp16: {self.loss_scaler.summary()}", flush=True)
-        return history
+        at the same step, saves it and sets ``stopped_at``; ``paratrain.loop``); returns every step's record.
+        With checkpoints on (``checkpoint.save_steps``) the last step is always saved."""
+        self.run()
+        return self.history
 
-    def _save_last(self) -> None:
-        if self.checkpointer.last_saved_step != self.step:
-            self.checkpointer.save(self.step)
+    def run(self) -> loop.Outcome:
+        """``train``, returning how the run ended (``paratrain.loop.exit_code`` makes it ``paratrain train``'s)."""
+        self.history = []
+        outcome = loop.run(self, (self.train_step for _ in range(self.step, self.cfg.train.steps)), self.world_size)
+        self.stopped_at = self.step if outcome.stopped else None
+        return outcome
 
     def train_step(self) -> dict:
         """One optimizer step (``paratrain.engine``). Its record's loss, grad norm and token count stay device
@@ -146,60 +124,55 @@ class Trainer:
                    or (self.evaluator is not None and self.evaluator.due(step)))
         return self.engine.step(step, self._forward_backward_step, to_host)
 
+    # the loop's Face: metrics, evaluation and checkpoints between steps
+    def after_step(self, record: dict) -> bool:
+        self.history.append(record)
+        self.step += 1
+        self.metrics.advance(self.step)
+        if self.evaluator is not None:
+            self.evaluator(self.step, record)  # every rank decodes; the main rank's record gets "bleu"
+        if self.metrics.should_log(self.step - 1) or "bleu" in record:
+            self.metrics.log(record)
+        return True
+
+    def save(self) -> None:
+        self.checkpointer.maybe_save(self.step)
+
+    def end(self, stopped: bool) -> int | None:
+        if (stopped or self.cfg.checkpoint.save_steps > 0) and self.checkpointer.last_saved_step != self.step:
+            self.checkpointer.save(self.step)
+        return self.checkpointer.last_saved_step or None
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.is_main and self.loss_scaler.skipped_steps:
+            print(f"fp16: {self.loss_scaler.summary()}", flush=True)
+
     def _forward_backward_step(self, loss_scale: torch.Tensor) -> dict:
-        """Forward and backward of this rank's share of the next global batch (``Engine.step``'s ``run``)."""
+        """Forward and backward of this rank's share of the next global batch (``Engine.step``'s ``run``); the
+        loss is normalised by the global batch's non-pad target tokens (``paratrain.engine.StepLoss``)."""
         batch = self.data.batch(self.step)
         flops = batch_flops(self.cfg.model, batch, self.layout.dp_size)
         num_tokens = self.layout.all_reduce_dp((batch["labels"] != self.cfg.model.ignore_index).sum())
+        norm = StepLoss(self.layout, self.cfg.parallel.micro_batch_num, loss_scale, tokens=num_tokens)
         self.model.train()
-        if self.pipeline:
-            with loss_context(self.cfg.parallel), autocast(self.cfg.train.mixed_precision, self.device), \
-                    self.timer.phase("pipeline"):
-                loss = self.pipeline.step(batch, {"num_tokens": num_tokens})
-        else:
-            loss = self._forward_backward(batch, num_tokens)
-        loss /= self.layout.dp_size * loss_scale
-        self.layout.all_reduce_dp(loss)
-        self.layout.all_reduce_pp(loss)  # only the last stage has it
-        return {"loss": loss, "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops,
+        forward_backward(batch, self.cfg.parallel, self.cfg.train.mixed_precision, self.device, self.timer.phase,
+                         module=self.model, loss_of=lambda micro: self._micro_loss(micro, norm),
+                         pipeline=self.pipeline and functools.partial(self.pipeline.step, loss_kwargs={"norm": norm}))
+        return {**norm.result(), "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops,
                 **moe_step_metrics(self.model, self.layout)}
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's summed token loss over the global batch's token count, times the data-parallel
-        size (gradient reduction averages where a sum is wanted) and the fp16 loss scale."""
-        return self._scaled(token_loss_sum(logits.float(), labels, self.cfg.model.ignore_index), num_tokens)
+    def _micro_loss(self, micro: dict[str, torch.Tensor], norm: StepLoss) -> torch.Tensor:
+        inputs = {k: v for k, v in micro.items() if k != "labels"}
+        if self.loss_in_head:
+            loss = norm.token_sum(self.model(**inputs, labels=micro["labels"]))
+        else:
+            loss = self._loss(self.model(**inputs), micro["labels"], norm)
+        aux = moe_aux_loss(self.model)  # load balancing, weighted by the micro-batch's share of the rows
+        if aux is None:
+            return loss
+        return norm.added(loss, aux * (micro["labels"].shape[0] / self.cfg.train.global_batch_size))
 
-    def _scaled(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
-        return loss_sum * (self.layout.dp_size * self.loss_scaler.scale / num_tokens)
-
-    def _forward_backward(self, batch: dict[str, torch.Tensor], num_tokens: torch.Tensor) -> torch.Tensor:
-        """Gradient accumulation over ``micro_batch_num`` micro-batches; returns the summed (scaled) loss."""
-        micro_batches = [dict(zip(batch, parts)) for parts in
-                         zip(*(v.chunk(self.cfg.parallel.micro_batch_num) for v in batch.values()))]
-        loss = torch.zeros((), device=self.device)
-        for i, micro in enumerate(micro_batches):
-            self._sync_gradients(last_micro_batch=i == len(micro_batches) - 1)
-            labels = micro.pop("labels")
-            with loss_context(self.cfg.parallel):
-                with self.timer.phase("forward"):
-                    with autocast(self.cfg.train.mixed_precision, self.device):
-                        if self.loss_in_head:
-                            micro_loss = self._scaled(self.model(**micro, labels=labels), num_tokens)
-                        else:
-                            micro_loss = self._loss(self.model(**micro), labels, num_tokens)
-                        aux = moe_aux_loss(self.model)  # load balancing, weighted by the micro-batch's rows
-                        if aux is not None:
-                            share = labels.shape[0] / self.cfg.train.global_batch_size
-                            aux = aux * (share * self.layout.dp_size * self.loss_scaler.scale)
-                            if isinstance(micro_loss, DTensor):  # the vocab-parallel loss, replicated
-                                aux = DTensor.from_local(aux, micro_loss.device_mesh, micro_loss.placements)
-                            micro_loss = micro_loss + aux
-                with self.timer.phase("backward"):
-                    micro_loss.backward()
-            loss += whole(micro_loss.detach())
-        return loss
-
-    def _sync_gradients(self, last_micro_batch: bool) -> None:
-        """With ZeRO < 3, reduce gradients once per step, after the last micro-batch."""
-        if hasattr(self.model, "set_requires_gradient_sync") and self.cfg.parallel.effective_zero_stage < 3:
-            self.model.set_requires_gradient_sync(last_micro_batch)
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, norm: StepLoss) -> torch.Tensor:
+        """A micro-batch's summed token loss, normalised by ``norm`` (also a pipeline's last stage's loss)."""
+        return norm.token_sum(token_loss_sum(logits.float(), labels, self.cfg.model.ignore_index))

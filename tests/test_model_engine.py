@@ -145,7 +145,7 @@ def test_a_non_finite_loss_ends_the_run_with_exit_3_naming_the_step(capsys):
     with pytest.raises(SystemExit) as stopped:
         model_losses(data=data, callbacks=[])
     assert stopped.value.code == 3
-    assert "paratrain: loss is nan at step 3" in capsys.readouterr().err
+    assert "paratrain: training stopped: loss is nan at step 3" in capsys.readouterr().err
 
 
 def _train_dp2_bf16():

@@ -107,7 +107,7 @@ def train_placed(net, config, layout, batches):
                     StepTimer(MetricsConfig(), device=layout.device, mfu=False), grad_clip=1.0)
     out = []
     for step, batch in enumerate(batches, 1):
-        record = engine.step(step, lambda scale: {"loss": placed.forward_backward(batch, scale), "tokens": 0,
+        record = engine.step(step, lambda scale: {**placed.forward_backward(batch, scale), "tokens": 0,
                                                   "samples": 0, "flops": 0.0}, to_host=True)
         out.append((record["loss"], record["grad_norm"]))
     return out
@@ -392,6 +392,25 @@ def test_a_ranks_share_that_does_not_split_into_micro_batches_is_refused_naming_
         placed.forward_backward(_batches(1)[0], rows_of_this_rank=True)
     with pytest.raises(UserError, match=r"\(data_parallel=1 x micro_batch_num=3\)"):
         placed.forward_backward(_batches(1)[0])
+
+
+def test_a_steps_loss_is_its_micro_batches_whatever_the_schedule_computed_before_them():
+    """StepLoss counts a step's last micro_batch_num losses only (torch 2.13's pipeline stages call the loss
+    function once more to infer the backward's shapes); a loss's own token counts divide the gradients later."""
+    from paratrain.config import ParallelConfig
+    from paratrain.engine import StepLoss
+    from paratrain.mesh import Layout
+
+    config = ParallelConfig(micro_batch_num=2)
+    norm = StepLoss(Layout(config, 1), 2, torch.tensor(4.0), counted=True)
+    norm.token_sum(torch.tensor(float("nan")), torch.tensor(0.0))  # a shape inference
+    for loss_sum, count in [(6.0, 2.0), (9.0, 4.0)]:
+        assert float(norm.token_sum(torch.tensor(loss_sum), torch.tensor(count))) == loss_sum * 4  # x loss scale
+    result = norm.result()
+    assert float(result["loss"]) == pytest.approx(15 / 6) and float(result["grad_scale"]) == pytest.approx(1 / 6)
+    mean = StepLoss(Layout(config, 1), 2, 1.0)
+    assert [float(mean.mean(torch.tensor(x))) for x in (2.0, 4.0)] == [1.0, 2.0]
+    assert float(mean.result()["loss"]) == 3.0 and "grad_scale" not in mean.result()
 
 
 class FusedNet(Net):

@@ -35,8 +35,8 @@ class HybridNet:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
 
     def forward_backward(self, batch: tuple, loss_scale: torch.Tensor | float = 1.0,
-                         rows_of_this_rank: bool = False) -> torch.Tensor:
-        """Forward and backward of one batch; returns the loss averaged over the ranks (a scalar tensor)."""
+                         rows_of_this_rank: bool = False) -> dict:
+        """Forward and backward of one batch; returns {"loss": the loss averaged over the ranks}."""
         with autocast(self.precision, self.device), self.phase("forward"):
             loss = scalar_loss(self.net(*(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in batch)))
         with self.phase("backward"):
@@ -46,7 +46,7 @@ class HybridNet:
             grads = [p.grad for p in self.parameters() if p.grad is not None and not is_layerwise(p)]
             coalesced([*grads, loss], lambda flat: dist.all_reduce(flat, async_op=True))
             torch._foreach_div_([*grads, loss], self.world_size)
-        return loss
+        return {"loss": loss}
 
     def parameters(self):
         return self.net.parameters()

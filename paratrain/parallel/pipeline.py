@@ -31,7 +31,6 @@ from torch.distributed.tensor import DTensor
 from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
 from paratrain.models.transformer import pipeline_blocks
-from paratrain.parallel.loss import whole
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "looped_bfs": ScheduleLoopedBFS, "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
@@ -246,18 +245,13 @@ class Pipeline:
         ``loss_kwargs`` themselves only from 2.13 on)."""
         return self.loss_fn(output, target, **self.loss_kwargs)
 
-    def step(self, batch: dict[str, torch.Tensor], loss_kwargs: dict) -> torch.Tensor:
-        """Forward and backward over ``micro_batch_num`` micro-batches; the summed loss on the last stage, else 0.
-        The last stage keeps only the micro-batches' losses, not their outputs (``return_outputs=False``)."""
+    def step(self, batch: dict[str, torch.Tensor], loss_kwargs: dict) -> None:
+        """Forward and backward over ``micro_batch_num`` micro-batches; ``loss_fn`` keeps the losses (the engine's
+        ``StepLoss``). The last stage keeps no micro-batch's output (``return_outputs=False``)."""
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        losses = [] if self.has_last else None
         self.loss_kwargs = loss_kwargs
-        self.schedule.step(**inputs, target=batch["labels"] if self.has_last else None, losses=losses,
-                           return_outputs=False)
+        self.schedule.step(**inputs, target=batch["labels"] if self.has_last else None, return_outputs=False)
         self._sum_shared_grads()
-        if not losses:
-            return torch.zeros((), device=self.layout.device)
-        return torch.stack([whole(loss.detach()).float() for loss in losses]).sum()
 
     def _sum_shared_grads(self) -> None:
         params = [_parameters_by_name(chunk) for chunk in self.parts]

@@ -166,9 +166,9 @@ class OpPlacedNet:
         return DTensor.from_local(value, self.mesh.mesh, placements, run_check=False)
 
     def forward_backward(self, batch: tuple, loss_scale: torch.Tensor | float = 1.0,
-                         rows_of_this_rank: bool = False) -> torch.Tensor:
+                         rows_of_this_rank: bool = False) -> dict:
         """Forward and backward of one batch: the whole global batch, or with ``rows_of_this_rank`` this rank's
-        rows of it (ranks in order). Returns the loss, a scalar tensor."""
+        rows of it (ranks in order). Returns {"loss": the loss, a scalar tensor}."""
         with autocast(self.precision, self.device), self.phase("forward"):
             output = self.net(*(self.as_input(t, rows_of_this_rank) for t in batch))
             loss = scalar_loss(output.full_tensor() if isinstance(output, DTensor) else output)
@@ -179,7 +179,7 @@ class OpPlacedNet:
             grad = param.grad
             if isinstance(grad, DTensor) and grad.placements != param.placements:
                 param.grad = grad.redistribute(param.device_mesh, param.placements)
-        return loss.detach()
+        return {"loss": loss.detach()}
 
     def parameters(self):
         return self.net.parameters()

@@ -34,20 +34,18 @@ import torch
 from torch import fx, nn
 from torch.distributed.pipelining import Pipe, SplitPoint, pipeline as trace_pipeline
 from torch.distributed.pipelining.stage import _PipelineStage
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.fx.node import map_arg
 from torch.torch_version import __version__ as TORCH_VERSION
 
 from paratrain.config import ParallelConfig
 from paratrain.context import GRAPH_MODE, get_context
+from paratrain.engine import StepLoss, forward_backward
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
-from paratrain.precision import autocast
 from paratrain.parallel.data import apply_data_parallel, fusion_groups
 from paratrain.parallel.expert import apply_expert_parallel
-from paratrain.parallel.loss import loss_context
 from paratrain.parallel.pipeline import SCHEDULES, StageFixes, chunk_rank, integer_boundaries
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import declared_plan, gradient_like_parameter, has_submodule, parallel_style
@@ -120,9 +118,9 @@ class PlacedNet:
 
     ``forward_backward(batch, loss_scale)`` runs a global batch (a tuple of tensors, the net's forward
     arguments, batch first): this rank keeps its data-parallel rows and splits them into
-    ``micro_batch_num`` micro-batches, run forward in ``precision`` ("none", "bf16", "fp16"). Gradients end
-    up as those of the global-batch loss times ``loss_scale`` on one device; the loss is returned as a
-    device tensor.
+    ``micro_batch_num`` micro-batches, run forward in ``precision`` ("none", "bf16", "fp16"), normalised by
+    ``paratrain.engine.StepLoss``. Gradients end up as those of the global-batch loss times ``loss_scale`` on one
+    device once the engine applies the ``grad_scale`` returned with the loss.
     """
 
     def __init__(self, net: nn.Module, config: ParallelConfig, layout: Layout, example: tuple,
@@ -141,8 +139,7 @@ class PlacedNet:
             self.parts = self._pipeline_stages(net, example)
         else:
             self.parts = [self._parallelize(net, net)]
-        self._counts: list[torch.Tensor] = []
-        self._loss_scale: torch.Tensor | float = 1.0
+        self._norm: StepLoss | None = None  # this step's
         self.phase = no_phase  # a StepTimer's phase, set by the engine's face
 
     # --- placing ----------------------------------------------------------------------------
@@ -222,24 +219,21 @@ class PlacedNet:
     # --- a step -----------------------------------------------------------------------------
 
     def _micro_loss(self, output: torch.Tensor, target=None) -> torch.Tensor:
-        """What backward runs on for one micro-batch: its loss sum times the replicas (FSDP averages
-        gradients over them; the count is kept to divide by later), or its mean over the micro-batches. A
-        loss of another shape (per row, per token) is refused."""
+        """What backward runs on for one micro-batch (``paratrain.engine.StepLoss``): its loss sum and token count,
+        or its plain loss. A loss of another shape (per row, per token) is refused."""
         if not isinstance(output, torch.Tensor) or output.numel() != (2 if self.summed else 1):
             what = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
                     else f"a {type(output).__name__}")
             raise UserError(f"the net returned {what}, not a loss: reduce it to "
                             f"{'a (sum, count) pair' if self.summed else 'a scalar'}, or give Model a loss_fn")
         output = output.reshape(-1).float()
-        if self.summed:
-            self._counts.append(output[1].detach())
-            return output[0] * (self.config.data_parallel * self._loss_scale)
-        return output[0] * (self._loss_scale / self.config.micro_batch_num)
+        return self._norm.token_sum(output[0], output[1]) if self.summed else self._norm.mean(output[0])
 
     def forward_backward(self, batch: tuple, loss_scale: torch.Tensor | float = 1.0,
-                         rows_of_this_rank: bool = False) -> torch.Tensor:
+                         rows_of_this_rank: bool = False) -> dict:
         """Forward and backward of one global batch, or with ``rows_of_this_rank`` of this data-parallel rank's
-        rows of it (a dataset sharded per rank); returns the global batch's loss (a device tensor)."""
+        rows of it (a dataset sharded per rank); returns ``StepLoss.result()``: the global batch's loss (a device
+        tensor) and, for a loss with sum and count, the ``grad_scale`` the engine's unscale applies."""
         config, layout = self.config, self.layout
         size, replicas = batch[0].shape[0], 1 if rows_of_this_rank else config.data_parallel
         parts = replicas * config.micro_batch_num
@@ -251,45 +245,13 @@ class PlacedNet:
         rows = size // replicas
         start = 0 if rows_of_this_rank else layout.dp_rank * rows
         mine = tuple(t[start:start + rows].to(self.device, non_blocking=True) for t in batch)
-        self._counts, self._loss_scale = [], loss_scale
-        if self.pipeline is not None:
-            losses = [] if self.is_last else None
-            target = torch.zeros(rows, device=self.device) if self.is_last else None
-            with loss_context(config), autocast(self.precision, self.device), self.phase("pipeline"):
-                self.pipeline.step(**_by_name(mine), target=target, losses=losses, return_outputs=False)
-            scaled = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
-        else:
-            micro_batches = list(zip(*(t.chunk(config.micro_batch_num) for t in mine)))
-            scaled = torch.zeros((), device=self.device)
-            for i, micro in enumerate(micro_batches):
-                self._sync_gradients(last=i == len(micro_batches) - 1)
-                with loss_context(config):  # vocab-sharded logits: the loss and its backward are loss_parallel's
-                    with autocast(self.precision, self.device), self.phase("forward"):
-                        loss = self._micro_loss(self.parts[0](*micro))
-                    with self.phase("backward"):
-                        loss.backward()
-                scaled += loss.detach()
-        scaled = scaled / loss_scale
-        if self.summed:
-            total = layout.all_reduce_dp(scaled / config.data_parallel)  # the loss sum of the global batch
-            count = torch.stack(self._counts).sum() if self._counts else torch.zeros((), device=self.device)
-            count = layout.all_reduce_pp(layout.all_reduce_dp(count))  # only the last stage counted
-            self._scale_gradients(1.0 / count)
-            total = total / count
-        else:
-            total = layout.all_reduce_dp(scaled) / config.data_parallel
-        return layout.all_reduce_pp(total)  # only the last stage has it
-
-    def _sync_gradients(self, last: bool) -> None:
-        module = self.parts[0]
-        if hasattr(module, "set_requires_gradient_sync") and self.config.effective_zero_stage < 3:
-            module.set_requires_gradient_sync(last)
-
-    @torch.no_grad()
-    def _scale_gradients(self, factor: torch.Tensor) -> None:
-        for p in self.parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor.to_local() if isinstance(factor, DTensor) else factor)
+        self._norm = StepLoss(layout, config.micro_batch_num, loss_scale, counted=self.summed)
+        target = torch.zeros(rows, device=self.device) if self.pipeline is not None and self.is_last else None
+        forward_backward(mine, config, self.precision, self.device, self.phase, module=self.parts[0],
+                         loss_of=lambda micro: self._micro_loss(self.parts[0](*micro)),
+                         pipeline=None if self.pipeline is None else lambda inputs: self.pipeline.step(
+                             **_by_name(inputs), target=target, return_outputs=False))
+        return self._norm.result()
 
     def parameters(self):
         return itertools.chain.from_iterable(part.parameters() for part in self.parts)

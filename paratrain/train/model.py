@@ -3,8 +3,8 @@ this job's layout (``paratrain.parallel.user.place_net``)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
-import sys
 from contextlib import ExitStack
 from typing import Iterable
 
@@ -12,13 +12,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from paratrain import progress
+from paratrain import loop, progress
 from paratrain.amp import LossScaleManager, precision_of
 from paratrain.auto_parallel import AutoParallel
 from paratrain.config import MetricsConfig, ParallelConfig
 from paratrain.context import GRAPH_MODE, ParallelMode, get_auto_parallel_context, get_context, parallel_config_for
 from paratrain.distributed import init_from_env
-from paratrain.engine import Engine, TrainingDiverged
+from paratrain.engine import Engine
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.metrics.timer import StepTimer
@@ -29,8 +29,7 @@ from paratrain.parallel.deferred_init import deferred_record, materialize
 from paratrain.parallel.expert import moe_step_metrics
 from paratrain.parallel.user import PlacedNet, place_net
 from paratrain.preflight import net_memory_problem
-from paratrain.precision import LossScaleFloor, LossScaler, autocast
-from paratrain.stopping import StopAgreement
+from paratrain.precision import LossScaler, autocast
 from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext, SummaryCollector
 from paratrain.train.metrics import (check_reducible, eval_rows, evaluating, get_metrics, global_loss,
                                      reduce_metrics, update_metrics)
@@ -251,6 +250,93 @@ class _Callbacks:
             getattr(callback, hook)(run_context)
 
 
+def _stream(dataset: Iterable):
+    """The batches of ``dataset`` without end, iterating it again whenever it runs out."""
+    while True:
+        empty = True
+        for batch in dataset:
+            empty = False
+            yield batch
+        if empty:
+            raise UserError("Model.train: train_dataset gave no batch")
+
+
+_END = object()
+
+
+def _with_last(items: Iterable):
+    """(item, whether it is the last) of each of ``items``, drawing each one a step ahead."""
+    items = iter(items)
+    current = next(items, _END)
+    while current is not _END:
+        following = next(items, _END)
+        yield current, following is _END
+        current = following
+
+
+class _Training(loop.Face):
+    """One ``Model.train`` call in ``paratrain.loop``: its epochs, sinks and resumed position (``steps``) and
+    MindSpore's callbacks and step counts around the loop's steps."""
+
+    def __init__(self, model: "Model", hooks: _Callbacks, run_context: RunContext, sink_mode: bool):
+        self.model, self.hooks, self.run_context, self.sink_mode = model, hooks, run_context, sink_mode
+        self.params = run_context.original_args()
+        self.step_ends = True  # whether the step being taken ends a callbacks' step (in sink mode: a sink)
+
+    @property
+    def engine(self) -> Engine | None:
+        return self.model._engine
+
+    def steps(self, epochs: int, dataset: Iterable, sink_size: int, done: dict):
+        """The steps of ``epochs`` epochs over ``dataset`` from the position ``done`` (epoch, step in it), with the
+        epoch and step callbacks between them."""
+        params, run_context, call = self.params, self.run_context, self.hooks.call
+        sinks = self.sink_mode and sink_size > 0
+        stream = _stream(dataset) if sinks else None
+        config, layout = params.parallel_config, params.layout
+        for current in range(done["epoch"] or 1, epochs + 1):  # a resumed run skips the epochs done
+            params.update(cur_epoch_num=current, cur_step_in_epoch=0)
+            call("on_train_epoch_begin", run_context)
+            batches = (next(stream) for _ in range(sink_size)) if sinks else iter(dataset)
+            if current == done["epoch"]:
+                for _ in range(done["step_in_epoch"]):
+                    next(batches, None)
+                params.cur_step_in_epoch = done["step_in_epoch"]
+            if self.sink_mode:
+                call("on_train_step_begin", run_context)
+            for batch, self.step_ends in _with_last(batches) if self.sink_mode else ((b, True) for b in batches):
+                if not self.sink_mode:
+                    call("on_train_step_begin", run_context)
+                yield functools.partial(self.model._step, _as_batch(batch), config, layout, params, self.hooks)
+                if run_context.get_stop_requested() and not self.sink_mode:
+                    break
+            if params.cur_step_in_epoch == 0:
+                raise UserError(f"Model.train: train_dataset gave no batch in epoch {params.cur_epoch_num}: "
+                                f"it must be iterable again each epoch (a list, or an object with __iter__)")
+            if params.batch_num is None:
+                params.batch_num = params.cur_step_in_epoch
+            if self.engine is not None:
+                self.engine.flush()
+            call("on_train_epoch_end", run_context)
+            if run_context.get_stop_requested():
+                return
+
+    def after_step(self, record: dict) -> bool:
+        loss, params = record["loss"], self.params
+        params.net_outputs = loss if isinstance(loss, torch.Tensor) else torch.tensor(loss, device="cpu")
+        params.cur_step_num += 1
+        params.cur_step_in_epoch += 1
+        if self.step_ends:
+            self.hooks.call("on_train_step_end", self.run_context)
+        return self.step_ends
+
+    def end(self, stopped: bool) -> int | None:
+        self.params.exit_requested = stopped
+        self.hooks.call("on_train_end", self.run_context)  # ModelCheckpoint saves the last step, stopped or not
+        return max((c.last_saved_step for c in self.hooks.callbacks if isinstance(c, ModelCheckpoint)),
+                   default=0) or None
+
+
 class Model:
     """Trains a user's net, as MindSpore's ``Model``, on the layout its blocks' ``TransformerOpParallelConfig``
     and the auto-parallel context describe (``paratrain.context``), with the loss of one device.
@@ -336,63 +422,15 @@ class Model:
             dataset_sink_mode=dataset_sink_mode, mode="train", device_number=world_size, rank=rank,
             parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout,
             rows_of_this_rank=shards > 1, exit_requested=False, loss_scaler=self.loss_scaler, step_record=None)
-        run_context = RunContext(params)
-        hooks = _Callbacks(callbacks)
         self._engine = None
-        stream = self._stream(train_dataset) if sinks else None
         done = self._resume(resume, train_dataset, callbacks, dataset_sink_mode, config, layout, params)
-        stop = StopAgreement(world_size)  # SIGTERM/SIGINT, `paratrain stop`: every rank stops at one step
-        try:
-            with hooks:
-                hooks.call("on_train_begin", run_context)
-                for current in range(done["epoch"] or 1, epoch + 1):  # a resumed run skips the epochs done
-                    params.update(cur_epoch_num=current, cur_step_in_epoch=0)
-                    hooks.call("on_train_epoch_begin", run_context)
-                    batches = (next(stream) for _ in range(sink_size)) if sinks else iter(train_dataset)
-                    if current == done["epoch"]:
-                        for _ in range(done["step_in_epoch"]):
-                            next(batches, None)
-                        params.cur_step_in_epoch = done["step_in_epoch"]
-                    if dataset_sink_mode:
-                        hooks.call("on_train_step_begin", run_context)
-                    for batch in batches:
-                        if not dataset_sink_mode:
-                            hooks.call("on_train_step_begin", run_context)
-                        params.net_outputs = self._step(_as_batch(batch), config, layout, params, hooks)
-                        params.cur_step_num += 1
-                        params.cur_step_in_epoch += 1
-                        if not dataset_sink_mode:
-                            hooks.call("on_train_step_end", run_context)
-                            params.exit_requested = stop.agreed()
-                            if run_context.get_stop_requested() or params.exit_requested:
-                                break
-                    if params.cur_step_in_epoch == 0:
-                        raise UserError(f"Model.train: train_dataset gave no batch in epoch {params.cur_epoch_num}: "
-                                        f"it must be iterable again each epoch (a list, or an object with __iter__)")
-                    if dataset_sink_mode:
-                        hooks.call("on_train_step_end", run_context)
-                        params.exit_requested = stop.agreed()
-                    if params.batch_num is None:
-                        params.batch_num = params.cur_step_in_epoch
-                    if params.exit_requested:
-                        break
-                    if self._engine is not None:
-                        self._engine.flush()
-                    hooks.call("on_train_epoch_end", run_context)
-                    if run_context.get_stop_requested():
-                        break
-                if self._engine is not None:
-                    self._engine.flush()
-                params.exit_requested = stop.finish() or params.exit_requested
-                hooks.call("on_train_end", run_context)  # ModelCheckpoint saves the last step, stopped or not
-        except (TrainingDiverged, LossScaleFloor) as exc:
-            if rank == 0:
-                print(f"paratrain: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(exc.EXIT_CODE) from None
-        finally:
-            stop.close()
-        if params.exit_requested:
-            self._exit_stopped(params, callbacks)
+        training = _Training(self, _Callbacks(callbacks), RunContext(params), dataset_sink_mode)
+        with training.hooks:
+            training.hooks.call("on_train_begin", training.run_context)
+            steps = training.steps(epoch, train_dataset, sink_size, done)
+            code = loop.exit_code(lambda: loop.run(training, steps, world_size), rank, "no ModelCheckpoint callback")
+        if code:
+            raise SystemExit(code)
 
     def _resume(self, spec: str, dataset: Iterable, callbacks, sink_mode: bool, config: ParallelConfig,
                 layout: Layout, params: CallbackParams) -> dict:
@@ -414,28 +452,6 @@ class Model:
         if self.train_network is None:
             self._place(_as_batch(first), config, layout, params)
         return savers[0].resume(params, spec.strip())
-
-    @staticmethod
-    def _exit_stopped(params: CallbackParams, callbacks) -> None:
-        """End the process as ``paratrain train`` ends a stopped run: one line, exit code 4."""
-        savers = [c for c in _Callbacks(callbacks).callbacks if isinstance(c, ModelCheckpoint)]
-        saved = max((c.last_saved_step for c in savers), default=0) or None
-        if params.rank == 0:
-            print(f"paratrain: stopped on request at step {params.cur_step_num}, "
-                  + (f"saved at step {saved}" if saved else "nothing saved (no ModelCheckpoint callback)"),
-                  file=sys.stderr, flush=True)
-        raise SystemExit(progress.stopped(saved))
-
-    @staticmethod
-    def _stream(dataset: Iterable):
-        """The batches of ``dataset`` without end, iterating it again whenever it runs out."""
-        while True:
-            empty = True
-            for batch in dataset:
-                empty = False
-                yield batch
-            if empty:
-                raise UserError("Model.train: train_dataset gave no batch")
 
     def _place(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams) -> None:
         """Place the net on the layout (``batch``: an example) and rebuild the optimizer on its shards."""
@@ -469,9 +485,9 @@ class Model:
                             f"and shapes{rows}")
 
     def _step(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams,
-              hooks: "_Callbacks") -> torch.Tensor:
-        """One optimizer step on a global batch (``paratrain.engine``); places the net on the first. Returns the
-        loss (on the device, unless a callback reads this step's values). A batch unlike the first, or a loss
+              hooks: "_Callbacks") -> dict:
+        """One optimizer step on a global batch (``paratrain.engine``); places the net on the first. Returns its
+        record (device values, unless a callback reads this step's values). A batch unlike the first, or a loss
         that is no scalar, is refused naming the batch."""
         where = f"batch index {params.cur_step_in_epoch} of epoch {params.cur_epoch_num}"
         self._check_batch(batch, config, where)
@@ -485,21 +501,18 @@ class Model:
 
         def run(loss_scale: torch.Tensor) -> dict:
             try:
-                loss = self.train_network.forward_backward(batch, loss_scale, params.rows_of_this_rank)
+                out = self.train_network.forward_backward(batch, loss_scale, params.rows_of_this_rank)
             except UserError as exc:  # a batch that does not split, a loss that is no scalar
                 raise UserError(f"Model.train: {where}: {exc}") from None
-            if summed:  # MindSpore's default: the ranks' gradients summed
-                for param in self.train_network.parameters():
-                    if param.grad is not None:
-                        param.grad.mul_(config.data_parallel)
-            return {"loss": loss, "tokens": tokens, "samples": rows, "flops": 6.0 * self._parameter_count * tokens,
+            if summed:  # MindSpore's default: the ranks' gradients summed (in the engine's unscale)
+                out["grad_scale"] = out.get("grad_scale", 1.0) * config.data_parallel
+            return {**out, "tokens": tokens, "samples": rows, "flops": 6.0 * self._parameter_count * tokens,
                     **moe_step_metrics(self.train_network.parts[0], layout)}  # a mixture of experts' aux loss
 
         step = params.cur_step_num + 1
         record = self._engine.step(step, run, any(c.needs_host_values(step) for c in hooks.callbacks))
         params.step_record = record
-        loss = record["loss"]
-        return loss if isinstance(loss, torch.Tensor) else torch.tensor(loss, device="cpu")
+        return record
 
     def _make_engine(self, layout: Layout, hooks: "_Callbacks") -> Engine:
         """The engine of one ``train`` call: MFU and the time breakdown only when a SummaryCollector asks."""
