@@ -332,7 +332,9 @@ def paratrain_system(job: dict, batches: list[tuple]):
 
     from paratrain.trainer import Trainer
 
-    cfg = make_config(job["model"], job["system"]["parallel"], job["run_dir"], len(batches))
+    # one step more than it runs: none of the bench's steps is the run's last, which brings every step's
+    # deferred metrics to the host (the other systems read only their loss a step, as this does)
+    cfg = make_config(job["model"], job["system"]["parallel"], job["run_dir"], len(batches) + 1)
     trainer = Trainer(cfg)
     init = torch.load(job["init"], mmap=True)
     for name, p in trainer.model.named_parameters():
