@@ -55,7 +55,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # a pad row's softmax would enter both gradients: its hidden state is zeroed for the weight's,
             # its hidden gradient after the loop -- two (N, H) passes, not one over the (N, V) logits
             kept = x * keep.to(dtype)
-            minus_one = keep.new_full((1, 1), -1.0).expand(n, 1)
             norm = keep.new_empty((n, 1))  # each row's logsumexp, then its loss
             picked = keep.new_empty((n, 1))  # each row's target logit
             for start in range(0, n, rows):
@@ -65,7 +64,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.logsumexp(logits, 1, keepdim=True, out=norm[start:end])
                 torch.gather(logits, 1, target, out=picked[start:end])
                 grad = logits.sub_(norm[start:end]).exp_()  # softmax, in place of the logits
-                grad.scatter_add_(1, target, minus_one[start:end])
+                grad.scatter_(1, target, -1.0, reduce="add")  # minus the one-hot targets
                 low, part = grad.to(dtype), kept[start:end]
                 torch.mm(low, w, out=grad_hidden[start:end])
                 if dtype == torch.bfloat16:  # a bf16 matmul (fp32 range), the chunks summed in fp32
