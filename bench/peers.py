@@ -9,15 +9,23 @@ ranks run with the interpreter of a separate virtual environment that this scrip
 use (``--venv``: deepspeed 0.19.8 and torch 2.13.0, pinned by a constraints file so pip can never
 pick another torch; its shared-memory op is JIT-built there once, before any job is timed).
 paratrain runs through ``paratrain.trainer.Trainer``, which builds the model from the same seed
-and makes the same batches itself: both are checked against the saved ones before any step. Its
-ranks start as ``paratrain launch`` starts CPU ranks: with tcmalloc preloaded when it is found
-(``paratrain.host_memory``); the other systems run with glibc's allocator, as their launchers
-start them. Every rank records its allocator (``allocator``; the table's ``alloc`` column).
+and makes the same batches itself: both are checked against the saved ones before any step.
+
+Equal terms (issue 29): by default (``--terms equal,own``) every system runs twice. The headline
+("equal") starts every system's ranks with the allocator ``paratrain launch`` preloads for CPU ranks
+(tcmalloc when found, ``paratrain.host_memory.rank_env``), DeepSpeed's and torch's too; the second
+table ("own") starts each as its own launcher does: paratrain with that allocator, the others with
+glibc's. Their difference per peer is what the allocator alone is worth (``allocator_effect``).
+Every rank records its allocator (``allocator``; the table's ``alloc`` column).
 
 Each rank of each job runs ``--warmup`` steps, then ``--steps`` timed steps, then one more step
-under a ``TorchDispatchMode`` that counts the bytes every collective sends (bench/parallel_cost.py's
-counter; ring formula, point-to-point sends count their whole tensor), so counting slows no timed
-step. Before each step the ranks meet at a barrier, so a step's time on a rank runs from a common
+under two ``TorchDispatchMode``s, so counting slows no timed step: one counts the bytes every
+collective sends (bench/parallel_cost.py's counter; ring formula, point-to-point sends count their
+whole tensor), the other every op dispatched below autograd (``OpCounter``: a CPU proxy for GPU kernel
+launches; ``kernels`` leaves out views and allocations) and the bytes written by copy-like ops
+(``copy_``, ``_to_copy``, ``cat``, ``clone``, FSDP2's copy-in/out, ``*_copy``: a proxy for memory traffic
+besides compute), by op name. DTensor ops are left to DTensor and counted as the local ops it runs,
+so FSDP2's parameters count as DeepSpeed's plain ones do. Before each step the ranks meet at a barrier, so a step's time on a rank runs from a common
 start to that rank's end. Per rank it records step times (wall clock, and the CPU time of all the
 rank's threads, gloo's included: work done, little changed by other processes competing for the
 cores, unlike waiting; split into user and system time, with the page faults taken), losses, and
@@ -31,11 +39,12 @@ Losses are checked first: every system's per-step loss (mean over ranks; all ste
 is compared with ``torch_ddp``'s; one further than ``--tolerance`` (relative) is reported as a
 mismatch and left out of the ratios. Systems run ``--repeats`` times, each repeat in an order
 rotated by one. Reported: the median over repeats of the slowest rank's median timed step, the
-peak RSS of each rank (max over repeats), bytes sent per step by collective (max over ranks) and
-the load average at the start of each job. ``ratios``: paratrain / the best DeepSpeed variant of
+peak RSS of each rank (max over repeats), bytes sent per step by collective, aten ops, kernels and
+copy bytes of the counted step (max over ranks) and the load average at the start of each job. ``ratios``: paratrain / the best DeepSpeed variant of
 each stage (time: the fastest, memory: the smallest) and paratrain zero 0 / torch DDP.
 
-    python bench/peers.py [--quick] [--json PATH] [--systems a,b] [--repeats N] [--steps N] [--mmap-threshold B]
+    python bench/peers.py [--quick] [--json PATH] [--systems a,b] [--terms equal,own] [--repeats N] [--steps N]
+                          [--mmap-threshold B]
 """
 from __future__ import annotations
 
