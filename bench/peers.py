@@ -770,6 +770,18 @@ def build_reports(names: list[str], runs: dict[str, dict[str, list]], common: di
     return report
 
 
+def op_differences(mine: dict, theirs: dict, top: int = 6) -> str:
+    """The ops whose counts (or copy bytes) differ most between two ``by_op`` histograms, e.g.
+    "aten.slice +8, fsdp.all_gather_copy_in +1 (-33 MB)"."""
+    rows = []
+    for name in set(mine) | set(theirs):
+        (c1, b1), (c2, b2) = mine.get(name, (0, 0)), theirs.get(name, (0, 0))
+        if (c1, b1) != (c2, b2):
+            rows.append((abs(c1 - c2) + abs(b1 - b2) / 1e6, name, c1 - c2, b1 - b2))
+    rows.sort(reverse=True)
+    return ", ".join(f"{name} {dc:+d}" + (f" ({db / 1e6:+.0f} MB)" if db else "") for _, name, dc, db in rows[:top]) or "none"
+
+
 def _kinds(entry: dict) -> str:
     return ", ".join(f"{k} {c['bytes'] / 1e6:.1f} MB x{c['calls']}" for k, c in sorted(entry["bytes_per_step"].items())
                      if c["bytes"] > 0)
@@ -808,7 +820,7 @@ def diagnose(systems: dict, ratios: dict, param_bytes: int) -> dict[str, str]:
         if me.get("ops") is not None and peer.get("ops") is not None:
             work += (f"; aten ops {me['ops']} vs {peer['ops']} ({me['kernels']} vs {peer['kernels']} kernels), copies "
                      f"{me['copy_bytes'] / 1e6:.0f} vs {peer['copy_bytes'] / 1e6:.0f} MB/step in {me['copy_ops']} vs "
-                     f"{peer['copy_ops']} ops")
+                     f"{peer['copy_ops']} ops; most different: {op_differences(me['ops_by_op'], peer['ops_by_op'])}")
         load = "/".join(f"{statistics.fmean(x[0] for x in s['load']):.1f}" for s in (me, peer))
         small = systems[r["memory_peer"]]
         if me["allocator"] == small["allocator"] == "glibc":
