@@ -857,8 +857,8 @@ def print_report(report: dict) -> None:
     print(f"\nGPT {report['params'] / 1e6:.1f} M parameters, {report['warmup']} warm-up + {report['steps']} timed "
           f"steps; losses compared with {report['reference']} (tolerance {report['tolerance']:g} relative)")
     head = (f"{'system':27} {'step s':>7} {'repeats s':>15} {'cpu s':>6} {'sys s':>5} {'faults':>6} {'peak RSS MB r0/r1':>18} "
-            f"{'MB sent/step':>12} {'aten ops':>8} {'kernels':>7} {'copy MB':>7} {'loss diff':>9}  {'load':>9}  {'alloc':8}  "
-            f"bytes by collective")
+            f"{'MB sent/step':>12} {'aten ops':>8} {'kernels':>7} {'copy MB':>7} {'loss diff':>9}  {'load':>9}  "
+            f"{'alloc':8}  bytes by collective")
     print(head)
     print("-" * len(head))
     for name, s in systems.items():

@@ -103,7 +103,8 @@ def test_equal_terms_preload_one_allocator_for_every_system(tmp_path):
     equal = {name: peers.rank_env(name, "equal", env, venv) for name in peers.SYSTEMS}
     own = {name: peers.rank_env(name, "own", env, venv) for name in peers.SYSTEMS}
     assert {e.get("LD_PRELOAD") for e in equal.values()} == {str(library)}  # the same for all, DeepSpeed's too
-    assert {e["TCMALLOC_RELEASE_RATE"] for e in equal.values()} == {host_memory.TCMALLOC_SETTINGS["TCMALLOC_RELEASE_RATE"]}
+    rate = host_memory.TCMALLOC_SETTINGS["TCMALLOC_RELEASE_RATE"]
+    assert {e["TCMALLOC_RELEASE_RATE"] for e in equal.values()} == {rate}
     for name, e in own.items():  # as each launcher starts it: only paratrain's ranks get the preload
         assert (e.get("LD_PRELOAD") == str(library)) == (peers.SYSTEMS[name]["runner"] == "paratrain")
     for name in ("deepspeed_zero3", "deepspeed_pp2"):
