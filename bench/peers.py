@@ -9,15 +9,23 @@ ranks run with the interpreter of a separate virtual environment that this scrip
 use (``--venv``: deepspeed 0.19.8 and torch 2.13.0, pinned by a constraints file so pip can never
 pick another torch; its shared-memory op is JIT-built there once, before any job is timed).
 paratrain runs through ``paratrain.trainer.Trainer``, which builds the model from the same seed
-and makes the same batches itself: both are checked against the saved ones before any step. Its
-ranks start as ``paratrain launch`` starts CPU ranks: with tcmalloc preloaded when it is found
-(``paratrain.host_memory``); the other systems run with glibc's allocator, as their launchers
-start them. Every rank records its allocator (``allocator``; the table's ``alloc`` column).
+and makes the same batches itself: both are checked against the saved ones before any step.
+
+Equal terms (issue 29): by default (``--terms equal,own``) every system runs twice. The headline
+("equal") starts every system's ranks with the allocator ``paratrain launch`` preloads for CPU ranks
+(tcmalloc when found, ``paratrain.host_memory.rank_env``), DeepSpeed's and torch's too; the second
+table ("own") starts each as its own launcher does: paratrain with that allocator, the others with
+glibc's. Their difference per peer is what the allocator alone is worth (``allocator_effect``).
+Every rank records its allocator (``allocator``; the table's ``alloc`` column).
 
 Each rank of each job runs ``--warmup`` steps, then ``--steps`` timed steps, then one more step
-under a ``TorchDispatchMode`` that counts the bytes every collective sends (bench/parallel_cost.py's
-counter; ring formula, point-to-point sends count their whole tensor), so counting slows no timed
-step. Before each step the ranks meet at a barrier, so a step's time on a rank runs from a common
+under two ``TorchDispatchMode``s, so counting slows no timed step: one counts the bytes every
+collective sends (bench/parallel_cost.py's counter; ring formula, point-to-point sends count their
+whole tensor), the other every op dispatched below autograd (``OpCounter``: a CPU proxy for GPU kernel
+launches; ``kernels`` leaves out views and allocations) and the bytes written by copy-like ops
+(``copy_``, ``_to_copy``, ``cat``, ``clone``, FSDP2's copy-in/out, ``*_copy``: a proxy for memory traffic
+besides compute), by op name. DTensor ops are left to DTensor and counted as the local ops it runs,
+so FSDP2's parameters count as DeepSpeed's plain ones do. Before each step the ranks meet at a barrier, so a step's time on a rank runs from a common
 start to that rank's end. Per rank it records step times (wall clock, and the CPU time of all the
 rank's threads, gloo's included: work done, little changed by other processes competing for the
 cores, unlike waiting; split into user and system time, with the page faults taken), losses, and
@@ -31,11 +39,12 @@ Losses are checked first: every system's per-step loss (mean over ranks; all ste
 is compared with ``torch_ddp``'s; one further than ``--tolerance`` (relative) is reported as a
 mismatch and left out of the ratios. Systems run ``--repeats`` times, each repeat in an order
 rotated by one. Reported: the median over repeats of the slowest rank's median timed step, the
-peak RSS of each rank (max over repeats), bytes sent per step by collective (max over ranks) and
-the load average at the start of each job. ``ratios``: paratrain / the best DeepSpeed variant of
+peak RSS of each rank (max over repeats), bytes sent per step by collective, aten ops, kernels and
+copy bytes of the counted step (max over ranks) and the load average at the start of each job. ``ratios``: paratrain / the best DeepSpeed variant of
 each stage (time: the fastest, memory: the smallest) and paratrain zero 0 / torch DDP.
 
-    python bench/peers.py [--quick] [--json PATH] [--systems a,b] [--repeats N] [--steps N] [--mmap-threshold B]
+    python bench/peers.py [--quick] [--json PATH] [--systems a,b] [--terms equal,own] [--repeats N] [--steps N]
+                          [--mmap-threshold B]
 """
 from __future__ import annotations
 
@@ -95,6 +104,9 @@ SYSTEMS = {
     "deepspeed_pp2": {"runner": "deepspeed_pipe", "stage": "pipeline", "num_stages": 2, "micro_batch_num": 4},
 }
 REFERENCE = "torch_ddp"
+# how the systems' ranks are started: the allocator each is given
+TERMS = {"equal": "every system with the allocator `paratrain launch` preloads",
+         "own": "each as its own launcher starts it: paratrain with that allocator, the others with glibc's"}
 # ratio -> (paratrain system, the peers it is divided by: the best of them)
 RATIOS = {
     "zero0": ("paratrain_zero0", ["deepspeed_zero0"]),
@@ -130,6 +142,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--venv", type=Path, default=ROOT / "runs" / "bench" / "peers-venv",
                    help="DeepSpeed's virtual environment (made on first use)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
+    p.add_argument("--terms", default="equal,own",
+                   help="comma-separated: 'equal' runs every system's ranks with the allocator `paratrain launch` "
+                        "preloads (the headline), 'own' runs each as its own launcher starts it (paratrain with it, "
+                        "the others with glibc's); both by default, the jobs of both in one rotated order")
     p.add_argument("--mmap-threshold", type=int,
                    help="run every rank with glibc's MALLOC_MMAP_THRESHOLD_ fixed at this many bytes: without it glibc "
                         "raises the threshold (up to 32 MB) as large blocks are freed and serves later ones from its "
@@ -139,6 +155,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, full, quick in (("repeats", 2, 1), ("steps", 6, 3), ("warmup", 2, 1)):
         if getattr(a, key) is None:
             setattr(a, key, quick if a.quick else full)
+    a.terms = [t for t in a.terms.split(",") if t]
+    if not a.terms or set(a.terms) - set(TERMS):
+        p.error(f"--terms {','.join(a.terms)}: give one or both of {', '.join(TERMS)}")
     return a
 
 
@@ -322,7 +341,9 @@ def paratrain_system(job: dict, batches: list[tuple]):
 
     from paratrain.trainer import Trainer
 
-    cfg = make_config(job["model"], job["system"]["parallel"], job["run_dir"], len(batches))
+    # one step more than it runs: none of the bench's steps is the run's last, which brings every step's
+    # deferred metrics to the host (the other systems read only their loss a step, as this does)
+    cfg = make_config(job["model"], job["system"]["parallel"], job["run_dir"], len(batches) + 1)
     trainer = Trainer(cfg)
     init = torch.load(job["init"], mmap=True)
     for name, p in trainer.model.named_parameters():
@@ -444,6 +465,93 @@ def count_bytes(events: list[dict]) -> dict:
     return dict(out)
 
 
+# aten ops that only move data: their written bytes are the step's copy traffic. FSDP2's own ops (namespace
+# fsdp) copy too and are counted as one op each, as a dispatch mode does not see the aten ops inside them.
+COPY_OPS = frozenset({"copy_", "_to_copy", "clone", "cat", "stack", "_chunk_cat", "chunk_cat", "_foreach_copy_",
+                      "all_gather_copy_in", "split_with_sizes_copy", "contiguous", "repeat", "flatten_dense_tensors",
+                      "unflatten_dense_tensors"})
+
+
+# neither compute nor copies: allocations and aliases that are not marked as views
+METADATA_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+                          "lift_fresh", "set_", "resize_", "record_stream"})
+
+
+def is_copy(name: str) -> bool:
+    """Whether the op named ``name`` (no namespace, no overload) is copy-like: see :data:`COPY_OPS`;
+    also every ``*_copy`` / ``*_copy_`` variant (``slice_copy``, ``as_strided_copy``, ...)."""
+    return name in COPY_OPS or name.endswith(("_copy", "_copy_"))
+
+
+def _tensors(obj) -> list:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _tensors(x)]
+    return []
+
+
+def written_bytes(func, args, kwargs, out) -> int:
+    """Bytes an op writes: its mutated arguments (``copy_``, ``out=``, foreach in place) or else its outputs.
+    ``all_gather_copy_in`` writes its first output only (the second is the all-gather's empty buffer)."""
+    schema = func._schema
+    name = schema.name.split("::")[-1]
+    if name == "all_gather_copy_in":
+        return out[0].nbytes
+    mutated = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            mutated += _tensors(value)
+    return sum(t.untyped_storage().nbytes() if t.is_sparse else t.nbytes for t in (mutated or _tensors(out)))
+
+
+def _op_counter_class():
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCounter(TorchDispatchMode):
+        """Counts every op dispatched below autograd (a CPU proxy for GPU kernel launches) and the bytes
+        written by copy-like ones (:func:`is_copy`, a proxy for memory traffic), by op name. A DTensor op is
+        left to DTensor, whose local ops come back through this mode: what runs is counted, as for plain
+        tensors (FSDP2's parameters are DTensors, DeepSpeed's are not)."""
+
+        def __init__(self):
+            super().__init__()
+            self.ops: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [calls, bytes written]
+            self.views: set[str] = set()  # the names of view and allocation ops among them
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            out = func(*args, **kwargs)
+            if func.namespace == "profiler":  # record_function's markers: no work
+                return out
+            name = func._schema.name.split("::")[-1]
+            key = f"{func.namespace}.{name}"
+            if func.is_view or name in METADATA_OPS:
+                self.views.add(key)
+            entry = self.ops[key]
+            entry[0] += 1
+            if is_copy(name):
+                entry[1] += written_bytes(func, args, kwargs, out)
+            return out
+
+        def summary(self) -> dict:
+            """ops: all calls; kernels: those that compute or move data (no views, no allocations);
+            copy_ops, copy_bytes: the copy-like ones and the bytes they write; by_op: name -> [calls, copy bytes]."""
+            return {"ops": sum(c for c, _ in self.ops.values()),
+                    "kernels": sum(c for k, (c, _) in self.ops.items() if k not in self.views),
+                    "copy_ops": sum(c for k, (c, _) in self.ops.items() if is_copy(k.split(".", 1)[1])),
+                    "copy_bytes": sum(b for _, b in self.ops.values()),
+                    "by_op": {k: list(v) for k, v in sorted(self.ops.items())}}
+
+    return OpCounter
+
+
 def run_worker(job: dict) -> dict:
     """One rank of one system: warm-up steps, timed steps, one counted step. Returns what it measured."""
     import torch
@@ -469,7 +577,7 @@ def run_worker(job: dict) -> dict:
         step = {"torch": torch_system, "deepspeed": deepspeed_system, "deepspeed_pipe": deepspeed_pipe_system}[runner](job)
 
     warmup, timed = job["warmup"], slice(job["warmup"], total - 1)
-    counter = _counter_class()()
+    counter, ops = _counter_class()(), _op_counter_class()()
     losses, times, usage = [], [], []
     for s, (ids, labels) in enumerate(batches):
         if s == warmup:
@@ -479,7 +587,10 @@ def run_worker(job: dict) -> dict:
             peak, heap_free = peak_rss_kb(method), heap_free_kb()
         dist.barrier()
         begin, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-        with counter if s == total - 1 else contextlib.nullcontext():
+        with contextlib.ExitStack() as counting:
+            if s == total - 1:
+                counting.enter_context(counter)
+                counting.enter_context(ops)
             losses.append(step(ids, labels))
         times.append(time.perf_counter() - begin)
         after = resource.getrusage(resource.RUSAGE_SELF)  # all threads of this rank, gloo's included
@@ -491,7 +602,7 @@ def run_worker(job: dict) -> dict:
             "page_faults": faults, "warmup_times": times[:warmup], "counted_step_time": times[-1], "peak_rss_kb": peak,
             "memory_method": method, "rss_kb": _status_kb("VmRSS"), "heap_free_kb": heap_free,
             "allocator": host_memory.loaded_allocator() or "glibc",
-            "comm": count_bytes(counter.events)}
+            "comm": count_bytes(counter.events), "ops": ops.summary()}
 
 
 def worker_main(job_path: Path) -> None:
@@ -501,6 +612,15 @@ def worker_main(job_path: Path) -> None:
 
 
 # --- the driver (the project's interpreter) -----------------------------------------------------
+
+def rank_env(name: str, terms: str, env: dict, venv: Path | None = None) -> dict:
+    """The environment of the ranks of system ``name`` under ``terms`` (:data:`TERMS`): ``env`` plus the
+    allocator's preload (``paratrain.host_memory.rank_env``, as ``paratrain launch`` sets it) for every
+    system under "equal", for paratrain's only under "own"; plus DeepSpeed's settings for its systems."""
+    runner = SYSTEMS[name]["runner"]
+    allocator = host_memory.rank_env(env) if terms == "equal" or runner == "paratrain" else {}
+    return env | allocator | (deepspeed_env(venv) if runner.startswith("deepspeed") else {})
+
 
 def torchrun_launch(job: dict, python: str, env: dict, log: Path, timeout: float) -> list[dict]:
     """Runs ``job`` as a 2-process torchrun job with ``python``; returns the per-rank results."""
@@ -530,25 +650,28 @@ def torchrun_launch(job: dict, python: str, env: dict, log: Path, timeout: float
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def run_all(a: argparse.Namespace, names: list[str], common: dict, launch) -> dict[str, list]:
-    """Every system ``a.repeats`` times, the order rotated by one each repeat.
+def run_all(a: argparse.Namespace, names: list[str], common: dict, launch) -> dict[str, dict[str, list]]:
+    """Every system under every one of ``a.terms``, ``a.repeats`` times, the order of all these jobs
+    rotated by one each repeat (a system's equal-terms and own-launcher jobs are neighbours).
 
-    ``launch(name, job)`` returns the per-rank results of one job. Returns name -> one entry per
-    repeat: the per-rank results, or {"error": why}.
+    ``launch(name, job)`` returns the per-rank results of one job (``job["terms"]`` says which terms).
+    Returns term -> name -> one entry per repeat: the per-rank results, or {"error": why}.
     """
-    runs = defaultdict(list)
+    runs = {term: defaultdict(list) for term in a.terms}
+    jobs = [(name, term) for name in names for term in a.terms]
     for repeat in range(a.repeats):
-        k = repeat % len(names)
-        for name in names[k:] + names[:k]:
-            job = {**common, "system": SYSTEMS[name], "name": name,
-                   "run_dir": str(a.out / "runs" / f"{name}_r{repeat}"), "out_dir": str(a.out / "jobs" / name)}
-            print(f"[repeat {repeat + 1}/{a.repeats}] {name} (load {os.getloadavg()[0]:.2f})", flush=True)
+        k = repeat % len(jobs)
+        for name, term in jobs[k:] + jobs[:k]:
+            tag = f"{name}_{term}_r{repeat}"
+            job = {**common, "system": SYSTEMS[name], "name": name, "terms": term,
+                   "run_dir": str(a.out / "runs" / tag), "out_dir": str(a.out / "jobs" / f"{name}_{term}")}
+            print(f"[repeat {repeat + 1}/{a.repeats}] {name}, {term} terms (load {os.getloadavg()[0]:.2f})", flush=True)
             started = time.perf_counter()
             try:
-                runs[name].append(launch(name, job))
+                runs[term][name].append(launch(name, job))
             except RuntimeError as exc:
                 print(f"  failed: {exc}", flush=True)
-                runs[name].append({"error": str(exc)})
+                runs[term][name].append({"error": str(exc)})
             print(f"  {time.perf_counter() - started:.0f} s", flush=True)
     return runs
 
@@ -596,7 +719,7 @@ def build_report(names: list[str], runs: dict[str, list], common: dict, toleranc
             "max_peak_rss_mb": max(rank["peak_rss_kb"] for ranks in good for rank in ranks) / 1024,
             "bytes_per_step": dict(comm), "total_bytes_per_step": sum(c["bytes"] for c in comm.values()),
             "load": [ranks[0]["load"] for ranks in good], "memory_method": good[0][0]["memory_method"],
-            "allocator": good[0][0]["allocator"]}
+            "allocator": good[0][0]["allocator"], **op_counts(good[-1])}
     ratios = {}
     for key, (ours, peers) in RATIOS.items():
         if ours not in systems or not systems[ours]["losses_agree"]:
@@ -608,12 +731,55 @@ def build_report(names: list[str], runs: dict[str, list], common: dict, toleranc
         ratios[key] = {"paratrain": ours, "time_peer": fast, "time": me["step_time_s"] / systems[fast]["step_time_s"],
                        "cpu_time": me["cpu_time_s"] / systems[fast]["cpu_time_s"],
                        "memory_peer": small, "memory": me["max_peak_rss_mb"] / systems[small]["max_peak_rss_mb"],
-                       "bytes": me["total_bytes_per_step"] / max(systems[fast]["total_bytes_per_step"], 1.0)}
+                       "bytes": me["total_bytes_per_step"] / max(systems[fast]["total_bytes_per_step"], 1.0),
+                       **{key: me[key] / max(systems[fast][key], 1) for key in ("ops", "kernels", "copy_bytes")
+                          if me.get(key) is not None and systems[fast].get(key) is not None}}
     diffs = [s["max_loss_rel_diff"] for s in systems.values() if s["max_loss_rel_diff"] is not None]
     return {"systems": systems, "ratios": ratios, "reference": reference, "tolerance": tolerance,
             "max_loss_rel_diff": max(diffs) if diffs else None, "params": common["params"],
             "model": common["model"], "warmup": common["warmup"], "steps": common["steps"],
             "diagnosis": diagnose(systems, ratios, common["params"] * 4)}
+
+
+def op_counts(ranks: list[dict]) -> dict:
+    """The counted step's aten ops, kernels (ops less views and allocations), copy-like ops and the bytes
+    they write: the largest over ranks; with rank 0's ops by name. Empty for results without counts."""
+    if any("ops" not in rank for rank in ranks):
+        return {}
+    out = {key: max(rank["ops"][key] for rank in ranks) for key in ("ops", "kernels", "copy_ops", "copy_bytes")}
+    return out | {"ops_by_op": ranks[0]["ops"]["by_op"]}
+
+
+def build_reports(names: list[str], runs: dict[str, dict[str, list]], common: dict, tolerance: float) -> dict:
+    """The report of the headline terms (equal when run, else own) with the own-launcher one under
+    ``own_launcher`` and, with both, what the allocator alone changes per peer (``allocator_effect``)."""
+    reports = {term: build_report(names, runs[term], common, tolerance) for term in runs}
+    head = "equal" if "equal" in reports else next(iter(reports))
+    report = reports[head] | {"terms": head, "terms_meaning": TERMS[head], "own_launcher": None,
+                              "allocator_effect": {}}
+    if head == "equal" and "own" in reports:
+        report["own_launcher"] = reports["own"]
+        for name in names:
+            eq, own = reports["equal"]["systems"][name], reports["own"]["systems"][name]
+            if eq.get("step_time_s") is None or own.get("step_time_s") is None or eq["allocator"] == own["allocator"]:
+                continue
+            report["allocator_effect"][name] = {
+                "from": own["allocator"], "to": eq["allocator"],
+                **{key: eq[key] - own[key] for key in ("step_time_s", "user_time_s", "sys_time_s", "page_faults",
+                                                       "max_peak_rss_mb")}}
+    return report
+
+
+def op_differences(mine: dict, theirs: dict, top: int = 6) -> str:
+    """The ops whose counts (or copy bytes) differ most between two ``by_op`` histograms, e.g.
+    "aten.slice +8, fsdp.all_gather_copy_in +1 (-33 MB)"."""
+    rows = []
+    for name in set(mine) | set(theirs):
+        (c1, b1), (c2, b2) = mine.get(name, (0, 0)), theirs.get(name, (0, 0))
+        if (c1, b1) != (c2, b2):
+            rows.append((abs(c1 - c2) + abs(b1 - b2) / 1e6, name, c1 - c2, b1 - b2))
+    rows.sort(reverse=True)
+    return ", ".join(f"{name} {dc:+d}" + (f" ({db / 1e6:+.0f} MB)" if db else "") for _, name, dc, db in rows[:top]) or "none"
 
 
 def _kinds(entry: dict) -> str:
@@ -651,6 +817,10 @@ def diagnose(systems: dict, ratios: dict, param_bytes: int) -> dict[str, str]:
             wire = f"sends {db / 1e6:+.1f} MB/step ({_kinds(me)} vs {_kinds(peer)})"
         else:
             wire = f"same bytes ({me['total_bytes_per_step'] / 1e6:.1f} MB/step in {calls} vs {peer_calls} collectives)"
+        if me.get("ops") is not None and peer.get("ops") is not None:
+            work += (f"; aten ops {me['ops']} vs {peer['ops']} ({me['kernels']} vs {peer['kernels']} kernels), copies "
+                     f"{me['copy_bytes'] / 1e6:.0f} vs {peer['copy_bytes'] / 1e6:.0f} MB/step in {me['copy_ops']} vs "
+                     f"{peer['copy_ops']} ops; most different: {op_differences(me['ops_by_op'], peer['ops_by_op'])}")
         load = "/".join(f"{statistics.fmean(x[0] for x in s['load']):.1f}" for s in (me, peer))
         small = systems[r["memory_peer"]]
         if me["allocator"] == small["allocator"] == "glibc":
@@ -666,12 +836,29 @@ def diagnose(systems: dict, ratios: dict, param_bytes: int) -> dict[str, str]:
     return lines
 
 
+def print_reports(report: dict) -> None:
+    """The headline table (equal terms), the per-launcher one below it, and what the allocator alone changes."""
+    print(f"\n=== {report['terms']} terms: {report['terms_meaning']} ===")
+    print_report(report)
+    own = report.get("own_launcher")
+    if own:
+        print(f"\n=== own terms: {TERMS['own']} ===")
+        print_report(own)
+    if report.get("allocator_effect"):
+        print("\nthe allocator alone (equal terms - own launcher, per system):")
+        for name, e in report["allocator_effect"].items():
+            print(f"  {name:27} {e['from']} -> {e['to']}: wall {e['step_time_s']:+.3f} s/step, user "
+                  f"{e['user_time_s']:+.3f} s, system {e['sys_time_s']:+.3f} s, {e['page_faults'] / 1e3:+.0f}k faults, "
+                  f"peak RSS {e['max_peak_rss_mb']:+.0f} MB")
+
+
 def print_report(report: dict) -> None:
     systems = report["systems"]
     print(f"\nGPT {report['params'] / 1e6:.1f} M parameters, {report['warmup']} warm-up + {report['steps']} timed "
           f"steps; losses compared with {report['reference']} (tolerance {report['tolerance']:g} relative)")
     head = (f"{'system':27} {'step s':>7} {'repeats s':>15} {'cpu s':>6} {'sys s':>5} {'faults':>6} {'peak RSS MB r0/r1':>18} "
-            f"{'MB sent/step':>12} {'loss diff':>9}  {'load':>9}  {'alloc':8}  bytes by collective")
+            f"{'MB sent/step':>12} {'aten ops':>8} {'kernels':>7} {'copy MB':>7} {'loss diff':>9}  {'load':>9}  "
+            f"{'alloc':8}  bytes by collective")
     print(head)
     print("-" * len(head))
     for name, s in systems.items():
@@ -684,12 +871,14 @@ def print_report(report: dict) -> None:
         load = ",".join(f"{x[0]:.1f}" for x in s["load"])
         print(f"{name:27} {s['step_time_s']:7.3f} {repeats:>15} {s['cpu_time_s']:6.2f} {s['sys_time_s']:5.2f} "
               f"{s['page_faults'] / 1e3:5.0f}k {rss:>18} "
-              f"{s['total_bytes_per_step'] / 1e6:12.1f} {s['max_loss_rel_diff']:9.1e}  {load:>9}  "
+              f"{s['total_bytes_per_step'] / 1e6:12.1f} {s.get('ops', 0):8} {s.get('kernels', 0):7} "
+              f"{s.get('copy_bytes', 0) / 1e6:7.1f} {s['max_loss_rel_diff']:9.1e}  {load:>9}  "
               f"{s['allocator'].removeprefix('lib').split('.')[0]:8}  {_kinds(s)}{flag}")
     print("\nratios (paratrain / best peer; time: fastest peer, memory: smallest peak RSS):")
     for key, r in report["ratios"].items():
         print(f"  {key:14} time {r['time']:.3f} ({r['paratrain']} / {r['time_peer']}, cpu {r['cpu_time']:.3f})   "
-              f"memory {r['memory']:.3f} (/ {r['memory_peer']})   bytes {r['bytes']:.3f}")
+              f"memory {r['memory']:.3f} (/ {r['memory_peer']})   bytes {r['bytes']:.3f}   "
+              f"ops {r.get('ops', float('nan')):.3f}   copy bytes {r.get('copy_bytes', float('nan')):.3f}")
     print("\nwhere the difference comes from:")
     for key, line in report["diagnosis"].items():
         print(f"  {key}: {line}")
@@ -710,7 +899,6 @@ def main(argv=None) -> int:
                         "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     if a.mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
-    paratrain_env = host_memory.rank_env(env)  # paratrain's ranks start as `paratrain launch` starts them
     ds_python = None
     if any(SYSTEMS[n]["runner"].startswith("deepspeed") for n in names):
         ds_python = str(ensure_deepspeed(a.venv.resolve()))
@@ -721,23 +909,24 @@ def main(argv=None) -> int:
 
     def launch(name: str, job: dict) -> list[dict]:
         deepspeed = SYSTEMS[name]["runner"].startswith("deepspeed")
-        count[name] += 1
-        own = paratrain_env if SYSTEMS[name]["runner"] == "paratrain" else {}
+        tag = f"{name}_{job['terms']}"
+        count[tag] += 1
         return torchrun_launch(job, ds_python if deepspeed else sys.executable,
-                               env | own | (deepspeed_env(a.venv.resolve()) if deepspeed else {}),
-                               logs / f"{name}_r{count[name] - 1}.log", a.timeout)
+                               rank_env(name, job["terms"], env, a.venv.resolve()),
+                               logs / f"{tag}_r{count[tag] - 1}.log", a.timeout)
 
     runs = run_all(a, names, common, launch)
-    report = build_report(names, runs, common, a.tolerance)
+    report = build_reports(names, runs, common, a.tolerance)
     report.update(quick=a.quick, repeats=a.repeats, deepspeed=DEEPSPEED, torch=TORCH, mmap_threshold=a.mmap_threshold,
                   runs=runs)  # every rank's own measurements, for another look
-    print_report(report)
+    print_reports(report)
     if a.quick and a.repeats < 2:
         print("quick pass: 1 repeat, so times are single runs")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(report, indent=1))
-    failed = [n for n, s in report["systems"].items() if not s["losses_agree"]]
+    failed = sorted({n for r in [report, report.get("own_launcher") or {"systems": {}}]
+                     for n, s in r["systems"].items() if not s["losses_agree"]})
     if failed:
         print(f"\nsystems whose losses disagree or that failed: {', '.join(failed)}")
     return 1 if failed else 0

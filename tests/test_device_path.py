@@ -235,7 +235,7 @@ def test_head_loss_chunks_are_few_on_a_gpu_and_its_matmuls_run_in_bf16(monkeypat
     tokens, vocab = 8 * 2048, 32000
     gpu, cpu = linear_cross_entropy.chunk_rows(vocab, "cuda"), linear_cross_entropy.chunk_rows(vocab, "cpu")
     assert -(-tokens // gpu) <= 8 and 4 * vocab * gpu <= 256 << 20  # chunks, and fp32 logits of one
-    assert 4 * vocab * cpu <= 16 << 20 and gpu >= 16 * cpu
+    assert 4 * vocab * cpu <= 64 << 20 and gpu >= 4 * cpu
 
     class Matmuls(TorchDispatchMode):
         def __init__(self):

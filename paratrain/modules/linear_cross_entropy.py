@@ -23,14 +23,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 
-CHUNK_BYTES = 16 << 20  # fp32 logits of one chunk of rows on the CPU
+# fp32 logits of one chunk of rows on the CPU: 524 rows at a 32k vocabulary. Every chunk is ten ops and
+# a pass over the whole (V, H) weight gradient (its matmul accumulates into it), so small chunks cost
+# memory traffic: at 16 MB (131 rows) bench/peers.py's 512 rows a rank took four passes over the 65 MB
+# gradient and 4x the ops, for 48 MB less at the peak
+CHUNK_BYTES = 64 << 20
 GPU_CHUNK_BYTES = 256 << 20  # on a GPU: a 16k-token micro-batch at a 32k vocabulary in 8 chunks
 
 
 def chunk_rows(vocab_size: int, device_type: str) -> int:
-    """Rows of hidden states per chunk: fp32 logits of :data:`CHUNK_BYTES` on the CPU; on a GPU fewer, larger
-    chunks (:data:`GPU_CHUNK_BYTES`), since each chunk is a dozen kernels launched from Python and small
-    ones leave the GPU waiting on the host (16 MB chunks at a 32k vocabulary are 131 rows)."""
+    """Rows of hidden states per chunk: fp32 logits of :data:`CHUNK_BYTES` on the CPU; on a GPU larger
+    chunks (:data:`GPU_CHUNK_BYTES`), since each chunk is ten kernels launched from Python and small
+    ones leave the GPU waiting on the host."""
     return max(1, (GPU_CHUNK_BYTES if device_type == "cuda" else CHUNK_BYTES) // (4 * vocab_size))
 
 
@@ -39,28 +43,40 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, ignore_index: int):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-        rows = chunk_rows(weight.shape[0], device)
+        rows, n = chunk_rows(weight.shape[0], device), hidden.shape[0]
         with torch.autocast(device, enabled=False):
             x, w = hidden.to(dtype), weight.to(dtype)
             grad_hidden = torch.empty_like(x)
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_weight = None  # fp32, made by the first chunk's matmul, the others' added to it
             valid = labels != ignore_index
-            targets = labels.where(valid, 0)
-            for start in range(0, x.shape[0], rows):
-                part, keep, target = x[start:start + rows], valid[start:start + rows], targets[start:start + rows]
+            targets = labels.where(valid, 0)[:, None]
+            keep = valid.to(torch.float32)[:, None]  # (N, 1): 1 for a target, 0 for a pad
+            # a pad row's softmax would enter both gradients: its hidden state is zeroed for the weight's,
+            # its hidden gradient after the loop -- two (N, H) passes, not one over the (N, V) logits
+            kept = x * keep.to(dtype)
+            norm = keep.new_empty((n, 1))  # each row's logsumexp, then its loss
+            picked = keep.new_empty((n, 1))  # each row's target logit
+            for start in range(0, n, rows):
+                end = start + rows
+                part, target = x[start:end], targets[start:end]
                 logits = (part @ w.T).float()
-                norm = torch.logsumexp(logits, dim=1)
-                loss += ((norm - logits.gather(1, target[:, None]).squeeze(1)) * keep).sum()
-                grad = logits.sub_(norm[:, None]).exp_()  # softmax, in place of the logits
-                grad.scatter_add_(1, target[:, None], -torch.ones_like(grad[:, :1]))
-                grad.mul_(keep[:, None])
-                low = grad.to(dtype)
-                grad_hidden[start:start + rows] = low @ w
-                if dtype == torch.bfloat16:
-                    grad_weight += low.T @ part  # a bf16 matmul (fp32 range), the chunks summed in fp32
+                torch.logsumexp(logits, 1, keepdim=True, out=norm[start:end])
+                torch.gather(logits, 1, target, out=picked[start:end])
+                grad = logits.sub_(norm[start:end]).exp_()  # softmax, in place of the logits
+                grad.scatter_(1, target, -1.0, reduce="add")  # minus the one-hot targets
+                low, part = grad.to(dtype), kept[start:end]
+                torch.mm(low, w, out=grad_hidden[start:end])
+                if dtype == torch.bfloat16:  # a bf16 matmul (fp32 range), the chunks summed in fp32
+                    chunk = low.T @ part
+                    grad_weight = chunk.float() if grad_weight is None else grad_weight.add_(chunk)
+                elif grad_weight is None:
+                    grad_weight = grad.T @ part.float()
                 else:
                     grad_weight.addmm_(grad.T, part.float())
+            grad_hidden.mul_(keep.to(dtype))
+            if grad_weight is None:  # no rows
+                grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            loss = norm.sub_(picked).view(-1).dot(keep.view(-1))
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.dtypes = hidden.dtype, weight.dtype
         return loss

@@ -36,7 +36,8 @@ process would (in a user's net only ``paratrain.nn.SyncBatchNorm`` ones, as Mind
 ``gradient_aggregation_group`` sets how many groups of consecutive layers are gathered
 and reduced together (communication buckets); by default (0) each layer is its own FSDP unit, so one
 layer's parameters are gathered at a time, and DDP uses its own 25 MB buckets. Under FSDP2 the
-embeddings, final norms and head are units of their own too (``part_units``).
+embeddings and the final norm with the head are units of their own too (``part_units``, ``part_groups``);
+at stage 3 the last of them is not resharded after forward, since backward needs it first.
 """
 from __future__ import annotations
 
@@ -133,10 +134,26 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
     if config.offloads:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     wrap = fully_shard if config.shards_parameters else fsdp_replicate
-    for unit in [*part_units(model, layers), *groups]:
+    for unit, last in part_groups(model, part_units(model, layers)):
+        # the parts that run last in forward run first in backward: resharding them after forward would
+        # only gather them again at once (torchtitan keeps its final norm and output the same way)
+        wrap(unit, **kwargs | ({"reshard_after_forward": False} if last and "reshard_after_forward" in kwargs else {}))
+    for unit in groups:
         wrap(unit, **kwargs)
     wrap(root, **kwargs)
     return model
+
+
+def part_groups(model: nn.Module, parts: list[nn.Module]) -> list[tuple[list[nn.Module], bool]]:
+    """The FSDP units of ``parts`` (``part_units``): grouped by where ``pipeline_parts`` places them -- the
+    final norm with the head, one all-gather and one reduce-scatter for both -- each with whether it is
+    placed "last" (after every layer)."""
+    placed = getattr(model, "pipeline_parts", {})
+    names = {id(m): n for n, m in model.named_modules()}
+    groups: dict[str, list[nn.Module]] = {}
+    for part in parts:
+        groups.setdefault(placed.get(names[id(part)], names[id(part)]), []).append(part)
+    return [(group, where == "last") for where, group in groups.items()]
 
 
 def part_units(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
