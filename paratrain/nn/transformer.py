@@ -66,6 +66,14 @@ def _check_layer(owner: str, hidden_size: int, ffn_hidden_size: int, num_heads: 
     return model_parallel
 
 
+def _feed_forward(hidden_size, ffn_hidden_size, dropout_rate, hidden_act, dtype, moe_config, parallel_config):
+    """A layer's feed-forward block: a mixture of experts when ``moe_config.expert_num`` > 1."""
+    if moe_config.expert_num > 1:
+        return MoE(hidden_size, ffn_hidden_size, dropout_rate, hidden_act, dtype, moe_config, parallel_config)
+    return FeedForward(hidden_size, ffn_hidden_size, dropout_rate, hidden_act, param_init_type=dtype,
+                       parallel_config=parallel_config)
+
+
 def _ffn(layer, x, post_layernorm_residual: bool, layer_present: tuple) -> tuple:
     """A layer's last sublayer, the FFN or the mixture of experts, and the layer's return tuple."""
     normed = layer.layernorm2(x)
@@ -99,12 +107,8 @@ class TransformerEncoderLayer(Cell):
                                             parallel_config=parallel_config)
         self.layernorm2 = _LayerNorm(hidden_size, norm_dtype, dtype)
         self.use_moe = moe_config.expert_num > 1
-        if self.use_moe:
-            self.output = MoE(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act, dtype, moe_config,
-                              parallel_config)
-        else:
-            self.output = FeedForward(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act,
-                                      param_init_type=dtype, parallel_config=parallel_config)
+        self.output = _feed_forward(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act, dtype, moe_config,
+                                    parallel_config)
 
     def forward(self, x, input_mask=None, init_reset=True, batch_valid_length=None):
         normed = self.layernorm1(x)
@@ -146,12 +150,8 @@ class TransformerDecoderLayer(Cell):
                                                   **attention)
         self.layernorm2 = _LayerNorm(hidden_size, norm_dtype, dtype)
         self.use_moe = moe_config.expert_num > 1
-        if self.use_moe:
-            self.output = MoE(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act, dtype, moe_config,
-                              parallel_config)
-        else:
-            self.output = FeedForward(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act,
-                                      param_init_type=dtype, parallel_config=parallel_config)
+        self.output = _feed_forward(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act, dtype, moe_config,
+                                    parallel_config)
 
     def forward(self, hidden_stats, decoder_mask=None, encoder_output=None, memory_mask=None, init_reset=True,
                 batch_valid_length=None):
