@@ -13,7 +13,7 @@ from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.device import DTYPES
 from paratrain import config_file, host_memory, loop, preflight, progress
 from paratrain.distributed import init_from_env
-from paratrain.engine import Engine, StepLoss, TrainingDiverged, forward_backward
+from paratrain.engine import Engine, TrainingDiverged
 from paratrain.evaluate import bleu_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
@@ -24,6 +24,7 @@ from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallel import parallelize, shard_optimizer_state
 from paratrain.parallel.expert import moe_step_metrics
 from paratrain.parallel.deferred_init import materialize, record_init
+from paratrain.parallel.micro_batches import StepLoss, forward_backward
 from paratrain.precision import LossScaler, resolve_mixed_precision
 
 __all__ = ["Trainer", "TrainingDiverged"]
@@ -150,7 +151,7 @@ class Trainer(loop.Face):
 
     def _forward_backward_step(self, loss_scale: torch.Tensor) -> dict:
         """Forward and backward of this rank's share of the next global batch (``Engine.step``'s ``run``); the
-        loss is normalised by the global batch's non-pad target tokens (``paratrain.engine.StepLoss``)."""
+        loss is normalised by the global batch's non-pad target tokens (``paratrain.parallel.micro_batches.StepLoss``)."""
         batch = self.data.batch(self.step)
         flops = batch_flops(self.cfg.model, batch, self.layout.dp_size)
         num_tokens = self.layout.all_reduce_dp((batch["labels"] != self.cfg.model.ignore_index).sum())

@@ -178,3 +178,17 @@ def test_the_command_line_lists_its_commands_without_torch():
     code = "import sys; from paratrain.cli import build_parser; build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_dependencies_run_one_way():
+    """modules <- placement (parallel/) <- engine <- faces: no module file imports a placement, and no placement
+    file imports a model file, the engine, the loop or a face."""
+    graph = import_graph()
+    above = {"paratrain.modules": ("paratrain.parallel", "paratrain.models", "paratrain.engine", "paratrain.loop",
+                                   "paratrain.trainer", "paratrain.train"),
+             "paratrain.parallel": ("paratrain.models", "paratrain.engine", "paratrain.loop", "paratrain.trainer",
+                                    "paratrain.train")}
+    assert "paratrain.parallel.micro_batches" in graph and "paratrain.modules.moe" in graph
+    wrong = {m: sorted(e for e in graph[m] if e.startswith(above[layer]))
+             for layer in above for m in graph if m.startswith(layer)}
+    assert {m: edges for m, edges in wrong.items() if edges} == {}

@@ -221,7 +221,7 @@ def test_the_registry_of_model_kinds_drives_validation(monkeypatch):
     from conftest import tiny_config
     from paratrain import config
     from paratrain.models import build_model
-    from paratrain.models.transformer import pipeline_blocks
+    from paratrain.modules.transformer import pipeline_blocks
     from paratrain.plan.cost import layer_names
 
     monkeypatch.setitem(config.MODEL_KINDS, "tiny_lm", dataclasses.replace(config.MODEL_KINDS["gpt"],

@@ -108,7 +108,7 @@ def test_fsdp_part_units_leave_shared_parameters_to_the_root(kind, tie, want):
     import torch
 
     from paratrain.models import build_model
-    from paratrain.models.transformer import pipeline_blocks
+    from paratrain.modules.transformer import pipeline_blocks
     from paratrain.parallel.data import part_units
 
     with torch.device("meta"):
@@ -143,7 +143,7 @@ def test_zero1_keeps_each_parameters_optimizer_state_on_one_rank(tmp_path):
 def test_even_split_counts_embeddings_and_head():
     from paratrain.config import ParallelConfig
     from paratrain.models import build_model
-    from paratrain.models.transformer import pipeline_blocks
+    from paratrain.modules.transformer import pipeline_blocks
     from paratrain.parallel.pipeline import chunk_rank, layer_chunks
 
     model = build_model(tiny_config(model={"encoder_layers": 3, "decoder_layers": 2}).model)

@@ -76,7 +76,7 @@ def test_dry_run_512_ranks(zero):
 def test_layer_split_matches_pipeline_module():
     """The planner's layer list (from the config alone) splits like the built model's."""
     from paratrain.models import build_model
-    from paratrain.models.transformer import pipeline_blocks
+    from paratrain.modules.transformer import pipeline_blocks
     from paratrain.parallel.pipeline import layer_chunks
 
     for kind in ("gpt", "transformer"):

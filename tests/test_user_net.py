@@ -398,7 +398,7 @@ def test_a_steps_loss_is_its_micro_batches_whatever_the_schedule_computed_before
     """StepLoss counts a step's last micro_batch_num losses only (torch 2.13's pipeline stages call the loss
     function once more to infer the backward's shapes); a loss's own token counts divide the gradients later."""
     from paratrain.config import ParallelConfig
-    from paratrain.engine import StepLoss
+    from paratrain.parallel.micro_batches import StepLoss
     from paratrain.mesh import Layout
 
     config = ParallelConfig(micro_batch_num=2)

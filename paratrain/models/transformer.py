@@ -5,7 +5,7 @@ Shapes: B batch, S source length, T target length, H hidden size, V vocab size.
 Parallelism is applied from outside by ``paratrain.parallel.parallelize`` using what the models declare:
 each module's ``parallel_plan()`` (the kinds: ``paratrain.parallel.tensor``), and each model's
 ``layer_stacks`` and ``pipeline_parts`` (how its layers and other parts split into pipeline chunks, read
-by ``pipeline_blocks`` and ``paratrain.parallel.pipeline``).
+by ``paratrain.modules.transformer.pipeline_blocks`` and ``paratrain.parallel.pipeline``).
 """
 from __future__ import annotations
 
@@ -304,14 +304,3 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
     that batch whatever the split into ranks and micro-batches.
     """
     return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=ignore_index, reduction="sum")
-
-
-def pipeline_blocks(model: nn.Module) -> list[tuple[str, int, int]]:
-    """(name, layer_id, offset) of each layer the model holds, in execution order, from its ``layer_stacks``.
-
-    ``offset`` counts the layers of the stacks before this one (the decoder's offset
-    is the number of encoder layers), as in MindSpore's ``lambda_func(layer_id, offset)``.
-    A pipeline chunk holds only some layers; the names stay those of the whole model.
-    """
-    return [(f"{stack}.{key}", int(key), offset) for stack, offset in model.layer_stacks.items()
-            for key in model.get_submodule(stack)._modules]

@@ -109,3 +109,14 @@ def residual(x: torch.Tensor, normed: torch.Tensor, update: torch.Tensor, post_l
     """The residual add around a pre-LayerNorm sublayer: ``update`` onto the LayerNorm's input ``x``, or with
     MindSpore's ``post_layernorm_residual`` onto its output ``normed``."""
     return (normed if post_layernorm_residual else x) + update
+
+
+def pipeline_blocks(model: nn.Module) -> list[tuple[str, int, int]]:
+    """(name, layer_id, offset) of each layer the model holds, in execution order, from its ``layer_stacks``.
+
+    ``offset`` counts the layers of the stacks before this one (the decoder's offset
+    is the number of encoder layers), as in MindSpore's ``lambda_func(layer_id, offset)``.
+    A pipeline chunk holds only some layers; the names stay those of the whole model.
+    """
+    return [(f"{stack}.{key}", int(key), offset) for stack, offset in model.layer_stacks.items()
+            for key in model.get_submodule(stack)._modules]

@@ -56,7 +56,7 @@ from torch.torch_version import __version__ as TORCH_VERSION
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
-from paratrain.models.transformer import pipeline_blocks
+from paratrain.modules.transformer import pipeline_blocks
 from paratrain.parallel.expert import is_expert_param, is_expert_parallel
 
 SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble")  # schedules computing weight grads apart

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from paratrain.config import ParallelConfig, TrainConfig
 from paratrain.device import DTYPES
 from paratrain.mesh import Layout
-from paratrain.models.transformer import pipeline_blocks
+from paratrain.modules.transformer import pipeline_blocks
 from paratrain.parallel.data import apply_data_parallel
 from paratrain.parallel.expert import apply_expert_parallel
 from paratrain.parallel.pipeline import Pipeline

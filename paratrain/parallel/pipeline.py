@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
-from paratrain.models.transformer import pipeline_blocks
+from paratrain.modules.transformer import pipeline_blocks
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "looped_bfs": ScheduleLoopedBFS, "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
@@ -180,6 +180,15 @@ def _parameters_by_name(module: nn.Module) -> dict[str, nn.Parameter]:
     return {name.replace(_CHECKPOINT_PREFIX, ""): p for name, p in module.named_parameters()}
 
 
+def build_schedule(stages: list[PipelineStage], config: ParallelConfig, loss_fn):
+    """``config.pipeline_schedule`` over this rank's ``stages`` (one, or one per virtual stage) in
+    ``micro_batch_num`` micro-batches; ``loss_fn`` normalises the loss, so the schedule does not scale gradients."""
+    schedule = SCHEDULES[config.pipeline_schedule]
+    single = schedule in (ScheduleGPipe, Schedule1F1B)
+    return schedule(stages[0] if single else stages, n_microbatches=config.micro_batch_num, loss_fn=loss_fn,
+                    scale_grads=False)
+
+
 class Pipeline:
     """This rank's model chunks (``parts``), their PipelineStages and the schedule that runs a step over
     micro-batches.
@@ -204,11 +213,8 @@ class Pipeline:
                 stage_module.set_requires_gradient_sync(False)
             self.parts.append(chunk)
             self.stages.append(_Stage(stage_module, c, num_chunks, layout.device, group=layout.pp_group))
-        schedule = SCHEDULES[config.pipeline_schedule]
-        single = schedule in (ScheduleGPipe, Schedule1F1B)
         self.loss_fn, self.loss_kwargs = loss_fn, {}
-        self.schedule = schedule(self.stages[0] if single else self.stages, n_microbatches=config.micro_batch_num,
-                                 loss_fn=self._loss, scale_grads=False)
+        self.schedule = build_schedule(self.stages, config, self._loss)
         self.has_last = num_chunks - 1 in self.chunk_ids
         self.shared_groups = self._shared_groups()
 

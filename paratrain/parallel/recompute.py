@@ -18,7 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from paratrain.config import ParallelConfig
-from paratrain.models.transformer import pipeline_blocks
+from paratrain.modules.transformer import pipeline_blocks
 
 aten = torch.ops.aten
 

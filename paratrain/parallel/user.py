@@ -40,13 +40,13 @@ from torch.torch_version import __version__ as TORCH_VERSION
 
 from paratrain.config import ParallelConfig
 from paratrain.context import GRAPH_MODE, get_context
-from paratrain.engine import StepLoss, forward_backward
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
 from paratrain.parallel.data import apply_data_parallel, fusion_groups
 from paratrain.parallel.expert import apply_expert_parallel
-from paratrain.parallel.pipeline import SCHEDULES, StageFixes, chunk_rank, integer_boundaries
+from paratrain.parallel.micro_batches import StepLoss, forward_backward
+from paratrain.parallel.pipeline import StageFixes, build_schedule, chunk_rank, integer_boundaries
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import declared_plan, gradient_like_parameter, has_submodule, parallel_style
 
@@ -119,7 +119,7 @@ class PlacedNet:
     ``forward_backward(batch, loss_scale)`` runs a global batch (a tuple of tensors, the net's forward
     arguments, batch first): this rank keeps its data-parallel rows and splits them into
     ``micro_batch_num`` micro-batches, run forward in ``precision`` ("none", "bf16", "fp16"), normalised by
-    ``paratrain.engine.StepLoss``. Gradients end up as those of the global-batch loss times ``loss_scale`` on one
+    ``paratrain.parallel.micro_batches.StepLoss``. Gradients end up as those of the global-batch loss times ``loss_scale`` on one
     device once the engine applies the ``grad_scale`` returned with the loss.
     """
 
@@ -210,16 +210,13 @@ class PlacedNet:
         stages = [_TracedStage(module, chunk, pipe.info(), self.device, group=layout.pp_group)
                   for chunk, module in zip(ids, modules)]
         self.is_last = chunks - 1 in ids
-        schedule = SCHEDULES[config.pipeline_schedule]
-        single = schedule in (SCHEDULES["gpipe"], SCHEDULES["1f1b"])
-        self.pipeline = schedule(stages[0] if single else stages, n_microbatches=config.micro_batch_num,
-                                 loss_fn=self._micro_loss, scale_grads=False)
+        self.pipeline = build_schedule(stages, config, self._micro_loss)
         return modules
 
     # --- a step -----------------------------------------------------------------------------
 
     def _micro_loss(self, output: torch.Tensor, target=None) -> torch.Tensor:
-        """What backward runs on for one micro-batch (``paratrain.engine.StepLoss``): its loss sum and token count,
+        """What backward runs on for one micro-batch (``paratrain.parallel.micro_batches.StepLoss``): its loss sum and token count,
         or its plain loss. A loss of another shape (per row, per token) is refused."""
         if not isinstance(output, torch.Tensor) or output.numel() != (2 if self.summed else 1):
             what = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
