@@ -338,10 +338,6 @@ def _moe_problems(cfg: Config) -> list[str]:
     if p.sequence_parallel:
         problems.append("model.moe with parallel.sequence_parallel=true is not supported yet (the experts take "
                         "whole sequences): set sequence_parallel=false")
-    if p.pipeline_stage > 1:
-        problems.append(f"model.moe with parallel.pipeline_stage={p.pipeline_stage} is not supported yet (the "
-                        f"load-balancing loss of the layers on earlier stages does not reach the loss): use "
-                        f"pipeline_stage=1")
     return problems
 
 

@@ -18,7 +18,7 @@ from paratrain.evaluate import bleu_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
 from paratrain.models import build_model, token_loss_sum
-from paratrain.modules.moe import moe_aux_loss
+from paratrain.modules.moe import aux_loss_in_backward
 from paratrain.metrics.flops import batch_flops
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallel import parallelize, shard_optimizer_state
@@ -157,22 +157,23 @@ class Trainer(loop.Face):
         num_tokens = self.layout.all_reduce_dp((batch["labels"] != self.cfg.model.ignore_index).sum())
         norm = StepLoss(self.layout, self.cfg.parallel.micro_batch_num, loss_scale, tokens=num_tokens)
         self.model.train()
-        forward_backward(batch, self.cfg.parallel, self.cfg.train.mixed_precision, self.device, self.timer.phase,
-                         module=self.model, loss_of=lambda micro: self._micro_loss(micro, norm),
-                         pipeline=self.pipeline and functools.partial(self.pipeline.step, loss_kwargs={"norm": norm}))
-        return {**norm.result(), "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops,
-                **moe_step_metrics(self.model, self.layout)}
+        # a mixture of experts' load-balancing loss, a micro-batch's share of its mean, joins backward in each
+        # block (any pipeline stage's) and the reported loss here
+        with aux_loss_in_backward(norm.mean_factor):
+            forward_backward(batch, self.cfg.parallel, self.cfg.train.mixed_precision, self.device, self.timer.phase,
+                             module=self.model, loss_of=lambda micro: self._micro_loss(micro, norm),
+                             pipeline=self.pipeline and functools.partial(self.pipeline.step, loss_kwargs={"norm": norm}))
+        out = norm.result()
+        moe = moe_step_metrics(self.model, self.layout, self.cfg.model.moe_config.expert_num > 1)
+        if moe:
+            out["loss"] = out["loss"] + moe["aux_loss"]
+        return {**out, "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops, **moe}
 
     def _micro_loss(self, micro: dict[str, torch.Tensor], norm: StepLoss) -> torch.Tensor:
         inputs = {k: v for k, v in micro.items() if k != "labels"}
         if self.loss_in_head:
-            loss = norm.token_sum(self.model(**inputs, labels=micro["labels"]))
-        else:
-            loss = self._loss(self.model(**inputs), micro["labels"], norm)
-        aux = moe_aux_loss(self.model)  # load balancing, weighted by the micro-batch's share of the rows
-        if aux is None:
-            return loss
-        return norm.added(loss, aux * (micro["labels"].shape[0] / self.cfg.train.global_batch_size))
+            return norm.token_sum(self.model(**inputs, labels=micro["labels"]))
+        return self._loss(self.model(**inputs), micro["labels"], norm)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, norm: StepLoss) -> torch.Tensor:
         """A micro-batch's summed token loss, normalised by ``norm`` (also a pipeline's last stage's loss)."""

@@ -58,15 +58,30 @@ def test_block_matches_per_token_reference(k, capacity_factor, group_size):
     assert out.shape == x.shape and aux.shape == ()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(aux, torch.as_tensor(ref_aux, dtype=aux.dtype), atol=1e-6, rtol=1e-5)
-    from paratrain.modules.moe import moe_metrics
+    from paratrain.modules.moe import moe_totals
 
-    assert moe_metrics(moe)["dropped"].item() == pytest.approx(ref_dropped)
+    assert moe_totals(moe)[1].item() == pytest.approx(ref_dropped)
     if capacity_factor < 1:
         assert ref_dropped > 0
     grads = torch.autograd.grad((out ** 2).sum() + aux, [x, *moe.parameters()])
     ref_grads = torch.autograd.grad((ref ** 2).sum() + ref_aux, [x, *moe.parameters()])
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_aux_loss_joins_backward_through_the_output_with_the_steps_scale():
+    from paratrain.modules.moe import aux_loss_in_backward
+
+    torch.manual_seed(0)
+    moe = MoE(8, 16, expert_num=4, activation=nn.GELU(), num_experts_chosen=2, aux_loss_factor=0.1)
+    x = torch.randn(2, 6, 8)
+    out, aux = moe(x)
+    want = torch.autograd.grad((out ** 2).sum() + 0.25 * aux, list(moe.parameters()))
+    with aux_loss_in_backward(torch.tensor(0.25, device="cpu")):
+        attached, _ = moe(x)
+    torch.testing.assert_close(attached, out)
+    for a, b in zip(torch.autograd.grad((attached ** 2).sum(), list(moe.parameters())), want):
+        torch.testing.assert_close(a, b)
 
 
 def test_capacity_is_mindspores():
@@ -214,6 +229,23 @@ def test_gpt_with_moe_matches_one_process(world, tmp_path):
     for name, records in got.items():
         reference = trainer_records(gpt_config(tmp_path / f"ref_{name}", {}, **_model_of(name)))
         assert reference[-1][0] < reference[0][0] and any(r[3] > 0 for r in reference)  # trains, drops tokens
+        for step, (have, want) in enumerate(zip(records, reference), 1):
+            assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"{name}: step {step}"
+
+
+PIPELINE_LAYOUTS = {2: {"pp2": {"pp": 2, "micro_batch_num": 2}},
+                    4: {"ep2_pp2": {"dp": 2, "ep": 2, "pp": 2, "micro_batch_num": 2}}}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpt_with_moe_on_pipeline_stages_matches_one_process(world, tmp_path):
+    """The load-balancing loss of the layers on the first stage reaches backward without the final loss."""
+    from multiprocess import run_distributed
+
+    got = run_distributed(_gpt_layouts, world, str(tmp_path), PIPELINE_LAYOUTS[world], timeout=560)[0]
+    reference = trainer_records(gpt_config(tmp_path / "ref", {}))
+    for name, records in got.items():
         for step, (have, want) in enumerate(zip(records, reference), 1):
             assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"{name}: step {step}"
 

@@ -8,6 +8,7 @@ expert and group. Plain single-device modules: expert parallelism (``paratrain.p
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -57,9 +58,9 @@ class MoE(nn.Module):
     choices before second choices, earlier tokens first; a token over capacity gets nothing from that expert
     (with no expert at all, 0: only the residual carries it). ``aux_loss`` is MindSpore's (Switch Transformer's) load-balancing loss,
     ``aux_loss_factor * E * sum_e f_e * P_e`` averaged over the groups: f_e the fraction of tokens whose first
-    choice is e, P_e their mean router probability for e. After a forward ``aux_loss`` holds its aux loss
-    (``moe_aux_loss`` collects it for the training loss); ``moe_metrics`` reports the mean aux loss and
-    fraction of (token, choice) assignments over capacity of the forwards since it last did.
+    choice is e, P_e their mean router probability for e. Within ``aux_loss_in_backward`` the output carries
+    the aux loss into backward itself (the training loss need not add it); ``moe_totals`` reports the mean
+    aux loss and fraction of (token, choice) assignments over capacity of the forwards since it last did.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, expert_num: int, activation: nn.Module,
@@ -73,7 +74,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(hidden_size, expert_num, bias=False, dtype=dtype)
         nn.init.normal_(self.router.weight, std=0.02)
         self.experts = Experts(expert_num, hidden_size, ffn_hidden_size, activation, dropout, dtype=dtype)
-        self.aux_loss = self.seen = None  # the last forward's aux loss; (aux, dropped, forwards) summed
+        self.seen = None  # (aux loss, dropped fraction, forwards) summed over the forwards
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape, hidden = x.shape, x.shape[-1]
@@ -95,8 +96,10 @@ class MoE(nn.Module):
         out = self.experts(buffer[:, :-1].reshape(g, e, c, hidden).transpose(0, 1).reshape(e, g * c, hidden))
         out = out.reshape(e, g, c, hidden).transpose(0, 1).reshape(g, e * c, hidden)
         out = torch.cat([out, out.new_zeros(g, 1, hidden)], dim=1).gather(1, index)  # (G, k*S, H)
-        combined = (out.float() * gate[..., None]).reshape(g, self.k, size, hidden).sum(1)
-        return combined.to(x.dtype).reshape(shape), aux
+        combined = (out.float() * gate[..., None]).reshape(g, self.k, size, hidden).sum(1).to(x.dtype)
+        if _aux_loss_gradient[0] is not None:
+            combined = AttachAuxLoss.apply(combined, aux, _aux_loss_gradient[0])
+        return combined.reshape(shape), aux
 
     def route(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """groups (G, S, H) -> ``(slot (G, k*S), gate (G, k*S), aux_loss ())``, choices ordered first choices of
@@ -116,26 +119,50 @@ class MoE(nn.Module):
         slot = torch.where(kept, expert * capacity + position, e * capacity)
         first = one_hot[:, :size].float().mean(1)  # (G, E): fraction of first choices per expert
         aux = self.aux_loss_factor * e * (first * probs.mean(1)).sum(-1).mean()
-        self.aux_loss = aux
         seen = torch.stack([aux.detach(), 1.0 - kept.float().mean(), torch.ones((), device=aux.device)])
         self.seen = seen if self.seen is None else self.seen + seen
         return slot, gate * kept, aux
 
 
-def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """The summed load-balancing losses of the last forward of ``model``'s MoE blocks (None without any)."""
-    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
-    return torch.stack(losses).sum() if losses else None
+class AttachAuxLoss(torch.autograd.Function):
+    """``output`` unchanged, with a block's load-balancing loss joined to its backward (Megatron-Core's
+    ``MoEAuxLossAutoScaler``): backward passes ``output``'s gradient through and gives ``aux_loss`` the gradient
+    ``scale``, the factor the step multiplies a micro-batch's loss by. The aux loss of a block on any pipeline
+    stage so reaches the gradients without passing through the final loss."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+        ctx.scale, ctx.aux = scale, (aux_loss.dtype, aux_loss.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        dtype, device = ctx.aux
+        return grad, torch.as_tensor(ctx.scale, dtype=dtype, device=device), None
 
 
-def moe_metrics(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``aux_loss`` (summed over the blocks) and ``dropped`` (the fraction of (token, choice) assignments over
-    capacity, averaged over the blocks) of ``model``'s MoE blocks, each the mean over the forwards since the
-    last call (micro-batches; device tensors); empty without any."""
+_aux_loss_gradient: list[torch.Tensor | float | None] = [None]  # the scale of the step under way
+
+
+@contextlib.contextmanager
+def aux_loss_in_backward(scale: torch.Tensor | float):
+    """Within it every MoE block's forward joins its aux loss to backward with the gradient ``scale``
+    (``AttachAuxLoss``): a training step sets it once, for all the blocks and micro-batches."""
+    _aux_loss_gradient[0] = scale
+    try:
+        yield
+    finally:
+        _aux_loss_gradient[0] = None
+
+
+def moe_totals(model: nn.Module) -> torch.Tensor | None:
+    """(aux loss summed over the blocks, dropped fraction summed over the blocks, blocks) of ``model``'s MoE
+    blocks, the aux and dropped each the mean over the forwards since the last call (micro-batches; a device
+    tensor); None without any that ran."""
     blocks = [m for m in model.modules() if isinstance(m, MoE) and m.seen is not None]
     if not blocks:
-        return {}
+        return None
     means = torch.stack([m.seen[:2] / m.seen[2] for m in blocks])
     for m in blocks:
         m.seen = None
-    return {"aux_loss": means[:, 0].sum(), "dropped": means[:, 1].mean()}
+    return torch.cat([means.sum(0), torch.full((1,), len(blocks), dtype=means.dtype, device=means.device)])

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
-from paratrain.modules.moe import MoE, moe_metrics
+from paratrain.modules.moe import MoE, moe_totals
 
 
 def is_expert_parallel(module: nn.Module) -> bool:
@@ -51,9 +51,6 @@ def apply_expert_parallel(model: nn.Module, config: ParallelConfig, layout: Layo
     built for ``groups`` of them (MindSpore's grouping), and with ``expert_parallel`` > 1 the experts split as
     the module docstring says."""
     ep = config.expert_parallel
-    if ep > 1 and config.pipeline_stage > 1:
-        raise UserError(f"expert_parallel={ep} with pipeline_stage={config.pipeline_stage} is not supported yet: "
-                        f"use pipeline_stage=1, or expert_parallel=1")
     if config.data_parallel % ep:
         raise UserError(f"expert_parallel={ep} does not divide data_parallel={config.data_parallel}: the experts "
                         f"are split over data-parallel ranks; use a divisor of {config.data_parallel}")
@@ -76,13 +73,18 @@ def apply_expert_parallel(model: nn.Module, config: ParallelConfig, layout: Layo
         experts.register_forward_hook(_combine)
 
 
-def moe_step_metrics(model: nn.Module, layout: Layout) -> dict[str, torch.Tensor]:
-    """``moe_metrics`` of ``model`` (its blocks' aux loss and dropped fraction over this step's micro-batches)
-    averaged over the data-parallel ranks: the values of one process. Empty without MoE blocks."""
-    metrics = moe_metrics(model)
-    if not metrics:
+def moe_step_metrics(model: nn.Module, layout: Layout, used: bool) -> dict[str, torch.Tensor]:
+    """``aux_loss`` (summed over the blocks) and ``dropped`` (the fraction of (token, choice) assignments over
+    capacity, averaged over the blocks) of this step's micro-batches through the MoE blocks of ``model`` and of
+    the other pipeline stages, averaged over the data-parallel ranks: the values of one process. ``used``:
+    whether the whole model has MoE blocks (a stage may hold none); empty without."""
+    if not used:
         return {}
-    return dict(zip(metrics, layout.all_reduce_dp(torch.stack(list(metrics.values()))) / layout.dp_size))
+    totals = moe_totals(model)
+    if totals is None:
+        totals = torch.zeros(3, device=layout.device)
+    aux, dropped, blocks = layout.all_reduce_pp(layout.all_reduce_dp(totals))
+    return {"aux_loss": aux / layout.dp_size, "dropped": dropped / blocks}
 
 
 def _expert_mesh(layout: Layout, ep: int) -> DeviceMesh:

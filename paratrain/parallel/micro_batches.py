@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
@@ -43,19 +42,16 @@ class StepLoss:
         factor = self.layout.dp_size * self.loss_scale
         return self._kept(loss_sum * (factor if self.tokens is None else factor / self.tokens), count)
 
+    @property
+    def mean_factor(self) -> torch.Tensor | float:
+        """What ``mean`` multiplies a micro-batch's loss by: the loss scale over the micro-batches (the
+        data-parallel average of the gradients does the rest); a per-micro-batch mean such as a mixture of
+        experts' load-balancing loss takes it too."""
+        return self.loss_scale / self.micro_batch_num
+
     def mean(self, loss: torch.Tensor) -> torch.Tensor:
         """A micro-batch's plain scalar loss: its share of the mean over the micro-batches."""
-        return self._kept(loss * (self.loss_scale / self.micro_batch_num))
-
-    def added(self, loss: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's ``loss`` (``token_sum``'s or ``mean``'s) plus another term of the training loss (a
-        mixture of experts' load-balancing loss, weighted by the micro-batch's share of the batch already)."""
-        extra = extra * (self.layout.dp_size * self.loss_scale)
-        value, count = self.kept[-1]
-        self.kept[-1] = (value + extra.detach(), count)
-        if isinstance(loss, DTensor):  # the vocab-parallel loss, replicated
-            extra = DTensor.from_local(extra, loss.device_mesh, loss.placements)
-        return loss + extra
+        return self._kept(loss * self.mean_factor)
 
     def _kept(self, loss: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         self.kept.append((whole(loss.detach()), None if count is None else whole(count.detach())))

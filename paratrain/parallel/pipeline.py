@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
+from paratrain.modules.moe import moe_totals
 from paratrain.modules.transformer import pipeline_blocks
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -163,6 +164,18 @@ class StageFixes:
         # also to a neighbour on this rank (zbv_zero_bubble's V), where gloo waits forever; stages on one
         # rank pass tensors directly, so those links are left out (2.12 and 2.13 warm up otherwise)
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        try:  # torch 2.13: a forward of the first micro-batch (or of uninitialised inputs), no micro-batch's own
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            moe_totals(self.submod)  # so its mixture-of-experts statistics are dropped
+
+    def _shape_inference(self, *args, **kwargs):
+        try:  # torch 2.11: a forward on the meta device
+            return super()._shape_inference(*args, **kwargs)
+        finally:
+            moe_totals(self.submod)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if last_backward and isinstance(self.submod, DDP):

@@ -136,6 +136,11 @@ class PlacedNet:
             net.to(self.device)
         self.pipeline = None
         if config.pipeline_stage > 1:
+            if config.expert_parallel > 1:
+                raise UserError(f"expert_parallel={config.expert_parallel} with pipeline_stage="
+                                f"{config.pipeline_stage} on a user's net is not supported: its traced stages hold "
+                                f"no MoE blocks to split; use pipeline_stage=1, or expert_parallel=1 (the built-in "
+                                f"models of `paratrain train` have both)")
             self.parts = self._pipeline_stages(net, example)
         else:
             self.parts = [self._parallelize(net, net)]

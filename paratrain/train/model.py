@@ -21,6 +21,7 @@ from paratrain.distributed import init_from_env
 from paratrain.engine import Engine
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
+from paratrain.modules.moe import MoE
 from paratrain.metrics.timer import StepTimer
 from paratrain.nn import PipelineCell
 from paratrain.optim import tensor_kind
@@ -499,6 +500,8 @@ class Model:
         rows = len(batch[0]) * (config.data_parallel if params.rows_of_this_rank else 1)
         tokens = rows * _ids_per_row(batch[0])
 
+        net = self.train_network.parts[0]  # a mixture of experts' aux loss: in the net's own loss, reported too
+
         def run(loss_scale: torch.Tensor) -> dict:
             try:
                 out = self.train_network.forward_backward(batch, loss_scale, params.rows_of_this_rank)
@@ -507,7 +510,7 @@ class Model:
             if summed:  # MindSpore's default: the ranks' gradients summed (in the engine's unscale)
                 out["grad_scale"] = out.get("grad_scale", 1.0) * config.data_parallel
             return {**out, "tokens": tokens, "samples": rows, "flops": 6.0 * self._parameter_count * tokens,
-                    **moe_step_metrics(self.train_network.parts[0], layout)}  # a mixture of experts' aux loss
+                    **moe_step_metrics(net, layout, any(isinstance(m, MoE) for m in net.modules()))}
 
         step = params.cur_step_num + 1
         record = self._engine.step(step, run, any(c.needs_host_values(step) for c in hooks.callbacks))
