@@ -91,7 +91,7 @@ def ffn_plan(ffn: FeedForward | MoE) -> dict:
 
 
 def ffn_output(ffn: FeedForward | MoE, x: torch.Tensor) -> torch.Tensor:
-    """The FFN's output; a mixture of experts keeps its aux loss itself (``moe_aux_loss``)."""
+    """The FFN's output; a mixture of experts joins its aux loss to backward itself (``aux_loss_in_backward``)."""
     return ffn(x)[0] if isinstance(ffn, MoE) else ffn(x)
 
 
