@@ -233,6 +233,29 @@ def test_gpt_with_moe_matches_one_process(world, tmp_path):
             assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"{name}: step {step}"
 
 
+def _tensor_parallel_experts(root):
+    """The GPT on mp2: its records and the local shapes of the first block's expert tensors."""
+    from paratrain.trainer import Trainer
+
+    trainer = Trainer(gpt_config(root, {"mp": 2}))
+    experts = next(m for m in trainer.model.modules() if type(m).__name__ == "Experts")
+    shapes = {n: tuple(p.to_local().shape) for n, p in experts.named_parameters()}
+    return [tuple(r[k] for k in ("loss", "grad_norm", "aux_loss", "dropped")) for r in trainer.train()], shapes
+
+
+@pytest.mark.timeout(600)
+def test_experts_split_over_tensor_parallel_ranks(tmp_path):
+    """Under mp2 each expert's first matmul is split by output features, its second by input features."""
+    from multiprocess import run_distributed
+
+    records, shapes = run_distributed(_tensor_parallel_experts, 2, str(tmp_path / "mp2"), timeout=560)[0]
+    cfg = gpt_config(tmp_path / "ref", {})
+    e, h, f = 4, cfg.model.hidden_size, cfg.model.ffn_hidden_size
+    assert shapes == {"w1": (e, h, f // 2), "b1": (e, f // 2), "w2": (e, f // 2, h), "b2": (e, h)}
+    for step, (have, want) in enumerate(zip(records, trainer_records(cfg)), 1):
+        assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"step {step}"
+
+
 PIPELINE_LAYOUTS = {2: {"pp2": {"pp": 2, "micro_batch_num": 2}},
                     4: {"ep2_pp2": {"dp": 2, "ep": 2, "pp": 2, "micro_batch_num": 2}}}
 
@@ -367,12 +390,12 @@ def test_dry_run_counts_the_experts_a_rank_holds_as_the_cost_model_does():
     from paratrain.plan.dryrun import dry_run
 
     held = {}
-    for ep in (1, 2):
-        cfg = tiny_config(model={"kind": "gpt", "moe": {"expert_num": 4}}, parallel={"dp": 2, "ep": ep})
+    for name, parallel in {"dp2": {"dp": 2}, "ep2": {"dp": 2, "ep": 2}, "mp2": {"mp": 2}}.items():
+        cfg = tiny_config(model={"kind": "gpt", "moe": {"expert_num": 4}}, parallel=parallel)
         (rank0,) = dry_run(cfg, 2)
-        assert rank0["params"] == stage_states(cfg.model, cfg.parallel)[0].params
-        held[ep] = rank0["params"]
-    assert held[2] < held[1]
+        assert rank0["params"] == stage_states(cfg.model, cfg.parallel)[0].params, name
+        held[name] = rank0["params"]
+    assert held["ep2"] < held["dp2"] and held["mp2"] < held["dp2"]  # the experts split over ep, and over tp
 
 
 def _model_train_then_resume(directory):

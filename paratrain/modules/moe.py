@@ -14,7 +14,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from paratrain.errors import UserError
 
@@ -27,8 +26,9 @@ def expert_capacity(tokens: int, expert_num: int, num_experts_chosen: int, capac
 class Experts(nn.Module):
     """``E`` independent FFNs run as batched matmuls: x (E, M, H) -> activation(x w1 + b1) w2 + b2, (E, M, H).
 
-    ``w1`` (E, H, F), ``b1`` (E, F), ``w2`` (E, F, H), ``b2`` (E, H). Under expert parallelism the parameters
-    are DTensors sharded on E and the forward runs on this rank's experts (its local shards).
+    ``w1`` (E, H, F), ``b1`` (E, F), ``w2`` (E, F, H), ``b2`` (E, H). Under expert or tensor parallelism the
+    parameters are DTensors (sharded on E over the expert-parallel ranks, on F over the tensor-parallel ones)
+    and so is ``x``: the same forward runs on this rank's experts and slice of F.
     """
 
     def __init__(self, expert_num: int, hidden_size: int, ffn_hidden_size: int, activation: nn.Module,
@@ -43,9 +43,8 @@ class Experts(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w1, b1, w2, b2 = (p.to_local() if isinstance(p, DTensor) else p for p in (self.w1, self.b1, self.w2, self.b2))
-        hidden = self.dropout(self.activation(torch.baddbmm(b1[:, None], x, w1)))
-        return torch.baddbmm(b2[:, None], hidden, w2)
+        hidden = self.dropout(self.activation(torch.baddbmm(self.b1.unsqueeze(1), x, self.w1)))
+        return torch.baddbmm(self.b2.unsqueeze(1), hidden, self.w2)
 
 
 class MoE(nn.Module):

@@ -16,6 +16,12 @@ torchtitan's ``ExpertParallel``:
 Every rank sends E*C*H values per block and group of tokens and receives as many (equal splits: the capacity
 is fixed), so no sizes are exchanged first. Gloo has ``all_to_all`` on the CPU.
 
+Under ``model_parallel`` each expert is split as the dense FFN is (Megatron's column and row parallel
+linears): ``w1`` and ``b1`` on F, ``w2`` on its input F, ``b2`` replicated, over the tensor-parallel ranks
+(``tp``). The experts' input becomes a DTensor replicated over ``tp`` (backward sums its partial gradients
+there), DTensor runs the experts' forward on the slices and sums the partial outputs over ``tp``
+before ``b2``; the output goes back to a plain tensor for the combine.
+
 The experts' gradients skip data parallelism (``is_expert_parallel``: DDP and FSDP ignore them): each
 backward's gradient of a rank's experts, which already holds the tokens of its whole ep group, is summed
 over ``edp`` and divided by dp, as data parallelism averages the other gradients over dp. This happens per
@@ -28,7 +34,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
@@ -43,13 +49,13 @@ def is_expert_parallel(module: nn.Module) -> bool:
 
 def is_expert_param(param: torch.Tensor) -> bool:
     """Whether ``param`` is a slice of experts split by expert parallelism (each rank steps its own)."""
-    return isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("ep",)
+    return isinstance(param, DTensor) and "ep" in param.device_mesh.mesh_dim_names
 
 
 def apply_expert_parallel(model: nn.Module, config: ParallelConfig, layout: Layout) -> None:
     """Place ``model``'s MoE blocks on ``layout``: one token group per data-parallel rank where a block was
-    built for ``groups`` of them (MindSpore's grouping), and with ``expert_parallel`` > 1 the experts split as
-    the module docstring says."""
+    built for ``groups`` of them (MindSpore's grouping), and with ``expert_parallel`` or ``model_parallel`` > 1
+    the experts split as the module docstring says."""
     ep = config.expert_parallel
     if config.data_parallel % ep:
         raise UserError(f"expert_parallel={ep} does not divide data_parallel={config.data_parallel}: the experts "
@@ -57,20 +63,34 @@ def apply_expert_parallel(model: nn.Module, config: ParallelConfig, layout: Layo
     blocks = [m for m in model.modules() if isinstance(m, MoE)]
     for block in blocks:
         block.groups = max(block.groups // layout.dp_size, 1)
-    if ep == 1 or not blocks:
+    tp = config.model_parallel
+    if ep == tp == 1 or not blocks:
         return
-    mesh = _expert_mesh(layout, ep)
-    edp = mesh.get_group("edp") if layout.dp_size > ep else None
-    rank = layout.dp_rank % ep
+    if ep > 1:  # (ep, tp): FSDP leaves these alone; without ep the tp mesh is the one FSDP composes with
+        mesh = _expert_mesh(layout, ep)
+        edp = mesh.get_group("edp") if layout.dp_size > ep else None
+        placed = mesh["ep", "tp"]
+    else:
+        placed = layout.tp_mesh
     for block in blocks:
         experts = block.experts
         for name, param in list(experts.named_parameters(recurse=False)):
-            local = param.detach().chunk(ep)[rank].clone()
-            sharded = DTensor.from_local(local, mesh["ep"], [Shard(0)], run_check=False)
+            placements = ([Shard(0)] if ep > 1 else []) + [_TENSOR_PARALLEL[name]]
+            local = param.detach()
+            for dim, (placement, size) in enumerate(zip(placements, placed.shape)):
+                if isinstance(placement, Shard):
+                    local = local.chunk(size, placement.dim)[placed.get_local_rank(dim)]
+            sharded = DTensor.from_local(local.clone(), placed, placements, run_check=False)
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        experts.expert_mesh, experts.edp_group, experts.dp_size = mesh["ep"], edp, layout.dp_size
+        experts.placed = placed
+        if ep > 1:
+            experts.expert_mesh, experts.edp_group, experts.dp_size = mesh["ep"], edp, layout.dp_size
         experts.register_forward_pre_hook(_dispatch)
         experts.register_forward_hook(_combine)
+
+
+# each expert's FFN over the tensor-parallel ranks: w1 by output features, w2 by input features
+_TENSOR_PARALLEL = {"w1": Shard(2), "b1": Shard(1), "w2": Shard(1), "b2": Replicate()}
 
 
 def moe_step_metrics(model: nn.Module, layout: Layout, used: bool) -> dict[str, torch.Tensor]:
@@ -101,17 +121,26 @@ def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def _dispatch(experts: nn.Module, args: tuple) -> tuple:
-    """(E, M, H) slots of this rank -> (E/ep, ep*M, H) slots of this rank's experts from every rank."""
-    _reduce_gradients_once(experts)
+    """(E, M, H) slots of this rank -> (E/ep, ep*M, H) slots of this rank's experts from every rank, a DTensor
+    (sharded on E over ep, replicated over tp)."""
     (x,) = args
-    ep = experts.expert_mesh.size()
-    e, m, h = x.shape
-    received = _exchange(x, experts.expert_mesh.get_group())  # (ep * E/ep, M, H), rank s's chunk s-th
-    return (received.reshape(ep, e // ep, m, h).transpose(0, 1).reshape(e // ep, ep * m, h),)
+    if is_expert_parallel(experts):
+        _reduce_gradients_once(experts)
+        ep = experts.expert_mesh.size()
+        e, m, h = x.shape
+        received = _exchange(x, experts.expert_mesh.get_group())  # (ep * E/ep, M, H), rank s's chunk s-th
+        x = received.reshape(ep, e // ep, m, h).transpose(0, 1).reshape(e // ep, ep * m, h)
+    placements = [Shard(0), Replicate()] if is_expert_parallel(experts) else [Replicate()]
+    return (DTensor.from_local(x, experts.placed, placements, run_check=False),)
 
 
-def _combine(experts: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    """(E/ep, ep*M, H) outputs of this rank's experts -> (E, M, H) outputs for this rank's slots."""
+def _combine(experts: nn.Module, args: tuple, output: DTensor) -> torch.Tensor:
+    """(E/ep, ep*M, H) outputs of this rank's experts (partial sums over tp reduced) -> (E, M, H) outputs for
+    this rank's slots."""
+    output = output.redistribute(placements=[Shard(0), Replicate()] if is_expert_parallel(experts)
+                                 else [Replicate()]).to_local()
+    if not is_expert_parallel(experts):
+        return output
     ep = experts.expert_mesh.size()
     local, tokens, h = output.shape
     back = output.reshape(local, ep, tokens // ep, h).transpose(0, 1)  # chunk s: rank s's slots

@@ -47,7 +47,9 @@ def chunk_size(n: int, k: int, rank: int = 0) -> int:
 class Param:
     name: str
     shape: tuple
-    tp: str = "replicate"  # "col" (Shard(0)), "row" (Shard(1)), "vocab" (Shard(0) if not vocab_emb_dp), "replicate"
+    # "col" (Shard(0)), "row" (Shard(1)), "vocab" (Shard(0) if not vocab_emb_dp), "replicate", "expert<d>" (E over
+    # expert_parallel and dim d over model_parallel; "expert": E only)
+    tp: str = "replicate"
     part: str = "layer"  # layer | word | input_embed | target_embed | encoder_norm | head
 
 
@@ -72,9 +74,10 @@ def _ffn(name: str, h: int, f: int) -> list[Param]:
 
 
 def _experts(name: str, h: int, f: int, e: int) -> list[Param]:
-    """A mixture of experts: the router (replicated) and the experts' tensors, split on E over expert_parallel."""
-    return [Param(f"{name}.router.weight", (e, h)), Param(f"{name}.experts.w1", (e, h, f), "expert"),
-            Param(f"{name}.experts.b1", (e, f), "expert"), Param(f"{name}.experts.w2", (e, f, h), "expert"),
+    """A mixture of experts: the router (replicated) and the experts' tensors, split on E over expert_parallel
+    and on F over model_parallel (``paratrain.parallel.expert``)."""
+    return [Param(f"{name}.router.weight", (e, h)), Param(f"{name}.experts.w1", (e, h, f), "expert2"),
+            Param(f"{name}.experts.b1", (e, f), "expert1"), Param(f"{name}.experts.w2", (e, f, h), "expert1"),
             Param(f"{name}.experts.b2", (e, h), "expert")]
 
 
@@ -114,7 +117,10 @@ def local_numel(p: Param, par: ParallelConfig, tp_rank: int = 0, dp_rank: int = 
         shape[0] = chunk_size(shape[0], tp, tp_rank)
     elif p.tp == "row":
         shape[1] = chunk_size(shape[1], tp, tp_rank)
-    elif p.tp == "expert":  # E/ep experts a rank, whole (data parallelism leaves them alone)
+    elif p.tp.startswith("expert"):  # E/ep experts a rank (data parallelism leaves them alone), F over tp
+        if p.tp != "expert":
+            dim = int(p.tp[len("expert"):])
+            shape[dim] = chunk_size(shape[dim], tp, tp_rank)
         return math.prod([chunk_size(shape[0], par.expert_parallel), *shape[1:]])
     if par.shards_parameters and par.data_parallel > 1:
         shape[0] = chunk_size(shape[0], par.data_parallel, dp_rank)
