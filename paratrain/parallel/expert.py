@@ -82,7 +82,8 @@ def apply_expert_parallel(model: nn.Module, config: ParallelConfig, layout: Layo
                     local = local.chunk(size, placement.dim)[placed.get_local_rank(dim)]
             sharded = DTensor.from_local(local.clone(), placed, placements, run_check=False)
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        experts.placed = placed
+        # the slots the experts run on: split on E over ep like the experts, whole on every tp rank
+        experts.placed, experts.slots = placed, [Shard(0), Replicate()] if ep > 1 else [Replicate()]
         if ep > 1:
             experts.expert_mesh, experts.edp_group, experts.dp_size = mesh["ep"], edp, layout.dp_size
         experts.register_forward_pre_hook(_dispatch)
@@ -130,15 +131,13 @@ def _dispatch(experts: nn.Module, args: tuple) -> tuple:
         e, m, h = x.shape
         received = _exchange(x, experts.expert_mesh.get_group())  # (ep * E/ep, M, H), rank s's chunk s-th
         x = received.reshape(ep, e // ep, m, h).transpose(0, 1).reshape(e // ep, ep * m, h)
-    placements = [Shard(0), Replicate()] if is_expert_parallel(experts) else [Replicate()]
-    return (DTensor.from_local(x, experts.placed, placements, run_check=False),)
+    return (DTensor.from_local(x, experts.placed, experts.slots, run_check=False),)
 
 
 def _combine(experts: nn.Module, args: tuple, output: DTensor) -> torch.Tensor:
     """(E/ep, ep*M, H) outputs of this rank's experts (partial sums over tp reduced) -> (E, M, H) outputs for
     this rank's slots."""
-    output = output.redistribute(placements=[Shard(0), Replicate()] if is_expert_parallel(experts)
-                                 else [Replicate()]).to_local()
+    output = output.redistribute(placements=experts.slots).to_local()
     if not is_expert_parallel(experts):
         return output
     ep = experts.expert_mesh.size()
