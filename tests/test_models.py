@@ -6,7 +6,8 @@ from paratrain.config import ModelConfig
 from paratrain.data.synthetic import PAD
 from paratrain.modules import linear_cross_entropy
 from paratrain.models.transformer import (CAUSAL, EncoderLayer, GPTModel, Seq2SeqModel, VocabEmbedding,
-                                          attention_mask, pipeline_blocks, token_loss_sum)
+                                          attention_mask, token_loss_sum)
+from paratrain.modules.transformer import pipeline_blocks
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, num_heads=4, ffn_hidden_size=64, encoder_layers=2,
                   decoder_layers=2, src_seq_length=10, tgt_seq_length=9, seq_length=12, hidden_dropout=0.0,
