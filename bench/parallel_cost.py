@@ -1,7 +1,7 @@
 """Communication and model-state memory of parallel layouts: counted on real steps against an analytic model.
 
 For each layout (data parallel with ZeRO stages, tensor parallel with and without
-sequence parallel and vocab sharding, 2D) and each model (a small encoder-decoder
+sequence parallel and vocab sharding, 2D, expert parallel with its all-to-all) and each model (a small encoder-decoder
 and a GPT), ``paratrain.trainer.Trainer`` runs real training steps in forked gloo
 workers. After one warm-up step (FSDP2 lazy init, first all-gathers) the next
 ``--steps`` steps run under a ``TorchDispatchMode`` that sees every collective:
@@ -59,6 +59,8 @@ LAYOUTS = {
     "mp2_sp_vocab_sharded": {"mp": 2, "sequence_parallel": True, "vocab_emb_dp": False},
     "dp2_mp2_zero0": {"dp": 2, "mp": 2},
     "dp2_mp2_zero3": {"dp": 2, "mp": 2, "zero_stage": 3},
+    # a mixture of experts in every layer, its 4 experts split over the 2 data-parallel ranks (all-to-all)
+    "dp2_ep2_moe": {"dp": 2, "expert_parallel": 2, "model": {"moe": {"expert_num": 4, "num_experts_chosen": 2}}},
 }
 MODELS = ("transformer", "gpt")
 SMALL_PHASES = ("scalars", "grad_norm", "loss_value")  # listed apart, not compared
@@ -89,15 +91,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_config(a: argparse.Namespace, kind: str, parallel: dict, run_dir: str):
+def make_config(a: argparse.Namespace, kind: str, layout: dict, run_dir: str):
     from paratrain import config_file
 
+    parallel = {k: v for k, v in layout.items() if k != "model"}
     return config_file.from_dict({
         "run": {"dir": run_dir, "seed": 0},
         "model": {"kind": kind, "vocab_size": a.vocab, "hidden_size": a.hidden, "num_heads": a.heads,
                   "ffn_hidden_size": a.ffn, "encoder_layers": a.layers, "decoder_layers": a.layers,
                   "src_seq_length": a.length, "tgt_seq_length": a.length, "seq_length": a.length,
-                  "hidden_dropout": 0.0, "attention_dropout": 0.0},
+                  "hidden_dropout": 0.0, "attention_dropout": 0.0, **layout.get("model", {})},
         "parallel": parallel,
         "train": {"global_batch_size": a.batch, "steps": 1 + a.steps, "lr": 1e-3, "warmup_steps": 1},
         "metrics": {"log_steps": 1000},
@@ -301,8 +304,9 @@ ROWWISE = ("out_proj", "fc2")  # weight sharded over mp, bias replicated
 def param_split(cfg) -> dict:
     """Parameter bytes of one tensor-parallel rank, from the plain model's shapes (Megatron's split).
 
-    Returns those bytes, the number of parameter tensors, and the LayerNorm bytes (their grads
-    are partial sums over mp with sequence parallel).
+    Returns those bytes, the number of parameter tensors, the LayerNorm bytes (their grads
+    are partial sums over mp with sequence parallel) and the experts' bytes of one expert-parallel rank (apart:
+    data parallelism does not reduce them).
     """
     import torch
     from torch import nn
@@ -313,14 +317,17 @@ def param_split(cfg) -> dict:
     model = build_model(cfg.model)
     mp = cfg.parallel.model_parallel
     norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
-    split = {"params": 0.0, "tensors": 0, "norm": 0.0}
+    split = {"params": 0.0, "tensors": 0, "norm": 0.0, "experts": 0.0}
     for name, p in {id(p): (n, p) for n, p in model.named_parameters()}.values():
         module, leaf = name.rsplit(".", 2)[-2:]
+        split["tensors"] += 1
+        if module == "experts":  # sharded on the expert dim over expert_parallel (this layout: mp 1)
+            split["experts"] += p.numel() * p.element_size() / cfg.parallel.expert_parallel
+            continue
         sharded = (module in COLWISE or (module in ROWWISE and leaf == "weight") or module == "head"
                    or (name.endswith("word.embedding.weight") and not cfg.parallel.vocab_emb_dp))
         nbytes = p.numel() * p.element_size() / (mp if sharded else 1)
         split["params"] += nbytes
-        split["tensors"] += 1
         split["norm"] += nbytes if id(p) in norms else 0
     return split
 
@@ -358,7 +365,13 @@ def analytic_comm(cfg) -> dict:
     Data parallel (FSDP2 over dp, f = (dp-1)/dp, P = parameter bytes of this rank's tensor-parallel
     shard): stage 0 all-reduces the gradients (2fP); stages 1-2 all-gather the parameters once and
     reduce-scatter the gradients (2fP); stage 3 gathers again in backward (3fP per micro-batch).
+
+    Expert parallel (``paratrain.plan.cost.all_to_all_bytes``, per micro-batch): each mixture-of-experts layer's
+    dispatch and combine all-to-all, forward and backward; the experts' gradients are all-reduced over the
+    dp / ep ranks holding the same experts.
     """
+    from paratrain.plan.cost import DTYPE_BYTES, all_to_all_bytes
+
     p = cfg.parallel
     dp, mp, micro = p.data_parallel, p.model_parallel, p.micro_batch_num
     ar, half = 2 * (mp - 1) / mp, (mp - 1) / mp  # all-reduce; all-gather or reduce-scatter
@@ -390,6 +403,12 @@ def analytic_comm(cfg) -> dict:
         else:  # all-gather in forward and again in backward, reduce-scatter, per micro-batch
             # (the root module's too: FSDP2 reshards it after forward like the layer groups)
             comp["dp_params_grads"] = micro * 3 * f * params
+    ep = p.expert_parallel
+    if ep > 1:
+        rows = cfg.train.global_batch_size // dp // micro
+        comp["ep_all_to_all"] = micro * all_to_all_bytes(cfg.model, p, rows, DTYPE_BYTES[cfg.model.dtype])
+    if dp // ep > 1:
+        comp["edp_expert_grads"] = collective_bytes("all_reduce", split["experts"], dp // ep)
     comp["total"] = sum(comp.values())
     return comp
 
@@ -403,6 +422,8 @@ def analytic_state(cfg) -> dict:
     optimizer = 2 * params + 4 * split["tensors"]
     if cfg.parallel.shards_only_optimizer_state:
         optimizer /= cfg.parallel.data_parallel  # replicas, each stepping ~1/dp of the parameter tensors
+    params += split["experts"]  # each expert-parallel rank's experts, whole
+    optimizer += 2 * split["experts"]
     return {"params": params, "grads": params, "optimizer": optimizer, "total": 2 * params + optimizer}
 
 

@@ -18,7 +18,7 @@ TINY = ["--vocab", "64", "--hidden", "32", "--heads", "4", "--ffn", "64", "--lay
 
 @functools.cache
 def rows():
-    args = parallel_cost.parse_args(TINY + ["--layouts", "dp2_zero1,dp2_zero2,mp2_sp,mp2", "--timeout", "200"])
+    args = parallel_cost.parse_args(TINY + ["--layouts", "dp2_zero1,dp2_zero2,mp2_sp,mp2,dp2_ep2_moe", "--timeout", "200"])
     return {r["name"].split("/")[1]: r for r in parallel_cost.run(args)}
 
 
@@ -29,10 +29,13 @@ def assert_close(row, key):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)  # ~30 s on an idle machine; the first test runs the workers
-@pytest.mark.parametrize("layout", ["dp2_zero1", "dp2_zero2", "mp2_sp", "mp2"])
+@pytest.mark.parametrize("layout", ["dp2_zero1", "dp2_zero2", "mp2_sp", "mp2", "dp2_ep2_moe"])
 def test_counted_bytes_match_analytic(layout):
     row = rows()[layout]
     assert row["comm_bytes"] > 0 and row["state_bytes"] > 0
+    if "ep2" in layout:  # the experts' all-to-all is counted and costed
+        assert row["comm_analytic_parts"]["ep_all_to_all"] > 0
+        assert any(e["kind"] == "all_to_all" for e in row["events"])
     assert_close(row, "comm_ratio")
     assert_close(row, "state_ratio")
 
