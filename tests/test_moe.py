@@ -134,10 +134,10 @@ class StepStats(Callback):
 
 
 def model_train_losses(parallel: dict, capacity_factor: float, directory: str | None = None, resume=None,
-                       epochs: int = 1):
+                       epochs: int = 1, stats: bool = True):
     """(loss, aux loss, dropped) of each step of Model.train on ``parallel`` (TransformerOpParallelConfig's
     arguments), ``epochs`` of 4 steps, with a ModelCheckpoint saving every 4th step in ``directory`` and
-    ``resume`` as Model.train's."""
+    ``resume`` as Model.train's; without ``stats`` (loss,) only."""
     from multiprocess import loss_recorder
     from paratrain import TransformerOpParallelConfig
     from paratrain.nn import MoEConfig
@@ -147,15 +147,16 @@ def model_train_losses(parallel: dict, capacity_factor: float, directory: str | 
     moe = MoEConfig(expert_num=4, num_experts_chosen=2, capacity_factor=capacity_factor, aux_loss_factor=0.05,
                     expert_group_size=GROUP)
     net = MoENet(TransformerOpParallelConfig(**parallel), moe)
-    losses, stats = loss_recorder(), StepStats()
-    callbacks = [losses, stats]
+    losses, step_stats = loss_recorder(), StepStats()
+    callbacks = [losses] + ([step_stats] if stats else [])
     if directory:
         callbacks.append(ModelCheckpoint(prefix="moe", directory=directory,
                                          config=CheckpointConfig(save_checkpoint_steps=4)))
     # SGD: a wrong gradient scale shows in the losses (Adam would hide it)
     Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)).train(
         epochs, moe_dataset(), callbacks=callbacks, **({"resume": resume} if resume else {}))
-    return [(loss, *step) for loss, step in zip(losses.values, stats.values)]
+    steps = step_stats.values if stats else [()] * len(losses.values)
+    return [(loss, *step) for loss, step in zip(losses.values, steps)]
 
 
 def _model_train_layouts(layouts: dict, capacity_factor: float):
@@ -438,3 +439,23 @@ def test_mindspore_moe_groups_tokens_by_data_parallel_as_its_ranks_would():
     halves = [moe(part) for part in x.chunk(2)]
     torch.testing.assert_close(whole, torch.cat([out for out, _ in halves]))
     torch.testing.assert_close(aux, sum(a for _, a in halves) / 2)
+
+
+def _model_train_on_stages(stages: int):
+    """Losses of Model.train with the MoE net's layers on ``stages`` traced pipeline stages (2 micro-batches)."""
+    import paratrain
+
+    paratrain.reset_auto_parallel_context()
+    paratrain.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=stages)
+    # a traced stage holds no MoE blocks to report their aux loss and dropped fraction: losses only
+    return [loss for loss, in model_train_losses({"pipeline_stage": stages, "micro_batch_num": 2}, 4.0, stats=False)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_user_net_with_moe_on_traced_pipeline_stages_matches_one_process():
+    from multiprocess import run_distributed
+
+    reference = [loss for loss, *_ in model_train_losses({}, 4.0)]
+    for losses in run_distributed(_model_train_on_stages, 2, 2, timeout=280):
+        assert losses == pytest.approx(reference, rel=1e-4, abs=1e-6)
