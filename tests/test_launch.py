@@ -179,6 +179,8 @@ def test_kill_9_of_one_rank_fails_the_job_naming_it(tmp_path):
 @pytest.mark.timeout(120)
 def test_hostfile_launch_over_ssh_quotes_arguments(tmp_path):
     """A stand-in `ssh` runs the node command with a shell here: the real path up to the remote shell."""
+    from multiprocess import free_port
+
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "ssh").write_text('#!/bin/sh\n'
@@ -190,9 +192,9 @@ def test_hostfile_launch_over_ssh_quotes_arguments(tmp_path):
     pwned = tmp_path / "pwned"
     env = {**os.environ, "PARATRAIN_HOME": str(tmp_path / "runs"), "TMPDIR": str(tmp_path),
            "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    out = subprocess.run([PYTHON, "-m", "paratrain", "launch", "--hostfile", "hostfile", "--name", "ssh1", "--",
-                          "doctor", f"--name=x; touch {pwned}"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=100)
+    out = subprocess.run([PYTHON, "-m", "paratrain", "launch", "--hostfile", "hostfile", "--name", "ssh1",
+                          "--master-port", str(free_port()), "--", "doctor", f"--name=x; touch {pwned}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr
     assert (bin_dir / "hosts").read_text() == "localhost\n"
     assert not pwned.exists()
