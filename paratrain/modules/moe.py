@@ -35,6 +35,7 @@ class Experts(nn.Module):
                  dropout: float = 0.0, std: float = 0.02, dtype: torch.dtype = torch.float32):
         super().__init__()
         e, h, f = expert_num, hidden_size, ffn_hidden_size
+        # on the default device, as torch's own layers make theirs: the meta device under a deferred build
         self.w1 = nn.Parameter(torch.empty(e, h, f, dtype=dtype).normal_(std=std))
         self.b1 = nn.Parameter(torch.zeros(e, f, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(e, f, h, dtype=dtype).normal_(std=std))
