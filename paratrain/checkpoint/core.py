@@ -1,23 +1,11 @@
 """Saving and resuming a training run: sliced per rank through DCP, atomic, reshardable.
 
-The trainer hands the checkpointer what it saves (as torchtitan's CheckpointManager):
-
-- ``model_parts``: the model, or this rank's pipeline chunks, under one ``optimizer``.
-  A pipeline chunk that holds only some layers, under their original parameter names,
-  saves and loads through the same code: every rank contributes the keys it holds,
-  DCP's index is their union (a tied table held by two stages is one entry), and on
-  load each rank asks for its own keys only, whatever layout wrote them.
-- the LR ``scheduler`` (its counters), and ``states``: named objects with
-  ``state_dict``/``load_state_dict`` (loss scale, data position);
-- the run's ``Config`` and ``Layout``, recorded with the checkpoint.
-
-Model and optimizer state come from ``torch.distributed.checkpoint.state_dict``
-(``get_state_dict``/``set_state_dict``, optimizer state flattened to
-``state.<param fqn>.<name>``), so keys are plain parameter names and tensors are
-DTensors sliced over whatever mesh the run uses; DCP reshards them on load. What
-is not a tensor (the optimizer's per-parameter settings, schedule counters, loss
-scale, data position, config, layout) goes to ``paratrain.json``; RNG states go to
-one small safetensors file per rank. See ``storage.py`` for the on-disk format.
+Model and optimizer state come from ``torch.distributed.checkpoint.state_dict`` (optimizer state
+flattened to ``state.<param fqn>.<name>``), so keys are plain parameter names and tensors are DTensors
+sliced over whatever mesh the run uses; DCP reshards them on load. Every rank saves the keys it holds
+(a pipeline chunk: some layers, under their original names) and loads only its own, whatever layout wrote
+them. What is not a tensor goes to ``paratrain.json``, RNG states to one safetensors file per rank
+(``storage.py``: the on-disk format).
 """
 from __future__ import annotations
 
@@ -37,20 +25,17 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-
-from paratrain.checkpoint.full import MODEL_PREFIX, OPTIM_PREFIX, export
-from paratrain.checkpoint.storage import (DCP_METADATA, FORMAT_VERSION, INTEGRATED_FILE, LATEST, META_FILE,
-                                          TMP_PREFIX, CheckpointError, ChecksumCheck, DamagedCheckpoint,
-                                          check_checksums, checkpoint_name, checksum_owner, complete_checkpoints,
-                                          dcp_load, dcp_save, file_checksum, file_entry, fsync_dir,
-                                          holds_tensor_data, rank_file_name, read_meta, resolve, step_dirs,
-                                          tensor_entries, verify, write_atomic, write_file, write_meta)
-
-from paratrain import progress
 import tomli_w
 
+from paratrain import progress
+from paratrain.checkpoint.full import MODEL_PREFIX, OPTIM_PREFIX, export
+from paratrain.checkpoint.storage import (DCP_METADATA, FORMAT_VERSION, INTEGRATED_FILE, LATEST, LAYOUT_KEYS,
+                                          META_FILE, TMP_PREFIX, CheckpointError, ChecksumCheck, DamagedCheckpoint,
+                                          check_checksums, checkpoint_name, checksum_owner, complete_checkpoints,
+                                          dcp_load, dcp_save, file_checksum, file_entry, fsync_dir,
+                                          holds_tensor_data, raise_if_damaged, rank_file_name, read_meta, resolve,
+                                          step_dirs, tensor_entries, verify, write_atomic, write_file, write_meta)
 from paratrain.config import MODEL_KINDS, USER_MODEL_KIND, Config, ModelConfig
-from paratrain.device import device
 from paratrain.mesh import Layout
 
 log = logging.getLogger("paratrain.checkpoint")
@@ -64,18 +49,22 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _gather(obj) -> list:
+    """``obj`` of every rank, in rank order (our own values between live ranks, never read from disk)."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def restart_count() -> int:
     """Which restart of a launched job this is: torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 for the first
     attempt), the highest over the ranks, since the agent of a node restarted by another node's failure keeps
     its own count."""
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) == 0:
         return 0  # not started by torchrun, or by one that never restarts: alike on every rank
-    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    if not dist.is_initialized():
-        return count
-    counts = [0] * dist.get_world_size()
-    dist.all_gather_object(counts, count)
-    return max(counts)
+    return max(_gather(int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)))
 
 
 def _write_failed(final: Path, exc: OSError) -> str:
@@ -95,7 +84,7 @@ def _together(fn, final: Path):
         result = fn()
     except BaseException as exc:  # tell the other ranks instead of leaving them waiting
         ok, error = False, exc
-    if not _all_ok(ok):
+    if not all(_gather(ok)):
         if isinstance(error, OSError):
             raise CheckpointError(_write_failed(final, error)) from None
         if error is not None:
@@ -106,44 +95,17 @@ def _together(fn, final: Path):
 
 def _agree_intact(problem: str | None) -> None:
     """Raise DamagedCheckpoint on every rank when any rank found a damaged file (``problem`` names it)."""
-    problems = [problem]
-    if dist.is_initialized():
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-    found = next((p for p in problems if p is not None), None)
-    if found is not None:
-        raise DamagedCheckpoint(found)
-
-
-def _all_ok(ok: bool) -> bool:
-    """True when ``ok`` holds on every rank."""
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([1 if ok else 0], device=device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    raise_if_damaged(next((p for p in _gather(problem) if p is not None), None))
 
 
 def layout_dict(layout: Layout) -> dict:
     """The layout a run uses, with every rank's (pp, dp, tp) coordinates."""
     cfg = layout.config
-    rank, world = _rank_world()
-    coords = [layout.pp_rank, layout.dp_rank, layout.tp_rank]
-    if dist.is_initialized():
-        gathered = [None] * world
-        dist.all_gather_object(gathered, coords)  # our own ints, between live ranks, not from disk
-        coords = gathered
-    else:
-        coords = [coords]
-    return {"world_size": world, "data_parallel": cfg.data_parallel, "model_parallel": cfg.model_parallel,
+    coords = _gather([layout.pp_rank, layout.dp_rank, layout.tp_rank])
+    return {"world_size": len(coords), "data_parallel": cfg.data_parallel, "model_parallel": cfg.model_parallel,
             "pipeline_stage": cfg.pipeline_stage, "zero_stage": cfg.effective_zero_stage,
             "sequence_parallel": cfg.sequence_parallel, "vocab_emb_dp": cfg.vocab_emb_dp,
             "ranks": [{"pp": c[0], "dp": c[1], "tp": c[2]} for c in coords]}
-
-
-def _same_layout(a: dict, b: dict) -> bool:
-    keys = ("world_size", "data_parallel", "model_parallel", "pipeline_stage", "zero_stage", "ranks")
-    return all(a.get(k) == b.get(k) for k in keys)
 
 
 def _json_value(value):
@@ -246,10 +208,11 @@ class Checkpointer:
 
     # --- what is saved --------------------------------------------------------------------
 
-    def _collect(self) -> tuple[nn.Module, dict, dict, dict[str, str]]:
-        """(module, model state, optimizer state, state key -> saved key). The module is the model, or one
-        ``ModuleList`` over the parts whose leading index is stripped from the keys, so that keys are the
-        parameter names of the whole model."""
+    def _collect(self) -> tuple[nn.Module, dict, dict, dict[str, str], dict[str, torch.Tensor]]:
+        """(module, model state, optimizer state, state key -> saved key, saved key -> tensor for DCP). The
+        module is the model, or one ``ModuleList`` over the parts whose leading index is stripped from the keys,
+        so that keys are the parameter names of the whole model. A weight held twice (a tied table in two
+        chunks) is one tensor."""
         strip = len(self.model_parts) > 1
         module = nn.ModuleList(self.model_parts) if strip else self.model_parts[0]
         msd = get_model_state_dict(module, options=OPTIONS)
@@ -258,19 +221,11 @@ class Checkpointer:
         for k in osd:
             kind, rest = k.split(".", 1)  # "state" | "param_groups", then <fqn>.<name>
             names[k] = OPTIM_PREFIX + kind + "." + (rest.split(".", 1)[1] if strip else rest)
-        return module, msd, osd, names
-
-    def _state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """(tensors for DCP keyed model.<fqn> / optim.<key>, the optimizer's non-tensor entries keyed
-        without the optim. prefix). A weight held twice (a tied table in two chunks) is saved once."""
-        tensors, settings = {}, {}
-        _, msd, osd, names = self._collect()
+        tensors = {}
         for key, value in (msd | osd).items():
             if isinstance(value, torch.Tensor):
                 tensors.setdefault(names[key], value)
-            else:
-                settings.setdefault(names[key][len(OPTIM_PREFIX):], value)
-        return tensors, settings
+        return module, msd, osd, names, tensors
 
     def _rng_state(self) -> dict[str, torch.Tensor]:
         """The random state of the host and of this rank's GPU (dropout draws there)."""
@@ -301,7 +256,7 @@ class Checkpointer:
         from safetensors.torch import save
 
         start = time.perf_counter()
-        rank, world = _rank_world()
+        rank = _rank_world()[0]
         name = name or checkpoint_name(step, self.cfg.prefix)
         tmp, final = self.root / (TMP_PREFIX + name), self.root / name
 
@@ -312,11 +267,13 @@ class Checkpointer:
                 tmp.mkdir()
         _together(prepare, final)  # collective: also orders the mkdir before any write
         layout = layout_dict(self.layout)
-        tensors, settings = self._state()
-        if dist.is_initialized():  # pipeline stages hold different parameters: rank 0 records them all
-            gathered = [None] * world
-            dist.all_gather_object(gathered, {k: _json_value(v) for k, v in settings.items()})
-            settings = {k: v for part in gathered for k, v in part.items()}
+        _, msd, osd, names, tensors = self._collect()
+        settings = {}  # the optimizer's non-tensor entries, keyed without the optim. prefix
+        for key, value in (msd | osd).items():
+            if not isinstance(value, torch.Tensor):
+                settings.setdefault(names[key][len(OPTIM_PREFIX):], _json_value(value))
+        # pipeline stages hold different parameters: rank 0 records them all
+        settings = {k: v for part in _gather(settings) for k, v in part.items()}
 
         rank_state = save(self._rng_state(), metadata={"rank": str(rank), "python_random": json.dumps(
             random.getstate())})
@@ -328,10 +285,7 @@ class Checkpointer:
             raise CheckpointError(_write_failed(final, exc)) from None
         # dcp.save returns once every rank's shards are written and rank 0 wrote .metadata
         self._fault_point("shards_written", step)
-        if dist.is_initialized():  # every rank's files are in place: rank 0 records them all
-            gathered = [None] * world
-            dist.all_gather_object(gathered, written)
-            written = {k: v for part in gathered for k, v in part.items()}
+        written = {k: v for part in _gather(written) for k, v in part.items()}  # rank 0 records every rank's files
 
         def commit():
             if rank == 0:
@@ -386,7 +340,7 @@ class Checkpointer:
             "config": self.recorded_config(),
             "scheduler": schedule,
             **{name: state.state_dict() for name, state in self.states.items()},
-            "optimizer_settings": {k: _json_value(v) for k, v in settings.items()},
+            "optimizer_settings": settings,
             "torch_version": torch.__version__,
             "files": files,
         }
@@ -442,24 +396,13 @@ class Checkpointer:
     def _agreed_candidates(self) -> list[Path]:
         """The complete checkpoints of this prefix, newest first, as rank 0 sees them (all ranks try the same
         ones)."""
-        rank, _ = _rank_world()
-        names = [p.name for p in complete_checkpoints(self.root, prefix=self.cfg.prefix)] if rank == 0 else None
-        if dist.is_initialized():
-            box = [names]
-            dist.broadcast_object_list(box, src=0)  # our own names, between live ranks, not from disk
-            names = box[0]
-        return [self.root / name for name in names]
+        found = complete_checkpoints(self.root, prefix=self.cfg.prefix) if _rank_world()[0] == 0 else []
+        return [self.root / name for name in _gather([p.name for p in found])[0]]
 
     def load(self, path: str | Path) -> int:
         """Load checkpoint ``path`` (any layout wrote it) into the parts, optimizer, scheduler and states;
-        returns its step.
-
-        Nothing in it is trusted before its checksum is checked: ``paratrain.json`` (its own),
-        then the model config it was saved with must match this one (:func:`check_resume_config`),
-        its files must have their recorded sizes, DCP's index and the small files (RNG states,
-        config) their checksums before any is read (each rank hashes its share); the shards are
-        hashed while DCP reads them. A damaged file fails the load with a DamagedCheckpoint naming
-        it before anything read from the checkpoint is set."""
+        returns its step. The model config must match (:func:`check_resume_config`); a damaged file (README:
+        Checksums, in that order) raises a DamagedCheckpoint naming it before anything read from it is set."""
         from safetensors import safe_open
 
         start = time.perf_counter()
@@ -477,11 +420,7 @@ class Checkpointer:
         _agree_intact(check_checksums(path, meta, [n for n in share if not holds_tensor_data(n)]))
         saved_keys = tensor_entries(metadata)
 
-        module, msd, osd, names = self._collect()
-        wanted: dict[str, torch.Tensor] = {}
-        for key, value in (msd | osd).items():
-            if isinstance(value, torch.Tensor):
-                wanted.setdefault(names[key], value)
+        module, msd, osd, names, wanted = self._collect()
         missing = [k for k in wanted if k not in saved_keys]
         if missing:
             raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors this model needs, e.g. "
@@ -552,7 +491,7 @@ class Checkpointer:
         """Whose RNG state this rank continues: its own in the same layout; otherwise the saved rank
         with the same data-parallel index (dropout streams are per dp rank, shared by tp peers)."""
         now = layout_dict(self.layout)
-        if _same_layout(saved, now):
+        if all(saved.get(k) == now.get(k) for k in LAYOUT_KEYS):
             return rank
         dp = now["ranks"][rank]["dp"] % saved["data_parallel"]
         return next((r for r, c in enumerate(saved["ranks"]) if c["dp"] == dp and c["tp"] == 0 and c["pp"] == 0), 0)
