@@ -34,10 +34,6 @@ class DistributedSampler:
         self.step = 0
         self._cache: dict[int, np.ndarray] = {}
 
-    @property
-    def rows_per_rank(self) -> int:
-        return self.global_batch_size // self.dp_size
-
     def epoch_order(self, epoch: int) -> np.ndarray:
         """All N example indices in the order epoch ``epoch`` visits them."""
         if epoch not in self._cache:
@@ -71,7 +67,7 @@ class DistributedSampler:
 
     def indices(self, step: int) -> np.ndarray:
         """This rank's rows of global batch ``step`` (B / dp_size example indices)."""
-        rows = self.rows_per_rank
+        rows = self.global_batch_size // self.dp_size
         return self.global_indices(step)[self.dp_rank * rows : (self.dp_rank + 1) * rows]
 
     def padding_fraction(self, steps: int, start: int = 0) -> float:
