@@ -19,12 +19,12 @@ from paratrain.data.tokenizer import Tokenizer
 from paratrain.data.wmt14 import read_pairs
 
 
-def _ragged(rows: list[list[int]]) -> dict[str, np.ndarray]:
-    """Rows of token ids as a flat int32 array and (N+1,) int64 offsets."""
+def _ragged(side: str, rows: list[list[int]]) -> dict[str, np.ndarray]:
+    """Rows of token ids as a flat int32 array ``{side}_tokens`` and (N+1,) int64 ``{side}_offsets``."""
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum([len(r) for r in rows], out=offsets[1:])
     tokens = np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(offsets[-1]))
-    return {"tokens": tokens, "offsets": offsets}
+    return {f"{side}_tokens": tokens, f"{side}_offsets": offsets}
 
 
 def cached_arrays(source: Path, tokenizer: Tokenizer, build) -> dict[str, np.ndarray]:
@@ -68,9 +68,8 @@ class TranslationDataset:
 
         def build():
             pairs = read_pairs(self.path)
-            src, tgt = _ragged(tokenizer.encode_batch([p[0] for p in pairs])), _ragged(tokenizer.encode_batch([p[1] for p in pairs]))
-            return {"src_tokens": src["tokens"], "src_offsets": src["offsets"],
-                    "tgt_tokens": tgt["tokens"], "tgt_offsets": tgt["offsets"]}
+            return (_ragged("src", tokenizer.encode_batch([p[0] for p in pairs]))
+                    | _ragged("tgt", tokenizer.encode_batch([p[1] for p in pairs])))
 
         self.arrays = cached_arrays(self.path, tokenizer, build)
         src_len, tgt_len = np.diff(self.arrays["src_offsets"]), np.diff(self.arrays["tgt_offsets"]) + 1
@@ -135,5 +134,6 @@ class TextDataset:
 
     def rows(self, indices: np.ndarray, batch_indices: np.ndarray | None = None) -> dict[str, torch.Tensor]:
         L = self.seq_length
-        windows = torch.from_numpy(np.stack([np.asarray(self.stream[i * L : i * L + L + 1]) for i in indices]).astype(np.int64))
+        windows = np.stack([np.asarray(self.stream[i * L : i * L + L + 1]) for i in indices])
+        windows = torch.from_numpy(windows.astype(np.int64))
         return {"input_ids": windows[:, :-1], "labels": windows[:, 1:]}
