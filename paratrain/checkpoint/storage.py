@@ -14,18 +14,10 @@ A checkpoint is one directory ``<checkpoint dir>/step_00000008`` (with a prefix,
 
 It is written as ``.tmp-step_00000008``, renamed once every rank has finished, then ``latest``
 (a text file naming the directory) is replaced: a ``step_*`` directory with a ``paratrain.json``
-is complete, anything else is a killed save.
-
-Each file is hashed as it is written (DCP's through :class:`HashingFileSystem`). Nothing read is
-trusted before its checksum is checked: ``paratrain.json`` first, DCP's index before it is
-unpickled, the other small files before any is read, and the shards in a background thread while
-DCP reads them (:class:`ChecksumCheck`); a damaged file raises :class:`DamagedCheckpoint` naming
-it. Format 1 checkpoints (sizes only) still load.
-
-Nothing arbitrary is unpickled: what we store is JSON or safetensors, DCP is handed plain tensors
-only and the loader refuses pickled items (:class:`TensorOnlyLoadPlanner`). DCP's own
-``.metadata`` is read by an unpickler that resolves only DCP's metadata classes, ``torch.Size``,
-dtypes and layouts (:class:`SafeFileSystemReader`), so a crafted file cannot run code.
+is complete, anything else is a killed save. Files are hashed as they are written and checked
+before they are trusted (README: Checksums); format 1 checkpoints (sizes only) still load.
+Nothing arbitrary is unpickled: DCP's ``.metadata`` goes through a restricted unpickler and the
+loader refuses pickled items, so a crafted file cannot run code.
 """
 from __future__ import annotations
 
