@@ -463,8 +463,7 @@ class Checkpointer:
         for name, state in self.states.items():
             state.load_state_dict(meta[name])
 
-        source_rank = self._rng_source(meta["layout"], rank)
-        rank_file = path / rank_file_name(source_rank)
+        rank_file = path / rank_file_name(self._rng_source(meta["layout"], rank))
         try:
             with safe_open(str(rank_file), "pt") as f:
                 torch.set_rng_state(f.get_tensor("torch_cpu"))
