@@ -62,6 +62,7 @@ DEFINITE = DETERMINERS[:1] + DETERMINERS[2:4]
 NUMBERS, PREPOSITIONS, TIME = LEXICON["numbers"], LEXICON["prepositions"], LEXICON["time"]
 
 VOWELS = set("aeiouyhâàéèêîïôœû")
+BEFORE_VOWEL = {"ce": "cet", "ma": "mon"}
 
 
 @dataclass
@@ -96,10 +97,8 @@ class Grammar:
         post = r.choice([a for a in ADJECTIVES if not a.before]) if r.random() < 0.35 else None
         en = [en_det] + [a.en for a in (pre, post) if a] + [noun.en[plural]]
         fr = [fr_det] + ([pre.fr[index]] if pre else []) + [noun.fr[plural]] + ([post.fr[index]] if post else [])
-        if fr_det == "ce" and fr[1][0] in VOWELS:
-            fr[0] = "cet"
-        if fr_det == "ma" and fr[1][0] in VOWELS:
-            fr[0] = "mon"
+        if fr_det in BEFORE_VOWEL and fr[1][0] in VOWELS:
+            fr[0] = BEFORE_VOWEL[fr_det]
         return Phrase(" ".join(en), fr, 5 if plural else 2, noun.gender)
 
     def subject(self) -> Phrase:
