@@ -54,12 +54,9 @@ class CifarDataset:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def _record(self, index: int) -> np.ndarray:
-        file = int(np.searchsorted(self.starts, index, side="right")) - 1
-        return self.records[file][index - self.starts[file]]
-
     def rows(self, indices: np.ndarray, batch_indices: np.ndarray | None = None) -> dict[str, torch.Tensor]:
-        records = np.stack([self._record(int(i)) for i in indices])
+        files = np.searchsorted(self.starts, indices, side="right") - 1
+        records = np.stack([self.records[f][i - self.starts[f]] for f, i in zip(files, indices)])
         bad = records[:, 0] >= self.num_classes
         if bad.any():
             raise ValueError(f"example {int(np.asarray(indices)[bad][0])} has label {records[bad][0, 0]}, not 0-9")
