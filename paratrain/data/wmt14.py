@@ -31,11 +31,6 @@ def _attributes(text: str) -> dict[str, str]:
     return {m[1].lower(): next(v for v in m.groups()[1:] if v is not None) for m in _ATTR.finditer(text)}
 
 
-def _clean(text: str) -> str:
-    """Entities decoded, whitespace (including tabs and newlines) collapsed to single spaces."""
-    return " ".join(html.unescape(text).split())
-
-
 def _context(text: str, start: int) -> str:
     return f"line {text.count(chr(10), 0, start) + 1}"
 
@@ -65,7 +60,7 @@ def parse_sgm(text: str, name: str = "<sgm>") -> dict[str, dict[str, str]]:
             if seg_id is None or seg_id in segs:
                 problem = "a <seg> without an id" if seg_id is None else f"segment id {seg_id} twice"
                 raise SgmError(f"{name}: document {docid!r} has {problem} ({_context(text, doc.start(2) + seg.start())})")
-            segs[seg_id] = _clean(seg[2])
+            segs[seg_id] = " ".join(html.unescape(seg[2]).split())  # tabs and newlines too: one line per pair
         stray = _LAYOUT_TAG.sub("", _SEG.sub("", doc[2])).strip()
         if stray:
             raise SgmError(f"{name}: document {docid!r} has text outside <seg>: {stray[:60]!r}")
