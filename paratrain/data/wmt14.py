@@ -59,7 +59,8 @@ def parse_sgm(text: str, name: str = "<sgm>") -> dict[str, dict[str, str]]:
             seg_id = _attributes(seg[1]).get("id")
             if seg_id is None or seg_id in segs:
                 problem = "a <seg> without an id" if seg_id is None else f"segment id {seg_id} twice"
-                raise SgmError(f"{name}: document {docid!r} has {problem} ({_context(text, doc.start(2) + seg.start())})")
+                where = _context(text, doc.start(2) + seg.start())
+                raise SgmError(f"{name}: document {docid!r} has {problem} ({where})")
             segs[seg_id] = " ".join(html.unescape(seg[2]).split())  # tabs and newlines too: one line per pair
         stray = _LAYOUT_TAG.sub("", _SEG.sub("", doc[2])).strip()
         if stray:
