@@ -18,6 +18,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paratrain.config import MetricsConfig
 from paratrain.metrics import flops as F
@@ -50,41 +52,33 @@ def _wait(namespace: str, name: str, out) -> None:
             torch.ops._c10d_functional.wait_tensor(item)
 
 
-def _comm_clock_class():
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
+class CommClock(TorchDispatchMode):
+    """Times each collective from its launch to its completion and reports it to the timer."""
 
-    class CommClock(TorchDispatchMode):
-        """Times each collective from its launch to its completion and reports it to the timer."""
+    def __init__(self, timer: "StepTimer"):
+        super().__init__()
+        self.timer = timer
 
-        def __init__(self, timer: "StepTimer"):
-            super().__init__()
-            self.timer = timer
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if any(issubclass(t, DTensor) for t in types):
-                return NotImplemented  # DTensor dispatches; its collectives come back through this mode
-            if func.namespace not in COMM_NAMESPACES:
-                return func(*args, **kwargs)
-            name = func._schema.name.split("::")[-1]
-            if name in NOT_TIMED:
-                return func(*args, **kwargs)
-            if self.timer.device.type == "cuda":  # the collective runs on the device: time it there
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = func(*args, **kwargs)
-                _wait(func.namespace, name, out)  # the current stream waits for the collective's
-                end.record()
-                self.timer.add_comm((start, end))
-            else:
-                start = time.perf_counter()
-                out = func(*args, **kwargs)
-                _wait(func.namespace, name, out)
-                self.timer.add_comm(time.perf_counter() - start)
-            return out
-
-    return CommClock
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor dispatches; its collectives come back through this mode
+        name = func._schema.name.split("::")[-1]
+        if func.namespace not in COMM_NAMESPACES or name in NOT_TIMED:
+            return func(*args, **kwargs)
+        if self.timer.device.type == "cuda":  # the collective runs on the device: time it there
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = func(*args, **kwargs)
+            _wait(func.namespace, name, out)  # the current stream waits for the collective's
+            end.record()
+            self.timer.add_comm((start, end))
+        else:
+            start = time.perf_counter()
+            out = func(*args, **kwargs)
+            _wait(func.namespace, name, out)
+            self.timer.add_comm(time.perf_counter() - start)
+        return out
 
 
 class StepTimer:
@@ -113,20 +107,18 @@ class StepTimer:
         self._comm_events: list[tuple] = []  # (phase, start, end) CUDA events of this step's collectives
         self.wall = 0.0
         if self.enabled:
-            self._clock = _comm_clock_class()(self)
+            self._clock = CommClock(self)
             with self._clock:  # the first dispatch mode imports a lot: not inside the first step
                 torch.zeros(1, device=self.device).add_(1)
             if pipeline is not None:
                 pipeline.time_compute(self._timed)
 
-    # --- phases ---------------------------------------------------------------------------------
-
+    @contextlib.contextmanager
     def phase(self, name: str):
         """``with timer.phase("forward"):`` -- a no-op when the breakdown is off."""
-        return self._phase(name) if self.enabled else _NULL
-
-    @contextlib.contextmanager
-    def _phase(self, name: str):
+        if not self.enabled:
+            yield
+            return
         synchronize(self.device)
         now = time.perf_counter()
         if self._stack:
@@ -143,12 +135,12 @@ class StepTimer:
             if self._stack:
                 self._stack[-1][1] = now
 
+    @contextlib.contextmanager
     def step(self):
         """Context of one whole step: resets the phases and times collectives (breakdown only)."""
-        return self._step() if self.enabled else _NULL
-
-    @contextlib.contextmanager
-    def _step(self):
+        if not self.enabled:
+            yield
+            return
         self.times.clear()
         self.comm.clear()
         self._stack.clear()
@@ -174,11 +166,9 @@ class StepTimer:
 
     def _timed(self, method, phase: str):
         def timed(*args, **kwargs):
-            with self._phase(phase):
+            with self.phase(phase):
                 return method(*args, **kwargs)
         return timed
-
-    # --- the record -----------------------------------------------------------------------------
 
     def breakdown(self) -> dict[str, float]:
         """``<part>_s`` and ``<part>_pct`` for each of PARTS, over the measured step time ``step_s``."""
