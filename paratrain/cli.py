@@ -19,7 +19,7 @@ from paratrain.config_file import parse_overrides
 from paratrain.deepspeed_config import load_config
 from paratrain.errors import UserError
 
-COMMAND_MODULES = ("paratrain.launch", "paratrain.doctor", "paratrain.data.commands", "paratrain.metrics.commands",
+COMMAND_MODULES = ("paratrain.launch", "paratrain.doctor", "paratrain.data.commands", "paratrain.metrics.report",
                    "paratrain.checkpoint.commands", "paratrain.plan.commands", "paratrain.translation")
 
 
