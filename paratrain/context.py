@@ -1,17 +1,13 @@
-"""MindSpore's auto-parallel context: ``set_auto_parallel_context``, ``get_auto_parallel_context``,
-``reset_auto_parallel_context`` and ``ParallelMode``.
+"""MindSpore's auto-parallel context (``set_auto_parallel_context`` and friends, ``ParallelMode``) and
+``set_context``.
 
-When ``paratrain.train.Model`` places a net (``parallel_config_for``), the sizes come from the
-``TransformerOpParallelConfig`` given to its blocks (none: data parallel over every rank;
-``data_parallel`` not given: ``world_size // (model_parallel * pipeline_stage)``). The context adds
-what only it says: ``enable_parallel_optimizer`` shards the optimizer (stage 2 with
-``gradient_accumulation_shard``, ``optimizer_level`` "level1".."level3" for stages 1..3),
-``pipeline_stages`` sets the stage count the blocks leave at 1, ``parallel_mode`` restricts the
-layout (``data_parallel``: no model or pipeline parallelism; ``stand_alone``: one process) or places
-a net of ``paratrain.ops`` op by op (``semi_auto_parallel``/``auto_parallel``) or runs any net whole
-on every rank with its own collectives (``hybrid_parallel``). Where both state a value they must
-agree: a contradiction is refused naming both, and an option paratrain cannot honour is refused
-when set, with the reason.
+``parallel_config_for`` completes the ``TransformerOpParallelConfig`` of a user's blocks (none: data parallel
+over every rank) with what only the context says: ``enable_parallel_optimizer`` and its ``optimizer_level``
+(ZeRO stages 1..3), ``pipeline_stages``, ``pipeline_config`` and ``parallel_mode``: ``data_parallel`` (no
+model or pipeline parallelism), ``stand_alone`` (one process), ``semi_auto_parallel``/``auto_parallel`` (a
+net of ``paratrain.ops`` placed op by op) or ``hybrid_parallel`` (any net whole on every rank, with its own
+collectives). Where both state a value they must agree: a contradiction is refused naming both, and an
+option paratrain cannot honour is refused when set, with the reason.
 """
 from __future__ import annotations
 

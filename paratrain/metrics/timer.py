@@ -1,14 +1,10 @@
 """Where a step's time goes: forward, backward, optimizer, exposed communication, pipeline idle, other.
 
-The trainer brackets its work with ``timer.phase(name)``; with ``metrics.breakdown`` off that is
-a no-op. When it is on, phase boundaries synchronize the device (like DeepSpeed's
-``wall_clock_breakdown``) and phases nest, a phase's time excluding its inner phases'. A
-``TorchDispatchMode`` times every collective until it completes (with CUDA events on a GPU), so
-communication is taken out of the phase it ran in and reported as exposed communication;
-point-to-point sends/receives are not timed: waiting for a neighbour stage is pipeline idle. In a
-pipeline step the stages' forward and backward are timed inside the schedule, the rest of it
-(minus communication) is pipeline idle. ``other`` is the rest (data, loss bookkeeping), so the
-parts add up to the step.
+With ``metrics.breakdown`` on, ``timer.phase(name)`` synchronizes the device at its boundaries (like
+DeepSpeed's ``wall_clock_breakdown``) and phases nest, excluding their inner phases' time. A
+``TorchDispatchMode`` times each collective to its completion and takes it out of its phase as exposed
+communication; point-to-point sends/receives are not timed, so waiting for a neighbour stage, like the rest
+of a pipeline schedule outside its stages' forward and backward, is pipeline idle. ``other`` is the rest.
 """
 from __future__ import annotations
 
@@ -182,17 +178,6 @@ class StepTimer:
             out[f"{part}_pct"] = 100.0 * max(seconds[part], 0.0) / self.wall if self.wall > 0 else 0.0
         return out
 
-    def _raise_peak(self, achieved: float) -> None:
-        """A step ran faster than the peak: the start-up measurement was slowed by load. Measure again
-        (this rank's share, scaling the job's total) and never take a peak below a rate achieved."""
-        if self.measured:
-            again = F.measure_cpu_peak_tflops()
-            if again > self.local_peak:
-                self.peak_tflops *= again / self.local_peak
-                self.local_peak = again
-                self.peak_source += f"; measured again at {again:.3g} TFLOP/s when a step beat it"
-        self.peak_tflops = max(self.peak_tflops, achieved)
-
     def finish(self, record: dict) -> dict:
         """At the end of a step: its ``breakdown`` (when on) and the job's peak memory so far."""
         if self.enabled:
@@ -212,8 +197,15 @@ class StepTimer:
             return record
         step_time = record["step_time_s"]
         achieved = record["flops"] / step_time / 1e12 if step_time > 0 else 0.0
-        if achieved > self.peak_tflops > 0:
-            self._raise_peak(achieved)
+        if achieved > self.peak_tflops > 0 and self.measured:
+            # the start-up measurement was slowed by load: measure this rank's share again, scaling the job's total
+            again = F.measure_cpu_peak_tflops()
+            if again > self.local_peak:
+                self.peak_tflops *= again / self.local_peak
+                self.local_peak = again
+                self.peak_source += f"; measured again at {again:.3g} TFLOP/s when a step beat it"
+        if self.peak_tflops > 0:
+            self.peak_tflops = max(self.peak_tflops, achieved)  # never a peak below a rate achieved
         record["tflops"] = achieved
         record["mfu"] = min(1.0, achieved / self.peak_tflops) if self.peak_tflops > 0 else 0.0
         return record
