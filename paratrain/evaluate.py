@@ -63,29 +63,17 @@ def translate(model: Seq2SeqModel, tokenizer: Tokenizer, sentences: list[str], s
     return out
 
 
-class TranslateError(UserError, RuntimeError):
-    """A checkpoint or tokenizer that ``paratrain translate`` cannot use; the message says why."""
-
-
-def translate_lines(model: Seq2SeqModel, tokenizer: Tokenizer, lines: list[str], src_seq_length: int,
-                    tgt_seq_length: int, batch_size: int = 64) -> list[str]:
-    """One translation per line; blank lines stay blank."""
-    hypotheses = iter(translate(model, tokenizer, [line.strip() for line in lines if line.strip()], src_seq_length,
-                                tgt_seq_length, batch_size))
-    return [next(hypotheses) if line.strip() else "" for line in lines]
-
-
 def translation_tokenizer(cfg) -> Tokenizer:
     """The tokenizer a translation config names (``data.tokenizer``, else tokenizer.json next to data.path);
-    unlike training, never trains one: a missing file is a TranslateError."""
+    unlike training, never trains one: a missing file is a UserError."""
     path = Path(cfg.data.tokenizer or (Path(cfg.data.path).with_name("tokenizer.json") if cfg.data.path else ""))
     if not cfg.data.tokenizer and not cfg.data.path or not path.is_file():
-        raise TranslateError(f"tokenizer {str(path) or '(none configured)'} not found: the checkpoint's config names "
+        raise UserError(f"tokenizer {str(path) or '(none configured)'} not found: the checkpoint's config names "
                              f"data.tokenizer={cfg.data.tokenizer!r}; pass --data.tokenizer=PATH to the one used "
                              f"in training")
     tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise TranslateError(f"tokenizer {path} has {tokenizer.vocab_size} tokens, more than the model's "
+        raise UserError(f"tokenizer {path} has {tokenizer.vocab_size} tokens, more than the model's "
                              f"vocab_size={cfg.model.vocab_size}: it is not the tokenizer this model was trained with")
     return tokenizer
 
@@ -104,14 +92,14 @@ def load_translation_model(checkpoint: str | Path, config: str | Path | None = N
     meta = read_meta(path)
     cfg = config_file.load(config, overrides) if config else config_file.from_dict(meta["config"], overrides)
     if cfg.model.kind not in MODEL_KINDS or not cfg.model.spec.encoder_decoder:
-        raise TranslateError(f"checkpoint {path} holds a {cfg.model.kind!r} model; paratrain translate needs the "
+        raise UserError(f"checkpoint {path} holds a {cfg.model.kind!r} model; paratrain translate needs the "
                              f"encoder-decoder (model.kind = \"transformer\")")
     tokenizer = translation_tokenizer(cfg)
     model = build_model(cfg.model)
     try:
         model.load_state_dict(load_full_tensors(path))
     except RuntimeError as exc:
-        raise TranslateError(f"checkpoint {path} does not fit the configured model: {exc}") from None
+        raise UserError(f"checkpoint {path} does not fit the configured model: {exc}") from None
     return model.to(device).eval(), cfg, tokenizer
 
 
