@@ -31,12 +31,6 @@ def format_record(r: dict, total_steps: int, log_format: str = "default") -> str
     return line
 
 
-def scalars(record: dict) -> dict[str, float]:
-    """The record's numbers flattened for TensorBoard: ``loss``, ``breakdown/forward_pct``..."""
-    return {name: float(value) for name, value in dotted(record, "/")
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and name.rpartition("/")[2] != "step"}
-
-
 class MetricsLogger:
     """Writes one JSON object per logged step to ``metrics.jsonl``, prints a line for it, and, when
     configured, adds it to TensorBoard (``metrics.tensorboard``: event files in the run directory) and
@@ -68,8 +62,9 @@ class MetricsLogger:
         self.file.write(json.dumps({"time": time.time(), **record}) + "\n")
         self.file.flush()
         if self.writer is not None:
-            for key, value in scalars(record).items():
-                self.writer.add_scalar(key, value, record["step"])
+            for key, value in dotted(record, "/"):  # loss, breakdown/forward_pct, ...
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key.rpartition("/")[2] != "step":
+                    self.writer.add_scalar(key, float(value), record["step"])
             self.writer.flush()
         line = format_record(record, self.total_steps, self.cfg.log_format)
         self._info = f"loss {record['loss']:.4f} {record['tokens_per_s']:,.0f} tok/s"
