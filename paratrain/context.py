@@ -236,7 +236,6 @@ def set_context(**kwargs) -> None:
     after tensor parallel and recompute, before data parallel; ``PYNATIVE_MODE`` (the default) runs eagerly.
     ``device_target`` "CPU" or "GPU" must match the device this run chose (``PARATRAIN_DEVICE``). Other
     options are refused with the reason; nothing is set when one is refused."""
-    checked = {}
     for key, value in kwargs.items():
         if key == "mode":
             if value not in (GRAPH_MODE, PYNATIVE_MODE) or isinstance(value, bool):
@@ -254,8 +253,7 @@ def set_context(**kwargs) -> None:
         else:
             raise UserError(f"set_context({key}=...): not offered; paratrain's context has mode and device_target "
                             f"(parallel options: set_auto_parallel_context)")
-        checked[key] = value
-    _CONTEXT.update(checked)
+    _CONTEXT.update(kwargs)
 
 
 def get_context(key: str) -> Any:
