@@ -1,11 +1,10 @@
 """Model FLOPs per step, device peak FLOP/s and memory, for MFU and the memory column.
 
-FLOPs are counted the usual way (Megatron / PaLM): a matmul of (m, k) x (k, n)
-costs 2mkn forward and twice that backward, so every weight used once per token
-costs 6 FLOPs per token per step; attention adds QK^T and (softmax)V, 4·Tq·Tk·H
-forward per layer and batch row, times 3 for training. Embedding lookups, norms,
-softmax and the loss are not counted; padded positions are (the matmuls run on them).
-This is the one FLOP model: the trainer's MFU and the planner (``paratrain.plan``) use it.
+FLOPs are counted the usual way (Megatron / PaLM): a matmul of (m, k) x (k, n) costs 2mkn forward and twice
+that backward, so every weight used once per token costs 6 FLOPs per token per step; attention adds QK^T and
+(softmax)V, 4·Tq·Tk·H forward per layer and batch row, times 3 for training. Embedding lookups, norms, softmax
+and the loss are not counted; padded positions are (the matmuls run on them). This is the one FLOP model: the
+trainer's MFU and the planner (``paratrain.plan``) use it.
 """
 from __future__ import annotations
 
