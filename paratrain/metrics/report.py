@@ -98,7 +98,7 @@ def summary_rows(run_dir: Path) -> list[tuple[str, str]]:
     rows = [("run", str(run_dir))]
     config = Path(run_dir) / "config.toml"
     if config.exists():
-        import tomllib
+        from paratrain.config_file import tomllib  # tomli before Python 3.11
         cfg = tomllib.loads(config.read_text())
         m, p = cfg.get("model", {}), cfg.get("parallel", {})
         rows.append(("model", f"{m.get('kind')} hidden {m.get('hidden_size')} heads {m.get('num_heads')} "
