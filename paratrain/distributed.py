@@ -29,10 +29,11 @@ def collective_timeout(default_s: float = 600.0) -> float:
         raise ValueError(f"PARATRAIN_COLLECTIVE_TIMEOUT={value!r} is not a number of seconds") from None
 
 
-def init_from_env(offload: bool = False) -> tuple[int, int]:
+def init_from_env(timeout_s: float | None = None, offload: bool = False) -> tuple[int, int]:
     """Join the process group torchrun, SLURM, MPI or Kubeflow described (:func:`paratrain.cluster.fill_env`),
-    if any; returns (rank, world_size). With ``offload`` (ZeRO-Offload) the group also reduces host tensors,
-    and one process gets a group of its own (FSDP2 needs one)."""
+    if any; returns (rank, world_size). ``timeout_s`` bounds every collective (default:
+    :func:`collective_timeout`). With ``offload`` (ZeRO-Offload) the group also reduces host tensors, and one
+    process gets a group of its own (FSDP2 needs one)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     fill_env()
@@ -44,7 +45,8 @@ def init_from_env(offload: bool = False) -> tuple[int, int]:
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     configure(device())
     alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if world_size == 1 else {}
-    dist.init_process_group(backend(offload), timeout=datetime.timedelta(seconds=collective_timeout()), **alone)
+    timeout = datetime.timedelta(seconds=collective_timeout() if timeout_s is None else timeout_s)
+    dist.init_process_group(backend(offload), timeout=timeout, **alone)
     atexit.register(_leave)
     return dist.get_rank(), dist.get_world_size()
 
