@@ -23,12 +23,7 @@ from paratrain.metrics import flops as F
 PARTS = ("forward", "backward", "optimizer", "comm", "pipeline_idle", "other")
 COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 NOT_TIMED = {"send", "recv_", "recv_any_source_", "_wrap_tensor_autograd"}  # p2p: pipeline idle; wrapping: no comm
-_NULL = contextlib.nullcontext()
-
-
-def no_phase(name: str):
-    """A placement's ``phase`` until a timer's is given: no timing."""
-    return _NULL
+no_phase = contextlib.nullcontext  # a placement's ``phase(name)`` until a timer's is given: no timing
 
 
 def synchronize(device: torch.device) -> None:
