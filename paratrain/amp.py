@@ -14,9 +14,6 @@ AMP_LEVELS = ("O0", "O1", "O2", "O3")
 class LossScaleManager:
     """Base of the loss-scale managers: ``scaler(device)`` is the ``LossScaler`` that runs it."""
 
-    def scaler(self, device: torch.device) -> LossScaler:
-        raise NotImplementedError
-
 
 class FixedLossScaleManager(LossScaleManager):
     """A fixed loss scale ``loss_scale``; with ``drop_overflow_update`` (MindSpore's default) a step whose

@@ -1,11 +1,8 @@
-"""The ``paratrain`` command.
+"""The ``paratrain`` command: each module in ``COMMAND_MODULES`` adds its subcommands with ``register(sub)``.
 
-Each package registers its own subcommands with a ``register(subparsers)`` function;
-a subcommand's function takes the parsed arguments and returns the exit code. Those
-that accept config overrides (``--section.key=value``) say so with
-``set_defaults(overrides=True)`` and find them in ``args.overrides``; any other
-leftover argument is refused with the command's usage. A ``UserError`` anywhere is
-reported here, once: one message, exit code 2, no traceback.
+A subcommand's function takes the parsed arguments and returns the exit code; one that accepts config
+overrides (``--section.key=value``) sets ``overrides=True`` and finds them in ``args.overrides``, any other
+leftover argument is refused with its usage. A ``UserError`` is reported here once: exit code 2, no traceback.
 """
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ from paratrain.config_file import parse_overrides
 from paratrain.deepspeed_config import load_config
 from paratrain.errors import UserError
 
-COMMAND_MODULES = ("paratrain.launch", "paratrain.doctor", "paratrain.data.commands", "paratrain.metrics.commands",
+COMMAND_MODULES = ("paratrain.launch", "paratrain.doctor", "paratrain.data.commands", "paratrain.metrics.report",
                    "paratrain.checkpoint.commands", "paratrain.plan.commands", "paratrain.translation")
 
 
@@ -28,7 +25,7 @@ def cmd_train(args) -> int:
 
     cluster.fill_env()  # srun/mpirun/a pod: what torchrun would set
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    report = (lambda line: print(line, flush=True)) if os.environ.get("RANK", "0") == "0" else None
+    report = (lambda line: print(line, flush=True)) if os.environ.get("RANK", "0") == "0" else (lambda line: None)
     cfg = preflight.check(load_config(args.config, args.overrides, args.deepspeed, world_size, report), world_size)
     from paratrain.device import device
     from paratrain.distributed import init_from_env
@@ -41,8 +38,7 @@ def cmd_train(args) -> int:
     cfg.train.mixed_precision = resolve_mixed_precision(cfg.train.mixed_precision, device())
     if cfg.parallel.auto:  # the planner picks the layout for this world size before the trainer is built
         from paratrain.plan import resolve_auto
-        print_main = print if rank == 0 else (lambda *a, **k: None)
-        resolve_auto(cfg, world_size, report=lambda why: print_main(why, flush=True))
+        resolve_auto(cfg, world_size, report=report)
     return loop.exit_code(Trainer(cfg).run, rank)
 
 

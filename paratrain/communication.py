@@ -19,10 +19,8 @@ WORLD_GROUPS = (None, "hccl_world_group", "nccl_world_group", "mccl_world_group"
 
 
 def init(backend_name: str | None = None) -> None:
-    """Join the process group of this job (no-op when it runs as one process).
-
-    ``backend_name``: None (the device's backend), or ``"nccl"``/``"gloo"`` when it is that one.
-    """
+    """Join the process group of this job (no-op when it runs as one process); ``backend_name``, when given,
+    must be the device's (``"nccl"`` or ``"gloo"``)."""
     if backend_name is not None and backend_name != backend():
         raise UserError(f"communication.init({backend_name!r}): this rank's device uses {backend()!r} (NCCL on GPUs, "
                         f"gloo on the CPU; PARATRAIN_DEVICE chooses the device): call init() with no backend")

@@ -1,17 +1,13 @@
-"""MindSpore's auto-parallel context: ``set_auto_parallel_context``, ``get_auto_parallel_context``,
-``reset_auto_parallel_context`` and ``ParallelMode``.
+"""MindSpore's auto-parallel context (``set_auto_parallel_context`` and friends, ``ParallelMode``) and
+``set_context``.
 
-When ``paratrain.train.Model`` places a net (``parallel_config_for``), the sizes come from the
-``TransformerOpParallelConfig`` given to its blocks (none: data parallel over every rank;
-``data_parallel`` not given: ``world_size // (model_parallel * pipeline_stage)``). The context adds
-what only it says: ``enable_parallel_optimizer`` shards the optimizer (stage 2 with
-``gradient_accumulation_shard``, ``optimizer_level`` "level1".."level3" for stages 1..3),
-``pipeline_stages`` sets the stage count the blocks leave at 1, ``parallel_mode`` restricts the
-layout (``data_parallel``: no model or pipeline parallelism; ``stand_alone``: one process) or places
-a net of ``paratrain.ops`` op by op (``semi_auto_parallel``/``auto_parallel``) or runs any net whole
-on every rank with its own collectives (``hybrid_parallel``). Where both state a value they must
-agree: a contradiction is refused naming both, and an option paratrain cannot honour is refused
-when set, with the reason.
+``parallel_config_for`` completes the ``TransformerOpParallelConfig`` of a user's blocks (none: data parallel
+over every rank) with what only the context says: ``enable_parallel_optimizer`` and its ``optimizer_level``
+(ZeRO stages 1..3), ``pipeline_stages``, ``pipeline_config`` and ``parallel_mode``: ``data_parallel`` (no
+model or pipeline parallelism), ``stand_alone`` (one process), ``semi_auto_parallel``/``auto_parallel`` (a
+net of ``paratrain.ops`` placed op by op) or ``hybrid_parallel`` (any net whole on every rank, with its own
+collectives). Where both state a value they must agree: a contradiction is refused naming both, and an
+option paratrain cannot honour is refused when set, with the reason.
 """
 from __future__ import annotations
 
@@ -45,23 +41,26 @@ DEFAULTS: dict[str, Any] = {
 PIPELINE_SCHEDULERS = {False: {"1f1b": "1f1b", "gpipe": "gpipe"},
                        True: {"1f1b": "interleaved_1f1b", "gpipe": "looped_bfs", "zero_bubble_v": "zbv_zero_bubble"}}
 SEARCH_MODES = ("dynamic_programming", "sharding_propagation")
+CHOICES = {"parallel_mode": ParallelMode.MODE_LIST, **dict.fromkeys(("search_mode", "auto_parallel_search_mode"),
+                                                                  SEARCH_MODES)}
 OPTIMIZER_CONFIG_KEYS = ("gradient_accumulation_shard", "parallel_optimizer_threshold", "optimizer_weight_shard_size",
                          "optimizer_level")
 OPTIMIZER_LEVELS = {"level1": 1, "level2": 2, "level3": 3}  # what is sharded: optimizer state, + gradients, + weights
-_STRATEGY_FILES = "give the files as strategy_ckpt_save_file and strategy_ckpt_load_file"
-_COMM_BUCKETS = ("communication buckets are set by TransformerOpParallelConfig.gradient_aggregation_group or a "
-                 "block's set_comm_fusion(k)")
 REFUSED = {  # options that exist in MindSpore and have no counterpart here: why
-    "strategy_ckpt_config": _STRATEGY_FILES,
-    "all_reduce_fusion_config": _COMM_BUCKETS, "comm_fusion": _COMM_BUCKETS,
+    "strategy_ckpt_config": "give the files as strategy_ckpt_save_file and strategy_ckpt_load_file",
+    **dict.fromkeys(("all_reduce_fusion_config", "comm_fusion"), "communication buckets are set by "
+                    "TransformerOpParallelConfig.gradient_aggregation_group or a block's set_comm_fusion(k)"),
 }
 
 # in data_parallel mode (paratrain.train.Model) gradients_mean=False sums the ranks' gradients and
 # parameter_broadcast gives every rank rank 0's initial parameters
-BOOL_OPTIONS = ("enable_parallel_optimizer", "gradients_mean", "parameter_broadcast")
-ONE_VALUE = {  # boolean options paratrain honours with one value only: (that value, why)
+BOOL_OPTIONS = ("enable_parallel_optimizer", "gradients_mean", "parameter_broadcast", "full_batch",
+                "loss_repeated_mean", "gradient_fp32_sync", "enable_alltoall")
+ONE_VALUE = {  # options paratrain honours with one value only: (that value, why)
     "full_batch": (True, "every rank gives Model.train the whole global batch and keeps its own rows; a rank "
                          "reading only its rows is not offered"),
+    "dataset_strategy": ("full_batch", "only 'full_batch' is offered: every rank reads the whole global batch and "
+                                       "keeps its own rows"),
     "loss_repeated_mean": (True, "the loss is always the mean over the whole global batch"),
     "gradient_fp32_sync": (True, "gradients are always reduced in float32"),
     "enable_alltoall": (False, "no layout here uses all-to-all"),
@@ -80,56 +79,40 @@ def _bool(key: str, value: Any) -> bool:
     return value
 
 
-def _only(key: str, value: Any, allowed: Any, why: str) -> Any:
-    if value != allowed:
-        raise _refuse(key, value, why)
-    return value
-
-
 def _check(key: str, value: Any) -> Any:
     """``value`` if paratrain honours option ``key`` with it (checks against other options wait for
     ``parallel_config_for``); a UserError with the reason otherwise."""
     if key in REFUSED:
         raise _refuse(key, value, REFUSED[key])
-    if key == "parallel_mode":
-        if value not in ParallelMode.MODE_LIST:
-            raise _refuse(key, value, f"expected one of {', '.join(ParallelMode.MODE_LIST)}")
-        return value
-    if key in ("search_mode", "auto_parallel_search_mode"):
-        if value not in SEARCH_MODES:
-            raise _refuse(key, value, f"expected one of {', '.join(SEARCH_MODES)} (dynamic_programming is paratrain's "
-                                      f"search over a cost model of bytes moved and memory per device)")
-        return value
-    if key in ("strategy_ckpt_save_file", "strategy_ckpt_load_file"):
-        if not isinstance(value, str):
-            raise _refuse(key, value, "expected a file path")
-        return value
+    if key not in DEFAULTS and key not in CHOICES:
+        raise _refuse(key, value, f"unknown option; known: {', '.join(sorted([*DEFAULTS, *REFUSED]))}")
+    if key in CHOICES and value not in CHOICES[key]:
+        why = "" if key == "parallel_mode" else (" (dynamic_programming is paratrain's search over a cost model of "
+                                                 "bytes moved and memory per device)")
+        raise _refuse(key, value, f"expected one of {', '.join(CHOICES[key])}{why}")
+    if key in ("strategy_ckpt_save_file", "strategy_ckpt_load_file") and not isinstance(value, str):
+        raise _refuse(key, value, "expected a file path")
+    if key in ("device_num", "global_rank", "pipeline_stages"):
+        low = 0 if key == "global_rank" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise _refuse(key, value, "expected a rank" if low == 0 else "expected a positive integer")
     if key in ("device_num", "global_rank"):
         from paratrain import communication
 
-        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "device_num" else 0):
-            raise _refuse(key, value, "expected a positive integer" if key == "device_num" else "expected a rank")
-        actual = communication.get_group_size() if key == "device_num" else communication.get_rank()
+        world = key == "device_num"
+        actual = communication.get_group_size() if world else communication.get_rank()
         if value != actual:
-            raise _refuse(key, value, f"this job's {'world size' if key == 'device_num' else 'rank'} is {actual}: "
-                                      f"it follows from the launch (paratrain launch --nproc-per-node)")
-        return value
-    if key == "pipeline_stages":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise _refuse(key, value, "expected a positive integer")
-        return value
+            raise _refuse(key, value, f"this job's {'world size' if world else 'rank'} is {actual}: it follows from "
+                                      f"the launch (paratrain launch --nproc-per-node)")
     if key in BOOL_OPTIONS:
-        return _bool(key, value)
-    if key in ONE_VALUE:
-        return _only(key, _bool(key, value), *ONE_VALUE[key])
-    if key == "dataset_strategy":
-        return _only(key, value, "full_batch", "only 'full_batch' is offered: every rank reads the whole global "
-                                               "batch and keeps its own rows")
+        _bool(key, value)
+    if key in ONE_VALUE and value != ONE_VALUE[key][0]:
+        raise _refuse(key, value, ONE_VALUE[key][1])
     if key == "parallel_optimizer_config":
         return _optimizer_config(value)
     if key == "pipeline_config":
         return _pipeline_config(value)
-    raise _refuse(key, value, f"unknown option; known: {', '.join(sorted([*DEFAULTS, *REFUSED]))}")
+    return value
 
 
 def _optimizer_config(value: Any) -> dict:
@@ -172,11 +155,9 @@ def set_auto_parallel_context(**kwargs) -> None:
 
 def get_auto_parallel_context(key: str) -> Any:
     """The value of option ``key``: as set, else what paratrain does."""
-    if key in _values:
-        return _values[key]
-    if key in DEFAULTS:
-        return DEFAULTS[key]
-    raise UserError(f"get_auto_parallel_context({key!r}): unknown option; known: {', '.join(sorted(DEFAULTS))}")
+    if key not in DEFAULTS:
+        raise UserError(f"get_auto_parallel_context({key!r}): unknown option; known: {', '.join(sorted(DEFAULTS))}")
+    return _values.get(key, DEFAULTS[key])
 
 
 def reset_auto_parallel_context() -> None:
@@ -198,27 +179,24 @@ def parallel_config_for(configs: list[ParallelConfig], world_size: int, segments
             problems.append("the net's blocks were given parallel configs that differ in " + ", ".join(
                 f"{f} ({getattr(configs[0], f)} and {getattr(other, f)})" for f in differs) + ": give them one")
     config = dataclasses.replace(configs[0]) if configs else ParallelConfig()
-    mode = _values.get("parallel_mode")
+    mode, stages = _values.get("parallel_mode"), _values.get("pipeline_stages")
     if mode == ParallelMode.STAND_ALONE and world_size > 1:
         problems.append(f"parallel_mode='stand_alone' runs one process, but the job has {world_size}: use "
                         f"semi_auto_parallel (or data_parallel)")
-    if mode == ParallelMode.DATA_PARALLEL:
-        if config.model_parallel > 1 or config.pipeline_stage > 1 or _values.get("pipeline_stages", 1) > 1:
-            problems.append(f"parallel_mode='data_parallel' with model_parallel={config.model_parallel} and "
-                            f"pipeline_stage={max(config.pipeline_stage, _values.get('pipeline_stages', 1))}: use "
-                            f"semi_auto_parallel for model or pipeline parallelism")
-    stages = _values.get("pipeline_stages")
-    if stages is not None:
-        if config.pipeline_stage == 1:
-            config.pipeline_stage = stages
-        elif config.pipeline_stage != stages:
-            problems.append(f"set_auto_parallel_context(pipeline_stages={stages}) contradicts the blocks' "
-                            f"TransformerOpParallelConfig(pipeline_stage={config.pipeline_stage}): make them equal")
+    deepest = max(config.pipeline_stage, stages or 1)
+    if mode == ParallelMode.DATA_PARALLEL and (config.model_parallel > 1 or deepest > 1):
+        problems.append(f"parallel_mode='data_parallel' with model_parallel={config.model_parallel} and "
+                        f"pipeline_stage={deepest}: use semi_auto_parallel for model or pipeline parallelism")
+    if stages and config.pipeline_stage == 1:
+        config.pipeline_stage = stages
+    elif stages not in (None, config.pipeline_stage):
+        problems.append(f"set_auto_parallel_context(pipeline_stages={stages}) contradicts the blocks' "
+                        f"TransformerOpParallelConfig(pipeline_stage={config.pipeline_stage}): make them equal")
     pipeline = _values.get("pipeline_config", {})
     interleave = pipeline.get("pipeline_interleave", False)
     if segments > 1 and not interleave:
-        problems.append(f"the net's cells have pipeline_segment 0..{segments - 1}, but the pipeline is not interleaved: "
-                        f"set_auto_parallel_context(pipeline_config={{'pipeline_interleave': True}})")
+        problems.append(f"the net's cells have pipeline_segment 0..{segments - 1}, but the pipeline is not "
+                        f"interleaved: set_auto_parallel_context(pipeline_config={{'pipeline_interleave': True}})")
     config.pipeline_schedule = PIPELINE_SCHEDULERS[interleave][pipeline.get("pipeline_scheduler", "1f1b")]
     config.virtual_pipeline_stage = segments
     if config.pipeline_schedule == "zbv_zero_bubble" and segments != 2:
@@ -258,7 +236,6 @@ def set_context(**kwargs) -> None:
     after tensor parallel and recompute, before data parallel; ``PYNATIVE_MODE`` (the default) runs eagerly.
     ``device_target`` "CPU" or "GPU" must match the device this run chose (``PARATRAIN_DEVICE``). Other
     options are refused with the reason; nothing is set when one is refused."""
-    checked = {}
     for key, value in kwargs.items():
         if key == "mode":
             if value not in (GRAPH_MODE, PYNATIVE_MODE) or isinstance(value, bool):
@@ -276,8 +253,7 @@ def set_context(**kwargs) -> None:
         else:
             raise UserError(f"set_context({key}=...): not offered; paratrain's context has mode and device_target "
                             f"(parallel options: set_auto_parallel_context)")
-        checked[key] = value
-    _CONTEXT.update(checked)
+    _CONTEXT.update(kwargs)
 
 
 def get_context(key: str) -> Any:

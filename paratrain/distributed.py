@@ -29,31 +29,23 @@ def collective_timeout(default_s: float = 600.0) -> float:
         raise ValueError(f"PARATRAIN_COLLECTIVE_TIMEOUT={value!r} is not a number of seconds") from None
 
 
-def install_stack_dumps() -> None:
-    """Dump all threads' Python stacks to stderr on a crash, on SIGUSR1 (then continue) and on SIGTERM
-    (then terminate as SIGTERM would)."""
-    faulthandler.enable(all_threads=True)
-    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
-    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
-
-
 def init_from_env(timeout_s: float | None = None, offload: bool = False) -> tuple[int, int]:
     """Join the process group torchrun, SLURM, MPI or Kubeflow described (:func:`paratrain.cluster.fill_env`),
-    if any; returns (rank, world_size).
-
-    ``timeout_s`` bounds every collective (default: :func:`collective_timeout`). ``offload`` (ZeRO-Offload):
-    the group also reduces host tensors, and one process gets a group of its own (FSDP2 needs one).
-    """
+    if any; returns (rank, world_size). ``timeout_s`` bounds every collective (default:
+    :func:`collective_timeout`). With ``offload`` (ZeRO-Offload) the group also reduces host tensors, and one
+    process gets a group of its own (FSDP2 needs one)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     fill_env()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1 and not offload:
         return 0, 1
-    install_stack_dumps()
+    faulthandler.enable(all_threads=True)  # and on SIGUSR1 (then continue) and SIGTERM (then terminate)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     configure(device())
-    timeout = datetime.timedelta(seconds=collective_timeout() if timeout_s is None else timeout_s)
     alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if world_size == 1 else {}
+    timeout = datetime.timedelta(seconds=collective_timeout() if timeout_s is None else timeout_s)
     dist.init_process_group(backend(offload), timeout=timeout, **alone)
     atexit.register(_leave)
     return dist.get_rank(), dist.get_world_size()

@@ -58,14 +58,14 @@ def check_all_reduce(world: int, rank: int, device="cpu") -> list[str]:
     return problems
 
 
-def rank0_says(condition: bool, device) -> bool:
-    """Rank 0's value of ``condition`` on every rank, so that all ranks run the same collectives."""
+def from_rank0(value: int, device) -> int:
+    """Rank 0's ``value`` on every rank, so that all ranks run the same collectives."""
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([int(condition)], device=device)
-    dist.broadcast(flag, 0)
-    return bool(flag.item())
+    tensor = torch.tensor([int(value)], device=device)
+    dist.broadcast(tensor, 0)
+    return int(tensor.item())
 
 
 def timed_all_reduces(tensor, iters: int) -> float:
@@ -93,9 +93,7 @@ def bus_bandwidth(size_mb: float, device, min_time_s: float = 0.5, max_iters: in
     tensor = torch.ones(max(1, int(size_mb * 2**20 / 4)), device=device)
     timed_all_reduces(tensor, 2)
     once = max(timed_all_reduces(tensor, 1), 1e-6)
-    iters = torch.tensor([min(max_iters, max(1, int(min_time_s / once)))], device=device)
-    dist.broadcast(iters, 0)
-    seconds = timed_all_reduces(tensor, int(iters.item()))
+    seconds = timed_all_reduces(tensor, from_rank0(min(max_iters, max(1, int(min_time_s / once))), device))
     world = dist.get_world_size()
     return seconds, tensor.numel() * 4 / seconds * 2 * (world - 1) / world / 1e9
 
@@ -131,9 +129,10 @@ def worker(args) -> int:
     largest = args.size_mb or DEFAULT_SIZE_MB.get(device.type, DEFAULT_SIZE_MB["cpu"])
     for size in (*(s for s in SIZES_MB if s < largest), largest):
         seconds, busbw = bus_bandwidth(size, device)
-        say(f"{'bandwidth':>14}: {size * 2**20:>12,.0f} bytes  {seconds * 1e3:8.2f} ms  bus {busbw:6.2f} GB/s", flush=True)
+        say(f"{'bandwidth':>14}: {size * 2**20:>12,.0f} bytes  {seconds * 1e3:8.2f} ms  bus {busbw:6.2f} GB/s",
+            flush=True)
     end, step = time.monotonic() + args.duration, 0
-    while rank0_says(time.monotonic() < end, device):
+    while from_rank0(time.monotonic() < end, device):
         seconds, busbw = bus_bandwidth(largest, device, min_time_s=1.0)
         step += 1
         progress.step_done(step)  # one soak measurement is a step

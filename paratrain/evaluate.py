@@ -19,7 +19,7 @@ from paratrain.models.transformer import Seq2SeqModel
 
 
 def bleu(hypotheses: list[str], references: list[str]) -> float:
-    """Corpus BLEU (0-100) of detokenized hypotheses against one reference each, sacrebleu's default 13a tokenization."""
+    """Corpus BLEU (0-100) of detokenized hypotheses against one reference each (sacrebleu, 13a tokenization)."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     return sacrebleu.corpus_bleu(hypotheses, [references]).score
@@ -27,11 +27,9 @@ def bleu(hypotheses: list[str], references: list[str]) -> float:
 
 @torch.no_grad()
 def greedy_decode(model: Seq2SeqModel, src_ids: torch.Tensor, max_length: int) -> torch.Tensor:
-    """Most likely next token, one at a time: src_ids (B, S) -> tokens (B, <= max_length), PAD after EOS.
-
-    The source is encoded once; each step feeds only the newest token to the decoder, which caches
-    earlier keys/values (MindSpore's ``use_past``). ``max_length`` <= the model's tgt_seq_length.
-    """
+    """Most likely next token, one at a time: src_ids (B, S) -> tokens (B, <= max_length <= tgt_seq_length), PAD
+    after EOS. The source is encoded once; each step feeds the decoder only the newest token, the earlier ones'
+    keys/values cached (MindSpore's ``use_past``)."""
     model.eval()
     src_pad = src_ids == model.pad_token_id
     memory = model.encode(src_ids)
@@ -63,30 +61,17 @@ def translate(model: Seq2SeqModel, tokenizer: Tokenizer, sentences: list[str], s
     return out
 
 
-class TranslateError(UserError, RuntimeError):
-    """A checkpoint or tokenizer that ``paratrain translate`` cannot use; the message says why."""
-
-
-def translate_lines(model: Seq2SeqModel, tokenizer: Tokenizer, lines: list[str], src_seq_length: int,
-                    tgt_seq_length: int, batch_size: int = 64) -> list[str]:
-    """One translation per line; blank lines stay blank."""
-    hypotheses = iter(translate(model, tokenizer, [line.strip() for line in lines if line.strip()], src_seq_length,
-                                tgt_seq_length, batch_size))
-    return [next(hypotheses) if line.strip() else "" for line in lines]
-
-
 def translation_tokenizer(cfg) -> Tokenizer:
     """The tokenizer a translation config names (``data.tokenizer``, else tokenizer.json next to data.path);
-    unlike training, never trains one: a missing file is a TranslateError."""
+    unlike training, never trains one: a missing file is a UserError."""
     path = Path(cfg.data.tokenizer or (Path(cfg.data.path).with_name("tokenizer.json") if cfg.data.path else ""))
     if not cfg.data.tokenizer and not cfg.data.path or not path.is_file():
-        raise TranslateError(f"tokenizer {str(path) or '(none configured)'} not found: the checkpoint's config names "
-                             f"data.tokenizer={cfg.data.tokenizer!r}; pass --data.tokenizer=PATH to the one used "
-                             f"in training")
+        raise UserError(f"tokenizer {str(path) or '(none configured)'} not found: the checkpoint's config names data."
+                        f"tokenizer={cfg.data.tokenizer!r}; pass --data.tokenizer=PATH to the one used in training")
     tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise TranslateError(f"tokenizer {path} has {tokenizer.vocab_size} tokens, more than the model's "
-                             f"vocab_size={cfg.model.vocab_size}: it is not the tokenizer this model was trained with")
+        raise UserError(f"tokenizer {path} has {tokenizer.vocab_size} tokens, more than the model's "
+                        f"vocab_size={cfg.model.vocab_size}: it is not the tokenizer this model was trained with")
     return tokenizer
 
 
@@ -104,14 +89,14 @@ def load_translation_model(checkpoint: str | Path, config: str | Path | None = N
     meta = read_meta(path)
     cfg = config_file.load(config, overrides) if config else config_file.from_dict(meta["config"], overrides)
     if cfg.model.kind not in MODEL_KINDS or not cfg.model.spec.encoder_decoder:
-        raise TranslateError(f"checkpoint {path} holds a {cfg.model.kind!r} model; paratrain translate needs the "
-                             f"encoder-decoder (model.kind = \"transformer\")")
+        raise UserError(f"checkpoint {path} holds a {cfg.model.kind!r} model; paratrain translate needs the "
+                        f"encoder-decoder (model.kind = \"transformer\")")
     tokenizer = translation_tokenizer(cfg)
     model = build_model(cfg.model)
     try:
         model.load_state_dict(load_full_tensors(path))
     except RuntimeError as exc:
-        raise TranslateError(f"checkpoint {path} does not fit the configured model: {exc}") from None
+        raise UserError(f"checkpoint {path} does not fit the configured model: {exc}") from None
     return model.to(device).eval(), cfg, tokenizer
 
 

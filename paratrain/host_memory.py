@@ -1,21 +1,10 @@
-"""How CPU ranks allocate host memory: tcmalloc when it is found, else glibc with a fixed mmap threshold.
+"""How CPU ranks allocate host memory: tcmalloc when it is found, else glibc with a fixed mmap threshold
+(why: README, Devices and speed, "Host memory on the CPU"; measured in ``bench/peers.py``).
 
-A CPU step frees and allocates the same large buffers every step. glibc serves blocks above its
-mmap threshold from fresh mappings, which the kernel zeroes again page by page each step (a third of
-the step in ``bench/peers.py``); below it, glibc's heap keeps freed space and grows with the
-allocation pattern (its threshold rises up to 32 MiB as such blocks are freed). tcmalloc hands the
-same freed spans out again: no page faults after the first step, at about the fixed-threshold heap's
-peak. torch's own CPU launcher (``torch.backends.xeon.run_cpu``) preloads it too.
-
-tcmalloc must be loaded before the process starts: ``paratrain launch`` puts it in CPU ranks'
-``LD_PRELOAD`` (:func:`rank_env`) and ``paratrain train`` run by hand restarts itself with it once
-(:func:`restart_with_allocator`). ``PARATRAIN_HOST_ALLOCATOR`` chooses: ``auto`` (tcmalloc when
-found in :data:`SEARCH`), ``system`` (glibc) or an allocator library's path. Without tcmalloc,
-:func:`fix_mmap_threshold` fixes glibc's threshold at 4 MiB: no heap growth, at the cost of the
-page faults. ``make install`` puts Debian's ``libtcmalloc-minimal4`` into ``.venv/lib`` where the
-system has none.
-
-This module imports no torch: the launcher and the command line use it before torch loads.
+tcmalloc must be loaded before the process starts: ``paratrain launch`` puts it in CPU ranks' ``LD_PRELOAD``
+(:func:`rank_env`) and ``paratrain train`` run by hand restarts itself with it once
+(:func:`restart_with_allocator`). This module imports no torch: the launcher and the command line use it
+before torch loads.
 """
 from __future__ import annotations
 

@@ -15,43 +15,27 @@ from paratrain.device import configure, device
 
 
 class Layout:
-    """A ParallelConfig placed on the processes of this job: its device, mesh, groups and this rank's
-    coordinates. A ``data_parallel`` not given is derived here from ``world_size``."""
+    """A ParallelConfig placed on the processes of this job: its device, mesh, groups (None where a dim has one
+    rank) and this rank's coordinates. A ``data_parallel`` not given is derived here from ``world_size``."""
 
     def __init__(self, config: ParallelConfig, world_size: int = 1):
         self.config = config.derive(world_size)
-        self.world_size = world_size
+        self.world_size, self.dp_size = world_size, config.data_parallel
         self.device = device()
         configure(self.device)
+        self.dp_dim = "dp_shard" if config.shards_parameters else "dp_replicate"
         self.mesh: DeviceMesh | None = None
+        self.pp_rank = self.dp_rank = self.tp_rank = 0
+        self.pp_group = self.dp_group = None
         if world_size > 1 or config.offloads:  # FSDP2's offload needs a mesh, even of one rank
             sharded = config.shards_parameters
             shape = (config.pipeline_stage, 1 if sharded else config.data_parallel,
                      config.data_parallel if sharded else 1, config.model_parallel)
-            self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-
-    def _coordinate(self, dim: str) -> int:
-        return self.mesh.get_local_rank(dim) if self.mesh is not None else 0
-
-    @property
-    def dp_dim(self) -> str:
-        return "dp_shard" if self.config.shards_parameters else "dp_replicate"
-
-    @property
-    def dp_rank(self) -> int:
-        return self._coordinate(self.dp_dim)
-
-    @property
-    def dp_size(self) -> int:
-        return self.config.data_parallel
-
-    @property
-    def tp_rank(self) -> int:
-        return self._coordinate("tp")
-
-    @property
-    def pp_rank(self) -> int:
-        return self._coordinate("pp")
+            mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+            self.mesh = mesh
+            self.pp_rank, self.dp_rank, self.tp_rank = (mesh.get_local_rank(d) for d in ("pp", self.dp_dim, "tp"))
+            self.pp_group = mesh.get_group("pp") if config.pipeline_stage > 1 else None
+            self.dp_group = mesh.get_group(self.dp_dim) if self.dp_size > 1 else None
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -61,14 +45,6 @@ class Layout:
     def dp_mesh(self) -> DeviceMesh:
         """The 1-D mesh of the data-parallel dim: FSDP2 shards over it, or replicates over it at stage 0."""
         return self.mesh[self.dp_dim]
-
-    @property
-    def pp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh.get_group("pp") if self.mesh is not None and self.config.pipeline_stage > 1 else None
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh.get_group(self.dp_dim) if self.mesh is not None and self.dp_size > 1 else None
 
     def all_reduce_dp(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the data-parallel ranks (in place; returned for chaining)."""

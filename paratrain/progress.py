@@ -51,60 +51,57 @@ def _collectives_issued() -> int | None:
         return None
 
 
-class _Reporter:
-    """Keeps one rank's record and rewrites its file on every heartbeat."""
-
-    def __init__(self, path: Path, rank: int):
-        self.path, self.record = path, Progress(rank=rank, pid=os.getpid())
-        self.lock = threading.Lock()
-
-    def write(self) -> None:
-        with self.lock:
-            self.record.collectives = _collectives_issued()
-            self.record.heartbeat = time.time()
-            tmp = self.path.with_name(f"{self.path.name}.tmp")
-            tmp.write_text(json.dumps(asdict(self.record)))
-            os.replace(tmp, self.path)
-
-    def write_quietly(self) -> None:
-        with suppress(OSError):  # a full or vanished directory must not end the training; the next beat retries
-            self.write()
-
-    def beat(self) -> None:
-        while True:
-            time.sleep(HEARTBEAT_S)
-            self.write_quietly()
+_lock = threading.Lock()
+_record: Progress | None = None  # this rank's, once start() ran
+_path: Path | None = None
 
 
-_reporter: _Reporter | None = None
+def _write() -> None:
+    with _lock:
+        _record.collectives = _collectives_issued()
+        _record.heartbeat = time.time()
+        tmp = _path.with_name(f"{_path.name}.tmp")
+        tmp.write_text(json.dumps(asdict(_record)))
+        os.replace(tmp, _path)
+
+
+def _write_quietly() -> None:
+    with suppress(OSError):  # a full or vanished directory must not end the training; the next beat retries
+        _write()
+
+
+def _beat() -> None:
+    while True:
+        time.sleep(HEARTBEAT_S)
+        _write_quietly()
 
 
 def start(rank: int | None = None) -> bool:
     """Start reporting this rank's (default ``$RANK``) progress if the launcher asked for it; True if it did.
     Call after the process group is initialised (its collectives are counted); later calls do nothing."""
-    global _reporter
+    global _record, _path
     directory = os.environ.get(DIR_ENV)
-    if _reporter is not None or not directory:
-        return _reporter is not None
+    if _record is not None or not directory:
+        return _record is not None
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     Path(directory).mkdir(parents=True, exist_ok=True)
-    _reporter = _Reporter(record_path(directory, rank), rank)
-    _reporter.write()
-    threading.Thread(target=_reporter.beat, name="paratrain-progress", daemon=True).start()
+    _record, _path = Progress(rank=rank, pid=os.getpid()), record_path(directory, rank)
+    _write()
+    threading.Thread(target=_beat, name="paratrain-progress", daemon=True).start()
     return True
 
 
 def step_done(step: int) -> None:
     """Record that ``step`` (a Python int) is complete; written by the next heartbeat."""
-    if _reporter is not None:
-        _reporter.record.step = step
+    if _record is not None:
+        _record.step = step
 
 
 def saved(step: int) -> None:
     """Record, at once, that a checkpoint of ``step`` is saved (the launcher reports it when the job stops)."""
-    if _reporter is not None:
-        _reporter.record.saved_step = step
-        _reporter.write_quietly()
+    if _record is not None:
+        _record.saved_step = step
+        _write_quietly()
 
 
 def stopped(saved_step: int | None) -> int:

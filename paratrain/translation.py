@@ -17,11 +17,12 @@ def cmd_translate(args) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read --input {args.input}: {getattr(exc, 'strerror', None) or exc}") from None
     from paratrain.device import device
-    from paratrain.evaluate import load_translation_model, translate_lines
+    from paratrain.evaluate import load_translation_model, translate
 
     model, cfg, tokenizer = load_translation_model(args.checkpoint, args.config, args.overrides, device(args.device))
-    out = translate_lines(model, tokenizer, lines, cfg.model.src_seq_length, cfg.model.tgt_seq_length,
-                          args.batch_size)
+    hypotheses = iter(translate(model, tokenizer, [line.strip() for line in lines if line.strip()],
+                                cfg.model.src_seq_length, cfg.model.tgt_seq_length, args.batch_size))
+    out = [next(hypotheses) if line.strip() else "" for line in lines]  # blank lines stay blank
     text = "".join(line + "\n" for line in out)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

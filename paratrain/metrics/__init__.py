@@ -3,14 +3,13 @@
 (``report``). Imported lazily so the command line does not load torch to list its commands."""
 from __future__ import annotations
 
-__all__ = ["MetricsLogger", "StepTimer", "format_record"]
+import importlib
+
+_MODULES = {"MetricsLogger": "logger", "format_record": "logger", "StepTimer": "timer"}
+__all__ = list(_MODULES)
 
 
 def __getattr__(name: str):
-    if name in ("MetricsLogger", "format_record"):
-        from paratrain.metrics import logger
-        return getattr(logger, name)
-    if name == "StepTimer":
-        from paratrain.metrics.timer import StepTimer
-        return StepTimer
-    raise AttributeError(f"module 'paratrain.metrics' has no attribute {name!r}")
+    if name not in _MODULES:
+        raise AttributeError(f"module 'paratrain.metrics' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"paratrain.metrics.{_MODULES[name]}"), name)

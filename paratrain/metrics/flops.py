@@ -1,11 +1,10 @@
 """Model FLOPs per step, device peak FLOP/s and memory, for MFU and the memory column.
 
-FLOPs are counted the usual way (Megatron / PaLM): a matmul of (m, k) x (k, n)
-costs 2mkn forward and twice that backward, so every weight used once per token
-costs 6 FLOPs per token per step; attention adds QK^T and (softmax)V, 4·Tq·Tk·H
-forward per layer and batch row, times 3 for training. Embedding lookups, norms,
-softmax and the loss are not counted; padded positions are (the matmuls run on them).
-This is the one FLOP model: the trainer's MFU and the planner (``paratrain.plan``) use it.
+FLOPs are counted the usual way (Megatron / PaLM): a matmul of (m, k) x (k, n) costs 2mkn forward and twice
+that backward, so every weight used once per token costs 6 FLOPs per token per step; attention adds QK^T and
+(softmax)V, 4·Tq·Tk·H forward per layer and batch row, times 3 for training. Embedding lookups, norms, softmax
+and the loss are not counted; padded positions are (the matmuls run on them). This is the one FLOP model: the
+trainer's MFU and the planner (``paratrain.plan``) use it.
 """
 from __future__ import annotations
 
@@ -32,14 +31,10 @@ GPU_PEAK_TFLOPS = [
 def layer_flops(m: ModelConfig, decoder: bool, batch: int, lengths: tuple[int, int] | None = None,
                 experts: bool = False) -> dict:
     """Forward FLOPs of one layer on ``batch`` sequences: its weight matmuls (``dense``) and attention's
-    QK^T and (softmax)V (``core``).
-
-    ``lengths``: (source, target) lengths of the encoder-decoder, or (seq, seq) of GPT; default the
-    configured ones (``ModelConfig.lengths``). Encoder and GPT layers see their own sequence; a decoder layer's self-attention
-    and FFN see the target, its cross-attention queries target positions while its K and V
-    projections run over the source (the memory). A mixture-of-experts layer (``experts``, ``model.moe``)
-    counts its router and the ``num_experts_chosen`` experts each token goes to, not the others.
-    """
+    QK^T and (softmax)V (``core``). ``lengths``: (source, target), (seq, seq) for GPT; default
+    ``ModelConfig.lengths``. A decoder layer's cross-attention K and V run over the source (the memory); a
+    mixture-of-experts layer (``experts``) counts its router and the ``num_experts_chosen`` experts a token
+    goes to."""
     h, f = m.hidden_size, m.ffn_hidden_size
     source, target = lengths or m.lengths
     own = target if decoder else source

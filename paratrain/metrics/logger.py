@@ -31,12 +31,6 @@ def format_record(r: dict, total_steps: int, log_format: str = "default") -> str
     return line
 
 
-def scalars(record: dict) -> dict[str, float]:
-    """The record's numbers flattened for TensorBoard: ``loss``, ``breakdown/forward_pct``..."""
-    return {name: float(value) for name, value in dotted(record, "/")
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and name.rpartition("/")[2] != "step"}
-
-
 class MetricsLogger:
     """Writes one JSON object per logged step to ``metrics.jsonl``, prints a line for it, and, when
     configured, adds it to TensorBoard (``metrics.tensorboard``: event files in the run directory) and
@@ -49,15 +43,15 @@ class MetricsLogger:
         if enabled and cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=str(run_dir))
-        self.progress = self._progress_bar() if enabled and cfg.progress and sys.stdout.isatty() else None
+        self.progress = None
+        if enabled and cfg.progress and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+                TimeRemainingColumn
+            self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                                     TimeRemainingColumn(), transient=True)
         self._task = None
         self._info = ""  # the progress bar's text: the last logged loss and throughput
-
-    def _progress_bar(self):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-            TimeRemainingColumn
-        return Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=True)
 
     def should_log(self, step: int) -> bool:
         return (step + 1) % self.cfg.log_steps == 0 or step + 1 == self.total_steps
@@ -68,10 +62,11 @@ class MetricsLogger:
         self.file.write(json.dumps({"time": time.time(), **record}) + "\n")
         self.file.flush()
         if self.writer is not None:
-            for key, value in scalars(record).items():
-                self.writer.add_scalar(key, value, record["step"])
+            for key, value in dotted(record, "/"):  # loss, breakdown/forward_pct, ...
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key.rpartition("/")[2] != "step":
+                    self.writer.add_scalar(key, float(value), record["step"])
             self.writer.flush()
-        line = self.format(record)
+        line = format_record(record, self.total_steps, self.cfg.log_format)
         self._info = f"loss {record['loss']:.4f} {record['tokens_per_s']:,.0f} tok/s"
         if self.progress is not None:
             self.progress.console.print(line, highlight=False, markup=False, soft_wrap=True)
@@ -86,9 +81,6 @@ class MetricsLogger:
             self.progress.start()
             self._task = self.progress.add_task("train", total=self.total_steps, completed=step - 1, info="")
         self.progress.update(self._task, completed=step, info=self._info)
-
-    def format(self, r: dict) -> str:
-        return format_record(r, self.total_steps, self.cfg.log_format)
 
     def close(self) -> None:
         if self.progress is not None and self._task is not None:

@@ -49,25 +49,19 @@ def plot(run_dirs: list[Path], out: Path | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, records in runs.items():
-        ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", label=name)
-    ax.set(xlabel="step", ylabel="loss", title="Training loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    written.append(_save(fig, out / "loss.png"))
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, records in runs.items():
-        steps = [r["step"] for r in records]
-        ax1.plot(steps, [r["tokens_per_s"] for r in records], marker=".", label=name)
-        ax2.plot(steps, [100 * r.get("mfu", 0.0) for r in records], marker=".", label=name)
-    ax1.set(xlabel="step", ylabel="tokens / s", title="Throughput")
-    ax2.set(xlabel="step", ylabel="MFU (%)", title="Model FLOPs utilization")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    written.append(_save(fig, out / "throughput.png"))
+    figures = {"loss.png": [("loss", 1, "loss", "Training loss")],
+               "throughput.png": [("tokens_per_s", 1, "tokens / s", "Throughput"),
+                                  ("mfu", 100, "MFU (%)", "Model FLOPs utilization")]}
+    for file, panels in figures.items():
+        fig, axes = plt.subplots(1, len(panels), figsize=(11 if len(panels) > 1 else 7, 4), squeeze=False)
+        for ax, (key, scale, ylabel, title) in zip(axes[0], panels):
+            for name, records in runs.items():
+                values = [scale * r.get(key, 0.0) for r in records]
+                ax.plot([r["step"] for r in records], values, marker=".", label=name)
+            ax.set(xlabel="step", ylabel=ylabel, title=title)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        written.append(_save(fig, out / file))
 
     breakdowns = {name: b for name, records in runs.items() if (b := mean_breakdown(records))}
     if breakdowns:
@@ -104,7 +98,7 @@ def summary_rows(run_dir: Path) -> list[tuple[str, str]]:
     rows = [("run", str(run_dir))]
     config = Path(run_dir) / "config.toml"
     if config.exists():
-        import tomllib
+        from paratrain.config_file import tomllib  # tomli before Python 3.11
         cfg = tomllib.loads(config.read_text())
         m, p = cfg.get("model", {}), cfg.get("parallel", {})
         rows.append(("model", f"{m.get('kind')} hidden {m.get('hidden_size')} heads {m.get('num_heads')} "
@@ -145,3 +139,25 @@ def summary(run_dir: Path, file=None) -> None:
     for name, value in summary_rows(Path(run_dir)):
         table.add_row(name, value)
     Console(file=file or sys.stdout).print(table)
+
+
+def cmd_plot(args) -> int:
+    for path in plot(args.run_dirs, args.out):
+        print(path)
+    return 0
+
+
+def cmd_summary(args) -> int:
+    summary(args.run_dir)
+    return 0
+
+
+def register(sub) -> None:
+    """Add ``plot`` and ``summary`` to the ``paratrain`` subcommands."""
+    plot_parser = sub.add_parser("plot", help="PNG figures (loss, throughput, time breakdown) of one or more runs")
+    plot_parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    plot_parser.add_argument("--out", help="folder for the PNGs (default: the first RUN_DIR)")
+    plot_parser.set_defaults(func=cmd_plot)
+    summary_parser = sub.add_parser("summary", help="a table of one run's metrics")
+    summary_parser.add_argument("run_dir", metavar="RUN_DIR")
+    summary_parser.set_defaults(func=cmd_summary)

@@ -1,14 +1,10 @@
 """Where a step's time goes: forward, backward, optimizer, exposed communication, pipeline idle, other.
 
-The trainer brackets its work with ``timer.phase(name)``; with ``metrics.breakdown`` off that is
-a no-op. When it is on, phase boundaries synchronize the device (like DeepSpeed's
-``wall_clock_breakdown``) and phases nest, a phase's time excluding its inner phases'. A
-``TorchDispatchMode`` times every collective until it completes (with CUDA events on a GPU), so
-communication is taken out of the phase it ran in and reported as exposed communication;
-point-to-point sends/receives are not timed: waiting for a neighbour stage is pipeline idle. In a
-pipeline step the stages' forward and backward are timed inside the schedule, the rest of it
-(minus communication) is pipeline idle. ``other`` is the rest (data, loss bookkeeping), so the
-parts add up to the step.
+With ``metrics.breakdown`` on, ``timer.phase(name)`` synchronizes the device at its boundaries (like
+DeepSpeed's ``wall_clock_breakdown``) and phases nest, excluding their inner phases' time. A
+``TorchDispatchMode`` times each collective to its completion and takes it out of its phase as exposed
+communication; point-to-point sends/receives are not timed, so waiting for a neighbour stage, like the rest
+of a pipeline schedule outside its stages' forward and backward, is pipeline idle. ``other`` is the rest.
 """
 from __future__ import annotations
 
@@ -18,6 +14,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paratrain.config import MetricsConfig
 from paratrain.metrics import flops as F
@@ -25,12 +23,7 @@ from paratrain.metrics import flops as F
 PARTS = ("forward", "backward", "optimizer", "comm", "pipeline_idle", "other")
 COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 NOT_TIMED = {"send", "recv_", "recv_any_source_", "_wrap_tensor_autograd"}  # p2p: pipeline idle; wrapping: no comm
-_NULL = contextlib.nullcontext()
-
-
-def no_phase(name: str):
-    """A placement's ``phase`` until a timer's is given: no timing."""
-    return _NULL
+no_phase = contextlib.nullcontext  # a placement's ``phase(name)`` until a timer's is given: no timing
 
 
 def synchronize(device: torch.device) -> None:
@@ -50,41 +43,33 @@ def _wait(namespace: str, name: str, out) -> None:
             torch.ops._c10d_functional.wait_tensor(item)
 
 
-def _comm_clock_class():
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
+class CommClock(TorchDispatchMode):
+    """Times each collective from its launch to its completion and reports it to the timer."""
 
-    class CommClock(TorchDispatchMode):
-        """Times each collective from its launch to its completion and reports it to the timer."""
+    def __init__(self, timer: "StepTimer"):
+        super().__init__()
+        self.timer = timer
 
-        def __init__(self, timer: "StepTimer"):
-            super().__init__()
-            self.timer = timer
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if any(issubclass(t, DTensor) for t in types):
-                return NotImplemented  # DTensor dispatches; its collectives come back through this mode
-            if func.namespace not in COMM_NAMESPACES:
-                return func(*args, **kwargs)
-            name = func._schema.name.split("::")[-1]
-            if name in NOT_TIMED:
-                return func(*args, **kwargs)
-            if self.timer.device.type == "cuda":  # the collective runs on the device: time it there
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = func(*args, **kwargs)
-                _wait(func.namespace, name, out)  # the current stream waits for the collective's
-                end.record()
-                self.timer.add_comm((start, end))
-            else:
-                start = time.perf_counter()
-                out = func(*args, **kwargs)
-                _wait(func.namespace, name, out)
-                self.timer.add_comm(time.perf_counter() - start)
-            return out
-
-    return CommClock
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor dispatches; its collectives come back through this mode
+        name = func._schema.name.split("::")[-1]
+        if func.namespace not in COMM_NAMESPACES or name in NOT_TIMED:
+            return func(*args, **kwargs)
+        if self.timer.device.type == "cuda":  # the collective runs on the device: time it there
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = func(*args, **kwargs)
+            _wait(func.namespace, name, out)  # the current stream waits for the collective's
+            end.record()
+            self.timer.add_comm((start, end))
+        else:
+            start = time.perf_counter()
+            out = func(*args, **kwargs)
+            _wait(func.namespace, name, out)
+            self.timer.add_comm(time.perf_counter() - start)
+        return out
 
 
 class StepTimer:
@@ -113,20 +98,18 @@ class StepTimer:
         self._comm_events: list[tuple] = []  # (phase, start, end) CUDA events of this step's collectives
         self.wall = 0.0
         if self.enabled:
-            self._clock = _comm_clock_class()(self)
+            self._clock = CommClock(self)
             with self._clock:  # the first dispatch mode imports a lot: not inside the first step
                 torch.zeros(1, device=self.device).add_(1)
             if pipeline is not None:
                 pipeline.time_compute(self._timed)
 
-    # --- phases ---------------------------------------------------------------------------------
-
+    @contextlib.contextmanager
     def phase(self, name: str):
         """``with timer.phase("forward"):`` -- a no-op when the breakdown is off."""
-        return self._phase(name) if self.enabled else _NULL
-
-    @contextlib.contextmanager
-    def _phase(self, name: str):
+        if not self.enabled:
+            yield
+            return
         synchronize(self.device)
         now = time.perf_counter()
         if self._stack:
@@ -143,12 +126,12 @@ class StepTimer:
             if self._stack:
                 self._stack[-1][1] = now
 
+    @contextlib.contextmanager
     def step(self):
         """Context of one whole step: resets the phases and times collectives (breakdown only)."""
-        return self._step() if self.enabled else _NULL
-
-    @contextlib.contextmanager
-    def _step(self):
+        if not self.enabled:
+            yield
+            return
         self.times.clear()
         self.comm.clear()
         self._stack.clear()
@@ -174,11 +157,9 @@ class StepTimer:
 
     def _timed(self, method, phase: str):
         def timed(*args, **kwargs):
-            with self._phase(phase):
+            with self.phase(phase):
                 return method(*args, **kwargs)
         return timed
-
-    # --- the record -----------------------------------------------------------------------------
 
     def breakdown(self) -> dict[str, float]:
         """``<part>_s`` and ``<part>_pct`` for each of PARTS, over the measured step time ``step_s``."""
@@ -191,17 +172,6 @@ class StepTimer:
             out[f"{part}_s"] = max(seconds[part], 0.0)
             out[f"{part}_pct"] = 100.0 * max(seconds[part], 0.0) / self.wall if self.wall > 0 else 0.0
         return out
-
-    def _raise_peak(self, achieved: float) -> None:
-        """A step ran faster than the peak: the start-up measurement was slowed by load. Measure again
-        (this rank's share, scaling the job's total) and never take a peak below a rate achieved."""
-        if self.measured:
-            again = F.measure_cpu_peak_tflops()
-            if again > self.local_peak:
-                self.peak_tflops *= again / self.local_peak
-                self.local_peak = again
-                self.peak_source += f"; measured again at {again:.3g} TFLOP/s when a step beat it"
-        self.peak_tflops = max(self.peak_tflops, achieved)
 
     def finish(self, record: dict) -> dict:
         """At the end of a step: its ``breakdown`` (when on) and the job's peak memory so far."""
@@ -222,8 +192,15 @@ class StepTimer:
             return record
         step_time = record["step_time_s"]
         achieved = record["flops"] / step_time / 1e12 if step_time > 0 else 0.0
-        if achieved > self.peak_tflops > 0:
-            self._raise_peak(achieved)
+        if achieved > self.peak_tflops > 0 and self.measured:
+            # the start-up measurement was slowed by load: measure this rank's share again, scaling the job's total
+            again = F.measure_cpu_peak_tflops()
+            if again > self.local_peak:
+                self.peak_tflops *= again / self.local_peak
+                self.local_peak = again
+                self.peak_source += f"; measured again at {again:.3g} TFLOP/s when a step beat it"
+        if self.peak_tflops > 0:
+            self.peak_tflops = max(self.peak_tflops, achieved)  # never a peak below a rate achieved
         record["tflops"] = achieved
         record["mfu"] = min(1.0, achieved / self.peak_tflops) if self.peak_tflops > 0 else 0.0
         return record
