@@ -138,7 +138,7 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
     if mode == ParallelMode.HYBRID_PARALLEL:
         from paratrain.parallel.hybrid import HybridNet
 
-        return HybridNet(_materialized(net, deferred, layout.device), layout.device, precision)
+        return HybridNet(_materialized(net, deferred, layout.device), config, layout, precision)
     if mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and layout.world_size > 1 and any(
             isinstance(m, Primitive) for m in net.modules()):
         from paratrain.parallel.semi_auto import place_semi_auto
@@ -152,7 +152,7 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
 
             choose = StrategyChooser.from_context(layout.world_size)
         return place_semi_auto(_materialized(net, deferred, layout.device), batch, layout.device, layout.world_size,
-                               config.effective_zero_stage > 0, choose, precision)
+                               config, choose, precision)
     placed = place_net(net, config, layout, batch, precision)
     if deferred is not None:
         _materialize(placed.parts, deferred, layout.device)
