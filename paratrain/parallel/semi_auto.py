@@ -22,6 +22,7 @@ those DTensors.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -136,11 +137,7 @@ def optimizer_shard(placements: list, shape: tuple[int, ...], mesh: StrategyMesh
     """``placements`` with the mesh dims that hold the tensor whole split along the first dimension that nothing
     splits yet and that they divide; unchanged when none does."""
     whole = [i for i, p in enumerate(placements) if isinstance(p, Replicate) and mesh.factors[i] > 1]
-    if not whole:
-        return placements
-    ways = 1
-    for i in whole:
-        ways *= mesh.factors[i]
+    ways = math.prod(mesh.factors[i] for i in whole)
     taken = {p.dim for p in placements if isinstance(p, Shard)}
     for dim, size in enumerate(shape):
         if dim not in taken and size % ways == 0:

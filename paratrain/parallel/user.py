@@ -26,6 +26,7 @@ The net is a plain ``nn.Module`` whose ``forward(*batch)`` returns its loss, bui
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import warnings
@@ -344,16 +345,12 @@ class _InputsByName(nn.Module):
 
     def forward(self, **inputs):
         # 1-d: (loss sum, token count) or the loss, as _micro_loss reads it
-        return self._forward(*(inputs[_input_name(i)] for i in range(len(inputs)))).reshape(-1)
-
-
-def _input_name(index: int) -> str:
-    return f"input_{index}"
+        return self._forward(*(inputs[f"input_{i}"] for i in range(len(inputs)))).reshape(-1)
 
 
 def _by_name(inputs) -> dict:
     """The net's positional inputs as the keyword arguments of its traced pipeline: ``input_0``, ``input_1``..."""
-    return {_input_name(i): x for i, x in enumerate(inputs)}
+    return {f"input_{i}": x for i, x in enumerate(inputs)}
 
 
 def _inputs_to_every_stage(pipe: Pipe) -> None:
@@ -520,8 +517,6 @@ def _sum_and_count(net: nn.Module) -> bool:
 
 def _with_layer_recompute(config: ParallelConfig, layers: list[nn.Module]) -> ParallelConfig:
     """``config`` with one recompute mode per layer: the layer's own where set, else the config's."""
-    import dataclasses
-
     modes = [getattr(layer, "recompute_mode", "none") for layer in layers]
     modes = [m if m != "none" else config.recompute_mode(i) for i, m in enumerate(modes)]
     return dataclasses.replace(config, recompute=modes)
