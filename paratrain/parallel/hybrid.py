@@ -44,9 +44,9 @@ class HybridNet(Placed):
                          rows_of_this_rank: bool = False) -> dict:
         """Forward and backward of one batch; returns ``StepLoss.result()``: the loss averaged over the ranks."""
         out = self._run(self._rows(batch, rows_of_this_rank), loss_scale, self.net)
+        grads = [p.grad for p in self.parameters() if p.grad is not None and not is_layerwise(p)]
         group = self.layout.dp_group
-        if group is not None:
-            grads = [p.grad for p in self.parameters() if p.grad is not None and not is_layerwise(p)]
+        if group is not None and grads:
             coalesced(grads, lambda flat: dist.all_reduce(flat, group=group, async_op=True))
             torch._foreach_div_(grads, self.layout.dp_size)
         return out
