@@ -138,7 +138,7 @@ def refuse_options(config: ParallelConfig, net: nn.Module, mode: str, problems: 
         problems.append(f"a layer's recompute_mode: {NOT_OFFERED['recompute'][1]}")
     if problems:
         raise UserError(f"{mode} does not offer " + "; ".join(problems) + ": leave these options at their "
-                        f"defaults, or place the net's paratrain.nn blocks under semi_auto_parallel without ops")
+                        f"defaults (a net of paratrain.nn blocks without ops has them under semi_auto_parallel)")
 
 
 class Placed:
@@ -263,7 +263,8 @@ class PlacedNet(Placed):
                     original.weight.register_post_accumulate_grad_hook(gradient_like_parameter)
         apply_expert_parallel(module, config, self.layout)
         module.layer_stacks = {s: o for s, o in _layer_stacks(originals).items() if has_submodule(module, s)}
-        layers = [originals.get_submodule(n) for n, m in originals.named_modules() if getattr(m, "is_transformer_layer", 0)]
+        layers = [originals.get_submodule(n) for n, m in originals.named_modules()
+                  if getattr(m, "is_transformer_layer", 0)]
         if any(getattr(layer, "recompute_mode", "none") != "none" for layer in layers):
             config = _with_layer_recompute(config, layers)
         apply_recompute(module, config)
