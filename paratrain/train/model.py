@@ -210,16 +210,12 @@ def _kinds_text(kinds: list) -> str:
 def _alike(kinds: list, first: list, rows_may_differ: bool) -> bool:
     """Whether a batch of ``kinds`` is like the first batch: the same tensors, dtypes and shapes, but for the
     rows (the first dimension) when ``rows_may_differ``."""
-    if len(kinds) != len(first):
-        return False
-    for (name, shape), (first_name, first_shape) in zip(kinds, first):
-        if name != first_name or (shape is None) != (first_shape is None):
-            return False
-        if shape is not None:
-            skip = 1 if rows_may_differ and shape and first_shape else 0
-            if len(shape) != len(first_shape) or shape[skip:] != first_shape[skip:]:
-                return False
-    return True
+
+    def compared(kind):
+        name, shape = kind
+        return name, shape if shape is None or not rows_may_differ else (len(shape), shape[1:])
+
+    return [compared(k) for k in kinds] == [compared(k) for k in first]
 
 
 class _Callbacks:
