@@ -117,3 +117,28 @@ def test_hybrid_refuses_the_parallel_optimizer_and_recompute_with_the_reason():
                 1, scalar_data(1))
     finally:
         reset_auto_parallel_context()
+
+
+class _EvalClassifier(nn.Module):
+    """``Classifier``'s (loss, logits, labels) for ``Model.eval``, through its modules."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, labels, mask):
+        logits = self.net.mlp(x)
+        return self.net.loss(logits, labels, mask), logits, labels
+
+
+def test_eval_loss_of_a_sum_and_count_net_on_one_process_is_the_token_mean_not_the_pair():
+    reset_auto_parallel_context()
+    net = Classifier()
+    batches = classifier_batches()
+    with torch.no_grad():  # the Loss metric's mean over the batches of each one's token mean
+        expected = sum(net(*batch) for batch in batches) / len(batches)
+    model = Model(net, optimizer=Momentum(net.parameters(), 0.0, 0.0), metrics={"loss"},
+                  eval_network=_EvalClassifier(net), eval_indexes=[0, 1, 2])
+    got = model.eval(batches)["loss"]
+    assert net.loss.reduction == "sum_and_count"  # placed: the net's loss returns (sum, count)
+    assert got == pytest.approx(float(expected), rel=1e-5)
