@@ -1,5 +1,6 @@
 """Semi-auto and hybrid nets in micro-batches (gradient accumulation) and with sum-and-count losses: the losses of
-one process computed in the same test; the options these modes do not honour refused with the reason."""
+one process computed in the same test; the options these modes do not honour refused with the reason; the eval loss
+of a sum-and-count net on one process."""
 import pytest
 import torch
 from torch import nn
