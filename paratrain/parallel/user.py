@@ -145,13 +145,11 @@ class Placed:
     """What every placement of a user's net gives ``paratrain.engine``: this rank's modules (``parts``), their
     parameters, ``phase`` and the forward and backward of a global batch (``forward_backward(batch, loss_scale,
     rows_of_this_rank) -> dict``) in ``config.micro_batch_num`` micro-batches, run by
-    ``paratrain.parallel.micro_batches.forward_backward`` and normalised by its ``StepLoss`` on ``loss_layout``.
+    ``paratrain.parallel.micro_batches.forward_backward`` and normalised by its ``StepLoss`` on ``layout``.
     A net whose token losses can return (sum, count) (``supports_sum_and_count``) is switched to them."""
 
-    def __init__(self, net: nn.Module, config: ParallelConfig, layout: Layout, precision: str = "none",
-                 loss_layout: Layout | None = None):
+    def __init__(self, net: nn.Module, config: ParallelConfig, layout: Layout, precision: str = "none"):
         self.config, self.layout, self.device, self.precision = config, layout, layout.device, precision
-        self.loss_layout = loss_layout or layout
         self.summed = _sum_and_count(net)
         self.parts = [net]
         self._norm: StepLoss | None = None  # this step's
@@ -193,7 +191,7 @@ class Placed:
         """Forward and backward of this rank's ``batch`` (``_rows``) in micro-batches through ``forward(*micro)``
         (the net's output), or a pipeline schedule's ``pipeline(batch)``; returns ``StepLoss.result()``."""
         config = self.config
-        self._norm = StepLoss(self.loss_layout, config.micro_batch_num, loss_scale, counted=self.summed)
+        self._norm = StepLoss(self.layout, config.micro_batch_num, loss_scale, counted=self.summed)
         if pipeline is not None:
             forward_backward(batch, config, self.precision, self.device, self.phase, pipeline=pipeline)
             return self._norm.result()
