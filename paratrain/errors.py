@@ -7,10 +7,3 @@ class UserError(Exception):
     The command line prints it as one line (``paratrain: <message>``) and exits 2, with no traceback.
     """
 
-
-def scalar_loss(output):
-    """``output`` as a 0-dim loss tensor; a net output of more than one value is refused (a ``UserError``)."""
-    if output.numel() != 1:
-        raise UserError(f"the net returned a tensor of shape {list(output.shape)}, not a loss: reduce it to a "
-                        f"scalar, or give Model a loss_fn")
-    return output.reshape(())

@@ -143,6 +143,7 @@ def test_parameter_broadcast_runs_on_the_nets_device(monkeypatch):
     import torch.distributed as dist
     from types import SimpleNamespace
 
+    from paratrain.config import ParallelConfig
     from paratrain.context import ParallelMode, reset_auto_parallel_context, set_auto_parallel_context
     from paratrain.train.model import place
 
@@ -150,7 +151,8 @@ def test_parameter_broadcast_runs_on_the_nets_device(monkeypatch):
     monkeypatch.setattr(dist, "broadcast", lambda tensor, src: seen.append(tensor.device))
     set_auto_parallel_context(parallel_mode=ParallelMode.HYBRID_PARALLEL, parameter_broadcast=True)
     try:
-        place(torch.nn.Linear(2, 2, device="cpu"), None, SimpleNamespace(world_size=2, device=torch.device("meta")), ())
+        place(torch.nn.Linear(2, 2, device="cpu"), ParallelConfig(),
+              SimpleNamespace(world_size=2, device=torch.device("meta")), ())
     finally:
         reset_auto_parallel_context()
     assert seen == [torch.device("meta")] * 2  # weight and bias

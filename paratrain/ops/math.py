@@ -39,7 +39,8 @@ class MatMul(Primitive):
         self.transpose_a, self.transpose_b = transpose_a, transpose_b
 
     def _abc(self, strategy: Strategy) -> tuple[int, int, int, int]:
-        """(a, b of x, b of w, c): rows, contraction as x and w split it, columns."""
+        """(a, b of x, b of w, c): rows, contraction as x and w split it, columns; of the inputs' shapes: their
+        sizes."""
         (x0, x1), (w0, w1) = strategy
         a, b = (x1, x0) if self.transpose_a else (x0, x1)
         b2, c = (w1, w0) if self.transpose_b else (w0, w1)

@@ -91,19 +91,15 @@ class Primitive(nn.Module):
 
     # --- running ----------------------------------------------------------------------------
 
-    def effective_strategy(self, inputs: list[torch.Tensor], device_num: int) -> Strategy:
-        if self.strategy is not None:
-            return self.strategy
-        return self.default_strategy([tuple(t.shape) for t in inputs], [isinstance(t, nn.Parameter) for t in inputs],
-                                     device_num)
-
     def placed_inputs(self, args: tuple) -> tuple[tuple, OpLayout]:
         """``args`` with each tensor redistributed to this op's placements on the mesh, and the op's layout."""
         mesh = self.mesh
         index = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         tensors = [args[i] for i in index]
-        strategy = self.effective_strategy(tensors, mesh.device_num)
-        layout = self.layout(strategy, [tuple(t.shape) for t in tensors])
+        shapes = [tuple(t.shape) for t in tensors]
+        strategy = self.strategy or self.default_strategy(shapes, [isinstance(t, nn.Parameter) for t in tensors],
+                                                          mesh.device_num)
+        layout = self.layout(strategy, shapes)
         out = list(args)
         for k, i in enumerate(index):
             x = args[i]

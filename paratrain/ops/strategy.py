@@ -118,17 +118,13 @@ class StrategyMesh:
         self.mesh: DeviceMesh = init_device_mesh(device_type, factors or (1,),
                                                  mesh_dim_names=tuple(f"m{i}" for i in range(max(1, len(factors)))))
 
-    @property
-    def ndim(self) -> int:
-        return self.mesh.ndim
-
     def placements(self, layout: OpLayout, tensor_map: tuple[int | None, ...]) -> list:
         """DTensor placements, one per mesh dimension, of a tensor split as ``tensor_map`` says on ``layout``."""
         return placements(self.factors, layout, tensor_map)
 
     def replicate(self) -> list:
-        return [Replicate()] * self.ndim
+        return [Replicate()] * self.mesh.ndim
 
     def batch(self) -> list:
         """Dimension 0 split over every device: data parallel."""
-        return [Shard(0)] * self.ndim if self.factors else [Replicate()]
+        return [Shard(0)] * self.mesh.ndim if self.factors else [Replicate()]

@@ -34,14 +34,6 @@ BYTES = 4  # float32
 FOLLOWING = (BiasAdd, Softmax, Exp, Log, ReLU)  # one output split as their first input
 
 
-def _kn(op: MatMul, strategy_or_shape) -> tuple:
-    """(rows, contraction, columns) of a MatMul from its inputs' pair of tuples (shapes or slice counts)."""
-    (x0, x1), (w0, w1) = strategy_or_shape
-    m, k = (x1, x0) if op.transpose_a else (x0, x1)
-    n = w0 if op.transpose_b else w1
-    return m, k, n
-
-
 def _strategy(op: MatMul, a: int, b: int, c: int) -> Strategy:
     x = (b, a) if op.transpose_a else (a, b)
     w = (c, b) if op.transpose_b else (b, c)
@@ -134,7 +126,7 @@ class StrategyChooser:
     # --- dynamic programming over the chain of MatMuls ----------------------------------------
 
     def _candidates(self, call: Call) -> list[tuple[int, int, int]]:
-        m, k, n = _kn(call.op, call.shapes)
+        m, k, _, n = call.op._abc(call.shapes)  # rows, contraction, columns
         return [(a, b, c) for a, b, c in itertools.product(range(1, self.device_num + 1), repeat=3)
                 if a * b * c == self.device_num and m % a == 0 and k % b == 0 and n % c == 0]
 
@@ -143,7 +135,7 @@ class StrategyChooser:
         # candidate of the last op so far -> least (seconds, bytes held) of the chain up to it, and the path to it
         best: dict = {None: ((0.0, 0.0), [])}
         for call in chain:
-            m, k, n = _kn(call.op, call.shapes)
+            m, k, _, n = call.op._abc(call.shapes)  # rows, contraction, columns
             row = {}
             for a, b, c in self._candidates(call):
                 seconds, held = matmul_cost(m, k, n, a, b, c, self.hw)

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.errors import scalar_loss
-from paratrain.metrics.timer import no_phase
-from paratrain.precision import autocast
+from paratrain.config import ParallelConfig
+from paratrain.mesh import Layout
 from paratrain.parallel.data import coalesced
+from paratrain.parallel.user import Placed, refuse_options
 
 
 def is_layerwise(param: torch.Tensor) -> bool:
@@ -22,34 +22,31 @@ def is_layerwise(param: torch.Tensor) -> bool:
     return bool(getattr(param, "layerwise_parallel", False))
 
 
-class HybridNet:
-    """A net under ``hybrid_parallel``: ``forward_backward(batch, loss_scale)`` (``paratrain.engine``'s ``run``)
-    runs it (forward in ``precision``) on the whole global batch (or this rank's rows of a dataset sharded per
-    rank), then averages the gradients of the parameters that are not ``layerwise_parallel`` over the ranks.
-    ``parts`` is ``[net]``."""
+class HybridNet(Placed):
+    """A net under ``hybrid_parallel`` (``Placed``): every rank runs it whole on the global batch (or its rows of
+    a dataset sharded per rank) in micro-batches, then averages over the ranks (``layout``'s data-parallel ones,
+    every rank) the gradients of the parameters that are not ``layerwise_parallel``. ``parts`` is ``[net]``."""
 
-    def __init__(self, net: nn.Module, device: torch.device, precision: str = "none"):
-        self.net, self.device, self.precision = net.to(device), device, precision
-        self.parts = [net]
-        self.phase = no_phase  # a StepTimer's phase, set by the engine's face
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+    def __init__(self, net: nn.Module, config: ParallelConfig, layout: Layout, precision: str = "none"):
+        problems = []
+        if config.model_parallel > 1 or config.pipeline_stage > 1:
+            problems.append(f"model_parallel={config.model_parallel} x pipeline_stage={config.pipeline_stage}: the "
+                            f"net runs whole on every rank and splits itself (its collectives, layerwise_parallel "
+                            f"parameters)")
+        if config.effective_zero_stage > 0:
+            problems.append(f"the parallel optimizer (zero_stage={config.effective_zero_stage}, "
+                            f"enable_parallel_optimizer): each rank's layerwise_parallel parameters are its own")
+        refuse_options(config, net, "hybrid_parallel", problems)
+        super().__init__(net.to(layout.device), config, layout, precision)
+        self.net = net
 
     def forward_backward(self, batch: tuple, loss_scale: torch.Tensor | float = 1.0,
                          rows_of_this_rank: bool = False) -> dict:
-        """Forward and backward of one batch; returns {"loss": the loss averaged over the ranks}."""
-        with autocast(self.precision, self.device), self.phase("forward"):
-            loss = scalar_loss(self.net(*(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in batch)))
-        with self.phase("backward"):
-            (loss * loss_scale).backward()
-        loss = loss.detach().clone()
-        if self.world_size > 1:
-            grads = [p.grad for p in self.parameters() if p.grad is not None and not is_layerwise(p)]
-            coalesced([*grads, loss], lambda flat: dist.all_reduce(flat, async_op=True))
-            torch._foreach_div_([*grads, loss], self.world_size)
-        return {"loss": loss}
-
-    def parameters(self):
-        return self.net.parameters()
-
-    def named_parameters(self):
-        return self.net.named_parameters()
+        """Forward and backward of one batch; returns ``StepLoss.result()``: the loss averaged over the ranks."""
+        out = self._run(self._rows(batch, rows_of_this_rank), loss_scale, self.net)
+        grads = [p.grad for p in self.parameters() if p.grad is not None and not is_layerwise(p)]
+        group = self.layout.dp_group
+        if group is not None and grads:
+            coalesced(grads, lambda flat: dist.all_reduce(flat, group=group, async_op=True))
+            torch._foreach_div_(grads, self.layout.dp_size)
+        return out

@@ -1,7 +1,7 @@
 """MindSpore's semi-auto parallel for a user's net of ``paratrain.ops``: ``place_semi_auto``.
 
-Before the first step the net's forward runs once on the example batch (plain tensors, no
-gradient) to record, in call order, each op's input shapes and the parameters it reads. Then:
+Before the first step the net's forward runs once on a micro-batch of the example batch (plain
+tensors, no gradient) to record, in call order, each op's input shapes and the parameters it reads. Then:
 
 - every strategy is checked (``Primitive.problems``), and so is the seed's rule that one
   parameter is not split two ways by two ops; all refusals are raised together, each naming the
@@ -15,25 +15,27 @@ gradient) to record, in call order, each op's input shapes and the parameters it
 
 Every batch tensor enters as a DTensor: replicated (``full_batch``: every rank gives the whole
 batch) or split along dimension 0 over every device (a dataset sharded per rank). The loss is
-computed by DTensor on the whole global batch, so each gradient is the one-device gradient in
-the placement of its parameter; the optimizer runs on those DTensors.
+computed by DTensor on each whole micro-batch (``paratrain.parallel.micro_batches``), so each
+gradient is the one-device gradient in the placement of its parameter; the optimizer runs on
+those DTensors.
 """
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
+from paratrain.mesh import Layout
 from paratrain.ops.primitive import Primitive
 from paratrain.ops.strategy import StrategyError, StrategyMesh, mesh_factors
 from paratrain.ops.strategy import placements as placements_on
-from paratrain.errors import scalar_loss
-from paratrain.metrics.timer import no_phase
-from paratrain.precision import autocast
+from paratrain.parallel.user import Placed, has_rows, refuse_options
 
 # a tensor split along one dimension over several mesh dims is reduced one mesh dim at a time; DTensor
 # warns about it on every redistribute
@@ -135,11 +137,7 @@ def optimizer_shard(placements: list, shape: tuple[int, ...], mesh: StrategyMesh
     """``placements`` with the mesh dims that hold the tensor whole split along the first dimension that nothing
     splits yet and that they divide; unchanged when none does."""
     whole = [i for i, p in enumerate(placements) if isinstance(p, Replicate) and mesh.factors[i] > 1]
-    if not whole:
-        return placements
-    ways = 1
-    for i in whole:
-        ways *= mesh.factors[i]
+    ways = math.prod(mesh.factors[i] for i in whole)
     taken = {p.dim for p in placements if isinstance(p, Shard)}
     for dim, size in enumerate(shape):
         if dim not in taken and size % ways == 0:
@@ -147,15 +145,16 @@ def optimizer_shard(placements: list, shape: tuple[int, ...], mesh: StrategyMesh
     return placements
 
 
-class OpPlacedNet:
-    """A net of ``paratrain.ops`` on its strategies: ``forward_backward(batch, loss_scale)`` (``paratrain.engine``'s
-    ``run``) runs forward (in ``precision``) and backward of a global batch and leaves each parameter's
-    one-device gradient of the loss times ``loss_scale`` in its placement; ``parts`` is ``[net]``."""
+class OpPlacedNet(Placed):
+    """A net of ``paratrain.ops`` on its strategies (``Placed``): each micro-batch's tensors enter as DTensors
+    (``as_input``) and DTensor computes the loss of the whole micro-batch, so every rank holds one device's loss
+    and each parameter its one-device gradient of it (times ``loss_scale``) in its placement. ``parts`` is
+    ``[net]``."""
 
-    def __init__(self, net: nn.Module, mesh: StrategyMesh, device: torch.device, precision: str = "none"):
-        self.net, self.mesh, self.device, self.precision = net, mesh, device, precision
-        self.parts = [net]
-        self.phase = no_phase  # a StepTimer's phase, set by the engine's face
+    def __init__(self, net: nn.Module, mesh: StrategyMesh, device: torch.device, config: ParallelConfig,
+                 precision: str = "none"):
+        super().__init__(net, config, Layout(ParallelConfig()), precision)  # one device's loss: no replica to add
+        self.net, self.mesh, self.device = net, mesh, device
 
     def as_input(self, value, rows_of_this_rank: bool):
         """A batch tensor as the DTensor the ops take: replicated, or with ``rows_of_this_rank`` split by rows."""
@@ -168,34 +167,31 @@ class OpPlacedNet:
     def forward_backward(self, batch: tuple, loss_scale: torch.Tensor | float = 1.0,
                          rows_of_this_rank: bool = False) -> dict:
         """Forward and backward of one batch: the whole global batch, or with ``rows_of_this_rank`` this rank's
-        rows of it (ranks in order). Returns {"loss": the loss, a scalar tensor}."""
-        with autocast(self.precision, self.device), self.phase("forward"):
-            output = self.net(*(self.as_input(t, rows_of_this_rank) for t in batch))
-            loss = scalar_loss(output.full_tensor() if isinstance(output, DTensor) else output)
-        if loss.requires_grad:  # a net of no trainable parameter has nothing to learn
-            with self.phase("backward"):
-                (loss * loss_scale).backward()
+        rows of it (ranks in order). Returns ``StepLoss.result()``."""
+
+        def forward(*micro_batch):
+            output = self.net(*(self.as_input(t, rows_of_this_rank) for t in micro_batch))
+            return output.full_tensor() if isinstance(output, DTensor) else output
+
+        out = self._run(self._rows(batch, rows_of_this_rank), loss_scale, forward)
         for param in self.parameters():
             grad = param.grad
             if isinstance(grad, DTensor) and grad.placements != param.placements:
                 param.grad = grad.redistribute(param.device_mesh, param.placements)
-        return {"loss": loss.detach()}
-
-    def parameters(self):
-        return self.net.parameters()
-
-    def named_parameters(self):
-        """(name in the net, this rank's parameter: a DTensor)."""
-        return self.net.named_parameters()
+        return out
 
 
 def place_semi_auto(net: nn.Module, example_batch: tuple, device: torch.device, device_num: int,
-                    shard_optimizer: bool = False, choose=None, precision: str = "none") -> OpPlacedNet:
-    """Place ``net`` (built identically on every rank) on its op strategies over ``device_num`` devices.
-    ``choose(calls)``, when given (auto parallel), sets strategies on the ops before they are checked."""
+                    config: ParallelConfig | None = None, choose=None, precision: str = "none") -> OpPlacedNet:
+    """Place ``net`` (built identically on every rank) on its op strategies over ``device_num`` devices, in
+    ``config``'s micro-batches, with MindSpore's parallel optimizer at any ZeRO stage. ``choose(calls)``, when
+    given (auto parallel), sets strategies on the ops before they are checked."""
+    config = config or ParallelConfig()
+    refuse_options(config, net, "semi_auto_parallel (and auto_parallel) of paratrain.ops")
     net.to(device)
-    example = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in example_batch)
-    calls = record_calls(net, example)
+    # recorded on a micro-batch: what each op runs on
+    example = tuple(t[:len(t) // config.micro_batch_num] if has_rows(t) else t for t in example_batch)
+    calls = record_calls(net, tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in example))
     if not calls:
         raise UserError("semi_auto_parallel: the net calls no paratrain.ops op, so there is no strategy to apply; "
                         "use data_parallel, or paratrain.nn blocks with a TransformerOpParallelConfig")
@@ -207,7 +203,7 @@ def place_semi_auto(net: nn.Module, example_batch: tuple, device: torch.device, 
     placed: dict[int, nn.Parameter] = {}
     for name, param in net.named_parameters():
         where = placements.get(name, mesh.replicate())
-        if shard_optimizer:
+        if config.effective_zero_stage > 0:
             where = optimizer_shard(where, tuple(param.shape), mesh)
         tensor = distribute_tensor(param.detach(), mesh.mesh, where, src_data_rank=None)
         placed[id(param)] = nn.Parameter(tensor, requires_grad=param.requires_grad)
@@ -217,4 +213,4 @@ def place_semi_auto(net: nn.Module, example_batch: tuple, device: torch.device, 
                 module._parameters[key] = placed[id(param)]
         if isinstance(module, Primitive):
             module.mesh = mesh
-    return OpPlacedNet(net, mesh, device, precision)
+    return OpPlacedNet(net, mesh, device, config, precision)

@@ -26,6 +26,7 @@ The net is a plain ``nn.Module`` whose ``forward(*batch)`` returns its loss, bui
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import warnings
@@ -112,25 +113,122 @@ def stage_starts(net: nn.Module, example: tuple, stages: int, segments: int = 1,
     return starts
 
 
-class PlacedNet:
-    """A user's net placed on a layout: this rank's modules (``parts``) and the forward and backward of a global
-    batch (``paratrain.engine``'s ``run``).
+def has_rows(value) -> bool:
+    """Whether ``value`` is a batch tensor with rows (dimension 0) to split; others go whole to every split."""
+    return isinstance(value, torch.Tensor) and value.ndim > 0
 
-    ``forward_backward(batch, loss_scale)`` runs a global batch (a tuple of tensors, the net's forward
-    arguments, batch first): this rank keeps its data-parallel rows and splits them into
-    ``micro_batch_num`` micro-batches, run forward in ``precision`` ("none", "bf16", "fp16"), normalised by
-    ``paratrain.parallel.micro_batches.StepLoss``. Gradients end up as those of the global-batch loss times ``loss_scale`` on one
-    device once the engine applies the ``grad_scale`` returned with the loss.
+
+# what a net placed whole on every rank (hybrid) or op by op (semi-auto, auto) does not take: option -> (its
+# default, why)
+NOT_OFFERED = {
+    "sequence_parallel": (False, "its ops run on whole (or strategy-split) sequences"),
+    "expert_parallel": (1, "it holds no paratrain.nn MoE blocks to split"),
+    "recompute": ("none", "its layers are not placed one by one"),
+    "offload_optimizer": ("none", "its parameters are not FSDP-sharded"),
+    "offload_param": ("none", "its parameters are not FSDP-sharded"),
+}
+
+
+def refuse_options(config: ParallelConfig, net: nn.Module, mode: str, problems: list[str] = ()) -> None:
+    """Raise one UserError naming, with the reason, every option of ``config`` that ``mode`` does not honour
+    (``NOT_OFFERED``, a layer's own ``recompute_mode``, and the caller's ``problems``)."""
+    problems = [f"{option}={getattr(config, option)!r}: {why}" for option, (default, why) in NOT_OFFERED.items()
+                if getattr(config, option) != default] + list(problems)
+    if any(getattr(m, "recompute_mode", "none") != "none" for m in net.modules()):
+        problems.append(f"a layer's recompute_mode: {NOT_OFFERED['recompute'][1]}")
+    if problems:
+        raise UserError(f"{mode} does not offer " + "; ".join(problems) + ": leave these options at their "
+                        f"defaults (a net of paratrain.nn blocks without ops has them under semi_auto_parallel)")
+
+
+class Placed:
+    """What every placement of a user's net gives ``paratrain.engine``: this rank's modules (``parts``), their
+    parameters, ``phase`` and the forward and backward of a global batch (``forward_backward(batch, loss_scale,
+    rows_of_this_rank) -> dict``) in ``config.micro_batch_num`` micro-batches, run by
+    ``paratrain.parallel.micro_batches.forward_backward`` and normalised by its ``StepLoss`` on ``layout``.
+    A net whose token losses can return (sum, count) (``supports_sum_and_count``) is switched to them."""
+
+    def __init__(self, net: nn.Module, config: ParallelConfig, layout: Layout, precision: str = "none"):
+        self.config, self.layout, self.device, self.precision = config, layout, layout.device, precision
+        self.summed = _sum_and_count(net)
+        self.parts = [net]
+        self._norm: StepLoss | None = None  # this step's
+        self.phase = no_phase  # a StepTimer's phase, set by the engine's face
+
+    def _rows(self, batch: tuple, rows_of_this_rank: bool, replicas: int = 1) -> tuple:
+        """This rank's rows of a global batch on its device: the ``dp_rank``-th of ``replicas`` equal parts
+        (unless ``rows_of_this_rank``: a dataset sharded per rank gave them already), each a whole number of
+        micro-batches; UserError when they do not split so."""
+        micro_batch_num = self.config.micro_batch_num
+        replicas = 1 if rows_of_this_rank else replicas
+        size = next((t.shape[0] for t in batch if has_rows(t)), 0)
+        parts = replicas * micro_batch_num
+        if size % parts:
+            split = ("this rank's share of a dataset sharded per rank" if rows_of_this_rank
+                     else f"data_parallel={replicas}")
+            raise UserError(f"a batch of {size} rows does not split into {parts} equal parts ({split} x "
+                            f"micro_batch_num={micro_batch_num}): give a batch size divisible by {parts}")
+        rows = size // replicas
+        start = self.layout.dp_rank * rows if replicas > 1 else 0
+        return tuple((t[start:start + rows] if has_rows(t) else t).to(self.device, non_blocking=True)
+                     if isinstance(t, torch.Tensor) else t for t in batch)
+
+    def _micro_loss(self, output: torch.Tensor, target=None) -> torch.Tensor:
+        """What backward runs on for one micro-batch (``StepLoss``): its loss sum and token count, or its plain
+        loss (``target``: a pipeline schedule's, unused). A loss of another shape (per row, per token) is
+        refused."""
+        if not isinstance(output, torch.Tensor) or output.numel() != (2 if self.summed else 1):
+            what = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
+                    else f"a {type(output).__name__}")
+            raise UserError(f"the net returned {what}, not a loss: reduce it to "
+                            f"{'a (sum, count) pair' if self.summed else 'a scalar'}, or give Model a loss_fn")
+        output = output.reshape(-1).float()
+        loss = self._norm.token_sum(output[0], output[1]) if self.summed else self._norm.mean(output[0])
+        # a net of no trainable parameter has nothing to learn: its backward is a no-op
+        return loss if loss.requires_grad else loss.requires_grad_()
+
+    def _run(self, batch: tuple, loss_scale: torch.Tensor | float, forward=None, pipeline=None) -> dict:
+        """Forward and backward of this rank's ``batch`` (``_rows``) in micro-batches through ``forward(*micro)``
+        (the net's output), or a pipeline schedule's ``pipeline(batch)``; returns ``StepLoss.result()``."""
+        config = self.config
+        self._norm = StepLoss(self.layout, config.micro_batch_num, loss_scale, counted=self.summed)
+        if pipeline is not None:
+            forward_backward(batch, config, self.precision, self.device, self.phase, pipeline=pipeline)
+            return self._norm.result()
+        chunks = [t.chunk(config.micro_batch_num) if has_rows(t) else [t] * config.micro_batch_num for t in batch]
+        micro_batches = list(zip(*chunks)) if batch else [()] * config.micro_batch_num
+        # forward_backward splits tensors with rows only; a batch may also hold values every micro-batch takes
+        # whole (0-dim tensors, numbers) or be empty, so it splits the micro-batches' indices
+        forward_backward((torch.arange(config.micro_batch_num),), config, self.precision, self.device, self.phase,
+                         module=self.parts[0],
+                         loss_of=lambda index: self._micro_loss(forward(*micro_batches[index[0].item()])))
+        return self._norm.result()
+
+    def parameters(self):
+        return itertools.chain.from_iterable(part.parameters() for part in self.parts)
+
+    def named_parameters(self):
+        """(name in the whole net, this rank's parameter)."""
+        for part in self.parts:
+            yield from part.named_parameters()
+
+
+class PlacedNet(Placed):
+    """A user's net placed on a layout (``Placed``): tensor, pipeline, expert and data parallel as the net and
+    ``config`` say. ``forward_backward(batch, loss_scale)`` runs a global batch (a tuple of tensors, the net's
+    forward arguments, batch first): this rank keeps its data-parallel rows and splits them into
+    ``micro_batch_num`` micro-batches, run forward in ``precision`` ("none", "bf16", "fp16"). Gradients end up as
+    those of the global-batch loss times ``loss_scale`` on one device once the engine applies the ``grad_scale``
+    returned with the loss.
     """
 
     def __init__(self, net: nn.Module, config: ParallelConfig, layout: Layout, example: tuple,
                  precision: str = "none"):
-        self.config, self.layout, self.device, self.precision = config, layout, layout.device, precision
+        super().__init__(net, config, layout, precision)
         if config.sequence_parallel:
             raise UserError("sequence_parallel on a user's net is not offered: its own modules between the blocks "
                             "(residuals, norms) would need sequence-sharded activations; leave it off (the built-in "
                             "models of `paratrain train` have it)")
-        self.summed = _sum_and_count(net)
         self.on_meta = any(p.is_meta for p in net.parameters())  # placed as it is, materialised after
         if not self.on_meta:
             net.to(self.device)
@@ -144,8 +242,6 @@ class PlacedNet:
             self.parts = self._pipeline_stages(net, example)
         else:
             self.parts = [self._parallelize(net, net)]
-        self._norm: StepLoss | None = None  # this step's
-        self.phase = no_phase  # a StepTimer's phase, set by the engine's face
 
     # --- placing ----------------------------------------------------------------------------
 
@@ -165,7 +261,8 @@ class PlacedNet:
                     original.weight.register_post_accumulate_grad_hook(gradient_like_parameter)
         apply_expert_parallel(module, config, self.layout)
         module.layer_stacks = {s: o for s, o in _layer_stacks(originals).items() if has_submodule(module, s)}
-        layers = [originals.get_submodule(n) for n, m in originals.named_modules() if getattr(m, "is_transformer_layer", 0)]
+        layers = [originals.get_submodule(n) for n, m in originals.named_modules()
+                  if getattr(m, "is_transformer_layer", 0)]
         if any(getattr(layer, "recompute_mode", "none") != "none" for layer in layers):
             config = _with_layer_recompute(config, layers)
         apply_recompute(module, config)
@@ -220,48 +317,17 @@ class PlacedNet:
 
     # --- a step -----------------------------------------------------------------------------
 
-    def _micro_loss(self, output: torch.Tensor, target=None) -> torch.Tensor:
-        """What backward runs on for one micro-batch (``paratrain.parallel.micro_batches.StepLoss``): its loss sum and token count,
-        or its plain loss. A loss of another shape (per row, per token) is refused."""
-        if not isinstance(output, torch.Tensor) or output.numel() != (2 if self.summed else 1):
-            what = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
-                    else f"a {type(output).__name__}")
-            raise UserError(f"the net returned {what}, not a loss: reduce it to "
-                            f"{'a (sum, count) pair' if self.summed else 'a scalar'}, or give Model a loss_fn")
-        output = output.reshape(-1).float()
-        return self._norm.token_sum(output[0], output[1]) if self.summed else self._norm.mean(output[0])
-
     def forward_backward(self, batch: tuple, loss_scale: torch.Tensor | float = 1.0,
                          rows_of_this_rank: bool = False) -> dict:
         """Forward and backward of one global batch, or with ``rows_of_this_rank`` of this data-parallel rank's
         rows of it (a dataset sharded per rank); returns ``StepLoss.result()``: the global batch's loss (a device
         tensor) and, for a loss with sum and count, the ``grad_scale`` the engine's unscale applies."""
-        config, layout = self.config, self.layout
-        size, replicas = batch[0].shape[0], 1 if rows_of_this_rank else config.data_parallel
-        parts = replicas * config.micro_batch_num
-        if size % parts:
-            split = ("this rank's share of a dataset sharded per rank" if rows_of_this_rank
-                     else f"data_parallel={replicas}")
-            raise UserError(f"a batch of {size} rows does not split into {parts} equal parts ({split} x "
-                            f"micro_batch_num={config.micro_batch_num}): give a batch size divisible by {parts}")
-        rows = size // replicas
-        start = 0 if rows_of_this_rank else layout.dp_rank * rows
-        mine = tuple(t[start:start + rows].to(self.device, non_blocking=True) for t in batch)
-        self._norm = StepLoss(layout, config.micro_batch_num, loss_scale, counted=self.summed)
-        target = torch.zeros(rows, device=self.device) if self.pipeline is not None and self.is_last else None
-        forward_backward(mine, config, self.precision, self.device, self.phase, module=self.parts[0],
-                         loss_of=lambda micro: self._micro_loss(self.parts[0](*micro)),
-                         pipeline=None if self.pipeline is None else lambda inputs: self.pipeline.step(
-                             **_by_name(inputs), target=target, return_outputs=False))
-        return self._norm.result()
-
-    def parameters(self):
-        return itertools.chain.from_iterable(part.parameters() for part in self.parts)
-
-    def named_parameters(self):
-        """(name in the whole net, this rank's parameter)."""
-        for part in self.parts:
-            yield from part.named_parameters()
+        mine = self._rows(batch, rows_of_this_rank, self.config.data_parallel)
+        if self.pipeline is None:
+            return self._run(mine, loss_scale, self.parts[0])
+        target = torch.zeros(len(mine[0]), device=self.device) if self.is_last else None
+        return self._run(mine, loss_scale, pipeline=lambda inputs: self.pipeline.step(
+            **_by_name(inputs), target=target, return_outputs=False))
 
 
 class _InputsByName(nn.Module):
@@ -278,16 +344,12 @@ class _InputsByName(nn.Module):
 
     def forward(self, **inputs):
         # 1-d: (loss sum, token count) or the loss, as _micro_loss reads it
-        return self._forward(*(inputs[_input_name(i)] for i in range(len(inputs)))).reshape(-1)
-
-
-def _input_name(index: int) -> str:
-    return f"input_{index}"
+        return self._forward(*(inputs[f"input_{i}"] for i in range(len(inputs)))).reshape(-1)
 
 
 def _by_name(inputs) -> dict:
     """The net's positional inputs as the keyword arguments of its traced pipeline: ``input_0``, ``input_1``..."""
-    return {_input_name(i): x for i, x in enumerate(inputs)}
+    return {f"input_{i}": x for i, x in enumerate(inputs)}
 
 
 def _inputs_to_every_stage(pipe: Pipe) -> None:
@@ -454,8 +516,6 @@ def _sum_and_count(net: nn.Module) -> bool:
 
 def _with_layer_recompute(config: ParallelConfig, layers: list[nn.Module]) -> ParallelConfig:
     """``config`` with one recompute mode per layer: the layer's own where set, else the config's."""
-    import dataclasses
-
     modes = [getattr(layer, "recompute_mode", "none") for layer in layers]
     modes = [m if m != "none" else config.recompute_mode(i) for i, m in enumerate(modes)]
     return dataclasses.replace(config, recompute=modes)

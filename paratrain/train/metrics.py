@@ -96,11 +96,15 @@ def global_loss(loss, rows: int, summed: bool, group, device: torch.device) -> t
     """The loss of the global batch from this rank's: its (sum, count) pair when the net's losses return one
     (``summed``), else its mean weighted by this rank's ``rows``, added over ``group``."""
     loss = as_tensor(loss).to(device)
-    if group is None:
+    if summed and loss.numel() == 2:
+        pair = loss.double().reshape(2)
+    elif group is None:
         return loss
-    pair = loss.double().reshape(2) if summed and loss.numel() == 2 else \
-        torch.stack([loss.double().mean() * rows, torch.tensor(float(rows), dtype=torch.float64, device=device)])
-    dist.all_reduce(pair, group=group)
+    else:
+        pair = torch.stack([loss.double().mean() * rows, torch.tensor(float(rows), dtype=torch.float64,
+                                                                        device=device)])
+    if group is not None:
+        dist.all_reduce(pair, group=group)
     return pair[0] / pair[1]
 
 

@@ -127,9 +127,8 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
                         "paratrain.no_init_parameters(), so nothing says how to initialise them")
     from paratrain.ops import Primitive
 
-    mode = get_auto_parallel_context("parallel_mode")
-    if get_context("mode") == GRAPH_MODE and (mode == ParallelMode.HYBRID_PARALLEL or any(
-            isinstance(m, Primitive) for m in net.modules())):
+    mode, of_ops = get_auto_parallel_context("parallel_mode"), any(isinstance(m, Primitive) for m in net.modules())
+    if get_context("mode") == GRAPH_MODE and (mode == ParallelMode.HYBRID_PARALLEL or of_ops):
         raise UserError("set_context(mode=GRAPH_MODE) compiles the layers of a net of paratrain.nn blocks or "
                         "torch modules; a hybrid-parallel net or one of paratrain.ops runs in PYNATIVE_MODE")
     if get_auto_parallel_context("parameter_broadcast") and layout.world_size > 1 and not on_meta:
@@ -138,9 +137,9 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
     if mode == ParallelMode.HYBRID_PARALLEL:
         from paratrain.parallel.hybrid import HybridNet
 
-        return HybridNet(_materialized(net, deferred, layout.device), layout.device, precision)
-    if mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and layout.world_size > 1 and any(
-            isinstance(m, Primitive) for m in net.modules()):
+        _materialize([net], deferred, layout.device)
+        return HybridNet(net, config, layout, precision)
+    if mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and layout.world_size > 1 and of_ops:
         from paratrain.parallel.semi_auto import place_semi_auto
 
         if config.model_parallel > 1 or config.pipeline_stage > 1:
@@ -151,26 +150,22 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
             from paratrain.parallel.auto import StrategyChooser
 
             choose = StrategyChooser.from_context(layout.world_size)
-        return place_semi_auto(_materialized(net, deferred, layout.device), batch, layout.device, layout.world_size,
-                               config.effective_zero_stage > 0, choose, precision)
+        _materialize([net], deferred, layout.device)
+        return place_semi_auto(net, batch, layout.device, layout.world_size, config, choose, precision)
     placed = place_net(net, config, layout, batch, precision)
-    if deferred is not None:
-        _materialize(placed.parts, deferred, layout.device)
+    _materialize(placed.parts, deferred, layout.device)
     return placed
 
 
-def _materialize(parts: list[nn.Module], deferred: tuple, device: torch.device) -> None:
-    """Make the meta ``parts`` on ``device`` with the values the recorded build draws from its random state."""
+def _materialize(parts: list[nn.Module], deferred: tuple | None, device: torch.device) -> None:
+    """Make the meta ``parts`` on ``device`` with the values the recorded build (``deferred``; None: not deferred,
+    nothing to make) draws from its random state."""
+    if deferred is None:
+        return
     record, state = deferred
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(state)
         materialize(parts, record, device)
-
-
-def _materialized(net: nn.Module, deferred: tuple | None, device: torch.device) -> nn.Module:
-    if deferred is not None:
-        _materialize([net], deferred, device)
-    return net
 
 
 @torch.no_grad()
@@ -215,16 +210,12 @@ def _kinds_text(kinds: list) -> str:
 def _alike(kinds: list, first: list, rows_may_differ: bool) -> bool:
     """Whether a batch of ``kinds`` is like the first batch: the same tensors, dtypes and shapes, but for the
     rows (the first dimension) when ``rows_may_differ``."""
-    if len(kinds) != len(first):
-        return False
-    for (name, shape), (first_name, first_shape) in zip(kinds, first):
-        if name != first_name or (shape is None) != (first_shape is None):
-            return False
-        if shape is not None:
-            skip = 1 if rows_may_differ and shape and first_shape else 0
-            if len(shape) != len(first_shape) or shape[skip:] != first_shape[skip:]:
-                return False
-    return True
+
+    def compared(kind):
+        name, shape = kind
+        return name, shape if shape is None or not rows_may_differ else (len(shape), shape[1:])
+
+    return [compared(k) for k in kinds] == [compared(k) for k in first]
 
 
 class _Callbacks:
