@@ -361,16 +361,38 @@ def _selective_ffn(n: int, h: int, f: int, t: int, sp: bool, spec: ActivationSpe
     return n * f * spec.elem / t + _selective_branch_output(n, h, t, sp, spec)
 
 
+def is_moe(m: ModelConfig, decoder: bool, layer_id: int) -> bool:
+    """Whether layer ``layer_id`` of its stack (a decoder layer's: after the encoder's) is a mixture of experts."""
+    return m.moe_config.used_in(layer_id + (m.encoder_layers if decoder else 0))
+
+
+def layer_train_flops(m: ModelConfig, tp: int, micro_batch: int, decoder: bool, moe: bool, mode: str) -> float:
+    """Hardware FLOPs of one layer per micro-batch on one of ``tp`` tensor-parallel ranks: forward, backward and
+    the forward ``mode`` recomputes (``full``: all of it, ``selective``: attention's core); a mixture of experts
+    (``moe``) runs the router and each token's ``num_experts_chosen`` experts. Under expert parallelism a rank
+    runs its experts on every rank's tokens: as many FLOPs as its own tokens make."""
+    from paratrain.metrics.flops import layer_flops  # imported here: model_params needs no torch
+
+    f = layer_flops(m, decoder, micro_batch, experts=moe)
+    forward = f["dense"] + f["core"]
+    recomputed = {"none": 0, "selective": f["core"], "full": forward}[mode]
+    return (3 * forward + recomputed) / tp
+
+
 def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, decoder: bool, mode: str,
-                           spec: ActivationSpec) -> float:
+                           spec: ActivationSpec, moe: bool = False) -> float:
     """Bytes one layer keeps for backward per micro-batch on one tensor-parallel rank.
 
     ``full``: only the layer input; ``selective``: the layer input and the outputs of the ops
     ``paratrain.parallel.recompute.SAVED_OPS`` names (matmuls, the attention kernel, the
     tensor-parallel collectives), not those of LayerNorm, GELU, dropout or the adds;
-    ``none``: everything autograd saves.
+    ``none``: everything autograd saves. A mixture of experts (``moe``) keeps its FFN's (tokens, F) tensors for
+    each of its capacity slots: ``capacity_factor`` x ``num_experts_chosen`` a token.
     """
     t, sp, h, b = par.model_parallel, par.sequence_parallel, m.hidden_size, micro_batch
+    f = m.ffn_hidden_size
+    if moe:
+        f *= m.moe_config.capacity_factor * m.moe_config.num_experts_chosen
     source, target = m.lengths
     n_kv, n_q = b * source, b * (target if decoder else source)
     layer_input = n_q * h * spec.elem / (t if sp else 1)
@@ -380,11 +402,11 @@ def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int
         out = layer_input + _selective_attention(n_q, n_q, h, m.num_heads, b, t, sp, spec)
         if decoder:
             out += _selective_attention(n_q, n_kv, h, m.num_heads, b, t, sp, spec)
-        return out + _selective_ffn(n_q, h, m.ffn_hidden_size, t, sp, spec)
+        return out + _selective_ffn(n_q, h, f, t, sp, spec)
     out = _branch_attention(n_q, n_q, h, m.num_heads, b, t, sp, spec, False)
     if decoder:
         out += _branch_attention(n_q, n_kv, h, m.num_heads, b, t, sp, spec, sp)
-    return out + _branch_ffn(n_q, h, m.ffn_hidden_size, t, sp, spec)
+    return out + _branch_ffn(n_q, h, f, t, sp, spec)
 
 
 def extra_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, parts: set[str],
@@ -453,13 +475,13 @@ def stage_activation_bytes(cfg: Config, par: ParallelConfig, stage: int, st: Sta
     modes = modes or recompute_modes(par, m)
     counts: dict = {}
     for _, d, i in st.layers:
-        key = (d, modes[i + m.encoder_layers if d else i])  # a decoder layer's offset: the encoder's layers
+        key = (d, is_moe(m, d, i), modes[i + m.encoder_layers if d else i])  # a decoder layer: after the encoder
         counts[key] = counts.get(key, 0) + 1
     per_micro, recompute_peak = 0.0, 0.0
-    for (d, mode), n in counts.items():
-        per_micro += n * layer_activation_bytes(m, par, b, d, mode, spec)
+    for (d, moe, mode), n in counts.items():
+        per_micro += n * layer_activation_bytes(m, par, b, d, mode, spec, moe)
         if mode != "none":
-            recompute_peak = max(recompute_peak, layer_activation_bytes(m, par, b, d, "none", spec))
+            recompute_peak = max(recompute_peak, layer_activation_bytes(m, par, b, d, "none", spec, moe))
     parts = set().union(*st.parts) if st.parts else set()
     per_micro += extra_activation_bytes(m, par, b, parts, spec)
     flight = in_flight(par, stage)

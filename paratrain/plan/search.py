@@ -19,12 +19,13 @@ offload only when no layout fits without it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 
 from paratrain.config import Config, ConfigError, ParallelConfig
 from paratrain.config_rules import divisors, validate
-from paratrain.metrics.flops import layer_flops, model_flops
+from paratrain.metrics.flops import model_flops
 from paratrain.plan import cost
 from paratrain.plan.cost import Hardware, collective_bytes
 
@@ -78,21 +79,18 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     total, stage, st, act, transient = worst
     per_layer = {}
     source, target = m.lengths
-    for d in (False, True):
-        f = layer_flops(m, d, b)
+    for d, moe, mode in itertools.product((False, True), (False, True), ("none", "selective", "full")):
         tokens = b * (target if d else source)
-        for mode in ("none", "selective", "full"):
-            fwd = f["dense"] + f["core"]
-            extra = fwd if mode == "full" else (f["core"] if mode == "selective" else 0)
-            collectives = (7 if d else 4) + ((3 if d else 2) if mode == "full" else 0)  # TP all-reduces
-            calls = collectives * (2 if par.sequence_parallel else 1) if tp > 1 else 0  # SP: gather + scatter
-            per_layer[(d, mode)] = ((3 * fwd + extra) / tp, collectives * tokens * m.hidden_size * spec.elem, calls)
+        collectives = (7 if d else 4) + ((3 if d else 2) if mode == "full" else 0)  # TP all-reduces
+        calls = collectives * (2 if par.sequence_parallel else 1) if tp > 1 else 0  # SP: gather + scatter
+        per_layer[(d, moe, mode)] = (cost.layer_train_flops(m, tp, b, d, moe, mode),
+                                     collectives * tokens * m.hidden_size * spec.elem, calls)
     tokens_b = b * target
     times = []
     for s in states:
         flops, tp_bytes, calls = 0.0, 0.0, 0
         for _, d, i in s.layers:
-            fl, by, n = per_layer[(d, modes[i + m.encoder_layers if d else i])]  # decoder: after the encoder
+            fl, by, n = per_layer[(d, cost.is_moe(m, d, i), modes[i + m.encoder_layers if d else i])]
             flops, tp_bytes, calls = flops + fl, tp_bytes + by, calls + n
         if any("head" in parts for parts in s.parts):
             flops += 3 * 2 * tokens_b * m.hidden_size * m.vocab_size / tp
