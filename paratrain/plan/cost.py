@@ -206,48 +206,35 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
     owner = chunk_of_layers(m, par) if par.pipeline_stage > 1 else [0] * len(blocks)
     num_chunks = par.pipeline_stage * par.virtual_pipeline_stage if par.pipeline_stage > 1 else 1
     kinds = {(d, moe): layer_params(m, d, moe) for d in (False, True) for moe in (False, True)}
-    local = {k: (sum(local_numel(p, par) for p in ps), sum(tp_numel(p, par) for p in ps), len(ps))
-             for k, ps in kinds.items()}
-    # each layer as (is_decoder, is_moe): the key of its parameters
-    blocks = [((d, m.moe_config.used_in(offset + i)), i, offset) for d, i, offset in blocks]
+    sizes = {k: [local_numel(p, par) for p in ps] for k, ps in kinds.items()}
+    whole = {k: sum(tp_numel(p, par) for p in ps) for k, ps in kinds.items()}
     others = other_params(m)
     stages = [StageState() for _ in range(par.pipeline_stage)]
-    # zero stage 1 on replicas: each rank steps (and keeps the state of) the parameters dealt to it by size
-    steps_owned = par.shards_only_optimizer_state and par.data_parallel > 1
-    local_sizes = {k: [local_numel(p, par) for p in ps] for k, ps in kinds.items()}
-    sizes = {id(st): [] for st in stages}
+    held_sizes = [[] for _ in stages]  # the local size of every tensor a pipeline rank holds
     for chunk in range(num_chunks):
-        st = stages[chunk_rank(chunk, par) if par.pipeline_stage > 1 else 0]
+        rank = chunk_rank(chunk, par) if par.pipeline_stage > 1 else 0
+        st = stages[rank]
         parts = model_chunk_parts(m, owner, chunk)
         st.parts.append(parts)
-        held = [blk for blk, o in zip(blocks, owner) if o == chunk]
-        st.layers += [(chunk, d, i) for (d, _), i, _ in held]
-        n_local = sum(local[d][0] for d, _, _ in held)
-        n_whole = sum(local[d][1] for d, _, _ in held)
-        tensors = sum(local[d][2] for d, _, _ in held)
-        if steps_owned:
-            sizes[id(st)] += [n for d, _, _ in held for n in local_sizes[d]]
-        for p in others:
-            if p.part in parts:
-                n_local += local_numel(p, par)
-                n_whole += tp_numel(p, par)
-                tensors += 1
-                sizes[id(st)].append(local_numel(p, par))
-        st.params += n_local * b
-        st.whole_params += n_whole * b
-        st.tensors += tensors
-        groups = par.aggregation_groups(len(held))
-        per_group = max(1, math.ceil(len(held) / groups)) if held else 0
-        st.group_params = max(st.group_params, per_group * max(whole for whole in (local[k][1] for k in local)) * b)
-    for st in stages:
+        held = [(d, i) for (d, i, _), o in zip(blocks, owner) if o == chunk]
+        st.layers += [(chunk, d, i) for d, i in held]
+        keys = [(d, is_moe(m, d, i)) for d, i in held]
+        tensors = [n for k in keys for n in sizes[k]] + [local_numel(p, par) for p in others if p.part in parts]
+        held_sizes[rank] += tensors
+        st.params += sum(tensors) * b
+        st.whole_params += (sum(whole[k] for k in keys) + sum(tp_numel(p, par) for p in others if p.part in parts)) * b
+        st.tensors += len(tensors)
+        per_group = max(1, math.ceil(len(held) / par.aggregation_groups(len(held)))) if held else 0
+        st.group_params = max(st.group_params, per_group * max(whole.values()) * b)
+    for st, stepped in zip(stages, held_sizes):
         st.grads = st.params
-        st.stepped, stepped_tensors = st.params, st.tensors
-        if steps_owned:
+        if par.shards_only_optimizer_state and par.data_parallel > 1:
+            # zero stage 1 on replicas: each rank steps (and keeps the state of) the parameters dealt to it by size
             from paratrain.parallel.data import owners  # imported here: model_params needs no torch
 
-            mine = [n for n, o in zip(sizes[id(st)], owners(sizes[id(st)], par.data_parallel)) if o == 0]
-            st.stepped, stepped_tensors = sum(mine) * b, len(mine)
-        st.optimizer = OPTIMIZER_STATES * st.stepped + 4 * stepped_tensors
+            stepped = [n for n, o in zip(stepped, owners(stepped, par.data_parallel)) if o == 0]
+        st.stepped = sum(stepped) * b
+        st.optimizer = OPTIMIZER_STATES * st.stepped + 4 * len(stepped)
     return stages
 
 
@@ -316,49 +303,39 @@ def _attention_kernel(n_q: int, h: int, heads: int, b: int, t: int, spec: Activa
     return n_q * h * spec.elem / t + (n_q // max(1, b)) * b * (heads // t) * 4
 
 
+def _branch_output(n: int, h: int, t: int, sp: bool, spec: ActivationSpec) -> float:
+    """What selective recompute keeps of a branch's last projection (out_proj, fc2): its output
+    (partial sums under tensor parallel) and the all-reduce (SP: reduce-scatter) of it."""
+    return n * h * spec.elem * (1 + (1 / (t if sp else 1) if t > 1 else 0))
+
+
 def _branch_attention(n_q: int, n_kv: int, h: int, heads: int, b: int, t: int, sp: bool,
-                      spec: ActivationSpec, kv_gathered: bool) -> float:
-    """Saved bytes of one residual branch with attention: norm, q/k/v, core, out_proj, dropout."""
+                      spec: ActivationSpec, selective: bool, kv_gathered: bool = False) -> float:
+    """Saved bytes of one residual branch with attention: norm, q/k/v, core, out_proj, dropout; ``selective``:
+    only q, k, v, the kernel's outputs and out_proj's (``_branch_output``)."""
     e, ss = spec.elem, (t if sp else 1)
-    out = n_q * h * e / ss + 2 * n_q * spec.ln_stats / ss  # LayerNorm input, mean, rstd
+    out = (n_q + 2 * n_kv) * h * e / t + _attention_kernel(n_q, h, heads, b, t, spec)  # q, k, v; the core's
+    if selective:
+        return out + _branch_output(n_q, h, t, sp, spec)
+    out += n_q * h * e / ss + 2 * n_q * spec.ln_stats / ss  # LayerNorm input, mean, rstd
     out += n_q * h * e  # LayerNorm output (gathered under SP), kept by q (and k, v for self-attention)
     if kv_gathered:  # cross-attention under SP: the encoder output gathered again in every layer
         out += n_kv * h * e
-    out += (n_q + 2 * n_kv) * h * e / t  # q, k, v (kept by the attention core)
-    out += _attention_kernel(n_q, h, heads, b, t, spec)
     out += n_q * h * e / t  # out_proj input (heads merged: a copy)
     out += n_q * h * spec.hidden_mask / ss  # residual dropout mask
     return out
 
 
-def _branch_ffn(n: int, h: int, f: int, t: int, sp: bool, spec: ActivationSpec) -> float:
-    """Saved bytes of the FFN residual branch: norm, fc1, activation, fc2, dropouts."""
+def _branch_ffn(n: int, h: int, f: float, t: int, sp: bool, spec: ActivationSpec, selective: bool) -> float:
+    """Saved bytes of the FFN residual branch: norm, fc1, activation, fc2, dropouts; ``selective``: only the
+    outputs of fc1 and fc2."""
     e, ss = spec.elem, (t if sp else 1)
+    if selective:
+        return n * f * e / t + _branch_output(n, h, t, sp, spec)
     out = n * h * e / ss + 2 * n * spec.ln_stats / ss + n * h * e  # LayerNorm input + stats, output
     out += 2 * n * f * e / t  # activation input, fc2 input
     out += n * f * spec.hidden_mask / t + n * h * spec.hidden_mask / ss  # FFN and residual dropout masks
     return out
-
-
-def _selective_branch_output(n: int, h: int, t: int, sp: bool, spec: ActivationSpec) -> float:
-    """What selective recompute keeps of a branch's last projection (out_proj, fc2): its output
-    (partial sums under tensor parallel) and the all-reduce (SP: reduce-scatter) of it."""
-    out = n * h * spec.elem
-    if t > 1:
-        out += n * h * spec.elem / (t if sp else 1)
-    return out
-
-
-def _selective_attention(n_q: int, n_kv: int, h: int, heads: int, b: int, t: int, sp: bool,
-                         spec: ActivationSpec) -> float:
-    """Bytes selective recompute keeps of one attention branch: q, k, v, the kernel's outputs, out_proj's."""
-    return ((n_q + 2 * n_kv) * h * spec.elem / t + _attention_kernel(n_q, h, heads, b, t, spec)
-            + _selective_branch_output(n_q, h, t, sp, spec))
-
-
-def _selective_ffn(n: int, h: int, f: int, t: int, sp: bool, spec: ActivationSpec) -> float:
-    """Bytes selective recompute keeps of the FFN branch: the outputs of fc1 and fc2."""
-    return n * f * spec.elem / t + _selective_branch_output(n, h, t, sp, spec)
 
 
 def is_moe(m: ModelConfig, decoder: bool, layer_id: int) -> bool:
@@ -398,15 +375,11 @@ def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int
     layer_input = n_q * h * spec.elem / (t if sp else 1)
     if mode == "full":
         return layer_input
-    if mode == "selective":
-        out = layer_input + _selective_attention(n_q, n_q, h, m.num_heads, b, t, sp, spec)
-        if decoder:
-            out += _selective_attention(n_q, n_kv, h, m.num_heads, b, t, sp, spec)
-        return out + _selective_ffn(n_q, h, f, t, sp, spec)
-    out = _branch_attention(n_q, n_q, h, m.num_heads, b, t, sp, spec, False)
+    selective = mode == "selective"
+    out = (layer_input if selective else 0) + _branch_attention(n_q, n_q, h, m.num_heads, b, t, sp, spec, selective)
     if decoder:
-        out += _branch_attention(n_q, n_kv, h, m.num_heads, b, t, sp, spec, sp)
-    return out + _branch_ffn(n_q, h, f, t, sp, spec)
+        out += _branch_attention(n_q, n_kv, h, m.num_heads, b, t, sp, spec, selective, sp)
+    return out + _branch_ffn(n_q, h, f, t, sp, spec, selective)
 
 
 def extra_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, parts: set[str],

@@ -55,11 +55,10 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     pbytes = cost.DTYPE_BYTES[m.dtype]
     key = (dp, tp, pp, par.shards_parameters, par.shards_only_optimizer_state, par.virtual_pipeline_stage,
            par.pipeline_schedule, par.vocab_emb_dp, par.gradient_aggregation_group)
-    states = cache.get(key) if cache is not None else None
-    if states is None:
-        states = cost.stage_states(m, par, pbytes)
-        if cache is not None:
-            cache[key] = states
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = cost.stage_states(m, par, pbytes)
+    states = cache[key]
     modes = cost.recompute_modes(par, m)
     zero, accumulate = par.effective_zero_stage, (mb > 1 or pp > 1)
     worst, act_micro = None, []
@@ -160,8 +159,14 @@ def candidates(cfg: Config, devices: int, micro_batch_sizes=(1, 2, 4, 8, 16, 32)
     """Every layout worth considering for ``devices``: dp x tp x pp = devices, tp dividing the heads,
     micro-batch sizes from ``micro_batch_sizes``, 1F1B and interleaved 1F1B (2 chunks per rank)."""
     m, gb = cfg.model, cfg.train.global_batch_size
-    base = cfg.parallel
     out = []
+
+    def layout(dp, tp, pp, mb, schedule="1f1b", v=1, zero=0, rc="none", sp=False):
+        out.append(dataclasses.replace(cfg.parallel, data_parallel=dp, model_parallel=tp, pipeline_stage=pp,
+                                       micro_batch_num=mb, pipeline_schedule=schedule, virtual_pipeline_stage=v,
+                                       zero_stage=zero, optimizer_shard=False, recompute=rc, sequence_parallel=sp,
+                                       layer_stages=[]))
+
     for tp in divisors(devices):
         if m.num_heads % tp or m.hidden_size % tp or m.ffn_hidden_size % tp:
             continue
@@ -170,10 +175,7 @@ def candidates(cfg: Config, devices: int, micro_batch_sizes=(1, 2, 4, 8, 16, 32)
                 continue
             dp = devices // tp // pp
             if gb % dp:  # still listed (infeasible: the batch does not split), one plain layout
-                out.append(dataclasses.replace(base, data_parallel=dp, model_parallel=tp, pipeline_stage=pp,
-                                               micro_batch_num=max(pp, 1), pipeline_schedule="1f1b",
-                                               virtual_pipeline_stage=1, zero_stage=0, optimizer_shard=False,
-                                               recompute="none", sequence_parallel=False, layer_stages=[]))
+                layout(dp, tp, pp, pp)
                 continue
             local = gb // dp
             sizes = sorted({b for b in micro_batch_sizes if local % b == 0} | ({local} if pp == 1 else set()))
@@ -184,14 +186,9 @@ def candidates(cfg: Config, devices: int, micro_batch_sizes=(1, 2, 4, 8, 16, 32)
                 schedules = [("1f1b", 1)]
                 if pp > 1 and mb % pp == 0 and m.num_layers >= 2 * pp:
                     schedules.append(("interleaved_1f1b", 2))
-                for sched, v in schedules:
-                    for zero in (zero_stages if dp > 1 else (0,)):
-                        for rc in recomputes:
-                            for sp in ((False, True) if tp > 1 else (False,)):
-                                out.append(dataclasses.replace(
-                                    base, data_parallel=dp, model_parallel=tp, pipeline_stage=pp, micro_batch_num=mb,
-                                    pipeline_schedule=sched, virtual_pipeline_stage=v, zero_stage=zero,
-                                    optimizer_shard=False, recompute=rc, sequence_parallel=sp, layer_stages=[]))
+                for (sched, v), zero, rc, sp in itertools.product(schedules, zero_stages if dp > 1 else (0,),
+                                                                 recomputes, (False, True) if tp > 1 else (False,)):
+                    layout(dp, tp, pp, mb, sched, v, zero, rc, sp)
     return out
 
 
