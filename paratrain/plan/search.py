@@ -42,13 +42,13 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     m = cfg.model
     dp, tp, pp, mb = par.data_parallel, par.model_parallel, par.pipeline_stage, par.micro_batch_num
     gb = cfg.train.global_batch_size
-    row = {k: getattr(par, k) for k in FIELDS}
-    row["zero_stage"] = par.effective_zero_stage
     b = -(-gb // (dp * mb))
-    row.update(pipeline_schedule=par.pipeline_schedule if pp > 1 else "none",
-               virtual_pipeline_stage=par.virtual_pipeline_stage, micro_batch_size=b)
+    row = {**{k: getattr(par, k) for k in FIELDS}, "zero_stage": par.effective_zero_stage, "micro_batch_size": b,
+           "pipeline_schedule": par.pipeline_schedule if pp > 1 else "none",
+           "virtual_pipeline_stage": par.virtual_pipeline_stage}
     problems = validate(dataclasses.replace(cfg, parallel=par), dp * tp * pp)
-    if m.num_heads % tp or m.hidden_size % tp or m.ffn_hidden_size % tp or pp * par.virtual_pipeline_stage > m.num_layers:
+    if any(size % tp for size in (m.num_heads, m.hidden_size, m.ffn_hidden_size)) or \
+            pp * par.virtual_pipeline_stage > m.num_layers:
         row.update(feasible=False, reason="; ".join(problems), memory_gib=None, step_time_s=None, mfu=None)
         return row
     spec = cost.activation_spec(cfg)
