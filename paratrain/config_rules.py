@@ -42,11 +42,6 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
             if value <= 0:
                 problems.append(f"{section.SECTION}.{name}={value} must be positive")
 
-    def choice(section: Section, name: str, allowed: tuple[str, ...]):
-        value = getattr(section, name)
-        if value not in allowed:
-            problems.append(f"{section.SECTION}.{name}={value!r} is not one of {', '.join(allowed)}")
-
     positive(m, ["vocab_size", "hidden_size", "num_heads", "ffn_hidden_size", "decoder_layers",
                  *m.sequence_lengths()])
     if m.spec.encoder_decoder:
@@ -95,13 +90,13 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         problems.append(f"model.pad_token_id={m.pad_token_id} is not a token id of model.vocab_size={m.vocab_size}")
     if m.layernorm_eps <= 0:
         problems.append(f"model.layernorm_eps={m.layernorm_eps} must be positive (e.g. 1e-5)")
-    choice(m, "dtype", DTYPES)
-    choice(m, "hidden_act", ACTIVATIONS)
-    choice(p, "pipeline_schedule", PIPELINE_SCHEDULES)
-    choice(t, "mixed_precision", MIXED_PRECISION)
-    choice(t, "lr_schedule", LR_SCHEDULES)
-    choice(t, "warmup_type", WARMUP_TYPES)
-    choice(cfg.metrics, "log_format", LOG_FORMATS)
+    for section, name, allowed in ((m, "dtype", DTYPES), (m, "hidden_act", ACTIVATIONS), (p, "zero_stage", (0, 1, 2, 3)),
+                                   (p, "pipeline_schedule", PIPELINE_SCHEDULES), (t, "mixed_precision", MIXED_PRECISION),
+                                   (t, "lr_schedule", LR_SCHEDULES), (t, "warmup_type", WARMUP_TYPES),
+                                   (cfg.metrics, "log_format", LOG_FORMATS)):
+        value = getattr(section, name)
+        if value not in allowed:
+            problems.append(f"{section.SECTION}.{name}={value!r} is not one of {', '.join(map(str, allowed))}")
     if t.lr_schedule == "warmup_cosine_lr" and (t.lr_decay_steps or t.steps) <= max(2, t.warmup_steps):
         problems.append(f"train.lr_schedule='warmup_cosine_lr' decays over train.lr_decay_steps (0: train.steps) "
                         f"= {t.lr_decay_steps or t.steps} steps, not more than its warmup of max(2, warmup_steps="
@@ -111,8 +106,6 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         value = getattr(m, name)
         if not 0 <= value < 1:
             problems.append(f"model.{name}={value} is outside [0, 1): use a probability such as 0.1, or 0 for none")
-    if p.zero_stage not in (0, 1, 2, 3):
-        problems.append(f"parallel.zero_stage={p.zero_stage} is not one of 0, 1, 2, 3")
     problems += _recompute_problems(p, m.num_layers)
     problems += _data_problems(cfg.data, m)
     if problems:  # the rules below divide by these sizes
