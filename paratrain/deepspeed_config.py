@@ -39,12 +39,6 @@ def read(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def flatten(block: dict) -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists and values are leaves; a null is left out, as DeepSpeed
-    reads it, and so is an empty block)."""
-    return {key: value for key, value in dotted(block) if value is not None}
-
-
 class Mapping:
     """What one DeepSpeed config becomes: the paratrain values it sets, a line per key, the refusals."""
 
@@ -275,7 +269,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), deeps
 def apply(path: str | Path, data: dict[str, Any], overrides: list[str], world_size: int | None) -> list[str]:
     """Map DeepSpeed config ``path`` onto the TOML tables ``data`` (in place, before ``overrides``); return
     the report, one line per key. ConfigError listing every refused key, before anything is built."""
-    ds = flatten(read(path))
+    # {"a": {"b": 1}} -> {"a.b": 1}; a null is left out, as DeepSpeed reads it, and so is an empty block
+    ds = {key: value for key, value in dotted(read(path)) if value is not None}
     base = from_dict({k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}, overrides)
     overridden = set()
     for item in overrides:
