@@ -177,11 +177,10 @@ class ModelConfig(Section):
         """How many layers of each kind the model has: (a decoder layer of an encoder-decoder, a mixture of
         experts) -> count; as fast for 10^12 layers as for 2."""
         counts, start = {}, 0
-        for stack, count in enumerate(self.stack_layers.values()):
+        for stack, count in enumerate(self.stack_layers.values()):  # stack 1: the decoder's
             experts = self.moe_config.layers_in(start, count)
-            for kind, n in (((stack > 0, False), count - experts), ((stack > 0, True), experts)):
-                if n:
-                    counts[kind] = counts.get(kind, 0) + n
+            counts.update({kind: n for kind, n in (((stack > 0, False), count - experts),
+                                                   ((stack > 0, True), experts)) if n})
             start += count
         return counts
 

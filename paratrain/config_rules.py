@@ -90,10 +90,11 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         problems.append(f"model.pad_token_id={m.pad_token_id} is not a token id of model.vocab_size={m.vocab_size}")
     if m.layernorm_eps <= 0:
         problems.append(f"model.layernorm_eps={m.layernorm_eps} must be positive (e.g. 1e-5)")
-    for section, name, allowed in ((m, "dtype", DTYPES), (m, "hidden_act", ACTIVATIONS), (p, "zero_stage", (0, 1, 2, 3)),
-                                   (p, "pipeline_schedule", PIPELINE_SCHEDULES), (t, "mixed_precision", MIXED_PRECISION),
-                                   (t, "lr_schedule", LR_SCHEDULES), (t, "warmup_type", WARMUP_TYPES),
-                                   (cfg.metrics, "log_format", LOG_FORMATS)):
+    choices = ((m, "dtype", DTYPES), (m, "hidden_act", ACTIVATIONS), (p, "zero_stage", (0, 1, 2, 3)),
+               (p, "pipeline_schedule", PIPELINE_SCHEDULES), (t, "mixed_precision", MIXED_PRECISION),
+               (t, "lr_schedule", LR_SCHEDULES), (t, "warmup_type", WARMUP_TYPES),
+               (cfg.metrics, "log_format", LOG_FORMATS))
+    for section, name, allowed in choices:
         value = getattr(section, name)
         if value not in allowed:
             problems.append(f"{section.SECTION}.{name}={value!r} is not one of {', '.join(map(str, allowed))}")
