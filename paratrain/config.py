@@ -265,16 +265,14 @@ StageSpec = Union[list, Callable[[int, int, "ParallelConfig"], int]]
 class ParallelConfig(Section):
     """How the work is split; also importable as ``TransformerOpParallelConfig``.
 
-    ``data_parallel * model_parallel * pipeline_stage`` must equal the world size; ``data_parallel``
-    not given is derived from it (``world_size // (model_parallel * pipeline_stage)``) by
-    ``paratrain.config_rules.check``, ``Layout`` and the trainer, and is 1 until then.
-    ``zero_stage`` (or ``optimizer_shard=True``, meaning stage 1) shards optimizer
-    state (1), gradients (2) and parameters (3) over the data-parallel ranks.
-    ``recompute`` is ``none``/``full``/``selective``, a bool, a list with one mode per
-    layer, a function ``(layer_id, offset, config) -> mode`` like MindSpore's
-    ``lambda_func``, or MindSpore's ``TransformerRecomputeConfig``. ``layer_stages`` places layers on pipeline stages: empty for an
-    even split (embeddings and head counted as one layer each), a list with the
-    stage of every layer, or a function ``(layer_id, offset, config) -> stage``; with
+    ``data_parallel * model_parallel * pipeline_stage`` must equal the world size; ``data_parallel`` not given is
+    derived from it (``world_size // (model_parallel * pipeline_stage)``) by ``paratrain.config_rules.check``,
+    ``Layout`` and the trainer, and is 1 until then. ``zero_stage`` (or ``optimizer_shard=True``, meaning stage 1)
+    shards optimizer state (1), gradients (2) and parameters (3) over the data-parallel ranks. ``recompute`` is
+    ``none``/``full``/``selective``, a bool, a list with one mode per layer, a function ``(layer_id, offset,
+    config) -> mode`` like MindSpore's ``lambda_func``, or MindSpore's ``TransformerRecomputeConfig``.
+    ``layer_stages`` places layers on pipeline stages: empty for an even split (embeddings and head counted as one
+    layer each), a list with the stage of every layer, or a function ``(layer_id, offset, config) -> stage``; with
     ``virtual_pipeline_stage`` v > 1 the values are virtual stages 0..pp*v-1.
     """
 
@@ -313,23 +311,11 @@ class ParallelConfig(Section):
             self.data_parallel = world_size // split
         return self
 
-    @property
-    def dp(self) -> int:
-        return self.data_parallel
-
-    @property
-    def mp(self) -> int:
-        return self.model_parallel
-
-    tp = mp
-
-    @property
-    def pp(self) -> int:
-        return self.pipeline_stage
-
-    @property
-    def ep(self) -> int:
-        return self.expert_parallel
+    # the short names of the sizes, read-only (``ALIASES`` takes them as keys)
+    dp = property(lambda self: self.data_parallel)
+    mp = tp = property(lambda self: self.model_parallel)
+    pp = property(lambda self: self.pipeline_stage)
+    ep = property(lambda self: self.expert_parallel)
 
     @property
     def world_size(self) -> int:

@@ -136,9 +136,9 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
                                 f"with parallel.sequence_parallel=true: use a multiple of {mp}")
     chunks = p.pipeline_stage * p.virtual_pipeline_stage
     if m.num_layers < chunks:
+        virtual = f" x virtual_pipeline_stage={p.virtual_pipeline_stage}" if p.virtual_pipeline_stage > 1 else ""
         problems.append(f"model has {m.num_layers} layers, fewer than parallel.pipeline_stage={p.pipeline_stage}"
-                        + (f" x virtual_pipeline_stage={p.virtual_pipeline_stage}" if p.virtual_pipeline_stage > 1 else "")
-                        + f": use pipeline_stage <= {m.num_layers // p.virtual_pipeline_stage} or add layers")
+                        f"{virtual}: use pipeline_stage <= {m.num_layers // p.virtual_pipeline_stage} or add layers")
     problems += _pipeline_problems(p, m.num_layers)
     if m.spec.encoder_decoder and p.pipeline_stage > 1 and "zero_bubble" in p.pipeline_schedule:
         problems.append(f"parallel.pipeline_schedule={p.pipeline_schedule!r} cannot run the encoder-decoder: "
@@ -209,8 +209,8 @@ def _recompute_problems(p: ParallelConfig, num_layers: int) -> list[str]:
     if callable(spec) or isinstance(spec, (bool, TransformerRecomputeConfig)):
         return []
     if isinstance(spec, str):
-        return [] if spec in RECOMPUTE_MODES else [
-            f"parallel.recompute={spec!r} is not one of {', '.join(RECOMPUTE_MODES)} (or true/false, a list, a function)"]
+        return [] if spec in RECOMPUTE_MODES else [f"parallel.recompute={spec!r} is not one of "
+                                                   f"{', '.join(RECOMPUTE_MODES)} (or true/false, a list, a function)"]
     if isinstance(spec, list):
         bad = [s for s in spec if s not in RECOMPUTE_MODES and not isinstance(s, bool)]
         if len(spec) != num_layers or bad:

@@ -287,6 +287,7 @@ class ActivationSpec:
 
 
 def activation_spec(cfg: Config) -> ActivationSpec:
+    """How a run of ``cfg`` on this machine stores its activations."""
     m = cfg.model
     precision = cfg.train.mixed_precision
     if precision == "auto":  # what a run on this machine's device makes of it
@@ -435,6 +436,7 @@ def bubble_micro_batches(par: ParallelConfig) -> float:
 
 
 def recompute_modes(par: ParallelConfig, m: ModelConfig) -> list[str]:
+    """The recompute mode of every layer in execution order."""
     return [par.recompute_mode(i, off) for _, i, off in layer_blocks(m)]
 
 
