@@ -364,13 +364,14 @@ def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int
     ``full``: only the layer input; ``selective``: the layer input and the outputs of the ops
     ``paratrain.parallel.recompute.SAVED_OPS`` names (matmuls, the attention kernel, the
     tensor-parallel collectives), not those of LayerNorm, GELU, dropout or the adds;
-    ``none``: everything autograd saves. A mixture of experts (``moe``) keeps its FFN's (tokens, F) tensors for
-    each of its capacity slots: ``capacity_factor`` x ``num_experts_chosen`` a token.
+    ``none``: everything autograd saves. A mixture of experts (``moe``) keeps its FFN's tensors for each of its
+    capacity slots (``capacity_factor`` x ``num_experts_chosen`` a token), the experts' (slots, H) input and output
+    and the router's logits and probabilities; under selective recompute only the logits (the experts' batched
+    matmuls are not among the saved ops).
     """
     t, sp, h, b = par.model_parallel, par.sequence_parallel, m.hidden_size, micro_batch
-    f = m.ffn_hidden_size
-    if moe:
-        f *= m.moe_config.capacity_factor * m.moe_config.num_experts_chosen
+    moe_config = m.moe_config
+    slots = moe_config.capacity_factor * moe_config.num_experts_chosen if moe else 1  # per token
     source, target = m.lengths
     n_kv, n_q = b * source, b * (target if decoder else source)
     layer_input = n_q * h * spec.elem / (t if sp else 1)
@@ -380,7 +381,13 @@ def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int
     out = (layer_input if selective else 0) + _branch_attention(n_q, n_q, h, m.num_heads, b, t, sp, spec, selective)
     if decoder:
         out += _branch_attention(n_q, n_kv, h, m.num_heads, b, t, sp, spec, selective, sp)
-    return out + _branch_ffn(n_q, h, f, t, sp, spec, selective)
+    if not moe:
+        return out + _branch_ffn(n_q, h, m.ffn_hidden_size, t, sp, spec, selective)
+    router = n_q * moe_config.expert_num * spec.elem
+    if selective:
+        return out + router
+    return (out + _branch_ffn(n_q, h, m.ffn_hidden_size * slots, t, sp, spec, False) + router
+            + n_q * moe_config.expert_num * 4 + 2 * n_q * slots * h * spec.elem)
 
 
 def extra_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, parts: set[str],
