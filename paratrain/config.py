@@ -1,15 +1,14 @@
-"""The settings vocabulary every layer may use: one dataclass per section of a run's settings, their
-allowed values, ``ConfigError`` and the plain-name rule.
+"""The settings vocabulary every layer may use: one dataclass per section of a run's settings, their allowed values,
+``ConfigError`` and the plain-name rule.
 
-The parallel knobs keep MindSpore's names (``data_parallel``, ``model_parallel``,
-``pipeline_stage``, ``micro_batch_num``, ``optimizer_shard``,
-``gradient_aggregation_group``, ``recompute``, ``vocab_emb_dp``) so a
+The parallel knobs keep MindSpore's names (``data_parallel``, ``model_parallel``, ``pipeline_stage``,
+``micro_batch_num``, ``optimizer_shard``, ``gradient_aggregation_group``, ``recompute``, ``vocab_emb_dp``) so a
 ``TransformerOpParallelConfig`` reads the same here.
 
-The faces build these objects their own way: the TOML face (files, ``--section.key=value`` overrides, hints
-for misnamed keys) is :mod:`paratrain.config_file`, a DeepSpeed JSON config :mod:`paratrain.deepspeed_config`,
-the MindSpore face its own arguments (:mod:`paratrain.context`, :mod:`paratrain.train`). The rules a whole
-config must meet are :mod:`paratrain.config_rules`.
+The faces build these objects their own way: the TOML face (files, ``--section.key=value`` overrides, hints for
+misnamed keys) is :mod:`paratrain.config_file`, a DeepSpeed JSON config :mod:`paratrain.deepspeed_config`, the
+MindSpore face its own arguments (:mod:`paratrain.context`, :mod:`paratrain.train`). The rules a whole config must
+meet are :mod:`paratrain.config_rules`.
 """
 from __future__ import annotations
 

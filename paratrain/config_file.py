@@ -1,8 +1,8 @@
 """The TOML face of the settings: config files, ``section.key=value`` overrides and hints for misnamed keys.
 
-``from_dict`` builds a :class:`paratrain.config.Config` from nested tables (a TOML file's, a checkpoint's
-record, a script's dicts), converting each value to its key's type and naming, for every unknown key, what
-to write instead. The rules a config must meet are :mod:`paratrain.config_rules`.
+``from_dict`` builds a :class:`paratrain.config.Config` from nested tables (a TOML file's, a checkpoint's record, a
+script's dicts), converting each value to its key's type and naming, for every unknown key, what to write instead.
+The rules a config must meet are :mod:`paratrain.config_rules`.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""The rules a whole :class:`paratrain.config.Config` must meet: ``validate`` lists every rule it breaks, each
-with the numbers and a fix, and ``check`` raises them as one ConfigError.
+"""The rules a whole :class:`paratrain.config.Config` must meet: ``validate`` lists every rule it breaks, each with the
+numbers and a fix, and ``check`` raises them as one ConfigError.
 
-One validator for the settings, whichever way they came: a TOML file or the command line (``paratrain train``
-and ``paratrain launch`` check before any process starts, :mod:`paratrain.preflight`), a DeepSpeed JSON config,
-or the layouts the planner weighs (:mod:`paratrain.plan.search`). It is its own module, not part of the TOML face
+One validator for the settings, whichever way they came: a TOML file or the command line (``paratrain train`` and
+``paratrain launch`` check before any process starts, :mod:`paratrain.preflight`), a DeepSpeed JSON config, or the
+layouts the planner weighs (:mod:`paratrain.plan.search`). It is its own module, not part of the TOML face
 (:mod:`paratrain.config_file`), because the planner, below the faces, uses it too; it reads only the settings
 vocabulary (:mod:`paratrain.config`). The MindSpore face checks its own arguments where it takes them.
 """

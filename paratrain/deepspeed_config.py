@@ -1,12 +1,12 @@
 """A DeepSpeed JSON config read onto paratrain's keys: ``paratrain train --deepspeed ds_config.json``.
 
-:func:`apply` maps each key of the JSON (``paratrain.deepspeed_keys``) onto the TOML tables of a run,
-before the command-line overrides (which win), and returns one line per key saying what it became:
-mapped, accepted with no effect (with the reason) or refused (with the reason; an unknown key with the
-closest known one). Values are as DeepSpeed defines them: the batch sizes follow its rule
-``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x data_parallel``, a
-block's parameter left out takes DeepSpeed's default, and ``"auto"`` (as the HF Trainer fills it) keeps
-paratrain's value, or derives a batch size from the others.
+:func:`apply` maps each key of the JSON (``paratrain.deepspeed_keys``) onto the TOML tables of a run, before the
+command-line overrides (which win), and returns one line per key saying what it became: mapped, accepted with no
+effect (with the reason) or refused (with the reason; an unknown key with the closest known one). Values are as
+DeepSpeed defines them: the batch sizes follow its rule
+``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x data_parallel``, a block's
+parameter left out takes DeepSpeed's default, and ``"auto"`` (as the HF Trainer fills it) keeps paratrain's value,
+or derives a batch size from the others.
 """
 from __future__ import annotations
 

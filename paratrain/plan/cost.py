@@ -1,26 +1,24 @@
 """Per-rank cost model of one layout: model-state bytes, activation bytes, step time.
 
-Everything is derived from the model's shapes and from how paratrain shards (see
-``paratrain/parallel``), without building the model:
+Everything is derived from the model's shapes and from how paratrain shards (see ``paratrain/parallel``), without
+building the model:
 
-- Parameters: Megatron's tensor-parallel split as the modules' ``parallel_plan()`` declares it (q/k/v/fc1
-  weight and bias and the head column-sharded, out_proj/fc2 weights row-sharded, their
-  biases, LayerNorms and position tables replicated, the word table sharded only with
-  ``vocab_emb_dp=false``); shards follow ``torch.chunk`` (rank 0 holds the largest).
-  ZeRO stages 1-3 (FSDP2 ``fully_shard`` over dp) shard dim 0 of each local tensor
-  again; stage 0 keeps it whole. Pipeline chunks follow ``layer_chunks``' even split
-  (embeddings and head count as a layer each) and hold the parts the model places there,
-  including the extra word-table copies of the encoder-decoder and of a tied head.
-- Gradients: same placement as the parameters at rest. Optimizer: AdamW exp_avg and
-  exp_avg_sq like the parameter plus a 4-byte ``step`` per tensor (fused AdamW).
-- Transient model state (peak, on top of the above): stages 1-2 gather every parameter
-  of the rank in forward and keep it until backward; with gradient accumulation
-  (micro_batch_num > 1 without pipeline) or a pipeline (which keeps FSDP2 unsharded
-  across micro-batches) the gradients are accumulated unsharded too. Stage 3 holds about
-  two layer groups' whole parameters (prefetch) unless a pipeline keeps them gathered.
-- Activations: tensors autograd saves per layer and micro-batch, for paratrain's
-  modules with ``scaled_dot_product_attention`` (flash / memory-efficient kernels: no
-  (T, T) scores are kept), see ``layer_activation_bytes``.
+- Parameters: Megatron's tensor-parallel split as the modules' ``parallel_plan()`` declares it (q/k/v/fc1 weight and
+  bias and the head column-sharded, out_proj/fc2 weights row-sharded, their biases, LayerNorms and position tables
+  replicated, the word table sharded only with ``vocab_emb_dp=false``); shards follow ``torch.chunk`` (rank 0 holds
+  the largest). ZeRO stages 1-3 (FSDP2 ``fully_shard`` over dp) shard dim 0 of each local tensor again; stage 0
+  keeps it whole. Pipeline chunks follow ``layer_chunks``' even split (embeddings and head count as a layer each)
+  and hold the parts the model places there, including the extra word-table copies of the encoder-decoder and of a
+  tied head.
+- Gradients: same placement as the parameters at rest. Optimizer: AdamW exp_avg and exp_avg_sq like the parameter
+  plus a 4-byte ``step`` per tensor (fused AdamW).
+- Transient model state (peak, on top of the above): stages 1-2 gather every parameter of the rank in forward and
+  keep it until backward; with gradient accumulation (micro_batch_num > 1 without pipeline) or a pipeline (which
+  keeps FSDP2 unsharded across micro-batches) the gradients are accumulated unsharded too. Stage 3 holds about two
+  layer groups' whole parameters (prefetch) unless a pipeline keeps them gathered.
+- Activations: tensors autograd saves per layer and micro-batch, for paratrain's modules with
+  ``scaled_dot_product_attention`` (flash / memory-efficient kernels: no (T, T) scores are kept), see
+  ``layer_activation_bytes``.
 """
 from __future__ import annotations
 

@@ -1,20 +1,18 @@
-"""Layouts: evaluate one (memory per device, step time, MFU, feasibility), enumerate and rank them, and
-choose one for a job (``parallel.auto``).
+"""Layouts: evaluate one (memory per device, step time, MFU, feasibility), enumerate and rank them, and choose one for
+a job (``parallel.auto``).
 
-Step time of one rank = (micro_batch_num + bubble) x (compute + tensor-parallel + pipeline
-communication of one micro-batch) + data-parallel communication, where compute is the rank's
-hardware FLOPs (recompute included) over peak x efficiency and communication is ring volume over
-the bandwidth of the link class the group spans. The mesh is ("pp", "dp", "tp") with tp innermost:
-a tp group stays inside a node when tp <= devices_per_node, a dp group when dp x tp <= devices_per_node,
-pipeline neighbours when the whole job fits one node.
+Step time of one rank = (micro_batch_num + bubble) x (compute + tensor-parallel + pipeline communication of one
+micro-batch) + data-parallel communication, where compute is the rank's hardware FLOPs (recompute included) over
+peak x efficiency and communication is ring volume over the bandwidth of the link class the group spans. The mesh is
+("pp", "dp", "tp") with tp innermost: a tp group stays inside a node when tp <= devices_per_node, a dp group when dp
+x tp <= devices_per_node, pipeline neighbours when the whole job fits one node.
 
-ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", FSDP2's CPUOffloadPolicy) moves the
-rank's model state at rest (parameter shards, gradients, optimizer state) from the device to host
-memory; the device keeps what is gathered (the whole parameters a step works on, unsharded gradients
-before their reduce-scatter) and the activations. Each gather copies the parameter shard host -> device
-(once a step at stages 1-2; in forward and in backward of every micro-batch at stage 3), each reduced
-gradient shard goes back, and AdamW runs on the host at its memory bandwidth. The search considers
-offload only when no layout fits without it.
+ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", FSDP2's CPUOffloadPolicy) moves the rank's model
+state at rest (parameter shards, gradients, optimizer state) from the device to host memory; the device keeps what
+is gathered (the whole parameters a step works on, unsharded gradients before their reduce-scatter) and the
+activations. Each gather copies the parameter shard host -> device (once a step at stages 1-2; in forward and in
+backward of every micro-batch at stage 3), each reduced gradient shard goes back, and AdamW runs on the host at its
+memory bandwidth. The search considers offload only when no layout fits without it.
 """
 from __future__ import annotations
 
