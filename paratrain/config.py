@@ -1,15 +1,14 @@
-"""The settings vocabulary every layer may use: one dataclass per section of a run's settings, their
-allowed values, ``ConfigError`` and the plain-name rule.
+"""The settings vocabulary every layer may use: one dataclass per section of a run's settings, their allowed values,
+``ConfigError`` and the plain-name rule.
 
-The parallel knobs keep MindSpore's names (``data_parallel``, ``model_parallel``,
-``pipeline_stage``, ``micro_batch_num``, ``optimizer_shard``,
-``gradient_aggregation_group``, ``recompute``, ``vocab_emb_dp``) so a
+The parallel knobs keep MindSpore's names (``data_parallel``, ``model_parallel``, ``pipeline_stage``,
+``micro_batch_num``, ``optimizer_shard``, ``gradient_aggregation_group``, ``recompute``, ``vocab_emb_dp``) so a
 ``TransformerOpParallelConfig`` reads the same here.
 
-The faces build these objects their own way: the TOML face (files, ``--section.key=value`` overrides, hints
-for misnamed keys) is :mod:`paratrain.config_file`, a DeepSpeed JSON config :mod:`paratrain.deepspeed_config`,
-the MindSpore face its own arguments (:mod:`paratrain.context`, :mod:`paratrain.train`). The rules a whole
-config must meet are :mod:`paratrain.config_rules`.
+The faces build these objects their own way: the TOML face (files, ``--section.key=value`` overrides, hints for
+misnamed keys) is :mod:`paratrain.config_file`, a DeepSpeed JSON config :mod:`paratrain.deepspeed_config`, the
+MindSpore face its own arguments (:mod:`paratrain.context`, :mod:`paratrain.train`). The rules a whole config must
+meet are :mod:`paratrain.config_rules`.
 """
 from __future__ import annotations
 
@@ -177,11 +176,10 @@ class ModelConfig(Section):
         """How many layers of each kind the model has: (a decoder layer of an encoder-decoder, a mixture of
         experts) -> count; as fast for 10^12 layers as for 2."""
         counts, start = {}, 0
-        for stack, count in enumerate(self.stack_layers.values()):
+        for stack, count in enumerate(self.stack_layers.values()):  # stack 1: the decoder's
             experts = self.moe_config.layers_in(start, count)
-            for kind, n in (((stack > 0, False), count - experts), ((stack > 0, True), experts)):
-                if n:
-                    counts[kind] = counts.get(kind, 0) + n
+            counts.update({kind: n for kind, n in (((stack > 0, False), count - experts),
+                                                   ((stack > 0, True), experts)) if n})
             start += count
         return counts
 
@@ -266,16 +264,14 @@ StageSpec = Union[list, Callable[[int, int, "ParallelConfig"], int]]
 class ParallelConfig(Section):
     """How the work is split; also importable as ``TransformerOpParallelConfig``.
 
-    ``data_parallel * model_parallel * pipeline_stage`` must equal the world size; ``data_parallel``
-    not given is derived from it (``world_size // (model_parallel * pipeline_stage)``) by
-    ``paratrain.config_rules.check``, ``Layout`` and the trainer, and is 1 until then.
-    ``zero_stage`` (or ``optimizer_shard=True``, meaning stage 1) shards optimizer
-    state (1), gradients (2) and parameters (3) over the data-parallel ranks.
-    ``recompute`` is ``none``/``full``/``selective``, a bool, a list with one mode per
-    layer, a function ``(layer_id, offset, config) -> mode`` like MindSpore's
-    ``lambda_func``, or MindSpore's ``TransformerRecomputeConfig``. ``layer_stages`` places layers on pipeline stages: empty for an
-    even split (embeddings and head counted as one layer each), a list with the
-    stage of every layer, or a function ``(layer_id, offset, config) -> stage``; with
+    ``data_parallel * model_parallel * pipeline_stage`` must equal the world size; ``data_parallel`` not given is
+    derived from it (``world_size // (model_parallel * pipeline_stage)``) by ``paratrain.config_rules.check``,
+    ``Layout`` and the trainer, and is 1 until then. ``zero_stage`` (or ``optimizer_shard=True``, meaning stage 1)
+    shards optimizer state (1), gradients (2) and parameters (3) over the data-parallel ranks. ``recompute`` is
+    ``none``/``full``/``selective``, a bool, a list with one mode per layer, a function ``(layer_id, offset,
+    config) -> mode`` like MindSpore's ``lambda_func``, or MindSpore's ``TransformerRecomputeConfig``.
+    ``layer_stages`` places layers on pipeline stages: empty for an even split (embeddings and head counted as one
+    layer each), a list with the stage of every layer, or a function ``(layer_id, offset, config) -> stage``; with
     ``virtual_pipeline_stage`` v > 1 the values are virtual stages 0..pp*v-1.
     """
 
@@ -314,23 +310,11 @@ class ParallelConfig(Section):
             self.data_parallel = world_size // split
         return self
 
-    @property
-    def dp(self) -> int:
-        return self.data_parallel
-
-    @property
-    def mp(self) -> int:
-        return self.model_parallel
-
-    tp = mp
-
-    @property
-    def pp(self) -> int:
-        return self.pipeline_stage
-
-    @property
-    def ep(self) -> int:
-        return self.expert_parallel
+    # the short names of the sizes, read-only (``ALIASES`` takes them as keys)
+    dp = property(lambda self: self.data_parallel)
+    mp = tp = property(lambda self: self.model_parallel)
+    pp = property(lambda self: self.pipeline_stage)
+    ep = property(lambda self: self.expert_parallel)
 
     @property
     def world_size(self) -> int:

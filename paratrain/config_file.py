@@ -1,8 +1,8 @@
 """The TOML face of the settings: config files, ``section.key=value`` overrides and hints for misnamed keys.
 
-``from_dict`` builds a :class:`paratrain.config.Config` from nested tables (a TOML file's, a checkpoint's
-record, a script's dicts), converting each value to its key's type and naming, for every unknown key, what
-to write instead. The rules a config must meet are :mod:`paratrain.config_rules`.
+``from_dict`` builds a :class:`paratrain.config.Config` from nested tables (a TOML file's, a checkpoint's record, a
+script's dicts), converting each value to its key's type and naming, for every unknown key, what to write instead.
+The rules a config must meet are :mod:`paratrain.config_rules`.
 """
 from __future__ import annotations
 
@@ -134,21 +134,18 @@ def _hint(cls: type[Section], key: str) -> str:
 def _coerce(value: Any, current: Any, f: dataclasses.Field) -> Any:
     """Convert ``value`` (from TOML or the command line) to the type of the field it sets."""
     kind = next((t for t in (bool, int, float, str) if isinstance(current, t)), None)
+    if isinstance(value, str) and (kind in (int, float, bool) or isinstance(current, dict)
+                                   or f.name in ("layer_stages", "recompute")):
+        value = _parse_literal(value)  # from the command line: --parallel.layer_stages=[0,0,1,1], --model.moe='{...}'
     if f.name == "layer_stages":
-        if isinstance(value, str):  # from the command line: --parallel.layer_stages=[0,0,1,1]
-            value = _parse_literal(value)
         if isinstance(value, list) or callable(value):
             return value
         raise TypeError("expected a list with the stage of each layer, or a function")
     if f.name == "recompute":
-        if isinstance(value, str):
-            value = _parse_literal(value)
         if isinstance(value, (bool, str, dict, list, TransformerRecomputeConfig)) or callable(value):
             return value
         raise TypeError("expected none/full/selective, true/false, a per-layer list, a function "
                         "or a TransformerRecomputeConfig")
-    if isinstance(value, str) and (kind in (int, float, bool) or isinstance(current, dict)):
-        value = _parse_literal(value)  # a table from the command line: --model.moe='{expert_num = 8}'
     if kind is bool:
         if not isinstance(value, bool):
             raise TypeError(f"expected true or false, got {value!r}")

@@ -1,9 +1,9 @@
-"""The rules a whole :class:`paratrain.config.Config` must meet: ``validate`` lists every rule it breaks, each
-with the numbers and a fix, and ``check`` raises them as one ConfigError.
+"""The rules a whole :class:`paratrain.config.Config` must meet: ``validate`` lists every rule it breaks, each with the
+numbers and a fix, and ``check`` raises them as one ConfigError.
 
-One validator for the settings, whichever way they came: a TOML file or the command line (``paratrain train``
-and ``paratrain launch`` check before any process starts, :mod:`paratrain.preflight`), a DeepSpeed JSON config,
-or the layouts the planner weighs (:mod:`paratrain.plan.search`). It is its own module, not part of the TOML face
+One validator for the settings, whichever way they came: a TOML file or the command line (``paratrain train`` and
+``paratrain launch`` check before any process starts, :mod:`paratrain.preflight`), a DeepSpeed JSON config, or the
+layouts the planner weighs (:mod:`paratrain.plan.search`). It is its own module, not part of the TOML face
 (:mod:`paratrain.config_file`), because the planner, below the faces, uses it too; it reads only the settings
 vocabulary (:mod:`paratrain.config`). The MindSpore face checks its own arguments where it takes them.
 """
@@ -41,11 +41,6 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
             value = getattr(section, name)
             if value <= 0:
                 problems.append(f"{section.SECTION}.{name}={value} must be positive")
-
-    def choice(section: Section, name: str, allowed: tuple[str, ...]):
-        value = getattr(section, name)
-        if value not in allowed:
-            problems.append(f"{section.SECTION}.{name}={value!r} is not one of {', '.join(allowed)}")
 
     positive(m, ["vocab_size", "hidden_size", "num_heads", "ffn_hidden_size", "decoder_layers",
                  *m.sequence_lengths()])
@@ -95,13 +90,14 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         problems.append(f"model.pad_token_id={m.pad_token_id} is not a token id of model.vocab_size={m.vocab_size}")
     if m.layernorm_eps <= 0:
         problems.append(f"model.layernorm_eps={m.layernorm_eps} must be positive (e.g. 1e-5)")
-    choice(m, "dtype", DTYPES)
-    choice(m, "hidden_act", ACTIVATIONS)
-    choice(p, "pipeline_schedule", PIPELINE_SCHEDULES)
-    choice(t, "mixed_precision", MIXED_PRECISION)
-    choice(t, "lr_schedule", LR_SCHEDULES)
-    choice(t, "warmup_type", WARMUP_TYPES)
-    choice(cfg.metrics, "log_format", LOG_FORMATS)
+    choices = ((m, "dtype", DTYPES), (m, "hidden_act", ACTIVATIONS), (p, "zero_stage", (0, 1, 2, 3)),
+               (p, "pipeline_schedule", PIPELINE_SCHEDULES), (t, "mixed_precision", MIXED_PRECISION),
+               (t, "lr_schedule", LR_SCHEDULES), (t, "warmup_type", WARMUP_TYPES),
+               (cfg.metrics, "log_format", LOG_FORMATS))
+    for section, name, allowed in choices:
+        value = getattr(section, name)
+        if value not in allowed:
+            problems.append(f"{section.SECTION}.{name}={value!r} is not one of {', '.join(map(str, allowed))}")
     if t.lr_schedule == "warmup_cosine_lr" and (t.lr_decay_steps or t.steps) <= max(2, t.warmup_steps):
         problems.append(f"train.lr_schedule='warmup_cosine_lr' decays over train.lr_decay_steps (0: train.steps) "
                         f"= {t.lr_decay_steps or t.steps} steps, not more than its warmup of max(2, warmup_steps="
@@ -111,8 +107,6 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         value = getattr(m, name)
         if not 0 <= value < 1:
             problems.append(f"model.{name}={value} is outside [0, 1): use a probability such as 0.1, or 0 for none")
-    if p.zero_stage not in (0, 1, 2, 3):
-        problems.append(f"parallel.zero_stage={p.zero_stage} is not one of 0, 1, 2, 3")
     problems += _recompute_problems(p, m.num_layers)
     problems += _data_problems(cfg.data, m)
     if problems:  # the rules below divide by these sizes
@@ -142,9 +136,9 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
                                 f"with parallel.sequence_parallel=true: use a multiple of {mp}")
     chunks = p.pipeline_stage * p.virtual_pipeline_stage
     if m.num_layers < chunks:
+        virtual = f" x virtual_pipeline_stage={p.virtual_pipeline_stage}" if p.virtual_pipeline_stage > 1 else ""
         problems.append(f"model has {m.num_layers} layers, fewer than parallel.pipeline_stage={p.pipeline_stage}"
-                        + (f" x virtual_pipeline_stage={p.virtual_pipeline_stage}" if p.virtual_pipeline_stage > 1 else "")
-                        + f": use pipeline_stage <= {m.num_layers // p.virtual_pipeline_stage} or add layers")
+                        f"{virtual}: use pipeline_stage <= {m.num_layers // p.virtual_pipeline_stage} or add layers")
     problems += _pipeline_problems(p, m.num_layers)
     if m.spec.encoder_decoder and p.pipeline_stage > 1 and "zero_bubble" in p.pipeline_schedule:
         problems.append(f"parallel.pipeline_schedule={p.pipeline_schedule!r} cannot run the encoder-decoder: "
@@ -215,8 +209,8 @@ def _recompute_problems(p: ParallelConfig, num_layers: int) -> list[str]:
     if callable(spec) or isinstance(spec, (bool, TransformerRecomputeConfig)):
         return []
     if isinstance(spec, str):
-        return [] if spec in RECOMPUTE_MODES else [
-            f"parallel.recompute={spec!r} is not one of {', '.join(RECOMPUTE_MODES)} (or true/false, a list, a function)"]
+        return [] if spec in RECOMPUTE_MODES else [f"parallel.recompute={spec!r} is not one of "
+                                                   f"{', '.join(RECOMPUTE_MODES)} (or true/false, a list, a function)"]
     if isinstance(spec, list):
         bad = [s for s in spec if s not in RECOMPUTE_MODES and not isinstance(s, bool)]
         if len(spec) != num_layers or bad:

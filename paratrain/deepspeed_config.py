@@ -1,12 +1,12 @@
 """A DeepSpeed JSON config read onto paratrain's keys: ``paratrain train --deepspeed ds_config.json``.
 
-:func:`apply` maps each key of the JSON (``paratrain.deepspeed_keys``) onto the TOML tables of a run,
-before the command-line overrides (which win), and returns one line per key saying what it became:
-mapped, accepted with no effect (with the reason) or refused (with the reason; an unknown key with the
-closest known one). Values are as DeepSpeed defines them: the batch sizes follow its rule
-``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x data_parallel``, a
-block's parameter left out takes DeepSpeed's default, and ``"auto"`` (as the HF Trainer fills it) keeps
-paratrain's value, or derives a batch size from the others.
+:func:`apply` maps each key of the JSON (``paratrain.deepspeed_keys``) onto the TOML tables of a run, before the
+command-line overrides (which win), and returns one line per key saying what it became: mapped, accepted with no
+effect (with the reason) or refused (with the reason; an unknown key with the closest known one). Values are as
+DeepSpeed defines them: the batch sizes follow its rule
+``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x data_parallel``, a block's
+parameter left out takes DeepSpeed's default, and ``"auto"`` (as the HF Trainer fills it) keeps paratrain's value,
+or derives a batch size from the others.
 """
 from __future__ import annotations
 
@@ -37,12 +37,6 @@ def read(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError([f"DeepSpeed config {path} must hold one JSON object, got {type(data).__name__}"])
     return data
-
-
-def flatten(block: dict) -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists and values are leaves; a null is left out, as DeepSpeed
-    reads it, and so is an empty block)."""
-    return {key: value for key, value in dotted(block) if value is not None}
 
 
 class Mapping:
@@ -275,7 +269,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), deeps
 def apply(path: str | Path, data: dict[str, Any], overrides: list[str], world_size: int | None) -> list[str]:
     """Map DeepSpeed config ``path`` onto the TOML tables ``data`` (in place, before ``overrides``); return
     the report, one line per key. ConfigError listing every refused key, before anything is built."""
-    ds = flatten(read(path))
+    # {"a": {"b": 1}} -> {"a.b": 1}; a null is left out, as DeepSpeed reads it, and so is an empty block
+    ds = {key: value for key, value in dotted(read(path)) if value is not None}
     base = from_dict({k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}, overrides)
     overridden = set()
     for item in overrides:

@@ -1,12 +1,11 @@
 """What a ``train`` command checks before anything is built or any rank starts.
 
 ``paratrain train`` (and the ``Trainer``) runs :func:`check` before joining its process group,
-``paratrain launch -- train ...`` once before starting any rank. Everything wrong is reported at
-once as one ``ConfigError`` (exit code 2), each problem naming the key, file or value and a fix:
-the config rules; ZeRO-Offload only with an accelerator; the model state and a lower bound of the
-activations against a device's or this host's memory (``decoder_layers=1e12`` is refused in
-milliseconds); the data files and tokenizer; writable run and checkpoint directories; and the
-checkpoint a resume would take.
+``paratrain launch -- train ...`` once before starting any rank. Everything wrong is reported at once as one ``ConfigError`` (exit code
+2), each problem naming the key, file or value and a fix: the config rules; ZeRO-Offload only with an accelerator;
+the model state and a lower bound of the activations against a device's or this host's memory
+(``decoder_layers=1e12`` is refused in milliseconds); the data files and tokenizer; writable run and checkpoint
+directories; and the checkpoint a resume would take.
 """
 from __future__ import annotations
 

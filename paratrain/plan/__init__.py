@@ -1,9 +1,9 @@
 """Planner: per-rank memory and step-time cost model, layout search, dry run at scale.
 
-``cost`` (model-state and activation bytes), ``search`` (evaluate, rank, ``choose_layout``,
-``resolve_auto``), ``dryrun`` (the real sharding on the meta device under a fake process group),
-``commands`` (``paratrain plan``); FLOPs come from ``paratrain.metrics.flops``. Names are imported
-lazily, so that the command line does not load torch to list its commands.
+``cost`` (model-state and activation bytes), ``search`` (evaluate, rank, ``choose_layout``, ``resolve_auto``),
+``dryrun`` (the real sharding on the meta device under a fake process group), ``commands`` (``paratrain plan``);
+FLOPs come from ``paratrain.metrics.flops``. Names are imported lazily, so that the command line does not load torch
+to list its commands.
 """
 import importlib
 

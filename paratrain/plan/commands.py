@@ -58,27 +58,13 @@ def check_args(args) -> None:
     parse_bytes(args.device_memory)
 
 
-def _config(args):
-    from paratrain.deepspeed_config import load_config
-
-    overrides = list(args.overrides)
-    if args.global_batch is not None:
-        overrides.append(f"train.global_batch_size={args.global_batch}")
-    return load_config(args.config, overrides, args.deepspeed, args.devices)
-
-
-def hardware(args, devices: int):
-    from paratrain.plan.search import Hardware
-
-    return Hardware(devices, args.devices_per_node, parse_bytes(args.device_memory), args.peak_tflops * 1e12,
-                    args.intra_bw * 1e9, args.inter_bw * 1e9, args.efficiency)
-
-
 def cmd_plan(args) -> int:
     from paratrain.config import MODEL_KINDS, ConfigError
+    from paratrain.deepspeed_config import load_config
 
     check_args(args)
-    cfg = _config(args)
+    batch = [] if args.global_batch is None else [f"train.global_batch_size={args.global_batch}"]
+    cfg = load_config(args.config, [*args.overrides, *batch], args.deepspeed, args.devices)
     planned = [kind for kind, spec in MODEL_KINDS.items() if spec.stacks]
     if cfg.model.kind not in planned:
         raise ConfigError([f"model.kind={cfg.model.kind!r} cannot be planned: the planner costs Transformer layers, "
@@ -86,9 +72,10 @@ def cmd_plan(args) -> int:
     devices = args.devices or cfg.parallel.world_size
     if args.dry_run:
         return _dry_run(cfg, devices, args.json)
-    from paratrain.plan.search import search
+    from paratrain.plan.search import Hardware, search
 
-    hw = hardware(args, devices)
+    hw = Hardware(devices, args.devices_per_node, parse_bytes(args.device_memory), args.peak_tflops * 1e12,
+                  args.intra_bw * 1e9, args.inter_bw * 1e9, args.efficiency)
     rows = search(cfg, hw)
     if args.json:
         json.dump(rows, sys.stdout, indent=None, default=str)
@@ -111,10 +98,10 @@ def print_table(cfg, hw, rows: list[dict], top: int) -> None:
     print("-" * len(head))
 
     def line(r):
-        mem = f"{r['memory_gib']:8.3g}" if r["memory_gib"] is not None else f"{'-':>8}"
-        step = f"{r['step_time_s']:8.3g}" if r["step_time_s"] is not None else f"{'-':>8}"
+        mem, step = (f"{r[k]:8.3g}" if r[k] is not None else f"{'-':>8}" for k in ("memory_gib", "step_time_s"))
         mfu = f"{r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else f"{'-':>6}"
-        sched = r["pipeline_schedule"] + (f"(v={r['virtual_pipeline_stage']})" if r["virtual_pipeline_stage"] > 1 else "")
+        v = r["virtual_pipeline_stage"]
+        sched = r["pipeline_schedule"] + (f"(v={v})" if v > 1 else "")
         offload = "+".join(k for k, name in (("opt", "offload_optimizer"), ("param", "offload_param"))
                            if r[name] == "cpu") or "-"
         print(f"{r['rank']:>4} {r['data_parallel']:>5} {r['model_parallel']:>3} {r['pipeline_stage']:>3} "
@@ -140,17 +127,16 @@ def _dry_run(cfg, devices: int, as_json: bool) -> int:
 
     counted = dry_run(cfg, devices)
     predicted = cost.stage_states(cfg.model, cfg.parallel)
-    rows = []
-    for c, p in zip(counted, predicted):
-        rows.append({"rank": c["rank"], "pp_rank": c["pp_rank"], "params": c["params"], "grads": c["grads"],
-                     "optimizer": c["optimizer"], "predicted_params": p.params, "predicted_grads": p.grads,
-                     "predicted_optimizer": p.optimizer, "equal": (c["params"], c["grads"], c["optimizer"])
-                     == (p.params, p.grads, p.optimizer)})
+    keys = ("params", "grads", "optimizer")
+    rows = [{"rank": c["rank"], "pp_rank": c["pp_rank"], **{k: c[k] for k in keys},
+             **{f"predicted_{k}": getattr(p, k) for k in keys}, "equal": all(c[k] == getattr(p, k) for k in keys)}
+            for c, p in zip(counted, predicted)]
     if as_json:
         print(json.dumps(rows))
     else:
         print(f"dry run on {devices} fake ranks (meta device), first rank of each pipeline stage:")
-        print(f"{'rank':>6} {'stage':>5} {'params B':>14} {'predicted':>14} {'optimizer B':>14} {'predicted':>14}  equal")
+        print(f"{'rank':>6} {'stage':>5} {'params B':>14} {'predicted':>14} {'optimizer B':>14} {'predicted':>14}"
+              f"  equal")
         for r in rows:
             print(f"{r['rank']:>6} {r['pp_rank']:>5} {r['params']:>14} {r['predicted_params']:>14} "
                   f"{r['optimizer']:>14} {r['predicted_optimizer']:>14}  {r['equal']}")

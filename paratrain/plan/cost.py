@@ -1,26 +1,24 @@
 """Per-rank cost model of one layout: model-state bytes, activation bytes, step time.
 
-Everything is derived from the model's shapes and from how paratrain shards (see
-``paratrain/parallel``), without building the model:
+Everything is derived from the model's shapes and from how paratrain shards (see ``paratrain/parallel``), without
+building the model:
 
-- Parameters: Megatron's tensor-parallel split as the modules' ``parallel_plan()`` declares it (q/k/v/fc1
-  weight and bias and the head column-sharded, out_proj/fc2 weights row-sharded, their
-  biases, LayerNorms and position tables replicated, the word table sharded only with
-  ``vocab_emb_dp=false``); shards follow ``torch.chunk`` (rank 0 holds the largest).
-  ZeRO stages 1-3 (FSDP2 ``fully_shard`` over dp) shard dim 0 of each local tensor
-  again; stage 0 keeps it whole. Pipeline chunks follow ``layer_chunks``' even split
-  (embeddings and head count as a layer each) and hold the parts the model places there,
-  including the extra word-table copies of the encoder-decoder and of a tied head.
-- Gradients: same placement as the parameters at rest. Optimizer: AdamW exp_avg and
-  exp_avg_sq like the parameter plus a 4-byte ``step`` per tensor (fused AdamW).
-- Transient model state (peak, on top of the above): stages 1-2 gather every parameter
-  of the rank in forward and keep it until backward; with gradient accumulation
-  (micro_batch_num > 1 without pipeline) or a pipeline (which keeps FSDP2 unsharded
-  across micro-batches) the gradients are accumulated unsharded too. Stage 3 holds about
-  two layer groups' whole parameters (prefetch) unless a pipeline keeps them gathered.
-- Activations: tensors autograd saves per layer and micro-batch, for paratrain's
-  modules with ``scaled_dot_product_attention`` (flash / memory-efficient kernels: no
-  (T, T) scores are kept), see ``layer_activation_bytes``.
+- Parameters: Megatron's tensor-parallel split as the modules' ``parallel_plan()`` declares it (q/k/v/fc1 weight and
+  bias and the head column-sharded, out_proj/fc2 weights row-sharded, their biases, LayerNorms and position tables
+  replicated, the word table sharded only with ``vocab_emb_dp=false``); shards follow ``torch.chunk`` (rank 0 holds
+  the largest). ZeRO stages 1-3 (FSDP2 ``fully_shard`` over dp) shard dim 0 of each local tensor again; stage 0
+  keeps it whole. Pipeline chunks follow ``layer_chunks``' even split (embeddings and head count as a layer each)
+  and hold the parts the model places there, including the extra word-table copies of the encoder-decoder and of a
+  tied head.
+- Gradients: same placement as the parameters at rest. Optimizer: AdamW exp_avg and exp_avg_sq like the parameter
+  plus a 4-byte ``step`` per tensor (fused AdamW).
+- Transient model state (peak, on top of the above): stages 1-2 gather every parameter of the rank in forward and
+  keep it until backward; with gradient accumulation (micro_batch_num > 1 without pipeline) or a pipeline (which
+  keeps FSDP2 unsharded across micro-batches) the gradients are accumulated unsharded too. Stage 3 holds about two
+  layer groups' whole parameters (prefetch) unless a pipeline keeps them gathered.
+- Activations: tensors autograd saves per layer and micro-batch, for paratrain's modules with
+  ``scaled_dot_product_attention`` (flash / memory-efficient kernels: no (T, T) scores are kept), see
+  ``layer_activation_bytes``.
 """
 from __future__ import annotations
 
@@ -206,48 +204,35 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
     owner = chunk_of_layers(m, par) if par.pipeline_stage > 1 else [0] * len(blocks)
     num_chunks = par.pipeline_stage * par.virtual_pipeline_stage if par.pipeline_stage > 1 else 1
     kinds = {(d, moe): layer_params(m, d, moe) for d in (False, True) for moe in (False, True)}
-    local = {k: (sum(local_numel(p, par) for p in ps), sum(tp_numel(p, par) for p in ps), len(ps))
-             for k, ps in kinds.items()}
-    # each layer as (is_decoder, is_moe): the key of its parameters
-    blocks = [((d, m.moe_config.used_in(offset + i)), i, offset) for d, i, offset in blocks]
+    sizes = {k: [local_numel(p, par) for p in ps] for k, ps in kinds.items()}
+    whole = {k: sum(tp_numel(p, par) for p in ps) for k, ps in kinds.items()}
     others = other_params(m)
     stages = [StageState() for _ in range(par.pipeline_stage)]
-    # zero stage 1 on replicas: each rank steps (and keeps the state of) the parameters dealt to it by size
-    steps_owned = par.shards_only_optimizer_state and par.data_parallel > 1
-    local_sizes = {k: [local_numel(p, par) for p in ps] for k, ps in kinds.items()}
-    sizes = {id(st): [] for st in stages}
+    held_sizes = [[] for _ in stages]  # the local size of every tensor a pipeline rank holds
     for chunk in range(num_chunks):
-        st = stages[chunk_rank(chunk, par) if par.pipeline_stage > 1 else 0]
+        rank = chunk_rank(chunk, par) if par.pipeline_stage > 1 else 0
+        st = stages[rank]
         parts = model_chunk_parts(m, owner, chunk)
         st.parts.append(parts)
-        held = [blk for blk, o in zip(blocks, owner) if o == chunk]
-        st.layers += [(chunk, d, i) for (d, _), i, _ in held]
-        n_local = sum(local[d][0] for d, _, _ in held)
-        n_whole = sum(local[d][1] for d, _, _ in held)
-        tensors = sum(local[d][2] for d, _, _ in held)
-        if steps_owned:
-            sizes[id(st)] += [n for d, _, _ in held for n in local_sizes[d]]
-        for p in others:
-            if p.part in parts:
-                n_local += local_numel(p, par)
-                n_whole += tp_numel(p, par)
-                tensors += 1
-                sizes[id(st)].append(local_numel(p, par))
-        st.params += n_local * b
-        st.whole_params += n_whole * b
-        st.tensors += tensors
-        groups = par.aggregation_groups(len(held))
-        per_group = max(1, math.ceil(len(held) / groups)) if held else 0
-        st.group_params = max(st.group_params, per_group * max(whole for whole in (local[k][1] for k in local)) * b)
-    for st in stages:
+        held = [(d, i) for (d, i, _), o in zip(blocks, owner) if o == chunk]
+        st.layers += [(chunk, d, i) for d, i in held]
+        keys = [(d, is_moe(m, d, i)) for d, i in held]
+        tensors = [n for k in keys for n in sizes[k]] + [local_numel(p, par) for p in others if p.part in parts]
+        held_sizes[rank] += tensors
+        st.params += sum(tensors) * b
+        st.whole_params += (sum(whole[k] for k in keys) + sum(tp_numel(p, par) for p in others if p.part in parts)) * b
+        st.tensors += len(tensors)
+        per_group = max(1, math.ceil(len(held) / par.aggregation_groups(len(held)))) if held else 0
+        st.group_params = max(st.group_params, per_group * max(whole.values()) * b)
+    for st, stepped in zip(stages, held_sizes):
         st.grads = st.params
-        st.stepped, stepped_tensors = st.params, st.tensors
-        if steps_owned:
+        if par.shards_only_optimizer_state and par.data_parallel > 1:
+            # zero stage 1 on replicas: each rank steps (and keeps the state of) the parameters dealt to it by size
             from paratrain.parallel.data import owners  # imported here: model_params needs no torch
 
-            mine = [n for n, o in zip(sizes[id(st)], owners(sizes[id(st)], par.data_parallel)) if o == 0]
-            st.stepped, stepped_tensors = sum(mine) * b, len(mine)
-        st.optimizer = OPTIMIZER_STATES * st.stepped + 4 * stepped_tensors
+            stepped = [n for n, o in zip(stepped, owners(stepped, par.data_parallel)) if o == 0]
+        st.stepped = sum(stepped) * b
+        st.optimizer = OPTIMIZER_STATES * st.stepped + 4 * len(stepped)
     return stages
 
 
@@ -300,6 +285,7 @@ class ActivationSpec:
 
 
 def activation_spec(cfg: Config) -> ActivationSpec:
+    """How a run of ``cfg`` on this machine stores its activations."""
     m = cfg.model
     precision = cfg.train.mixed_precision
     if precision == "auto":  # what a run on this machine's device makes of it
@@ -316,75 +302,90 @@ def _attention_kernel(n_q: int, h: int, heads: int, b: int, t: int, spec: Activa
     return n_q * h * spec.elem / t + (n_q // max(1, b)) * b * (heads // t) * 4
 
 
+def _branch_output(n: int, h: int, t: int, sp: bool, spec: ActivationSpec) -> float:
+    """What selective recompute keeps of a branch's last projection (out_proj, fc2): its output
+    (partial sums under tensor parallel) and the all-reduce (SP: reduce-scatter) of it."""
+    return n * h * spec.elem * (1 + (1 / (t if sp else 1) if t > 1 else 0))
+
+
 def _branch_attention(n_q: int, n_kv: int, h: int, heads: int, b: int, t: int, sp: bool,
-                      spec: ActivationSpec, kv_gathered: bool) -> float:
-    """Saved bytes of one residual branch with attention: norm, q/k/v, core, out_proj, dropout."""
+                      spec: ActivationSpec, selective: bool, kv_gathered: bool = False) -> float:
+    """Saved bytes of one residual branch with attention: norm, q/k/v, core, out_proj, dropout; ``selective``:
+    only q, k, v, the kernel's outputs and out_proj's (``_branch_output``)."""
     e, ss = spec.elem, (t if sp else 1)
-    out = n_q * h * e / ss + 2 * n_q * spec.ln_stats / ss  # LayerNorm input, mean, rstd
+    out = (n_q + 2 * n_kv) * h * e / t + _attention_kernel(n_q, h, heads, b, t, spec)  # q, k, v; the core's
+    if selective:
+        return out + _branch_output(n_q, h, t, sp, spec)
+    out += n_q * h * e / ss + 2 * n_q * spec.ln_stats / ss  # LayerNorm input, mean, rstd
     out += n_q * h * e  # LayerNorm output (gathered under SP), kept by q (and k, v for self-attention)
     if kv_gathered:  # cross-attention under SP: the encoder output gathered again in every layer
         out += n_kv * h * e
-    out += (n_q + 2 * n_kv) * h * e / t  # q, k, v (kept by the attention core)
-    out += _attention_kernel(n_q, h, heads, b, t, spec)
     out += n_q * h * e / t  # out_proj input (heads merged: a copy)
     out += n_q * h * spec.hidden_mask / ss  # residual dropout mask
     return out
 
 
-def _branch_ffn(n: int, h: int, f: int, t: int, sp: bool, spec: ActivationSpec) -> float:
-    """Saved bytes of the FFN residual branch: norm, fc1, activation, fc2, dropouts."""
+def _branch_ffn(n: int, h: int, f: float, t: int, sp: bool, spec: ActivationSpec, selective: bool) -> float:
+    """Saved bytes of the FFN residual branch: norm, fc1, activation, fc2, dropouts; ``selective``: only the
+    outputs of fc1 and fc2."""
     e, ss = spec.elem, (t if sp else 1)
+    if selective:
+        return n * f * e / t + _branch_output(n, h, t, sp, spec)
     out = n * h * e / ss + 2 * n * spec.ln_stats / ss + n * h * e  # LayerNorm input + stats, output
     out += 2 * n * f * e / t  # activation input, fc2 input
     out += n * f * spec.hidden_mask / t + n * h * spec.hidden_mask / ss  # FFN and residual dropout masks
     return out
 
 
-def _selective_branch_output(n: int, h: int, t: int, sp: bool, spec: ActivationSpec) -> float:
-    """What selective recompute keeps of a branch's last projection (out_proj, fc2): its output
-    (partial sums under tensor parallel) and the all-reduce (SP: reduce-scatter) of it."""
-    out = n * h * spec.elem
-    if t > 1:
-        out += n * h * spec.elem / (t if sp else 1)
-    return out
+def is_moe(m: ModelConfig, decoder: bool, layer_id: int) -> bool:
+    """Whether layer ``layer_id`` of its stack (a decoder layer's: after the encoder's) is a mixture of experts."""
+    return m.moe_config.used_in(layer_id + (m.encoder_layers if decoder else 0))
 
 
-def _selective_attention(n_q: int, n_kv: int, h: int, heads: int, b: int, t: int, sp: bool,
-                         spec: ActivationSpec) -> float:
-    """Bytes selective recompute keeps of one attention branch: q, k, v, the kernel's outputs, out_proj's."""
-    return ((n_q + 2 * n_kv) * h * spec.elem / t + _attention_kernel(n_q, h, heads, b, t, spec)
-            + _selective_branch_output(n_q, h, t, sp, spec))
+def layer_train_flops(m: ModelConfig, tp: int, micro_batch: int, decoder: bool, moe: bool, mode: str) -> float:
+    """Hardware FLOPs of one layer per micro-batch on one of ``tp`` tensor-parallel ranks: forward, backward and
+    the forward ``mode`` recomputes (``full``: all of it, ``selective``: attention's core); a mixture of experts
+    (``moe``) runs the router and each token's ``num_experts_chosen`` experts. Under expert parallelism a rank
+    runs its experts on every rank's tokens: as many FLOPs as its own tokens make."""
+    from paratrain.metrics.flops import layer_flops  # imported here: model_params needs no torch
 
-
-def _selective_ffn(n: int, h: int, f: int, t: int, sp: bool, spec: ActivationSpec) -> float:
-    """Bytes selective recompute keeps of the FFN branch: the outputs of fc1 and fc2."""
-    return n * f * spec.elem / t + _selective_branch_output(n, h, t, sp, spec)
+    f = layer_flops(m, decoder, micro_batch, experts=moe)
+    forward = f["dense"] + f["core"]
+    recomputed = {"none": 0, "selective": f["core"], "full": forward}[mode]
+    return (3 * forward + recomputed) / tp
 
 
 def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, decoder: bool, mode: str,
-                           spec: ActivationSpec) -> float:
+                           spec: ActivationSpec, moe: bool = False) -> float:
     """Bytes one layer keeps for backward per micro-batch on one tensor-parallel rank.
 
     ``full``: only the layer input; ``selective``: the layer input and the outputs of the ops
     ``paratrain.parallel.recompute.SAVED_OPS`` names (matmuls, the attention kernel, the
     tensor-parallel collectives), not those of LayerNorm, GELU, dropout or the adds;
-    ``none``: everything autograd saves.
+    ``none``: everything autograd saves. A mixture of experts (``moe``) keeps its FFN's tensors for each of its
+    capacity slots (``capacity_factor`` x ``num_experts_chosen`` a token), the experts' (slots, H) input and output
+    and the router's logits and probabilities; under selective recompute only the logits (the experts' batched
+    matmuls are not among the saved ops).
     """
     t, sp, h, b = par.model_parallel, par.sequence_parallel, m.hidden_size, micro_batch
+    moe_config = m.moe_config
+    slots = moe_config.capacity_factor * moe_config.num_experts_chosen if moe else 1  # per token
     source, target = m.lengths
     n_kv, n_q = b * source, b * (target if decoder else source)
     layer_input = n_q * h * spec.elem / (t if sp else 1)
     if mode == "full":
         return layer_input
-    if mode == "selective":
-        out = layer_input + _selective_attention(n_q, n_q, h, m.num_heads, b, t, sp, spec)
-        if decoder:
-            out += _selective_attention(n_q, n_kv, h, m.num_heads, b, t, sp, spec)
-        return out + _selective_ffn(n_q, h, m.ffn_hidden_size, t, sp, spec)
-    out = _branch_attention(n_q, n_q, h, m.num_heads, b, t, sp, spec, False)
+    selective = mode == "selective"
+    out = (layer_input if selective else 0) + _branch_attention(n_q, n_q, h, m.num_heads, b, t, sp, spec, selective)
     if decoder:
-        out += _branch_attention(n_q, n_kv, h, m.num_heads, b, t, sp, spec, sp)
-    return out + _branch_ffn(n_q, h, m.ffn_hidden_size, t, sp, spec)
+        out += _branch_attention(n_q, n_kv, h, m.num_heads, b, t, sp, spec, selective, sp)
+    if not moe:
+        return out + _branch_ffn(n_q, h, m.ffn_hidden_size, t, sp, spec, selective)
+    router = n_q * moe_config.expert_num * spec.elem
+    if selective:
+        return out + router
+    return (out + _branch_ffn(n_q, h, m.ffn_hidden_size * slots, t, sp, spec, False) + router
+            + n_q * moe_config.expert_num * 4 + 2 * n_q * slots * h * spec.elem)
 
 
 def extra_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, parts: set[str],
@@ -440,6 +441,7 @@ def bubble_micro_batches(par: ParallelConfig) -> float:
 
 
 def recompute_modes(par: ParallelConfig, m: ModelConfig) -> list[str]:
+    """The recompute mode of every layer in execution order."""
     return [par.recompute_mode(i, off) for _, i, off in layer_blocks(m)]
 
 
@@ -453,13 +455,13 @@ def stage_activation_bytes(cfg: Config, par: ParallelConfig, stage: int, st: Sta
     modes = modes or recompute_modes(par, m)
     counts: dict = {}
     for _, d, i in st.layers:
-        key = (d, modes[i + m.encoder_layers if d else i])  # a decoder layer's offset: the encoder's layers
+        key = (d, is_moe(m, d, i), modes[i + m.encoder_layers if d else i])  # a decoder layer: after the encoder
         counts[key] = counts.get(key, 0) + 1
     per_micro, recompute_peak = 0.0, 0.0
-    for (d, mode), n in counts.items():
-        per_micro += n * layer_activation_bytes(m, par, b, d, mode, spec)
+    for (d, moe, mode), n in counts.items():
+        per_micro += n * layer_activation_bytes(m, par, b, d, mode, spec, moe)
         if mode != "none":
-            recompute_peak = max(recompute_peak, layer_activation_bytes(m, par, b, d, "none", spec))
+            recompute_peak = max(recompute_peak, layer_activation_bytes(m, par, b, d, "none", spec, moe))
     parts = set().union(*st.parts) if st.parts else set()
     per_micro += extra_activation_bytes(m, par, b, parts, spec)
     flight = in_flight(par, stage)

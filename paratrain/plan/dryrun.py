@@ -1,16 +1,15 @@
 """Dry run at scale: paratrain's real sharding applied on the meta device under a fake process group.
 
 For each pipeline stage, a child process joins a fake process group (``torch.testing._internal.
-distributed.fake_pg``: collectives return at once, nothing is sent) as that stage's first rank
-(tensor- and data-parallel rank 0, which holds the largest shards), builds the model on the
-meta device and runs ``paratrain.parallel.parallelize`` exactly as the trainer does. The local
-shards of the parameters then give the rank's parameter bytes with no memory and no devices;
-gradients take the same placement and AdamW adds two states of the same size and a 4-byte step
-per tensor it steps (at zero stage 1 on replicas, those of the parameters this rank owns).
+distributed.fake_pg``: collectives return at once, nothing is sent) as that stage's first rank (tensor- and
+data-parallel rank 0, which holds the largest shards), builds the model on the meta device and runs
+``paratrain.parallel.parallelize`` exactly as the trainer does. The local shards of the parameters then give the
+rank's parameter bytes with no memory and no devices; gradients take the same placement and AdamW adds two states of
+the same size and a 4-byte step per tensor it steps (at zero stage 1 on replicas, those of the parameters this rank
+owns).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
@@ -28,21 +27,10 @@ def _local_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-@contextlib.contextmanager
-def fake_process_group(rank: int, world_size: int):
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialised in this process; run the dry run alone")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
     """Model-state bytes of global ``rank`` from the real sharding on the meta device."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
     from paratrain.device import DTYPES
     from paratrain.mesh import Layout
     from paratrain.models import build_model
@@ -50,7 +38,10 @@ def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
     from paratrain.parallel.data import parameter_owners
 
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    with fake_process_group(rank, world_size):
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process; run the dry run alone")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
         layout = Layout(cfg.parallel, world_size)
         with torch.device("meta"):
             model = build_model(cfg.model)
@@ -63,6 +54,8 @@ def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
         optimizer = 2 * sum(_local_bytes(p) for p in stepped) + 4 * len(stepped)
         return {"rank": rank, "pp_rank": layout.pp_rank, "params": nbytes, "grads": nbytes,
                 "optimizer": optimizer, "tensors": len(params), "total": 2 * nbytes + optimizer}
+    finally:
+        dist.destroy_process_group()
 
 
 def dry_run(cfg: Config, world_size: int | None = None) -> list[dict]:

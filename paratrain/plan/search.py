@@ -1,30 +1,29 @@
-"""Layouts: evaluate one (memory per device, step time, MFU, feasibility), enumerate and rank them, and
-choose one for a job (``parallel.auto``).
+"""Layouts: evaluate one (memory per device, step time, MFU, feasibility), enumerate and rank them, and choose one for
+a job (``parallel.auto``).
 
-Step time of one rank = (micro_batch_num + bubble) x (compute + tensor-parallel + pipeline
-communication of one micro-batch) + data-parallel communication, where compute is the rank's
-hardware FLOPs (recompute included) over peak x efficiency and communication is ring volume over
-the bandwidth of the link class the group spans. The mesh is ("pp", "dp", "tp") with tp innermost:
-a tp group stays inside a node when tp <= devices_per_node, a dp group when dp x tp <= devices_per_node,
-pipeline neighbours when the whole job fits one node.
+Step time of one rank = (micro_batch_num + bubble) x (compute + tensor-parallel + pipeline communication of one
+micro-batch) + data-parallel communication, where compute is the rank's hardware FLOPs (recompute included) over
+peak x efficiency and communication is ring volume over the bandwidth of the link class the group spans. The mesh is
+("pp", "dp", "tp") with tp innermost: a tp group stays inside a node when tp <= devices_per_node, a dp group when dp
+x tp <= devices_per_node, pipeline neighbours when the whole job fits one node.
 
-ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", FSDP2's CPUOffloadPolicy) moves the
-rank's model state at rest (parameter shards, gradients, optimizer state) from the device to host
-memory; the device keeps what is gathered (the whole parameters a step works on, unsharded gradients
-before their reduce-scatter) and the activations. Each gather copies the parameter shard host -> device
-(once a step at stages 1-2; in forward and in backward of every micro-batch at stage 3), each reduced
-gradient shard goes back, and AdamW runs on the host at its memory bandwidth. The search considers
-offload only when no layout fits without it.
+ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", FSDP2's CPUOffloadPolicy) moves the rank's model
+state at rest (parameter shards, gradients, optimizer state) from the device to host memory; the device keeps what
+is gathered (the whole parameters a step works on, unsharded gradients before their reduce-scatter) and the
+activations. Each gather copies the parameter shard host -> device (once a step at stages 1-2; in forward and in
+backward of every micro-batch at stage 3), each reduced gradient shard goes back, and AdamW runs on the host at its
+memory bandwidth. The search considers offload only when no layout fits without it.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 
 from paratrain.config import Config, ConfigError, ParallelConfig
 from paratrain.config_rules import divisors, validate
-from paratrain.metrics.flops import layer_flops, model_flops
+from paratrain.metrics.flops import model_flops
 from paratrain.plan import cost
 from paratrain.plan.cost import Hardware, collective_bytes
 
@@ -41,24 +40,23 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     m = cfg.model
     dp, tp, pp, mb = par.data_parallel, par.model_parallel, par.pipeline_stage, par.micro_batch_num
     gb = cfg.train.global_batch_size
-    row = {k: getattr(par, k) for k in FIELDS}
-    row["zero_stage"] = par.effective_zero_stage
     b = -(-gb // (dp * mb))
-    row.update(pipeline_schedule=par.pipeline_schedule if pp > 1 else "none",
-               virtual_pipeline_stage=par.virtual_pipeline_stage, micro_batch_size=b)
+    row = {**{k: getattr(par, k) for k in FIELDS}, "zero_stage": par.effective_zero_stage, "micro_batch_size": b,
+           "pipeline_schedule": par.pipeline_schedule if pp > 1 else "none",
+           "virtual_pipeline_stage": par.virtual_pipeline_stage}
     problems = validate(dataclasses.replace(cfg, parallel=par), dp * tp * pp)
-    if m.num_heads % tp or m.hidden_size % tp or m.ffn_hidden_size % tp or pp * par.virtual_pipeline_stage > m.num_layers:
+    if any(size % tp for size in (m.num_heads, m.hidden_size, m.ffn_hidden_size)) or \
+            pp * par.virtual_pipeline_stage > m.num_layers:
         row.update(feasible=False, reason="; ".join(problems), memory_gib=None, step_time_s=None, mfu=None)
         return row
     spec = cost.activation_spec(cfg)
     pbytes = cost.DTYPE_BYTES[m.dtype]
     key = (dp, tp, pp, par.shards_parameters, par.shards_only_optimizer_state, par.virtual_pipeline_stage,
            par.pipeline_schedule, par.vocab_emb_dp, par.gradient_aggregation_group)
-    states = cache.get(key) if cache is not None else None
-    if states is None:
-        states = cost.stage_states(m, par, pbytes)
-        if cache is not None:
-            cache[key] = states
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = cost.stage_states(m, par, pbytes)
+    states = cache[key]
     modes = cost.recompute_modes(par, m)
     zero, accumulate = par.effective_zero_stage, (mb > 1 or pp > 1)
     worst, act_micro = None, []
@@ -78,21 +76,18 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     total, stage, st, act, transient = worst
     per_layer = {}
     source, target = m.lengths
-    for d in (False, True):
-        f = layer_flops(m, d, b)
+    for d, moe, mode in itertools.product((False, True), (False, True), ("none", "selective", "full")):
         tokens = b * (target if d else source)
-        for mode in ("none", "selective", "full"):
-            fwd = f["dense"] + f["core"]
-            extra = fwd if mode == "full" else (f["core"] if mode == "selective" else 0)
-            collectives = (7 if d else 4) + ((3 if d else 2) if mode == "full" else 0)  # TP all-reduces
-            calls = collectives * (2 if par.sequence_parallel else 1) if tp > 1 else 0  # SP: gather + scatter
-            per_layer[(d, mode)] = ((3 * fwd + extra) / tp, collectives * tokens * m.hidden_size * spec.elem, calls)
+        collectives = (7 if d else 4) + ((3 if d else 2) if mode == "full" else 0)  # TP all-reduces
+        calls = collectives * (2 if par.sequence_parallel else 1) if tp > 1 else 0  # SP: gather + scatter
+        per_layer[(d, moe, mode)] = (cost.layer_train_flops(m, tp, b, d, moe, mode),
+                                     collectives * tokens * m.hidden_size * spec.elem, calls)
     tokens_b = b * target
     times = []
     for s in states:
         flops, tp_bytes, calls = 0.0, 0.0, 0
         for _, d, i in s.layers:
-            fl, by, n = per_layer[(d, modes[i + m.encoder_layers if d else i])]  # decoder: after the encoder
+            fl, by, n = per_layer[(d, cost.is_moe(m, d, i), modes[i + m.encoder_layers if d else i])]
             flops, tp_bytes, calls = flops + fl, tp_bytes + by, calls + n
         if any("head" in parts for parts in s.parts):
             flops += 3 * 2 * tokens_b * m.hidden_size * m.vocab_size / tp
@@ -162,8 +157,14 @@ def candidates(cfg: Config, devices: int, micro_batch_sizes=(1, 2, 4, 8, 16, 32)
     """Every layout worth considering for ``devices``: dp x tp x pp = devices, tp dividing the heads,
     micro-batch sizes from ``micro_batch_sizes``, 1F1B and interleaved 1F1B (2 chunks per rank)."""
     m, gb = cfg.model, cfg.train.global_batch_size
-    base = cfg.parallel
     out = []
+
+    def layout(dp, tp, pp, mb, schedule="1f1b", v=1, zero=0, rc="none", sp=False):
+        out.append(dataclasses.replace(cfg.parallel, data_parallel=dp, model_parallel=tp, pipeline_stage=pp,
+                                       micro_batch_num=mb, pipeline_schedule=schedule, virtual_pipeline_stage=v,
+                                       zero_stage=zero, optimizer_shard=False, recompute=rc, sequence_parallel=sp,
+                                       layer_stages=[]))
+
     for tp in divisors(devices):
         if m.num_heads % tp or m.hidden_size % tp or m.ffn_hidden_size % tp:
             continue
@@ -172,10 +173,7 @@ def candidates(cfg: Config, devices: int, micro_batch_sizes=(1, 2, 4, 8, 16, 32)
                 continue
             dp = devices // tp // pp
             if gb % dp:  # still listed (infeasible: the batch does not split), one plain layout
-                out.append(dataclasses.replace(base, data_parallel=dp, model_parallel=tp, pipeline_stage=pp,
-                                               micro_batch_num=max(pp, 1), pipeline_schedule="1f1b",
-                                               virtual_pipeline_stage=1, zero_stage=0, optimizer_shard=False,
-                                               recompute="none", sequence_parallel=False, layer_stages=[]))
+                layout(dp, tp, pp, pp)
                 continue
             local = gb // dp
             sizes = sorted({b for b in micro_batch_sizes if local % b == 0} | ({local} if pp == 1 else set()))
@@ -186,14 +184,9 @@ def candidates(cfg: Config, devices: int, micro_batch_sizes=(1, 2, 4, 8, 16, 32)
                 schedules = [("1f1b", 1)]
                 if pp > 1 and mb % pp == 0 and m.num_layers >= 2 * pp:
                     schedules.append(("interleaved_1f1b", 2))
-                for sched, v in schedules:
-                    for zero in (zero_stages if dp > 1 else (0,)):
-                        for rc in recomputes:
-                            for sp in ((False, True) if tp > 1 else (False,)):
-                                out.append(dataclasses.replace(
-                                    base, data_parallel=dp, model_parallel=tp, pipeline_stage=pp, micro_batch_num=mb,
-                                    pipeline_schedule=sched, virtual_pipeline_stage=v, zero_stage=zero,
-                                    optimizer_shard=False, recompute=rc, sequence_parallel=sp, layer_stages=[]))
+                for (sched, v), zero, rc, sp in itertools.product(schedules, zero_stages if dp > 1 else (0,),
+                                                                 recomputes, (False, True) if tp > 1 else (False,)):
+                    layout(dp, tp, pp, mb, sched, v, zero, rc, sp)
     return out
 
 
