@@ -1,20 +1,14 @@
 """MindSpore's transformer sub-blocks: VocabEmbedding, AttentionMask, FeedForward, MoE, MultiHeadAttention.
 
-VocabEmbedding, FeedForward and MultiHeadAttention are adapters over the modules the built-in models
-are made of (``paratrain.modules``): MindSpore's argument names, parameter names, initialisation,
-dtypes, shapes, return tuples and refusals around the same forward and the same tensor-parallel plan,
-declared when the block's ``parallel_config`` splits it.
+VocabEmbedding, FeedForward and MultiHeadAttention are adapters over the modules of the built-in models
+(``paratrain.modules``): MindSpore's names, initialisation, dtypes, shapes, return tuples and refusals around
+the same forward and tensor-parallel plan. Shapes: B batch, T (Tq, Tk) sequence lengths, H hidden size,
+F ffn hidden size, V vocab size, h heads of size d = H / heads.
 
-Shapes: B batch, T (Tq, Tk) sequence lengths, H hidden size, F ffn hidden size, V vocab size,
-h heads of size d = H / heads.
-
-Dtypes: dense layers compute in their parameters' dtype (``param_init_type``; inputs are cast to
-it, outputs back to the input's dtype) and LayerNorms in ``layernorm_compute_type``. MindSpore's
-``compute_dtype=float16`` (half-precision matmuls while softmax and LayerNorm stay fp32) is what
-the trainer's ``mixed_precision`` does here (autocast), so ``compute_dtype`` is accepted and
-recorded only, and so is ``softmax_compute_type``: the softmax runs inside
-``scaled_dot_product_attention`` in the dtype of the queries and keys (the fused GPU kernels
-accumulate in fp32).
+Dense layers compute in ``param_init_type`` (inputs cast to it, outputs back), LayerNorms in
+``layernorm_compute_type``. ``compute_dtype`` and ``softmax_compute_type`` are accepted and recorded only:
+MindSpore's fp16 matmuls are the trainer's ``mixed_precision`` (autocast) here, and the softmax runs inside
+``scaled_dot_product_attention`` in the queries' dtype (the fused GPU kernels accumulate in fp32).
 """
 from __future__ import annotations
 
@@ -108,7 +102,14 @@ class _LayerNorm(nn.LayerNorm):
                             self.eps).to(x.dtype)
 
 
-class VocabEmbedding(shared.VocabEmbedding, Cell):
+class _SplitWhenParallel:
+    """The shared module's tensor-parallel plan, declared only when ``model_parallel`` > 1."""
+
+    def parallel_plan(self) -> dict[str, str]:
+        return super().parallel_plan() if self.model_parallel > 1 else {}
+
+
+class VocabEmbedding(_SplitWhenParallel, shared.VocabEmbedding, Cell):
     """Token lookup: input_ids (B, T) -> (embeddings (B, T, E), embedding table (V, E)).
 
     With ``parallel_config.vocab_emb_dp=False`` and model_parallel > 1 the table's rows (the
@@ -130,9 +131,6 @@ class VocabEmbedding(shared.VocabEmbedding, Cell):
         """The (V, E) table under MindSpore's name."""
         return self.embedding.weight
 
-    def parallel_plan(self) -> dict[str, str]:
-        return super().parallel_plan() if self.model_parallel > 1 else {}
-
 
 class AttentionMask(Cell):
     """input_mask (B, T), nonzero for real tokens -> float (B, T, T): 1 where query i may attend key j,
@@ -150,7 +148,7 @@ class AttentionMask(Cell):
         return real[:, :, None] * real[:, None, :] * causal
 
 
-class FeedForward(shared.FeedForward, Cell):
+class FeedForward(_SplitWhenParallel, shared.FeedForward, Cell):
     """Position-wise FFN as MindSpore's: dropout(projection(act(mapping(x)))), (B, T, H) or (B*T, H) -> same shape.
 
     ``mapping`` (H -> F) is split colwise and ``projection`` (F -> H) rowwise over model_parallel.
@@ -173,9 +171,6 @@ class FeedForward(shared.FeedForward, Cell):
         super().__init__(hidden_size, ffn_hidden_size, 0.0, activation(hidden_act, owner), partial(dense, dtype=dtype))
         self.model_parallel = model_parallel
         self.dropout = nn.Dropout(dropout_rate)
-
-    def parallel_plan(self) -> dict[str, str]:
-        return super().parallel_plan() if self.model_parallel > 1 else {}
 
     def forward(self, x):
         return self.dropout(super().forward(x.to(self.mapping.weight.dtype))).to(x.dtype)
@@ -208,7 +203,7 @@ class MoE(shared_moe.MoE, Cell):
         return self.dropout(output).to(x.dtype), aux_loss
 
 
-class MultiHeadAttention(shared.Attention, Cell):
+class MultiHeadAttention(_SplitWhenParallel, shared.Attention, Cell):
     """Multi-head attention of query (B, Tq, H) over key and value (B, Tk, H) (or (B*T, H) each) under
     attention_mask (B, Tq, Tk), 1 where a query may attend a key (None: everywhere).
 
@@ -241,9 +236,6 @@ class MultiHeadAttention(shared.Attention, Cell):
         self.batch_size, self.src_seq_length, self.tgt_seq_length = batch_size, src_seq_length, tgt_seq_length
         self.hidden_size, self.n_head, self.size_per_head = hidden_size, num_heads, hidden_size // num_heads
         self.dropout = nn.Dropout(hidden_dropout_rate)
-
-    def parallel_plan(self) -> dict[str, str]:
-        return super().parallel_plan() if self.model_parallel > 1 else {}
 
     def forward(self, query_tensor, key_tensor, value_tensor, attention_mask=None, key_past=None, value_past=None,
                 batch_valid_length=None):
