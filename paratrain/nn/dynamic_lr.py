@@ -1,10 +1,6 @@
 """MindSpore's ``nn.dynamic_lr``: learning rates as lists, one float per step, for an optimizer's
-``learning_rate``.
-
-The rate of step ``i`` is a schedule of its epoch, ``floor(i / step_per_epoch)``, by ``paratrain.optim``'s schedule
-functions (the ones ``paratrain.nn``'s schedule classes and the TOML face use). Arguments are checked as MindSpore
-checks them (rates are floats, counts ints > 0).
-"""
+``learning_rate``: step ``i`` takes ``paratrain.optim``'s schedule of its epoch, ``i // step_per_epoch``.
+Arguments are checked as MindSpore checks them (rates are floats, counts ints > 0)."""
 from __future__ import annotations
 
 from paratrain.errors import UserError

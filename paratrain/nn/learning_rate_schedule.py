@@ -1,11 +1,6 @@
-"""MindSpore's ``nn.learning_rate_schedule``: learning rates as modules of the global step.
-
-Each schedule maps ``global_step`` (an int or a 0-d tensor; steps taken so far, 0 at the first
-update) to the learning rate, as a 0-d float32 tensor on the step's device. Users compose them with
-tensor ops, as the tutorial's ``LearningRate`` does, and pass the result to ``paratrain.nn.Momentum`` or
-``paratrain.nn.AdamWeightDecay`` as ``learning_rate``. The rates are ``paratrain.optim``'s schedule
-functions, which the TOML face's schedules use too; optimizers call them (``rate``) in plain Python.
-"""
+"""MindSpore's ``nn.learning_rate_schedule``: learning rates as modules of the global step (steps taken,
+an int or a 0-d tensor) giving a 0-d float32 tensor on its device, to compose with tensor ops and pass to
+``paratrain.nn.Momentum`` or ``AdamWeightDecay``. The rates are ``paratrain.optim``'s schedule functions."""
 from __future__ import annotations
 
 from functools import partial

@@ -1,9 +1,5 @@
-"""MindSpore's CrossEntropyLoss: the mean cross-entropy over the tokens an input mask keeps.
-
-Each token's loss is ``paratrain.modules.linear_cross_entropy.token_cross_entropy``: with vocab-sharded
-logits (a DTensor from a tensor-parallel head) that is PyTorch's ``loss_parallel``, as for the built-in
-models.
-"""
+"""MindSpore's CrossEntropyLoss: the mean cross-entropy over the tokens an input mask keeps, vocab-parallel
+(PyTorch's ``loss_parallel``) on sharded logits as for the built-in models."""
 from __future__ import annotations
 
 import torch
