@@ -120,15 +120,6 @@ class Callback:
         return False
 
 
-def _loss_value(outputs) -> float:
-    """The loss of ``net_outputs`` as a float (the first element of a tuple; the mean of a tensor)."""
-    if isinstance(outputs, (tuple, list)):
-        outputs = outputs[0]
-    if isinstance(outputs, torch.Tensor):
-        return float(outputs.detach().float().mean())
-    return float(outputs)
-
-
 class LossMonitor(Callback):
     """Prints ``epoch: E step: S, loss is L`` every ``per_print_times`` steps (0: never), S counted within
     the epoch, as MindSpore 2.x does; rank 0 prints. The loss is read from the device on those steps only
@@ -145,10 +136,11 @@ class LossMonitor(Callback):
 
     def on_train_step_end(self, run_context: RunContext) -> None:
         params = run_context.original_args()
-        if self._per_print_times == 0 or params.cur_step_num - self._last_print_step < self._per_print_times:
+        if not self.needs_host_values(params.cur_step_num):
             return
         self._last_print_step = params.cur_step_num
-        loss = _loss_value(params.net_outputs)
+        loss = params.net_outputs[0] if isinstance(params.net_outputs, (tuple, list)) else params.net_outputs
+        loss = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)
         if params.rank == 0:
             print(f"epoch: {params.cur_epoch_num} step: {params.cur_step_in_epoch}, loss is {loss}", flush=True)
 
@@ -186,11 +178,10 @@ class CheckpointConfig:
                  keep_checkpoint_per_n_minutes: int = 0, integrated_save: bool = True, async_save: bool = False,
                  saved_network=None, append_info=None, enc_key=None, enc_mode: str = "AES-GCM",
                  exception_save: bool = False):
-        for name, value in (("save_checkpoint_steps", save_checkpoint_steps), ("keep_checkpoint_max",
-                                                                              keep_checkpoint_max)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name[0] == "s" else 0):
-                raise UserError(f"CheckpointConfig({name}={value!r}): expected an integer "
-                                f"{'>= 1' if name[0] == 's' else '>= 0 (0: keep all)'}")
+        for name, value, least, rule in (("save_checkpoint_steps", save_checkpoint_steps, 1, ">= 1"),
+                                         ("keep_checkpoint_max", keep_checkpoint_max, 0, ">= 0 (0: keep all)")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise UserError(f"CheckpointConfig({name}={value!r}): expected an integer {rule}")
         refused = {
             "save_checkpoint_seconds": (save_checkpoint_seconds, 0, "ranks would disagree on when a time is up: "
                                                                    "use save_checkpoint_steps"),
