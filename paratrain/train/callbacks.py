@@ -317,13 +317,11 @@ class OnRequestExit(ModelCheckpoint):
 
 class SummaryCollector(Callback):
     """MindSpore's ``SummaryCollector(summary_dir, collect_freq=10)``: every ``collect_freq`` steps (and the last)
-    the step's record goes to ``<summary_dir>/metrics.jsonl`` and TensorBoard scalars, with the keys ``paratrain
-    train`` writes (loss, lr, grad_norm, step_time_s, tokens_per_s, samples_per_s, tflops, mfu, memory_mb,
-    skipped_steps; fp16's loss_scale), a console line and, on a terminal, the progress bar; rank 0 writes.
-    ``breakdown=True`` (paratrain's) adds the %forward/%backward/%optimizer/%comm breakdown, which
-    synchronizes every phase. A user net's FLOPs are taken as 6 x parameters x tokens (the tokens: the
-    elements of the first input when it holds integer ids, else its rows). MindSpore's other options are
-    accepted at their defaults only (refused with the reason otherwise)."""
+    rank 0 writes the step's record (the keys of ``paratrain train``: loss, lr, grad_norm, step_time_s, tokens_per_s,
+    samples_per_s, tflops, mfu, memory_mb, skipped_steps; fp16's loss_scale) to ``<summary_dir>/metrics.jsonl``,
+    TensorBoard and the console. ``breakdown=True`` adds the %forward/%backward/%optimizer/%comm breakdown (it
+    synchronizes every phase). A user net's FLOPs: 6 x parameters x tokens (the first input's elements when it
+    holds integer ids, else its rows). MindSpore's other options are accepted at their defaults only."""
 
     def __init__(self, summary_dir: str | Path, collect_freq: int = 10, collect_specified_data=None,
                  keep_default_action: bool = True, custom_lineage_data=None, collect_tensor_freq=None,
