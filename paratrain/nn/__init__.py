@@ -1,10 +1,7 @@
-"""MindSpore's ``mindspore.nn.transformer`` blocks as plain ``torch.nn.Module``s, for users' own models.
-
-A port changes imports and torch idioms only (``Cell`` -> ``Module``, ``construct`` -> ``forward``).
-Each block is a ``Cell`` that declares how it splits over ``model_parallel`` and carries its
-pipeline stage and recompute mode; ``paratrain``'s parallel runtime applies them from outside
-(see ``paratrain.nn.cell``). Plain torch modules in a user's net stay data-parallel.
-"""
+"""MindSpore's ``mindspore.nn`` blocks as plain ``torch.nn.Module``s, for users' own models: a port changes
+imports and torch idioms only (``construct`` -> ``forward``). Each block is a ``Cell`` declaring its
+tensor-parallel split, pipeline stage and recompute mode, which the parallel runtime applies from outside;
+plain torch modules in a user's net stay data-parallel."""
 from paratrain.nn.cell import Cell, PipelineCell
 from paratrain.nn.config import (EmbeddingOpParallelConfig, MoEConfig, OpParallelConfig, TransformerOpParallelConfig,
                                  TransformerRecomputeConfig, default_dpmp_config, default_embedding_parallel_config,

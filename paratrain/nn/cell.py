@@ -29,11 +29,7 @@ class Cell(nn.Module):
 
     def recompute(self, mode: bool | str = True, **mindspore_options) -> None:
         """Recompute this cell's forward in backward: True means ``"full"``, False ``"none"``, or a mode name.
-
-        MindSpore's keyword options (``mp_comm_recompute``, ``parallel_optimizer_comm_recompute``,
-        ``recompute_slice_activation``) are accepted and change nothing: a recomputed cell redoes its
-        tensor-parallel collectives too.
-        """
+        MindSpore's keyword options are accepted and change nothing: a recomputed cell redoes its collectives too."""
         unknown = set(mindspore_options) - {"mp_comm_recompute", "parallel_optimizer_comm_recompute",
                                             "recompute_slice_activation"}
         if unknown:
@@ -57,14 +53,10 @@ class Cell(nn.Module):
 
 class PipelineCell(nn.Module):
     """MindSpore's ``PipelineCell(network, micro_size, stage_config=None, segment_config=None)``: ``network``
-    trained in ``micro_size`` micro-batches over the pipeline stages its cells' ``pipeline_stage`` attributes
-    set, and with an interleaved schedule over the virtual stages (segments) their ``pipeline_segment`` set
-    (cell with stage s and segment g: virtual stage g * stages + s). ``stage_config`` / ``segment_config``
-    (cell name in ``network`` -> stage / segment) set those attributes.
-
-    ``forward(*batch)`` is the network's on the whole batch (one device); ``paratrain.train.Model``
-    places the network and runs the micro-batches. The wrapper adds nothing to parameter names.
-    """
+    trained in ``micro_size`` micro-batches over the pipeline stages of its cells' ``pipeline_stage``, interleaved
+    over the virtual stages of their ``pipeline_segment`` (stage s, segment g: virtual stage g * stages + s).
+    ``stage_config`` / ``segment_config`` (cell name -> stage / segment) set those attributes. ``forward`` is
+    the network's on one device; ``paratrain.train.Model`` places it. Parameter names stay the network's."""
 
     def __init__(self, network: nn.Module, micro_size: int, stage_config: dict | None = None,
                  segment_config: dict | None = None):

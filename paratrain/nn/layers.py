@@ -207,13 +207,10 @@ class MultiHeadAttention(_SplitWhenParallel, shared.Attention, Cell):
     """Multi-head attention of query (B, Tq, H) over key and value (B, Tk, H) (or (B*T, H) each) under
     attention_mask (B, Tq, Tk), 1 where a query may attend a key (None: everywhere).
 
-    Returns ``(output, layer_present)``: output shaped like the query, and the projected
-    ``(key (B, h, d, Tk), value (B, h, Tk, d))``. ``dense1``/``dense2``/``dense3`` (query, key,
-    value) are split colwise -- whole heads per rank -- and ``projection`` rowwise over
-    model_parallel. Dropout: ``attention_dropout_rate`` on the attention probabilities,
-    ``hidden_dropout_rate`` on the output. ``key_past``, ``value_past`` and ``batch_valid_length``
-    belong to incremental decoding (``use_past``, refused) and are ignored.
-    """
+    Returns ``(output shaped like the query, (key (B, h, d, Tk), value (B, h, Tk, d)))``. ``dense1``/``dense2``/
+    ``dense3`` (query, key, value) are split colwise (whole heads per rank), ``projection`` rowwise over
+    model_parallel. ``attention_dropout_rate`` drops attention probabilities, ``hidden_dropout_rate`` the output.
+    ``key_past``, ``value_past`` and ``batch_valid_length`` (incremental decoding, refused) are ignored."""
 
     names = ("dense1", "dense2", "dense3", "projection")
 

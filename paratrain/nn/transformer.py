@@ -228,15 +228,11 @@ class TransformerDecoder(_Stack):
 class Transformer(Cell):
     """Encoder-decoder Transformer (pre-LayerNorm by default, no final LayerNorm, as MindSpore's):
     encoder_inputs (B, S, H), encoder_masks (B, S, S), decoder_inputs (B, T, H), decoder_masks (B, T, T),
-    memory_mask (B, T, S) -> ``(output, encoder_layer_present, decoder_layer_present)``.
-
-    ``output`` is the decoder's (B, T, H), or the encoder's (B, S, H) when ``decoder_layers=0``.
-    With ``encoder_layers=0`` it is decoder-only: the decoder is a stack of self-attention layers
-    (``TransformerEncoderLayer`` blocks, a decoder layer without cross-attention) that reads
-    ``decoder_inputs``/``decoder_masks``, or ``encoder_inputs``/``encoder_masks`` when those are None,
-    and ``encoder_layer_present`` is None. The default ``lambda_func`` spreads the encoder's and
-    decoder's layers together evenly over the pipeline stages.
-    """
+    memory_mask (B, T, S) -> ``(output, encoder_layer_present, decoder_layer_present)``; ``output`` is the
+    decoder's (B, T, H), or the encoder's (B, S, H) when ``decoder_layers=0``. With ``encoder_layers=0`` the
+    decoder is a stack of ``TransformerEncoderLayer`` blocks (no cross-attention) on ``decoder_inputs`` (else
+    ``encoder_inputs``) and ``encoder_layer_present`` is None. The default ``lambda_func`` spreads both stacks'
+    layers together evenly over the pipeline stages."""
 
     def __init__(self, hidden_size: int, batch_size: int, ffn_hidden_size: int, src_seq_length: int,
                  tgt_seq_length: int, encoder_layers: int = 3, decoder_layers: int = 3, num_heads: int = 2,
