@@ -63,17 +63,16 @@ class PipelineCell(nn.Module):
         super().__init__()
         if micro_size < 1:
             raise ValueError(f"PipelineCell: micro_size={micro_size} must be at least 1")
-        for option, attribute in ((stage_config, "pipeline_stage"), (segment_config, "pipeline_segment")):
+        for kind, option in (("stage", stage_config), ("segment", segment_config)):
             for name, value in (option or {}).items():
                 try:
                     cell = network.get_submodule(name)
                 except AttributeError:
-                    raise UserError(f"PipelineCell: {attribute.split('_')[1]}_config names {name!r}, which is no "
-                                    f"cell of the network") from None
+                    raise UserError(f"PipelineCell: {kind}_config names {name!r}, which is no cell of the "
+                                    f"network") from None
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise UserError(f"PipelineCell: {attribute.split('_')[1]}_config[{name!r}]={value!r}: expected "
-                                    f"an int >= 0")
-                setattr(cell, attribute, value)
+                    raise UserError(f"PipelineCell: {kind}_config[{name!r}]={value!r}: expected an int >= 0")
+                setattr(cell, f"pipeline_{kind}", value)
         self.network, self.micro_size = network, micro_size
         self.placed = None  # set by paratrain.train.Model once the network is placed on the layout
 

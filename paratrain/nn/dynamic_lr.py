@@ -30,8 +30,7 @@ def _epochs(owner: str, total_step: int, step_per_epoch: int, **epochs) -> list[
 
 
 def _decays(owner, learning_rate, decay_rate, total_step, step_per_epoch, decay_epoch, is_stair) -> list[int]:
-    """The epochs of the steps of the exponential, natural-exponential and inverse decays, their arguments
-    checked."""
+    """The epochs of the steps of the exponential, natural-exponential and inverse decays, arguments checked."""
     _check(owner, "a float > 0", learning_rate=learning_rate, decay_rate=decay_rate)
     _check(owner, "a bool", is_stair=is_stair)
     return _epochs(owner, total_step, step_per_epoch, decay_epoch=decay_epoch)
