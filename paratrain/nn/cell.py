@@ -1,15 +1,9 @@
-"""``Cell``: the base of every block, carrying what the parallel runtime reads from outside.
-
-A block never calls a collective. It states, for the runtime to apply:
-
-- ``pipeline_stage``: the pipeline stage that runs it (set by ``lambda_func`` or by hand);
-- ``recompute_mode``: ``"none"``, ``"full"`` (redo its forward in backward) or ``"selective"``;
-- ``comm_fusion``: its gradient communication group (MindSpore's fusion index), None when unset;
-- ``parallel_plan()``: how its own direct ``nn.Linear`` / ``nn.Embedding`` children split over
-  ``model_parallel``, by child name, in the kinds every module uses (``paratrain.parallel.tensor``):
-  ``"colwise"`` (output features sharded, a local output), ``"rowwise"`` (input features sharded,
-  outputs summed) or ``"vocab_rows"`` (embedding rows sharded, lookups summed); ``{}`` when nothing
-  is split.
+"""``Cell``: the base of every block, stating what the parallel runtime applies from outside (a block never
+calls a collective): ``pipeline_stage`` (set by ``lambda_func`` or by hand); ``recompute_mode`` (``"none"``,
+``"full"`` or ``"selective"``); ``comm_fusion``, its gradient communication group (MindSpore's fusion index,
+None when unset); and ``parallel_plan()``, how its own direct ``nn.Linear`` / ``nn.Embedding`` children split
+over ``model_parallel`` by child name, in ``paratrain.parallel.tensor``'s kinds (``"colwise"``, ``"rowwise"``,
+``"vocab_rows"``; ``{}``: nothing split).
 """
 from __future__ import annotations
 

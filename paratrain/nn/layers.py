@@ -110,12 +110,9 @@ class _SplitWhenParallel:
 
 
 class VocabEmbedding(_SplitWhenParallel, shared.VocabEmbedding, Cell):
-    """Token lookup: input_ids (B, T) -> (embeddings (B, T, E), embedding table (V, E)).
-
-    With ``parallel_config.vocab_emb_dp=False`` and model_parallel > 1 the table's rows (the
-    vocabulary) are split over model_parallel and the lookups summed; otherwise it is replicated.
-    ``param_init``: MindSpore's initializer name ("normal": normal(0, 0.01)), a number or a tensor.
-    """
+    """Token lookup: input_ids (B, T) -> (embeddings (B, T, E), embedding table (V, E)). With
+    ``parallel_config.vocab_emb_dp=False`` the table's rows are split over model_parallel and the lookups summed.
+    ``param_init``: MindSpore's initializer name ("normal": normal(0, 0.01)), a number or a tensor."""
 
     def __init__(self, vocab_size: int, embedding_size: int, parallel_config=default_embedding_parallel_config,
                  param_init="normal"):
@@ -149,10 +146,8 @@ class AttentionMask(Cell):
 
 
 class FeedForward(_SplitWhenParallel, shared.FeedForward, Cell):
-    """Position-wise FFN as MindSpore's: dropout(projection(act(mapping(x)))), (B, T, H) or (B*T, H) -> same shape.
-
-    ``mapping`` (H -> F) is split colwise and ``projection`` (F -> H) rowwise over model_parallel.
-    """
+    """Position-wise FFN as MindSpore's: dropout(projection(act(mapping(x)))), (B, T, H) or (B*T, H) -> same shape;
+    ``mapping`` (H -> F) is split colwise and ``projection`` (F -> H) rowwise over model_parallel."""
 
     names = ("mapping", "projection")
 
@@ -178,12 +173,9 @@ class FeedForward(_SplitWhenParallel, shared.FeedForward, Cell):
 
 class MoE(shared_moe.MoE, Cell):
     """MindSpore's mixture-of-experts FFN: x (B, T, H) or (B*T, H) -> ``(output shaped like x, aux_loss ())``.
-
-    ``moe_config`` (MindSpore's ``MoEConfig``) as in ``paratrain.modules.moe.MoE``; without
-    ``expert_group_size`` the tokens form ``parallel_config.data_parallel`` groups, as MindSpore's (one per
-    data-parallel rank once placed). Dropout applies to the output. The experts split over
-    ``expert_parallel`` ranks when the net is placed (``paratrain.parallel.expert``).
-    """
+    ``moe_config`` as in ``paratrain.modules.moe.MoE``; without ``expert_group_size`` the tokens form
+    ``parallel_config.data_parallel`` groups, as MindSpore's. Dropout applies to the output. The experts split
+    over ``expert_parallel`` ranks when the net is placed (``paratrain.parallel.expert``)."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, dropout_rate: float, hidden_act="gelu",
                  param_init_type=torch.float32, moe_config: MoEConfig = default_moe_config,

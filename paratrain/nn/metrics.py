@@ -40,10 +40,8 @@ def as_tensor(data) -> torch.Tensor:
 class Metric:
     """MindSpore's base of the metrics: ``clear()`` resets the state, ``update(*inputs)`` adds a batch's, ``eval()``
     gives the result; calling the metric does the three on one batch. ``set_indexes([i, j])`` makes an
-    ``update`` decorated with ``rearrange_inputs`` take inputs ``i`` and ``j`` of those it is given.
-
-    ``summed`` (paratrain): the state attributes that add up over the rows of a batch, which ``Model.eval`` sums
-    over the data-parallel ranks; a metric of your own under data parallel must name them."""
+    ``update`` decorated with ``rearrange_inputs`` take inputs ``i`` and ``j`` of those it is given. ``summed``
+    (paratrain's): the state attributes that add up over rows, which ``Model.eval`` sums over data-parallel ranks."""
 
     summed: tuple[str, ...] = ()
 
