@@ -1,8 +1,6 @@
 """MindSpore's evaluation metrics: ``Metric``, ``Accuracy``, ``Loss`` and ``rearrange_inputs`` (``mindspore.train``
-in 2.x, ``mindspore.nn`` in 1.x; ``paratrain.train`` exports them too). Under data parallel ``Model.eval`` adds a
-metric's state over the ranks: a metric names the state attributes that add up over rows in ``summed``
-(paratrain's addition to MindSpore's class), so every rank returns what one process would.
-"""
+in 2.x, ``mindspore.nn`` in 1.x; ``paratrain.train`` exports them too). Under data parallel ``Model.eval`` adds the
+state each metric names in ``summed`` over the ranks, so every rank returns what one process would."""
 from __future__ import annotations
 
 import functools
