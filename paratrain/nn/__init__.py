@@ -22,11 +22,11 @@ from paratrain.nn.transformer import (Transformer, TransformerDecoder, Transform
 
 __all__ = ["Cell", "PipelineCell", "TransformerOpParallelConfig", "OpParallelConfig", "EmbeddingOpParallelConfig",
            "TransformerRecomputeConfig", "MoEConfig", "default_transformer_config", "default_dpmp_config",
-           "default_embedding_parallel_config", "default_moe_config", "VocabEmbedding", "AttentionMask",
-           "FeedForward", "MoE", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
-           "TransformerEncoder", "TransformerDecoder", "Transformer", "CrossEntropyLoss", "Dense", "Parameter", "Momentum",
-           "AdamWeightDecay", "LearningRateSchedule", "WarmUpLR", "PolynomialDecayLR", "CosineDecayLR",
-           "ExponentialDecayLR", "NaturalExpDecayLR", "InverseDecayLR", "piecewise_constant_lr",
-           "exponential_decay_lr", "natural_exp_decay_lr", "inverse_decay_lr", "cosine_decay_lr", "polynomial_decay_lr",
-           "warmup_lr", "SyncBatchNorm", "Accuracy", "Loss", "Metric", "rearrange_inputs"]
+           "default_embedding_parallel_config", "default_moe_config", "VocabEmbedding", "AttentionMask", "FeedForward",
+           "MoE", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
+           "TransformerDecoder", "Transformer", "CrossEntropyLoss", "Dense", "Parameter", "Momentum", "AdamWeightDecay",
+           "LearningRateSchedule", "WarmUpLR", "PolynomialDecayLR", "CosineDecayLR", "ExponentialDecayLR",
+           "NaturalExpDecayLR", "InverseDecayLR", "piecewise_constant_lr", "exponential_decay_lr",
+           "natural_exp_decay_lr", "inverse_decay_lr", "cosine_decay_lr", "polynomial_decay_lr", "warmup_lr",
+           "SyncBatchNorm", "Accuracy", "Loss", "Metric", "rearrange_inputs"]
 

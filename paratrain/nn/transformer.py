@@ -1,14 +1,12 @@
 """MindSpore's transformer layers and stacks as plain modules: TransformerEncoderLayer,
 TransformerDecoderLayer, TransformerEncoder, TransformerDecoder, Transformer.
 
-Shapes: B batch, S source length, T target length, H hidden size; masks are float or bool
-(B, Tq, Tk) with 1 where a query may attend a key. Every layer returns ``(output, layer_present)``
-with the projected keys and values of its attentions. With ``moe_config.expert_num > 1`` the FFNs
-are ``MoE``s and, as in MindSpore, every layer and stack also returns its load-balancing loss
-(summed over a stack's layers, over both stacks of a Transformer) last, for the net to add to its
-loss. ``init_reset`` and ``batch_valid_length`` belong to incremental decoding (``use_past``,
-refused) and are ignored. The stacks keep their layers, the units the parallel runtime wraps, in
-``blocks`` and call ``lambda_func`` on each as it is built.
+Shapes: B batch, S source length, T target length, H hidden size; masks are float or bool (B, Tq, Tk) with 1
+where a query may attend a key. Every layer returns ``(output, layer_present)``, the projected keys and values of
+its attentions. With ``moe_config.expert_num > 1`` the FFNs are ``MoE``s and, as in MindSpore, every layer and
+stack also returns its (summed) load-balancing loss last, for the net to add to its loss. ``init_reset`` and
+``batch_valid_length`` (incremental decoding, ``use_past``, refused) are ignored. The stacks keep their layers,
+the units the parallel runtime wraps, in ``blocks`` and call ``lambda_func`` on each as it is built.
 """
 from __future__ import annotations
 
@@ -34,7 +32,8 @@ def _get_lambda_func(total_layer: int | None = None):
         layers = total_layer or layers
         stages = parallel_config.pipeline_stage
         if layers < stages:
-            raise UserError(f"{layers} layers cannot fill pipeline_stage={stages} stages: use pipeline_stage <= {layers}")
+            raise UserError(f"{layers} layers cannot fill pipeline_stage={stages} stages: use pipeline_stage <= "
+                            f"{layers}")
         index = layer_id + offset
         network.pipeline_stage = min(index // max(layers // stages, 1), stages - 1)
         network.set_comm_fusion(index // max(layers // parallel_config.aggregation_groups(layers), 1) + 1)
