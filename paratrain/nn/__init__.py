@@ -1,10 +1,7 @@
-"""MindSpore's ``mindspore.nn.transformer`` blocks as plain ``torch.nn.Module``s, for users' own models.
-
-A port changes imports and torch idioms only (``Cell`` -> ``Module``, ``construct`` -> ``forward``).
-Each block is a ``Cell`` that declares how it splits over ``model_parallel`` and carries its
-pipeline stage and recompute mode; ``paratrain``'s parallel runtime applies them from outside
-(see ``paratrain.nn.cell``). Plain torch modules in a user's net stay data-parallel.
-"""
+"""MindSpore's ``mindspore.nn`` blocks as plain ``torch.nn.Module``s, for users' own models: a port changes
+imports and torch idioms only (``construct`` -> ``forward``). Each block is a ``Cell`` declaring its
+tensor-parallel split, pipeline stage and recompute mode, which the parallel runtime applies from outside;
+plain torch modules in a user's net stay data-parallel."""
 from paratrain.nn.cell import Cell, PipelineCell
 from paratrain.nn.config import (EmbeddingOpParallelConfig, MoEConfig, OpParallelConfig, TransformerOpParallelConfig,
                                  TransformerRecomputeConfig, default_dpmp_config, default_embedding_parallel_config,
@@ -25,11 +22,11 @@ from paratrain.nn.transformer import (Transformer, TransformerDecoder, Transform
 
 __all__ = ["Cell", "PipelineCell", "TransformerOpParallelConfig", "OpParallelConfig", "EmbeddingOpParallelConfig",
            "TransformerRecomputeConfig", "MoEConfig", "default_transformer_config", "default_dpmp_config",
-           "default_embedding_parallel_config", "default_moe_config", "VocabEmbedding", "AttentionMask",
-           "FeedForward", "MoE", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
-           "TransformerEncoder", "TransformerDecoder", "Transformer", "CrossEntropyLoss", "Dense", "Parameter", "Momentum",
-           "AdamWeightDecay", "LearningRateSchedule", "WarmUpLR", "PolynomialDecayLR", "CosineDecayLR",
-           "ExponentialDecayLR", "NaturalExpDecayLR", "InverseDecayLR", "piecewise_constant_lr",
-           "exponential_decay_lr", "natural_exp_decay_lr", "inverse_decay_lr", "cosine_decay_lr", "polynomial_decay_lr",
-           "warmup_lr", "SyncBatchNorm", "Accuracy", "Loss", "Metric", "rearrange_inputs"]
+           "default_embedding_parallel_config", "default_moe_config", "VocabEmbedding", "AttentionMask", "FeedForward",
+           "MoE", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
+           "TransformerDecoder", "Transformer", "CrossEntropyLoss", "Dense", "Parameter", "Momentum", "AdamWeightDecay",
+           "LearningRateSchedule", "WarmUpLR", "PolynomialDecayLR", "CosineDecayLR", "ExponentialDecayLR",
+           "NaturalExpDecayLR", "InverseDecayLR", "piecewise_constant_lr", "exponential_decay_lr",
+           "natural_exp_decay_lr", "inverse_decay_lr", "cosine_decay_lr", "polynomial_decay_lr", "warmup_lr",
+           "SyncBatchNorm", "Accuracy", "Loss", "Metric", "rearrange_inputs"]
 

@@ -1,15 +1,9 @@
-"""``Cell``: the base of every block, carrying what the parallel runtime reads from outside.
-
-A block never calls a collective. It states, for the runtime to apply:
-
-- ``pipeline_stage``: the pipeline stage that runs it (set by ``lambda_func`` or by hand);
-- ``recompute_mode``: ``"none"``, ``"full"`` (redo its forward in backward) or ``"selective"``;
-- ``comm_fusion``: its gradient communication group (MindSpore's fusion index), None when unset;
-- ``parallel_plan()``: how its own direct ``nn.Linear`` / ``nn.Embedding`` children split over
-  ``model_parallel``, by child name, in the kinds every module uses (``paratrain.parallel.tensor``):
-  ``"colwise"`` (output features sharded, a local output), ``"rowwise"`` (input features sharded,
-  outputs summed) or ``"vocab_rows"`` (embedding rows sharded, lookups summed); ``{}`` when nothing
-  is split.
+"""``Cell``: the base of every block, stating what the parallel runtime applies from outside (a block never
+calls a collective): ``pipeline_stage`` (set by ``lambda_func`` or by hand); ``recompute_mode`` (``"none"``,
+``"full"`` or ``"selective"``); ``comm_fusion``, its gradient communication group (MindSpore's fusion index,
+None when unset); and ``parallel_plan()``, how its own direct ``nn.Linear`` / ``nn.Embedding`` children split
+over ``model_parallel`` by child name, in ``paratrain.parallel.tensor``'s kinds (``"colwise"``, ``"rowwise"``,
+``"vocab_rows"``; ``{}``: nothing split).
 """
 from __future__ import annotations
 
@@ -29,11 +23,7 @@ class Cell(nn.Module):
 
     def recompute(self, mode: bool | str = True, **mindspore_options) -> None:
         """Recompute this cell's forward in backward: True means ``"full"``, False ``"none"``, or a mode name.
-
-        MindSpore's keyword options (``mp_comm_recompute``, ``parallel_optimizer_comm_recompute``,
-        ``recompute_slice_activation``) are accepted and change nothing: a recomputed cell redoes its
-        tensor-parallel collectives too.
-        """
+        MindSpore's keyword options are accepted and change nothing: a recomputed cell redoes its collectives too."""
         unknown = set(mindspore_options) - {"mp_comm_recompute", "parallel_optimizer_comm_recompute",
                                             "recompute_slice_activation"}
         if unknown:
@@ -57,31 +47,26 @@ class Cell(nn.Module):
 
 class PipelineCell(nn.Module):
     """MindSpore's ``PipelineCell(network, micro_size, stage_config=None, segment_config=None)``: ``network``
-    trained in ``micro_size`` micro-batches over the pipeline stages its cells' ``pipeline_stage`` attributes
-    set, and with an interleaved schedule over the virtual stages (segments) their ``pipeline_segment`` set
-    (cell with stage s and segment g: virtual stage g * stages + s). ``stage_config`` / ``segment_config``
-    (cell name in ``network`` -> stage / segment) set those attributes.
-
-    ``forward(*batch)`` is the network's on the whole batch (one device); ``paratrain.train.Model``
-    places the network and runs the micro-batches. The wrapper adds nothing to parameter names.
-    """
+    trained in ``micro_size`` micro-batches over the pipeline stages of its cells' ``pipeline_stage``, interleaved
+    over the virtual stages of their ``pipeline_segment`` (stage s, segment g: virtual stage g * stages + s).
+    ``stage_config`` / ``segment_config`` (cell name -> stage / segment) set those attributes. ``forward`` is
+    the network's on one device; ``paratrain.train.Model`` places it. Parameter names stay the network's."""
 
     def __init__(self, network: nn.Module, micro_size: int, stage_config: dict | None = None,
                  segment_config: dict | None = None):
         super().__init__()
         if micro_size < 1:
             raise ValueError(f"PipelineCell: micro_size={micro_size} must be at least 1")
-        for option, attribute in ((stage_config, "pipeline_stage"), (segment_config, "pipeline_segment")):
+        for kind, option in (("stage", stage_config), ("segment", segment_config)):
             for name, value in (option or {}).items():
                 try:
                     cell = network.get_submodule(name)
                 except AttributeError:
-                    raise UserError(f"PipelineCell: {attribute.split('_')[1]}_config names {name!r}, which is no "
-                                    f"cell of the network") from None
+                    raise UserError(f"PipelineCell: {kind}_config names {name!r}, which is no cell of the "
+                                    f"network") from None
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise UserError(f"PipelineCell: {attribute.split('_')[1]}_config[{name!r}]={value!r}: expected "
-                                    f"an int >= 0")
-                setattr(cell, attribute, value)
+                    raise UserError(f"PipelineCell: {kind}_config[{name!r}]={value!r}: expected an int >= 0")
+                setattr(cell, f"pipeline_{kind}", value)
         self.network, self.micro_size = network, micro_size
         self.placed = None  # set by paratrain.train.Model once the network is placed on the layout
 

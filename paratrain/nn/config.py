@@ -1,9 +1,5 @@
-"""MindSpore's parallel configs for the blocks, their defaults, and the checks every block shares.
-
-``TransformerOpParallelConfig`` is paratrain's ``ParallelConfig`` (MindSpore's names); the blocks
-read ``model_parallel`` from it (or from its ``dp_mp_config`` / ``embedding_dp_mp_config``) to
-declare their tensor-parallel plans.
-"""
+"""MindSpore's parallel configs for the blocks (``TransformerOpParallelConfig`` is paratrain's
+``ParallelConfig``), their defaults, and the checks every block shares."""
 from __future__ import annotations
 
 import torch
@@ -17,8 +13,6 @@ from paratrain.errors import UserError
 default_transformer_config = TransformerOpParallelConfig()
 default_dpmp_config = OpParallelConfig()
 default_embedding_parallel_config = EmbeddingOpParallelConfig()
-
-
 default_moe_config = MoEConfig()
 
 
@@ -42,14 +36,6 @@ def op_config(parallel_config, owner: str, embedding: bool = False) -> OpParalle
         return parallel_config
     raise UserError(f"{owner}: parallel_config must be an {view.__name__} or a TransformerOpParallelConfig, "
                     f"got {type(parallel_config).__name__}")
-
-
-def stack_config(parallel_config, owner: str) -> ParallelConfig:
-    """The whole-model config a stack of layers needs (pipeline stages, recompute, fusion groups)."""
-    if not isinstance(parallel_config, ParallelConfig):
-        raise UserError(f"{owner}: parallel_config must be a TransformerOpParallelConfig, "
-                        f"got {type(parallel_config).__name__}")
-    return parallel_config
 
 
 def check_divisible(owner: str, model_parallel: int, **sizes: int) -> None:
@@ -82,6 +68,7 @@ def check_moe(owner: str, moe_config: MoEConfig, parallel_config) -> None:
 
 
 def check_rate(owner: str, **rates: float) -> None:
+    """Refuse dropout rates outside [0, 1), naming each."""
     for name, value in rates.items():
         if not 0 <= value < 1:
             raise UserError(f"{owner}: {name}={value} is outside [0, 1): use a probability such as 0.1, or 0 for none")

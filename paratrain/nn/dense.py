@@ -11,12 +11,10 @@ from paratrain.nn.layers import activation as make_activation, initialize
 
 class Dense(Cell):
     """``Dense(in_channels, out_channels, weight_init='normal', bias_init='zeros', has_bias=True,
-    activation=None)``: (..., in) -> (..., out), ``x @ weight.T + bias`` with ``weight`` (out, in).
-
-    ``self.matmul`` is ``ops.MatMul(transpose_b=True)`` and ``self.bias_add`` ``ops.BiasAdd()``, as in
-    MindSpore: ``dense.matmul.shard(((dp, 1), (mp, 1)))`` splits the output features, ``((dp, mp), (1, mp))``
-    the input features. Inputs of more than two dimensions are flattened to (N, in) around them.
-    """
+    activation=None)``: (..., in) -> (..., out), ``x @ weight.T + bias`` with ``weight`` (out, in), inputs of
+    more dimensions flattened to (N, in) around ``self.matmul`` (``ops.MatMul(transpose_b=True)``) and
+    ``self.bias_add``. As in MindSpore, ``dense.matmul.shard(((dp, 1), (mp, 1)))`` splits the output features,
+    ``((dp, mp), (1, mp))`` the input features."""
 
     def __init__(self, in_channels: int, out_channels: int, weight_init="normal", bias_init="zeros",
                  has_bias: bool = True, activation=None, dtype: torch.dtype = torch.float32):

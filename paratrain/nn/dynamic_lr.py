@@ -1,10 +1,6 @@
 """MindSpore's ``nn.dynamic_lr``: learning rates as lists, one float per step, for an optimizer's
-``learning_rate``.
-
-The rate of step ``i`` is a schedule of its epoch, ``floor(i / step_per_epoch)``, by ``paratrain.optim``'s schedule
-functions (the ones ``paratrain.nn``'s schedule classes and the TOML face use). Arguments are checked as MindSpore
-checks them (rates are floats, counts ints > 0).
-"""
+``learning_rate``: step ``i`` takes ``paratrain.optim``'s schedule of its epoch, ``i // step_per_epoch``.
+Arguments are checked as MindSpore checks them (rates are floats, counts ints > 0)."""
 from __future__ import annotations
 
 from paratrain.errors import UserError
@@ -17,11 +13,12 @@ _RULES = {
     "a float > 0": lambda v: isinstance(v, float) and v > 0,
     "a float >= 0": lambda v: isinstance(v, float) and v >= 0,
     "a bool": lambda v: isinstance(v, bool),
+    "a number > 0": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
 }
 
 
-def _check(owner: str, rule: str, **values) -> None:
-    """Refuses the first of ``values`` that ``_RULES[rule]`` does not accept, naming it."""
+def check_args(owner: str, rule: str, **values) -> None:
+    """Refuses the first of ``values`` that ``_RULES[rule]`` does not accept, naming it (the schedules' check too)."""
     for name, value in values.items():
         if not _RULES[rule](value):
             raise UserError(f"{owner}({name}={value!r}): expected {rule}")
@@ -29,15 +26,14 @@ def _check(owner: str, rule: str, **values) -> None:
 
 def _epochs(owner: str, total_step: int, step_per_epoch: int, **epochs) -> list[int]:
     """The epoch of each of ``total_step`` steps, the counts checked (``epochs``: the schedule's)."""
-    _check(owner, "an int > 0", total_step=total_step, step_per_epoch=step_per_epoch, **epochs)
+    check_args(owner, "an int > 0", total_step=total_step, step_per_epoch=step_per_epoch, **epochs)
     return [i // step_per_epoch for i in range(total_step)]
 
 
 def _decays(owner, learning_rate, decay_rate, total_step, step_per_epoch, decay_epoch, is_stair) -> list[int]:
-    """The epochs of the steps of the exponential, natural-exponential and inverse decays, their arguments
-    checked."""
-    _check(owner, "a float > 0", learning_rate=learning_rate, decay_rate=decay_rate)
-    _check(owner, "a bool", is_stair=is_stair)
+    """The epochs of the steps of the exponential, natural-exponential and inverse decays, arguments checked."""
+    check_args(owner, "a float > 0", learning_rate=learning_rate, decay_rate=decay_rate)
+    check_args(owner, "a bool", is_stair=is_stair)
     return _epochs(owner, total_step, step_per_epoch, decay_epoch=decay_epoch)
 
 
@@ -53,8 +49,8 @@ def piecewise_constant_lr(milestone, learning_rates) -> list[float]:
                         f"{len(learning_rates)}; expected one rate per milestone")
     rates, last = [], 0
     for i, (end, rate) in enumerate(zip(milestone, learning_rates)):
-        _check(owner, "an int > 0", **{f"milestone[{i}]": end})
-        _check(owner, "a float", **{f"learning_rates[{i}]": rate})
+        check_args(owner, "an int > 0", **{f"milestone[{i}]": end})
+        check_args(owner, "a float", **{f"learning_rates[{i}]": rate})
         if end < last:
             raise UserError(f"{owner}(milestone={milestone!r}): milestone[{i}]={end} is below milestone[{i - 1}]="
                             f"{last}; expected non-decreasing milestones")
@@ -95,8 +91,8 @@ def cosine_decay_lr(min_lr, max_lr, total_step, step_per_epoch, decay_epoch) -> 
     """``min_lr + (max_lr - min_lr) * (1 + cos(pi * min(epoch, decay_epoch) / decay_epoch)) / 2``:
     ``CosineDecayLR`` over epochs."""
     owner = "cosine_decay_lr"
-    _check(owner, "a float >= 0", min_lr=min_lr)
-    _check(owner, "a float > 0", max_lr=max_lr)
+    check_args(owner, "a float >= 0", min_lr=min_lr)
+    check_args(owner, "a float > 0", max_lr=max_lr)
     epochs = _epochs(owner, total_step, step_per_epoch, decay_epoch=decay_epoch)
     if min_lr >= max_lr:
         raise UserError(f"{owner}(min_lr={min_lr!r}): expected it below max_lr={max_lr!r}")
@@ -109,9 +105,9 @@ def polynomial_decay_lr(learning_rate, end_learning_rate, total_step, step_per_e
     end_learning_rate``; with ``update_decay_epoch`` the decay restarts every ``decay_epoch`` epochs:
     ``PolynomialDecayLR`` over epochs."""
     owner = "polynomial_decay_lr"
-    _check(owner, "a float > 0", learning_rate=learning_rate, power=power)
-    _check(owner, "a float >= 0", end_learning_rate=end_learning_rate)
-    _check(owner, "a bool", update_decay_epoch=update_decay_epoch)
+    check_args(owner, "a float > 0", learning_rate=learning_rate, power=power)
+    check_args(owner, "a float >= 0", end_learning_rate=end_learning_rate)
+    check_args(owner, "a bool", update_decay_epoch=update_decay_epoch)
     epochs = _epochs(owner, total_step, step_per_epoch, decay_epoch=decay_epoch)
     return [polynomial_decay(e, learning_rate, end_learning_rate, decay_epoch, power, restart=update_decay_epoch)
             for e in epochs]
@@ -119,6 +115,6 @@ def polynomial_decay_lr(learning_rate, end_learning_rate, total_step, step_per_e
 
 def warmup_lr(learning_rate, total_step, step_per_epoch, warmup_epoch) -> list[float]:
     """``learning_rate * min(epoch, warmup_epoch) / warmup_epoch``: ``WarmUpLR`` over epochs."""
-    _check("warmup_lr", "a float >= 0", learning_rate=learning_rate)
+    check_args("warmup_lr", "a float >= 0", learning_rate=learning_rate)
     epochs = _epochs("warmup_lr", total_step, step_per_epoch, warmup_epoch=warmup_epoch)
     return [warmup(e, warmup_epoch, 0.0, learning_rate) for e in epochs]

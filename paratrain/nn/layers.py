@@ -1,20 +1,14 @@
 """MindSpore's transformer sub-blocks: VocabEmbedding, AttentionMask, FeedForward, MoE, MultiHeadAttention.
 
-VocabEmbedding, FeedForward and MultiHeadAttention are adapters over the modules the built-in models
-are made of (``paratrain.modules``): MindSpore's argument names, parameter names, initialisation,
-dtypes, shapes, return tuples and refusals around the same forward and the same tensor-parallel plan,
-declared when the block's ``parallel_config`` splits it.
+VocabEmbedding, FeedForward and MultiHeadAttention are adapters over the modules of the built-in models
+(``paratrain.modules``): MindSpore's names, initialisation, dtypes, shapes, return tuples and refusals around
+the same forward and tensor-parallel plan. Shapes: B batch, T (Tq, Tk) sequence lengths, H hidden size,
+F ffn hidden size, V vocab size, h heads of size d = H / heads.
 
-Shapes: B batch, T (Tq, Tk) sequence lengths, H hidden size, F ffn hidden size, V vocab size,
-h heads of size d = H / heads.
-
-Dtypes: dense layers compute in their parameters' dtype (``param_init_type``; inputs are cast to
-it, outputs back to the input's dtype) and LayerNorms in ``layernorm_compute_type``. MindSpore's
-``compute_dtype=float16`` (half-precision matmuls while softmax and LayerNorm stay fp32) is what
-the trainer's ``mixed_precision`` does here (autocast), so ``compute_dtype`` is accepted and
-recorded only, and so is ``softmax_compute_type``: the softmax runs inside
-``scaled_dot_product_attention`` in the dtype of the queries and keys (the fused GPU kernels
-accumulate in fp32).
+Dense layers compute in ``param_init_type`` (inputs cast to it, outputs back), LayerNorms in
+``layernorm_compute_type``. ``compute_dtype`` and ``softmax_compute_type`` are accepted and recorded only:
+MindSpore's fp16 matmuls are the trainer's ``mixed_precision`` (autocast) here, and the softmax runs inside
+``scaled_dot_product_attention`` in the queries' dtype (the fused GPU kernels accumulate in fp32).
 """
 from __future__ import annotations
 
@@ -108,13 +102,17 @@ class _LayerNorm(nn.LayerNorm):
                             self.eps).to(x.dtype)
 
 
-class VocabEmbedding(shared.VocabEmbedding, Cell):
-    """Token lookup: input_ids (B, T) -> (embeddings (B, T, E), embedding table (V, E)).
+class _SplitWhenParallel:
+    """The shared module's tensor-parallel plan, declared only when ``model_parallel`` > 1."""
 
-    With ``parallel_config.vocab_emb_dp=False`` and model_parallel > 1 the table's rows (the
-    vocabulary) are split over model_parallel and the lookups summed; otherwise it is replicated.
-    ``param_init``: MindSpore's initializer name ("normal": normal(0, 0.01)), a number or a tensor.
-    """
+    def parallel_plan(self) -> dict[str, str]:
+        return super().parallel_plan() if self.model_parallel > 1 else {}
+
+
+class VocabEmbedding(_SplitWhenParallel, shared.VocabEmbedding, Cell):
+    """Token lookup: input_ids (B, T) -> (embeddings (B, T, E), embedding table (V, E)). With
+    ``parallel_config.vocab_emb_dp=False`` the table's rows are split over model_parallel and the lookups summed.
+    ``param_init``: MindSpore's initializer name ("normal": normal(0, 0.01)), a number or a tensor."""
 
     def __init__(self, vocab_size: int, embedding_size: int, parallel_config=default_embedding_parallel_config,
                  param_init="normal"):
@@ -129,9 +127,6 @@ class VocabEmbedding(shared.VocabEmbedding, Cell):
     def embedding_table(self) -> nn.Parameter:
         """The (V, E) table under MindSpore's name."""
         return self.embedding.weight
-
-    def parallel_plan(self) -> dict[str, str]:
-        return super().parallel_plan() if self.model_parallel > 1 else {}
 
 
 class AttentionMask(Cell):
@@ -150,11 +145,9 @@ class AttentionMask(Cell):
         return real[:, :, None] * real[:, None, :] * causal
 
 
-class FeedForward(shared.FeedForward, Cell):
-    """Position-wise FFN as MindSpore's: dropout(projection(act(mapping(x)))), (B, T, H) or (B*T, H) -> same shape.
-
-    ``mapping`` (H -> F) is split colwise and ``projection`` (F -> H) rowwise over model_parallel.
-    """
+class FeedForward(_SplitWhenParallel, shared.FeedForward, Cell):
+    """Position-wise FFN as MindSpore's: dropout(projection(act(mapping(x)))), (B, T, H) or (B*T, H) -> same shape;
+    ``mapping`` (H -> F) is split colwise and ``projection`` (F -> H) rowwise over model_parallel."""
 
     names = ("mapping", "projection")
 
@@ -174,21 +167,15 @@ class FeedForward(shared.FeedForward, Cell):
         self.model_parallel = model_parallel
         self.dropout = nn.Dropout(dropout_rate)
 
-    def parallel_plan(self) -> dict[str, str]:
-        return super().parallel_plan() if self.model_parallel > 1 else {}
-
     def forward(self, x):
         return self.dropout(super().forward(x.to(self.mapping.weight.dtype))).to(x.dtype)
 
 
 class MoE(shared_moe.MoE, Cell):
     """MindSpore's mixture-of-experts FFN: x (B, T, H) or (B*T, H) -> ``(output shaped like x, aux_loss ())``.
-
-    ``moe_config`` (MindSpore's ``MoEConfig``) as in ``paratrain.modules.moe.MoE``; without
-    ``expert_group_size`` the tokens form ``parallel_config.data_parallel`` groups, as MindSpore's (one per
-    data-parallel rank once placed). Dropout applies to the output. The experts split over
-    ``expert_parallel`` ranks when the net is placed (``paratrain.parallel.expert``).
-    """
+    ``moe_config`` as in ``paratrain.modules.moe.MoE``; without ``expert_group_size`` the tokens form
+    ``parallel_config.data_parallel`` groups, as MindSpore's. Dropout applies to the output. The experts split
+    over ``expert_parallel`` ranks when the net is placed (``paratrain.parallel.expert``)."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, dropout_rate: float, hidden_act="gelu",
                  param_init_type=torch.float32, moe_config: MoEConfig = default_moe_config,
@@ -208,17 +195,14 @@ class MoE(shared_moe.MoE, Cell):
         return self.dropout(output).to(x.dtype), aux_loss
 
 
-class MultiHeadAttention(shared.Attention, Cell):
+class MultiHeadAttention(_SplitWhenParallel, shared.Attention, Cell):
     """Multi-head attention of query (B, Tq, H) over key and value (B, Tk, H) (or (B*T, H) each) under
     attention_mask (B, Tq, Tk), 1 where a query may attend a key (None: everywhere).
 
-    Returns ``(output, layer_present)``: output shaped like the query, and the projected
-    ``(key (B, h, d, Tk), value (B, h, Tk, d))``. ``dense1``/``dense2``/``dense3`` (query, key,
-    value) are split colwise -- whole heads per rank -- and ``projection`` rowwise over
-    model_parallel. Dropout: ``attention_dropout_rate`` on the attention probabilities,
-    ``hidden_dropout_rate`` on the output. ``key_past``, ``value_past`` and ``batch_valid_length``
-    belong to incremental decoding (``use_past``, refused) and are ignored.
-    """
+    Returns ``(output shaped like the query, (key (B, h, d, Tk), value (B, h, Tk, d)))``. ``dense1``/``dense2``/
+    ``dense3`` (query, key, value) are split colwise (whole heads per rank), ``projection`` rowwise over
+    model_parallel. ``attention_dropout_rate`` drops attention probabilities, ``hidden_dropout_rate`` the output.
+    ``key_past``, ``value_past`` and ``batch_valid_length`` (incremental decoding, refused) are ignored."""
 
     names = ("dense1", "dense2", "dense3", "projection")
 
@@ -241,9 +225,6 @@ class MultiHeadAttention(shared.Attention, Cell):
         self.batch_size, self.src_seq_length, self.tgt_seq_length = batch_size, src_seq_length, tgt_seq_length
         self.hidden_size, self.n_head, self.size_per_head = hidden_size, num_heads, hidden_size // num_heads
         self.dropout = nn.Dropout(hidden_dropout_rate)
-
-    def parallel_plan(self) -> dict[str, str]:
-        return super().parallel_plan() if self.model_parallel > 1 else {}
 
     def forward(self, query_tensor, key_tensor, value_tensor, attention_mask=None, key_past=None, value_past=None,
                 batch_valid_length=None):

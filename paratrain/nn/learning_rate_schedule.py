@@ -1,11 +1,6 @@
-"""MindSpore's ``nn.learning_rate_schedule``: learning rates as modules of the global step.
-
-Each schedule maps ``global_step`` (an int or a 0-d tensor; steps taken so far, 0 at the first
-update) to the learning rate, as a 0-d float32 tensor on the step's device. Users compose them with
-tensor ops, as the tutorial's ``LearningRate`` does, and pass the result to ``paratrain.nn.Momentum`` or
-``paratrain.nn.AdamWeightDecay`` as ``learning_rate``. The rates are ``paratrain.optim``'s schedule
-functions, which the TOML face's schedules use too; optimizers call them (``rate``) in plain Python.
-"""
+"""MindSpore's ``nn.learning_rate_schedule``: learning rates as modules of the global step (steps taken,
+an int or a 0-d tensor) giving a 0-d float32 tensor on its device, to compose with tensor ops and pass to
+``paratrain.nn.Momentum`` or ``AdamWeightDecay``. The rates are ``paratrain.optim``'s schedule functions."""
 from __future__ import annotations
 
 from functools import partial
@@ -14,14 +9,9 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
+from paratrain.nn.dynamic_lr import check_args
 from paratrain.optim import (cosine_decay, exponential_decay, inverse_decay, natural_exp_decay, polynomial_decay,
                              warmup)
-
-
-def _positive(owner: str, **values) -> None:
-    for name, value in values.items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise UserError(f"{owner}({name}={value!r}): expected a number > 0")
 
 
 class LearningRateSchedule(nn.Module):
@@ -42,7 +32,7 @@ class WarmUpLR(LearningRateSchedule):
     """``learning_rate * min(global_step, warmup_steps) / warmup_steps`` (0 at the first step)."""
 
     def __init__(self, learning_rate: float, warmup_steps: int):
-        _positive("WarmUpLR", learning_rate=learning_rate, warmup_steps=warmup_steps)
+        check_args("WarmUpLR", "a number > 0", learning_rate=learning_rate, warmup_steps=warmup_steps)
         super().__init__(partial(warmup, steps=warmup_steps, start=0.0, end=learning_rate))
 
 
@@ -53,7 +43,8 @@ class PolynomialDecayLR(LearningRateSchedule):
 
     def __init__(self, learning_rate: float, end_learning_rate: float, decay_steps: int, power: float,
                  update_decay_steps: bool = False):
-        _positive("PolynomialDecayLR", learning_rate=learning_rate, decay_steps=decay_steps, power=power)
+        check_args("PolynomialDecayLR", "a number > 0", learning_rate=learning_rate, decay_steps=decay_steps,
+                   power=power)
         if not 0 <= end_learning_rate <= learning_rate:
             raise UserError(f"PolynomialDecayLR(end_learning_rate={end_learning_rate!r}): expected a number in "
                             f"[0, learning_rate={learning_rate}]")
@@ -66,7 +57,7 @@ class CosineDecayLR(LearningRateSchedule):
     decay_steps``."""
 
     def __init__(self, min_lr: float, max_lr: float, decay_steps: int):
-        _positive("CosineDecayLR", max_lr=max_lr, decay_steps=decay_steps)
+        check_args("CosineDecayLR", "a number > 0", max_lr=max_lr, decay_steps=decay_steps)
         if not 0 <= min_lr < max_lr:
             raise UserError(f"CosineDecayLR(min_lr={min_lr!r}): expected a number in [0, max_lr={max_lr})")
         super().__init__(partial(cosine_decay, start=max_lr, end=min_lr, steps=decay_steps))
@@ -79,7 +70,8 @@ class _Decay(LearningRateSchedule):
     decay = None
 
     def __init__(self, learning_rate: float, decay_rate: float, decay_steps: int, is_stair: bool = False):
-        _positive(type(self).__name__, learning_rate=learning_rate, decay_rate=decay_rate, decay_steps=decay_steps)
+        check_args(type(self).__name__, "a number > 0", learning_rate=learning_rate, decay_rate=decay_rate,
+                   decay_steps=decay_steps)
         super().__init__(partial(type(self).decay, start=learning_rate, rate=decay_rate, steps=decay_steps,
                                  stair=is_stair))
 

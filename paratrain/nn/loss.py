@@ -1,9 +1,5 @@
-"""MindSpore's CrossEntropyLoss: the mean cross-entropy over the tokens an input mask keeps.
-
-Each token's loss is ``paratrain.modules.linear_cross_entropy.token_cross_entropy``: with vocab-sharded
-logits (a DTensor from a tensor-parallel head) that is PyTorch's ``loss_parallel``, as for the built-in
-models.
-"""
+"""MindSpore's CrossEntropyLoss: the mean cross-entropy over the tokens an input mask keeps, vocab-parallel
+(PyTorch's ``loss_parallel``) on sharded logits as for the built-in models."""
 from __future__ import annotations
 
 import torch
@@ -18,19 +14,11 @@ REDUCTIONS = ("mean", "sum_and_count")
 
 
 class CrossEntropyLoss(Cell):
-    """logits (N, V), labels (N,), input_mask (N,) -> the mean cross-entropy over tokens with mask 1.
-
-    The mask weighs each token's loss (0 drops it; labels of dropped tokens may be anything), and a
-    batch with nothing kept has loss 0 (MindSpore adds 1e-5 to the count for this; here the count is
-    exact). Leading dimensions (B, T, V) are flattened. ``reduction``: ``"mean"``, or
-    ``"sum_and_count"`` for the trainer, which sums both over data-parallel ranks and micro-batches:
-    float32 (2,) ``[sum of the kept tokens' losses, number of kept tokens]``.
-
-    Logits that are a DTensor sharded on the vocab dimension (and replicated on any other mesh
-    dimension) are reduced vocab-parallel; forward and backward must then run under
-    ``paratrain.parallel.loss.loss_context`` (a placed net's step enters it), and the result is the
-    same plain tensor on every rank.
-    """
+    """logits (N, V) or (B, T, V), labels and input_mask (N,) or (B, T) -> the mean cross-entropy over the tokens
+    with mask 1 (the others' labels may be anything; 0 when none is kept). ``reduction="sum_and_count"``,
+    the trainer's: float32 (2,) ``[sum of the kept tokens' losses, their number]``, summed over data-parallel
+    ranks and micro-batches. Logits that are a DTensor sharded on the vocab dimension are reduced
+    vocab-parallel, under ``paratrain.parallel.loss.loss_context`` (a placed net's step enters it)."""
 
     supports_sum_and_count = True  # paratrain.parallel.user switches it to the global-batch token mean
 

@@ -1,8 +1,6 @@
 """MindSpore's evaluation metrics: ``Metric``, ``Accuracy``, ``Loss`` and ``rearrange_inputs`` (``mindspore.train``
-in 2.x, ``mindspore.nn`` in 1.x; ``paratrain.train`` exports them too). Under data parallel ``Model.eval`` adds a
-metric's state over the ranks: a metric names the state attributes that add up over rows in ``summed``
-(paratrain's addition to MindSpore's class), so every rank returns what one process would.
-"""
+in 2.x, ``mindspore.nn`` in 1.x; ``paratrain.train`` exports them too). Under data parallel ``Model.eval`` adds the
+state each metric names in ``summed`` over the ranks, so every rank returns what one process would."""
 from __future__ import annotations
 
 import functools
@@ -40,10 +38,8 @@ def as_tensor(data) -> torch.Tensor:
 class Metric:
     """MindSpore's base of the metrics: ``clear()`` resets the state, ``update(*inputs)`` adds a batch's, ``eval()``
     gives the result; calling the metric does the three on one batch. ``set_indexes([i, j])`` makes an
-    ``update`` decorated with ``rearrange_inputs`` take inputs ``i`` and ``j`` of those it is given.
-
-    ``summed`` (paratrain): the state attributes that add up over the rows of a batch, which ``Model.eval`` sums
-    over the data-parallel ranks; a metric of your own under data parallel must name them."""
+    ``update`` decorated with ``rearrange_inputs`` take inputs ``i`` and ``j`` of those it is given. ``summed``
+    (paratrain's): the state attributes that add up over rows, which ``Model.eval`` sums over data-parallel ranks."""
 
     summed: tuple[str, ...] = ()
 

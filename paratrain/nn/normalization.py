@@ -8,12 +8,10 @@ from paratrain.errors import UserError
 
 class SyncBatchNorm(nn.BatchNorm2d):
     """``SyncBatchNorm(num_features, eps=1e-5, momentum=0.9, affine=True, use_batch_statistics=None,
-    process_groups=None)``: (B, C, H, W) -> same, normalised in training with the mean and variance of the
-    global batch, as one device would. Under data parallelism (``Model.train``) it is replaced by a layer
-    that all-reduces the per-channel statistics over the data-parallel ranks; a plain ``nn.BatchNorm2d``
-    there normalises each rank's rows alone (MindSpore's ``BatchNorm2d``). On one process it is a
-    ``BatchNorm2d``. ``momentum`` is MindSpore's: ``moving = momentum * moving + (1 - momentum) * batch``
-    (torch's momentum is ``1 - momentum``)."""
+    process_groups=None)``: (B, C, H, W) -> same, normalised in training with the global batch's statistics:
+    under ``Model.train``'s data parallelism a layer all-reduces them over the ranks (a plain ``nn.BatchNorm2d``
+    normalises each rank's rows alone). ``momentum`` is MindSpore's, the moving statistics' weight (torch's:
+    ``1 - momentum``)."""
 
     global_statistics = True  # paratrain.parallel.data.sync_batch_norm replaces it under data parallelism
 

@@ -17,11 +17,9 @@ def _is_rate(value) -> bool:
 
 
 def rate_function(learning_rate, owner: str) -> Callable[[int], float]:
-    """``learning_rate`` in any form MindSpore's optimizers take, as a plain-Python function from the number of
-    steps taken to the rate: a number >= 0 (constant); a list, tuple or other iterable of them, or a 1-d tensor
-    (read once, here), a dynamic LR: step ``i`` takes element ``i``, past the end the last one; a
-    ``paratrain.nn`` schedule (its ``rate``, no tensor made); or any other module or function of the step, given
-    as a 0-d int32 host tensor. Anything else is refused naming ``owner``."""
+    """``learning_rate`` as a function from the steps taken to the rate: a number >= 0; an iterable or 1-d tensor
+    of them (step ``i`` takes element ``i``, past the end the last); a ``paratrain.nn`` schedule (its ``rate``);
+    or any other function of the step, given as a 0-d int32 host tensor."""
     if isinstance(learning_rate, LearningRateSchedule) and learning_rate.rate is not None:
         return learning_rate.rate
     if callable(learning_rate):
@@ -52,7 +50,7 @@ class _Scheduled:
     numbers, not a schedule)."""
 
     def _init_rate(self, learning_rate, owner: str) -> None:
-        """``rate``, ``scheduled`` and ``global_step``, before the groups are added."""
+        """Before the groups are added."""
         self.rate = rate_function(learning_rate, owner)
         self.scheduled = not _is_rate(learning_rate)
         self.global_step = 0
@@ -72,8 +70,7 @@ class _Scheduled:
         self._lrs_set = [group["lr"] for group in self.param_groups]  # as the saved run set them
 
     def _set_rates(self) -> None:
-        """Each group's ``lr`` for this step, unless set from outside (a number stays as the groups hold it:
-        torch's LR schedulers may change it)."""
+        """Each group's ``lr`` for this step, unless set from outside (a constant is left to torch's schedulers)."""
         if self.scheduled:
             lr = self.rate(self.global_step)
             for i, group in enumerate(self.param_groups):
@@ -91,11 +88,9 @@ class _Scheduled:
 
 class Momentum(_Scheduled, torch.optim.SGD):
     """``Momentum(params, learning_rate, momentum, weight_decay=0.0, use_nesterov=False, loss_scale=1.0)``:
-    ``accum = momentum * accum + grad + weight_decay * param; param -= learning_rate * accum`` (Nesterov:
-    ``param -= learning_rate * (grad + momentum * accum)``), MindSpore's update, which is torch's SGD with
-    momentum and no dampening. ``lr`` and ``nesterov`` are accepted as torch spells them.
-    ``learning_rate`` is a number (torch's LR schedulers may change it), a list (one rate per step) or a
-    schedule of the steps taken (see ``rate_function``)."""
+    MindSpore's update, which is torch's SGD with momentum and no dampening; ``lr`` and ``nesterov`` are
+    accepted as torch spells them. ``learning_rate`` as ``rate_function`` takes it (a number may be changed by
+    torch's LR schedulers)."""
 
     def __init__(self, params, learning_rate=None, momentum: float | None = None,
                  weight_decay: float = 0.0, use_nesterov: bool = False, loss_scale: float = 1.0,
@@ -121,16 +116,10 @@ class Momentum(_Scheduled, torch.optim.SGD):
 
 class AdamWeightDecay(_Scheduled, torch.optim.Optimizer):
     """``AdamWeightDecay(params, learning_rate=1e-3, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.0)``,
-    MindSpore's update, which has no bias correction (unlike torch's AdamW)::
-
-        m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
-        param -= lr * (m / (sqrt(v) + eps) + weight_decay * param)
-
-    ``learning_rate`` is a number, a list (one rate per step) or a schedule of the steps taken (see
-    ``rate_function``); a group may hold its own ``lr`` with a number.
-    ``params`` may be MindSpore's groups: dicts with ``params`` and their own ``weight_decay``; a group of
-    ``order_params`` is accepted and has no effect (torch keeps the parameters' order itself).
-    """
+    MindSpore's update, without torch AdamW's bias correction: ``param -= lr * (m / (sqrt(v) + eps) +
+    weight_decay * param)``. ``learning_rate`` as ``rate_function`` takes it; a group may hold its own ``lr``
+    with a number. ``params`` may be MindSpore's groups (dicts with ``params`` and their own ``weight_decay``;
+    an ``order_params`` group has no effect: torch keeps the parameters' order)."""
 
     def __init__(self, params, learning_rate=1e-3, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-6,
                  weight_decay: float = 0.0):

@@ -1,18 +1,12 @@
 """MindSpore's transformer layers and stacks as plain modules: TransformerEncoderLayer,
 TransformerDecoderLayer, TransformerEncoder, TransformerDecoder, Transformer.
 
-Shapes: B batch, S source length, T target length, H hidden size; masks are float or bool
-(B, Tq, Tk) with 1 where a query may attend a key. Every layer returns ``(output, layer_present)``
-with the projected keys and values of its attentions (see ``MultiHeadAttention``). With
-``moe_config.expert_num > 1`` the FFNs are mixtures of experts (``MoE``) and, as in MindSpore, every
-layer and stack also returns its load-balancing loss (a stack: summed over its layers; the
-Transformer: over both stacks) as the last element of its tuple, for the net to add to its loss. The
-``init_reset`` and ``batch_valid_length`` inputs belong to incremental decoding (``use_past``,
-refused) and are ignored.
-
-The layers are the units the parallel runtime wraps (FSDP unit, recompute); the stacks keep them
-in an ``nn.ModuleList`` named ``blocks`` and call ``lambda_func`` on each as it is built, which
-places it on a pipeline stage, sets its recompute mode and its gradient communication group.
+Shapes: B batch, S source length, T target length, H hidden size; masks are float or bool (B, Tq, Tk) with 1
+where a query may attend a key. Every layer returns ``(output, layer_present)``, the projected keys and values of
+its attentions. With ``moe_config.expert_num > 1`` the FFNs are ``MoE``s and, as in MindSpore, every layer and
+stack also returns its (summed) load-balancing loss last, for the net to add to its loss. ``init_reset`` and
+``batch_valid_length`` (incremental decoding, ``use_past``, refused) are ignored. The stacks keep their layers,
+the units the parallel runtime wraps, in ``blocks`` and call ``lambda_func`` on each as it is built.
 """
 from __future__ import annotations
 
@@ -24,27 +18,22 @@ from torch import nn
 from paratrain.errors import UserError
 from paratrain.modules.transformer import residual
 from paratrain.nn.cell import Cell
-from paratrain.nn.config import (check_divisible, check_moe, default_dpmp_config, default_moe_config,
-                                 default_transformer_config, op_config, refuse_unsupported, stack_config, to_dtype)
+from paratrain.nn.config import (ParallelConfig, check_divisible, check_moe, default_dpmp_config, default_moe_config,
+                                 default_transformer_config, op_config, refuse_unsupported, to_dtype)
 from paratrain.nn.layers import MoE, FeedForward, MultiHeadAttention, _LayerNorm
 
 
 def _get_lambda_func(total_layer: int | None = None):
-    """MindSpore's default ``lambda_func(network, layer_id, offset, parallel_config, layers)``.
-
-    Layer ``layer_id + offset`` of ``layers`` (``total_layer`` when given: the encoder's and the
-    decoder's together in a Transformer) goes to pipeline stage
-    ``min((layer_id + offset) // (layers // pipeline_stage), pipeline_stage - 1)`` and to
-    communication group ``(layer_id + offset) // (layers // groups) + 1`` (``groups``:
-    ``gradient_aggregation_group``, one per layer when 0); it is recomputed as
-    ``parallel_config.recompute`` says for that layer.
-    """
+    """MindSpore's default ``lambda_func(network, layer_id, offset, parallel_config, layers)``: layer
+    ``layer_id + offset`` of ``total_layer or layers`` goes to its share of the pipeline stages and of the
+    ``gradient_aggregation_group`` communication groups, recomputed as ``parallel_config.recompute`` says."""
 
     def set_parallel_configure_for_layer(network: Cell, layer_id: int, offset: int, parallel_config, layers: int):
         layers = total_layer or layers
         stages = parallel_config.pipeline_stage
         if layers < stages:
-            raise UserError(f"{layers} layers cannot fill pipeline_stage={stages} stages: use pipeline_stage <= {layers}")
+            raise UserError(f"{layers} layers cannot fill pipeline_stage={stages} stages: use pipeline_stage <= "
+                            f"{layers}")
         index = layer_id + offset
         network.pipeline_stage = min(index // max(layers // stages, 1), stages - 1)
         network.set_comm_fusion(index // max(layers // parallel_config.aggregation_groups(layers), 1) + 1)
@@ -55,39 +44,48 @@ def _get_lambda_func(total_layer: int | None = None):
     return set_parallel_configure_for_layer
 
 
-def _check_layer(owner: str, hidden_size: int, ffn_hidden_size: int, num_heads: int, use_past: bool, moe_config,
-                 parallel_config) -> int:
-    """Refuse what a layer cannot build; returns its model_parallel."""
-    refuse_unsupported(owner, use_past)
-    check_moe(owner, moe_config, parallel_config)
-    model_parallel = op_config(parallel_config, owner).model_parallel
-    check_divisible(owner, model_parallel, num_heads=num_heads, hidden_size=hidden_size,
-                    ffn_hidden_size=ffn_hidden_size)
-    return model_parallel
-
-
-def _feed_forward(hidden_size, ffn_hidden_size, dropout_rate, hidden_act, dtype, moe_config, parallel_config):
-    """A layer's feed-forward block: a mixture of experts when ``moe_config.expert_num`` > 1."""
-    if moe_config.expert_num > 1:
-        return MoE(hidden_size, ffn_hidden_size, dropout_rate, hidden_act, dtype, moe_config, parallel_config)
-    return FeedForward(hidden_size, ffn_hidden_size, dropout_rate, hidden_act, param_init_type=dtype,
-                       parallel_config=parallel_config)
-
-
-def _ffn(layer, x, post_layernorm_residual: bool, layer_present: tuple) -> tuple:
-    """A layer's last sublayer, the FFN or the mixture of experts, and the layer's return tuple."""
-    normed = layer.layernorm2(x)
-    if not layer.use_moe:
-        return residual(x, normed, layer.output(normed), post_layernorm_residual), layer_present
-    output, aux_loss = layer.output(normed)
-    return residual(x, normed, output, post_layernorm_residual), layer_present, aux_loss
-
-
-class TransformerEncoderLayer(Cell):
-    """Self-attention then FFN, each behind a LayerNorm with a residual add:
-    x (B, S, H) or (B*S, H), input_mask (B, S, S) -> ``(output shaped like x, (key, value))``."""
+class _Layer(Cell):
+    """What both layers share: their checks, LayerNorms and last sublayer, the FFN or (``moe_config.expert_num``
+    > 1) the mixture of experts."""
 
     is_transformer_layer = True  # a unit of recompute and FSDP for paratrain.parallel.user
+
+    def _check(self, hidden_size, ffn_hidden_size, num_heads, layernorm_compute_type, param_init_type, use_past,
+               moe_config, parallel_config) -> None:
+        """Refuse what the layer cannot build; set the dtypes its sublayers take."""
+        owner = type(self).__name__
+        refuse_unsupported(owner, use_past)
+        check_moe(owner, moe_config, parallel_config)
+        check_divisible(owner, op_config(parallel_config, owner).model_parallel, num_heads=num_heads,
+                        hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        self._norm_dtype = to_dtype(layernorm_compute_type, "layernorm_compute_type", owner)
+        self._param_dtype = to_dtype(param_init_type, "param_init_type", owner)
+
+    def _norm(self, hidden_size: int) -> _LayerNorm:
+        return _LayerNorm(hidden_size, self._norm_dtype, self._param_dtype)
+
+    def _build_ffn(self, hidden_size, ffn_hidden_size, dropout_rate, hidden_act, moe_config, parallel_config) -> None:
+        self.layernorm2 = self._norm(hidden_size)
+        self.use_moe = moe_config.expert_num > 1
+        if self.use_moe:
+            self.output = MoE(hidden_size, ffn_hidden_size, dropout_rate, hidden_act, self._param_dtype, moe_config,
+                              parallel_config)
+        else:
+            self.output = FeedForward(hidden_size, ffn_hidden_size, dropout_rate, hidden_act,
+                                      param_init_type=self._param_dtype, parallel_config=parallel_config)
+
+    def _ffn(self, x, layer_present: tuple) -> tuple:
+        """The last sublayer and the layer's return tuple."""
+        normed = self.layernorm2(x)
+        if not self.use_moe:
+            return residual(x, normed, self.output(normed), self.post_layernorm_residual), layer_present
+        output, aux_loss = self.output(normed)
+        return residual(x, normed, output, self.post_layernorm_residual), layer_present, aux_loss
+
+
+class TransformerEncoderLayer(_Layer):
+    """Self-attention then FFN, each behind a LayerNorm with a residual add:
+    x (B, S, H) or (B*S, H), input_mask (B, S, S) -> ``(output shaped like x, (key, value))``."""
 
     def __init__(self, batch_size: int, hidden_size: int, ffn_hidden_size: int, num_heads: int, seq_length: int,
                  attention_dropout_rate: float = 0.1, hidden_dropout_rate: float = 0.1,
@@ -95,38 +93,28 @@ class TransformerEncoderLayer(Cell):
                  softmax_compute_type=torch.float32, param_init_type=torch.float32, hidden_act="gelu",
                  use_past: bool = False, moe_config=default_moe_config, parallel_config=default_dpmp_config):
         super().__init__()
-        owner = "TransformerEncoderLayer"
-        _check_layer(owner, hidden_size, ffn_hidden_size, num_heads, use_past, moe_config, parallel_config)
-        norm_dtype = to_dtype(layernorm_compute_type, "layernorm_compute_type", owner)
-        dtype = to_dtype(param_init_type, "param_init_type", owner)
+        self._check(hidden_size, ffn_hidden_size, num_heads, layernorm_compute_type, param_init_type, use_past,
+                    moe_config, parallel_config)
         self.post_layernorm_residual = post_layernorm_residual
-        self.layernorm1 = _LayerNorm(hidden_size, norm_dtype, dtype)
+        self.layernorm1 = self._norm(hidden_size)
         self.attention = MultiHeadAttention(batch_size, seq_length, seq_length, hidden_size, num_heads,
                                             hidden_dropout_rate, attention_dropout_rate,
-                                            softmax_compute_type=softmax_compute_type, param_init_type=dtype,
-                                            parallel_config=parallel_config)
-        self.layernorm2 = _LayerNorm(hidden_size, norm_dtype, dtype)
-        self.use_moe = moe_config.expert_num > 1
-        self.output = _feed_forward(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act, dtype, moe_config,
-                                    parallel_config)
+                                            softmax_compute_type=softmax_compute_type,
+                                            param_init_type=self._param_dtype, parallel_config=parallel_config)
+        self._build_ffn(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act, moe_config, parallel_config)
 
     def forward(self, x, input_mask=None, init_reset=True, batch_valid_length=None):
         normed = self.layernorm1(x)
         attention, layer_present = self.attention(normed, normed, normed, input_mask)
-        x = residual(x, normed, attention, self.post_layernorm_residual)
-        return _ffn(self, x, self.post_layernorm_residual, layer_present)
+        return self._ffn(residual(x, normed, attention, self.post_layernorm_residual), layer_present)
 
 
-class TransformerDecoderLayer(Cell):
+class TransformerDecoderLayer(_Layer):
     """Masked self-attention, cross-attention over the encoder output, then FFN, each behind a LayerNorm
     with a residual add: hidden_stats (B, T, H), decoder_mask (B, T, T), encoder_output (B, S, H),
     memory_mask (B, T, S) -> ``(output (B, T, H), (self key, self value, cross key, cross value))``.
-
-    Without ``encoder_output`` the cross-attention is skipped (and only the self-attention's key and
-    value are returned), as in MindSpore.
+    Without ``encoder_output`` the cross-attention is skipped (and its key and value left out), as in MindSpore.
     """
-
-    is_transformer_layer = True  # see TransformerEncoderLayer
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_heads: int, batch_size: int, src_seq_length: int,
                  tgt_seq_length: int, attention_dropout_rate: float = 0.1, hidden_dropout_rate: float = 0.1,
@@ -134,24 +122,19 @@ class TransformerDecoderLayer(Cell):
                  softmax_compute_type=torch.float32, param_init_type=torch.float32, hidden_act="gelu",
                  moe_config=default_moe_config, parallel_config=default_dpmp_config):
         super().__init__()
-        owner = "TransformerDecoderLayer"
-        _check_layer(owner, hidden_size, ffn_hidden_size, num_heads, use_past, moe_config, parallel_config)
-        norm_dtype = to_dtype(layernorm_compute_type, "layernorm_compute_type", owner)
-        dtype = to_dtype(param_init_type, "param_init_type", owner)
+        self._check(hidden_size, ffn_hidden_size, num_heads, layernorm_compute_type, param_init_type, use_past,
+                    moe_config, parallel_config)
         attention = dict(hidden_size=hidden_size, num_heads=num_heads, batch_size=batch_size,
                          hidden_dropout_rate=hidden_dropout_rate, attention_dropout_rate=attention_dropout_rate,
-                         softmax_compute_type=softmax_compute_type, param_init_type=dtype,
+                         softmax_compute_type=softmax_compute_type, param_init_type=self._param_dtype,
                          parallel_config=parallel_config)
         self.post_layernorm_residual = post_layernorm_residual
-        self.layernorm1 = _LayerNorm(hidden_size, norm_dtype, dtype)
+        self.layernorm1 = self._norm(hidden_size)
         self.attention = MultiHeadAttention(src_seq_length=tgt_seq_length, tgt_seq_length=tgt_seq_length, **attention)
-        self.cross_attention_layernorm = _LayerNorm(hidden_size, norm_dtype, dtype)
+        self.cross_attention_layernorm = self._norm(hidden_size)
         self.cross_attention = MultiHeadAttention(src_seq_length=tgt_seq_length, tgt_seq_length=src_seq_length,
                                                   **attention)
-        self.layernorm2 = _LayerNorm(hidden_size, norm_dtype, dtype)
-        self.use_moe = moe_config.expert_num > 1
-        self.output = _feed_forward(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act, dtype, moe_config,
-                                    parallel_config)
+        self._build_ffn(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act, moe_config, parallel_config)
 
     def forward(self, hidden_stats, decoder_mask=None, encoder_output=None, memory_mask=None, init_reset=True,
                 batch_valid_length=None):
@@ -164,7 +147,7 @@ class TransformerDecoderLayer(Cell):
             attention, cross_present = self.cross_attention(normed, encoder_output, encoder_output, memory_mask)
             x = residual(x, normed, attention, post)
             layer_present += cross_present
-        return _ffn(self, x, post, layer_present)
+        return self._ffn(x, layer_present)
 
 
 def _accumulated(aux_losses: list, use_moe: bool) -> tuple:
@@ -172,29 +155,43 @@ def _accumulated(aux_losses: list, use_moe: bool) -> tuple:
     return (torch.stack(aux_losses).sum(),) if use_moe else ()
 
 
-def _stack(layer_class: type, args: dict, owner: str) -> nn.ModuleList:
-    """A stack's ``num_layers`` layers, built from the stack's arguments ``args`` that ``layer_class`` takes,
-    each passed to ``lambda_func`` as it is built."""
-    config = stack_config(args["parallel_config"], owner)
-    check_moe(owner, args["moe_config"], config)
-    lambda_func = args["lambda_func"] or _get_lambda_func()
-    layer_args = {name: args[name] for name in inspect.signature(layer_class).parameters if name != "parallel_config"}
-    blocks = nn.ModuleList()
-    for i in range(args["num_layers"]):
-        block = layer_class(**layer_args, parallel_config=config.dp_mp_config)
-        lambda_func(block, layer_id=i, offset=args["offset"], parallel_config=config, layers=args["num_layers"])
-        blocks.append(block)
-    return blocks
+class _Stack(Cell):
+    """What both stacks share: ``num_layers`` layers in ``blocks``, each passed to ``lambda_func`` as it is built."""
+
+    def _build(self, layer_class: type, args: dict) -> None:
+        """The layers, built from the stack's arguments ``args`` that ``layer_class`` takes."""
+        owner = type(self).__name__
+        self.num_layers = args["num_layers"]
+        config = args["parallel_config"]
+        if not isinstance(config, ParallelConfig):  # the stack needs the whole model's: stages, recompute, groups
+            raise UserError(f"{owner}: parallel_config must be a TransformerOpParallelConfig, "
+                            f"got {type(config).__name__}")
+        self.parallel_config = config  # the layout paratrain.train.Model reads
+        check_moe(owner, args["moe_config"], config)
+        self.use_moe = args["moe_config"].expert_num > 1
+        lambda_func = args["lambda_func"] or _get_lambda_func()
+        layer_args = {name: args[name] for name in inspect.signature(layer_class).parameters
+                      if name != "parallel_config"}
+        self.blocks = nn.ModuleList()
+        for i in range(self.num_layers):
+            block = layer_class(**layer_args, parallel_config=config.dp_mp_config)
+            lambda_func(block, layer_id=i, offset=args["offset"], parallel_config=config, layers=self.num_layers)
+            self.blocks.append(block)
+
+    def _run(self, hidden_states, *inputs) -> tuple:
+        """The layers in turn on ``hidden_states``: ``(output, their presents)`` and the summed MoE loss."""
+        present_layer, aux_losses = (), []
+        for block in self.blocks:
+            hidden_states, present, *aux = block(hidden_states, *inputs)
+            present_layer += (present,)
+            aux_losses += aux
+        return (hidden_states, present_layer) + _accumulated(aux_losses, self.use_moe)
 
 
-class TransformerEncoder(Cell):
+class TransformerEncoder(_Stack):
     """``num_layers`` TransformerEncoderLayers in ``blocks``: hidden_states (B, S, H), attention_mask (B, S, S)
-    -> ``(output (B, S, H), one (key, value) per layer)``.
-
-    ``lambda_func(network, layer_id, offset, parallel_config, layers)`` is called on each layer as it
-    is built (default: MindSpore's, see ``_get_lambda_func``); ``offset`` counts the layers before
-    this stack.
-    """
+    -> ``(output (B, S, H), one (key, value) per layer)``. ``lambda_func(network, layer_id, offset,
+    parallel_config, layers)`` is called on each layer as it is built; ``offset`` counts the layers before it."""
 
     def __init__(self, batch_size: int, num_layers: int, hidden_size: int, ffn_hidden_size: int, seq_length: int,
                  num_heads: int, attention_dropout_rate: float = 0.1, hidden_dropout_rate: float = 0.1,
@@ -202,27 +199,16 @@ class TransformerEncoder(Cell):
                  softmax_compute_type=torch.float32, param_init_type=torch.float32, lambda_func=None, offset: int = 0,
                  use_past: bool = False, moe_config=default_moe_config, parallel_config=default_transformer_config):
         super().__init__()
-        self.num_layers = num_layers
-        self.parallel_config = parallel_config  # the layout paratrain.train.Model reads
-        self.use_moe = moe_config.expert_num > 1
-        self.blocks = _stack(TransformerEncoderLayer, locals(), "TransformerEncoder")
+        self._build(TransformerEncoderLayer, locals())
 
     def forward(self, hidden_states, attention_mask=None, init_reset=True, batch_valid_length=None):
-        present_layer, aux_losses = (), []
-        for block in self.blocks:
-            hidden_states, present, *aux = block(hidden_states, attention_mask, init_reset, batch_valid_length)
-            present_layer += (present,)
-            aux_losses += aux
-        return (hidden_states, present_layer) + _accumulated(aux_losses, self.use_moe)
+        return self._run(hidden_states, attention_mask, init_reset, batch_valid_length)
 
 
-class TransformerDecoder(Cell):
+class TransformerDecoder(_Stack):
     """``num_layers`` TransformerDecoderLayers in ``blocks``: hidden_states (B, T, H), attention_mask (B, T, T),
     encoder_output (B, S, H), memory_mask (B, T, S) -> ``(output (B, T, H), one present tuple per layer)``.
-
-    ``lambda_func`` and ``offset`` as in ``TransformerEncoder`` (in a Transformer the offset is the
-    number of encoder layers).
-    """
+    ``lambda_func`` and ``offset`` as in ``TransformerEncoder`` (in a Transformer: after the encoder's layers)."""
 
     def __init__(self, num_layers: int, batch_size: int, hidden_size: int, ffn_hidden_size: int, src_seq_length: int,
                  tgt_seq_length: int, num_heads: int, attention_dropout_rate: float = 0.1,
@@ -231,34 +217,21 @@ class TransformerDecoder(Cell):
                  param_init_type=torch.float32, hidden_act="gelu", lambda_func=None, use_past: bool = False,
                  offset: int = 0, moe_config=default_moe_config, parallel_config=default_transformer_config):
         super().__init__()
-        self.num_layers = num_layers
-        self.parallel_config = parallel_config  # the layout paratrain.train.Model reads
-        self.use_moe = moe_config.expert_num > 1
-        self.blocks = _stack(TransformerDecoderLayer, locals(), "TransformerDecoder")
+        self._build(TransformerDecoderLayer, locals())
 
     def forward(self, hidden_states, attention_mask=None, encoder_output=None, memory_mask=None, init_reset=True,
                 batch_valid_length=None):
-        present_layer, aux_losses = (), []
-        for block in self.blocks:
-            hidden_states, present, *aux = block(hidden_states, attention_mask, encoder_output, memory_mask,
-                                                 init_reset, batch_valid_length)
-            present_layer += (present,)
-            aux_losses += aux
-        return (hidden_states, present_layer) + _accumulated(aux_losses, self.use_moe)
+        return self._run(hidden_states, attention_mask, encoder_output, memory_mask, init_reset, batch_valid_length)
 
 
 class Transformer(Cell):
     """Encoder-decoder Transformer (pre-LayerNorm by default, no final LayerNorm, as MindSpore's):
     encoder_inputs (B, S, H), encoder_masks (B, S, S), decoder_inputs (B, T, H), decoder_masks (B, T, T),
-    memory_mask (B, T, S) -> ``(output, encoder_layer_present, decoder_layer_present)``.
-
-    ``output`` is the decoder's (B, T, H), or the encoder's (B, S, H) when ``decoder_layers=0``.
-    With ``encoder_layers=0`` it is decoder-only: the decoder is a stack of self-attention layers
-    (``TransformerEncoderLayer`` blocks, a decoder layer without cross-attention) that reads
-    ``decoder_inputs``/``decoder_masks``, or ``encoder_inputs``/``encoder_masks`` when those are None,
-    and ``encoder_layer_present`` is None. The default ``lambda_func`` spreads the encoder's and
-    decoder's layers together evenly over the pipeline stages.
-    """
+    memory_mask (B, T, S) -> ``(output, encoder_layer_present, decoder_layer_present)``; ``output`` is the
+    decoder's (B, T, H), or the encoder's (B, S, H) when ``decoder_layers=0``. With ``encoder_layers=0`` the
+    decoder is a stack of ``TransformerEncoderLayer`` blocks (no cross-attention) on ``decoder_inputs`` (else
+    ``encoder_inputs``) and ``encoder_layer_present`` is None. The default ``lambda_func`` spreads both stacks'
+    layers together evenly over the pipeline stages."""
 
     def __init__(self, hidden_size: int, batch_size: int, ffn_hidden_size: int, src_seq_length: int,
                  tgt_seq_length: int, encoder_layers: int = 3, decoder_layers: int = 3, num_heads: int = 2,
@@ -290,21 +263,18 @@ class Transformer(Cell):
 
     def forward(self, encoder_inputs, encoder_masks, decoder_inputs=None, decoder_masks=None, memory_mask=None,
                 init_reset=True, batch_valid_length=None):
-        output = encoder_output = encoder_layer_present = decoder_layer_present = None
+        output = encoder_layer_present = decoder_layer_present = None
         aux_losses = []
         if self.encoder is not None:
-            output, encoder_layer_present, *aux = self.encoder(encoder_inputs, encoder_masks, init_reset,
-                                                               batch_valid_length)
-            encoder_output, aux_losses = output, aux_losses + aux
-        if self.decoder is not None and self.encoder is None:
-            if decoder_inputs is None:
-                decoder_inputs, decoder_masks = encoder_inputs, encoder_masks
-            output, decoder_layer_present, *aux = self.decoder(decoder_inputs, decoder_masks, init_reset,
-                                                               batch_valid_length)
-            aux_losses += aux
-        elif self.decoder is not None:
-            output, decoder_layer_present, *aux = self.decoder(decoder_inputs, decoder_masks, encoder_output,
-                                                               memory_mask, init_reset, batch_valid_length)
+            output, encoder_layer_present, *aux_losses = self.encoder(encoder_inputs, encoder_masks, init_reset,
+                                                                      batch_valid_length)
+        if self.decoder is not None:
+            if self.encoder is not None:
+                inputs = (decoder_inputs, decoder_masks, output, memory_mask)
+            elif decoder_inputs is None:
+                inputs = (encoder_inputs, encoder_masks)
+            else:
+                inputs = (decoder_inputs, decoder_masks)
+            output, decoder_layer_present, *aux = self.decoder(*inputs, init_reset, batch_valid_length)
             aux_losses += aux
         return (output, encoder_layer_present, decoder_layer_present) + _accumulated(aux_losses, self.use_moe)
-

@@ -120,15 +120,6 @@ class Callback:
         return False
 
 
-def _loss_value(outputs) -> float:
-    """The loss of ``net_outputs`` as a float (the first element of a tuple; the mean of a tensor)."""
-    if isinstance(outputs, (tuple, list)):
-        outputs = outputs[0]
-    if isinstance(outputs, torch.Tensor):
-        return float(outputs.detach().float().mean())
-    return float(outputs)
-
-
 class LossMonitor(Callback):
     """Prints ``epoch: E step: S, loss is L`` every ``per_print_times`` steps (0: never), S counted within
     the epoch, as MindSpore 2.x does; rank 0 prints. The loss is read from the device on those steps only
@@ -145,10 +136,11 @@ class LossMonitor(Callback):
 
     def on_train_step_end(self, run_context: RunContext) -> None:
         params = run_context.original_args()
-        if self._per_print_times == 0 or params.cur_step_num - self._last_print_step < self._per_print_times:
+        if not self.needs_host_values(params.cur_step_num):
             return
         self._last_print_step = params.cur_step_num
-        loss = _loss_value(params.net_outputs)
+        loss = params.net_outputs[0] if isinstance(params.net_outputs, (tuple, list)) else params.net_outputs
+        loss = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)
         if params.rank == 0:
             print(f"epoch: {params.cur_epoch_num} step: {params.cur_step_in_epoch}, loss is {loss}", flush=True)
 
@@ -186,11 +178,10 @@ class CheckpointConfig:
                  keep_checkpoint_per_n_minutes: int = 0, integrated_save: bool = True, async_save: bool = False,
                  saved_network=None, append_info=None, enc_key=None, enc_mode: str = "AES-GCM",
                  exception_save: bool = False):
-        for name, value in (("save_checkpoint_steps", save_checkpoint_steps), ("keep_checkpoint_max",
-                                                                              keep_checkpoint_max)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name[0] == "s" else 0):
-                raise UserError(f"CheckpointConfig({name}={value!r}): expected an integer "
-                                f"{'>= 1' if name[0] == 's' else '>= 0 (0: keep all)'}")
+        for name, value, least, rule in (("save_checkpoint_steps", save_checkpoint_steps, 1, ">= 1"),
+                                         ("keep_checkpoint_max", keep_checkpoint_max, 0, ">= 0 (0: keep all)")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise UserError(f"CheckpointConfig({name}={value!r}): expected an integer {rule}")
         refused = {
             "save_checkpoint_seconds": (save_checkpoint_seconds, 0, "ranks would disagree on when a time is up: "
                                                                    "use save_checkpoint_steps"),
@@ -326,13 +317,11 @@ class OnRequestExit(ModelCheckpoint):
 
 class SummaryCollector(Callback):
     """MindSpore's ``SummaryCollector(summary_dir, collect_freq=10)``: every ``collect_freq`` steps (and the last)
-    the step's record goes to ``<summary_dir>/metrics.jsonl`` and TensorBoard scalars, with the keys ``paratrain
-    train`` writes (loss, lr, grad_norm, step_time_s, tokens_per_s, samples_per_s, tflops, mfu, memory_mb,
-    skipped_steps; fp16's loss_scale), a console line and, on a terminal, the progress bar; rank 0 writes.
-    ``breakdown=True`` (paratrain's) adds the %forward/%backward/%optimizer/%comm breakdown, which
-    synchronizes every phase. A user net's FLOPs are taken as 6 x parameters x tokens (the tokens: the
-    elements of the first input when it holds integer ids, else its rows). MindSpore's other options are
-    accepted at their defaults only (refused with the reason otherwise)."""
+    rank 0 writes the step's record (the keys of ``paratrain train``: loss, lr, grad_norm, step_time_s, tokens_per_s,
+    samples_per_s, tflops, mfu, memory_mb, skipped_steps; fp16's loss_scale) to ``<summary_dir>/metrics.jsonl``,
+    TensorBoard and the console. ``breakdown=True`` adds the %forward/%backward/%optimizer/%comm breakdown (it
+    synchronizes every phase). A user net's FLOPs: 6 x parameters x tokens (the first input's elements when it
+    holds integer ids, else its rows). MindSpore's other options are accepted at their defaults only."""
 
     def __init__(self, summary_dir: str | Path, collect_freq: int = 10, collect_specified_data=None,
                  keep_default_action: bool = True, custom_lineage_data=None, collect_tensor_freq=None,

@@ -1,7 +1,5 @@
-"""What ``Model.eval`` needs to run MindSpore's metrics (``paratrain.nn.metrics``) on any layout: ``get_metrics``
-(MindSpore's ``metrics=`` dict or set of names), ``eval_rows`` (the rows of a batch this rank evaluates, and the
-ranks whose rows add up) and ``reduce_metrics`` (each metric's ``summed`` state added over those ranks).
-"""
+"""What ``Model.eval`` needs to run MindSpore's metrics (``paratrain.nn.metrics``) on any layout: the metrics, the
+rows of a batch this rank evaluates, and each metric's ``summed`` state added over the ranks that share them."""
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -59,22 +59,14 @@ def _lookup(name: str, params: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return params[hits[0]] if len(hits) == 1 else None
 
 
-def _modules(net) -> list[nn.Module]:
-    """The modules of ``net``: a module, a list of them, or a placed net (its ``parts`` on this rank)."""
-    if hasattr(net, "parts"):
-        return list(net.parts)
-    if isinstance(net, (list, tuple)):
-        return list(net)
-    return [net]
-
-
 @torch.no_grad()
 def load_param_into_net(net, parameter_dict: dict[str, torch.Tensor]) -> list[str]:
     """Copy ``parameter_dict`` (whole tensors by name, as ``load_checkpoint`` gives) into the parameters and
     persistent buffers of ``net``: a plain module, or a parallel one (a placed net or its parts), where each
     sharded (DTensor) parameter takes this rank's slice. Returns the names of ``net`` that found no entry."""
     not_loaded = []
-    for module in _modules(net):
+    modules = net.parts if hasattr(net, "parts") else net if isinstance(net, (list, tuple)) else [net]
+    for module in modules:
         for name, target in module.state_dict(keep_vars=True).items():
             source = _lookup(name, parameter_dict)
             if source is None:
@@ -85,9 +77,8 @@ def load_param_into_net(net, parameter_dict: dict[str, torch.Tensor]) -> list[st
                                 f"{list(target.shape)} in the net")
             if isinstance(target, DTensor):
                 local = target.to_local()
-                source = distribute_tensor(source.to(local.device, local.dtype), target.device_mesh,
-                                           target.placements, src_data_rank=None).to_local()
-                local.copy_(source)
+                local.copy_(distribute_tensor(source.to(local.device, local.dtype), target.device_mesh,
+                                              target.placements, src_data_rank=None).to_local())
             else:
                 target.copy_(source)
     return not_loaded
@@ -95,13 +86,11 @@ def load_param_into_net(net, parameter_dict: dict[str, torch.Tensor]) -> list[st
 
 def load_distributed_checkpoint(network, checkpoint_filenames, predict_strategy=None,
                                 train_strategy_filename: str | None = None, strict_load: bool = False) -> list[str]:
-    """Load a checkpoint saved in slices (``CheckpointConfig(integrated_save=False)``: one slice per rank,
-    under any strategy and device count) into ``network``, whole or sharded under another strategy:
-    a plain net, or a placed one (``Model.train_network``), each DTensor parameter taking this rank's
-    slice. ``checkpoint_filenames``: the checkpoint directory, or the files of one (every rank's).
-    The slices reshard by their own index, so MindSpore's strategy files are not needed
-    (``predict_strategy`` and ``train_strategy_filename`` must be left out). Every rank reads the whole
-    tensors. Returns the names of ``network`` that found no entry; ``strict_load``: raise instead."""
+    """Load a checkpoint saved in slices (``CheckpointConfig(integrated_save=False)``, any strategy and device
+    count; ``checkpoint_filenames``: its directory or files) into a plain or placed ``network``, each DTensor
+    parameter taking this rank's slice. The slices reshard by their own index: leave out MindSpore's strategy
+    files (``predict_strategy``, ``train_strategy_filename``). Every rank reads the whole tensors. Returns the
+    names that found no entry (``strict_load``: raises)."""
     if predict_strategy is not None or train_strategy_filename is not None:
         raise UserError("load_distributed_checkpoint: predict_strategy and train_strategy_filename are not needed "
                         "(paratrain's slices record their own layout): leave them out")
