@@ -36,8 +36,10 @@ process would (in a user's net only ``paratrain.nn.SyncBatchNorm`` ones, as Mind
 ``gradient_aggregation_group`` sets how many groups of consecutive layers are gathered
 and reduced together (communication buckets); by default (0) each layer is its own FSDP unit, so one
 layer's parameters are gathered at a time, and DDP uses its own 25 MB buckets. Under FSDP2 the
-embeddings and the final norm with the head are units of their own too (``part_units``, ``part_groups``);
-at stage 3 the last of them is not resharded after forward, since backward needs it first.
+final norm with the head is a unit of its own too (``part_units``, ``part_groups``), not resharded after
+forward at stage 3, since backward needs it first; the embeddings join the first layer group's unit, which
+runs right after them in forward and right before them in backward: one all-gather and one reduce-scatter
+for both.
 """
 from __future__ import annotations
 
@@ -134,26 +136,31 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
     if config.offloads:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     wrap = fully_shard if config.shards_parameters else fsdp_replicate
-    for unit, last in part_groups(model, part_units(model, layers)):
+    first = []  # the parts that run before every layer: gathered and reduced with the first layers
+    for unit, where in part_groups(model, part_units(model, layers)):
+        if where == "first" and groups:
+            first += unit
+            continue
         # the parts that run last in forward run first in backward: resharding them after forward would
         # only gather them again at once (torchtitan keeps its final norm and output the same way)
-        wrap(unit, **kwargs | ({"reshard_after_forward": False} if last and "reshard_after_forward" in kwargs else {}))
-    for unit in groups:
-        wrap(unit, **kwargs)
+        last = where == "last" and "reshard_after_forward" in kwargs
+        wrap(unit, **kwargs | ({"reshard_after_forward": False} if last else {}))
+    for i, unit in enumerate(groups):
+        wrap(first + list(unit) if i == 0 else unit, **kwargs)
     wrap(root, **kwargs)
     return model
 
 
-def part_groups(model: nn.Module, parts: list[nn.Module]) -> list[tuple[list[nn.Module], bool]]:
+def part_groups(model: nn.Module, parts: list[nn.Module]) -> list[tuple[list[nn.Module], str]]:
     """The FSDP units of ``parts`` (``part_units``): grouped by where ``pipeline_parts`` places them -- the
-    final norm with the head, one all-gather and one reduce-scatter for both -- each with whether it is
-    placed "last" (after every layer)."""
+    final norm with the head, one all-gather and one reduce-scatter for both -- each with that place
+    ("first", "last", a layer's name, or the part's own name when it is not placed)."""
     placed = getattr(model, "pipeline_parts", {})
     names = {id(m): n for n, m in model.named_modules()}
     groups: dict[str, list[nn.Module]] = {}
     for part in parts:
         groups.setdefault(placed.get(names[id(part)], names[id(part)]), []).append(part)
-    return [(group, where == "last") for where, group in groups.items()]
+    return [(group, where) for where, group in groups.items()]
 
 
 def part_units(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:

@@ -39,8 +39,8 @@ class StepLoss:
     def token_sum(self, loss_sum: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         """A micro-batch's summed token loss (and its token count when ``counted``), times the data-parallel size
         (gradient reduction averages where a sum is wanted)."""
-        factor = self.layout.dp_size * self.loss_scale
-        return self._kept(loss_sum * (factor if self.tokens is None else factor / self.tokens), count)
+        scaled = loss_sum * (self.layout.dp_size * self.loss_scale)
+        return self._kept(scaled if self.tokens is None else scaled / self.tokens, count)
 
     @property
     def mean_factor(self) -> torch.Tensor | float:
@@ -58,6 +58,8 @@ class StepLoss:
         return loss
 
     def _sum(self, values: list[torch.Tensor]) -> torch.Tensor:
+        if len(values) == 1:
+            return values[0]
         return torch.stack(values).sum() if values else torch.zeros((), device=self.layout.device)
 
     def result(self) -> dict:
@@ -84,8 +86,12 @@ def forward_backward(batch: dict | tuple, config: ParallelConfig, precision: str
         with loss_context(config), autocast(precision, device), phase("pipeline"):
             pipeline(batch)
         return
-    chunks = zip(*(t.chunk(config.micro_batch_num) for t in (batch.values() if isinstance(batch, dict) else batch)))
-    micro_batches = [dict(zip(batch, c)) if isinstance(batch, dict) else c for c in chunks]
+    if config.micro_batch_num == 1:
+        micro_batches = [batch]
+    else:
+        tensors = batch.values() if isinstance(batch, dict) else batch
+        chunks = zip(*(t.chunk(config.micro_batch_num) for t in tensors))
+        micro_batches = [dict(zip(batch, c)) if isinstance(batch, dict) else c for c in chunks]
     sync = hasattr(module, "set_requires_gradient_sync") and config.effective_zero_stage < 3
     for i, micro in enumerate(micro_batches):
         if sync:
