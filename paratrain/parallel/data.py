@@ -36,10 +36,9 @@ process would (in a user's net only ``paratrain.nn.SyncBatchNorm`` ones, as Mind
 ``gradient_aggregation_group`` sets how many groups of consecutive layers are gathered
 and reduced together (communication buckets); by default (0) each layer is its own FSDP unit, so one
 layer's parameters are gathered at a time, and DDP uses its own 25 MB buckets. Under FSDP2 the
-final norm with the head is a unit of its own too (``part_units``, ``part_groups``), not resharded after
-forward at stage 3, since backward needs it first; the embeddings join the first layer group's unit, which
-runs right after them in forward and right before them in backward: one all-gather and one reduce-scatter
-for both.
+embeddings join the first layer group's unit and the final norm with the head the last one's (``part_units``,
+``part_groups``): one all-gather and one reduce-scatter for each pair; at stage 3 the last unit is not
+resharded after forward, since backward needs it first.
 """
 from __future__ import annotations
 
@@ -136,17 +135,21 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
     if config.offloads:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     wrap = fully_shard if config.shards_parameters else fsdp_replicate
-    first = []  # the parts that run before every layer: gathered and reduced with the first layers
+    # the parts that run before every layer (embeddings) join the first layer group's unit, those that run
+    # after every layer (final norm, head) the last one's: each runs next to that group in forward and in
+    # backward, so one all-gather and one reduce-scatter serve both
+    ends = {"first": [], "last": []}
     for unit, where in part_groups(model, part_units(model, layers)):
-        if where == "first" and groups:
-            first += unit
-            continue
-        # the parts that run last in forward run first in backward: resharding them after forward would
-        # only gather them again at once (torchtitan keeps its final norm and output the same way)
-        last = where == "last" and "reshard_after_forward" in kwargs
-        wrap(unit, **kwargs | ({"reshard_after_forward": False} if last else {}))
+        if where in ends and groups:
+            ends[where] += unit
+        else:
+            wrap(unit, **kwargs)
     for i, unit in enumerate(groups):
-        wrap(first + list(unit) if i == 0 else unit, **kwargs)
+        last = ends["last"] if i == len(groups) - 1 else []
+        # the unit with the head runs last in forward and first in backward: resharding it after forward would
+        # only gather it again at once (torchtitan keeps its last block, final norm and output the same way)
+        keep = {"reshard_after_forward": False} if last and "reshard_after_forward" in kwargs else {}
+        wrap((ends["first"] if i == 0 else []) + list(unit) + last, **kwargs | keep)
     wrap(root, **kwargs)
     return model
 
