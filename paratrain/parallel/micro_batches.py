@@ -31,16 +31,20 @@ class StepLoss:
     def __init__(self, layout: Layout, micro_batch_num: int, loss_scale: torch.Tensor | float,
                  tokens: torch.Tensor | None = None, counted: bool = False):
         self.layout, self.micro_batch_num, self.loss_scale = layout, micro_batch_num, loss_scale
-        self.tokens, self.counted = tokens, counted
+        self.counted = counted
+        # what a micro-batch's summed loss is divided by: the global batch's token count over the data-parallel size
+        # (gradient reduction averages where a sum is wanted) and the loss scale; one division a step
+        self.divisor = None if tokens is None else tokens / (layout.dp_size * loss_scale)
         # (value, token count or None) of each micro-batch's loss; a pipeline schedule may call its loss function
         # before the micro-batches too (torch 2.13 infers the backward's shapes so): only the last ones count
         self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def token_sum(self, loss_sum: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         """A micro-batch's summed token loss (and its token count when ``counted``), times the data-parallel size
-        (gradient reduction averages where a sum is wanted)."""
-        scaled = loss_sum * (self.layout.dp_size * self.loss_scale)
-        return self._kept(scaled if self.tokens is None else scaled / self.tokens, count)
+        (gradient reduction averages where a sum is wanted) and the loss scale, over ``tokens`` when given."""
+        if self.divisor is not None:
+            return self._kept(loss_sum / self.divisor, count)
+        return self._kept(loss_sum * (self.layout.dp_size * self.loss_scale), count)
 
     @property
     def mean_factor(self) -> torch.Tensor | float:
