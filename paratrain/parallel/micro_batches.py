@@ -62,14 +62,14 @@ class StepLoss:
         return loss
 
     def _sum(self, values: list[torch.Tensor]) -> torch.Tensor:
-        if len(values) == 1:
-            return values[0]
         return torch.stack(values).sum() if values else torch.zeros((), device=self.layout.device)
 
     def result(self) -> dict:
         """{"loss": the global batch's loss, the same on every rank} and, when ``counted``, ``grad_scale``."""
         layout, kept = self.layout, self.kept[-self.micro_batch_num:]  # only the last pipeline stage has any
-        loss = layout.all_reduce_dp(self._sum([value for value, _ in kept]) / (layout.dp_size * self.loss_scale))
+        values = [value for value, _ in kept]
+        total = values[0] if len(values) == 1 else self._sum(values)  # divided next: reduced in a tensor of its own
+        loss = layout.all_reduce_dp(total / (layout.dp_size * self.loss_scale))
         out = {}
         if self.counted:
             count = layout.all_reduce_pp(layout.all_reduce_dp(self._sum([count for _, count in kept])))
