@@ -168,9 +168,9 @@ def part_groups(model: nn.Module, parts: list[nn.Module]) -> list[tuple[list[nn.
 
 def part_units(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
     """The parts of ``model`` besides its layers (``pipeline_parts``: embeddings, final norms, head) that this
-    chunk holds, each an FSDP unit of its own unless it shares a parameter with another part or a layer
-    (a tied word table stays with the root). A part's gradient is then reduced and freed as soon as
-    backward has made it -- the head's at the start of backward -- not at the end with the root's."""
+    chunk holds, each in an FSDP unit besides the root's unless it shares a parameter with another part or a
+    layer (a tied word table stays with the root): its gradient is then reduced and freed with its unit's
+    (the head's after the last layer group's backward), not at the end with the root's."""
     parts = []
     for name in getattr(model, "pipeline_parts", {}):
         try:
