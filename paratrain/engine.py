@@ -69,7 +69,8 @@ class Engine:
         whose device values are on the host when ``to_host`` (with those of the steps before it)."""
         start = time.perf_counter()
         with self.timer.step():
-            out = run(self.loss_scaler.scale)
+            # without loss scaling the scale is the number 1, which multiplies nothing on the device
+            out = run(self.loss_scaler.scale if self.loss_scaler.enabled else 1.0)
             with self.timer.phase("optimizer"):
                 self.loss_scaler.unscale_(self.parameters(), out.get("grad_scale"))
                 grad_norm = clip_grad_norm(list(self.parameters()), self.grad_clip, self.counted_in_norm,

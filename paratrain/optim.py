@@ -138,15 +138,21 @@ def clip_grad_norm(parameters, max_norm: float, counted: set[int] | None = None,
     for p in parameters:
         if p.grad is not None:
             groups.setdefault(tensor_kind(p.grad), []).append(p)
-    total = torch.zeros((), device=device)
+    norms = []
     for params in groups.values():
         grads = [p.grad for p in params if counted is None or id(p) in counted]
         if grads:
             norm = torch.nn.utils.get_total_norm(grads)
-            total += (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2
-    if group is not None:
-        dist.all_reduce(total, group=group)
-    total = total.sqrt()
+            norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).to(device, torch.float32))
+    if len(norms) == 1 and group is None:  # one kind of gradient on one stage: its norm is the total
+        total = norms[0]
+    else:
+        total = torch.zeros((), device=device)
+        for norm in norms:
+            total += norm ** 2
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        total = total.sqrt()
     if max_norm > 0:
         scale_grads_([p for params in groups.values() for p in params], (max_norm / (total + 1e-6)).clamp(max=1.0))
     return total

@@ -38,45 +38,48 @@ def chunk_rows(vocab_size: int, device_type: str) -> int:
     return max(1, (GPU_CHUNK_BYTES if device_type == "cuda" else CHUNK_BYTES) // (4 * vocab_size))
 
 
+def _chunks(tensor: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+    """``tensor`` split into chunks of ``rows`` rows; itself when it has no more."""
+    return tensor.split(rows) if tensor.shape[0] > rows else (tensor,)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index: int):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-        rows, n = chunk_rows(weight.shape[0], device), hidden.shape[0]
+        rows = chunk_rows(weight.shape[0], device)
         with torch.autocast(device, enabled=False):
             x, w = hidden.to(dtype), weight.to(dtype)
             grad_hidden = torch.empty_like(x)
             grad_weight = None  # fp32, made by the first chunk's matmul, the others' added to it
-            valid = labels != ignore_index
-            targets = labels.where(valid, 0)[:, None]
-            keep = valid.to(torch.float32)[:, None]  # (N, 1): 1 for a target, 0 for a pad
+            loss = None
+            column = labels[:, None]
+            keep = column != ignore_index  # (N, 1): True for a target, False for a pad
             # a pad row's softmax would enter both gradients: its hidden state is zeroed for the weight's,
-            # its hidden gradient after the loop -- two (N, H) passes, not one over the (N, V) logits
-            kept = x * keep.to(dtype)
-            norm = keep.new_empty((n, 1))  # each row's logsumexp, then its loss
-            picked = keep.new_empty((n, 1))  # each row's target logit
-            for start in range(0, n, rows):
-                end = start + rows
-                part, target = x[start:end], targets[start:end]
+            # its hidden gradient after the loop -- two (N, H) passes, not one over the (N, V) logits; so
+            # any class serves as a pad row's target in the softmax's gradient
+            kept = x * keep
+            vocab = weight.shape[0]
+            targets = column if 0 <= ignore_index < vocab else column.clamp(0, vocab - 1)
+            for part, label, target, part_kept, out in zip(*(_chunks(t, rows)
+                                                             for t in (x, labels, targets, kept, grad_hidden))):
                 logits = (part @ w.T).float()
-                torch.logsumexp(logits, 1, keepdim=True, out=norm[start:end])
-                torch.gather(logits, 1, target, out=picked[start:end])
-                grad = logits.sub_(norm[start:end]).exp_()  # softmax, in place of the logits
+                logits.sub_(torch.logsumexp(logits, 1, keepdim=True))  # the log-softmax, in place
+                part_loss = F.nll_loss(logits, label, ignore_index=ignore_index, reduction="sum")
+                loss = part_loss if loss is None else loss.add_(part_loss)
+                grad = logits.exp_()  # the softmax, in place
                 grad.scatter_(1, target, -1.0, reduce="add")  # minus the one-hot targets
-                low, part = grad.to(dtype), kept[start:end]
-                torch.mm(low, w, out=grad_hidden[start:end])
+                low = grad.to(dtype)
+                torch.mm(low, w, out=out)
                 if dtype == torch.bfloat16:  # a bf16 matmul (fp32 range), the chunks summed in fp32
-                    chunk = low.T @ part
+                    chunk = low.T @ part_kept
                     grad_weight = chunk.float() if grad_weight is None else grad_weight.add_(chunk)
                 elif grad_weight is None:
-                    grad_weight = grad.T @ part.float()
+                    grad_weight = grad.T @ part_kept.float()
                 else:
-                    grad_weight.addmm_(grad.T, part.float())
-            grad_hidden.mul_(keep.to(dtype))
-            if grad_weight is None:  # no rows
-                grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            loss = norm.sub_(picked).view(-1).dot(keep.view(-1))
+                    grad_weight.addmm_(grad.T, part_kept.float())
+            grad_hidden.mul_(keep)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.dtypes = hidden.dtype, weight.dtype
         return loss

@@ -36,8 +36,9 @@ process would (in a user's net only ``paratrain.nn.SyncBatchNorm`` ones, as Mind
 ``gradient_aggregation_group`` sets how many groups of consecutive layers are gathered
 and reduced together (communication buckets); by default (0) each layer is its own FSDP unit, so one
 layer's parameters are gathered at a time, and DDP uses its own 25 MB buckets. Under FSDP2 the
-embeddings and the final norm with the head are units of their own too (``part_units``, ``part_groups``);
-at stage 3 the last of them is not resharded after forward, since backward needs it first.
+embeddings join the first layer group's unit and the final norm with the head the last one's (``part_units``,
+``part_groups``): one all-gather and one reduce-scatter for each pair; at stage 3 the last unit is not
+resharded after forward, since backward needs it first.
 """
 from __future__ import annotations
 
@@ -134,33 +135,42 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
     if config.offloads:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     wrap = fully_shard if config.shards_parameters else fsdp_replicate
-    for unit, last in part_groups(model, part_units(model, layers)):
-        # the parts that run last in forward run first in backward: resharding them after forward would
-        # only gather them again at once (torchtitan keeps its final norm and output the same way)
-        wrap(unit, **kwargs | ({"reshard_after_forward": False} if last and "reshard_after_forward" in kwargs else {}))
-    for unit in groups:
-        wrap(unit, **kwargs)
+    # the parts that run before every layer (embeddings) join the first layer group's unit, those that run
+    # after every layer (final norm, head) the last one's: each runs next to that group in forward and in
+    # backward, so one all-gather and one reduce-scatter serve both
+    ends = {"first": [], "last": []}
+    for unit, where in part_groups(model, part_units(model, layers)):
+        if where in ends and groups:
+            ends[where] += unit
+        else:
+            wrap(unit, **kwargs)
+    for i, unit in enumerate(groups):
+        last = ends["last"] if i == len(groups) - 1 else []
+        # the unit with the head runs last in forward and first in backward: resharding it after forward would
+        # only gather it again at once (torchtitan keeps its last block, final norm and output the same way)
+        keep = {"reshard_after_forward": False} if last and "reshard_after_forward" in kwargs else {}
+        wrap((ends["first"] if i == 0 else []) + list(unit) + last, **kwargs | keep)
     wrap(root, **kwargs)
     return model
 
 
-def part_groups(model: nn.Module, parts: list[nn.Module]) -> list[tuple[list[nn.Module], bool]]:
+def part_groups(model: nn.Module, parts: list[nn.Module]) -> list[tuple[list[nn.Module], str]]:
     """The FSDP units of ``parts`` (``part_units``): grouped by where ``pipeline_parts`` places them -- the
-    final norm with the head, one all-gather and one reduce-scatter for both -- each with whether it is
-    placed "last" (after every layer)."""
+    final norm with the head, one all-gather and one reduce-scatter for both -- each with that place
+    ("first", "last", a layer's name, or the part's own name when it is not placed)."""
     placed = getattr(model, "pipeline_parts", {})
     names = {id(m): n for n, m in model.named_modules()}
     groups: dict[str, list[nn.Module]] = {}
     for part in parts:
         groups.setdefault(placed.get(names[id(part)], names[id(part)]), []).append(part)
-    return [(group, where == "last") for where, group in groups.items()]
+    return [(group, where) for where, group in groups.items()]
 
 
 def part_units(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
     """The parts of ``model`` besides its layers (``pipeline_parts``: embeddings, final norms, head) that this
-    chunk holds, each an FSDP unit of its own unless it shares a parameter with another part or a layer
-    (a tied word table stays with the root). A part's gradient is then reduced and freed as soon as
-    backward has made it -- the head's at the start of backward -- not at the end with the root's."""
+    chunk holds, each in an FSDP unit besides the root's unless it shares a parameter with another part or a
+    layer (a tied word table stays with the root): its gradient is then reduced and freed with its unit's
+    (the head's after the last layer group's backward), not at the end with the root's."""
     parts = []
     for name in getattr(model, "pipeline_parts", {}):
         try:

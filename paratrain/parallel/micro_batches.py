@@ -31,16 +31,20 @@ class StepLoss:
     def __init__(self, layout: Layout, micro_batch_num: int, loss_scale: torch.Tensor | float,
                  tokens: torch.Tensor | None = None, counted: bool = False):
         self.layout, self.micro_batch_num, self.loss_scale = layout, micro_batch_num, loss_scale
-        self.tokens, self.counted = tokens, counted
+        self.counted = counted
+        # what a micro-batch's summed loss is divided by: the global batch's token count over the data-parallel size
+        # (gradient reduction averages where a sum is wanted) and the loss scale; one division a step
+        self.divisor = None if tokens is None else tokens / (layout.dp_size * loss_scale)
         # (value, token count or None) of each micro-batch's loss; a pipeline schedule may call its loss function
         # before the micro-batches too (torch 2.13 infers the backward's shapes so): only the last ones count
         self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def token_sum(self, loss_sum: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         """A micro-batch's summed token loss (and its token count when ``counted``), times the data-parallel size
-        (gradient reduction averages where a sum is wanted)."""
-        factor = self.layout.dp_size * self.loss_scale
-        return self._kept(loss_sum * (factor if self.tokens is None else factor / self.tokens), count)
+        (gradient reduction averages where a sum is wanted) and the loss scale, over ``tokens`` when given."""
+        if self.divisor is not None:
+            return self._kept(loss_sum / self.divisor, count)
+        return self._kept(loss_sum * (self.layout.dp_size * self.loss_scale), count)
 
     @property
     def mean_factor(self) -> torch.Tensor | float:
@@ -63,7 +67,9 @@ class StepLoss:
     def result(self) -> dict:
         """{"loss": the global batch's loss, the same on every rank} and, when ``counted``, ``grad_scale``."""
         layout, kept = self.layout, self.kept[-self.micro_batch_num:]  # only the last pipeline stage has any
-        loss = layout.all_reduce_dp(self._sum([value for value, _ in kept]) / (layout.dp_size * self.loss_scale))
+        values = [value for value, _ in kept]
+        total = values[0] if len(values) == 1 else self._sum(values)  # divided next: reduced in a tensor of its own
+        loss = layout.all_reduce_dp(total / (layout.dp_size * self.loss_scale))
         out = {}
         if self.counted:
             count = layout.all_reduce_pp(layout.all_reduce_dp(self._sum([count for _, count in kept])))
@@ -84,8 +90,12 @@ def forward_backward(batch: dict | tuple, config: ParallelConfig, precision: str
         with loss_context(config), autocast(precision, device), phase("pipeline"):
             pipeline(batch)
         return
-    chunks = zip(*(t.chunk(config.micro_batch_num) for t in (batch.values() if isinstance(batch, dict) else batch)))
-    micro_batches = [dict(zip(batch, c)) if isinstance(batch, dict) else c for c in chunks]
+    if config.micro_batch_num == 1:
+        micro_batches = [batch]
+    else:
+        tensors = batch.values() if isinstance(batch, dict) else batch
+        chunks = zip(*(t.chunk(config.micro_batch_num) for t in tensors))
+        micro_batches = [dict(zip(batch, c)) if isinstance(batch, dict) else c for c in chunks]
     sync = hasattr(module, "set_requires_gradient_sync") and config.effective_zero_stage < 3
     for i, micro in enumerate(micro_batches):
         if sync:
