@@ -78,6 +78,22 @@ class StepLoss:
         return out
 
 
+def has_rows(value) -> bool:
+    """Whether ``value`` is a batch tensor with rows (dimension 0) to split; others go whole to every split."""
+    return isinstance(value, torch.Tensor) and value.ndim > 0
+
+
+def split(batch: dict | tuple, parts: int) -> list:
+    """``batch`` (a dict or tuple, rows first) in ``parts`` micro-batches of the same kind: tensors with rows are
+    chunked, other values (numbers, 0-dim tensors) go whole to each; an empty batch gives empty micro-batches."""
+    if parts == 1:
+        return [batch]
+    values = list(batch.values() if isinstance(batch, dict) else batch)
+    chunks = [v.chunk(parts) if has_rows(v) else [v] * parts for v in values]
+    micro_batches = [tuple(chunk[i] for chunk in chunks) for i in range(parts)]
+    return [dict(zip(batch, micro)) for micro in micro_batches] if isinstance(batch, dict) else micro_batches
+
+
 def forward_backward(batch: dict | tuple, config: ParallelConfig, precision: str, device: torch.device, phase, *,
                      module: torch.nn.Module | None = None, loss_of: Callable | None = None,
                      pipeline: Callable | None = None) -> None:
@@ -90,12 +106,7 @@ def forward_backward(batch: dict | tuple, config: ParallelConfig, precision: str
         with loss_context(config), autocast(precision, device), phase("pipeline"):
             pipeline(batch)
         return
-    if config.micro_batch_num == 1:
-        micro_batches = [batch]
-    else:
-        tensors = batch.values() if isinstance(batch, dict) else batch
-        chunks = zip(*(t.chunk(config.micro_batch_num) for t in tensors))
-        micro_batches = [dict(zip(batch, c)) if isinstance(batch, dict) else c for c in chunks]
+    micro_batches = split(batch, config.micro_batch_num)
     sync = hasattr(module, "set_requires_gradient_sync") and config.effective_zero_stage < 3
     for i, micro in enumerate(micro_batches):
         if sync:

@@ -35,7 +35,8 @@ from paratrain.mesh import Layout
 from paratrain.ops.primitive import Primitive
 from paratrain.ops.strategy import StrategyError, StrategyMesh, mesh_factors
 from paratrain.ops.strategy import placements as placements_on
-from paratrain.parallel.user import Placed, has_rows, refuse_options
+from paratrain.parallel.micro_batches import has_rows
+from paratrain.parallel.user import Placed, refuse_options
 
 # a tensor split along one dimension over several mesh dims is reduced one mesh dim at a time; DTensor
 # warns about it on every redistribute

@@ -46,7 +46,7 @@ from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
 from paratrain.parallel.data import apply_data_parallel, fusion_groups
 from paratrain.parallel.expert import apply_expert_parallel
-from paratrain.parallel.micro_batches import StepLoss, forward_backward
+from paratrain.parallel.micro_batches import StepLoss, forward_backward, has_rows
 from paratrain.parallel.pipeline import StageFixes, build_schedule, chunk_rank, integer_boundaries
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import declared_plan, gradient_like_parameter, has_submodule, parallel_style
@@ -111,11 +111,6 @@ def stage_starts(net: nn.Module, example: tuple, stages: int, segments: int = 1,
         raise UnsplittableNet(f"no module has {what}: set module.pipeline_stage (and pipeline_segment, or pass a "
                               f"lambda_func) so that every stage holds layers")
     return starts
-
-
-def has_rows(value) -> bool:
-    """Whether ``value`` is a batch tensor with rows (dimension 0) to split; others go whole to every split."""
-    return isinstance(value, torch.Tensor) and value.ndim > 0
 
 
 # what a net placed whole on every rank (hybrid) or op by op (semi-auto, auto) does not take: option -> (its
@@ -195,13 +190,8 @@ class Placed:
         if pipeline is not None:
             forward_backward(batch, config, self.precision, self.device, self.phase, pipeline=pipeline)
             return self._norm.result()
-        chunks = [t.chunk(config.micro_batch_num) if has_rows(t) else [t] * config.micro_batch_num for t in batch]
-        micro_batches = list(zip(*chunks)) if batch else [()] * config.micro_batch_num
-        # forward_backward splits tensors with rows only; a batch may also hold values every micro-batch takes
-        # whole (0-dim tensors, numbers) or be empty, so it splits the micro-batches' indices
-        forward_backward((torch.arange(config.micro_batch_num),), config, self.precision, self.device, self.phase,
-                         module=self.parts[0],
-                         loss_of=lambda index: self._micro_loss(forward(*micro_batches[index[0].item()])))
+        forward_backward(batch, config, self.precision, self.device, self.phase, module=self.parts[0],
+                         loss_of=lambda micro: self._micro_loss(forward(*micro)))
         return self._norm.result()
 
     def parameters(self):
