@@ -1,8 +1,5 @@
-"""Where a job runs: DeepSpeed hostfiles, MindSpore rank tables, Slurm allocations and Kubeflow pods.
-
-Every source becomes the same list of :class:`Host` (one per node, in node-rank order). Host names are
-checked against the host-name grammar first: ``a;rm -rf ~`` is refused here and never reaches ssh.
-"""
+"""Where a job runs: DeepSpeed hostfiles, MindSpore rank tables, Slurm allocations and Kubeflow pods, each as
+:class:`Host`\ s in node-rank order. Host names are checked first: ``a;rm -rf ~`` never reaches ssh."""
 from __future__ import annotations
 
 import ipaddress

@@ -1,9 +1,5 @@
-"""Job records: ``job.json`` in each job's run directory, listing and logs.
-
-The registry (``$PARATRAIN_HOME``, default ``runs``) holds one run directory per job name. A launcher
-owns its job's record and rewrites it atomically; the other nodes' launchers keep ``node{R}.json``
-beside it. A record that cannot be read is reported as unreadable and never hides the other jobs.
-"""
+"""Job records: ``job.json`` (other nodes: ``node{R}.json``) in each job's run directory under ``$PARATRAIN_HOME``,
+rewritten atomically by its launcher; listing (an unreadable record hides no other job) and logs."""
 from __future__ import annotations
 
 import json

@@ -285,12 +285,9 @@ def _watch(job: Job, topo: Topology, agent: _Agent, signals: _StopSignals, progr
 
 
 def run_node(job: Job, topo: Topology, command: list[str], console: bool, join_timeout_s: float) -> int:
-    """Run ``command`` on this node's ranks under torchrun until they end, restarting them up to
-    ``job.max_restarts`` times after a failure; record the outcome in ``job``.
-
-    Returns 0, :data:`~paratrain.progress.EXIT_STOPPED` when every rank stopped after saving, 128 + signal
-    when stopped otherwise, 1 when a rank failed (in the last attempt) or nodes did not join.
-    """
+    """Run ``command`` on this node's ranks under torchrun (restarted up to ``job.max_restarts`` times), record
+    the outcome in ``job``; returns 0, :data:`~paratrain.progress.EXIT_STOPPED` (every rank stopped after saving),
+    128 + signal (stopped otherwise) or 1 (a rank of the last attempt failed, or nodes did not join)."""
     config, cmd, cmd_args = _torchrun_config(torchrun_args(topo, job.name, command, join_timeout_s, job.max_restarts))
     config.logs_specs = RankLogs(Path(job.dir), console)
     config.log_line_prefix_template = "[rank${rank}]: "
@@ -390,11 +387,8 @@ def forwarded_env(home: Path) -> dict[str, str]:
 
 
 def run_hosts(job: Job, commands: list[list[str]], poll_s: float = 0.5) -> int:
-    """Start every node's ssh command and wait for them; returns the exit code (as :func:`run_node`'s).
-
-    A stop (``stop.json``, or a signal to this process) and a failed node are passed on to every node through
-    ``stop.json`` in the shared run directory: ending an ssh client does not end what it started remotely.
-    """
+    """Start every node's ssh command and wait for them; returns the exit code (as :func:`run_node`'s). A stop or
+    a failed node reaches every node through ``stop.json``: ending an ssh client does not end what it started."""
     procs = [subprocess.Popen(cmd, stdin=subprocess.DEVNULL) for cmd in commands]
     job.state = "running"
     job.save()
