@@ -4,7 +4,6 @@ the job directory); msrun's flags with no counterpart here are refused, each wit
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import shlex
 import sys
@@ -27,14 +26,11 @@ UNMAPPED = {
 
 
 def _flag(value: str) -> bool:
-    """msrun's True/False (it reads them with ``ast.literal_eval``)."""
-    try:
-        parsed = ast.literal_eval(value.capitalize())
-    except (ValueError, SyntaxError):
-        parsed = None
-    if not isinstance(parsed, bool):
+    """msrun's True/False, any capitalisation (it reads the capitalised word with ``ast.literal_eval``)."""
+    word = value.strip().capitalize()
+    if word not in ("True", "False"):
         raise argparse.ArgumentTypeError(f"expected True or False, got {value!r}")
-    return parsed
+    return word == "True"
 
 
 def launch_argv(args) -> list[str]:
