@@ -1,5 +1,5 @@
 """Where a job runs: DeepSpeed hostfiles, MindSpore rank tables, Slurm allocations and Kubeflow pods, each as
-:class:`Host`\ s in node-rank order. Host names are checked first: ``a;rm -rf ~`` never reaches ssh."""
+a list of :class:`Host` in node-rank order. Host names are checked first: ``a;rm -rf ~`` never reaches ssh."""
 from __future__ import annotations
 
 import ipaddress
