@@ -1,12 +1,8 @@
-"""Where this process is in its job, read from whichever launcher started it (no torch import: the CLI asks
-before anything is built).
+"""Where this process is in its job, read from whichever launcher started it (no torch import).
 
-:func:`fill_env` sets the variables of ``torch.distributed``'s ``env://`` rendezvous (:data:`VARIABLES`) from
-the first source that describes this process: torchrun (already set: nothing to do); SLURM, one task per
-rank (``srun --ntasks-per-node=G``; address: the node list's first host, port: from the job id); Open MPI or
-MPICH/Intel MPI's PMI; a Kubeflow PyTorchJob pod running one process. A variable already set must agree
-with the source; a contradiction raises a :class:`TopologyError` saying which numbers and how to fix the
-launch.
+:func:`fill_env` sets ``env://``'s :data:`VARIABLES` from the first launcher that describes this process: torchrun
+(nothing to do), SLURM with one task per rank, Open MPI or MPICH/Intel MPI's PMI, or a one-process Kubeflow pod.
+A variable already set must agree with it, else a :class:`TopologyError` says which numbers and how to fix it.
 """
 from __future__ import annotations
 
@@ -15,12 +11,17 @@ import re
 import shutil
 import subprocess
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from paratrain.errors import UserError
 
 DEFAULT_PORT = 29500
 VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+MPI = {  # launcher: its rank, size, local rank and local size variables, then those that may name the job
+    "Open MPI": (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                  "OMPI_COMM_WORLD_LOCAL_SIZE"), ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE")),
+    "MPI (PMI)": (("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"), ("PMI_JOBID", "PMIX_NAMESPACE")),
+}
 
 
 class TopologyError(UserError):
@@ -43,10 +44,6 @@ class Place:
     def variables(self) -> dict[str, str]:
         return dict(zip(VARIABLES, map(str, (self.rank, self.world_size, self.local_rank, self.local_world_size,
                                              self.master_addr, self.master_port))))
-
-    def describe(self) -> str:
-        return (f"{self.world_size} rank(s), {self.local_world_size} on this node, from {self.source}; "
-                f"rendezvous at {self.master_addr}:{self.master_port}")
 
 
 def job_port(job_id: str) -> int:
@@ -132,7 +129,9 @@ def slurm_tasks(env) -> Place:
                  f"SLURM_LOCALID, {spec_name or 'one node'})")
 
 
-def _mpi(env, names: tuple[str, str, str, str], launcher: str, job: str) -> Place:
+def _mpi(env, launcher: str) -> Place:
+    names, job_names = MPI[launcher]
+    job = next((env[name] for name in job_names if env.get(name)), "")
     rank, world = _int(env, names[0]), _int(env, names[1])
     if not rank < world:
         raise TopologyError(f"{names[0]}={rank} is not below {names[1]}={world}")
@@ -181,13 +180,8 @@ def locate(env=None) -> Place | None:
         return None
     if "SLURM_PROCID" in env and ("SLURM_NTASKS" in env or "SLURM_NPROCS" in env):
         place = slurm_tasks(env)
-    elif "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
-        place = _mpi(env, ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                           "OMPI_COMM_WORLD_LOCAL_SIZE"), "Open MPI",
-                     env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE", ""))
-    elif "PMI_RANK" in env and "PMI_SIZE" in env:
-        place = _mpi(env, ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"), "MPI (PMI)",
-                     env.get("PMI_JOBID") or env.get("PMIX_NAMESPACE", ""))
+    elif (mpi := next((name for name, (names, _) in MPI.items() if names[0] in env and names[1] in env), None)):
+        place = _mpi(env, mpi)
     elif "PET_NNODES" in env:
         place = _kubeflow(env)
     else:
@@ -197,9 +191,8 @@ def locate(env=None) -> Place | None:
         if name in env and env[name] != given[name]:
             raise TopologyError(f"{name}={env[name]} but {place.source} says {given[name]}: unset {name} or "
                                 f"start the job so that they agree")
-    return Place(place.rank, place.world_size, place.local_rank, place.local_world_size,
-                 env.get("MASTER_ADDR") or place.master_addr, int(env.get("MASTER_PORT") or place.master_port),
-                 place.source)
+    return replace(place, master_addr=env.get("MASTER_ADDR") or place.master_addr,
+                   master_port=int(env.get("MASTER_PORT") or place.master_port))
 
 
 def fill_env(env=None, report=lambda line: print(line, flush=True)) -> Place | None:
@@ -211,5 +204,6 @@ def fill_env(env=None, report=lambda line: print(line, flush=True)) -> Place | N
         return None
     env.update(place.variables())
     if place.rank == 0 and report is not None:
-        report(f"paratrain: {place.describe()}")
+        report(f"paratrain: {place.world_size} rank(s), {place.local_world_size} on this node, from {place.source}; "
+               f"rendezvous at {place.master_addr}:{place.master_port}")
     return place

@@ -1,12 +1,8 @@
-"""Stop requests: SIGTERM and SIGINT (what ``paratrain stop`` and the launcher send, and Ctrl-C) end a run
-saved, never lost.
+"""Stop requests: SIGTERM and SIGINT (``paratrain stop``, the launcher, Ctrl-C) end a run saved, never lost.
 
-:func:`catch` is called first thing by the command line. A signal that arrives while the run is still
-starting (imports, process group, model build, resume) ends it at once with :class:`StopRequested`:
-nothing has been trained, so nothing is lost. Once the training loop runs, a signal only sets a flag,
-and :class:`StopAgreement` makes every rank stop at the same step, which the loop then saves.
-
-This module imports nothing heavy: it runs before torch is imported.
+A signal while the run starts ends it at once with :class:`StopRequested` (nothing trained, nothing lost); once
+the loop trains it only sets a flag, and :class:`StopAgreement` makes every rank stop, and save, at one step.
+Nothing heavy is imported here: it runs before torch is.
 """
 from __future__ import annotations
 
@@ -28,17 +24,14 @@ class _Catcher:
         self.training = False  # set for good by the first StopAgreement
 
     def handle(self, signum, frame) -> None:
-        first = self.signal is None
-        self.signal = signum if first else self.signal
-        if first and not self.training:
-            raise StopRequested(signal.Signals(signum).name)
+        if self.signal is None:
+            self.signal = signum
+            if not self.training:
+                raise StopRequested(signal.Signals(signum).name)
 
     def install(self) -> dict:
         """Handle the stop signals here; returns the handlers they had."""
-        previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
-        for sig in SIGNALS:
-            signal.signal(sig, self.handle)
-        return previous
+        return {sig: signal.signal(sig, self.handle) for sig in SIGNALS}
 
 
 _catcher = _Catcher()
@@ -57,11 +50,9 @@ def requested() -> bool:
 class StopAgreement:
     """The training loop's side of a stop: every rank stops at the same step boundary.
 
-    While it is open, a signal only sets this process's flag. Each step, ``agreed()`` starts an
-    all-reduce (max) of the flag on a gloo group of its own, so it never waits for a GPU, and reads
-    the one it started a step earlier: every rank learns the same answer at the same step, one step
-    after the signal. ``finish()`` (after the loop) makes the last, blocking agreement, so a signal
-    during the last steps or the final save still ends the run as stopped on every rank.
+    Each step, ``agreed()`` starts an all-reduce (max) of the flag on a gloo group of its own (it never waits for
+    a GPU) and reads the one started a step earlier: every rank learns the same answer one step after the signal.
+    ``finish()`` makes a last, blocking agreement, so a signal during the last steps or the save still counts.
     """
 
     def __init__(self, world_size: int):
@@ -75,10 +66,6 @@ class StopAgreement:
         _catcher.signal, _catcher.training = None, True  # a signal before this point ended the start-up
         self.previous = _catcher.install()
 
-    def _start(self):
-        flag = self.flag.clone().fill_(int(requested()))
-        return self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group, async_op=True), flag
-
     def _read(self) -> bool:
         work, flag = self.pending
         self.pending = None
@@ -90,16 +77,14 @@ class StopAgreement:
         if self.group is None:
             return requested()
         stop = self._read() if self.pending is not None else False
-        self.pending = self._start()
+        flag = self.flag.clone().fill_(int(requested()))
+        self.pending = self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group, async_op=True), flag
         return stop
 
     def finish(self) -> bool:
         """After the loop, on every rank: whether any rank was asked to stop."""
-        if self.group is None:
-            return requested()
-        stop = self._read() if self.pending is not None else False
-        self.pending = self._start()
-        return self._read() or stop
+        stop = self.agreed()
+        return stop if self.group is None else self._read() or stop
 
     def close(self) -> None:
         """Wait for the all-reduce in flight, if any (no new collective: a failed run closes it too), and

@@ -1,9 +1,6 @@
-"""``paratrain launch | jobs | logs | stop``: named jobs started with torchrun on one or many nodes.
-
-``hosts`` reads where a job runs, ``jobs`` keeps the job records, ``launcher`` runs torchrun on a node or
-ssh on every node, ``stop`` stops them, ``failure`` and ``rendezvous`` say what went wrong, ``emit`` writes
-a launch as a cluster's job file and ``msrun`` takes MindSpore's msrun flags.
-"""
+"""``paratrain launch | jobs | logs | stop``: named jobs started with torchrun on one or many nodes (the modules:
+``hosts`` where, ``jobs`` the records, ``launcher`` torchrun or ssh, ``stop``, ``failure`` and ``rendezvous`` what
+went wrong, ``emit`` a cluster's job file, ``msrun`` MindSpore's msrun flags)."""
 from __future__ import annotations
 
 import argparse
@@ -43,13 +40,6 @@ def _check_train_config(words: list[str], world_size: int):
     return check(load_config(args.config, overrides, args.deepspeed, world_size), world_size)
 
 
-def _with_run_dir(words: list[str], job_dir: Path) -> list[str]:
-    """Add ``--run.dir=<job dir>`` to a ``train`` command that does not set its own."""
-    if words[:1] != ["train"] or any(w == "--run.dir" or w.startswith("--run.dir=") for w in words):
-        return words
-    return [*words, f"--run.dir={job_dir}"]
-
-
 def _launch_flags(args, name: str | None, **overrides) -> list[str]:
     """The ``paratrain launch`` options that repeat this launch (for --detach, for each node and for a job file);
     without ``--name`` when ``name`` is None."""
@@ -66,7 +56,13 @@ def _topology(args):
     alone."""
     slurm = slurm_from_env() if args.nnodes is None else None
     if args.nnodes is None:
-        _check_one_launcher_per_node()
+        if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:  # srun may start it on each node's tasks
+            tasks = slurm_tasks(os.environ)
+            if tasks.local_world_size > 1:
+                raise HostError(f"srun started {tasks.local_world_size} tasks on this node, each a 'paratrain launch' "
+                                f"with the same node rank: run one per node (srun --ntasks-per-node=1 paratrain "
+                                f"launch ...), or the ranks themselves (srun --ntasks-per-node="
+                                f"{tasks.local_world_size} python -m paratrain train ...)")
         if slurm is not None and slurm.nnodes > 1:
             return Topology(args.nproc_per_node or slurm.gpus_per_node or 1, slurm.nnodes, slurm.node_rank,
                             args.master_addr or slurm.master_addr, args.master_port or slurm.master_port)
@@ -81,18 +77,6 @@ def _topology(args):
     if not 0 <= (args.node_rank or 0) < nnodes:
         raise HostError(f"--node-rank {args.node_rank} is not in 0..{nnodes - 1}")
     return Topology(nproc, nnodes, args.node_rank or 0, args.master_addr, args.master_port or 29500)
-
-
-def _check_one_launcher_per_node() -> None:
-    """Refuse a launch that srun started several times on this node: each would start the node's ranks."""
-    if "SLURM_STEP_ID" not in os.environ or "SLURM_PROCID" not in os.environ:
-        return
-    tasks = slurm_tasks(os.environ)
-    if tasks.local_world_size > 1:
-        raise HostError(f"srun started {tasks.local_world_size} tasks on this node, each a 'paratrain launch' with "
-                        f"the same node rank: run one per node (srun --ntasks-per-node=1 paratrain launch ...), "
-                        f"or the ranks themselves (srun --ntasks-per-node={tasks.local_world_size} python -m "
-                        f"paratrain train ...)")
 
 
 def _check_numbers(args) -> None:
@@ -128,7 +112,9 @@ def cmd_launch(args) -> int:
                 else joblib.new_name(named_by))
     name = joblib.check_name(name)
     job_dir = joblib.jobs_home() / name
-    words = _with_run_dir(args.words, job_dir)
+    words = args.words
+    if words[:1] == ["train"] and not any(w == "--run.dir" or w.startswith("--run.dir=") for w in words):
+        words = [*words, f"--run.dir={job_dir}"]
     if args.emit is not None:
         from paratrain.launch import emit
 
@@ -201,8 +187,8 @@ def cmd_launch(args) -> int:
 
 def _argv(args, name: str) -> list[str]:
     """``paratrain launch ...`` with everything this launch was given except --detach and --dry-run."""
-    hosts = [f"--{flag}={getattr(args, flag.replace('-', '_'))}" for flag in ("hostfile", "rank-table", "include", "exclude")
-             if getattr(args, flag.replace("-", "_"))]
+    hosts = [f"--{flag.replace('_', '-')}={getattr(args, flag)}"
+             for flag in ("hostfile", "rank_table", "include", "exclude") if getattr(args, flag)]
     return ["paratrain", "launch", *_launch_flags(args, name), *hosts, "--", *args.words]
 
 

@@ -1,13 +1,8 @@
-"""``paratrain launch --emit sbatch|pytorchjob``: the job file a cluster's scheduler runs, written from a
-launch's own arguments instead of starting anything.
+"""``paratrain launch --emit sbatch|pytorchjob``: print a launch as the job file of a cluster's scheduler.
 
-- ``sbatch``: a Slurm batch script whose one task per node runs ``paratrain launch``, which reads its node's
-  place from the allocation; ``--requeue``: a requeued job resumes from the run directory's last checkpoint.
-- ``pytorchjob``: a Kubeflow PyTorchJob as JSON for ``kubectl apply -f``: a Master and ``nnodes - 1`` Workers,
-  one pod per node, each running ``paratrain train`` (one rank per pod) or ``paratrain launch``.
-
-Both ask for ``nproc_per_node`` GPUs a node, or as many CPUs (passing the setting on) when written with
-``PARATRAIN_DEVICE=cpu``.
+``sbatch``: a requeueable Slurm batch script whose one task per node runs ``paratrain launch``; ``pytorchjob``:
+a Kubeflow PyTorchJob (JSON) of one pod per node. Both ask for ``nproc_per_node`` GPUs a node, or as many CPUs
+when written with ``PARATRAIN_DEVICE=cpu``.
 """
 from __future__ import annotations
 
@@ -15,7 +10,9 @@ import json
 import os
 import re
 import shlex
+import string
 import sys
+from importlib.resources import files as resources_files
 from pathlib import Path
 
 from paratrain.launch import _check_train_config, _launch_flags, _run_dir
@@ -71,31 +68,14 @@ def sbatch_script(args, name: str, run_dir: Path, words: list[str], nnodes: int,
     """A Slurm batch script: ``nnodes`` nodes, one task each running ``paratrain launch`` for ``nproc`` ranks."""
     run_dir.mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there before the script runs
     resources = f"--gpus-per-node={nproc}" if gpus else f"--cpus-per-task={nproc}"
-    device = [] if gpus else ["export PARATRAIN_DEVICE=cpu"]
+    device = "" if gpus else "export PARATRAIN_DEVICE=cpu\n"
     launch = shlex.join([sys.executable, "-m", "paratrain", "launch"])
     flags = shlex.join([*_launch_flags(args, None, nnodes=None, nproc_per_node=nproc), "--", *words])
-    lines = [
-        "#!/bin/bash",
-        f"# paratrain job {name}: {nnodes} node(s) x {nproc} rank(s). Submit with: sbatch <this file>",
-        f"#SBATCH --job-name={name}",
-        f"#SBATCH --nodes={nnodes}",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH {resources}",
-        "#SBATCH --requeue",
-        "#SBATCH --open-mode=append",
-        f"#SBATCH --output={shlex.quote(str(run_dir / 'slurm-%j.out'))}",
-        f"#SBATCH --chdir={shlex.quote(os.getcwd())}",
-        f"# The run directory {run_dir} must be on storage every node shares (as must this Python,",
-        f"# {sys.executable}, and the files the command reads): every node's ranks write their checkpoint",
-        "# shards there, and a requeued job resumes from its last checkpoint on whichever nodes it gets.",
-        "set -eu",
-        f"export PARATRAIN_HOME={shlex.quote(str(jobs_home()))}",
-        *device,
-        "# One launcher per node: its node rank, the node count and node 0's address come from SLURM_*; its",
-        "# record and rank logs are in $PARATRAIN_HOME/slurm-<job id>, which a requeue of this job takes over.",
-        f'srun --ntasks-per-node=1 --kill-on-bad-exit=1 {launch} --name="slurm-$SLURM_JOB_ID" {flags}',
-    ]
-    return "\n".join(lines) + "\n"
+    template = string.Template(resources_files("paratrain.launch").joinpath("sbatch.template").read_text())
+    return template.substitute(name=name, nnodes=nnodes, nproc=nproc, resources=resources, python=sys.executable,
+                               output=shlex.quote(str(run_dir / "slurm-%j.out")), chdir=shlex.quote(os.getcwd()),
+                               run_dir=run_dir, home=shlex.quote(str(jobs_home())), device=device,
+                               launch=launch, flags=flags)
 
 
 def pytorchjob(args, name: str, words: list[str], nnodes: int, nproc: int, gpus: bool) -> dict:

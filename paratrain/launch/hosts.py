@@ -1,8 +1,5 @@
-"""Where a job runs: DeepSpeed hostfiles, MindSpore rank tables, Slurm allocations and Kubeflow pods.
-
-Every source becomes the same list of :class:`Host` (one per node, in node-rank order). Host names are
-checked against the host-name grammar first: ``a;rm -rf ~`` is refused here and never reaches ssh.
-"""
+"""Where a job runs: DeepSpeed hostfiles, MindSpore rank tables, Slurm allocations and Kubeflow pods, each as
+a list of :class:`Host` in node-rank order. Host names are checked first: ``a;rm -rf ~`` never reaches ssh."""
 from __future__ import annotations
 
 import ipaddress
@@ -114,13 +111,8 @@ def select_hosts(hosts: list[Host], include: str = "", exclude: str = "") -> lis
     result = []
     for host in hosts:
         everything = list(range(host.slots))
-        if include:
-            if host.name not in chosen:
-                continue
-            kept = chosen[host.name] or everything
-        else:
-            dropped = chosen.get(host.name, [])
-            kept = [] if host.name in chosen and dropped is None else [i for i in everything if i not in dropped]
+        picked = (chosen[host.name] or everything) if host.name in chosen else []  # None: every slot
+        kept = picked if include else [i for i in everything if i not in picked]
         if kept:
             result.append(Host(host.name, len(kept), None if kept == everything else tuple(kept)))
     if not result:
@@ -187,11 +179,7 @@ class SlurmAllocation:
     node_rank: int
     master_addr: str
     gpus_per_node: int | None
-
-    @property
-    def master_port(self) -> int:
-        """A port every node derives alike from the job id (29500 + id mod 1000)."""
-        return job_port(self.job_id)
+    master_port: int  # every node derives it alike from the job id
 
 
 def slurm_from_env(env: dict[str, str] | None = None) -> SlurmAllocation | None:
@@ -209,6 +197,7 @@ def slurm_from_env(env: dict[str, str] | None = None) -> SlurmAllocation | None:
         node_rank=int(env["SLURM_NODEID"]),
         master_addr=check_host(nodes[0], "Slurm SLURM_JOB_NODELIST"),
         gpus_per_node=int(gpus) if gpus and gpus.isdigit() else None,
+        master_port=job_port(env["SLURM_JOB_ID"]),
     )
 
 
@@ -248,7 +237,5 @@ def _read(path: str | Path) -> str:
 def _line_of(text: str, server) -> int | str:
     """Line of the first ``"server_id": "<id>"`` of this server in ``text`` ("?" if not found)."""
     value = server.get("server_id") if isinstance(server, dict) else None
-    if value is None:
-        return "?"
-    match = re.search(r'"server_id"\s*:\s*"?' + re.escape(str(value)), text)
+    match = re.search(r'"server_id"\s*:\s*"?' + re.escape(str(value)), text) if value is not None else None
     return text.count("\n", 0, match.start()) + 1 if match else "?"

@@ -1,9 +1,5 @@
-"""Job records: ``job.json`` in each job's run directory, listing and logs.
-
-The registry (``$PARATRAIN_HOME``, default ``runs``) holds one run directory per job name. A launcher
-owns its job's record and rewrites it atomically; the other nodes' launchers keep ``node{R}.json``
-beside it. A record that cannot be read is reported as unreadable and never hides the other jobs.
-"""
+"""Job records: ``job.json`` (other nodes: ``node{R}.json``) in each job's run directory under ``$PARATRAIN_HOME``,
+rewritten atomically by its launcher; listing (an unreadable record hides no other job) and logs."""
 from __future__ import annotations
 
 import json
@@ -143,34 +139,27 @@ class Job:
         if time.time() - self.heartbeat >= HEARTBEAT_S:
             self.save()
 
-    def requeued(self) -> bool:
-        """Whether this process runs in the Slurm job that made the record, requeued since (a higher
-        ``SLURM_RESTART_COUNT``): the launcher that made it is gone."""
-        return (bool(self.slurm_job_id) and os.environ.get("SLURM_JOB_ID") == self.slurm_job_id
-                and _slurm_restart_count(os.environ) > self.slurm_restart_count)
+    def lost_because(self) -> str:
+        """Why the launcher is provably gone ('' while it may live): the Slurm job was requeued since (a higher
+        ``SLURM_RESTART_COUNT``), its pid on this host is dead, or another host's has not saved the record for
+        :data:`LOST_AFTER_S`."""
+        was, now = self.slurm_restart_count, _slurm_restart_count(os.environ)
+        if self.slurm_job_id and os.environ.get("SLURM_JOB_ID") == self.slurm_job_id and now > was:
+            return f"Slurm requeued job {self.slurm_job_id} since (SLURM_RESTART_COUNT {was} -> {now})"
+        if self.host == socket.gethostname():
+            gone = not pid_alive(self.launcher_pid)
+            return f"its launcher (pid {self.launcher_pid} on this host) is gone" if gone else ""
+        age = time.time() - self.heartbeat
+        if age <= LOST_AFTER_S:
+            return ""
+        return f"its launcher on {self.host} has not saved it for {age:.0f} s (more than {LOST_AFTER_S:g} s)"
 
     def launcher_gone(self) -> bool:
-        """Whether the launcher is provably gone: the Slurm job was requeued since, its pid on this host is dead,
-        or on another host it has not saved the record for :data:`LOST_AFTER_S`."""
-        if self.requeued():
-            return True
-        if self.host == socket.gethostname():
-            return not pid_alive(self.launcher_pid)
-        return time.time() - self.heartbeat > LOST_AFTER_S
+        return bool(self.lost_because())
 
     def shown_state(self) -> str:
         """The recorded state, or ``lost`` when an active job's launcher is gone."""
         return "lost" if self.state in ACTIVE and self.launcher_gone() else self.state
-
-    def lost_because(self) -> str:
-        """Why a lost record counts as lost, for messages."""
-        if self.requeued():
-            return (f"Slurm requeued job {self.slurm_job_id} since (SLURM_RESTART_COUNT "
-                    f"{self.slurm_restart_count} -> {_slurm_restart_count(os.environ)})")
-        if self.host == socket.gethostname():
-            return f"its launcher (pid {self.launcher_pid} on this host) is gone"
-        return (f"its launcher on {self.host} has not saved it for {time.time() - self.heartbeat:.0f} s "
-                f"(more than {LOST_AFTER_S:g} s)")
 
     @property
     def is_coordinator(self) -> bool:
@@ -279,11 +268,6 @@ def tail(path: Path, lines: int = 20) -> list[str]:
         return f.read().decode(errors="replace").splitlines()[-lines:]
 
 
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
 def format_table(jobs: list[Job | Unreadable]) -> str:
     """The ``paratrain jobs`` table, then notes: what went wrong in each failed job, where stopped jobs saved,
     why a record is unreadable."""
@@ -306,10 +290,10 @@ def format_table(jobs: list[Job | Unreadable]) -> str:
         if len(job.attempts) > 1:
             notes.append(f"{job.name}: {len(job.attempts)} attempts (max_restarts {job.max_restarts}): "
                          + "; ".join(map(_attempt_text, job.attempts)))
-        loss = metrics.get("loss")
+        loss, elapsed = metrics.get("loss"), int(end - job.start_time)
         rows.append((job.name, state, str(job.world_size),
                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.start_time)),
-                     _duration(end - job.start_time), str(metrics.get("step", "")),
+                     f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}", str(metrics.get("step", "")),
                      f"{loss:.4f}" if isinstance(loss, (int, float)) else "", exit_text))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

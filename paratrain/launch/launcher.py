@@ -1,18 +1,9 @@
 """Start a job: torchrun (``torch.distributed.run`` as a library) on this node, or ssh to every node.
 
-Each rank runs ``python -u -m paratrain <words>`` (or ``python -u <script.py> <args>``); its stdout and
-stderr go to ``rank{R}.log`` and its environment to ``env{R}.log`` in the job directory. torchrun's agent
-stops the other ranks as soon as one fails and starts them all again while ``--max-restarts`` allows (each
-attempt is listed in ``job.json``, earlier attempts' logs kept as ``rank{R}.attempt{N}.log``); after the
-last it names the rank, its exit code, the end of its log and, after a collective timeout, the rank that
-stopped making progress. Nodes that may restart meet through a c10d rendezvous on node 0; without
-restarts, through a static one.
-
-The agent runs in a thread so that this process keeps its signals: SIGTERM, SIGINT, SIGHUP or a
-``stop.json`` request is forwarded to the ranks as SIGTERM (SIGKILL with ``stop --now``), and what is left
-after the grace period is killed. Ranks exiting with :data:`paratrain.progress.EXIT_STOPPED` make the job
-"stopped, saved at step N"; neither that nor a stop ever restarts it. A multi-node launch still waiting for
-other nodes says who is missing every 30 s and gives up after ``--join-timeout`` seconds.
+Each rank's output goes to ``rank{R}.log``, its environment to ``env{R}.log``. torchrun's agent runs in a thread,
+so that this process keeps its signals: SIGTERM, SIGINT, SIGHUP or a ``stop.json`` reach the ranks as SIGTERM
+(SIGKILL with ``--now``, or after the grace period). A failed job restarts while ``--max-restarts`` allows, a
+stopped one (:data:`paratrain.progress.EXIT_STOPPED`: saved) never does.
 """
 from __future__ import annotations
 
@@ -174,13 +165,6 @@ class _StopSignals:
         return asked
 
 
-class _ChildThreadWarning(logging.Filter):
-    """Drops torchrun's warning that it cannot install signal handlers in a thread: the launcher handles them."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "running on a child thread" not in record.getMessage()
-
-
 class _NodeAgent(LocalElasticAgent):
     """torchrun's agent of this node, telling ``watcher`` each start of the ranks and how each restarted attempt
     ended. A failed attempt is not restarted once the job is stopping, nor when a rank exited with
@@ -301,12 +285,9 @@ def _watch(job: Job, topo: Topology, agent: _Agent, signals: _StopSignals, progr
 
 
 def run_node(job: Job, topo: Topology, command: list[str], console: bool, join_timeout_s: float) -> int:
-    """Run ``command`` on this node's ranks under torchrun until they end, restarting them up to
-    ``job.max_restarts`` times after a failure; record the outcome in ``job``.
-
-    Returns 0, :data:`~paratrain.progress.EXIT_STOPPED` when every rank stopped after saving, 128 + signal
-    when stopped otherwise, 1 when a rank failed (in the last attempt) or nodes did not join.
-    """
+    """Run ``command`` on this node's ranks under torchrun (restarted up to ``job.max_restarts`` times), record
+    the outcome in ``job``; returns 0, :data:`~paratrain.progress.EXIT_STOPPED` (every rank stopped after saving),
+    128 + signal (stopped otherwise) or 1 (a rank of the last attempt failed, or nodes did not join)."""
     config, cmd, cmd_args = _torchrun_config(torchrun_args(topo, job.name, command, join_timeout_s, job.max_restarts))
     config.logs_specs = RankLogs(Path(job.dir), console)
     config.log_line_prefix_template = "[rank${rank}]: "
@@ -322,7 +303,9 @@ def run_node(job: Job, topo: Topology, command: list[str], console: bool, join_t
     job.state = "starting"
     job.save()
     agent = _Agent(config, cmd, cmd_args)
-    quiet = _ChildThreadWarning()
+    def quiet(record: logging.LogRecord) -> bool:  # torchrun cannot handle signals in a thread: this process does
+        return "running on a child thread" not in record.getMessage()
+
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
     try:
         with _StopSignals() as signals:
@@ -332,7 +315,9 @@ def run_node(job: Job, topo: Topology, command: list[str], console: bool, join_t
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(quiet)
     state, code, codes, failing_rank, message = _outcome(job, topo, agent, seen, join_timeout_s)
     stopped_saved = state == "stopped" and code == progress.EXIT_STOPPED
-    saved = _saved_step(progress_dir, agent.ranks or my_ranks) if stopped_saved else None
+    records = progress.read(progress_dir)
+    steps = [records[r].saved_step if r in records else None for r in agent.ranks or my_ranks]
+    saved = min(steps) if stopped_saved and None not in steps else None  # the step every rank saved
     job.attempts = [dict(attempt) for attempt in agent.attempts]
     job.finish(state, code, codes, failing_rank=failing_rank, failure=message if state == "failed" else "",
                saved_step=saved)
@@ -386,13 +371,6 @@ def _outcome(job: Job, topo: Topology, agent: _Agent, seen: _Watched, join_timeo
     return "succeeded", 0, dict.fromkeys(my_ranks, 0), None, ""
 
 
-def _saved_step(progress_dir: Path, ranks: range) -> int | None:
-    """The step every one of ``ranks`` reported saving last (the lowest if they differ), None if one did not."""
-    records = progress.read(progress_dir)
-    steps = [records[r].saved_step if r in records else None for r in ranks]
-    return None if None in steps else min(steps)
-
-
 def node_command(host: Host, argv: list[str], cwd: str, env: dict[str, str]) -> list[str]:
     """The ssh command that starts one node's launcher; every word is shell-quoted for the remote shell."""
     exports = {**env, **({"CUDA_VISIBLE_DEVICES": ",".join(map(str, host.devices))} if host.devices else {})}
@@ -409,11 +387,8 @@ def forwarded_env(home: Path) -> dict[str, str]:
 
 
 def run_hosts(job: Job, commands: list[list[str]], poll_s: float = 0.5) -> int:
-    """Start every node's ssh command and wait for them; returns the exit code (as :func:`run_node`'s).
-
-    A stop (``stop.json``, or a signal to this process) and a failed node are passed on to every node through
-    ``stop.json`` in the shared run directory: ending an ssh client does not end what it started remotely.
-    """
+    """Start every node's ssh command and wait for them; returns the exit code (as :func:`run_node`'s). A stop or
+    a failed node reaches every node through ``stop.json``: ending an ssh client does not end what it started."""
     procs = [subprocess.Popen(cmd, stdin=subprocess.DEVNULL) for cmd in commands]
     job.state = "running"
     job.save()

@@ -1,16 +1,9 @@
-"""``paratrain msrun``: MindSpore 2.x's ``msrun`` command line, its flags as they are, run as ``paratrain launch``.
-
-    paratrain msrun --worker_num=8 --local_worker_num=4 --master_addr=10.0.0.1 --master_port=8118 \\
-        --node_rank=0 --log_dir=msrun_log --join=True train.py --epochs 2
-
-is ``paratrain launch --nproc-per-node=4 --nnodes=2 --node-rank=0 --master-addr=10.0.0.1 --master-port=8118
---join-timeout=600 -- train.py --epochs 2`` whose job directory (``job.json``, ``rank{R}.log``) is ``msrun_log``.
-msrun's other flags have no counterpart here and are refused, each with the reason.
+"""``paratrain msrun``: MindSpore 2.x's ``msrun`` flags as they are, run as ``paratrain launch`` (``--log_dir``:
+the job directory); msrun's flags with no counterpart here are refused, each with the reason.
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import shlex
 import sys
@@ -33,14 +26,11 @@ UNMAPPED = {
 
 
 def _flag(value: str) -> bool:
-    """msrun's True/False (it reads them with ``ast.literal_eval``)."""
-    try:
-        parsed = ast.literal_eval(value.capitalize())
-    except (ValueError, SyntaxError):
-        parsed = None
-    if not isinstance(parsed, bool):
+    """msrun's True/False, any capitalisation (it reads the capitalised word with ``ast.literal_eval``)."""
+    word = value.strip().capitalize()
+    if word not in ("True", "False"):
         raise argparse.ArgumentTypeError(f"expected True or False, got {value!r}")
-    return parsed
+    return word == "True"
 
 
 def launch_argv(args) -> list[str]:
@@ -106,12 +96,9 @@ def register(sub, launch_parser: argparse.ArgumentParser) -> None:
                         "the background (paratrain launch --detach)")
     p.add_argument("--cluster_time_out", type=int, default=600,
                    help="seconds to wait for every node to join (default 600; launch's --join-timeout)")
-    p.add_argument("--bind_core", type=_flag, help="refused unless False: no core pinning")
-    p.add_argument("--sim_level", type=int, help="refused: no simulated runs")
-    p.add_argument("--sim_rank_id", type=int, help="refused: no simulated runs")
-    p.add_argument("--rank_table_file", help="refused: use 'paratrain launch --rank-table'")
-    p.add_argument("--worker_log_name", help="refused: logs are rank{R}.log")
-    p.add_argument("--tail_worker_log", help="refused: --join=True shows local rank 0's output")
+    for name, (default, why) in UNMAPPED.items():
+        p.add_argument(f"--{name}", type=_flag if isinstance(default, bool) else type(default),
+                       help=f"refused unless {default!r}: {why}")
     p.add_argument("task_script", help="the Python script every worker runs")
     p.add_argument("task_script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(func=lambda args: cmd_msrun(args, launch_parser))

@@ -10,32 +10,19 @@ REPORT_EVERY_S = 30.0  # how often a waiting launcher says who is missing
 MARGIN_S = 15.0  # past --join-timeout, when the launcher gives up even if torchrun has not
 
 
-def _other_records(job: Job) -> tuple[dict[int, Job], Job | None]:
-    """(node rank -> active launcher record of another node, the hostfile coordinator's record if any)."""
-    records, coordinator = {}, None
+def missing_nodes(job: Job) -> str:
+    """``node 1 (host b)`` / ``nodes 1, 3``: the other nodes with no active launcher record ('' if none)."""
     main = Path(job.dir) / "job.json"
     try:
         first = Job.from_file(main) if main.exists() else None
     except JobError:
         first = None
-    if first is not None and first.is_coordinator:
-        coordinator = first
-    elif first is not None and first.state in ACTIVE:
-        records[first.node_rank] = first
-    for record in job.node_records()[0]:
-        if record.state in ACTIVE:
-            records[record.node_rank] = record
-    records.pop(job.node_rank, None)
-    return records, coordinator
-
-
-def missing_nodes(job: Job) -> str:
-    """``node 1 (host b)`` / ``nodes 1, 3`` for the other nodes with no launcher record; '' if none is missing."""
-    records, coordinator = _other_records(job)
-    missing = [rank for rank in range(job.nnodes) if rank != job.node_rank and rank not in records]
+    hosts = first.hosts if first is not None and first.is_coordinator else []  # a hostfile launch's record
+    records = [first] if first is not None and not hosts else []
+    present = {r.node_rank for r in [*records, *job.node_records()[0]] if r.state in ACTIVE}
+    missing = [rank for rank in range(job.nnodes) if rank != job.node_rank and rank not in present]
     if not missing:
         return ""
-    hosts = coordinator.hosts if coordinator is not None else []
     names = [f"{rank} ({hosts[rank]})" if rank < len(hosts) else str(rank) for rank in missing]
     return ("node " if len(names) == 1 else "nodes ") + ", ".join(names)
 

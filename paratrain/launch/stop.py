@@ -1,9 +1,6 @@
-"""Stopping a job on every node: the stop request file, and ``paratrain stop``.
-
-``paratrain stop`` writes ``stop.json`` into the job's (shared) run directory; every node's launcher
-watches for it and stops its own ranks (SIGTERM, SIGKILL after the grace period or at once with
-``--now``) and records the outcome. ``stop`` itself signals only processes recorded on its own host:
-the ranks of a launcher that is gone, and after the grace period whatever is left there.
+"""``paratrain stop``: ``stop.json`` in the job's (shared) run directory asks every node's launcher to stop its
+ranks and record it; ``stop`` itself signals only this host's processes whose launcher is gone, and after the
+grace period whatever is left here.
 """
 from __future__ import annotations
 
@@ -107,6 +104,7 @@ def _local_processes(records: list[Job], job_dir: str) -> tuple[dict[str, int], 
     """(launchers alive, ranks, ranks whose launcher is gone) of the active ``records``, as who -> pid; a
     recorded rank counts only while its pid still runs a rank of this job (a reused pid is left alone)."""
     launchers, ranks, orphans = {}, {}, {}
+    marker = f"{progress.DIR_ENV}={Path(job_dir) / PROGRESS_DIR}".encode()  # in the environment of the job's ranks
     for record in records:
         if record.state not in ACTIVE:
             continue
@@ -114,21 +112,13 @@ def _local_processes(records: list[Job], job_dir: str) -> tuple[dict[str, int], 
         if has_launcher:
             launchers[f"launcher of {_node(record)}"] = record.launcher_pid
         for rank, pid in sorted(record.pids.items(), key=lambda kv: int(kv[0])):
-            if is_rank_of(pid, job_dir):
+            with suppress(OSError):  # (Linux /proc) a pid gone or not ours
+                if marker not in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    continue
                 ranks[f"rank {rank}"] = pid
                 if not has_launcher:
                     orphans[f"rank {rank}"] = pid
     return launchers, ranks, orphans
-
-
-def is_rank_of(pid: int, job_dir: str | Path) -> bool:
-    """Whether ``pid`` is a rank launched for the job in ``job_dir``: its environment names the job's progress
-    directory (Linux /proc; False where it cannot be read)."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return f"{progress.DIR_ENV}={Path(job_dir) / PROGRESS_DIR}".encode() in environ
 
 
 def _kill(targets: dict[str, int]) -> dict[str, int]:
