@@ -10,7 +10,8 @@ from paratrain import ParallelMode, TransformerOpParallelConfig, reset_auto_para
 from paratrain.errors import UserError
 from paratrain.nn import Momentum, PipelineCell
 from paratrain.train import Model
-from test_semi_auto import MLP, Classifier, HybridParallelNet, SquaredError, data, reference_losses, scalar_data
+from test_semi_auto import (MLP, Classifier, HybridParallelNet, SquaredError, data, hybrid_reference, reference_losses,
+                            scalar_data)
 
 
 class RowCounter(nn.Module):
@@ -58,15 +59,7 @@ def _hybrid_micro2(world):
 
 @pytest.mark.slow
 def test_hybrid_net_in_two_micro_batches_gives_one_process_losses_and_weights():
-    one = HybridParallelNet(0, 1)
-    opt = torch.optim.SGD(one.parameters(), lr=0.001, momentum=0.9)
-    expected = []
-    for x, y in scalar_data():
-        loss = nn.functional.mse_loss(one(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        expected.append(loss.item())
+    expected, one = hybrid_reference()
     (losses0, rows0, w0), (losses1, rows1, w1) = run_distributed(_hybrid_micro2, 2, 2, timeout=120)
     assert rows0 == rows1 == [4] * 2 * len(scalar_data())
     assert losses0 == losses1 == pytest.approx(expected, rel=1e-5)

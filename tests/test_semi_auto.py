@@ -127,8 +127,8 @@ def hybrid(world):
     return losses.values, net.weight.detach().tolist()
 
 
-@pytest.mark.slow
-def test_hybrid_parallel_net_with_a_user_allreduce_prints_one_process_losses():
+def hybrid_reference() -> tuple[list[float], HybridParallelNet]:
+    """The losses and trained net of one process, MindSpore's Momentum as torch's SGD with momentum."""
     one = HybridParallelNet(0, 1)
     opt = torch.optim.SGD(one.parameters(), lr=0.001, momentum=0.9)
     expected = []
@@ -138,6 +138,12 @@ def test_hybrid_parallel_net_with_a_user_allreduce_prints_one_process_losses():
         opt.step()
         opt.zero_grad()
         expected.append(loss.item())
+    return expected, one
+
+
+@pytest.mark.slow
+def test_hybrid_parallel_net_with_a_user_allreduce_prints_one_process_losses():
+    expected, one = hybrid_reference()
     (losses0, w0), (losses1, w1) = run_distributed(hybrid, 2, 2, timeout=120)
     assert losses0 == losses1 == pytest.approx(expected, rel=1e-5)
     assert torch.allclose(torch.cat([torch.tensor(w0), torch.tensor(w1)], 1), one.weight.detach(), atol=1e-6)
