@@ -71,15 +71,23 @@ def _data_parallel_units(zero_stage, mixed_precision):
                              train=TrainConfig(mixed_precision=mixed_precision))
     units = [name for name, m in part.named_modules() if isinstance(m, FSDPModule)]
     policies = {str(m._get_fsdp_state()._mp_policy.param_dtype) for m in part.modules() if isinstance(m, FSDPModule)}
-    return units, policies, isinstance(part, DDP)
+    shared = {}  # one FSDP state per unit: (its modules' names, whether it stays gathered after forward)
+    for name in units:
+        group = part.get_submodule(name)._get_fsdp_state()._fsdp_param_group
+        if group is not None:
+            shared.setdefault(id(group), ([], group.post_forward_mesh_info is None))[0].append(name)
+    return units, policies, isinstance(part, DDP), sorted(shared.values())
 
 
 @pytest.mark.slow
 def test_one_fsdp_unit_per_block_and_part_and_mixed_precision_gathers_bf16():
-    (units, policies, ddp), _ = run_distributed(_data_parallel_units, 2, 3, "bf16", timeout=120)
+    (units, policies, ddp, groups), _ = run_distributed(_data_parallel_units, 2, 3, "bf16", timeout=120)
     assert units == ["", "embed", "layers.0", "layers.1", "layers.2", "norm", "head"]  # the untied parts too
     assert policies == {"torch.bfloat16"} and not ddp
-    (units, policies, ddp), _ = run_distributed(_data_parallel_units, 2, 0, "bf16", timeout=120)
+    # the embeddings gathered with the first block, the final norm and head with the last one, which stays
+    # gathered from forward into backward (it runs first there)
+    assert groups == [(["embed", "layers.0"], False), (["layers.1"], False), (["layers.2", "norm", "head"], True)]
+    (units, policies, ddp, _), _ = run_distributed(_data_parallel_units, 2, 0, "bf16", timeout=120)
     assert units == [] and ddp  # stage 0: DDP's reducer, parameters fp32 (autocast lowers the compute)
 
 
