@@ -185,13 +185,9 @@ class Placed:
     def _run(self, batch: tuple, loss_scale: torch.Tensor | float, forward=None, pipeline=None) -> dict:
         """Forward and backward of this rank's ``batch`` (``_rows``) in micro-batches through ``forward(*micro)``
         (the net's output), or a pipeline schedule's ``pipeline(batch)``; returns ``StepLoss.result()``."""
-        config = self.config
-        self._norm = StepLoss(self.layout, config.micro_batch_num, loss_scale, counted=self.summed)
-        if pipeline is not None:
-            forward_backward(batch, config, self.precision, self.device, self.phase, pipeline=pipeline)
-            return self._norm.result()
-        forward_backward(batch, config, self.precision, self.device, self.phase, module=self.parts[0],
-                         loss_of=lambda micro: self._micro_loss(forward(*micro)))
+        self._norm = StepLoss(self.layout, self.config.micro_batch_num, loss_scale, counted=self.summed)
+        forward_backward(batch, self.config, self.precision, self.device, self.phase, module=self.parts[0],
+                         loss_of=lambda micro: self._micro_loss(forward(*micro)), pipeline=pipeline)
         return self._norm.result()
 
     def parameters(self):
