@@ -33,7 +33,9 @@ the peak resident set over the timed steps: VmHWM from
 /proc/self/status after resetting it (``echo 5 > /proc/self/clear_refs``) just before the first
 timed step, or ru_maxrss (peak since the process started) where that reset is refused; the JSON
 says which. After the timed steps it also reads how much freed memory glibc's heap keeps (mallinfo2):
-resident memory that no tensor holds, which comes from a system's allocation pattern.
+resident memory that no tensor holds, which comes from a system's allocation pattern. With ``--profile``
+one more step runs under ``torch.profiler`` and each system's ``profile`` holds that step's self CPU time
+by op (rank 0): where the time goes, op by op, next to another system's.
 
 Losses are checked first: every system's per-step loss (mean over ranks; all steps, all repeats)
 is compared with ``torch_ddp``'s; one further than ``--tolerance`` (relative) is reported as a
@@ -44,7 +46,7 @@ copy bytes of the counted step (max over ranks) and the load average at the star
 each stage (time: the fastest, memory: the smallest) and paratrain zero 0 / torch DDP.
 
     python bench/peers.py [--quick] [--json PATH] [--systems a,b] [--terms equal,own] [--repeats N] [--steps N]
-                          [--mmap-threshold B]
+                          [--mmap-threshold B] [--profile]
 """
 from __future__ import annotations
 
@@ -150,6 +152,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run every rank with glibc's MALLOC_MMAP_THRESHOLD_ fixed at this many bytes: without it glibc "
                         "raises the threshold (up to 32 MB) as large blocks are freed and serves later ones from its "
                         "heap, whose free space it keeps, so peak RSS also measures each system's allocation pattern")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step per rank under torch.profiler: self CPU time by op (``profile`` per system)")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # one rank of one job (under torchrun)
     a = p.parse_args(argv)
     for key, full, quick in (("repeats", 2, 1), ("steps", 6, 3), ("warmup", 2, 1)):
@@ -220,7 +224,7 @@ def prepare(a: argparse.Namespace) -> dict:
 
     model = {k: getattr(a, k) for k in ("vocab", "hidden", "heads", "ffn", "layers", "length", "batch", "seed")}
     cfg = make_config(model)
-    steps = a.warmup + a.steps + 1
+    steps = a.warmup + a.steps + 1 + a.profile
     a.out.mkdir(parents=True, exist_ok=True)
     tag = "_".join(str(v) for v in model.values())
     init, data = a.out / f"init_{tag}.pt", a.out / f"data_{tag}_{steps}.pt"
@@ -235,7 +239,7 @@ def prepare(a: argparse.Namespace) -> dict:
     torch.save({"input_ids": ids, "labels": labels}, data)
     params = sum(v.numel() for v in torch.load(init, mmap=True).values())
     return {"model": model, "init": str(init), "data": str(data), "warmup": a.warmup, "steps": a.steps,
-            "params": params}
+            "profile": a.profile, "params": params}
 
 
 # --- one rank of one job ------------------------------------------------------------------------
@@ -565,7 +569,8 @@ def run_worker(job: dict) -> dict:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     data = torch.load(job["data"])
-    total = job["warmup"] + job["steps"] + 1
+    counted = job["warmup"] + job["steps"]
+    total = counted + 1 + job["profile"]
     pipeline = job["system"]["stage"] == "pipeline"
     rows = job["model"]["batch"] // (1 if pipeline else world)
     start = 0 if pipeline else rank * rows
@@ -576,21 +581,24 @@ def run_worker(job: dict) -> dict:
     else:
         step = {"torch": torch_system, "deepspeed": deepspeed_system, "deepspeed_pipe": deepspeed_pipe_system}[runner](job)
 
-    warmup, timed = job["warmup"], slice(job["warmup"], total - 1)
+    warmup, timed = job["warmup"], slice(job["warmup"], counted)
     counter, ops = _counter_class()(), _op_counter_class()()
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     losses, times, usage = [], [], []
     for s, (ids, labels) in enumerate(batches):
         if s == warmup:
             gc.collect()
             method = reset_peak_rss()
-        if s == total - 1:  # the counted step, after the timed ones
+        if s == counted:  # the counted step, after the timed ones
             peak, heap_free = peak_rss_kb(method), heap_free_kb()
         dist.barrier()
         begin, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         with contextlib.ExitStack() as counting:
-            if s == total - 1:
+            if s == counted:
                 counting.enter_context(counter)
                 counting.enter_context(ops)
+            if s == counted + 1:
+                counting.enter_context(profiler)
             losses.append(step(ids, labels))
         times.append(time.perf_counter() - begin)
         after = resource.getrusage(resource.RUSAGE_SELF)  # all threads of this rank, gloo's included
@@ -599,10 +607,19 @@ def run_worker(job: dict) -> dict:
     user, system, faults = (list(x) for x in zip(*usage[timed]))
     return {"rank": rank, "load": load, "losses": losses, "times": times[timed],
             "cpu_times": [u + s for u, s in zip(user, system)], "user_times": user, "sys_times": system,
-            "page_faults": faults, "warmup_times": times[:warmup], "counted_step_time": times[-1], "peak_rss_kb": peak,
+            "page_faults": faults, "warmup_times": times[:warmup], "counted_step_time": times[counted], "peak_rss_kb": peak,
             "memory_method": method, "rss_kb": _status_kb("VmRSS"), "heap_free_kb": heap_free,
             "allocator": host_memory.loaded_allocator() or "glibc",
-            "comm": count_bytes(counter.events), "ops": ops.summary()}
+            "comm": count_bytes(counter.events), "ops": ops.summary(),
+            "profile": self_cpu_by_op(profiler) if job["profile"] else None}
+
+
+def self_cpu_by_op(profiler, top: int = 40) -> dict:
+    """The profiled step's self CPU time (ms) by op, the ``top`` largest, with the total and the step's
+    operator calls."""
+    events = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    return {"total_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+            "by_op": {e.key: [round(e.self_cpu_time_total / 1e3, 2), e.count] for e in events[:top]}}
 
 
 def worker_main(job_path: Path) -> None:
@@ -719,7 +736,7 @@ def build_report(names: list[str], runs: dict[str, list], common: dict, toleranc
             "max_peak_rss_mb": max(rank["peak_rss_kb"] for ranks in good for rank in ranks) / 1024,
             "bytes_per_step": dict(comm), "total_bytes_per_step": sum(c["bytes"] for c in comm.values()),
             "load": [ranks[0]["load"] for ranks in good], "memory_method": good[0][0]["memory_method"],
-            "allocator": good[0][0]["allocator"], **op_counts(good[-1])}
+            "allocator": good[0][0]["allocator"], "profile": good[-1][0].get("profile"), **op_counts(good[-1])}
     ratios = {}
     for key, (ours, peers) in RATIOS.items():
         if ours not in systems or not systems[ours]["losses_agree"]:

@@ -25,7 +25,7 @@ TINY = ["--vocab", "97", "--hidden", "32", "--heads", "4", "--ffn", "64", "--lay
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    a = peers.parse_args(TINY + ["--out", str(tmp_path_factory.mktemp("peers"))])
+    a = peers.parse_args(TINY + ["--profile", "--out", str(tmp_path_factory.mktemp("peers"))])
     names = peers.selected(a)
     common = peers.prepare(a)
     runs = peers.run_all(a, names, common, lambda name, job: run_distributed(peers.run_worker, 2, job, timeout=40))
@@ -41,7 +41,7 @@ def test_same_losses_bytes_and_report(measured):
     ddp, ours = report["systems"]["torch_ddp"], report["systems"]["paratrain_zero0"]
     assert ours["errors"] == [] and ddp["errors"] == []
     assert ours["losses_agree"] and ours["max_loss_rel_diff"] <= tolerance
-    assert len(ours["losses"]) == common["warmup"] + common["steps"] + 1
+    assert len(ours["losses"]) == common["warmup"] + common["steps"] + 2  # the counted step, the profiled one
     param_bytes = common["params"] * 4
     # ring all-reduce over 2 ranks sends the gradient bytes once; paratrain adds a few scalars
     assert ddp["bytes_per_step"]["all_reduce"]["bytes"] == param_bytes
@@ -60,6 +60,9 @@ def test_same_losses_bytes_and_report(measured):
         assert 0 < s["copy_ops"] <= s["kernels"] <= s["ops"] and s["copy_bytes"] > 0
         assert s["ops_by_op"]["aten.mm"][0] > 0 and s["ops_by_op"]["aten.mm"][1] == 0  # compute: no copy bytes
     assert 0.5 < ours["ops"] / ddp["ops"] < 2
+    for s in (ddp, ours):  # the profiled step: self CPU time by op, matmuls among the largest
+        mm_ms, mm_calls = s["profile"]["by_op"]["aten::mm"]
+        assert 0 < mm_ms < s["profile"]["total_ms"] and mm_calls > 0
 
 
 @pytest.mark.slow

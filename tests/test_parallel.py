@@ -140,18 +140,37 @@ def test_zero1_keeps_each_parameters_optimizer_state_on_one_rank(tmp_path):
         assert (params0[name] == params1[name]).all(), name
 
 
-def test_even_split_counts_embeddings_and_head():
-    from paratrain.config import ParallelConfig
+def test_pipeline_split_balances_layer_costs():
+    """The default split leaves the slowest chunk the least work any split can, the head counted with the last layer."""
+    import itertools
+
+    import pytest
+
+    from paratrain.config import ModelConfig, ParallelConfig
     from paratrain.models import build_model
     from paratrain.modules.transformer import pipeline_blocks
     from paratrain.parallel.pipeline import chunk_rank, layer_chunks
+    from paratrain.plan.cost import chunk_of_layers, layer_costs
 
-    model = build_model(tiny_config(model={"encoder_layers": 3, "decoder_layers": 2}).model)
-    assert layer_chunks(pipeline_blocks(model), ParallelConfig(pipeline_stage=2)) == [0, 0, 0, 1, 1]  # 1+3 | 2+1 units
-    assert layer_chunks(pipeline_blocks(model), ParallelConfig(pipeline_stage=4)) == [0, 1, 1, 2, 3]  # units 2, 2, 1, 2
-    assert layer_chunks(pipeline_blocks(model), ParallelConfig(pipeline_stage=5)) == [0, 1, 2, 3, 4]  # layers only, none empty
+    cfg = tiny_config(model={"encoder_layers": 3, "decoder_layers": 2})
+    blocks = pipeline_blocks(build_model(cfg.model))
+    costs = layer_costs(cfg.model)
+    assert costs[0] < costs[3] < costs[4]  # a decoder layer adds cross-attention, the last layer the head
+    for pp in (2, 3, 4, 5):
+        owner = layer_chunks(blocks, ParallelConfig(pipeline_stage=pp), costs)
+        assert owner == sorted(owner) and set(owner) == set(range(pp))
+        slowest = max(sum(c for c, o in zip(costs, owner) if o == chunk) for chunk in range(pp))
+        assert slowest == min(max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
+                              for cuts in itertools.combinations(range(1, len(costs)), pp - 1))
+    assert layer_chunks(blocks, ParallelConfig(pipeline_stage=2)) == [0, 0, 1, 1, 1]  # equal costs: later chunks fuller
+    with pytest.raises(ValueError, match="cannot split 5 layers into 6"):
+        layer_chunks(blocks, ParallelConfig(pipeline_stage=6), costs)
+    # the head of a 512-wide GPT on a 32k vocabulary costs five layers: it shares its stage with one
+    gpt = ModelConfig(kind="gpt", vocab_size=32000, hidden_size=512, num_heads=8, ffn_hidden_size=2048,
+                      decoder_layers=6, seq_length=128)
+    assert chunk_of_layers(gpt, ParallelConfig(pipeline_stage=2)) == [0, 0, 0, 0, 0, 1]
     by_function = ParallelConfig(pipeline_stage=2, layer_stages=lambda layer_id, offset, cfg: int(offset > 0))
-    assert layer_chunks(pipeline_blocks(model), by_function) == [0, 0, 0, 1, 1]
+    assert layer_chunks(blocks, by_function, costs) == [0, 0, 0, 1, 1]
     zbv = ParallelConfig(pipeline_stage=2, virtual_pipeline_stage=2, pipeline_schedule="zbv_zero_bubble")
     assert [chunk_rank(c, zbv) for c in range(4)] == [0, 1, 1, 0]
 

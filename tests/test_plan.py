@@ -84,7 +84,8 @@ def test_layer_split_matches_pipeline_module():
             cfg = small(kind, pp=pp, virtual_pipeline_stage=v)
             with torch.device("meta"):
                 model = build_model(cfg.model)
-            assert cost.chunk_of_layers(cfg.model, cfg.parallel) == layer_chunks(pipeline_blocks(model), cfg.parallel)
+            assert cost.chunk_of_layers(cfg.model, cfg.parallel) == layer_chunks(
+                pipeline_blocks(model), cfg.parallel, cost.layer_costs(cfg.model))
 
 
 # --- real training steps: parameters, gradients and AdamW state measured by bench/parallel_cost ----

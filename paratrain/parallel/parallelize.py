@@ -24,7 +24,8 @@ from paratrain.precision import resolve_mixed_precision
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_fn=None,
-                train: TrainConfig | None = None) -> tuple[list[nn.Module], Pipeline | None]:
+                train: TrainConfig | None = None, layer_costs: list[int] | None = None
+                ) -> tuple[list[nn.Module], Pipeline | None]:
     """Split ``model`` (built identically on every rank, or on the meta device) over ``layout``'s mesh.
 
     Returns ``(model_parts, pipeline)``: this rank's model chunks -- the model itself,
@@ -32,7 +33,8 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_f
     schedule runs a step over them (calling ``loss_fn(logits, labels, **loss_kwargs)``),
     or None without pipeline parallelism. ``train`` gives ``compile`` and
     ``mixed_precision`` (FSDP then gathers parameters in the compute dtype and reduces
-    gradients in fp32).
+    gradients in fp32). ``layer_costs``: each layer's work, which the pipeline split balances
+    (``paratrain.parallel.pipeline.layer_chunks``; equal when not given).
     """
     train = train or TrainConfig()
     precision = resolve_mixed_precision(train.mixed_precision, layout.device)
@@ -53,6 +55,6 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_f
         return chunk
 
     if config.pipeline_stage > 1:
-        pipeline = Pipeline(model, config, layout, parallelize_chunk, loss_fn)
+        pipeline = Pipeline(model, config, layout, parallelize_chunk, loss_fn, layer_costs)
         return pipeline.parts, pipeline
     return [parallelize_chunk(model)], None

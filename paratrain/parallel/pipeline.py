@@ -38,23 +38,43 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": S
              "zbv_zero_bubble": ScheduleZBVZeroBubble}
 
 
-def layer_chunks(blocks: list[tuple], config: ParallelConfig) -> list[int]:
+def layer_chunks(blocks: list[tuple], config: ParallelConfig, costs: list[int] | None = None) -> list[int]:
     """The chunk (virtual stage, 0..pp*v-1) of every layer, for ``pipeline_blocks``' (name, layer_id, offset).
 
-    Default: an even split in which the embeddings and the head count as one layer
-    each; else the user's ``layer_stages`` list or function.
+    Default: the split that balances ``costs``, the work of each layer with the parts placed with it (equal when
+    not given; ``paratrain.plan.cost.layer_costs`` gives a built-in model's FLOPs, its output head's with the last
+    layer): see ``balanced_split``. Else the user's ``layer_stages`` list or function.
     """
     chunks = config.pipeline_stage * config.virtual_pipeline_stage
     if callable(config.layer_stages):
         return [config.layer_stages(layer_id, offset, config) for _, layer_id, offset in blocks]
     if config.layer_stages:
         return list(config.layer_stages)
-    for units, first in ((len(blocks) + 2, 1), (len(blocks), 0)):  # fall back to layers only if a chunk is empty
-        bounds = [round(c * units / chunks) for c in range(chunks + 1)]
-        owner = [next(c for c in range(chunks) if bounds[c] <= u + first < bounds[c + 1]) for u in range(len(blocks))]
-        if set(owner) == set(range(chunks)):
-            return owner
-    raise ValueError(f"cannot split {len(blocks)} layers into {chunks} pipeline chunks")
+    if len(blocks) < chunks:
+        raise ValueError(f"cannot split {len(blocks)} layers into {chunks} pipeline chunks")
+    return balanced_split(costs or [1] * len(blocks), chunks)
+
+
+def balanced_split(costs: list[int], chunks: int) -> list[int]:
+    """The chunk of each item of ``costs`` (integers, len >= ``chunks``): contiguous chunks, none empty, whose
+    largest total is the smallest possible (the slowest pipeline stage sets the pace); of such splits, the one
+    with the later chunks as full as that allows, since earlier stages keep more micro-batches in flight."""
+
+    def fill(limit: int) -> list[int] | None:  # from the last item back; None when ``chunks`` do not suffice
+        owner, chunk, total = [0] * len(costs), chunks - 1, None
+        for i in reversed(range(len(costs))):
+            if total is not None and (total + costs[i] > limit or i < chunk):  # i < chunk: one item a chunk left
+                chunk, total = chunk - 1, None
+            if chunk < 0:
+                return None
+            owner[i], total = chunk, (total or 0) + costs[i]
+        return owner
+
+    low, high = max(costs), sum(costs)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fill(middle) else (middle + 1, high)
+    return fill(low)
 
 
 def chunk_rank(chunk: int, config: ParallelConfig) -> int:
@@ -73,10 +93,10 @@ def part_chunks(pipeline_parts: dict[str, str], layers: list[str], owner: list[i
     return {part: chunk_of[anchors.get(where, where)] for part, where in pipeline_parts.items()}
 
 
-def unit_chunks(model: nn.Module, config: ParallelConfig) -> dict[str, int]:
-    """The chunk of every layer and part of ``model``, by module name."""
+def unit_chunks(model: nn.Module, config: ParallelConfig, costs: list[int] | None = None) -> dict[str, int]:
+    """The chunk of every layer and part of ``model``, by module name (``costs``: as ``layer_chunks``)."""
     blocks = pipeline_blocks(model)
-    owner = layer_chunks(blocks, config)
+    owner = layer_chunks(blocks, config, costs)
     layers = [name for name, _, _ in blocks]
     return dict(zip(layers, owner)) | part_chunks(model.pipeline_parts, layers, owner)
 
@@ -207,12 +227,14 @@ class Pipeline:
     micro-batches.
 
     ``parallelize_chunk(chunk, stage_module)`` applies the other dimensions to each chunk;
-    ``loss_fn(logits, labels, **loss_kwargs)`` runs on the last stage per micro-batch.
+    ``loss_fn(logits, labels, **loss_kwargs)`` runs on the last stage per micro-batch; ``layer_costs`` weigh the
+    layers in the split (``layer_chunks``).
     """
 
-    def __init__(self, model: nn.Module, config: ParallelConfig, layout: Layout, parallelize_chunk, loss_fn):
+    def __init__(self, model: nn.Module, config: ParallelConfig, layout: Layout, parallelize_chunk, loss_fn,
+                 layer_costs: list[int] | None = None):
         self.config, self.layout = config, layout
-        units = unit_chunks(model, config)
+        units = unit_chunks(model, config, layer_costs)
         num_chunks = config.pipeline_stage * config.virtual_pipeline_stage
         # a parameter several chunks use: summed gradients, counted once (in its first chunk) in the norm
         self.shared = {name: chunks for name, chunks in parameter_holders(model, units).items() if len(chunks) > 1}

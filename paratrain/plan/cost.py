@@ -7,8 +7,8 @@ building the model:
   bias and the head column-sharded, out_proj/fc2 weights row-sharded, their biases, LayerNorms and position tables
   replicated, the word table sharded only with ``vocab_emb_dp=false``); shards follow ``torch.chunk`` (rank 0 holds
   the largest). ZeRO stages 1-3 (FSDP2 ``fully_shard`` over dp) shard dim 0 of each local tensor again; stage 0
-  keeps it whole. Pipeline chunks follow ``layer_chunks``' even split (embeddings and head count as a layer each)
-  and hold the parts the model places there, including the extra word-table copies of the encoder-decoder and of a
+  keeps it whole. Pipeline chunks follow ``layer_chunks``' split, balanced by ``layer_costs`` (the head's FLOPs with the
+  last layer's), and hold the parts the model places there, including the extra word-table copies of the encoder-decoder and of a
   tied head.
 - Gradients: same placement as the parameters at rest. Optimizer: AdamW exp_avg and exp_avg_sq like the parameter
   plus a 4-byte ``step`` per tensor (fused AdamW).
@@ -142,7 +142,19 @@ def chunk_of_layers(m: ModelConfig, par: ParallelConfig) -> list[int]:
     """The chunk of every layer, as ``paratrain.parallel.pipeline`` splits them, without building the model."""
     from paratrain.parallel.pipeline import layer_chunks  # imported here: model_params needs no torch
 
-    return layer_chunks(layer_blocks(m), par)
+    return layer_chunks(layer_blocks(m), par, layer_costs(m))
+
+
+def layer_costs(m: ModelConfig) -> list[int]:
+    """Forward FLOPs of one sequence in each layer, in execution order, the output head's with the last layer's
+    (embeddings are lookups): the work the pipeline split balances (``paratrain.parallel.pipeline.layer_chunks``).
+    On a 32k vocabulary the head of a 512-wide model costs about five layers."""
+    from paratrain.metrics.flops import layer_flops  # imported here: model_params needs no torch
+
+    costs = [int(sum(layer_flops(m, d, 1, experts=is_moe(m, d, i)).values())) for d, i, _ in layer_blocks(m)]
+    if costs:  # not for a model without Transformer layers (ResNet)
+        costs[-1] += 2 * m.lengths[1] * m.hidden_size * m.vocab_size
+    return costs
 
 
 # the role in this cost model of each part the models declare in ``pipeline_parts``
