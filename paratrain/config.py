@@ -271,8 +271,9 @@ class ParallelConfig(Section):
     ``none``/``full``/``selective``, a bool, a list with one mode per layer, a function ``(layer_id, offset,
     config) -> mode`` like MindSpore's ``lambda_func``, or MindSpore's ``TransformerRecomputeConfig``.
     ``layer_stages`` places layers on pipeline stages: empty for the split that balances the layers' FLOPs (the
-    output head's counted with the last layer: ``paratrain.parallel.pipeline.layer_chunks``), a list with the stage of every layer, or a function ``(layer_id, offset, config) -> stage``; with
-    ``virtual_pipeline_stage`` v > 1 the values are virtual stages 0..pp*v-1.
+    output head's counted with the last layer: ``paratrain.parallel.pipeline.layer_chunks``), a list with the stage
+    of every layer, or a function ``(layer_id, offset, config) -> stage``; with ``virtual_pipeline_stage`` v > 1
+    the values are virtual stages 0..pp*v-1.
     """
 
     SECTION = "parallel"

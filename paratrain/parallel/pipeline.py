@@ -56,21 +56,21 @@ def layer_chunks(blocks: list[tuple], config: ParallelConfig, costs: list[int] |
 
 
 def balanced_split(costs: list[int], chunks: int) -> list[int]:
-    """The chunk of each item of ``costs`` (integers, len >= ``chunks``): contiguous chunks, none empty, whose
-    largest total is the smallest possible (the slowest pipeline stage sets the pace); of such splits, the one
-    with the later chunks as full as that allows, since earlier stages keep more micro-batches in flight."""
+    """The chunk of each item of ``costs`` (positive integers, len >= ``chunks``): contiguous chunks, none empty,
+    whose largest total is the smallest possible (the slowest pipeline stage sets the pace); of such splits, the
+    one with the later chunks as full as that allows, since earlier stages keep more micro-batches in flight."""
 
     def fill(limit: int) -> list[int] | None:  # from the last item back; None when ``chunks`` do not suffice
-        owner, chunk, total = [0] * len(costs), chunks - 1, None
+        owner, chunk, total = [0] * len(costs), chunks - 1, 0
         for i in reversed(range(len(costs))):
-            if total is not None and (total + costs[i] > limit or i < chunk):  # i < chunk: one item a chunk left
-                chunk, total = chunk - 1, None
+            if total and (total + costs[i] > limit or i < chunk):  # i < chunk: one item a chunk left
+                chunk, total = chunk - 1, 0
             if chunk < 0:
                 return None
-            owner[i], total = chunk, (total or 0) + costs[i]
+            owner[i], total = chunk, total + costs[i]
         return owner
 
-    low, high = max(costs), sum(costs)
+    low, high = max(max(costs), -(-sum(costs) // chunks)), sum(costs)
     while low < high:
         middle = (low + high) // 2
         low, high = (low, middle) if fill(middle) else (middle + 1, high)

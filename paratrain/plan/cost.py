@@ -7,9 +7,9 @@ building the model:
   bias and the head column-sharded, out_proj/fc2 weights row-sharded, their biases, LayerNorms and position tables
   replicated, the word table sharded only with ``vocab_emb_dp=false``); shards follow ``torch.chunk`` (rank 0 holds
   the largest). ZeRO stages 1-3 (FSDP2 ``fully_shard`` over dp) shard dim 0 of each local tensor again; stage 0
-  keeps it whole. Pipeline chunks follow ``layer_chunks``' split, balanced by ``layer_costs`` (the head's FLOPs with the
-  last layer's), and hold the parts the model places there, including the extra word-table copies of the encoder-decoder and of a
-  tied head.
+  keeps it whole. Pipeline chunks follow ``layer_chunks``' split, balanced by ``layer_costs`` (the head's FLOPs
+  with the last layer's), and hold the parts the model places there, including the extra word-table copies of the
+  encoder-decoder and of a tied head.
 - Gradients: same placement as the parameters at rest. Optimizer: AdamW exp_avg and exp_avg_sq like the parameter
   plus a 4-byte ``step`` per tensor (fused AdamW).
 - Transient model state (peak, on top of the above): stages 1-2 gather every parameter of the rank in forward and
