@@ -25,7 +25,7 @@ from paratrain.parallel import parallelize, shard_optimizer_state
 from paratrain.parallel.expert import moe_step_metrics
 from paratrain.parallel.deferred_init import materialize, record_init
 from paratrain.parallel.micro_batches import StepLoss, forward_backward
-from paratrain.plan.cost import layer_costs
+from paratrain.plan.cost import layer_costs, tokens_per_rank
 from paratrain.precision import LossScaler, resolve_mixed_precision
 
 __all__ = ["Trainer", "TrainingDiverged"]
@@ -56,7 +56,8 @@ class Trainer(loop.Face):
         record = record_init(lambda: build_model(cfg.model))
         self.model_parts, self.pipeline = parallelize(record.model.to(DTYPES[cfg.model.dtype]), cfg.parallel,
                                                       self.layout, loss_fn=self._loss, train=cfg.train,
-                                                      layer_costs=layer_costs(cfg.model))
+                                                      layer_costs=layer_costs(cfg.model),
+                                                      tokens_per_rank=tokens_per_rank(cfg, self.layout.dp_size))
         torch.manual_seed(cfg.run.seed)
         # offloaded parameters are made on the host (FSDP2 pins them), never whole on the device
         materialize(self.model_parts, record, self.device, torch.device("cpu") if cfg.parallel.offloads else None)

@@ -22,6 +22,9 @@ LAYOUTS = {  # name: (world size, parallel section, model section)
     "dp2_recompute_selective": (2, {"dp": 2, "recompute": "selective"}, {}),
     "dp2_zero1_micro2": (2, {"dp": 2, "zero_stage": 1, "micro_batch_num": 2}, {}),
     "gpt_dp2_zero2": (2, {"dp": 2, "zero_stage": 2}, GPT),
+    # a vocabulary larger than the tokens of all ranks: the tables stay sharded, the tokens travel (parallel/vocab.py)
+    "gpt_dp2_zero3_vocab_rows": (2, {"dp": 2, "zero_stage": 3, "micro_batch_num": 2}, {**GPT, "vocab_size": 256}),
+    "dp2_zero2_tied_vocab_rows": (2, {"dp": 2, "zero_stage": 2}, {"vocab_size": 256, "tie_embeddings": True}),
     "gpt_mp2_sp_vocab_sharded": (2, {"mp": 2, "sequence_parallel": True, "vocab_emb_dp": False}, GPT),
     "mp4": (4, {"mp": 4}, {}),
     "dp2_mp2": (4, {"dp": 2, "mp": 2}, {}),
@@ -118,6 +121,47 @@ def test_fsdp_part_units_leave_shared_parameters_to_the_root(kind, tie, want):
     assert sorted(names[id(m)] for m in part_units(model, layers)) == sorted(want)
     model.head = None  # a pipeline chunk without the head
     assert "head" not in [names[id(m)] for m in part_units(model, layers)]
+
+
+def _vocab_rows(tmp_dir, vocab_size):
+    """Where a dp2 ZeRO 3 GPT keeps its tables, and its summed loss on one batch with and without gradients."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    trainer = Trainer(tiny_config(run={"dir": tmp_dir}, parallel={"dp": 2, "zero_stage": 3},
+                                  model={**GPT, "vocab_size": vocab_size}, train={"steps": 2}))
+    trainer.train()
+    model = trainer.model
+    states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [g for state in states  # torch 2.11 holds one parameter group a unit, 2.13 a list
+              for g in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group] if g is not None]
+    fsdp_params = {id(p.sharded_param) for g in groups for p in g.fsdp_params}
+    head, word = model.head.weight, model.embed.word.embedding.weight  # sharded (DTensors) between steps
+    out = {"classes": (type(model.head).__name__, type(model.embed.word.embedding).__name__),
+           "rows": (head.to_local().shape[0], word.to_local().shape[0]),
+           "fsdp": (id(head) in fsdp_params, id(word) in fsdp_params)}
+    batch = trainer.data.batch(0)
+    inputs, labels = batch["input_ids"], batch["labels"]
+    with_grad = model(inputs, labels=labels)
+    with torch.no_grad():
+        without = model(inputs, labels=labels)
+    return {**out, "loss": (with_grad.item(), without.item())}
+
+
+@pytest.mark.slow
+def test_vocab_rows_stay_sharded_while_tokens_travel(tmp_path):
+    """dp * tokens <= vocab: each rank keeps half the table and head rows, FSDP2 never gathers them, and a loss
+    computed by moving tokens equals the one of the whole table (no gradients: evaluation); more tokens than
+    table rows: FSDP2 keeps them."""
+    sharded, fsdp = (run_distributed(_vocab_rows, 2, str(tmp_path / str(v)), v, timeout=300) for v in (256, 48))
+    for rank in sharded:
+        assert rank["classes"] == ("ShardedVocabHeadOutputHead", "ShardedVocabRowsEmbedding")
+        assert rank["rows"] == (128, 128) and rank["fsdp"] == (False, False)
+        assert rank["loss"][0] == pytest.approx(rank["loss"][1], rel=1e-5)
+    assert sharded[0]["loss"] != pytest.approx(sharded[1]["loss"], rel=1e-3)  # each rank's own rows
+    for rank in fsdp:
+        assert rank["classes"] == ("FSDPOutputHead", "Embedding") and rank["fsdp"] == (True, True)
+        assert rank["rows"] == (24, 24)
 
 
 def _zero1_state(tmp_dir):

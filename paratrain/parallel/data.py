@@ -59,6 +59,7 @@ from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.modules.transformer import pipeline_blocks
 from paratrain.parallel.expert import is_expert_param, is_expert_parallel
+from paratrain.parallel.vocab import shard_vocabulary
 
 SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble")  # schedules computing weight grads apart
 # DDP without buffer broadcasts in forward: torch 2.13 renamed broadcast_buffers (deprecated there) to
@@ -99,7 +100,8 @@ def fusion_groups(model: nn.Module) -> list[list[nn.Module]]:
 
 def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout,
                         mp_policy: MixedPrecisionPolicy | None = None, root: nn.Module | None = None,
-                        every_batch_norm: bool = True, groups: list[list[nn.Module]] | None = None) -> nn.Module:
+                        every_batch_norm: bool = True, groups: list[list[nn.Module]] | None = None,
+                        tokens_per_rank: int | None = None) -> nn.Module:
     """Shard (or replicate) ``model`` over the data-parallel ranks as ``zero_stage`` says.
 
     ``root`` (default ``model``) is the module whose forward runs the rest: a pipeline
@@ -108,7 +110,8 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
     global batch's statistics: every BatchNorm2d, or with ``every_batch_norm=False`` (a user's
     net, as MindSpore) only ``paratrain.nn.SyncBatchNorm`` layers (``sync_batch_norm``). ``groups``: the
     modules gathered and reduced together (a user's ``comm_fusion`` groups); default: the layers in
-    ``gradient_aggregation_group`` groups.
+    ``gradient_aggregation_group`` groups. ``tokens_per_rank``: the tokens of a micro-batch when every rank's have
+    the same shape, so that the word tables and heads may stay sharded (``paratrain.parallel.vocab``).
     """
     sync_batch_norm(model, layout.dp_group, layout.device, every_batch_norm)
     root = root if root is not None else model
@@ -126,8 +129,11 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
                   init_sync=False, ignored_modules=experts, **NO_BUFFER_SYNC)
         return model
     kwargs = {"mesh": layout.dp_mesh}
-    if experts:
-        kwargs["ignored_params"] = {p for m in experts for p in m.parameters()}
+    param_dtype = mp_policy.param_dtype if mp_policy is not None else None
+    ignored = {p for m in experts for p in m.parameters()} | shard_vocabulary(model, config, layout, tokens_per_rank,
+                                                                           param_dtype)
+    if ignored:
+        kwargs["ignored_params"] = ignored
     if config.shards_parameters:
         kwargs["reshard_after_forward"] = config.effective_zero_stage == 3
     if mp_policy is not None:
@@ -139,7 +145,7 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
     # after every layer (final norm, head) the last one's: each runs next to that group in forward and in
     # backward, so one all-gather and one reduce-scatter serve both
     ends = {"first": [], "last": []}
-    for unit, where in part_groups(model, part_units(model, layers)):
+    for unit, where in part_groups(model, part_units(model, layers, ignored)):
         if where in ends and groups:
             ends[where] += unit
         else:
@@ -166,11 +172,12 @@ def part_groups(model: nn.Module, parts: list[nn.Module]) -> list[tuple[list[nn.
     return [(group, where) for where, group in groups.items()]
 
 
-def part_units(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+def part_units(model: nn.Module, layers: list[nn.Module], ignored: set = frozenset()) -> list[nn.Module]:
     """The parts of ``model`` besides its layers (``pipeline_parts``: embeddings, final norms, head) that this
     chunk holds, each in an FSDP unit besides the root's unless it shares a parameter with another part or a
     layer (a tied word table stays with the root): its gradient is then reduced and freed with its unit's
-    (the head's after the last layer group's backward), not at the end with the root's."""
+    (the head's after the last layer group's backward), not at the end with the root's. A part whose parameters
+    FSDP2 leaves alone (``ignored``) is none."""
     parts = []
     for name in getattr(model, "pipeline_parts", {}):
         try:
@@ -179,7 +186,7 @@ def part_units(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
             continue
     holders = Counter(id(p) for module in [*layers, *parts] for p in module.parameters())
     return [part for part in parts
-            if any(True for _ in part.parameters()) and all(holders[id(p)] == 1 for p in part.parameters())]
+            if any(p not in ignored for p in part.parameters()) and all(holders[id(p)] == 1 for p in part.parameters())]
 
 
 def owners(sizes: list[int], ranks: int) -> list[int]:

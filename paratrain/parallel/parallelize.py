@@ -24,8 +24,8 @@ from paratrain.precision import resolve_mixed_precision
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_fn=None,
-                train: TrainConfig | None = None, layer_costs: list[int] | None = None
-                ) -> tuple[list[nn.Module], Pipeline | None]:
+                train: TrainConfig | None = None, layer_costs: list[int] | None = None,
+                tokens_per_rank: int | None = None) -> tuple[list[nn.Module], Pipeline | None]:
     """Split ``model`` (built identically on every rank, or on the meta device) over ``layout``'s mesh.
 
     Returns ``(model_parts, pipeline)``: this rank's model chunks -- the model itself,
@@ -34,7 +34,8 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_f
     or None without pipeline parallelism. ``train`` gives ``compile`` and
     ``mixed_precision`` (FSDP then gathers parameters in the compute dtype and reduces
     gradients in fp32). ``layer_costs``: each layer's work, which the pipeline split balances
-    (``paratrain.parallel.pipeline.layer_chunks``; equal when not given).
+    (``paratrain.parallel.pipeline.layer_chunks``; equal when not given). ``tokens_per_rank``: the tokens of a
+    micro-batch when every data-parallel rank's have the same shape (``paratrain.parallel.vocab``).
     """
     train = train or TrainConfig()
     precision = resolve_mixed_precision(train.mixed_precision, layout.device)
@@ -51,7 +52,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_f
             policy = None
             if precision != "none":
                 policy = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
-            apply_data_parallel(chunk, config, layout, policy, root=root)
+            apply_data_parallel(chunk, config, layout, policy, root=root, tokens_per_rank=tokens_per_rank)
         return chunk
 
     if config.pipeline_stage > 1:

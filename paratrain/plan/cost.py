@@ -157,6 +157,15 @@ def layer_costs(m: ModelConfig) -> list[int]:
     return costs
 
 
+def tokens_per_rank(cfg: Config, data_parallel: int) -> int | None:
+    """The most tokens of a rank's micro-batch on either side (rows x the longer sequence length), for a model whose
+    head computes the loss from labels; None for others (``paratrain.parallel.vocab``)."""
+    if not cfg.model.spec.loss_in_head:
+        return None
+    rows = -(-cfg.train.global_batch_size // (data_parallel * cfg.parallel.micro_batch_num))
+    return rows * max(cfg.model.lengths)
+
+
 # the role in this cost model of each part the models declare in ``pipeline_parts``
 PART_ROLES = {"embed": "input_embed", "src_embed": "input_embed", "tgt_embed": "target_embed",
               "transformer.encoder.norm": "encoder_norm", "norm": "head", "transformer.decoder.norm": "head",

@@ -36,7 +36,7 @@ def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
     from paratrain.models import build_model
     from paratrain.parallel import parallelize
     from paratrain.parallel.data import parameter_owners
-    from paratrain.plan.cost import layer_costs
+    from paratrain.plan.cost import layer_costs, tokens_per_rank
 
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     if dist.is_initialized():
@@ -48,7 +48,7 @@ def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
             model = build_model(cfg.model)
         model = model.to(DTYPES[cfg.model.dtype])
         parts, _ = parallelize(model, cfg.parallel, layout, loss_fn=lambda *a, **k: None,
-                               layer_costs=layer_costs(cfg.model))
+                               layer_costs=layer_costs(cfg.model), tokens_per_rank=tokens_per_rank(cfg, layout.dp_size))
         params = list({id(p): p for part in parts for p in part.parameters()}.values())
         nbytes = sum(_local_bytes(p) for p in params)
         owner = parameter_owners(params, layout.config, layout)

@@ -1,0 +1,125 @@
+"""The vocabulary over the data-parallel ranks at ZeRO 2 and 3: the tokens travel, the word table and the head do not.
+
+FSDP2 all-gathers each unit's parameters before use and reduce-scatters their gradients: for a (V, H) word
+table or output head that is V*H*(dp-1)/dp elements each way a step (and the gather again in backward at
+stage 3), while the tokens that use it are only dp*N rows of H (N: the tokens of a rank's micro-batch). When
+dp*N <= V each rank keeps its V/dp rows of the table -- the DTensor ``Shard(0)`` FSDP2 would keep -- and:
+
+- the embedding all-gathers the ids (dp*N), looks up the ones among its rows (zero elsewhere) and
+  reduce-scatters the (dp*N, H) result: each rank gets its own tokens' embeddings. Backward all-gathers
+  their gradient and adds it into this rank's rows.
+- the head with labels all-gathers the hidden states and labels, computes the logits of its V/dp rows for
+  all dp*N tokens, and combines each row's softmax statistics over the ranks
+  (``paratrain.modules.linear_cross_entropy``); the hidden states' gradient is reduce-scattered.
+
+No parameter is gathered and no parameter gradient reduced: each rank's rows already saw every rank's tokens.
+It needs every data-parallel rank's micro-batches to have the same shape, as the built-in models' batches
+have (the global batch is padded as one): ``parallelize`` applies it when given ``tokens_per_rank``.
+Without gradients (evaluation, decoding) the table is gathered whole, as FSDP2 would.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from paratrain.config import ParallelConfig
+from paratrain.mesh import Layout
+from paratrain.modules.linear_cross_entropy import OutputHead, gather_rows, linear_token_loss_sum
+from paratrain.modules.transformer import VocabEmbedding
+
+
+def keeps_vocab_sharded(config: ParallelConfig, layout: Layout, tokens_per_rank: int | None, vocab: int) -> bool:
+    """Whether the tables of a ``vocab``-row vocabulary stay sharded and the tokens travel: ZeRO 2 or 3 over dp > 1
+    ranks without tensor or pipeline parallelism or offload, equal-shaped micro-batches of ``tokens_per_rank``
+    tokens, and fewer tokens on all ranks together than table rows."""
+    return (config.shards_parameters and not config.offloads and layout.dp_size > 1 and config.model_parallel == 1
+            and config.pipeline_stage == 1 and tokens_per_rank is not None
+            and layout.dp_size * tokens_per_rank <= vocab)
+
+
+def shard_vocabulary(model: nn.Module, config: ParallelConfig, layout: Layout, tokens_per_rank: int | None,
+                     param_dtype: torch.dtype | None = None) -> set[nn.Parameter]:
+    """Row-shard ``model``'s word tables (``VocabEmbedding``) and heads (``OutputHead``) over the data-parallel
+    ranks when ``keeps_vocab_sharded``, and make them look up and compute the loss by moving tokens; returns
+    their parameters, for FSDP2 to leave alone (none when it does not apply). ``param_dtype``: the dtype FSDP2
+    would gather them in (mixed precision), which the lookups use."""
+    tables = [m.embedding for m in model.modules() if isinstance(m, VocabEmbedding)]
+    heads = [m for m in model.modules() if isinstance(m, OutputHead)]
+    modules = tables + heads
+    if not modules or not keeps_vocab_sharded(config, layout, tokens_per_rank, modules[0].weight.shape[0]):
+        return set()
+    sharded: dict[int, nn.Parameter] = {}  # a tied table and head share one
+    for module in modules:
+        weight = module.weight
+        if id(weight) not in sharded:
+            sharded[id(weight)] = nn.Parameter(distribute_tensor(weight.detach(), layout.dp_mesh, [Shard(0)],
+                                                                 src_data_rank=None))
+        module.weight = sharded[id(weight)]
+        mixin = ShardedVocabRows if isinstance(module, nn.Embedding) else ShardedVocabHead
+        module.__class__ = type(f"{mixin.__name__}{type(module).__name__}", (mixin, type(module)), {})
+        module.vocab_group, module.param_dtype = layout.dp_group, param_dtype
+    return set(sharded.values())
+
+
+def _vocab_start(weight) -> int:
+    """The first vocabulary row of this rank's shard (``Shard(0)`` chunks: ceil(V / dp) rows each)."""
+    ranks = weight.device_mesh.size()
+    return -(-weight.shape[0] // ranks) * weight.device_mesh.get_local_rank()
+
+
+class ShardedVocabRows:
+    """An ``nn.Embedding`` whose (V, H) table is row-sharded over the data-parallel ranks: ids (...) -> (..., H),
+    each rank's own tokens, looked up where the rows are (see the module docstring)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        dtype = self.param_dtype or self.weight.dtype
+        if not torch.is_grad_enabled():
+            return F.embedding(ids, self.weight.full_tensor()).to(dtype)
+        return _TokenLookup.apply(ids, self.weight.to_local(), self.vocab_group, _vocab_start(self.weight), dtype)
+
+
+class ShardedVocabHead:
+    """An ``OutputHead`` whose (V, H) weight is row-sharded over the data-parallel ranks: hidden (..., H) and
+    labels (...) -> this rank's summed token loss, the logits of each rank's vocabulary rows computed for every
+    rank's tokens; without labels -> logits (..., V), only without gradients (the weight gathered whole)."""
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            weight = self.weight.full_tensor()
+            return hidden @ weight.T if labels is None else linear_token_loss_sum(hidden, weight, labels,
+                                                                                  self.ignore_index)
+        if labels is None:
+            raise RuntimeError("a head sharded over the data-parallel ranks computes logits only without gradients: "
+                               "train it with labels (its loss)")
+        return linear_token_loss_sum(hidden, self.weight.to_local(), labels, self.ignore_index, self.vocab_group,
+                                     _vocab_start(self.weight))
+
+
+class _TokenLookup(torch.autograd.Function):
+    """ids (...) and this rank's rows (V/dp, H) of a row-sharded table -> this rank's embeddings (..., H) in
+    ``dtype``; the table's gradient in its own dtype."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, group, vocab_start: int, dtype: torch.dtype):
+        ranks = dist.get_world_size(group)
+        local = gather_rows(ids.reshape(-1), group) - vocab_start
+        mine = (local >= 0) & (local < weight.shape[0])
+        local = local.clamp(0, weight.shape[0] - 1)
+        rows = F.embedding(local, weight).to(dtype) * mine[:, None]  # (dp * N, H): zero where another rank's row
+        own = rows.new_empty(rows.shape[0] // ranks, rows.shape[1])
+        dist.reduce_scatter_tensor(own, rows, group=group)
+        ctx.save_for_backward(local, mine)
+        ctx.group, ctx.table_shape, ctx.table_dtype = group, weight.shape, weight.dtype
+        return own.view(*ids.shape, -1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        local, mine = ctx.saved_tensors
+        grad_rows = gather_rows(grad_out.reshape(-1, grad_out.shape[-1]), ctx.group).float() * mine[:, None]
+        grad_weight = grad_rows.new_zeros(ctx.table_shape).index_add_(0, local, grad_rows)
+        # each rank's loss counts the data-parallel average (StepLoss): FSDP2 divides by the ranks, so here too
+        return None, grad_weight.div_(dist.get_world_size(ctx.group)).to(ctx.table_dtype), None, None, None
