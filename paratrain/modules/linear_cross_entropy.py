@@ -18,7 +18,6 @@ come, through PyTorch's ``loss_parallel`` (``paratrain.parallel.loss.loss_contex
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -46,17 +45,17 @@ def _chunks(tensor: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index: int, group=None, vocab_start: int = 0):
+    def forward(ctx, hidden, weight, labels, ignore_index: int, rows_of_ranks=None):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-        ranks = 1 if group is None else dist.get_world_size(group)
+        sharded = rows_of_ranks is not None  # the rows of every rank against this rank's vocabulary rows
         with torch.autocast(device, enabled=False):
             x, w = hidden.to(dtype), weight.to(dtype)
-            if ranks > 1:  # the rows of every rank against this rank's vocabulary rows
-                x, labels = gather_rows(x, group), gather_rows(labels, group)
+            if sharded:
+                x, labels = rows_of_ranks.gather(x), rows_of_ranks.gather(labels)
             grad_hidden = torch.empty_like(x)
-            row_loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
             grad_weight = None  # fp32, made by the first chunk's matmul, the others' added to it
+            loss = None
             column = labels[:, None]
             keep = column != ignore_index  # (N, 1): True for a target, False for a pad
             # a pad row's softmax would enter both gradients: its hidden state is zeroed for the weight's,
@@ -64,20 +63,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # any class serves as a pad row's target in the softmax's gradient
             kept = x * keep
             vocab = weight.shape[0]
-            local = column - vocab_start
-            mine = ((local >= 0) & (local < vocab)).float()  # the target is one of this rank's rows
-            targets = local.clamp(0, vocab - 1)
-            rows = chunk_rows(vocab, device)
-            for part, target, part_mine, part_kept, out, out_loss in zip(*(
-                    _chunks(t, rows) for t in (x, targets, mine, kept, grad_hidden, row_loss))):
+            local = column - rows_of_ranks.vocab_start if sharded else column
+            targets = local if not sharded and 0 <= ignore_index < vocab else local.clamp(0, vocab - 1)
+            mine = (targets == local).float() if sharded else targets  # sharded: the target is one of its rows
+            row_loss = torch.empty_like(mine) if sharded else targets
+            for part, label, target, part_mine, part_kept, out, out_loss in zip(*(
+                    _chunks(t, chunk_rows(vocab, device))
+                    for t in (x, labels, targets, mine, kept, grad_hidden, row_loss))):
                 logits = (part @ w.T).float()
                 lse = torch.logsumexp(logits, 1, keepdim=True)
-                target_logit = logits.gather(1, target) * part_mine
-                if ranks > 1:  # the softmax over the whole vocabulary, from each rank's row statistics
-                    lse, target_logit = _whole_vocabulary(lse, target_logit, group)
-                torch.sub(lse, target_logit, out=out_loss[:, None])
-                grad = logits.sub_(lse).exp_()  # the softmax, in place
-                grad.scatter_add_(1, target, -part_mine)  # minus the one-hot targets
+                if sharded:  # the softmax over the whole vocabulary; each row's loss, kept for its rank
+                    lse, target_logit = rows_of_ranks.whole_vocabulary(lse, logits.gather(1, target) * part_mine)
+                    torch.sub(lse, target_logit, out=out_loss)
+                logits.sub_(lse)  # the log-softmax, in place
+                if not sharded:
+                    part_loss = F.nll_loss(logits, label, ignore_index=ignore_index, reduction="sum")
+                    loss = part_loss if loss is None else loss.add_(part_loss)
+                grad = logits.exp_()  # the softmax, in place
+                if sharded:  # minus the one-hot targets
+                    grad.scatter_add_(1, target, -part_mine)
+                else:
+                    grad.scatter_(1, target, -1.0, reduce="add")
                 low = grad.to(dtype)
                 torch.mm(low, w, out=out)
                 if dtype == torch.bfloat16:  # a bf16 matmul (fp32 range), the chunks summed in fp32
@@ -88,15 +94,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 else:
                     grad_weight.addmm_(grad.T, part_kept.float())
             grad_hidden.mul_(keep)
-            row_loss.mul_(keep.squeeze(1))
-            if ranks > 1:  # this rank's rows: their loss, and their hidden gradient summed over the vocabulary
-                row_loss = row_loss.view(ranks, -1)[dist.get_rank(group)]
-                own = grad_hidden.new_empty(grad_hidden.shape[0] // ranks, grad_hidden.shape[1])
-                dist.reduce_scatter_tensor(own, grad_hidden, group=group)
-                grad_hidden = own
+            if sharded:  # this rank's rows: their loss, and their hidden gradient summed over the vocabulary
+                loss = rows_of_ranks.own(row_loss.mul_(keep)).sum()
+                grad_hidden = rows_of_ranks.summed_own(grad_hidden)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.dtypes, ctx.ranks = (hidden.dtype, weight.dtype), ranks
-        return row_loss.sum()
+        ctx.dtypes, ctx.ranks = (hidden.dtype, weight.dtype), rows_of_ranks.ranks if sharded else 1
+        return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -105,35 +108,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden_dtype, weight_dtype = ctx.dtypes
         # vocab-sharded: the weight's gradient came from every rank's rows, each rank's loss having the same
         # gradient, which counts the data-parallel average (paratrain.parallel.micro_batches.StepLoss)
-        return (grad_hidden.to(hidden_dtype) * grad_loss, grad_weight.mul_(grad_loss / ctx.ranks).to(weight_dtype),
-                None, None, None, None)
-
-
-def gather_rows(tensor: torch.Tensor, group) -> torch.Tensor:
-    """``tensor`` (N, ...) of every rank of ``group``, in rank order: (ranks * N, ...)."""
-    out = tensor.new_empty(dist.get_world_size(group) * tensor.shape[0], *tensor.shape[1:])
-    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
-    return out
-
-
-def _whole_vocabulary(lse: torch.Tensor, target_logit: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's log-sum-exp over the whole vocabulary and its target's logit, from those of each rank's vocabulary
-    rows (``target_logit``: zero on the ranks without the target): (N, 1) each."""
-    stats = gather_rows(torch.cat([lse, target_logit], 1)[None], group)  # (ranks, N, 2)
-    return torch.logsumexp(stats[..., :1], 0), stats[..., 1:].sum(0)
+        scale = grad_loss if ctx.ranks == 1 else grad_loss / ctx.ranks
+        return grad_hidden.to(hidden_dtype) * grad_loss, grad_weight.mul_(scale).to(weight_dtype), None, None, None
 
 
 def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          ignore_index: int, group=None, vocab_start: int = 0) -> torch.Tensor:
+                          ignore_index: int, rows_of_ranks=None) -> torch.Tensor:
     """Summed cross-entropy of the head ``hidden @ weight.T`` over the targets that are not ``ignore_index``:
     hidden (..., H), weight (V, H), labels (...) -> scalar; equal to ``token_loss_sum(head(hidden), labels)``.
     Backward may run once (the saved gradients are scaled in place).
 
-    With ``group``, ``weight`` is this rank's rows ``vocab_start:`` of a table row-sharded over the ranks of
-    ``group``, which all call it with hidden states of the same shape (``paratrain.parallel.vocab``): each rank's
-    loss is returned to it, and the weight's gradient holds every rank's rows over ``group``'s size."""
-    return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), ignore_index, group,
-                                     vocab_start)
+    With ``rows_of_ranks`` (``paratrain.parallel.vocab.RowsOfRanks``: its collectives), ``weight`` is this rank's
+    rows of a table row-sharded over ranks that all call it with hidden states of the same shape: each rank's
+    loss is returned to it, and the weight's gradient holds every rank's rows over their number."""
+    return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), ignore_index, rows_of_ranks)
 
 
 class OutputHead(torch.nn.Linear):

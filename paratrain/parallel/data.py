@@ -38,7 +38,9 @@ and reduced together (communication buckets); by default (0) each layer is its o
 layer's parameters are gathered at a time, and DDP uses its own 25 MB buckets. Under FSDP2 the
 embeddings join the first layer group's unit and the final norm with the head the last one's (``part_units``,
 ``part_groups``): one all-gather and one reduce-scatter for each pair; at stage 3 the last unit is not
-resharded after forward, since backward needs it first.
+resharded after forward, since backward needs it first. At stages 2 and 3 a word table and head whose rows
+outnumber the tokens of all ranks' micro-batches are not FSDP2's: they stay row-sharded and the tokens travel
+to them instead (``paratrain.parallel.vocab``).
 """
 from __future__ import annotations
 

@@ -27,8 +27,12 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
-from paratrain.modules.linear_cross_entropy import OutputHead, gather_rows, linear_token_loss_sum
+from paratrain.modules.linear_cross_entropy import OutputHead, linear_token_loss_sum
 from paratrain.modules.transformer import VocabEmbedding
+
+# torch 2.13 renamed these two (its old names warn)
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def keeps_vocab_sharded(config: ParallelConfig, layout: Layout, tokens_per_rank: int | None, vocab: int) -> bool:
@@ -60,14 +64,41 @@ def shard_vocabulary(model: nn.Module, config: ParallelConfig, layout: Layout, t
         module.weight = sharded[id(weight)]
         mixin = ShardedVocabRows if isinstance(module, nn.Embedding) else ShardedVocabHead
         module.__class__ = type(f"{mixin.__name__}{type(module).__name__}", (mixin, type(module)), {})
-        module.vocab_group, module.param_dtype = layout.dp_group, param_dtype
+        module.param_dtype = param_dtype
     return set(sharded.values())
 
 
-def _vocab_start(weight) -> int:
-    """The first vocabulary row of this rank's shard (``Shard(0)`` chunks: ceil(V / dp) rows each)."""
-    ranks = weight.device_mesh.size()
-    return -(-weight.shape[0] // ranks) * weight.device_mesh.get_local_rank()
+class RowsOfRanks:
+    """The collectives of a table row-sharded over a group's ranks (``weight``: a ``Shard(0)`` DTensor on a 1-D
+    mesh), for the fused head (``linear_token_loss_sum``) and the lookup: rows (N, ...) of every rank gathered,
+    softmax statistics combined, and each rank's own rows kept."""
+
+    def __init__(self, weight):
+        mesh = weight.device_mesh
+        self.group, self.ranks, self.rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+        self.vocab_start = -(-weight.shape[0] // self.ranks) * self.rank  # Shard(0) chunks: ceil(V / ranks) rows
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (N, ...) of every rank, in rank order: (ranks * N, ...)."""
+        out = tensor.new_empty(self.ranks * tensor.shape[0], *tensor.shape[1:])
+        ALL_GATHER(out, tensor.contiguous(), group=self.group)
+        return out
+
+    def whole_vocabulary(self, lse: torch.Tensor, target_logit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's log-sum-exp over the whole vocabulary and its target's logit (N, 1), from those over each
+        rank's rows (``target_logit``: zero on the ranks without the target)."""
+        stats = self.gather(torch.cat([lse, target_logit], 1)[None])  # (ranks, N, 2)
+        return torch.logsumexp(stats[..., :1], 0), stats[..., 1:].sum(0)
+
+    def own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``tensor`` (ranks * N, ...) -> (N, ...)."""
+        return tensor.view(self.ranks, -1, *tensor.shape[1:])[self.rank]
+
+    def summed_own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``tensor`` (ranks * N, ...) summed over the ranks -> (N, ...)."""
+        out = tensor.new_empty(tensor.shape[0] // self.ranks, *tensor.shape[1:])
+        REDUCE_SCATTER(out, tensor.contiguous(), group=self.group)
+        return out
 
 
 class ShardedVocabRows:
@@ -78,7 +109,7 @@ class ShardedVocabRows:
         dtype = self.param_dtype or self.weight.dtype
         if not torch.is_grad_enabled():
             return F.embedding(ids, self.weight.full_tensor()).to(dtype)
-        return _TokenLookup.apply(ids, self.weight.to_local(), self.vocab_group, _vocab_start(self.weight), dtype)
+        return _TokenLookup.apply(ids, self.weight.to_local(), RowsOfRanks(self.weight), dtype)
 
 
 class ShardedVocabHead:
@@ -94,8 +125,8 @@ class ShardedVocabHead:
         if labels is None:
             raise RuntimeError("a head sharded over the data-parallel ranks computes logits only without gradients: "
                                "train it with labels (its loss)")
-        return linear_token_loss_sum(hidden, self.weight.to_local(), labels, self.ignore_index, self.vocab_group,
-                                     _vocab_start(self.weight))
+        return linear_token_loss_sum(hidden, self.weight.to_local(), labels, self.ignore_index,
+                                     RowsOfRanks(self.weight))
 
 
 class _TokenLookup(torch.autograd.Function):
@@ -103,23 +134,21 @@ class _TokenLookup(torch.autograd.Function):
     ``dtype``; the table's gradient in its own dtype."""
 
     @staticmethod
-    def forward(ctx, ids, weight, group, vocab_start: int, dtype: torch.dtype):
-        ranks = dist.get_world_size(group)
-        local = gather_rows(ids.reshape(-1), group) - vocab_start
-        mine = (local >= 0) & (local < weight.shape[0])
-        local = local.clamp(0, weight.shape[0] - 1)
-        rows = F.embedding(local, weight).to(dtype) * mine[:, None]  # (dp * N, H): zero where another rank's row
-        own = rows.new_empty(rows.shape[0] // ranks, rows.shape[1])
-        dist.reduce_scatter_tensor(own, rows, group=group)
-        ctx.save_for_backward(local, mine)
-        ctx.group, ctx.table_shape, ctx.table_dtype = group, weight.shape, weight.dtype
-        return own.view(*ids.shape, -1)
+    def forward(ctx, ids, weight, rows_of_ranks: RowsOfRanks, dtype: torch.dtype):
+        local = rows_of_ranks.gather(ids.reshape(-1)) - rows_of_ranks.vocab_start
+        clamped = local.clamp(0, weight.shape[0] - 1)
+        mine = (clamped == local)[:, None]  # the row is one of this rank's
+        rows = F.embedding(clamped, weight).to(dtype) * mine  # (dp * N, H): zero where another rank's row
+        ctx.save_for_backward(clamped, mine)
+        ctx.rows_of_ranks, ctx.table_shape, ctx.table_dtype = rows_of_ranks, weight.shape, weight.dtype
+        return rows_of_ranks.summed_own(rows).view(*ids.shape, -1)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        local, mine = ctx.saved_tensors
-        grad_rows = gather_rows(grad_out.reshape(-1, grad_out.shape[-1]), ctx.group).float() * mine[:, None]
-        grad_weight = grad_rows.new_zeros(ctx.table_shape).index_add_(0, local, grad_rows)
+        local, mine = ctx.saved_tensors  # the clamped rows
+        rows = ctx.rows_of_ranks
+        grad_rows = rows.gather(grad_out.reshape(-1, grad_out.shape[-1])).float() * mine
         # each rank's loss counts the data-parallel average (StepLoss): FSDP2 divides by the ranks, so here too
-        return None, grad_weight.div_(dist.get_world_size(ctx.group)).to(ctx.table_dtype), None, None, None
+        grad_weight = grad_rows.new_zeros(ctx.table_shape).index_add_(0, local, grad_rows, alpha=1 / rows.ranks)
+        return None, grad_weight.to(ctx.table_dtype), None, None
