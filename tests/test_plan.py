@@ -416,3 +416,23 @@ def test_expert_activation_bytes_within_15_percent(mode):
     st = cost.stage_states(cfg.model, cfg.parallel)[0]
     predicted = cost.stage_activation_bytes(cfg, cfg.parallel, 0, st)["per_micro_batch"]
     assert abs(predicted / measured - 1) <= 0.15, (predicted, measured)
+
+
+def test_tables_not_gathered_where_the_tokens_travel():
+    """ZeRO 2 over 2 ranks: while all ranks' tokens are fewer than the vocabulary's rows, the word table and head stay
+    sharded (``paratrain.parallel.vocab``): what ZeRO gathers leaves out exactly their bytes, and less is sent; with
+    more tokens than rows they are gathered as every other parameter."""
+    def gpt(vocab, batch):
+        return config_file.from_dict({"model": {**small("gpt").model.to_dict(), "vocab_size": vocab},
+                                      "train": {"global_batch_size": batch}})
+
+    par = ParallelConfig(data_parallel=2, zero_stage=2)
+    hw = Hardware(2)
+    for vocab in (256, 262144):
+        few, many = 2, vocab // 16  # 2 x 64 tokens; 4 x vocab tokens
+        travel, gathered = (evaluate(gpt(vocab, batch), par, hw) for batch in (few, many))
+        assert par.moves_tokens(cost.tokens_per_rank(gpt(vocab, few), 2), vocab)
+        assert not par.moves_tokens(cost.tokens_per_rank(gpt(vocab, many), 2), vocab)
+        tables = 2 * vocab * 32 * 4  # word table and head, fp32
+        assert gathered["breakdown"]["zero_gathered"] - travel["breakdown"]["zero_gathered"] == tables
+    assert travel["breakdown"]["dp_comm_s"] < gathered["breakdown"]["dp_comm_s"]  # 67 MB of tables not sent

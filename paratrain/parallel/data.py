@@ -132,8 +132,8 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
         return model
     kwargs = {"mesh": layout.dp_mesh}
     param_dtype = mp_policy.param_dtype if mp_policy is not None else None
-    ignored = {p for m in experts for p in m.parameters()} | shard_vocabulary(model, config, layout, tokens_per_rank,
-                                                                           param_dtype)
+    tables = shard_vocabulary(model, layout, tokens_per_rank, param_dtype)  # not FSDP2's: the tokens travel
+    ignored = {p for m in experts for p in m.parameters()} | tables
     if ignored:
         kwargs["ignored_params"] = ignored
     if config.shards_parameters:

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
 from paratrain.modules.linear_cross_entropy import OutputHead, linear_token_loss_sum
 from paratrain.modules.transformer import VocabEmbedding
@@ -35,25 +34,16 @@ ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def keeps_vocab_sharded(config: ParallelConfig, layout: Layout, tokens_per_rank: int | None, vocab: int) -> bool:
-    """Whether the tables of a ``vocab``-row vocabulary stay sharded and the tokens travel: ZeRO 2 or 3 over dp > 1
-    ranks without tensor or pipeline parallelism or offload, equal-shaped micro-batches of ``tokens_per_rank``
-    tokens, and fewer tokens on all ranks together than table rows."""
-    return (config.shards_parameters and not config.offloads and layout.dp_size > 1 and config.model_parallel == 1
-            and config.pipeline_stage == 1 and tokens_per_rank is not None
-            and layout.dp_size * tokens_per_rank <= vocab)
-
-
-def shard_vocabulary(model: nn.Module, config: ParallelConfig, layout: Layout, tokens_per_rank: int | None,
+def shard_vocabulary(model: nn.Module, layout: Layout, tokens_per_rank: int | None,
                      param_dtype: torch.dtype | None = None) -> set[nn.Parameter]:
     """Row-shard ``model``'s word tables (``VocabEmbedding``) and heads (``OutputHead``) over the data-parallel
-    ranks when ``keeps_vocab_sharded``, and make them look up and compute the loss by moving tokens; returns
-    their parameters, for FSDP2 to leave alone (none when it does not apply). ``param_dtype``: the dtype FSDP2
-    would gather them in (mixed precision), which the lookups use."""
+    ranks when the tokens travel (``ParallelConfig.moves_tokens``), and make them look up and compute the loss by
+    moving tokens; returns their parameters, for FSDP2 to leave alone (none when it does not apply).
+    ``param_dtype``: the dtype FSDP2 would gather them in (mixed precision), which the lookups use."""
     tables = [m.embedding for m in model.modules() if isinstance(m, VocabEmbedding)]
     heads = [m for m in model.modules() if isinstance(m, OutputHead)]
     modules = tables + heads
-    if not modules or not keeps_vocab_sharded(config, layout, tokens_per_rank, modules[0].weight.shape[0]):
+    if not modules or not layout.config.moves_tokens(tokens_per_rank, modules[0].weight.shape[0]):
         return set()
     sharded: dict[int, nn.Parameter] = {}  # a tied table and head share one
     for module in modules:

@@ -107,6 +107,11 @@ def other_params(m: ModelConfig) -> list[Param]:
     return out
 
 
+def is_table(p: Param) -> bool:
+    """Whether ``p`` is a word table or an output head, (vocab, hidden) both."""
+    return p.part == "word" or p.name == "head.weight"
+
+
 def local_numel(p: Param, par: ParallelConfig, tp_rank: int = 0, dp_rank: int = 0) -> int:
     """Elements of ``p`` this rank holds at rest."""
     shape = list(p.shape)
@@ -207,6 +212,8 @@ class StageState:
     stepped: int = 0  # bytes of the parameters it steps (at zero stage 1 on replicas those dp rank 0 owns)
     tensors: int = 0
     whole_params: int = 0  # this rank's tensor-parallel shard, before ZeRO sharding (what FSDP gathers)
+    table_params: int = 0  # the part of whole_params in word tables and heads (not gathered when tokens travel)
+    table_uses: int = 0  # lookups in word tables and heads per micro-batch (what the tokens travel to)
     group_params: int = 0  # the largest gradient_aggregation_group's whole parameters
     layers: list = field(default_factory=list)  # (chunk, is_decoder, layer_id) held
     parts: list = field(default_factory=list)  # parts set per chunk
@@ -242,6 +249,8 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
         held_sizes[rank] += tensors
         st.params += sum(tensors) * b
         st.whole_params += (sum(whole[k] for k in keys) + sum(tp_numel(p, par) for p in others if p.part in parts)) * b
+        st.table_params += sum(tp_numel(p, par) for p in others if p.part in parts and is_table(p)) * b
+        st.table_uses += len(parts & {"input_embed", "target_embed", "head"})
         st.tensors += len(tensors)
         per_group = max(1, math.ceil(len(held) / par.aggregation_groups(len(held)))) if held else 0
         st.group_params = max(st.group_params, per_group * max(whole.values()) * b)

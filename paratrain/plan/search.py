@@ -59,6 +59,8 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     states = cache[key]
     modes = cost.recompute_modes(par, m)
     zero, accumulate = par.effective_zero_stage, (mb > 1 or pp > 1)
+    tokens = cost.tokens_per_rank(cfg, dp)
+    travel = par.moves_tokens(tokens, m.vocab_size)  # the tables stay sharded (paratrain.parallel.vocab)
     worst, act_micro = None, []
     for stage, st in enumerate(states):
         act = cost.stage_activation_bytes(cfg, par, stage, st, spec, modes)
@@ -67,7 +69,8 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         if not par.shards_parameters:  # replicas (stages 0, 1): gradients reduced in their own storage
             transient = 0
         elif zero < 3 or pp > 1:  # whole parameters gathered, gradients accumulated whole
-            transient = st.whole_params + (st.whole_params if accumulate else st.group_params)
+            gathered = st.whole_params - (st.table_params if travel else 0)
+            transient = gathered + (gathered if accumulate else st.group_params)
         else:
             transient = 3 * st.group_params  # two groups' parameters (prefetch) and one group's gradients
         total = (0 if par.offloads else st.total) + transient + act["total"]
@@ -106,7 +109,10 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         pp_time = hw.transfer_time(2 * boundary * par.virtual_pipeline_stage, dp * tp * pp)
     dp_time = 0.0
     if dp > 1:
-        whole = max(s.whole_params for s in states)
+        whole = max(s.whole_params - (s.table_params if travel else 0) for s in states)
+        # tokens travelling to the tables: hidden-sized rows gathered and reduce-scattered per use and micro-batch
+        uses = max(s.table_uses for s in states) if travel else 0
+        token_rows = mb * uses * 2 * collective_bytes("all_gather", dp * tokens * m.hidden_size * spec.elem, dp)
         if zero == 3:  # parameters gathered in forward and backward, gradients reduce-scattered
             gathers = 1 if pp > 1 else mb
             volume = gathers * (2 * collective_bytes("all_gather", whole, dp)
@@ -116,8 +122,9 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
                 collective_bytes("all_gather", whole, dp) if par.shards_only_optimizer_state else 0)
         # one gather and/or reduction per layer group (gradient_aggregation_group buckets)
         groups = par.aggregation_groups(max(len(s.layers) for s in states)) + 1
-        dp_time = hw.transfer_time(volume, dp * tp, groups * (3 * (1 if pp > 1 else mb) if zero == 3 else
-                                                              (2 if zero else 1)))
+        calls = groups * (3 * (1 if pp > 1 else mb) if zero == 3 else (2 if zero else 1))
+        calls += 2 * mb * uses
+        dp_time = hw.transfer_time(volume + token_rows, dp * tp, calls)
     bubble = cost.bubble_micro_batches(par)
     # AdamW reads parameter, gradient and two states and writes three of them
     optimizer_time = max(7 * s.stepped for s in states) / (hw.host_mem_bw if par.offloads else hw.mem_bw)
