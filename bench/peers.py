@@ -607,7 +607,8 @@ def run_worker(job: dict) -> dict:
     user, system, faults = (list(x) for x in zip(*usage[timed]))
     return {"rank": rank, "load": load, "losses": losses, "times": times[timed],
             "cpu_times": [u + s for u, s in zip(user, system)], "user_times": user, "sys_times": system,
-            "page_faults": faults, "warmup_times": times[:warmup], "counted_step_time": times[counted], "peak_rss_kb": peak,
+            "page_faults": faults, "warmup_times": times[:warmup], "counted_step_time": times[counted],
+            "peak_rss_kb": peak,
             "memory_method": method, "rss_kb": _status_kb("VmRSS"), "heap_free_kb": heap_free,
             "allocator": host_memory.loaded_allocator() or "glibc",
             "comm": count_bytes(counter.events), "ops": ops.summary(),

@@ -65,7 +65,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             vocab = weight.shape[0]
             local = column - rows_of_ranks.vocab_start if sharded else column
             targets = local if not sharded and 0 <= ignore_index < vocab else local.clamp(0, vocab - 1)
-            mine = (targets == local).float() if sharded else targets  # sharded: the target is one of its rows
+            # sharded only (unsharded, the loop gets ``targets`` in their place and does not read them): whether a
+            # row's target is one of this rank's rows, and each row's loss
+            mine = (targets == local).float() if sharded else targets
             row_loss = torch.empty_like(mine) if sharded else targets
             for part, label, target, part_mine, part_kept, out, out_loss in zip(*(
                     _chunks(t, chunk_rows(vocab, device))
