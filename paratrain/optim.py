@@ -154,19 +154,21 @@ def clip_grad_norm(parameters, max_norm: float, counted: set[int] | None = None,
             dist.all_reduce(total, group=group)
         total = total.sqrt()
     if max_norm > 0:
-        scale_grads_([p for params in groups.values() for p in params], (max_norm / (total + 1e-6)).clamp(max=1.0))
+        # divided by max(total, max_norm) / max_norm: exactly 1 up to the bound (no epsilon needed, max_norm > 0)
+        scale_grads_([p for params in groups.values() for p in params], total.clamp(min=max_norm) / max_norm,
+                     divide=True)
     return total
 
 
 @torch.no_grad()
-def scale_grads_(parameters, factor: torch.Tensor) -> None:
-    """Multiply every gradient by ``factor`` (a 0-dim tensor): one foreach multiply per device and dtype, on
-    the local shards of DTensor gradients (exact for any placement; torch 2.11's DTensor ``_foreach_mul_``
-    leaves Partial gradients, sequence-parallel norms', unchanged)."""
+def scale_grads_(parameters, factor: torch.Tensor, divide: bool = False) -> None:
+    """Multiply every gradient by ``factor`` (a 0-dim tensor), or divide it by ``factor``: one foreach op per
+    device and dtype, on the local shards of DTensor gradients (exact for any placement; torch 2.11's DTensor
+    ``_foreach_mul_`` leaves Partial gradients, sequence-parallel norms', unchanged)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
     for (device, _), grads in groups.items():
-        torch._foreach_mul_(grads, factor.to(device, non_blocking=True))
+        (torch._foreach_div_ if divide else torch._foreach_mul_)(grads, factor.to(device, non_blocking=True))

@@ -124,8 +124,10 @@ def test_fsdp_part_units_leave_shared_parameters_to_the_root(kind, tie, want):
 
 
 def _vocab_rows(tmp_dir, vocab_size):
-    """Where a dp2 ZeRO 3 GPT keeps its tables, and its summed loss on one batch with and without gradients."""
+    """Where a dp2 ZeRO 3 GPT keeps its tables, and its summed loss on one batch with and without gradients: this
+    rank's and that of both ranks."""
     import torch
+    import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
     trainer = Trainer(tiny_config(run={"dir": tmp_dir}, parallel={"dp": 2, "zero_stage": 3},
@@ -145,20 +147,24 @@ def _vocab_rows(tmp_dir, vocab_size):
     with_grad = model(inputs, labels=labels)
     with torch.no_grad():
         without = model(inputs, labels=labels)
-    return {**out, "loss": (with_grad.item(), without.item())}
+    mine = torch.stack([with_grad.detach(), without])
+    both = mine.clone()
+    dist.all_reduce(both)
+    return {**out, "loss": mine.tolist(), "both_ranks": both.tolist()}
 
 
 @pytest.mark.slow
 def test_vocab_rows_stay_sharded_while_tokens_travel(tmp_path):
-    """dp * tokens <= vocab: each rank keeps half the table and head rows, FSDP2 never gathers them, and a loss
-    computed by moving tokens equals the one of the whole table (no gradients: evaluation); more tokens than
-    table rows: FSDP2 keeps them."""
+    """dp * tokens <= vocab: each rank keeps half the table and head rows, FSDP2 never gathers them, and the loss
+    computed by moving tokens, summed over the ranks, equals the one of the whole table (no gradients: evaluation);
+    more tokens than table rows: FSDP2 keeps them."""
     sharded, fsdp = (run_distributed(_vocab_rows, 2, str(tmp_path / str(v)), v, timeout=300) for v in (256, 48))
     for rank in sharded:
         assert rank["classes"] == ("ShardedVocabHeadOutputHead", "ShardedVocabRowsEmbedding")
         assert rank["rows"] == (128, 128) and rank["fsdp"] == (False, False)
-        assert rank["loss"][0] == pytest.approx(rank["loss"][1], rel=1e-5)
-    assert sharded[0]["loss"] != pytest.approx(sharded[1]["loss"], rel=1e-3)  # each rank's own rows
+        assert rank["both_ranks"][0] == pytest.approx(rank["both_ranks"][1], rel=1e-5)
+    # with gradients a rank's share is the loss of every rank's targets among its vocabulary rows, not of its tokens
+    assert sharded[0]["loss"][0] != pytest.approx(sharded[0]["loss"][1], rel=1e-3)
     for rank in fsdp:
         assert rank["classes"] == ("FSDPOutputHead", "Embedding") and rank["fsdp"] == (True, True)
         assert rank["rows"] == (24, 24)

@@ -59,6 +59,9 @@ class ShardedBatches:
                     bool(((ids[:, :-1] == self.pad_token_id) & (ids[:, 1:] != self.pad_token_id)).any()):
                 raise DataError(f"{key} of step {step} has padding ({self.pad_token_id}) before a token: pad "
                                 f"each sequence at its end (causal attention does not mask padding)")
+        # one block each (a source's input_ids may be a view of its windows): made here, off the step, the device
+        # copy is one transfer and the step's lookups and gathers read them as they are
+        rows = {k: v.contiguous() for k, v in rows.items()}
         if self.device.type == "cuda":
             rows = {k: v.pin_memory() for k, v in rows.items()}
         return rows

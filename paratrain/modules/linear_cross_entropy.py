@@ -45,18 +45,17 @@ def _chunks(tensor: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index: int, rows_of_ranks=None):
+    def forward(ctx, hidden, weight, column, ignore_index: int, rows_of_ranks=None):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         sharded = rows_of_ranks is not None  # the rows of every rank against this rank's vocabulary rows
         with torch.autocast(device, enabled=False):
             x, w = hidden.to(dtype), weight.to(dtype)
             if sharded:
-                x, labels = rows_of_ranks.gather(x), rows_of_ranks.gather(labels)
-            grad_hidden = torch.empty_like(x)
+                x, column = rows_of_ranks.gather(x), rows_of_ranks.gather(column)
+            hidden_grads = []  # each chunk's
             grad_weight = None  # fp32, made by the first chunk's matmul, the others' added to it
             loss = None
-            column = labels[:, None]
             keep = column != ignore_index  # (N, 1): True for a target, False for a pad
             # a pad row's softmax would enter both gradients: its hidden state is zeroed for the weight's,
             # its hidden gradient after the loop -- two (N, H) passes, not one over the (N, V) logits; so
@@ -65,29 +64,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
             vocab = weight.shape[0]
             local = column - rows_of_ranks.vocab_start if sharded else column
             targets = local if not sharded and 0 <= ignore_index < vocab else local.clamp(0, vocab - 1)
-            # sharded only (unsharded, the loop gets ``targets`` in their place and does not read them): whether a
-            # row's target is one of this rank's rows, and each row's loss
-            mine = (targets == local).float() if sharded else targets
-            row_loss = torch.empty_like(mine) if sharded else targets
-            for part, label, target, part_mine, part_kept, out, out_loss in zip(*(
-                    _chunks(t, chunk_rows(vocab, device))
-                    for t in (x, labels, targets, mine, kept, grad_hidden, row_loss))):
+            # sharded: minus one where a row's target is one of this rank's vocabulary rows (and not a pad), else zero:
+            # the one-hot this rank subtracts from the softmax, and the rows whose loss it adds up (unsharded, the
+            # loop gets ``targets`` in its place and does not read it)
+            minus_mine = (targets == local).logical_and_(keep).float().neg_() if sharded else targets
+            labels = targets if sharded else column.view(-1)  # (N,), as nll_loss takes them: unsharded only
+            for part, label, target, part_minus_mine, part_kept in zip(*(
+                    _chunks(t, chunk_rows(vocab, device)) for t in (x, labels, targets, minus_mine, kept))):
                 logits = (part @ w.T).float()
                 lse = torch.logsumexp(logits, 1, keepdim=True)
-                if sharded:  # the softmax over the whole vocabulary; each row's loss, kept for its rank
-                    lse, target_logit = rows_of_ranks.whole_vocabulary(lse, logits.gather(1, target) * part_mine)
-                    torch.sub(lse, target_logit, out=out_loss)
+                if sharded:  # the softmax over the whole vocabulary
+                    lse = rows_of_ranks.whole_vocabulary(lse)
                 logits.sub_(lse)  # the log-softmax, in place
-                if not sharded:
+                if sharded:  # the loss of the rows whose target is one of this rank's
+                    part_loss = torch.gather(logits, 1, target).mul_(part_minus_mine).sum()
+                else:
                     part_loss = F.nll_loss(logits, label, ignore_index=ignore_index, reduction="sum")
-                    loss = part_loss if loss is None else loss.add_(part_loss)
+                loss = part_loss if loss is None else loss.add_(part_loss)
                 grad = logits.exp_()  # the softmax, in place
                 if sharded:  # minus the one-hot targets
-                    grad.scatter_add_(1, target, -part_mine)
+                    grad.scatter_add_(1, target, part_minus_mine)
                 else:
                     grad.scatter_(1, target, -1.0, reduce="add")
                 low = grad.to(dtype)
-                torch.mm(low, w, out=out)
+                hidden_grads.append(low @ w)
                 if dtype == torch.bfloat16:  # a bf16 matmul (fp32 range), the chunks summed in fp32
                     chunk = low.T @ part_kept
                     grad_weight = chunk.float() if grad_weight is None else grad_weight.add_(chunk)
@@ -95,9 +95,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_weight = grad.T @ part_kept.float()
                 else:
                     grad_weight.addmm_(grad.T, part_kept.float())
-            grad_hidden.mul_(keep)
-            if sharded:  # this rank's rows: their loss, and their hidden gradient summed over the vocabulary
-                loss = rows_of_ranks.own(row_loss.mul_(keep)).sum()
+            grad_hidden = (hidden_grads[0] if len(hidden_grads) == 1 else torch.cat(hidden_grads)).mul_(keep)
+            if sharded:  # this rank's rows' hidden gradient, summed over the ranks' vocabulary rows
                 grad_hidden = rows_of_ranks.summed_own(grad_hidden)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.dtypes, ctx.ranks = (hidden.dtype, weight.dtype), rows_of_ranks.ranks if sharded else 1
@@ -121,9 +120,10 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     Backward may run once (the saved gradients are scaled in place).
 
     With ``rows_of_ranks`` (``paratrain.parallel.vocab.RowsOfRanks``: its collectives), ``weight`` is this rank's
-    rows of a table row-sharded over ranks that all call it with hidden states of the same shape: each rank's
-    loss is returned to it, and the weight's gradient holds every rank's rows over their number."""
-    return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), ignore_index, rows_of_ranks)
+    rows of a table row-sharded over ranks that all call it with hidden states of the same shape: each rank gets
+    the loss of every rank's targets that are among its vocabulary rows (the ranks' losses sum to that of all their
+    tokens), and the weight's gradient holds every rank's rows over their number."""
+    return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.reshape(-1, 1), ignore_index, rows_of_ranks)
 
 
 class OutputHead(torch.nn.Linear):

@@ -9,8 +9,9 @@ dp*N <= V each rank keeps its V/dp rows of the table -- the DTensor ``Shard(0)``
   reduce-scatters the (dp*N, H) result: each rank gets its own tokens' embeddings. Backward all-gathers
   their gradient and adds it into this rank's rows.
 - the head with labels all-gathers the hidden states and labels, computes the logits of its V/dp rows for
-  all dp*N tokens, and combines each row's softmax statistics over the ranks
-  (``paratrain.modules.linear_cross_entropy``); the hidden states' gradient is reduce-scattered.
+  all dp*N tokens, and combines each row's log-sum-exp over the ranks
+  (``paratrain.modules.linear_cross_entropy``); the hidden states' gradient is reduce-scattered. Each rank's loss
+  is that of the targets among its rows: summed over the ranks (as the step's loss is), that of all tokens.
 
 No parameter is gathered and no parameter gradient reduced: each rank's rows already saw every rank's tokens.
 It needs every data-parallel rank's micro-batches to have the same shape, as the built-in models' batches
@@ -61,7 +62,7 @@ def shard_vocabulary(model: nn.Module, layout: Layout, tokens_per_rank: int | No
 class RowsOfRanks:
     """The collectives of a table row-sharded over a group's ranks (``weight``: a ``Shard(0)`` DTensor on a 1-D
     mesh), for the fused head (``linear_token_loss_sum``) and the lookup: rows (N, ...) of every rank gathered,
-    softmax statistics combined, and each rank's own rows kept."""
+    log-sum-exps combined, and each rank's own rows summed over the ranks."""
 
     def __init__(self, weight):
         mesh = weight.device_mesh
@@ -74,15 +75,9 @@ class RowsOfRanks:
         ALL_GATHER(out, tensor.contiguous(), group=self.group)
         return out
 
-    def whole_vocabulary(self, lse: torch.Tensor, target_logit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's log-sum-exp over the whole vocabulary and its target's logit (N, 1), from those over each
-        rank's rows (``target_logit``: zero on the ranks without the target)."""
-        stats = self.gather(torch.cat([lse, target_logit], 1)[None])  # (ranks, N, 2)
-        return torch.logsumexp(stats[..., :1], 0), stats[..., 1:].sum(0)
-
-    def own(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of ``tensor`` (ranks * N, ...) -> (N, ...)."""
-        return tensor.view(self.ranks, -1, *tensor.shape[1:])[self.rank]
+    def whole_vocabulary(self, lse: torch.Tensor) -> torch.Tensor:
+        """Each row's log-sum-exp over the whole vocabulary (N, 1), from those over each rank's rows (N, 1)."""
+        return torch.logsumexp(self.gather(lse).view(self.ranks, *lse.shape), 0)
 
     def summed_own(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``tensor`` (ranks * N, ...) summed over the ranks -> (N, ...)."""
@@ -104,8 +99,9 @@ class ShardedVocabRows:
 
 class ShardedVocabHead:
     """An ``OutputHead`` whose (V, H) weight is row-sharded over the data-parallel ranks: hidden (..., H) and
-    labels (...) -> this rank's summed token loss, the logits of each rank's vocabulary rows computed for every
-    rank's tokens; without labels -> logits (..., V), only without gradients (the weight gathered whole)."""
+    labels (...) -> the summed token loss of every rank's targets among this rank's vocabulary rows (the ranks'
+    sum: all their tokens' loss), the logits of each rank's rows computed for every rank's tokens; without
+    labels -> logits (..., V), only without gradients (the weight gathered whole)."""
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if not torch.is_grad_enabled():
@@ -125,20 +121,21 @@ class _TokenLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids, weight, rows_of_ranks: RowsOfRanks, dtype: torch.dtype):
-        local = rows_of_ranks.gather(ids.reshape(-1)) - rows_of_ranks.vocab_start
+        local = rows_of_ranks.gather(ids) - rows_of_ranks.vocab_start  # (dp * B, ...): every rank's ids
         clamped = local.clamp(0, weight.shape[0] - 1)
-        mine = (clamped == local)[:, None]  # the row is one of this rank's
-        rows = F.embedding(clamped, weight).to(dtype) * mine  # (dp * N, H): zero where another rank's row
+        mine = (clamped == local).unsqueeze(-1)  # the row is one of this rank's
+        rows = F.embedding(clamped, weight).to(dtype) * mine  # (dp * B, ..., H): zero where another rank's row
         ctx.save_for_backward(clamped, mine)
         ctx.rows_of_ranks, ctx.table_shape, ctx.table_dtype = rows_of_ranks, weight.shape, weight.dtype
-        return rows_of_ranks.summed_own(rows).view(*ids.shape, -1)
+        return rows_of_ranks.summed_own(rows)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         local, mine = ctx.saved_tensors  # the clamped rows
         rows = ctx.rows_of_ranks
-        grad_rows = rows.gather(grad_out.reshape(-1, grad_out.shape[-1])).float() * mine
+        grad_rows = (rows.gather(grad_out).float() * mine).view(-1, grad_out.shape[-1])
         # each rank's loss counts the data-parallel average (StepLoss): FSDP2 divides by the ranks, so here too
-        grad_weight = grad_rows.new_zeros(ctx.table_shape).index_add_(0, local, grad_rows, alpha=1 / rows.ranks)
+        grad_weight = grad_rows.new_zeros(ctx.table_shape).index_add_(0, local.view(-1), grad_rows,
+                                                                       alpha=1 / rows.ranks)
         return None, grad_weight.to(ctx.table_dtype), None, None
