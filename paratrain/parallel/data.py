@@ -244,21 +244,26 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, config: ParallelConf
         set_aside.clear()
         local = [p.to_local() if isinstance(p, DTensor) else p.detach() for p in params]
         for rank in range(layout.dp_size):
+            mine = rank == layout.dp_rank  # the owner only sends, the others only receive
             coalesced([t for t, o in zip(local, owner) if o == rank],
-                      lambda flat: dist.broadcast(flat, group=group, group_src=rank, async_op=True))
+                      lambda flat: dist.broadcast(flat, group=group, group_src=rank, async_op=True),
+                      send=mine, receive=not mine)
 
     optimizer.register_step_pre_hook(set_aside_foreign_gradients)
     optimizer.register_step_post_hook(broadcast_parameters)
 
 
-def coalesced(tensors: list[torch.Tensor], collective, bucket_bytes: int = BUCKET_BYTES) -> None:
+def coalesced(tensors: list[torch.Tensor], collective, bucket_bytes: int = BUCKET_BYTES, send: bool = True,
+              receive: bool = True) -> None:
     """Run ``collective(flat)`` -- an async collective (``async_op=True``) that leaves its result in ``flat`` --
     on ``tensors`` a few flat buckets at a time instead of tensor by tensor, and write the results back.
 
     Tensors of one dtype are copied, in order, into buckets of up to ``bucket_bytes`` (a larger tensor
     is a bucket of its own); a bucket's collective runs while the next is packed, so at most two
     buckets of extra memory are alive. One launch per bucket instead of one per tensor: what NCCL
-    needs to reach its bandwidth, and what spares gloo a round trip per tensor.
+    needs to reach its bandwidth, and what spares gloo a round trip per tensor. A rank that only
+    receives (``send=False``: a broadcast's destination) packs nothing, one that only sends
+    (``receive=False``: its source) writes nothing back.
     """
     buckets: list[list[torch.Tensor]] = []
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -275,19 +280,23 @@ def coalesced(tensors: list[torch.Tensor], collective, bucket_bytes: int = BUCKE
         buckets.append(bucket)
     pending = None
     for bucket in buckets:
-        flat = torch.cat([t.reshape(-1) for t in bucket])
+        if send:
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+        else:
+            flat = bucket[0].new_empty(sum(t.numel() for t in bucket))
         work = collective(flat)
         if pending is not None:
-            _unpack(*pending)
+            _unpack(*pending, receive)
         pending = work, flat, bucket
     if pending is not None:
-        _unpack(*pending)
+        _unpack(*pending, receive)
 
 
-def _unpack(work, flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
+def _unpack(work, flat: torch.Tensor, bucket: list[torch.Tensor], receive: bool) -> None:
     work.wait()
-    torch._foreach_copy_(bucket, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in bucket]),
-                                                                       bucket)])
+    if receive:
+        torch._foreach_copy_(bucket, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in bucket]),
+                                                                           bucket)])
 
 
 class GlobalBatchNorm(nn.BatchNorm2d):
