@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -30,13 +31,23 @@ def _one_thread(monkeypatch):
     Other CPUs' kernels sum in other orders too: a comparison must hold with ATEN_CPU_CAPABILITY=default
     (ATen's scalar kernels), MKL_CBWR=COMPATIBLE (MKL's matmuls) and ONEDNN_MAX_CPU_ISA=SSE41 (oneDNN's
     convolutions) set, which is how the suite was checked."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with one_thread():
+        yield
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread inside, as ``_one_thread`` gives every test; for a module's fixture, which is made
+    before any test's own fixtures and would otherwise run on all of the machine's threads."""
     import torch
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def host_reads(monkeypatch) -> list[str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON
+from conftest import PYTHON, one_thread
 from paratrain import cli
 from test_launch import use_registry
 
@@ -641,9 +641,11 @@ def trained(run_dir: Path, steps: int, *overrides: str):
 
 @pytest.fixture(scope="module")
 def four_steps(tmp_path_factory):
-    """An uninterrupted 4-step run saving every step: (its checkpoints directory, its losses)."""
+    """An uninterrupted 4-step run saving every step: (its checkpoints directory, its losses), on one thread as
+    the resumed runs compared with it."""
     root = tmp_path_factory.mktemp("four")
-    _, losses = trained(root / "run", 4)
+    with one_thread():
+        _, losses = trained(root / "run", 4)
     return root / "run" / "checkpoints", losses
 
 
