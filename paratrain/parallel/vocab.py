@@ -66,8 +66,9 @@ class RowsOfRanks:
 
     def __init__(self, weight):
         mesh = weight.device_mesh
-        self.group, self.ranks, self.rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-        self.vocab_start = -(-weight.shape[0] // self.ranks) * self.rank  # Shard(0) chunks: ceil(V / ranks) rows
+        self.group, self.ranks = mesh.get_group(), mesh.size()
+        # Shard(0) chunks: ceil(V / ranks) rows
+        self.vocab_start = -(-weight.shape[0] // self.ranks) * mesh.get_local_rank()
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (N, ...) of every rank, in rank order: (ranks * N, ...)."""
