@@ -110,8 +110,12 @@ def test_a_killed_rank_restarts_the_job_from_its_checkpoint_with_the_losses_of_a
         (0, "failed", 1, -9), (1, "succeeded", None, None)]
     assert failed.attempts[0]["end_time"] <= failed.attempts[1]["start_time"]
     for other in records:
-        if other is not failed:
-            assert [(a["number"], a["state"]) for a in other.attempts] == [(0, "restarted"), (1, "succeeded")]
+        if other is not failed:  # the other node's agent saw the new round first, or its rank lost the dead peer
+            first, second = other.attempts
+            assert (second["number"], second["state"]) == (1, "succeeded"), other.attempts
+            assert (first["number"], first["state"]) == (0, "restarted") or (
+                (first["number"], first["state"], first["failing_rank"]) == (0, "failed", 0)
+                and first["exit_code"] not in (None, -9)), other.attempts
     assert (run_dir / "rank1.attempt0.log").exists()  # the first attempt's log, kept
     if nodes == 1:
         assert cli.main(["jobs", "r"]) == 0
