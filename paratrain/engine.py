@@ -10,12 +10,13 @@ placement does what depends on it, forward and backward of one global batch::
 leaving on every parameter the gradient of ``loss * loss_scale`` that one device would compute (times
 ``1 / grad_scale``, when the normalisation is known only after the backward). Every net runs its micro-batches
 through ``paratrain.parallel.micro_batches.forward_backward`` and normalises its loss with its ``StepLoss``, also
-under a pipeline schedule. The engine does the rest the same way for every net: unscale, clip by the global norm, optimizer and LR steps (an
-fp16 overflow skips the update, decided on the device), the loss-scale update, ``zero_grad``; then the
-step's record, whose device values (loss, grad norm, tokens, loss scale) stay on the device until a step
-that needs them on the host (``flush``): logged, saved, evaluated or the last. They come over together, then
-the record gets its rates (tokens/s, samples/s, MFU, memory), and a NaN or infinite loss raises
-:class:`TrainingDiverged` naming its step.
+under a pipeline schedule. The engine does the rest the same way for every net: the global gradient norm, the
+optimizer step on the gradients divided by the loss scale and the clipping factor in the optimizer's own pass
+(``paratrain.optim.step_dividing``; an fp16 overflow skips the update, decided on the device), the LR step, the
+loss-scale update, ``zero_grad``; then the step's record, whose device values (loss, grad norm, tokens, loss
+scale) stay on the device until a step that needs them on the host (``flush``): logged, saved, evaluated or the
+last. They come over together, then the record gets its rates (tokens/s, samples/s, MFU, memory), and a NaN or
+infinite loss raises :class:`TrainingDiverged` naming its step.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch
 
 from paratrain import progress
 from paratrain.metrics.timer import StepTimer
-from paratrain.optim import clip_grad_norm
+from paratrain.optim import clip_divisor, grad_norm
 from paratrain.precision import LossScaler
 
 # record values that stay on the device until a flush (the last two: fp16 only)
@@ -72,13 +73,19 @@ class Engine:
             # without loss scaling the scale is the number 1, which multiplies nothing on the device
             out = run(self.loss_scaler.scale if self.loss_scaler.enabled else 1.0)
             with self.timer.phase("optimizer"):
-                self.loss_scaler.unscale_(self.parameters(), out.get("grad_scale"))
-                grad_norm = clip_grad_norm(list(self.parameters()), self.grad_clip, self.counted_in_norm,
-                                           self.layout.pp_group, self.device)
+                # the gradients are the loss's times the loss scale (over grad_scale): their norm is divided by
+                # that, and the optimizer divides them by it and the clipping factor in the pass of its update
+                divisor = self.loss_scaler.divisor(out.get("grad_scale"))
+                norm = grad_norm(self.parameters(), self.counted_in_norm, self.layout.pp_group, self.device)
+                if divisor is not None:
+                    norm = norm / divisor
+                if self.grad_clip > 0:
+                    clip = clip_divisor(norm, self.grad_clip)
+                    divisor = clip if divisor is None else divisor * clip
                 lr = self.scheduler.get_last_lr()[0] if self.scheduler is not None else None
-                self.loss_scaler.step(self.optimizer, self.scheduler, grad_norm)  # fp16: overflows skip the update
+                self.loss_scaler.step(self.optimizer, self.scheduler, norm, divisor)  # fp16: overflows skip it
                 self.optimizer.zero_grad(set_to_none=True)
-        record = {"step": number, "loss": out["loss"], "grad_norm": grad_norm, "tokens": out["tokens"],
+        record = {"step": number, "loss": out["loss"], "grad_norm": norm, "tokens": out["tokens"],
                   "samples": out["samples"], "flops": out["flops"],
                   "lr": lr if lr is not None else float(self.optimizer.param_groups[0]["lr"])}
         record.update({k: out[k] for k in ("aux_loss", "dropped") if k in out})  # mixture of experts

@@ -124,40 +124,69 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
 
 
-def clip_grad_norm(parameters, max_norm: float, counted: set[int] | None = None,
-                   group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Clip all gradients by one global L2 norm; returns the norm before clipping.
+def grad_norm(parameters, counted: set[int] | None = None, group: dist.ProcessGroup | None = None,
+              device: torch.device | str = "cpu") -> torch.Tensor:
+    """The global L2 norm of all gradients (0-dim, float32, on ``device``: the gradients').
 
     Gradients may mix plain tensors and DTensors on different meshes (TP without
     sequence parallel leaves LayerNorms plain): the norm is taken per (mesh,
     placements) group, made whole, and the groups combined. With pipeline stages the
     squares are summed over ``group``; ``counted`` (parameter ids) leaves out copies
-    of a parameter held by several stages. The norm stays on ``device`` (the gradients').
+    of a parameter held by several stages.
     """
     groups: dict = {}
     for p in parameters:
-        if p.grad is not None:
-            groups.setdefault(tensor_kind(p.grad), []).append(p)
+        if p.grad is not None and (counted is None or id(p) in counted):
+            groups.setdefault(tensor_kind(p.grad), []).append(p.grad)
     norms = []
-    for params in groups.values():
-        grads = [p.grad for p in params if counted is None or id(p) in counted]
-        if grads:
-            norm = torch.nn.utils.get_total_norm(grads)
-            norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).to(device, torch.float32))
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).to(device, torch.float32))
     if len(norms) == 1 and group is None:  # one kind of gradient on one stage: its norm is the total
-        total = norms[0]
-    else:
-        total = torch.zeros((), device=device)
-        for norm in norms:
-            total += norm ** 2
-        if group is not None:
-            dist.all_reduce(total, group=group)
-        total = total.sqrt()
+        return norms[0]
+    total = torch.zeros((), device=device)
+    for norm in norms:
+        total += norm ** 2
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What gradients of global norm ``norm`` are divided by to have a norm of at most ``max_norm`` (> 0):
+    ``max(norm, max_norm) / max_norm``, exactly 1 up to the bound (no epsilon needed)."""
+    return norm.clamp(min=max_norm) / max_norm
+
+
+def clip_grad_norm(parameters, max_norm: float, counted: set[int] | None = None,
+                   group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Clip all gradients by one global L2 norm (``grad_norm``) now, in one division pass; returns the norm
+    before clipping. Training steps do not call it: their optimizer divides (``step_dividing``)."""
+    parameters = list(parameters)
+    total = grad_norm(parameters, counted, group, device)
     if max_norm > 0:
-        # divided by max(total, max_norm) / max_norm: exactly 1 up to the bound (no epsilon needed, max_norm > 0)
-        scale_grads_([p for params in groups.values() for p in params], total.clamp(min=max_norm) / max_norm,
-                     divide=True)
+        scale_grads_(parameters, clip_divisor(total, max_norm), divide=True)
     return total
+
+
+def step_dividing(optimizer: torch.optim.Optimizer, divisor: torch.Tensor | None = None,
+                  found_inf: torch.Tensor | None = None) -> None:
+    """``optimizer.step()`` on the gradients divided by ``divisor`` (0-dim; None: as they are), the update
+    skipped where ``found_inf`` (0-dim float) is nonzero. A torch optimizer that takes ``GradScaler``'s
+    arguments (fused AdamW: ``_step_supports_amp_scaling``) divides in its own kernel, in the pass of its update,
+    and decides the skip on the device; any other gets one foreach division first, and no ``found_inf``."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.grad_scale, optimizer.found_inf = divisor, found_inf
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+        return
+    if found_inf is not None:
+        raise ValueError(f"{type(optimizer).__name__} cannot skip its update on the device: decide before stepping")
+    if divisor is not None:
+        scale_grads_([p for group in optimizer.param_groups for p in group["params"]], divisor, divide=True)
+    optimizer.step()
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ import contextlib
 import torch
 
 from paratrain.device import DTYPES
-from paratrain.optim import scale_grads_
+from paratrain.optim import step_dividing
 
 
 def resolve_mixed_precision(mixed_precision: str, device: torch.device) -> str:
@@ -56,11 +56,12 @@ class LossScaler:
         self.device = torch.device(device)
         self.load_state_dict({"scale": init_scale if enabled else 1.0, "good_steps": 0, "skipped_steps": 0})
 
-    def unscale_(self, parameters, factor: torch.Tensor | None = None) -> None:
-        """Divide every gradient by the scale, and multiply it by ``factor`` if given, in one pass
-        (``paratrain.optim.scale_grads_``: a foreach multiply per device and dtype)."""
-        if self.enabled or factor is not None:
-            scale_grads_(parameters, self.scale.reciprocal() if factor is None else factor / self.scale)
+    def divisor(self, grad_scale: torch.Tensor | float | None = None) -> torch.Tensor | None:
+        """What the gradients are divided by to be those of the loss: the loss scale, over ``grad_scale`` (a
+        normalisation known after the backward, ``paratrain.engine``) when given; None when both are 1."""
+        if not self.enabled and grad_scale is None:
+            return None
+        return self.scale if grad_scale is None else self.scale / grad_scale
 
     def update(self, grad_norm: torch.Tensor) -> torch.Tensor | bool:
         """Record one step from its (unscaled) gradient norm, the same on every rank; returns whether it
@@ -85,17 +86,18 @@ class LossScaler:
                                  torch.where(grow, self.scale * 2, self.scale))
         return overflow
 
-    def step(self, optimizer: torch.optim.Optimizer, scheduler, grad_norm: torch.Tensor) -> None:
-        """The optimizer and LR steps of a step whose gradients are unscaled; with fp16 an overflowed step
-        leaves the parameters and optimizer state as they were (a fused torch optimizer takes the decision as
-        ``found_inf`` on the device; any other waits for it). The LR schedule advances either way."""
+    def step(self, optimizer: torch.optim.Optimizer, scheduler, grad_norm: torch.Tensor,
+             divisor: torch.Tensor | None = None) -> None:
+        """The optimizer and LR steps, the gradients divided by ``divisor`` (``paratrain.optim.step_dividing``)
+        whose quotient has the norm ``grad_norm``; with fp16 an overflowed step leaves the parameters and
+        optimizer state as they were (a fused torch optimizer takes the decision as ``found_inf`` on the device;
+        any other waits for it). The LR schedule advances either way."""
         if not self.enabled:
-            optimizer.step()
+            step_dividing(optimizer, divisor)
         elif getattr(optimizer, "_step_supports_amp_scaling", False):
-            optimizer.found_inf = self.update(grad_norm).float()
-            optimizer.step()
+            step_dividing(optimizer, divisor, found_inf=self.update(grad_norm).float())
         elif not bool(self.update(grad_norm)):
-            optimizer.step()
+            step_dividing(optimizer, divisor)
         if scheduler is not None:
             scheduler.step()
 

@@ -307,7 +307,7 @@ class PlacedNet(Placed):
                          rows_of_this_rank: bool = False) -> dict:
         """Forward and backward of one global batch, or with ``rows_of_this_rank`` of this data-parallel rank's
         rows of it (a dataset sharded per rank); returns ``StepLoss.result()``: the global batch's loss (a device
-        tensor) and, for a loss with sum and count, the ``grad_scale`` the engine's unscale applies."""
+        tensor) and, for a loss with sum and count, the ``grad_scale`` the engine's optimizer step applies."""
         mine = self._rows(batch, rows_of_this_rank, self.config.data_parallel)
         if self.pipeline is None:
             return self._run(mine, loss_scale, self.parts[0])

@@ -498,7 +498,7 @@ class Model:
                 out = self.train_network.forward_backward(batch, loss_scale, params.rows_of_this_rank)
             except UserError as exc:  # a batch that does not split, a loss that is no scalar
                 raise UserError(f"Model.train: {where}: {exc}") from None
-            if summed:  # MindSpore's default: the ranks' gradients summed (in the engine's unscale)
+            if summed:  # MindSpore's default: the ranks' gradients summed (in the engine's optimizer step)
                 out["grad_scale"] = out.get("grad_scale", 1.0) * config.data_parallel
             return {**out, "tokens": tokens, "samples": rows, "flops": 6.0 * self._parameter_count * tokens,
                     **moe_step_metrics(net, layout, any(isinstance(m, MoE) for m in net.modules()))}
