@@ -67,15 +67,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # sharded: minus one where a row's target is one of this rank's vocabulary rows (and not a pad), else zero:
             # the one-hot this rank subtracts from the softmax, and the rows whose loss it adds up (unsharded, the
             # loop gets ``targets`` in its place and does not read it)
-            minus_mine = (targets == local).logical_and_(keep).float().neg_() if sharded else targets
+            minus_mine = (targets == local).logical_and_(keep).mul(-1.0) if sharded else targets
             labels = targets if sharded else column.view(-1)  # (N,), as nll_loss takes them: unsharded only
             for part, label, target, part_minus_mine, part_kept in zip(*(
                     _chunks(t, chunk_rows(vocab, device)) for t in (x, labels, targets, minus_mine, kept))):
                 logits = (part @ w.T).float()
-                lse = torch.logsumexp(logits, 1, keepdim=True)
-                if sharded:  # the softmax over the whole vocabulary
-                    lse = rows_of_ranks.whole_vocabulary(lse)
-                logits.sub_(lse)  # the log-softmax, in place
+                if sharded:  # the log-softmax over the whole vocabulary, in place: the ranks' log-sum-exps combined
+                    logits.sub_(rows_of_ranks.whole_vocabulary(torch.logsumexp(logits, 1, keepdim=True)))
+                else:  # one fused kernel, not logsumexp's max, subtraction, exp and sum and a subtraction after
+                    logits = torch.log_softmax(logits, 1)
                 if sharded:  # the loss of the rows whose target is one of this rank's
                     part_loss = torch.gather(logits, 1, target).mul_(part_minus_mine).sum()
                 else:
