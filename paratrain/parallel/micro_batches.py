@@ -26,7 +26,8 @@ class StepLoss:
     ``token_sum`` and ``mean`` give what backward runs on for one micro-batch (times the loss scale) and keep its
     value; ``result`` adds them up over the ranks. A token count known before the forward (``tokens``: computed
     from the labels) divides each micro-batch's loss; counts that come out of the forward (``counted``) are added
-    up after, and divide the gradients in the optimizer's step (``grad_scale``, ``LossScaler.divisor``): no pass of its own over them."""
+    up after, and divide the gradients in the optimizer's step (``grad_scale``, ``LossScaler.divisor``): no pass
+    of its own over them."""
 
     def __init__(self, layout: Layout, micro_batch_num: int, loss_scale: torch.Tensor | float,
                  tokens: torch.Tensor | None = None, counted: bool = False):
