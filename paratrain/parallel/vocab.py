@@ -126,17 +126,15 @@ class _TokenLookup(torch.autograd.Function):
         clamped = local.clamp(0, weight.shape[0] - 1)
         mine = (clamped == local).unsqueeze(-1)  # the row is one of this rank's
         rows = F.embedding(clamped, weight).to(dtype) * mine  # (dp * B, ..., H): zero where another rank's row
-        ctx.save_for_backward(clamped, mine)
-        ctx.rows_of_ranks, ctx.table_shape, ctx.table_dtype = rows_of_ranks, weight.shape, weight.dtype
+        # each rank's loss counts the data-parallel average (StepLoss): FSDP2 divides by the ranks, so here too
+        ctx.save_for_backward(clamped, mine / rows_of_ranks.ranks)
+        ctx.rows_of_ranks, ctx.table_rows, ctx.table_dtype = rows_of_ranks, weight.shape[0], weight.dtype
         return rows_of_ranks.summed_own(rows)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        local, mine = ctx.saved_tensors  # the clamped rows
-        rows = ctx.rows_of_ranks
-        grad_rows = (rows.gather(grad_out).float() * mine).view(-1, grad_out.shape[-1])
-        # each rank's loss counts the data-parallel average (StepLoss): FSDP2 divides by the ranks, so here too
-        grad_weight = grad_rows.new_zeros(ctx.table_shape).index_add_(0, local.view(-1), grad_rows,
-                                                                       alpha=1 / rows.ranks)
+        local, share = ctx.saved_tensors  # the clamped rows; 1 / ranks where the row is this rank's, else 0
+        grad_rows = ctx.rows_of_ranks.gather(grad_out).float().mul_(share)  # a buffer of its own: in place
+        grad_weight = torch.ops.aten.embedding_dense_backward(grad_rows, local, ctx.table_rows, -1, False)
         return None, grad_weight.to(ctx.table_dtype), None, None
