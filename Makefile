@@ -27,6 +27,10 @@ demo: install
 docs: install
 	$(BIN)/python tools/gen_docs.py
 
+# the figures of docs/images: the demo's loss (from runs/demo-latest: run make demo first) and the GPU throughput
+figures: install
+	$(BIN)/python tools/make_figures.py
+
 SAMPLE := runs/data/sample
 demo-translation: install
 	test -f $(SAMPLE)/train/sample.en_fr.txt || $(BIN)/paratrain preprocess sample --out $(SAMPLE)

@@ -30,7 +30,8 @@ from paratrain import config  # noqa: E402  (the checkout's paratrain, installed
 from paratrain.deepspeed_keys import _TABLES as DEEPSPEED_TABLES  # noqa: E402
 
 COMMAND = "make docs"
-EXAMPLE = "paratrain train --config examples/demo.toml --train.steps=2"
+EXAMPLE = ("# one process: the demo's 2 x 2 x 2 layout set to 1 x 1 x 1 on the command line\n"
+           "paratrain train --config examples/demo.toml --train.steps=2 --parallel.dp=1 --parallel.mp=1 --parallel.pp=1")
 USAGE_WIDTH = "100"  # argparse wraps usage lines at $COLUMNS
 
 
