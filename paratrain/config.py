@@ -289,7 +289,9 @@ class ParallelConfig(Section):
     virtual_pipeline_stage: int = 1  # model chunks per pipeline rank (2 or more: an interleaved schedule)
     optimizer_shard: bool = False  # MindSpore's switch: true means zero_stage 1
     zero_stage: int = 0  # ZeRO over the data-parallel ranks: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters
-    gradient_aggregation_group: int = 0  # 0: each layer is its own group (one FSDP unit per block)
+    # groups of consecutive layers gathered and reduced together; 0: each layer is its own group (one FSDP unit
+    # per block)
+    gradient_aggregation_group: int = 0
     recompute: RecomputeSpec = "none"  # activation recompute: none | full | selective, a bool, or one mode per layer
     vocab_emb_dp: bool = True  # true: the embedding replicated; false: its vocabulary rows sharded over model_parallel
     sequence_parallel: bool = False  # shard the norms' and dropouts' activations along the sequence over model_parallel
