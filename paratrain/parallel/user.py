@@ -44,6 +44,7 @@ from paratrain.context import GRAPH_MODE, get_context
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
+from paratrain.modules.token_loss import token_means_to
 from paratrain.parallel.data import apply_data_parallel, fusion_groups
 from paratrain.parallel.expert import apply_expert_parallel
 from paratrain.parallel.micro_batches import StepLoss, forward_backward, has_rows
@@ -168,26 +169,33 @@ class Placed:
         return tuple((t[start:start + rows] if has_rows(t) else t).to(self.device, non_blocking=True)
                      if isinstance(t, torch.Tensor) else t for t in batch)
 
-    def _micro_loss(self, output: torch.Tensor, target=None) -> torch.Tensor:
-        """What backward runs on for one micro-batch (``StepLoss``): its loss sum and token count, or its plain
-        loss (``target``: a pipeline schedule's, unused). A loss of another shape (per row, per token) is
-        refused."""
-        if not isinstance(output, torch.Tensor) or output.numel() != (2 if self.summed else 1):
+    def _micro_loss(self, output: torch.Tensor, target=None, pairs: bool = True) -> torch.Tensor:
+        """What backward runs on for one micro-batch (``StepLoss``): its loss sum and token count (``pairs``: a
+        pipeline stage's output; else its token losses' means plus any other terms), or its plain loss
+        (``target``: a pipeline schedule's, unused). A loss of another shape (per row, per token) is refused."""
+        pair = self.summed and pairs
+        if not isinstance(output, torch.Tensor) or output.numel() != (2 if pair else 1):
             what = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
                     else f"a {type(output).__name__}")
             raise UserError(f"the net returned {what}, not a loss: reduce it to "
-                            f"{'a (sum, count) pair' if self.summed else 'a scalar'}, or give Model a loss_fn")
-        output = output.reshape(-1).float()
-        loss = self._norm.token_sum(output[0], output[1]) if self.summed else self._norm.mean(output[0])
+                            f"{'a (sum, count) pair' if pair else 'a scalar'}, or give Model a loss_fn")
+        if self.summed and not pairs:
+            loss = self._norm.with_token_means(output)
+        else:
+            output = output.reshape(-1).float()
+            loss = self._norm.token_sum(output[0], output[1]) if pair else self._norm.mean(output[0])
         # a net of no trainable parameter has nothing to learn: its backward is a no-op
         return loss if loss.requires_grad else loss.requires_grad_()
 
     def _run(self, batch: tuple, loss_scale: torch.Tensor | float, forward=None, pipeline=None) -> dict:
         """Forward and backward of this rank's ``batch`` (``_rows``) in micro-batches through ``forward(*micro)``
-        (the net's output), or a pipeline schedule's ``pipeline(batch)``; returns ``StepLoss.result()``."""
+        (the net's output; its token losses give their means: ``paratrain.modules.token_loss``), or a pipeline
+        schedule's ``pipeline(batch)``; returns ``StepLoss.result()``."""
         self._norm = StepLoss(self.layout, self.config.micro_batch_num, loss_scale, counted=self.summed)
-        forward_backward(batch, self.config, self.precision, self.device, self.phase, module=self.parts[0],
-                         loss_of=lambda micro: self._micro_loss(forward(*micro)), pipeline=pipeline)
+        with token_means_to(self._norm if self.summed and pipeline is None else None):
+            forward_backward(batch, self.config, self.precision, self.device, self.phase, module=self.parts[0],
+                             loss_of=lambda micro: self._micro_loss(forward(*micro), pairs=False),
+                             pipeline=pipeline)
         return self._norm.result()
 
     def parameters(self):
