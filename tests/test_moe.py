@@ -3,6 +3,7 @@ against one process (forked gloo workers), checkpoints across expert layouts."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -222,7 +223,8 @@ def test_model_train_logs_what_the_masked_net_returns_with_its_aux_loss():
         assert losses.values[0] == pytest.approx(want, rel=1e-6), f"ce_weight={weight}"
 
 
-MASKED_LAYOUTS = {2: {"dp2": {"data_parallel": 2}, "ep2": {"data_parallel": 2, "expert_parallel": 2}},
+MASKED_LAYOUTS = {2: {"dp2": {"data_parallel": 2}, "ep2": {"data_parallel": 2, "expert_parallel": 2},
+                      "ep2_micro2": {"data_parallel": 2, "expert_parallel": 2, "micro_batch_num": 2}},
                   4: {"dp4_ep2": {"data_parallel": 4, "expert_parallel": 2},
                       "dp2_ep2_mp2": {"data_parallel": 2, "model_parallel": 2, "expert_parallel": 2}}}
 
@@ -246,6 +248,55 @@ def test_masked_net_with_aux_loss_matches_one_process(world):
         assert len(records) == 10
         for step, (have, want) in enumerate(zip(records, reference), 1):
             assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"{name}: step {step}"
+
+
+class Regularised(nn.Module):
+    """A head whose paratrain.nn CrossEntropyLoss over the labels that are not ``PAD`` has a weight penalty added."""
+
+    def __init__(self):
+        super().__init__()
+        from paratrain.nn import CrossEntropyLoss
+
+        self.head, self.loss = nn.Linear(HIDDEN, VOCAB), CrossEntropyLoss()
+        self.head.pipeline_stage = 1
+
+    def forward(self, x, labels):
+        return self.loss(self.head(x), labels, (labels != PAD).float()) + 1e-3 * self.head.weight.square().sum()
+
+
+def _regularised_refusal(stages: int) -> str:
+    """The UserError of Model.train of ``Regularised`` in 2 micro-batches on ``stages`` pipeline stages."""
+    from paratrain import reset_auto_parallel_context, set_auto_parallel_context
+    from paratrain.errors import UserError
+    from paratrain.nn import PipelineCell
+    from paratrain.train import Model
+
+    reset_auto_parallel_context()
+    if stages > 1:
+        set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=stages)
+    net = Regularised()
+    try:
+        Model(PipelineCell(net, micro_size=2), optimizer=torch.optim.SGD(net.parameters(), lr=0.1)).train(
+            1, [(torch.randn(ROWS, HIDDEN), torch.randint(0, VOCAB, (ROWS,)))])
+    except UserError as exc:
+        return str(exc)
+    finally:
+        reset_auto_parallel_context()
+    return "trained"
+
+
+@pytest.mark.timeout(300)
+def test_terms_added_to_the_token_loss_are_refused_where_its_count_comes_too_late():
+    """With micro-batches (an MoE net's aux loss excepted: its tokens are counted first) and on pipeline
+    stages, another term would be divided by the global token count, or counted as tokens: refused, naming the
+    fix."""
+    from multiprocess import run_distributed
+
+    assert re.search(r"with micro_batch_num=2: .* use micro_batch_num=1, or return the loss alone$",
+                     _regularised_refusal(1))
+    for refusal in run_distributed(_regularised_refusal, 2, 2, timeout=280):
+        assert re.search(r"pipeline_stage=2: the net's loss adds other terms .* use pipeline_stage=1, or return "
+                         r"the loss alone$", refusal), refusal
 
 
 # --- the built-in GPT with [model] moe, `paratrain train`'s Trainer -------------------------------------------

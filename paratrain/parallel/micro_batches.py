@@ -89,16 +89,26 @@ class StepLoss:
         micro-batches."""
         terms, self.pending = self.pending, []
         if self.micro_batch_num == 1:
-            count = self._sum([c for _, _, c, _ in terms])
-            self.count = self.layout.all_reduce_dp(count).clamp(min=1e-5)
-            self.factor = self.layout.dp_size / self.count
-        elif not (len(terms) == 1 and output is terms[0][0]):
-            raise UserError(f"the net's loss adds other terms (a mixture of experts' aux loss...) to its "
-                            f"CrossEntropyLoss's token mean, with micro_batch_num={self.micro_batch_num}: the token "
-                            f"count of the global batch is known only after every micro-batch's forward; use "
-                            f"micro_batch_num=1 (or return the loss alone)")
+            self._count(terms)
+        elif self.count is None and not (len(terms) == 1 and output is terms[0][0]):
+            raise UserError(f"the net's loss adds other terms to its CrossEntropyLoss's token mean, with "
+                            f"micro_batch_num={self.micro_batch_num}: the token count of the global batch is known "
+                            f"only after every micro-batch's forward; use micro_batch_num=1, or return the loss alone")
         self.means.append((whole(output.detach()).float().reshape(()), [(m.detach(), *rest) for m, *rest in terms]))
         return output.float().reshape(()) * self.mean_factor
+
+    def count_first(self, forwards: Callable[[], None]) -> None:
+        """Run ``forwards()``, the forwards of this rank's micro-batches without gradients, for their token
+        counts: the global batch's count then divides the token means' gradients from the first backward on, and
+        the outputs may hold other terms (``with_token_means``)."""
+        forwards()
+        terms, self.pending = self.pending, []
+        self._count(terms)
+
+    def _count(self, terms: list[tuple]) -> None:
+        """The global batch's token count from this rank's ``terms``, added up over the data-parallel ranks."""
+        self.count = self.layout.all_reduce_dp(self._sum([count for _, _, count, _ in terms])).clamp(min=1e-5)
+        self.factor = self.layout.dp_size * self.micro_batch_num / self.count
 
     def _kept(self, loss: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         self.kept.append((whole(loss.detach()), None if count is None else whole(count.detach())))
@@ -171,6 +181,15 @@ def split(batch: dict | tuple, parts: int) -> list:
     chunks = [v.chunk(parts) if has_rows(v) else [v] * parts for v in values]
     micro_batches = [tuple(chunk[i] for chunk in chunks) for i in range(parts)]
     return [dict(zip(batch, micro)) for micro in micro_batches] if isinstance(batch, dict) else micro_batches
+
+
+def forward_only(batch: tuple, config: ParallelConfig, precision: str, device: torch.device, forward: Callable,
+                 phase) -> None:
+    """``forward(*micro_batch)`` of this rank's rows of a global batch in ``config.micro_batch_num`` micro-batches
+    as ``forward_backward`` runs them, without gradients."""
+    with torch.no_grad(), loss_context(config), autocast(precision, device), phase("forward"):
+        for micro in split(batch, config.micro_batch_num):
+            forward(*micro)
 
 
 def forward_backward(batch: dict | tuple, config: ParallelConfig, precision: str, device: torch.device, phase, *,
