@@ -349,6 +349,25 @@ def test_gpt_with_moe_matches_one_process(world, tmp_path):
             assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"{name}: step {step}"
 
 
+def test_trainer_logs_the_token_mean_plus_the_aux_loss(tmp_path):
+    """`paratrain train`'s record on one process: the encoder-decoder's (padded targets) cross-entropy over the
+    non-pad targets plus its blocks' load-balancing losses, computed here from the same model and batch."""
+    from paratrain.modules.moe import moe_totals
+    from paratrain.trainer import Trainer
+
+    trainer = Trainer(gpt_config(tmp_path, {}, steps=1, **_model_of("encoder_decoder")))
+    batch, ignore = trainer.data.batch(0), trainer.cfg.model.ignore_index
+    assert (batch["labels"] == ignore).any()
+    with torch.no_grad():
+        logits = trainer.model(**{k: v for k, v in batch.items() if k != "labels"})
+        cross_entropy = F.cross_entropy(logits.flatten(0, -2).float(), batch["labels"].flatten(), ignore_index=ignore)
+        aux = moe_totals(trainer.model)[0]
+    assert aux > 1e-2
+    (record,) = trainer.train()
+    assert record["loss"] == pytest.approx(float(cross_entropy + aux), rel=1e-6)
+    assert record["aux_loss"] == pytest.approx(float(aux), rel=1e-6)
+
+
 def _tensor_parallel_experts(root):
     """The GPT on mp2: its records and the local shapes of the first block's expert tensors."""
     from paratrain.trainer import Trainer
