@@ -299,6 +299,34 @@ def test_terms_added_to_the_token_loss_are_refused_where_its_count_comes_too_lat
                          r"the loss alone$", refusal), refusal
 
 
+def _regularised_losses(graph: bool) -> list[float]:
+    """Model.train's losses of ``Regularised`` (compiled whole under GRAPH_MODE: it has no layers)."""
+    import paratrain
+    from multiprocess import loss_recorder
+    from paratrain.train import Model
+
+    paratrain.set_context(mode=paratrain.GRAPH_MODE if graph else paratrain.PYNATIVE_MODE)
+    torch.manual_seed(0)
+    net, losses = Regularised(), loss_recorder()
+    data = [(torch.randn(ROWS, HIDDEN), torch.randint(0, VOCAB, (ROWS,))) for _ in range(4)]
+    with torch.no_grad():
+        first = float(net(*data[0]))
+    Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1)).train(1, data, callbacks=[losses])
+    assert losses.values[0] == pytest.approx(first, rel=1e-6)
+    return losses.values
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_compiled_net_returning_its_token_loss_plus_a_term_gives_the_eager_losses():
+    from multiprocess import run_distributed
+
+    # child processes: inductor's compile workers must not be inherited by the processes later tests fork
+    (eager,) = run_distributed(_regularised_losses, 1, False, timeout=280)
+    (graph,) = run_distributed(_regularised_losses, 1, True, timeout=280)
+    assert graph == pytest.approx(eager, rel=1e-5)
+
+
 # --- the built-in GPT with [model] moe, `paratrain train`'s Trainer -------------------------------------------
 
 GPT_MOE = {"kind": "gpt", "moe": {"expert_num": 4, "num_experts_chosen": 2, "capacity_factor": 1.0,

@@ -27,6 +27,7 @@ def token_means_to(step):
         _step[0] = None
 
 
+@torch.compiler.disable  # a compiled net (GRAPH_MODE) runs it eagerly: the step's normalisation is not traceable
 def sum_and_count(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """A token loss's sum and count, as the module docstring says: ``[sum, count]``, or in a step its token mean."""
     step = _step[0]
