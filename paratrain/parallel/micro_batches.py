@@ -34,8 +34,9 @@ class StepLoss:
     ``paratrain.modules.token_loss``) plus other terms, such as a mixture of experts' load-balancing loss, which
     are one process's when averaged over the micro-batches and replicas (``with_token_means``). Such a term's
     gradient must not be divided by the token count, so the count divides the token means' gradients in their
-    backward: with one micro-batch it is added up over the ranks before the backward; with several the counts of
-    the later micro-batches are not known yet, and the output must be a token mean alone."""
+    backward: with one micro-batch it is added up over the ranks before the backward; with several it comes from
+    forwards without gradients first (``count_first``: a net with a mixture of experts), else the output must be a
+    token mean alone, whose gradients the optimizer's step divides (``grad_scale``)."""
 
     def __init__(self, layout: Layout, micro_batch_num: int, loss_scale: torch.Tensor | float,
                  tokens: torch.Tensor | None = None, counted: bool = False):
@@ -131,7 +132,6 @@ class StepLoss:
             loss, out["grad_scale"] = loss / count, count.reciprocal()
         out["loss"] = layout.all_reduce_pp(loss)  # only the last stage has it
         return out
-
 
     def _means_result(self) -> dict:
         """``result`` of outputs holding token means: each token mean's share of the output (``weight``: its
