@@ -42,8 +42,9 @@ test-torch-2.11: $(VENV_211)/.installed
 
 # The GPU targets run without a venv, pip or network (the lent GPU machines have none): on the machine's own
 # python when its torch has CUDA (else .venv's; tools/gpu_python.sh says why neither will do and fails),
-# with this tree and the committed wheels of the pure-Python dependencies that python lacks on PYTHONPATH.
-GPU_WHEELS  := tomli_w
+# with this tree and the committed wheels of the dependencies that python lacks on PYTHONPATH (imported from
+# the zip: torchao's float8 training is Python over torch._scaled_mm; its compiled extras are not loaded).
+GPU_WHEELS  := tomli_w torchao==0.18.0
 GPU_PYTHON   = $$(bash tools/gpu_python.sh)
 GPU_ENV      = PYTHONPATH=$(CURDIR)$(foreach w,$(wildcard wheels/*.whl),:$(CURDIR)/$(w)) PARATRAIN_DEVICE=cuda
 
