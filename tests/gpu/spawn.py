@@ -1,5 +1,6 @@
 """Run a function on N GPUs: one spawned process per rank (never forked: CUDA cannot be used in a forked
-child), joined into one process group through the torchrun variables, results back by rank."""
+child), joined into one process group through the torchrun variables, results back by rank. With fewer GPUs
+than ranks (``PARATRAIN_SHARED_GPU=1``, set by conftest) the ranks share them and their collectives go over gloo."""
 from __future__ import annotations
 
 import os
@@ -8,9 +9,22 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 import torch.multiprocessing as mp
 
 from multiprocess import free_port
+from paratrain.device import shares_gpus
+
+
+def rank_devices(world_size: int) -> list[str]:
+    """The device each rank trains on: its own GPU, or with shared GPUs ``cuda:rank % GPUs``."""
+    count = torch.cuda.device_count() if shares_gpus() else world_size
+    return [f"cuda:{rank % count}" for rank in range(world_size)]
+
+
+def collective_backend() -> str:
+    """The backend of the ranks' CUDA tensors: NCCL, or gloo when they share GPUs."""
+    return "gloo" if shares_gpus() else "nccl"
 
 
 def gpu_env(root: Path) -> dict[str, str]:
@@ -35,7 +49,7 @@ def _rank_main(rank: int, world_size: int, port: int, env: dict, fn, args: tuple
 
 
 def run_spawned(fn, world_size: int, *args, root: Path, timeout: float = 300.0) -> list:
-    """``fn(*args)`` on ranks 0..world_size-1 (rank r on ``cuda:r``) in the ``gpu_env(root)`` environment;
+    """``fn(*args)`` on ranks 0..world_size-1 (on ``rank_devices``) in the ``gpu_env(root)`` environment;
     returns the results by rank.
 
     ``fn`` must be importable (a module-level function). A failed rank raises here with its traceback
