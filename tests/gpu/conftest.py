@@ -2,7 +2,8 @@
 reason on one line, when there is no GPU or ``PARATRAIN_DEVICE=cpu`` keeps the run on the CPU. A test that needs
 more GPUs than are visible runs with its ranks sharing them (``PARATRAIN_SHARED_GPU=1``, a test mode:
 ``paratrain.device``): the lent machines have one GPU, so the two-rank tests run there with gloo carrying the
-CUDA tensors instead of NCCL; ``PARATRAIN_SHARED_GPU=0`` skips them instead."""
+CUDA tensors instead of NCCL; ``PARATRAIN_SHARED_GPU=0`` skips them instead. ``PARATRAIN_GPU_TESTS=one`` (or
+``several``) keeps only the tests that need one GPU (or more), so that tools/gpu_check.sh times them apart."""
 import os
 from pathlib import Path
 
@@ -44,6 +45,14 @@ def share_the_gpu_when_too_few(request, monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
+    wanted = os.environ.get("PARATRAIN_GPU_TESTS", "").strip()
+    if wanted:
+        if wanted not in ("one", "several"):
+            raise pytest.UsageError(f"PARATRAIN_GPU_TESTS={wanted!r}: expected one or several (or unset: all)")
+        left_out = [item for item in items if item.path.is_relative_to(HERE)
+                    and (needed_gpus(item) > 1) != (wanted == "several")]
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item not in left_out]
     for item in items:
         if not item.path.is_relative_to(HERE):  # this hook sees the whole session's tests
             continue
