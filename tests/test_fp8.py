@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from conftest import tiny_config
+from multiprocess import run_distributed
 from test_checkpoint import train_stopped_after
 from paratrain import cli, precision, preflight
 from paratrain.amp import precision_of
@@ -170,3 +171,25 @@ def test_an_fp8_run_resumes_from_its_checkpoint_as_if_uninterrupted(tmp_path, fp
     saved = info(tmp_path / "whole" / "checkpoints")["tensors"]
     bf16 = Trainer(tiny_config(run={"dir": str(tmp_path / "bf16")}, model=GPT, train={"mixed_precision": "bf16"}))
     assert {f"model.{name}" for name in bf16.model.state_dict()} <= set(saved)
+
+
+def fp8_run(cfg):
+    """The losses, and how many of this rank's Linears are fp8."""
+    trainer = Trainer(cfg)
+    return [r["loss"] for r in trainer.train()], sum(type(m).__name__ == "Float8Linear" for m in trainer.model.modules())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{"dp": 2, "zero_stage": 3}, {"pp": 2, "micro_batch_num": 2}],
+                         ids=["dp2_zero3", "pp2"])
+def test_fp8_with_data_parallel_and_pipeline_follows_one_process(tmp_path, fp8_runs_here, parallel):
+    """FSDP2 gathers the fp8 Linears' weights in bf16 and each stage converts its own layers; the scales are
+    per tensor on each rank's batch, so the losses match one process to fp8's rounding, not exactly."""
+    def config(name, layout):
+        return tiny_config(run={"dir": str(tmp_path / name)}, model=GPT, parallel=layout,
+                           train={"mixed_precision": "fp8", "steps": 8, "lr": 1e-2}, metrics={"progress": False})
+
+    want, linears = fp8_run(config("one", {}))
+    ranks = run_distributed(fp8_run, 2, config("two", parallel))
+    assert linears == 12 and [n for _, n in ranks] == ([12, 12] if "dp" in parallel else [6, 6])
+    assert ranks[0][0] == pytest.approx(want, rel=3e-2)
