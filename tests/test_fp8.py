@@ -193,3 +193,37 @@ def test_fp8_with_data_parallel_and_pipeline_follows_one_process(tmp_path, fp8_r
     ranks = run_distributed(fp8_run, 2, config("two", parallel))
     assert linears == 12 and [n for _, n in ranks] == ([12, 12] if "dp" in parallel else [6, 6])
     assert ranks[0][0] == pytest.approx(want, rel=3e-2)
+
+
+class Regression(nn.Module):
+    """A MindSpore-face user's net that returns its loss: an fp8-sized block and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh())
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.head(self.block(x)).float(), y)
+
+
+def model_face_losses(amp_level):
+    from paratrain.train import Model
+    from test_model_engine import Losses
+
+    torch.manual_seed(0)
+    net = Regression()
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 32, generator=g), torch.randn(16, 1, generator=g)) for _ in range(8)]
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2), amp_level=amp_level)
+    losses = Losses()
+    model.train(1, data, callbacks=[losses])
+    return losses.losses, [type(m).__name__ for m in (net.block[0], net.block[2], net.head)]
+
+
+def test_model_amp_level_fp8_trains_the_users_linears_in_fp8_as_o2_trains_them_in_bf16(fp8_runs_here):
+    bf16, kinds = model_face_losses("O2")
+    fp8, fp8_kinds = model_face_losses("fp8")
+    assert kinds == ["Linear"] * 3 and fp8_kinds == ["Float8Linear", "Float8Linear", "Linear"]
+    assert fp8[-1] < fp8[0]
+    assert fp8 == pytest.approx(bf16, rel=5e-2) and fp8 != pytest.approx(bf16, rel=1e-6)
