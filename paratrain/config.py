@@ -410,7 +410,7 @@ class TrainConfig(Section):
     warmup_type: str = "linear"
     warmup_min_lr: float = 0.0
     lr_decay_steps: int = 0  # the step where the decay ends (DeepSpeed's total_num_steps); 0: train.steps
-    mixed_precision: str = "auto"  # bf16 on a GPU, "none" (fp32) on the CPU; fp8 Linears on Hopper (paratrain.precision)
+    mixed_precision: str = "auto"  # bf16 on a GPU, "none" (fp32) on the CPU; fp8: Linears in fp8 (paratrain.precision)
     compile: bool = False  # torch.compile each layer (after tensor parallel and recompute, before FSDP)
     initial_loss_scale: float = 65536.0  # fp16 only
     min_loss_scale: float = 1.0  # fp16: an overflow at this scale stops training (DeepSpeed's min_loss_scale)

@@ -15,7 +15,8 @@ from torch import nn
 from conftest import tiny_config
 from multiprocess import run_distributed
 from test_checkpoint import train_stopped_after
-from paratrain import cli, precision, preflight
+from test_launch_inputs import refused
+from paratrain import precision, preflight
 from paratrain.amp import precision_of
 from paratrain.checkpoint import info
 from paratrain.errors import UserError
@@ -36,17 +37,9 @@ def fp8_runs_here(monkeypatch):
     monkeypatch.setattr(precision, "fp8_unavailable", lambda device: None)
 
 
-def refusal(capsys, *argv) -> str:
-    code = cli.main(list(argv))
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    return err
-
-
 def test_train_refuses_fp8_on_the_cpu_in_one_line_before_it_starts(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PARATRAIN_DEVICE", "cpu")
-    err = refusal(capsys, "train", f"--run.dir={tmp_path / 'run'}", "--train.mixed_precision=fp8", "--train.steps=1")
+    err = refused(capsys, "train", f"--run.dir={tmp_path / 'run'}", "--train.mixed_precision=fp8", "--train.steps=1")
     assert "train.mixed_precision='fp8' cannot run here: the device is the CPU" in err
     assert "compute capability 8.9" in err and "mixed_precision='bf16'" in err
     assert not (tmp_path / "run").exists()  # nothing was built
@@ -55,7 +48,7 @@ def test_train_refuses_fp8_on_the_cpu_in_one_line_before_it_starts(tmp_path, cap
 def test_launch_refuses_fp8_on_the_cpu_before_any_rank_starts(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PARATRAIN_DEVICE", "cpu")
     monkeypatch.setenv("PARATRAIN_HOME", str(tmp_path / "home"))
-    err = refusal(capsys, "launch", "--nproc-per-node", "2", "--name", "fp8", "--", "train",
+    err = refused(capsys, "launch", "--nproc-per-node", "2", "--name", "fp8", "--", "train",
                   f"--run.dir={tmp_path / 'run'}", "--train.mixed_precision=fp8", "--parallel.data_parallel=2")
     assert "train.mixed_precision='fp8' cannot run here: the device is the CPU" in err
     assert not (tmp_path / "run").exists() and not (tmp_path / "home").exists()
@@ -71,14 +64,15 @@ def test_fp8_is_refused_before_hopper_and_without_torchao(monkeypatch):
     assert precision.fp8_unavailable(cuda) is None
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # an import that fails
     why = precision.fp8_unavailable(cuda)
-    assert why.startswith(f"torchao's float8 training does not import with torch {torch.__version__} (ModuleNotFoundError: ")
+    assert why.startswith(f"torchao's float8 training does not import with torch {torch.__version__} "
+                          f"(ModuleNotFoundError: ")
     assert why.endswith("pip install 'paratrain[fp8]' (torchao)")
 
 
 def test_fp8_with_tensor_parallel_is_refused_by_the_rules(tmp_path, fp8_runs_here):
     cfg = tiny_config(run={"dir": str(tmp_path)}, model=GPT, parallel={"model_parallel": 2},
                       train={"mixed_precision": "fp8"})
-    with pytest.raises(UserError, match=r"mixed_precision='fp8' with parallel.model_parallel=2: .* use model_parallel=1"):
+    with pytest.raises(UserError, match=r"'fp8' with parallel.model_parallel=2: .* use model_parallel=1"):
         preflight.check(cfg, 2)
 
 
@@ -176,7 +170,8 @@ def test_an_fp8_run_resumes_from_its_checkpoint_as_if_uninterrupted(tmp_path, fp
 def fp8_run(cfg):
     """The losses, and how many of this rank's Linears are fp8."""
     trainer = Trainer(cfg)
-    return [r["loss"] for r in trainer.train()], sum(type(m).__name__ == "Float8Linear" for m in trainer.model.modules())
+    linears = sum(type(m).__name__ == "Float8Linear" for m in trainer.model.modules())
+    return [r["loss"] for r in trainer.train()], linears
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Two GPUs (NCCL), or two ranks sharing one (gloo: conftest): every layout trains like one GPU, and a checkpointed run resumes where it stopped.
+"""Two GPUs (NCCL), or two ranks sharing one (gloo: conftest): every layout trains like one GPU, and a
+checkpointed run resumes where it stopped.
 
 All runs are bf16 mixed precision, the precision the GPU path is for. Tolerances:
 
