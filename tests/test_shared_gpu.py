@@ -47,3 +47,37 @@ def test_the_launcher_refuses_two_ranks_on_one_gpu_even_in_the_test_mode(one_gpu
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("paratrain: 2 ranks on this host but 1 GPU(s) visible"), err
     assert not (tmp_path / "run").exists() and not (tmp_path / "home").exists()
+
+
+def pipeline_losses(cfg, staged: bool):
+    """Worker: a two-stage pipeline's losses, its point-to-point ops staged through host copies as with shared
+    GPUs (here the CPU tensors too), and how many received tensors were copied back."""
+    from gpu import spawn
+    from paratrain.trainer import Trainer
+
+    class Counted(spawn.HostStagedWork):
+        received = 0
+
+        def __init__(self, works, received):
+            Counted.received += len(received)
+            super().__init__(works, received)
+
+    if staged:
+        spawn.STAGED_DEVICES, spawn.HostStagedWork = ("cuda", "cpu"), Counted
+        spawn.stage_point_to_point_through_host()
+    return [r["loss"] for r in Trainer(cfg).train()], Counted.received
+
+
+@pytest.mark.slow
+def test_point_to_point_through_host_copies_leaves_a_pipeline_exact(tmp_path):
+    from conftest import tiny_config
+    from multiprocess import run_distributed
+
+    def config(name):
+        return tiny_config(run={"dir": str(tmp_path / name)}, model={"kind": "gpt"}, metrics={"progress": False},
+                           parallel={"pp": 2, "micro_batch_num": 4, "pipeline_schedule": "1f1b"}, train={"steps": 4})
+
+    plain = run_distributed(pipeline_losses, 2, config("plain"), False)
+    staged = run_distributed(pipeline_losses, 2, config("staged"), True)
+    assert [r[1] for r in plain] == [0, 0] and all(r[1] > 0 for r in staged)  # both stages received through copies
+    assert staged[0][0] == plain[0][0] and plain[0][0][-1] < plain[0][0][0]
