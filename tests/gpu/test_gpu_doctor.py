@@ -16,7 +16,9 @@ from paratrain.device import shares_gpus
 def test_doctor_two_gpus(tmp_path):
     env = {**os.environ, **gpu_env(tmp_path)}
     if shares_gpus():  # the launcher refuses two ranks on one GPU, as it does for users: torchrun starts them
-        command = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "paratrain", "doctor"]
+        # (all-reduces up to 64 MB: through host memory a GB says nothing more)
+        command = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "paratrain", "doctor",
+                   "--size-mb", "64"]
     else:
         command = ["-m", "paratrain", "doctor", "--nproc-per-node", "2", "--name", "doctor-gpu"]
     proc = subprocess.run([PYTHON, *command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
