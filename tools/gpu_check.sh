@@ -11,8 +11,8 @@
 # bash tools/gpu_check.sh [PART...] runs those parts (default: all, in that order). Each part has a time limit,
 # cut to what is left of GPU_CHECK_BUDGET_S (default 570 s) so that the whole stays within 10 minutes; a part
 # with under 20 s left is not started and counts as failed. Every part runs; the script exits 1 if any failed.
-# Results under $OUT/gpu_check/ when OUT is set, else runs/gpu_check/: each part's log, the pytest parts' JUnit
-# XML, the bench JSON, collectives.json, fp8_speed.json.
+# Results under $OUT/gpu_check/ when OUT is set, else runs/gpu_check/: each part's log (PART.log), the pytest
+# parts' JUnit XML (PART.xml), the refusals' stderr, the bench JSON, collectives.json, fp8_speed/fp8_speed.json.
 set -u
 cd "$(dirname "$0")/.."
 declare -A limits=([suite]=150 [refusals]=60 [bench]=220 [fp8]=120 [shared]=240 [fp8-speed]=200)
@@ -45,30 +45,30 @@ part() {  # part NAME LIMIT_S FUNCTION: run it within its limit and the budget; 
     echo "== gpu_check: $name: $* (limit $limit s)"
     "$@" "$limit" 2>&1 | tee "$out/$name.log"
     code=${PIPESTATUS[0]}
-    [ "$code" = 124 ] && echo "== gpu_check: $name ran past its time limit of $limit s"
+    case $code in 124 | 137) echo "== gpu_check: $name ran past its time limit of $limit s" ;; esac
     echo "== gpu_check: $name: exit $code after $((SECONDS - start)) s"
     [ "$code" = 0 ] || failed+=("$name")
 }
 
-gpu_tests() {  # gpu_tests WHICH(one|several) LIMIT PYTEST_ARGS...
-    local which=$1 limit=$2
-    shift 2
-    PARATRAIN_GPU_TESTS=$which PARATRAIN_GPU_REPORT="$out" timeout "$limit" "$python" -m pytest -v -rs \
-        -p no:cacheprovider --junitxml="$out/tests_$which.xml" "$@"
+gpu_tests() {  # gpu_tests PART WHICH(one|several) LIMIT PYTEST_ARGS...
+    local name=$1 which=$2 limit=$3
+    shift 3
+    PARATRAIN_GPU_TESTS=$which PARATRAIN_GPU_REPORT="$out" timeout -k 10 "$limit" "$python" -m pytest -v -rs \
+        -p no:cacheprovider --junitxml="$out/$name.xml" "$@"
 }
 
-suite() { gpu_tests one "$1" tests/gpu --ignore=tests/gpu/test_gpu_fp8.py; }
-shared() { gpu_tests several "$1" tests/gpu; }
-fp8() { gpu_tests one "$1" tests/gpu/test_gpu_fp8.py; }
+suite() { gpu_tests suite one "$1" tests/gpu --ignore=tests/gpu/test_gpu_fp8.py; }
+shared() { gpu_tests shared several "$1" tests/gpu; }
+fp8() { gpu_tests fp8 one "$1" tests/gpu/test_gpu_fp8.py; }
 
 bench() {
-    timeout "$1" "$python" bench/gpu_throughput.py --steps 8 --warmup 2 --json "$out/gpu_throughput.json"
+    timeout -k 10 "$1" "$python" bench/gpu_throughput.py --steps 8 --warmup 2 --json "$out/gpu_throughput.json"
 }
 
-refused() {  # refused EXPECTED_START LIMIT COMMAND...: exit 2 and one line on stderr that starts so
-    local expected=$1 limit=$2 err="$out/refusal.err"
-    shift 2
-    timeout "$limit" "$@" > /dev/null 2> "$err"
+refused() {  # refused NAME EXPECTED_START LIMIT COMMAND...: exit 2 and one line on stderr that starts so
+    local err="$out/refused-$1.err" expected=$2 limit=$3
+    shift 3
+    timeout -k 10 "$limit" "$@" > /dev/null 2> "$err"
     local code=$?
     cat "$err"
     if [ $code = 2 ] && [ "$(wc -l < "$err")" = 1 ] && grep -q "^$expected" "$err"; then
@@ -82,10 +82,10 @@ refused() {  # refused EXPECTED_START LIMIT COMMAND...: exit 2 and one line on s
 refusals() {
     local limit=$(($1 / 2)) code=0
     PARATRAIN_SHARED_GPU= CUDA_VISIBLE_DEVICES=0 \
-        refused "paratrain: 2 ranks on this host but 1 GPU(s) visible" "$limit" "$python" -m paratrain launch \
+        refused two-ranks "paratrain: 2 ranks on this host but 1 GPU(s) visible" "$limit" "$python" -m paratrain launch \
         --nproc-per-node 2 --name gpu-check-refusal -- train --config examples/demo.toml \
         --parallel.data_parallel=2 --parallel.model_parallel=1 --parallel.pipeline_stage=1 || code=1
-    PARATRAIN_DEVICE=cpu refused "paratrain: invalid configuration: train.mixed_precision='fp8' cannot run here: \
+    PARATRAIN_DEVICE=cpu refused fp8-on-cpu "paratrain: invalid configuration: train.mixed_precision='fp8' cannot run here: \
 the device is the CPU" "$limit" "$python" -m paratrain train --run.dir="$out/fp8-refused" \
         --train.mixed_precision=fp8 --train.steps=1 || code=1
     return $code
@@ -95,7 +95,7 @@ fp8_speed() {  # the 1B GPT of the bench, compiled, 12 steps each in bf16 and fp
     local limit=$1 start=$SECONDS precision
     for precision in bf16 fp8; do
         [ $((limit - (SECONDS - start))) -ge 10 ] || return 124
-        timeout $((limit - (SECONDS - start))) "$python" -m paratrain train --model.kind=gpt --model.vocab_size=32000 \
+        timeout -k 10 $((limit - (SECONDS - start))) "$python" -m paratrain train --model.kind=gpt --model.vocab_size=32000 \
             --model.hidden_size=2048 --model.num_heads=16 --model.ffn_hidden_size=8192 --model.decoder_layers=18 \
             --model.seq_length=2048 --model.hidden_dropout=0 --model.attention_dropout=0 \
             --train.global_batch_size=8 --train.steps=12 --train.compile=true --train.mixed_precision=$precision \
