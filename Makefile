@@ -54,12 +54,14 @@ test-torch-2.11: $(VENV_211)/.installed
 
 # The GPU targets run without a venv, pip or network (the lent GPU machines have none): on the machine's own
 # python when its torch has CUDA (else .venv's; tools/gpu_python.sh says why neither will do and fails),
-# with this tree and the committed wheels of the pure-Python dependencies that python lacks on PYTHONPATH.
-GPU_WHEELS  := tomli_w
+# with this tree and the committed wheels of the dependencies that python lacks on PYTHONPATH (imported from
+# the zip: torchao's float8 training is Python over torch._scaled_mm; its compiled extras are not loaded).
+GPU_WHEELS  := tomli_w torchao==0.18.0
 GPU_PYTHON   = $$(bash tools/gpu_python.sh)
 GPU_ENV      = PYTHONPATH=$(CURDIR)$(foreach w,$(wildcard wheels/*.whl),:$(CURDIR)/$(w)) PARATRAIN_DEVICE=cuda
 
-# the GPU suite (tests/gpu); a test that needs more GPUs than there are is skipped, with the reason
+# the GPU suite (tests/gpu); a test that needs more GPUs than there are runs with its ranks sharing them over
+# gloo (test mode PARATRAIN_SHARED_GPU=1, tests/gpu/conftest.py; PARATRAIN_SHARED_GPU=0: skipped, with the reason)
 gpu-test:
 	@python=$(GPU_PYTHON) && $(GPU_ENV) $$python -m pytest -v -rs tests/gpu
 
@@ -68,9 +70,10 @@ gpu-wheels:
 	rm -f wheels/*.whl
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --dest wheels $(GPU_WHEELS)
 
-# everything a lent GPU machine should run, in under 10 minutes: the GPU suite, the throughput bench, a refusal
+# everything a lent GPU machine should run, in under 10 minutes: the GPU suite (two ranks sharing a lone GPU),
+# the refusals, the throughput bench, fp8 against bf16 (losses and speed); PARTS="fp8 shared" runs only those
 gpu-check:
-	bash tools/gpu_check.sh
+	bash tools/gpu_check.sh $(PARTS)
 
 bench: install
 	mkdir -p runs/bench

@@ -8,7 +8,7 @@ import torch
 from paratrain.errors import UserError
 from paratrain.precision import LossScaler
 
-AMP_LEVELS = ("O0", "O1", "O2", "O3")
+AMP_LEVELS = ("O0", "O1", "O2", "O3", "fp8")
 
 
 class LossScaleManager:
@@ -56,7 +56,8 @@ class DynamicLossScaleManager(LossScaleManager):
 
 def precision_of(amp_level: str, loss_scale_manager: LossScaleManager | None) -> str:
     """``Model``'s ``amp_level`` as ``train.mixed_precision``: "O0" fp32; "O1"/"O2"/"O3" bf16 compute with
-    fp32 weights, or fp16 with loss scaling when a loss-scale manager is given."""
+    fp32 weights, or fp16 with loss scaling when a loss-scale manager is given; "fp8" (paratrain's own level)
+    the Linear layers in fp8 and the rest in bf16, refused where fp8 cannot run."""
     if amp_level not in AMP_LEVELS:
         raise UserError(f"Model(amp_level={amp_level!r}): expected one of {', '.join(AMP_LEVELS)}")
     if loss_scale_manager is not None and not isinstance(loss_scale_manager, LossScaleManager):
@@ -67,4 +68,12 @@ def precision_of(amp_level: str, loss_scale_manager: LossScaleManager | None) ->
             raise UserError("Model(amp_level='O0', loss_scale_manager=...): fp32 needs no loss scaling; use "
                             "amp_level='O2' for fp16 with loss scaling")
         return "none"
+    if amp_level == "fp8":
+        from paratrain.device import device
+        from paratrain.precision import fp8_unavailable
+
+        why = "bf16 needs no loss scaling" if loss_scale_manager is not None else fp8_unavailable(device())
+        if why:
+            raise UserError(f"Model(amp_level='fp8') cannot run here: {why}; use amp_level='O2' (bf16)")
+        return "fp8"
     return "fp16" if loss_scale_manager is not None else "bf16"

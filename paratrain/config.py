@@ -22,7 +22,7 @@ from paratrain.errors import UserError
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 RECOMPUTE_MODES = ("none", "full", "selective")
-MIXED_PRECISION = ("auto", "none", "bf16", "fp16")
+MIXED_PRECISION = ("auto", "none", "bf16", "fp16", "fp8")
 LR_SCHEDULES = ("cosine", "warmup_lr", "warmup_decay_lr", "warmup_cosine_lr")  # the last three: DeepSpeed's
 WARMUP_TYPES = ("linear", "log")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -414,7 +414,7 @@ class TrainConfig(Section):
     warmup_type: str = "linear"  # warmup of the DeepSpeed schedules: linear | log
     warmup_min_lr: float = 0.0  # learning rate the DeepSpeed schedules' warmup starts at
     lr_decay_steps: int = 0  # the step where the decay ends (DeepSpeed's total_num_steps); 0: train.steps
-    mixed_precision: str = "auto"  # bf16 on a GPU, "none" (fp32) on the CPU (paratrain.precision)
+    mixed_precision: str = "auto"  # bf16 on a GPU, "none" (fp32) on the CPU; fp8: Linears in fp8 (paratrain.precision)
     compile: bool = False  # torch.compile each layer (after tensor parallel and recompute, before FSDP)
     initial_loss_scale: float = 65536.0  # fp16 only
     min_loss_scale: float = 1.0  # fp16: an overflow at this scale stops training (DeepSpeed's min_loss_scale)

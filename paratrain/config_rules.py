@@ -103,6 +103,10 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
                         f"= {t.lr_decay_steps or t.steps} steps, not more than its warmup of max(2, warmup_steps="
                         f"{t.warmup_steps}) steps: raise lr_decay_steps or lower warmup_steps")
     problems += _offload_problems(p)
+    if t.mixed_precision == "fp8" and p.model_parallel > 1:
+        problems.append(f"train.mixed_precision='fp8' with parallel.model_parallel={p.model_parallel}: fp8 Linears "
+                        f"are not split by tensor parallel: use model_parallel=1 (data parallel, ZeRO and pipeline "
+                        f"stages take fp8), or mixed_precision='bf16'")
     for name in ("hidden_dropout", "attention_dropout"):
         value = getattr(m, name)
         if not 0 <= value < 1:

@@ -3,6 +3,11 @@
 ``PARATRAIN_DEVICE`` = ``auto`` (default: ``cuda:LOCAL_RANK`` when CUDA is present, else the CPU),
 ``cpu`` or ``cuda``; the backend follows: NCCL on CUDA, gloo on the CPU. More ranks on a host than
 GPUs are refused before anything starts (NCCL would fail later with "Duplicate GPU").
+
+``PARATRAIN_SHARED_GPU=1`` is a test mode, not a user feature: tests/gpu sets it to run its two-rank tests on
+a machine with one GPU. The ranks of a host then share its GPUs (rank r on ``cuda:r % GPUs``) and their
+collectives go over gloo, which carries CUDA tensors through the host (NCCL refuses two ranks on one GPU);
+the launcher's refusal above still holds.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from paratrain.host_memory import fix_mmap_threshold
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "bf16": torch.bfloat16, "fp16": torch.float16}  # model.dtype and train.mixed_precision names
 CHOICES = ("auto", "cpu", "cuda")
+SHARED_GPU = "PARATRAIN_SHARED_GPU"
 
 
 def _choice(choice: str | None) -> str:
@@ -39,6 +45,11 @@ def uses_cuda(choice: str | None = None) -> bool:
     return True
 
 
+def shares_gpus() -> bool:
+    """Whether this process runs in the test mode where a host's ranks share its GPUs over gloo."""
+    return os.environ.get(SHARED_GPU, "").strip() == "1"
+
+
 def check_local_ranks(local_ranks: int, choice: str | None = None) -> None:
     """Refuse ``local_ranks`` ranks on this host when they would run on fewer GPUs than that."""
     if not uses_cuda(choice):
@@ -56,15 +67,17 @@ def device(choice: str | None = None) -> torch.device:
     if not uses_cuda(choice):
         return torch.device("cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if shares_gpus():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
     check_local_ranks(max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), local_rank + 1), choice)
     return torch.device("cuda", local_rank)
 
 
 def backend(host_tensors: bool = False) -> str:
-    """The collective backend of this process's device: ``nccl`` on CUDA, ``gloo`` on the CPU. With
-    ``host_tensors`` (offloaded gradients, whose norm is reduced on the host) CUDA runs add gloo for
-    CPU tensors."""
-    if device().type != "cuda":
+    """The collective backend of this process's device: ``nccl`` on CUDA, ``gloo`` on the CPU and for GPUs
+    shared by ranks (``shares_gpus``). With ``host_tensors`` (offloaded gradients, whose norm is reduced on the
+    host) CUDA runs add gloo for CPU tensors."""
+    if device().type != "cuda" or shares_gpus():
         return "gloo"
     return "cpu:gloo,cuda:nccl" if host_tensors else "nccl"
 

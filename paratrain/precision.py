@@ -1,9 +1,11 @@
-"""Mixed precision: fp32 master weights, bf16/fp16 compute, dynamic loss scaling for fp16."""
+"""Mixed precision: fp32 master weights, bf16/fp16 compute, dynamic loss scaling for fp16; fp8 Linears
+(torchao's float8 training) on GPUs that have fp8 tensor cores."""
 from __future__ import annotations
 
 import contextlib
 
 import torch
+from torch import nn
 
 from paratrain.device import DTYPES
 from paratrain.optim import step_dividing
@@ -17,11 +19,61 @@ def resolve_mixed_precision(mixed_precision: str, device: torch.device) -> str:
     return "bf16" if device.type == "cuda" else "none"
 
 
+def compute_dtype(mixed_precision: str) -> torch.dtype:
+    """The dtype autocast computes in and FSDP2 gathers parameters in: fp8 runs the rest of the model in bf16."""
+    return DTYPES["bf16" if mixed_precision == "fp8" else mixed_precision]
+
+
 def autocast(mixed_precision: str, device: torch.device):
     """Forward in bf16/fp16 where safe (matmuls), fp32 elsewhere; parameters stay fp32."""
     if mixed_precision == "none":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[mixed_precision])
+    return torch.autocast(device.type, dtype=compute_dtype(mixed_precision))
+
+
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with fp8 tensor cores (torch._scaled_mm)
+FP8_ALIGNMENT = 16  # torch._scaled_mm's dimensions are multiples of 16
+HEAD_NAMES = ("head", "lm_head", "output", "classifier")  # a Linear so named is an output head: it stays bf16
+
+
+def fp8_unavailable(device: torch.device) -> str | None:
+    """Why fp8 training cannot run on ``device`` (no fp8 tensor cores, or torchao's float8 training does not
+    import with this torch), or None when it can."""
+    if device.type != "cuda":
+        return (f"the device is the {device.type.upper()}, and fp8 matmuls need an NVIDIA GPU of compute "
+                f"capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or more (Ada, Hopper)")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_CAPABILITY:
+        return (f"{torch.cuda.get_device_name(device)} has compute capability {capability[0]}.{capability[1]}, and "
+                f"fp8 matmuls need {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or more (Ada, Hopper)")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 -- any failure to import is the reason to report
+        why = (str(exc).splitlines() or [""])[0]
+        return (f"torchao's float8 training does not import with torch {torch.__version__} "
+                f"({type(exc).__name__}: {why}): pip install 'paratrain[fp8]' (torchao)")
+    return None
+
+
+def fp8_linear_names(model: nn.Module) -> list[str]:
+    """The Linear layers of ``model`` that train in fp8: plain ``nn.Linear`` (a subclass, such as the fused
+    output head, keeps its own forward) with both dimensions multiples of 16, except one named as an output
+    head (``HEAD_NAMES``), whose logits fp8 would coarsen."""
+    return [name for name, module in model.named_modules()
+            if type(module) is nn.Linear and name.rpartition(".")[2] not in HEAD_NAMES
+            and module.in_features % FP8_ALIGNMENT == 0 and module.out_features % FP8_ALIGNMENT == 0]
+
+
+def convert_to_fp8(model: nn.Module) -> list[str]:
+    """Swap ``model``'s ``fp8_linear_names`` for torchao's ``Float8Linear`` in place (the same parameters,
+    so state-dict keys and checkpoints are unchanged; matmuls in fp8 with dynamic tensor-wise scales, the
+    inner dimension padded to 16 where a batch's token count is not); returns their names."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    chosen = set(fp8_linear_names(model))
+    convert_to_float8_training(model, config=Float8LinearConfig(pad_inner_dim=True),
+                               module_filter_fn=lambda module, name: name in chosen)
+    return sorted(chosen)
 
 
 class LossScaleFloor(RuntimeError):

@@ -45,7 +45,7 @@ def check(cfg: Config, world_size: int, local_world_size: int | None = None, res
     """Raise ConfigError listing every problem above, or a CheckpointError about the resume; else return
     ``cfg``. ``local_world_size``: ranks on this host (default ``$LOCAL_WORLD_SIZE``, else ``world_size``)."""
     _raise_any(validate(cfg, world_size, resolved))  # the checks below trust these numbers
-    _raise_any(offload_problems(cfg))
+    _raise_any(offload_problems(cfg) + fp8_problems(cfg))
     local = local_world_size or ranks_on_this_host(world_size)
     _raise_any(memory_problems(cfg, world_size, local) + data_problems(cfg))
     check_resume(cfg)
@@ -71,6 +71,15 @@ def offload_problems(cfg: Config) -> list[str]:
             f"and optimizer state from a GPU to host memory, and this run's device is the CPU (PARATRAIN_DEVICE="
             f"{os.environ.get('PARATRAIN_DEVICE', 'auto')}, no CUDA in use), where they are in host memory "
             f"already: set parallel.{name}='none' (DeepSpeed: zero_optimization.{name}.device 'none')"]
+
+
+def fp8_problems(cfg: Config) -> list[str]:
+    """``train.mixed_precision = "fp8"`` needs fp8 tensor cores and torchao (``paratrain.precision``)."""
+    from paratrain.device import device
+    from paratrain.precision import fp8_unavailable
+
+    why = fp8_unavailable(device()) if cfg.train.mixed_precision == "fp8" else None
+    return [f"train.mixed_precision='fp8' cannot run here: {why}; use mixed_precision='bf16'"] if why else []
 
 
 # --- sizes ---------------------------------------------------------------------------------------

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Prints the python that runs the GPU targets (make gpu-test, make bench-gpu, tools/gpu_check.sh): the
-# first of $GPU_PYTHON, the machine's own python3 (the lent GPU machines': torch with CUDA preinstalled,
+# Prints the python that runs the GPU targets (make gpu-test, make bench-gpu, tools/gpu_check.sh): $GPU_PYTHON
+# when set, else the first of the machine's own python3 (the lent GPU machines': torch with CUDA preinstalled,
 # no network for a venv) and this project's .venv/bin/python (make install) whose torch sees a GPU and is
 # a release paratrain supports. Its other imports are checked too, with the wheels of wheels/ on the path
-# (make gpu-wheels). Without such a python it says why, one line per candidate, and exits 1.
+# (make gpu-wheels). Without such a python it says why and exits 1: for $GPU_PYTHON in one line, else one line
+# per candidate and a last one.
 set -u
 cd "$(dirname "$0")/.."
 wheels=$(ls wheels/*.whl 2>/dev/null | sed "s|^|:$PWD/|" | tr -d '\n')
-for python in ${GPU_PYTHON:-} python3 .venv/bin/python; do
-    command -v "$python" >/dev/null 2>&1 || continue
+candidates=(python3 .venv/bin/python)
+[ -n "${GPU_PYTHON:-}" ] && candidates=("$GPU_PYTHON")
+for python in "${candidates[@]}"; do
+    if ! command -v "$python" >/dev/null 2>&1; then
+        [ -n "${GPU_PYTHON:-}" ] && echo "gpu: GPU_PYTHON=$python: no such command" >&2
+        continue
+    fi
     why=$(PYTHONPATH="$PWD$wheels" "$python" - 2>&1 <<'EOF'
 import importlib.util
 import re
@@ -42,5 +48,6 @@ EOF
     fi
     echo "gpu: $python: $why" >&2
 done
+[ -n "${GPU_PYTHON:-}" ] && exit 1
 echo "gpu: no python here has a torch that sees a GPU: the GPU targets need a CUDA machine (the CPU suite: make test)" >&2
 exit 1

@@ -1,9 +1,9 @@
 """The one entry point: ``parallelize(model, config, layout)``.
 
-Order (as torchtitan): pipeline split -> tensor parallel -> expert parallel -> recompute -> compile
-(``train.compile``: each layer) -> data parallel / ZeRO (the last four on each pipeline
-chunk). Each step is applied only when its dimension is used, so one process gets the
-plain model.
+Order (as torchtitan): pipeline split -> fp8 Linears (``train.mixed_precision = "fp8"``) -> tensor
+parallel -> expert parallel -> recompute -> compile (``train.compile``: each layer) -> data parallel /
+ZeRO (all but the split on each pipeline chunk). Each step is applied only when its dimension is used,
+so one process gets the plain model.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from paratrain.config import ParallelConfig, TrainConfig
-from paratrain.device import DTYPES
 from paratrain.mesh import Layout
 from paratrain.modules.transformer import pipeline_blocks
 from paratrain.parallel.data import apply_data_parallel
@@ -20,7 +19,7 @@ from paratrain.parallel.expert import apply_expert_parallel
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import apply_tensor_parallel
-from paratrain.precision import resolve_mixed_precision
+from paratrain.precision import compute_dtype, convert_to_fp8, resolve_mixed_precision
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_fn=None,
@@ -41,6 +40,8 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_f
     precision = resolve_mixed_precision(train.mixed_precision, layout.device)
 
     def parallelize_chunk(chunk: nn.Module, root: nn.Module | None = None) -> nn.Module:
+        if precision == "fp8":
+            convert_to_fp8(chunk)
         if config.model_parallel > 1:
             apply_tensor_parallel(chunk, config, layout.tp_mesh)
         apply_expert_parallel(chunk, config, layout)
@@ -51,7 +52,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_f
         if config.data_parallel > 1 or config.offloads:  # FSDP2 offloads, even over one rank
             policy = None
             if precision != "none":
-                policy = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+                policy = MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32)
             apply_data_parallel(chunk, config, layout, policy, root=root, tokens_per_rank=tokens_per_rank)
         return chunk
 

@@ -30,7 +30,7 @@ from paratrain.parallel.deferred_init import deferred_record, materialize
 from paratrain.parallel.expert import moe_step_metrics
 from paratrain.parallel.user import PlacedNet, place_net
 from paratrain.preflight import net_memory_problem
-from paratrain.precision import LossScaler, autocast
+from paratrain.precision import LossScaler, autocast, convert_to_fp8
 from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext, SummaryCollector
 from paratrain.train.metrics import (check_reducible, eval_rows, evaluating, get_metrics, global_loss,
                                      reduce_metrics, update_metrics)
@@ -119,7 +119,9 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
     (hybrid), op by op on its strategies (semi-auto or auto parallel with ``paratrain.ops``), else by
     ``place_net`` (the blocks' plans, pipeline, data parallel). A net built under ``no_init_parameters`` is placed
     on the meta device and only this rank's shards are made (``place_net``; the others materialise it whole
-    first)."""
+    first). With ``precision`` "fp8" its Linear layers are made fp8 ones first (``convert_to_fp8``)."""
+    if precision == "fp8":
+        convert_to_fp8(net)
     on_meta = any(p.is_meta for p in net.parameters())
     deferred = deferred_record(net) if on_meta else None
     if on_meta and deferred is None:

@@ -1,4 +1,5 @@
-"""Two GPUs (NCCL): every layout trains like one GPU, and a checkpointed run resumes where it stopped.
+"""Two GPUs (NCCL), or two ranks sharing one (gloo: conftest): every layout trains like one GPU, and a
+checkpointed run resumes where it stopped.
 
 All runs are bf16 mixed precision, the precision the GPU path is for. Tolerances:
 
@@ -13,14 +14,14 @@ All runs are bf16 mixed precision, the precision the GPU path is for. Tolerances
   atomics), so "the same losses" means within that noise, expected far below 1e-3 over 4 steps from
   the same state; a lost optimizer state, LR schedule or data position changes the next losses by ~1e-2.
 
-Each run is a fresh group of spawned processes (rank r on cuda:r) with a time limit.
+Each run is a fresh group of spawned processes (rank r on cuda:r, or both on cuda:0) with a time limit.
 """
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
 from gpu.gpt import devices, gpt_config, numbers
-from gpu.spawn import run_spawned
+from gpu.spawn import rank_devices, run_spawned
 from paratrain.trainer import Trainer
 
 pytestmark = pytest.mark.gpu(2)
@@ -77,7 +78,7 @@ def two_gpus(tmp_path_factory):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_starts_from_one_gpu_weights(name, one_gpu, two_gpus):
     ranks = two_gpus(name)
-    assert [r["devices"] for r in ranks] == [{"cuda:0"}, {"cuda:1"}]  # each rank on its own GPU
+    assert [r["devices"] for r in ranks] == [{device} for device in rank_devices(2)]  # each rank on its GPU
     initial = {k: v for r in ranks for k, v in r["initial"].items()}  # pipeline stages hold different layers
     assert initial.keys() == one_gpu["initial"].keys()
     for key, want in one_gpu["initial"].items():
