@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any
 
 from paratrain.config import ConfigError, ParallelConfig
+from paratrain.config_rules import expert_split_problems, parallel_problems, world_size_problems
 from paratrain.errors import UserError
 
 
@@ -165,6 +166,7 @@ def reset_auto_parallel_context() -> None:
     _values.clear()
 
 
+WHERE = "TransformerOpParallelConfig."  # how the rules of paratrain.config_rules name the blocks' settings
 LAYOUT_FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "effective_zero_stage")
 
 
@@ -172,7 +174,9 @@ def parallel_config_for(configs: list[ParallelConfig], world_size: int, segments
     """The layout of a user's net on ``world_size`` ranks: a copy of its blocks' config (``configs``; none:
     data parallel over every rank) completed by the context, with ``segments`` virtual stages per pipeline
     rank (the cells' ``pipeline_segment``); raises ConfigError listing every contradiction."""
-    problems = []
+    problems = list(dict.fromkeys(q for c in configs for q in parallel_problems(c, WHERE)))
+    if problems:  # the rules below multiply and divide these sizes
+        raise ConfigError(problems)
     for other in configs[1:]:
         differs = [f for f in LAYOUT_FIELDS if getattr(other, f) != getattr(configs[0], f)]
         if differs:
@@ -212,14 +216,9 @@ def parallel_config_for(configs: list[ParallelConfig], world_size: int, segments
         problems.append(f"set_auto_parallel_context(enable_parallel_optimizer=False) contradicts the blocks' "
                         f"TransformerOpParallelConfig (zero_stage={config.effective_zero_stage}): make them agree")
     config.derive(world_size)
-    split = config.model_parallel * config.pipeline_stage
-    if not config.data_parallel_given:
-        problems.append(f"model_parallel={config.model_parallel} x pipeline_stage={config.pipeline_stage} = {split} "
-                        f"does not divide the world size {world_size}: launch a multiple of {split} processes")
-    elif config.world_size != world_size:
-        problems.append(f"data_parallel={config.data_parallel} x model_parallel={config.model_parallel} x "
-                        f"pipeline_stage={config.pipeline_stage} = {config.world_size} does not equal the world size "
-                        f"{world_size}: launch {config.world_size} processes, or leave data_parallel out to derive it")
+    problems += world_size_problems(config, world_size, WHERE)
+    if config.data_parallel_given:
+        problems += expert_split_problems(None, config.expert_parallel, config.data_parallel, where_parallel=WHERE)
     if problems:
         raise ConfigError(problems)
     return config

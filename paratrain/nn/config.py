@@ -7,6 +7,7 @@ import torch
 # the configs live in paratrain.config; MindSpore users import them from nn.transformer, so they are here too
 from paratrain.config import (EmbeddingOpParallelConfig, MoEConfig, OpParallelConfig, ParallelConfig,  # noqa: F401
                               TransformerOpParallelConfig, TransformerRecomputeConfig)
+from paratrain.config_rules import expert_split_problems, moe_problems, value_problem
 from paratrain.device import DTYPES
 from paratrain.errors import UserError
 
@@ -39,7 +40,12 @@ def op_config(parallel_config, owner: str, embedding: bool = False) -> OpParalle
 
 
 def check_divisible(owner: str, model_parallel: int, **sizes: int) -> None:
-    """Refuse sizes the tensor-parallel split cannot cut evenly, naming each argument."""
+    """Refuse sizes that are not positive integers (``paratrain train``'s rule for the model's sizes) or that the
+    tensor-parallel split cannot cut evenly, naming each argument."""
+    for name, value in sizes.items():
+        problem = value_problem(name, value, 1) or (f"{name}={value} must be positive" if value < 1 else None)
+        if problem:
+            raise UserError(f"{owner}: {problem}")
     bad = [f"{name}={value}" for name, value in sizes.items() if value % model_parallel]
     if bad:
         raise UserError(f"{owner}: {', '.join(bad)} must be divisible by parallel_config.model_parallel="
@@ -54,21 +60,22 @@ def refuse_unsupported(owner: str, use_past: bool = False) -> None:
 
 
 def check_moe(owner: str, moe_config: MoEConfig, parallel_config) -> None:
-    """Refuse a MoEConfig the block cannot build, naming the numbers."""
-    expert_parallel = getattr(parallel_config, "expert_parallel", 1)
-    if not 1 <= moe_config.num_experts_chosen <= max(moe_config.expert_num, 1):
-        raise UserError(f"{owner}: moe_config.num_experts_chosen={moe_config.num_experts_chosen} must be in "
-                        f"1..expert_num={moe_config.expert_num}")
-    if moe_config.capacity_factor <= 0:
-        raise UserError(f"{owner}: moe_config.capacity_factor={moe_config.capacity_factor} leaves the experts no "
-                        f"capacity: use a positive factor such as 1.1")
-    if moe_config.expert_num % expert_parallel:
-        raise UserError(f"{owner}: moe_config.expert_num={moe_config.expert_num} is not divisible by "
-                        f"parallel_config.expert_parallel={expert_parallel}: use a multiple of {expert_parallel}")
+    """Refuse a MoEConfig the block cannot build (changed since it was made, or split over expert_parallel ranks
+    that do not divide its experts), by ``paratrain train``'s rules for ``model.moe``."""
+    if not isinstance(moe_config, MoEConfig):
+        raise UserError(f"{owner}: moe_config must be a MoEConfig, got {type(moe_config).__name__}")
+    problems = moe_problems(vars(moe_config), f"{owner}: moe_config.") or expert_split_problems(
+        moe_config.expert_num, getattr(parallel_config, "expert_parallel", 1), None, f"{owner}: moe_config.",
+        "parallel_config.")
+    if problems:
+        raise UserError(problems[0])
 
 
 def check_rate(owner: str, **rates: float) -> None:
     """Refuse dropout rates outside [0, 1), naming each."""
     for name, value in rates.items():
+        problem = value_problem(name, value, 0.0)
+        if problem:
+            raise UserError(f"{owner}: {problem}")
         if not 0 <= value < 1:
             raise UserError(f"{owner}: {name}={value} is outside [0, 1): use a probability such as 0.1, or 0 for none")
