@@ -39,13 +39,20 @@ def op_config(parallel_config, owner: str, embedding: bool = False) -> OpParalle
                     f"got {type(parallel_config).__name__}")
 
 
-def check_divisible(owner: str, model_parallel: int, **sizes: int) -> None:
-    """Refuse sizes that are not positive integers (``paratrain train``'s rule for the model's sizes) or that the
-    tensor-parallel split cannot cut evenly, naming each argument."""
+def check_sizes(owner: str, least: int = 1, **sizes: int) -> None:
+    """Refuse sizes that are not integers of at least ``least`` (``paratrain train``'s rule for the model's sizes),
+    naming each."""
     for name, value in sizes.items():
-        problem = value_problem(name, value, 1) or (f"{name}={value} must be positive" if value < 1 else None)
+        problem = value_problem(name, value, 1) or (f"{name}={value} must be at least {least}" if value < least
+                                                    else None)
         if problem:
             raise UserError(f"{owner}: {problem}")
+
+
+def check_divisible(owner: str, model_parallel: int, **sizes: int) -> None:
+    """Refuse sizes that are not positive integers (``check_sizes``) or that the tensor-parallel split cannot cut
+    evenly, naming each argument."""
+    check_sizes(owner, **sizes)
     bad = [f"{name}={value}" for name, value in sizes.items() if value % model_parallel]
     if bad:
         raise UserError(f"{owner}: {', '.join(bad)} must be divisible by parallel_config.model_parallel="

@@ -178,10 +178,16 @@ class CheckpointConfig:
                  keep_checkpoint_per_n_minutes: int = 0, integrated_save: bool = True, async_save: bool = False,
                  saved_network=None, append_info=None, enc_key=None, enc_mode: str = "AES-GCM",
                  exception_save: bool = False):
-        for name, value, least, rule in (("save_checkpoint_steps", save_checkpoint_steps, 1, ">= 1"),
-                                         ("keep_checkpoint_max", keep_checkpoint_max, 0, ">= 0 (0: keep all)")):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise UserError(f"CheckpointConfig({name}={value!r}): expected an integer {rule}")
+        from paratrain.config_rules import value_problem
+
+        for name, value, default, least, rule in (
+                ("save_checkpoint_steps", save_checkpoint_steps, 1, 1, ">= 1"),
+                ("keep_checkpoint_max", keep_checkpoint_max, 1, 0, ">= 0 (0: keep all)"),
+                ("integrated_save", integrated_save, True, False, "")):
+            problem = value_problem(name, value, default) or (f"{name}={value!r} must be {rule}" if value < least
+                                                              else None)
+            if problem:
+                raise UserError(f"CheckpointConfig: {problem}")
         refused = {
             "save_checkpoint_seconds": (save_checkpoint_seconds, 0, "ranks would disagree on when a time is up: "
                                                                    "use save_checkpoint_steps"),
@@ -197,7 +203,7 @@ class CheckpointConfig:
                 raise UserError(f"CheckpointConfig({name}={value!r}) is not offered: {why}")
         self.save_checkpoint_steps = save_checkpoint_steps
         self.keep_checkpoint_max = keep_checkpoint_max
-        self.integrated_save = bool(integrated_save)
+        self.integrated_save = integrated_save
 
 
 class _Position:
@@ -229,8 +235,14 @@ class ModelCheckpoint(Callback):
 
         if not is_plain_name(prefix):
             raise UserError(f"ModelCheckpoint(prefix={prefix!r}): {NAME_RULE}")
+        if directory is not None and not isinstance(directory, (str, Path)):
+            raise UserError(f"ModelCheckpoint(directory={directory!r}): expected a directory's path (a str or Path)")
+        if config is not None and not isinstance(config, CheckpointConfig):
+            raise UserError(f"ModelCheckpoint(config={config!r:.60}): expected a CheckpointConfig, e.g. "
+                            f"CheckpointConfig(save_checkpoint_steps=100, keep_checkpoint_max=5)")
         self.prefix = prefix
-        self.directory = Path(directory) if directory is not None else Path.cwd()
+        # '~' as the shell means it (MindSpore's os.path.realpath would make a directory named '~')
+        self.directory = Path(directory).expanduser() if directory is not None else Path.cwd()
         problem = writable_problem("ModelCheckpoint directory", self.directory)
         if problem:
             raise UserError(problem)
