@@ -15,7 +15,8 @@ import dataclasses
 from typing import Any
 
 from paratrain.config import ConfigError, ParallelConfig
-from paratrain.config_rules import expert_split_problems, parallel_problems, world_size_problems
+from paratrain.config_rules import (expert_split_problems, parallel_field_problem, parallel_problems, value_problem,
+                                   world_size_problems)
 from paratrain.errors import UserError
 
 
@@ -75,8 +76,9 @@ def _refuse(key: str, value: Any, why: str) -> UserError:
 
 
 def _bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _refuse(key, value, "expected True or False")
+    problem = value_problem(key, value, False)
+    if problem:
+        raise _refuse(key, value, problem)
     return value
 
 
@@ -93,9 +95,13 @@ def _check(key: str, value: Any) -> Any:
         raise _refuse(key, value, f"expected one of {', '.join(CHOICES[key])}{why}")
     if key in ("strategy_ckpt_save_file", "strategy_ckpt_load_file") and not isinstance(value, str):
         raise _refuse(key, value, "expected a file path")
-    if key in ("device_num", "global_rank", "pipeline_stages"):
+    if key == "pipeline_stages":  # the blocks' pipeline_stage, by paratrain train's rule for it
+        problem = parallel_field_problem("pipeline_stage", value, "")
+        if problem:
+            raise _refuse(key, value, problem)
+    if key in ("device_num", "global_rank"):
         low = 0 if key == "global_rank" else 1
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if value_problem(key, value, 1) or value < low:
             raise _refuse(key, value, "expected a rank" if low == 0 else "expected a positive integer")
     if key in ("device_num", "global_rank"):
         from paratrain import communication

@@ -7,7 +7,7 @@ import torch
 # the configs live in paratrain.config; MindSpore users import them from nn.transformer, so they are here too
 from paratrain.config import (EmbeddingOpParallelConfig, MoEConfig, OpParallelConfig, ParallelConfig,  # noqa: F401
                               TransformerOpParallelConfig, TransformerRecomputeConfig)
-from paratrain.config_rules import expert_split_problems, moe_problems, value_problem
+from paratrain.config_rules import expert_split_problems, moe_problems, parallel_problems, value_problem
 from paratrain.device import DTYPES
 from paratrain.errors import UserError
 
@@ -32,11 +32,20 @@ def op_config(parallel_config, owner: str, embedding: bool = False) -> OpParalle
     of the parallel configs."""
     view = EmbeddingOpParallelConfig if embedding else OpParallelConfig
     if isinstance(parallel_config, ParallelConfig):
+        _check_parallel(owner, parallel_config)
         return parallel_config.embedding_dp_mp_config if embedding else parallel_config.dp_mp_config
     if isinstance(parallel_config, view):
         return parallel_config
     raise UserError(f"{owner}: parallel_config must be an {view.__name__} or a TransformerOpParallelConfig, "
                     f"got {type(parallel_config).__name__}")
+
+
+def _check_parallel(owner: str, parallel_config: ParallelConfig) -> None:
+    """Refuse the settings of a ``ParallelConfig`` (one built as ``TransformerOpParallelConfig`` is checked when
+    given; a plain one, or one changed since, here) by ``paratrain train``'s rules for ``[parallel]``."""
+    problems = parallel_problems(parallel_config, f"{owner}: parallel_config.")
+    if problems:
+        raise UserError(problems[0])
 
 
 def check_sizes(owner: str, least: int = 1, **sizes: int) -> None:
@@ -71,6 +80,8 @@ def check_moe(owner: str, moe_config: MoEConfig, parallel_config) -> None:
     that do not divide its experts), by ``paratrain train``'s rules for ``model.moe``."""
     if not isinstance(moe_config, MoEConfig):
         raise UserError(f"{owner}: moe_config must be a MoEConfig, got {type(moe_config).__name__}")
+    if isinstance(parallel_config, ParallelConfig):
+        _check_parallel(owner, parallel_config)
     problems = moe_problems(vars(moe_config), f"{owner}: moe_config.") or expert_split_problems(
         moe_config.expert_num, getattr(parallel_config, "expert_parallel", 1), None, f"{owner}: moe_config.",
         "parallel_config.")
