@@ -273,6 +273,13 @@ class TransformerRecomputeConfig:
     mp_comm_recompute: bool = True
     recompute_slice_activation: bool = False
 
+    def __post_init__(self):
+        from paratrain.config_rules import type_problems
+
+        problems = type_problems(self, "TransformerRecomputeConfig.")
+        if problems:
+            raise ConfigError(problems)
+
     @property
     def mode(self) -> str:
         return "full" if self.recompute else "none"

@@ -35,7 +35,7 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel).derive(world_size))
     m, p, t = cfg.model, cfg.parallel, cfg.train
     problems: list[str] = [q for name in cfg.sections() if name != "parallel"  # parallel_problems: below
-                           for q in _unusable(getattr(cfg, name))]
+                           for q in type_problems(getattr(cfg, name), f"{name}.")]
     if m.kind not in MODEL_KINDS:
         problems.append(f"model.kind={m.kind!r} is not one of {', '.join(MODEL_KINDS)}")
     if problems:  # the rules below compare these numbers and depend on the kind
@@ -342,10 +342,11 @@ def value_problem(name: str, value: Any, default: Any) -> str | None:
     return f"{name}={value!r} {wrong}" if not isinstance(value, float) else f"{name}={value} {wrong}"
 
 
-def _unusable(section: Section) -> list[str]:
-    """A problem for every setting of ``section`` of the wrong type (``value_problem``)."""
-    return [q for f in dataclasses.fields(section)
-            if (q := value_problem(f"{section.SECTION}.{f.name}", getattr(section, f.name), f.default))]
+def type_problems(settings: Any, where: str) -> list[str]:
+    """A problem for every field of the dataclass ``settings`` of the wrong type (``value_problem``), each named
+    ``<where><field>``."""
+    return [q for f in dataclasses.fields(settings)
+            if (q := value_problem(where + f.name, getattr(settings, f.name), f.default))]
 
 
 MOE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MoEConfig)}

@@ -329,3 +329,15 @@ def test_model_train_refuses_batches_unlike_the_blocks_before_any_step(rows, len
     one_line_naming(err.value, "Model.train: batch index 0 of epoch 1", says)
     assert model.train_network is None  # refused before the net was placed or stepped
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+@pytest.mark.parametrize("name", ["recompute", "parallel_optimizer_comm_recompute", "mp_comm_recompute",
+                                  "recompute_slice_activation"])
+def test_recompute_config_refuses_what_is_not_a_bool(name):
+    from paratrain.nn import TransformerRecomputeConfig
+
+    for value in ("no", 0, None):
+        with pytest.raises(ConfigError) as err:
+            TransformerRecomputeConfig(**{name: value})
+        one_line_naming(err.value, f"TransformerRecomputeConfig.{name}={value!r} must be True or False")
+    assert TransformerRecomputeConfig(**{name: True}).mode == ("full" if name == "recompute" else "none")
