@@ -180,6 +180,9 @@ def test_a_block_refuses_a_moe_config_changed_after_it_was_made():
     (lambda nn: nn.Transformer(16, 2, 32, 8, 8, encoder_layers="1"), "encoder_layers='1' must be an integer"),
     (lambda nn: nn.VocabEmbedding(16, 8, parallel_config=ParallelConfig(model_parallel=0)),
      "parallel_config.model_parallel=0 must be positive"),
+    (lambda nn: nn.PipelineCell(torch.nn.Linear(2, 2), 0), "PipelineCell: micro_size=0 must be at least 1"),
+    (lambda nn: nn.PipelineCell(torch.nn.Linear(2, 2), "4"), "PipelineCell: micro_size='4' must be an integer"),
+    (lambda nn: nn.PipelineCell(None, 4), "PipelineCell(network=None)"),
 ])
 def test_blocks_refuse_bad_sizes_naming_them(build, says):
     import paratrain.nn
