@@ -122,11 +122,8 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         problems.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}: "
                         f"use num_heads in {divisors(m.hidden_size)}")
     mp = p.model_parallel
-    for name in ("num_heads", "hidden_size", "ffn_hidden_size"):
-        value = getattr(m, name)
-        if value % mp:
-            problems.append(f"model.{name}={value} is not divisible by parallel.model_parallel={mp}: "
-                            f"use model_parallel in {divisors(value)}")
+    problems += divisible_problems({name: getattr(m, name) for name in ("num_heads", "hidden_size", "ffn_hidden_size")},
+                                   mp)
     if not p.vocab_emb_dp and m.vocab_size % mp:
         problems.append(f"model.vocab_size={m.vocab_size} is not divisible by parallel.model_parallel={mp} "
                         f"with parallel.vocab_emb_dp=false: pad vocab_size to {math.ceil(m.vocab_size / mp) * mp} "
@@ -430,6 +427,14 @@ def _moe_problems(cfg: Config) -> list[str]:
         problems.append("model.moe with parallel.sequence_parallel=true is not supported yet (the experts take "
                         "whole sequences): set sequence_parallel=false")
     return problems
+
+
+def divisible_problems(sizes: Mapping[str, int], model_parallel: int, where: str = "model.",
+                       where_parallel: str = "parallel.") -> list[str]:
+    """A problem for each of ``sizes`` (name -> size) that ``model_parallel`` tensor-parallel ranks cannot split
+    evenly."""
+    return [f"{where}{name}={value} is not divisible by {where_parallel}model_parallel={model_parallel}: use "
+            f"model_parallel in {divisors(value)}" for name, value in sizes.items() if value % model_parallel]
 
 
 def divisors(n: int) -> list[int]:

@@ -7,7 +7,8 @@ import torch
 # the configs live in paratrain.config; MindSpore users import them from nn.transformer, so they are here too
 from paratrain.config import (EmbeddingOpParallelConfig, MoEConfig, OpParallelConfig, ParallelConfig,  # noqa: F401
                               TransformerOpParallelConfig, TransformerRecomputeConfig)
-from paratrain.config_rules import expert_split_problems, moe_problems, parallel_problems, value_problem
+from paratrain.config_rules import (divisible_problems, expert_split_problems, moe_problems, parallel_problems,
+                                   value_problem)
 from paratrain.device import DTYPES
 from paratrain.errors import UserError
 
@@ -62,10 +63,9 @@ def check_divisible(owner: str, model_parallel: int, **sizes: int) -> None:
     """Refuse sizes that are not positive integers (``check_sizes``) or that the tensor-parallel split cannot cut
     evenly, naming each argument."""
     check_sizes(owner, **sizes)
-    bad = [f"{name}={value}" for name, value in sizes.items() if value % model_parallel]
-    if bad:
-        raise UserError(f"{owner}: {', '.join(bad)} must be divisible by parallel_config.model_parallel="
-                        f"{model_parallel}: use multiples of {model_parallel} or a smaller model_parallel")
+    problems = divisible_problems(sizes, model_parallel, "", "parallel_config.")
+    if problems:
+        raise UserError(f"{owner}: {'; '.join(problems)}")
 
 
 def refuse_unsupported(owner: str, use_past: bool = False) -> None:
