@@ -183,6 +183,9 @@ def test_a_block_refuses_a_moe_config_changed_after_it_was_made():
     (lambda nn: nn.PipelineCell(torch.nn.Linear(2, 2), 0), "PipelineCell: micro_size=0 must be at least 1"),
     (lambda nn: nn.PipelineCell(torch.nn.Linear(2, 2), "4"), "PipelineCell: micro_size='4' must be an integer"),
     (lambda nn: nn.PipelineCell(None, 4), "PipelineCell(network=None)"),
+    (lambda nn: nn.AttentionMask(0), "AttentionMask: seq_length=0 must be at least 1"),
+    (lambda nn: nn.Dense(4, 0), "Dense: out_channels=0 must be at least 1"),
+    (lambda nn: nn.Dense("4", 2), "Dense: in_channels='4' must be an integer"),
 ])
 def test_blocks_refuse_bad_sizes_naming_them(build, says):
     import paratrain.nn
@@ -267,8 +270,12 @@ def test_model_refuses_arguments_of_the_wrong_kind(call, says):
     (lambda cb: cb.CheckpointConfig(save_checkpoint_steps=2.0), "save_checkpoint_steps=2.0 must be an integer"),
     (lambda cb: cb.CheckpointConfig(keep_checkpoint_max=-1), "keep_checkpoint_max=-1 must be >= 0"),
     (lambda cb: cb.CheckpointConfig(keep_checkpoint_max="5"), "keep_checkpoint_max='5' must be an integer"),
+    (lambda cb: cb.LossMonitor("1"), "LossMonitor(per_print_times='1')"),
+    (lambda cb: cb.LossMonitor(-1), "LossMonitor(per_print_times=-1)"),
+    (lambda cb: cb.TimeMonitor(0), "TimeMonitor(data_size=0)"),
+    (lambda cb: cb.TimeMonitor("10"), "TimeMonitor(data_size='10')"),
 ])
-def test_checkpoint_callbacks_refuse_arguments_of_the_wrong_kind(build, says, tmp_path, monkeypatch):
+def test_callbacks_refuse_arguments_of_the_wrong_kind(build, says, tmp_path, monkeypatch):
     from paratrain.train import callbacks
 
     monkeypatch.chdir(tmp_path)

@@ -136,6 +136,7 @@ class AttentionMask(Cell):
 
     def __init__(self, seq_length: int, parallel_config=default_dpmp_config):
         super().__init__()
+        check_sizes("AttentionMask", seq_length=seq_length)
         op_config(parallel_config, "AttentionMask")
         self.seq_length = seq_length
 

@@ -130,7 +130,7 @@ class LossMonitor(Callback):
 
     def __init__(self, per_print_times: int = 1):
         if isinstance(per_print_times, bool) or not isinstance(per_print_times, int) or per_print_times < 0:
-            raise ValueError(f"LossMonitor: per_print_times must be an int >= 0, got {per_print_times!r}")
+            raise UserError(f"LossMonitor(per_print_times={per_print_times!r}): expected an int >= 0 (0: never)")
         self._per_print_times = per_print_times
         self._last_print_step = 0
 
@@ -150,6 +150,9 @@ class TimeMonitor(Callback):
     The steps are the epoch's batches (``batch_num``), else ``data_size``."""
 
     def __init__(self, data_size: int | None = None):
+        if data_size is not None and (isinstance(data_size, bool) or not isinstance(data_size, int) or data_size < 1):
+            raise UserError(f"TimeMonitor(data_size={data_size!r}): expected None or the steps of an epoch, an int "
+                            f">= 1")
         self.data_size = data_size
         self.epoch_time = time.time()
 
