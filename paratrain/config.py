@@ -132,13 +132,6 @@ class MoEConfig:
     expert_group_size: int | None = None
     every: int = 1
 
-    def __post_init__(self):
-        from paratrain.config_rules import moe_problems
-
-        problems = moe_problems(vars(self), "MoEConfig.")
-        if problems:
-            raise ConfigError(problems)
-
     def used_in(self, layer_id: int) -> bool:
         """Whether layer ``layer_id`` (counted over the whole model) is a mixture of experts."""
         return self.expert_num > 1 and layer_id % self.every == self.every - 1
@@ -222,23 +215,8 @@ class ModelConfig(Section):
         return {key: getattr(self, key) for key in dict.fromkeys(self.spec.length_keys)}
 
 
-class CheckedWhenSet:
-    """Base of the parallel configs a script builds (MindSpore's classes): each setting is checked when it is given
-    or set later, by the rule ``paratrain train`` applies to the same setting of ``[parallel]``
-    (``paratrain.config_rules.parallel_field_problem``); a bad one is refused in one line naming it."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        from paratrain.config_rules import parallel_field_problem
-
-        if name in self.__dataclass_fields__:
-            problem = parallel_field_problem(name, value, f"{type(self).__name__}.")
-            if problem:
-                raise ConfigError([problem])
-        super().__setattr__(name, value)
-
-
 @dataclass
-class OpParallelConfig(CheckedWhenSet):
+class OpParallelConfig:
     """MindSpore's per-operator view: how the batch and the weights of one op are split."""
 
     data_parallel: int = 1
@@ -273,13 +251,6 @@ class TransformerRecomputeConfig:
     mp_comm_recompute: bool = True
     recompute_slice_activation: bool = False
 
-    def __post_init__(self):
-        from paratrain.config_rules import type_problems
-
-        problems = type_problems(self, "TransformerRecomputeConfig.")
-        if problems:
-            raise ConfigError(problems)
-
     @property
     def mode(self) -> str:
         return "full" if self.recompute else "none"
@@ -291,7 +262,8 @@ StageSpec = Union[list, Callable[[int, int, "ParallelConfig"], int]]
 
 @dataclass
 class ParallelConfig(Section):
-    """How the work is split (a script builds it as ``TransformerOpParallelConfig``, which checks each setting).
+    """How the work is split (a script builds it as ``paratrain.context.TransformerOpParallelConfig``, which checks
+    each setting when given).
 
     ``data_parallel * model_parallel * pipeline_stage`` must equal the world size; ``data_parallel`` not given is
     derived from it (``world_size // (model_parallel * pipeline_stage)``) by ``paratrain.config_rules.check``,
@@ -414,20 +386,6 @@ class ParallelConfig(Section):
         if isinstance(self.recompute, TransformerRecomputeConfig):  # TOML has no objects: its mode says the same
             values["recompute"] = self.recompute.mode
         return values
-
-
-@dataclass
-class TransformerOpParallelConfig(CheckedWhenSet, ParallelConfig):
-    """``ParallelConfig`` under MindSpore's name, as a script builds it: every setting is checked when given and when
-    set later, and the settings together when built (``paratrain.config_rules.parallel_problems``: optimizer
-    offload needs a zero stage...)."""
-
-    def __post_init__(self):
-        from paratrain.config_rules import parallel_problems
-
-        problems = parallel_problems(self, f"{type(self).__name__}.")
-        if problems:
-            raise ConfigError(problems)
 
 
 @dataclass

@@ -1,6 +1,10 @@
 """MindSpore's auto-parallel context (``set_auto_parallel_context`` and friends, ``ParallelMode``) and
 ``set_context``.
 
+MindSpore's config classes a script builds (``TransformerOpParallelConfig``, ``OpParallelConfig``,
+``EmbeddingOpParallelConfig``, ``MoEConfig``, ``TransformerRecomputeConfig``) are ``paratrain.config``'s, checked
+when given by the rules ``paratrain train`` applies to the same settings (``paratrain.config_rules``).
+
 ``parallel_config_for`` completes the ``TransformerOpParallelConfig`` of a user's blocks (none: data parallel
 over every rank) with what only the context says: ``enable_parallel_optimizer`` and its ``optimizer_level``
 (ZeRO stages 1..3), ``pipeline_stages``, ``pipeline_config`` and ``parallel_mode``: ``data_parallel`` (no
@@ -12,12 +16,72 @@ option paratrain cannot honour is refused when set, with the reason.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
+from paratrain import config
 from paratrain.config import ConfigError, ParallelConfig
-from paratrain.config_rules import (expert_split_problems, parallel_field_problem, parallel_problems, value_problem,
-                                   world_size_problems)
+from paratrain.config_rules import (expert_split_problems, moe_problems, parallel_field_problem, parallel_problems,
+                                   type_problems, value_problem, world_size_problems)
 from paratrain.errors import UserError
+
+
+class _CheckedWhenSet:
+    """Base of the parallel configs a script builds: each setting is checked when it is given or set later, by the
+    rule ``paratrain train`` applies to the same setting of ``[parallel]`` (``config_rules.parallel_field_problem``);
+    a bad one is refused in one line naming it."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dataclass_fields__:
+            problem = parallel_field_problem(name, value, f"{type(self).__name__}.")
+            if problem:
+                raise ConfigError([problem])
+        super().__setattr__(name, value)
+
+
+@dataclass
+class OpParallelConfig(_CheckedWhenSet, config.OpParallelConfig):
+    """MindSpore's per-operator view (``data_parallel``, ``model_parallel``), checked when given."""
+
+
+@dataclass
+class EmbeddingOpParallelConfig(_CheckedWhenSet, config.EmbeddingOpParallelConfig):
+    """MindSpore's embedding view (``vocab_emb_dp=False`` shards vocab rows over model_parallel), checked when
+    given."""
+
+
+@dataclass
+class TransformerOpParallelConfig(_CheckedWhenSet, ParallelConfig):
+    """``paratrain.config.ParallelConfig`` under MindSpore's name, as a script builds it: every setting is checked
+    when given and when set later, and the settings together when built (``config_rules.parallel_problems``:
+    optimizer offload needs a zero stage...)."""
+
+    def __post_init__(self):
+        problems = parallel_problems(self, f"{type(self).__name__}.")
+        if problems:
+            raise ConfigError(problems)
+
+
+@dataclass
+class MoEConfig(config.MoEConfig):
+    """MindSpore's ``MoEConfig`` (``paratrain.config.MoEConfig``), checked when built by ``paratrain train``'s rules
+    for ``model.moe`` (``config_rules.moe_problems``)."""
+
+    def __post_init__(self):
+        problems = moe_problems(vars(self), "MoEConfig.")
+        if problems:
+            raise ConfigError(problems)
+
+
+@dataclass
+class TransformerRecomputeConfig(config.TransformerRecomputeConfig):
+    """MindSpore's recompute switches (``paratrain.config.TransformerRecomputeConfig``), each a bool, checked when
+    built (``config_rules.type_problems``)."""
+
+    def __post_init__(self):
+        problems = type_problems(self, "TransformerRecomputeConfig.")
+        if problems:
+            raise ConfigError(problems)
 
 
 class ParallelMode:

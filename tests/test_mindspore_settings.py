@@ -76,7 +76,11 @@ def test_both_faces_refuse_a_bad_parallel_setting_by_one_rule(name, value, says,
         calls.append((field, where, problem))
         return problem
 
-    monkeypatch.setattr(config_rules, "parallel_field_problem", spy)
+    from paratrain import context
+
+    assert context.parallel_field_problem is rule  # the MindSpore face's classes check by that very function
+    for module in (config_rules, context):
+        monkeypatch.setattr(module, "parallel_field_problem", spy)
     toml_face = config_rules.validate(Config(parallel=ParallelConfig(**{name: value})), world_size=1)
     with pytest.raises(ConfigError) as ms_face:
         TransformerOpParallelConfig(**{name: value})

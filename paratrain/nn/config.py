@@ -1,14 +1,19 @@
-"""MindSpore's parallel configs for the blocks (``TransformerOpParallelConfig`` is paratrain's
-``ParallelConfig``), their defaults, and the checks every block shares."""
+"""MindSpore's parallel configs for the blocks (``TransformerOpParallelConfig`` is paratrain's ``ParallelConfig``,
+checked when given: ``paratrain.context``), their defaults, and the checks every block shares, by the rules
+``paratrain train`` applies to the same settings (``paratrain.config_rules``)."""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
-# the configs live in paratrain.config; MindSpore users import them from nn.transformer, so they are here too
-from paratrain.config import (EmbeddingOpParallelConfig, MoEConfig, OpParallelConfig, ParallelConfig,  # noqa: F401
-                              TransformerOpParallelConfig, TransformerRecomputeConfig)
-from paratrain.config_rules import (divisible_problems, expert_split_problems, moe_problems, parallel_problems,
-                                   value_problem)
+from paratrain import config
+from paratrain.config import ParallelConfig
+# the configs as a script builds them (paratrain.context); MindSpore users import them from nn.transformer
+from paratrain.context import (EmbeddingOpParallelConfig, MoEConfig, OpParallelConfig,  # noqa: F401
+                               TransformerOpParallelConfig, TransformerRecomputeConfig)
+from paratrain.config_rules import (divisible_problems, expert_split_problems, moe_problems, parallel_field_problem,
+                                   parallel_problems, value_problem)
 from paratrain.device import DTYPES
 from paratrain.errors import UserError
 
@@ -31,20 +36,24 @@ def to_dtype(value, name: str, owner: str) -> torch.dtype:
 def op_config(parallel_config, owner: str, embedding: bool = False) -> OpParallelConfig:
     """The per-operator view (data_parallel, model_parallel, and vocab_emb_dp with ``embedding``) of any
     of the parallel configs."""
-    view = EmbeddingOpParallelConfig if embedding else OpParallelConfig
+    view = config.EmbeddingOpParallelConfig if embedding else config.OpParallelConfig
     if isinstance(parallel_config, ParallelConfig):
         _check_parallel(owner, parallel_config)
         return parallel_config.embedding_dp_mp_config if embedding else parallel_config.dp_mp_config
     if isinstance(parallel_config, view):
+        _check_parallel(owner, parallel_config)
         return parallel_config
     raise UserError(f"{owner}: parallel_config must be an {view.__name__} or a TransformerOpParallelConfig, "
                     f"got {type(parallel_config).__name__}")
 
 
-def _check_parallel(owner: str, parallel_config: ParallelConfig) -> None:
-    """Refuse the settings of a ``ParallelConfig`` (one built as ``TransformerOpParallelConfig`` is checked when
-    given; a plain one, or one changed since, here) by ``paratrain train``'s rules for ``[parallel]``."""
-    problems = parallel_problems(parallel_config, f"{owner}: parallel_config.")
+def _check_parallel(owner: str, parallel_config) -> None:
+    """Refuse the settings of a parallel config or view (one built as ``TransformerOpParallelConfig`` is checked
+    when given; a ``paratrain.config`` one here) by ``paratrain train``'s rules for ``[parallel]``."""
+    where = f"{owner}: parallel_config."
+    problems = (parallel_problems(parallel_config, where) if isinstance(parallel_config, ParallelConfig) else
+                [q for f in dataclasses.fields(parallel_config)
+                 if (q := parallel_field_problem(f.name, getattr(parallel_config, f.name), where))])
     if problems:
         raise UserError(problems[0])
 
@@ -75,10 +84,10 @@ def refuse_unsupported(owner: str, use_past: bool = False) -> None:
                         f"supported; build the block with use_past=False")
 
 
-def check_moe(owner: str, moe_config: MoEConfig, parallel_config) -> None:
+def check_moe(owner: str, moe_config: config.MoEConfig, parallel_config) -> None:
     """Refuse a MoEConfig the block cannot build (changed since it was made, or split over expert_parallel ranks
     that do not divide its experts), by ``paratrain train``'s rules for ``model.moe``."""
-    if not isinstance(moe_config, MoEConfig):
+    if not isinstance(moe_config, config.MoEConfig):
         raise UserError(f"{owner}: moe_config must be a MoEConfig, got {type(moe_config).__name__}")
     if isinstance(parallel_config, ParallelConfig):
         _check_parallel(owner, parallel_config)
