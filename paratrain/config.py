@@ -262,8 +262,7 @@ StageSpec = Union[list, Callable[[int, int, "ParallelConfig"], int]]
 
 @dataclass
 class ParallelConfig(Section):
-    """How the work is split (a script builds it as ``paratrain.context.TransformerOpParallelConfig``, which checks
-    each setting when given).
+    """How the work is split; also importable as ``TransformerOpParallelConfig``.
 
     ``data_parallel * model_parallel * pipeline_stage`` must equal the world size; ``data_parallel`` not given is
     derived from it (``world_size // (model_parallel * pipeline_stage)``) by ``paratrain.config_rules.check``,
