@@ -278,6 +278,10 @@ def test_model_refuses_arguments_of_the_wrong_kind(call, says):
     (lambda cb: cb.LossMonitor(-1), "LossMonitor(per_print_times=-1)"),
     (lambda cb: cb.TimeMonitor(0), "TimeMonitor(data_size=0)"),
     (lambda cb: cb.TimeMonitor("10"), "TimeMonitor(data_size='10')"),
+    (lambda cb: cb.SummaryCollector("s", breakdown="no"), "SummaryCollector(breakdown='no')"),
+    (lambda cb: cb.SummaryCollector(None), "SummaryCollector(summary_dir=None)"),
+    (lambda cb: cb.SummaryCollector("s", collect_specified_data=["collect_metric"]),
+     "SummaryCollector(collect_specified_data=['collect_metric'])"),
 ])
 def test_callbacks_refuse_arguments_of_the_wrong_kind(build, says, tmp_path, monkeypatch):
     from paratrain.train import callbacks
@@ -288,8 +292,8 @@ def test_callbacks_refuse_arguments_of_the_wrong_kind(build, says, tmp_path, mon
     one_line_naming(err.value, says)
 
 
-def test_model_checkpoint_expands_the_home_directory(tmp_path, monkeypatch):
-    from paratrain.train import ModelCheckpoint
+def test_directories_of_the_callbacks_expand_the_home_directory(tmp_path, monkeypatch):
+    from paratrain.train import ModelCheckpoint, OnRequestExit, SummaryCollector
 
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
@@ -298,6 +302,8 @@ def test_model_checkpoint_expands_the_home_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(work)
     saver = ModelCheckpoint(directory="~/checkpoints")
     assert saver.directory == home / "checkpoints" and saver.directory.is_dir()
+    assert SummaryCollector("~/summaries").summary_dir == home / "summaries"
+    assert OnRequestExit(directory="~/exit").directory == home / "exit"
     assert not (work / "~").exists()
 
 

@@ -13,6 +13,14 @@ from paratrain.errors import UserError
 from paratrain.stopping import SIGNALS
 
 
+def _directory(owner: str, name: str, value) -> Path:
+    """The directory argument ``name`` of ``owner``, a str or Path, with ``~`` expanded as the shell does (left as
+    written, it would make a directory named '~')."""
+    if not isinstance(value, (str, Path)):
+        raise UserError(f"{owner}({name}={value!r}): expected a directory's path (a str or Path)")
+    return Path(value).expanduser()
+
+
 class CallbackParams(dict):
     """What ``RunContext.original_args()`` gives: MindSpore's fields (``cur_epoch_num``, ``cur_step_num``,
     ``batch_num``, ``epoch_num``, ``net_outputs``, ``network``, ``train_network``, ``optimizer``,
@@ -238,14 +246,11 @@ class ModelCheckpoint(Callback):
 
         if not is_plain_name(prefix):
             raise UserError(f"ModelCheckpoint(prefix={prefix!r}): {NAME_RULE}")
-        if directory is not None and not isinstance(directory, (str, Path)):
-            raise UserError(f"ModelCheckpoint(directory={directory!r}): expected a directory's path (a str or Path)")
         if config is not None and not isinstance(config, CheckpointConfig):
             raise UserError(f"ModelCheckpoint(config={config!r:.60}): expected a CheckpointConfig, e.g. "
                             f"CheckpointConfig(save_checkpoint_steps=100, keep_checkpoint_max=5)")
         self.prefix = prefix
-        # '~' as the shell means it (MindSpore's os.path.realpath would make a directory named '~')
-        self.directory = Path(directory).expanduser() if directory is not None else Path.cwd()
+        self.directory = _directory("ModelCheckpoint", "directory", directory) if directory is not None else Path.cwd()
         problem = writable_problem("ModelCheckpoint directory", self.directory)
         if problem:
             raise UserError(problem)
@@ -345,6 +350,9 @@ class SummaryCollector(Callback):
 
         if isinstance(collect_freq, bool) or not isinstance(collect_freq, int) or collect_freq < 1:
             raise UserError(f"SummaryCollector(collect_freq={collect_freq!r}): expected an int >= 1")
+        if collect_specified_data is not None and not isinstance(collect_specified_data, dict):
+            raise UserError(f"SummaryCollector(collect_specified_data={collect_specified_data!r}): expected None or a "
+                            f"dict such as {{'collect_metric': True}}")
         wanted = dict(collect_specified_data or {})
         if {k for k, v in wanted.items() if v} - {"collect_metric"}:
             raise UserError(f"SummaryCollector(collect_specified_data={collect_specified_data!r}): only collect_metric "
@@ -353,7 +361,10 @@ class SummaryCollector(Callback):
                             ("export_options", export_options)):
             if value is not None:
                 raise UserError(f"SummaryCollector({name}=...) is not offered: only the step's scalars are written")
-        self.summary_dir, self.collect_freq, self.breakdown = Path(summary_dir), collect_freq, bool(breakdown)
+        if not isinstance(breakdown, bool):
+            raise UserError(f"SummaryCollector(breakdown={breakdown!r}): expected True or False")
+        self.summary_dir = _directory("SummaryCollector", "summary_dir", summary_dir)
+        self.collect_freq, self.breakdown = collect_freq, breakdown
         problem = writable_problem("SummaryCollector summary_dir", self.summary_dir)
         if problem:
             raise UserError(problem)
