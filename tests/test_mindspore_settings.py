@@ -361,3 +361,32 @@ def test_recompute_config_refuses_what_is_not_a_bool(name):
             TransformerRecomputeConfig(**{name: value})
         one_line_naming(err.value, f"TransformerRecomputeConfig.{name}={value!r} must be True or False")
     assert TransformerRecomputeConfig(**{name: True}).mode == ("full" if name == "recompute" else "none")
+
+
+def test_numpy_batches_train_as_the_same_tensors_do():
+    """MindSpore's datasets give NumPy arrays: Model.train takes them as the tensors they hold."""
+    import numpy as np
+
+    from paratrain.train import Model
+
+    class Squared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 1)
+
+        def forward(self, x, y):
+            return ((self.fc(x) - y) ** 2).mean()
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(3)]
+    trained = []
+    for batches in (data, [(x.numpy(), y.numpy()) for x, y in data]):
+        torch.manual_seed(0)
+        net = Squared()
+        model = Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+        model.train(1, batches)
+        trained.append([p.detach().clone() for p in model.train_network.parameters()])
+    torch.manual_seed(0)
+    initial = [p.detach() for p in Squared().parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(*trained))
+    assert not any(torch.equal(a, b) for a, b in zip(trained[0], initial))  # it trained

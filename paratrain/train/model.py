@@ -8,6 +8,7 @@ import inspect
 from contextlib import ExitStack
 from typing import Iterable
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -180,10 +181,11 @@ def broadcast_parameters(net: nn.Module) -> None:
 
 
 def _as_batch(batch) -> tuple:
-    if isinstance(batch, torch.Tensor):
-        return (batch,)
+    """A dataset's batch as a tuple, its NumPy arrays (what MindSpore's datasets give) as tensors."""
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        batch = (batch,)
     if isinstance(batch, (tuple, list)):
-        return tuple(batch)
+        return tuple(torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in batch)
     raise UserError(f"Model.train: a batch must be a tuple of tensors (the net's forward arguments), got "
                     f"{type(batch).__name__}")
 
