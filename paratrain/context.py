@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from paratrain import config
+from paratrain import config as settings
 from paratrain.config import ConfigError, ParallelConfig
 from paratrain.config_rules import (expert_split_problems, moe_problems, parallel_field_problem, parallel_problems,
                                    type_problems, value_problem, world_size_problems)
@@ -40,12 +40,12 @@ class _CheckedWhenSet:
 
 
 @dataclass
-class OpParallelConfig(_CheckedWhenSet, config.OpParallelConfig):
+class OpParallelConfig(_CheckedWhenSet, settings.OpParallelConfig):
     """MindSpore's per-operator view (``data_parallel``, ``model_parallel``), checked when given."""
 
 
 @dataclass
-class EmbeddingOpParallelConfig(_CheckedWhenSet, config.EmbeddingOpParallelConfig):
+class EmbeddingOpParallelConfig(_CheckedWhenSet, settings.EmbeddingOpParallelConfig):
     """MindSpore's embedding view (``vocab_emb_dp=False`` shards vocab rows over model_parallel), checked when
     given."""
 
@@ -63,7 +63,7 @@ class TransformerOpParallelConfig(_CheckedWhenSet, ParallelConfig):
 
 
 @dataclass
-class MoEConfig(config.MoEConfig):
+class MoEConfig(settings.MoEConfig):
     """MindSpore's ``MoEConfig`` (``paratrain.config.MoEConfig``), checked when built by ``paratrain train``'s rules
     for ``model.moe`` (``config_rules.moe_problems``)."""
 
@@ -74,7 +74,7 @@ class MoEConfig(config.MoEConfig):
 
 
 @dataclass
-class TransformerRecomputeConfig(config.TransformerRecomputeConfig):
+class TransformerRecomputeConfig(settings.TransformerRecomputeConfig):
     """MindSpore's recompute switches (``paratrain.config.TransformerRecomputeConfig``), each a bool, checked when
     built (``config_rules.type_problems``)."""
 
