@@ -1,9 +1,9 @@
 """paratrain: train Transformer models on many devices with one parallel config."""
-from paratrain.config import (Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig,
-                              TransformerOpParallelConfig)
+from paratrain.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from paratrain.config_rules import check, validate
-from paratrain.context import (GRAPH_MODE, PYNATIVE_MODE, ParallelMode, get_auto_parallel_context, get_context,
-                               reset_auto_parallel_context, set_auto_parallel_context, set_context)
+from paratrain.context import (GRAPH_MODE, PYNATIVE_MODE, ParallelMode, TransformerOpParallelConfig,
+                               get_auto_parallel_context, get_context, reset_auto_parallel_context,
+                               set_auto_parallel_context, set_context)
 
 __all__ = ["AutoParallel", "Config", "ConfigError", "DataConfig", "GRAPH_MODE", "ModelConfig", "PYNATIVE_MODE", "ParallelConfig",
            "ParallelMode", "TrainConfig", "TransformerOpParallelConfig", "check", "get_auto_parallel_context",

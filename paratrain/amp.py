@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from paratrain.config_rules import value_problem
 from paratrain.errors import UserError
 from paratrain.precision import LossScaler
 
@@ -14,6 +15,16 @@ AMP_LEVELS = ("O0", "O1", "O2", "O3", "fp8")
 class LossScaleManager:
     """Base of the loss-scale managers: ``scaler(device)`` is the ``LossScaler`` that runs it."""
 
+    def _check(self, name: str, value, default, least: float) -> None:
+        """Refuse ``value`` for argument ``name`` unless it is of the type of ``default`` (``paratrain train``'s rule,
+        ``value_problem``: finite numbers, no strings or bools), at least ``least`` and finite in float32 (the
+        scale's dtype)."""
+        problem = value_problem(name, value, default) or (
+            f"{name}={value!r} must be at least {least:g}" if value < least else
+            f"{name}={value!r} overflows float32: use at most 2**24" if value > torch.finfo(torch.float32).max else None)
+        if problem:
+            raise UserError(f"{type(self).__name__}: {problem}")
+
 
 class FixedLossScaleManager(LossScaleManager):
     """A fixed loss scale ``loss_scale``; with ``drop_overflow_update`` (MindSpore's default) a step whose
@@ -21,8 +32,8 @@ class FixedLossScaleManager(LossScaleManager):
     ruin the weights)."""
 
     def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True):
-        if not (isinstance(loss_scale, (int, float)) and loss_scale >= 1):
-            raise UserError(f"FixedLossScaleManager(loss_scale={loss_scale!r}): expected a number >= 1")
+        self._check("loss_scale", loss_scale, 1.0, 1)
+        self._check("drop_overflow_update", drop_overflow_update, True, 0)
         if not drop_overflow_update:
             raise UserError("FixedLossScaleManager(drop_overflow_update=False) is not offered: an update with "
                             "overflowed gradients would ruin the weights; a step that overflows is skipped")
@@ -41,13 +52,12 @@ class DynamicLossScaleManager(LossScaleManager):
     there ends the run (exit 5)."""
 
     def __init__(self, init_loss_scale: float = 2 ** 24, scale_factor: int = 2, scale_window: int = 2000):
-        if not (isinstance(init_loss_scale, (int, float)) and init_loss_scale >= 1):
-            raise UserError(f"DynamicLossScaleManager(init_loss_scale={init_loss_scale!r}): expected a number >= 1")
+        self._check("init_loss_scale", init_loss_scale, 1.0, 1)
+        self._check("scale_factor", scale_factor, 1.0, 1)
+        self._check("scale_window", scale_window, 1, 1)
         if scale_factor != 2:
             raise UserError(f"DynamicLossScaleManager(scale_factor={scale_factor!r}): only 2 is offered (the scale "
                             f"halves and doubles, as paratrain train's fp16 does)")
-        if isinstance(scale_window, bool) or not isinstance(scale_window, int) or scale_window < 1:
-            raise UserError(f"DynamicLossScaleManager(scale_window={scale_window!r}): expected an int >= 1")
         self.init_loss_scale, self.scale_window = float(init_loss_scale), scale_window
 
     def scaler(self, device: torch.device) -> LossScaler:

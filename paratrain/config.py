@@ -311,7 +311,8 @@ class ParallelConfig(Section):
         """Set ``data_parallel``, when not given, to ``world_size // (model_parallel * pipeline_stage)`` (as
         MindSpore's tutorial computes it); left as it is when that does not divide. Returns self."""
         split = self.model_parallel * self.pipeline_stage
-        if not self.data_parallel_given and split > 0 and world_size % split == 0 and world_size >= split:
+        if (not self.data_parallel_given and isinstance(split, int) and split > 0 and world_size % split == 0
+                and world_size >= split):  # sizes of the wrong type or range are refused by the rules
             self.data_parallel = world_size // split
         return self
 
@@ -388,9 +389,6 @@ class ParallelConfig(Section):
         if isinstance(self.recompute, TransformerRecomputeConfig):  # TOML has no objects: its mode says the same
             values["recompute"] = self.recompute.mode
         return values
-
-
-TransformerOpParallelConfig = ParallelConfig
 
 
 @dataclass

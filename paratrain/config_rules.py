@@ -5,12 +5,16 @@ One validator for the settings, whichever way they came: a TOML file or the comm
 ``paratrain launch`` check before any process starts, :mod:`paratrain.preflight`), a DeepSpeed JSON config, or the
 layouts the planner weighs (:mod:`paratrain.plan.search`). It is its own module, not part of the TOML face
 (:mod:`paratrain.config_file`), because the planner, below the faces, uses it too; it reads only the settings
-vocabulary (:mod:`paratrain.config`). The MindSpore face checks its own arguments where it takes them.
+vocabulary (:mod:`paratrain.config`). The MindSpore face calls the same rules on its own objects: ``value_problem``
+(the type of every setting), ``parallel_problems`` (``TransformerOpParallelConfig``, ``parallel_config_for``),
+``moe_problems`` and ``expert_split_problems`` (``MoEConfig`` and the blocks holding one).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from typing import Any, Mapping
 
 from paratrain.config import (ACTIVATIONS, DTYPES, LOG_FORMATS, LR_SCHEDULES, MIXED_PRECISION,
                               MODEL_KINDS, NAME_RULE, OFFLOAD_DEVICES, PIPELINE_SCHEDULES, RECOMPUTE_MODES,
@@ -30,7 +34,8 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if world_size is not None and (resolved or not cfg.parallel.auto):
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel).derive(world_size))
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    problems: list[str] = [q for name in cfg.sections() for q in _unusable(getattr(cfg, name))]
+    problems: list[str] = [q for name in cfg.sections() if name != "parallel"  # parallel_problems: below
+                           for q in type_problems(getattr(cfg, name), f"{name}.")]
     if m.kind not in MODEL_KINDS:
         problems.append(f"model.kind={m.kind!r} is not one of {', '.join(MODEL_KINDS)}")
     if problems:  # the rules below compare these numbers and depend on the kind
@@ -46,9 +51,9 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
                  *m.sequence_lengths()])
     if m.spec.encoder_decoder:
         positive(m, ["encoder_layers"])
-    positive(p, ["data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num",
-                 "virtual_pipeline_stage"])
-    if p.gradient_aggregation_group < 0 or m.spec.stacks and p.gradient_aggregation_group > m.num_layers > 0:
+    parallel = parallel_problems(p, num_layers=m.num_layers)
+    problems += parallel
+    if not parallel and m.spec.stacks and p.gradient_aggregation_group > m.num_layers > 0:
         problems.append(f"parallel.gradient_aggregation_group={p.gradient_aggregation_group} must be 0 (one group "
                         f"per layer) or a number of groups of the model's {m.num_layers} layers, 1..{m.num_layers}")
     positive(t, ["global_batch_size", "steps", "lr", "eps", "initial_loss_scale", "min_loss_scale",
@@ -90,8 +95,7 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         problems.append(f"model.pad_token_id={m.pad_token_id} is not a token id of model.vocab_size={m.vocab_size}")
     if m.layernorm_eps <= 0:
         problems.append(f"model.layernorm_eps={m.layernorm_eps} must be positive (e.g. 1e-5)")
-    choices = ((m, "dtype", DTYPES), (m, "hidden_act", ACTIVATIONS), (p, "zero_stage", (0, 1, 2, 3)),
-               (p, "pipeline_schedule", PIPELINE_SCHEDULES), (t, "mixed_precision", MIXED_PRECISION),
+    choices = ((m, "dtype", DTYPES), (m, "hidden_act", ACTIVATIONS), (t, "mixed_precision", MIXED_PRECISION),
                (t, "lr_schedule", LR_SCHEDULES), (t, "warmup_type", WARMUP_TYPES),
                (cfg.metrics, "log_format", LOG_FORMATS))
     for section, name, allowed in choices:
@@ -102,7 +106,6 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         problems.append(f"train.lr_schedule='warmup_cosine_lr' decays over train.lr_decay_steps (0: train.steps) "
                         f"= {t.lr_decay_steps or t.steps} steps, not more than its warmup of max(2, warmup_steps="
                         f"{t.warmup_steps}) steps: raise lr_decay_steps or lower warmup_steps")
-    problems += _offload_problems(p)
     if t.mixed_precision == "fp8" and p.model_parallel > 1:
         problems.append(f"train.mixed_precision='fp8' with parallel.model_parallel={p.model_parallel}: fp8 Linears "
                         f"are not split by tensor parallel: use model_parallel=1 (data parallel, ZeRO and pipeline "
@@ -111,7 +114,6 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         value = getattr(m, name)
         if not 0 <= value < 1:
             problems.append(f"model.{name}={value} is outside [0, 1): use a probability such as 0.1, or 0 for none")
-    problems += _recompute_problems(p, m.num_layers)
     problems += _data_problems(cfg.data, m)
     if problems:  # the rules below divide by these sizes
         return problems
@@ -124,11 +126,8 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         problems.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}: "
                         f"use num_heads in {divisors(m.hidden_size)}")
     mp = p.model_parallel
-    for name in ("num_heads", "hidden_size", "ffn_hidden_size"):
-        value = getattr(m, name)
-        if value % mp:
-            problems.append(f"model.{name}={value} is not divisible by parallel.model_parallel={mp}: "
-                            f"use model_parallel in {divisors(value)}")
+    problems += divisible_problems({name: getattr(m, name) for name in ("num_heads", "hidden_size", "ffn_hidden_size")},
+                                   mp)
     if not p.vocab_emb_dp and m.vocab_size % mp:
         problems.append(f"model.vocab_size={m.vocab_size} is not divisible by parallel.model_parallel={mp} "
                         f"with parallel.vocab_emb_dp=false: pad vocab_size to {math.ceil(m.vocab_size / mp) * mp} "
@@ -153,20 +152,28 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         problems.append(f"train.global_batch_size={t.global_batch_size} is not divisible by parallel.data_parallel="
                         f"{p.data_parallel} x parallel.micro_batch_num={p.micro_batch_num} = {split}: "
                         f"use a multiple of {split} such as {max(split, t.global_batch_size // split * split)}")
-    if world_size is not None and not p.data_parallel_given and (resolved or not p.auto):
-        problems.append(f"parallel.model_parallel={p.model_parallel} x pipeline_stage={p.pipeline_stage} = "
-                        f"{p.model_parallel * p.pipeline_stage} does not divide the world size {world_size}, so "
-                        f"data_parallel (not given) cannot be derived: launch a multiple of "
-                        f"{p.model_parallel * p.pipeline_stage} processes or change the parallel sizes")
-    elif world_size is not None and p.world_size != world_size and (resolved or not p.auto):
-        problems.append(f"parallel.data_parallel={p.data_parallel} x model_parallel={p.model_parallel} x "
-                        f"pipeline_stage={p.pipeline_stage} = {p.world_size} does not equal the world size "
-                        f"{world_size}: launch {p.world_size} processes or change the parallel sizes")
+    if world_size is not None and (resolved or not p.auto):
+        problems += world_size_problems(p, world_size)
     if m.tie_embeddings and mp > 1 and p.vocab_emb_dp:
         problems.append(f"model.tie_embeddings=true with parallel.model_parallel={mp} needs the embedding split like "
                         f"the vocab-sharded head: set parallel.vocab_emb_dp=false or tie_embeddings=false")
     problems += _moe_problems(cfg)
     return problems
+
+
+def world_size_problems(p: ParallelConfig, world_size: int, where: str = "parallel.") -> list[str]:
+    """The rule ``data_parallel x model_parallel x pipeline_stage = world_size`` (``data_parallel`` not given:
+    derived, ``ParallelConfig.derive``), for sizes ``parallel_problems`` accepts."""
+    split = p.model_parallel * p.pipeline_stage
+    if not p.data_parallel_given:
+        return [f"{where}model_parallel={p.model_parallel} x pipeline_stage={p.pipeline_stage} = {split} does not "
+                f"divide the world size {world_size}, so data_parallel (not given) cannot be derived: launch a "
+                f"multiple of {split} processes or change the parallel sizes"]
+    if p.world_size != world_size:
+        return [f"{where}data_parallel={p.data_parallel} x model_parallel={p.model_parallel} x pipeline_stage="
+                f"{p.pipeline_stage} = {p.world_size} does not equal the world size {world_size}: launch "
+                f"{p.world_size} processes or change the parallel sizes"]
+    return []
 
 
 def _output_problems(cfg: Config) -> list[str]:
@@ -208,40 +215,73 @@ def _data_problems(d: DataConfig, m: ModelConfig) -> list[str]:
     return problems
 
 
-def _recompute_problems(p: ParallelConfig, num_layers: int) -> list[str]:
-    spec = p.recompute
+def _recompute_problems(spec: Any, num_layers: int | None, where: str) -> list[str]:
+    """What is wrong with a ``recompute`` setting (a list's length only when ``num_layers`` is known)."""
     if callable(spec) or isinstance(spec, (bool, TransformerRecomputeConfig)):
         return []
     if isinstance(spec, str):
-        return [] if spec in RECOMPUTE_MODES else [f"parallel.recompute={spec!r} is not one of "
+        return [] if spec in RECOMPUTE_MODES else [f"{where}recompute={spec!r} is not one of "
                                                    f"{', '.join(RECOMPUTE_MODES)} (or true/false, a list, a function)"]
     if isinstance(spec, list):
         bad = [s for s in spec if s not in RECOMPUTE_MODES and not isinstance(s, bool)]
-        if len(spec) != num_layers or bad:
-            return [f"parallel.recompute list has {len(spec)} entries {spec}, needs one of "
-                    f"{', '.join(RECOMPUTE_MODES)} for each of the {num_layers} layers"]
+        if bad or num_layers is not None and len(spec) != num_layers:
+            layers = "each layer" if num_layers is None else f"each of the {num_layers} layers"
+            return [f"{where}recompute list has {len(spec)} entries {spec}, needs one of "
+                    f"{', '.join(RECOMPUTE_MODES)} for {layers}"]
         return []
-    return [f"parallel.recompute={spec!r} must be a mode name, a bool, a list or a function"]
+    return [f"{where}recompute={spec!r} must be a mode name, a bool, a list or a function"]
 
 
-def _offload_problems(p: ParallelConfig) -> list[str]:
+def _offload_problems(p: ParallelConfig, where: str) -> list[str]:
     """ZeRO-Offload's rules (DeepSpeed's): optimizer offload with stages 1-3, parameter offload with stage 3,
     host memory only. That the device must be an accelerator is checked by ``paratrain.preflight``."""
     problems = []
     for name in ("offload_optimizer", "offload_param"):
-        value = getattr(p, name)
-        if value not in OFFLOAD_DEVICES:
-            problems.append(f"parallel.{name}={value!r} is not one of {', '.join(OFFLOAD_DEVICES)}")
-        elif value == "nvme":
-            problems.append(f"parallel.{name}='nvme' is refused: paratrain has no NVMe offload (DeepSpeed's "
+        if getattr(p, name) == "nvme":
+            problems.append(f"{where}{name}='nvme' is refused: paratrain has no NVMe offload (DeepSpeed's "
                             f"ZeRO-Infinity); FSDP2 offloads to host memory only: use 'cpu'")
     if p.offload_optimizer == "cpu" and p.effective_zero_stage == 0:
-        problems.append("parallel.offload_optimizer='cpu' needs the optimizer state sharded: set "
-                        "parallel.zero_stage to 1, 2 or 3")
+        problems.append(f"{where}offload_optimizer='cpu' needs the optimizer state sharded: set "
+                        f"{where}zero_stage to 1, 2 or 3")
     if p.offload_param == "cpu" and p.effective_zero_stage != 3:
-        problems.append(f"parallel.offload_param='cpu' needs parameters sharded and freed after use: set "
-                        f"parallel.zero_stage=3 (it is {p.effective_zero_stage})")
+        problems.append(f"{where}offload_param='cpu' needs parameters sharded and freed after use: set "
+                        f"{where}zero_stage=3 (it is {p.effective_zero_stage})")
     return problems
+
+
+PARALLEL_SIZES = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "virtual_pipeline_stage",
+                  "expert_parallel")
+PARALLEL_CHOICES = {"zero_stage": (0, 1, 2, 3), "pipeline_schedule": PIPELINE_SCHEDULES,
+                    "offload_optimizer": OFFLOAD_DEVICES, "offload_param": OFFLOAD_DEVICES}
+
+
+def parallel_field_problem(name: str, value: Any, where: str = "parallel.", num_layers: int | None = None) -> str | None:
+    """What is wrong with ``value`` for the parallel setting ``name`` on its own (its type, range or choices), named
+    ``<where><name>``; None when nothing is."""
+    if name == "recompute":
+        return next(iter(_recompute_problems(value, num_layers, where)), None)
+    if name == "layer_stages":
+        return None if isinstance(value, list) or callable(value) else (
+            f"{where}layer_stages={value!r} must be a list with the stage of each layer, or a function")
+    problem = value_problem(where + name, value, ParallelConfig.__dataclass_fields__[name].default)
+    if problem:
+        return problem
+    if name in PARALLEL_SIZES and value < 1:
+        return f"{where}{name}={value} must be positive (1: not split)"
+    if name in PARALLEL_CHOICES and value not in PARALLEL_CHOICES[name]:
+        return f"{where}{name}={value!r} is not one of {', '.join(map(str, PARALLEL_CHOICES[name]))}"
+    if name == "gradient_aggregation_group" and value < 0:
+        return f"{where}{name}={value} must be 0 (one group per layer) or a positive number of groups of layers"
+    return None
+
+
+def parallel_problems(p: ParallelConfig, where: str = "parallel.", num_layers: int | None = None) -> list[str]:
+    """Every rule the parallel settings ``p`` break on their own, without the model (``validate`` adds the model's
+    rules; ``where`` names the settings: ``parallel.`` in a TOML file, ``TransformerOpParallelConfig.`` in a
+    script); the rules comparing two settings only once each setting is right."""
+    problems = [q for f in dataclasses.fields(p)
+                if (q := parallel_field_problem(f.name, getattr(p, f.name), where, num_layers))]
+    return problems or _offload_problems(p, where)
 
 
 def _pipeline_problems(p: ParallelConfig, num_layers: int) -> list[str]:
@@ -280,16 +320,86 @@ def check(cfg: Config, world_size: int | None = None, resolved: bool = False) ->
     return cfg
 
 
-def _unusable(section: Section) -> list[str]:
-    """A problem for every number of ``section`` that is NaN or infinite, and every string holding a NUL
-    character (no path or name can)."""
+def value_problem(name: str, value: Any, default: Any) -> str | None:
+    """What is wrong with ``value`` for the setting ``name`` whose default is ``default``, whatever the setting: it
+    must be of the default's type (True or False, not a string, for a bool; an integer, not a bool or a string, for
+    an int; a finite number for a float; a string or path without NUL for a string); None when it is."""
+    if isinstance(default, bool):
+        wrong = None if isinstance(value, bool) else "must be True or False"
+    elif isinstance(default, (int, float)) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        wrong = "must be an integer" if isinstance(default, int) else "must be a number"
+    elif isinstance(default, float) and not math.isfinite(value):
+        wrong = "is not a finite number"
+    elif isinstance(default, int) and not isinstance(value, int):
+        wrong = "must be an integer" + (f": use {int(value)}" if math.isfinite(value) and value == int(value) else "")
+    elif isinstance(default, str) and not isinstance(value, (str, os.PathLike)):
+        wrong = "must be a string"
+    elif isinstance(default, str) and "\0" in str(value):
+        wrong = "holds a NUL character, which no path or name can: remove it"
+    else:
+        wrong = None
+    if wrong is None:
+        return None
+    return f"{name}={value!r} {wrong}" if not isinstance(value, float) else f"{name}={value} {wrong}"
+
+
+def type_problems(settings: Any, where: str) -> list[str]:
+    """A problem for every field of the dataclass ``settings`` of the wrong type (``value_problem``), each named
+    ``<where><field>``."""
+    return [q for f in dataclasses.fields(settings)
+            if (q := value_problem(where + f.name, getattr(settings, f.name), f.default))]
+
+
+MOE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MoEConfig)}
+
+
+def moe_problems(values: Mapping[str, Any], where: str = "model.moe.") -> list[str]:
+    """Every rule the mixture-of-experts settings ``values`` (``MoEConfig``'s fields; the others at their
+    defaults) break on their own, each named ``<where><field>``."""
+    moe = {**MOE_DEFAULTS, **values}
+    problems = [q for name, value in moe.items() if name != "expert_group_size"
+                and (q := value_problem(where + name, value, MOE_DEFAULTS[name]))]
+    group = moe["expert_group_size"]
+    if group is not None and (q := value_problem(where + "expert_group_size", group, 1)):
+        problems.append(q + " (or None: the tokens of one rank's micro-batch)")
+    if problems:
+        return problems
+    if moe["expert_num"] < 1:
+        problems.append(f"{where}expert_num={moe['expert_num']} must be positive (1: a plain feed-forward)")
+    elif not 1 <= moe["num_experts_chosen"] <= moe["expert_num"]:
+        problems.append(f"{where}num_experts_chosen={moe['num_experts_chosen']} must be in 1..expert_num="
+                        f"{moe['expert_num']}")
+    if moe["capacity_factor"] <= 0:
+        problems.append(f"{where}capacity_factor={moe['capacity_factor']} gives each expert a capacity of 0 tokens: "
+                        f"use a positive factor such as 1.25")
+    if moe["aux_loss_factor"] < 0:
+        problems.append(f"{where}aux_loss_factor={moe['aux_loss_factor']} must not be negative (0: no "
+                        f"load-balancing loss)")
+    if group is not None and group < 1:
+        problems.append(f"{where}expert_group_size={group} must be positive (or None: the tokens of one rank's "
+                        f"micro-batch)")
+    if moe["every"] < 1:
+        problems.append(f"{where}every={moe['every']} must be positive (1: every layer, 2: every other)")
+    return problems
+
+
+def expert_split_problems(expert_num: int | None, ep: int, dp: int | None, where_moe: str = "model.moe.",
+                          where_parallel: str = "parallel.") -> list[str]:
+    """The rules splitting ``expert_num`` experts over ``ep`` of the ``dp`` data-parallel ranks (either None: not
+    known here)."""
     problems = []
-    for name, value in section.to_dict().items():
-        if isinstance(value, float) and not math.isfinite(value):
-            problems.append(f"{section.SECTION}.{name}={value} is not a finite number")
-        elif isinstance(value, str) and "\0" in value:
-            problems.append(f"{section.SECTION}.{name}={value!r} holds a NUL character, which no path or name "
-                            f"can: remove it")
+    if dp is not None and dp % ep:
+        problems.append(f"{where_parallel}expert_parallel={ep} does not divide {where_parallel}data_parallel={dp}: "
+                        f"the experts are split over data-parallel ranks; use expert_parallel in {divisors(dp)}")
+    if expert_num is None:
+        return problems
+    if expert_num % ep:
+        fit = [d for d in divisors(expert_num) if dp is None or dp % d == 0]
+        problems.append(f"{where_moe}expert_num={expert_num} is not divisible by {where_parallel}expert_parallel={ep}: "
+                        f"use expert_parallel in {fit}")
+    if ep > 1 and expert_num == 1:
+        problems.append(f"{where_parallel}expert_parallel={ep} needs experts to split: set {where_moe}expert_num "
+                        f"to a multiple of {ep}, or expert_parallel=1")
     return problems
 
 
@@ -302,43 +412,34 @@ def _moe_problems(cfg: Config) -> list[str]:
     if not isinstance(m.moe, dict) or set(m.moe) - set(known):
         return [f"model.moe={m.moe!r} must be a table of {', '.join(known)}, e.g. "
                 f"moe = {{expert_num = 8, num_experts_chosen = 2}}"]
+    problems = moe_problems(m.moe)
+    if problems:
+        return problems
     moe = m.moe_config
-    problems = []
-    if ep < 1:
-        return [f"parallel.expert_parallel={ep} must be positive (1: every rank holds every expert)"]
-    if dp % ep:
-        problems.append(f"parallel.expert_parallel={ep} does not divide parallel.data_parallel={dp}: the experts "
-                        f"are split over data-parallel ranks; use expert_parallel in {divisors(dp)}")
-    if moe.expert_num < 1 or not 1 <= moe.num_experts_chosen <= moe.expert_num:
-        return problems + [f"model.moe.num_experts_chosen={moe.num_experts_chosen} must be in 1..expert_num="
-                           f"{moe.expert_num}"]
-    if moe.expert_num % ep:
-        problems.append(f"model.moe.expert_num={moe.expert_num} is not divisible by parallel.expert_parallel={ep}: "
-                        f"use expert_parallel in {[d for d in divisors(moe.expert_num) if dp % d == 0]}")
-    if ep > 1 and moe.expert_num == 1:
-        problems.append(f"parallel.expert_parallel={ep} needs experts to split: set model.moe.expert_num to a "
-                        f"multiple of {ep}, or expert_parallel=1")
-    if moe.every < 1 or moe.expert_num > 1 and moe.every > m.num_layers:
+    problems = expert_split_problems(moe.expert_num, ep, dp)
+    if moe.expert_num > 1 and moe.every > m.num_layers:
         problems.append(f"model.moe.every={moe.every} must be in 1..{m.num_layers} (1: every layer, 2: every other)")
     if moe.expert_num == 1:
         return problems
     length = min(m.lengths)
     tokens = t.global_batch_size // max(dp * p.micro_batch_num, 1) * length  # one rank's micro-batch
-    group = moe.expert_group_size or tokens
-    if moe.expert_group_size is not None and (group < 1 or tokens % group):
+    group = moe.expert_group_size
+    if group is not None and tokens % group:
         problems.append(f"model.moe.expert_group_size={group} does not divide the {tokens} tokens of a rank's "
-                        f"micro-batch: use a divisor such as {math.gcd(tokens, max(group, 1))}")
-    capacity = math.ceil(moe.capacity_factor * group * moe.num_experts_chosen / moe.expert_num)
-    if capacity < 1:
-        problems.append(f"model.moe.capacity_factor={moe.capacity_factor} gives each expert a capacity of "
-                        f"{capacity} tokens (capacity_factor x {group} tokens x num_experts_chosen="
-                        f"{moe.num_experts_chosen} / expert_num={moe.expert_num}): use capacity_factor > 0, e.g. 1.25")
+                        f"micro-batch: use a divisor such as {math.gcd(tokens, group)}")
     if p.sequence_parallel:
         problems.append("model.moe with parallel.sequence_parallel=true is not supported yet (the experts take "
                         "whole sequences): set sequence_parallel=false")
     return problems
 
 
+def divisible_problems(sizes: Mapping[str, int], model_parallel: int, where: str = "model.",
+                       where_parallel: str = "parallel.") -> list[str]:
+    """A problem for each of ``sizes`` (name -> size) that ``model_parallel`` tensor-parallel ranks cannot split
+    evenly."""
+    return [f"{where}{name}={value} is not divisible by {where_parallel}model_parallel={model_parallel}: use "
+            f"model_parallel in {divisors(value)}" for name, value in sizes.items() if value % model_parallel]
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-

@@ -1,6 +1,10 @@
 """MindSpore's auto-parallel context (``set_auto_parallel_context`` and friends, ``ParallelMode``) and
 ``set_context``.
 
+MindSpore's config classes a script builds (``TransformerOpParallelConfig``, ``OpParallelConfig``,
+``EmbeddingOpParallelConfig``, ``MoEConfig``, ``TransformerRecomputeConfig``) are ``paratrain.config``'s, checked
+when given by the rules ``paratrain train`` applies to the same settings (``paratrain.config_rules``).
+
 ``parallel_config_for`` completes the ``TransformerOpParallelConfig`` of a user's blocks (none: data parallel
 over every rank) with what only the context says: ``enable_parallel_optimizer`` and its ``optimizer_level``
 (ZeRO stages 1..3), ``pipeline_stages``, ``pipeline_config`` and ``parallel_mode``: ``data_parallel`` (no
@@ -12,10 +16,72 @@ option paratrain cannot honour is refused when set, with the reason.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
+from paratrain import config as settings
 from paratrain.config import ConfigError, ParallelConfig
+from paratrain.config_rules import (expert_split_problems, moe_problems, parallel_field_problem, parallel_problems,
+                                   type_problems, value_problem, world_size_problems)
 from paratrain.errors import UserError
+
+
+class _CheckedWhenSet:
+    """Base of the parallel configs a script builds: each setting is checked when it is given or set later, by the
+    rule ``paratrain train`` applies to the same setting of ``[parallel]`` (``config_rules.parallel_field_problem``);
+    a bad one is refused in one line naming it."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dataclass_fields__:
+            problem = parallel_field_problem(name, value, f"{type(self).__name__}.")
+            if problem:
+                raise ConfigError([problem])
+        super().__setattr__(name, value)
+
+
+@dataclass
+class OpParallelConfig(_CheckedWhenSet, settings.OpParallelConfig):
+    """MindSpore's per-operator view (``data_parallel``, ``model_parallel``), checked when given."""
+
+
+@dataclass
+class EmbeddingOpParallelConfig(_CheckedWhenSet, settings.EmbeddingOpParallelConfig):
+    """MindSpore's embedding view (``vocab_emb_dp=False`` shards vocab rows over model_parallel), checked when
+    given."""
+
+
+@dataclass
+class TransformerOpParallelConfig(_CheckedWhenSet, ParallelConfig):
+    """``paratrain.config.ParallelConfig`` under MindSpore's name, as a script builds it: every setting is checked
+    when given and when set later, and the settings together when built (``config_rules.parallel_problems``:
+    optimizer offload needs a zero stage...)."""
+
+    def __post_init__(self):
+        problems = parallel_problems(self, f"{type(self).__name__}.")
+        if problems:
+            raise ConfigError(problems)
+
+
+@dataclass
+class MoEConfig(settings.MoEConfig):
+    """MindSpore's ``MoEConfig`` (``paratrain.config.MoEConfig``), checked when built by ``paratrain train``'s rules
+    for ``model.moe`` (``config_rules.moe_problems``)."""
+
+    def __post_init__(self):
+        problems = moe_problems(vars(self), "MoEConfig.")
+        if problems:
+            raise ConfigError(problems)
+
+
+@dataclass
+class TransformerRecomputeConfig(settings.TransformerRecomputeConfig):
+    """MindSpore's recompute switches (``paratrain.config.TransformerRecomputeConfig``), each a bool, checked when
+    built (``config_rules.type_problems``)."""
+
+    def __post_init__(self):
+        problems = type_problems(self, "TransformerRecomputeConfig.")
+        if problems:
+            raise ConfigError(problems)
 
 
 class ParallelMode:
@@ -74,8 +140,9 @@ def _refuse(key: str, value: Any, why: str) -> UserError:
 
 
 def _bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _refuse(key, value, "expected True or False")
+    problem = value_problem(key, value, False)
+    if problem:
+        raise _refuse(key, value, problem)
     return value
 
 
@@ -92,9 +159,13 @@ def _check(key: str, value: Any) -> Any:
         raise _refuse(key, value, f"expected one of {', '.join(CHOICES[key])}{why}")
     if key in ("strategy_ckpt_save_file", "strategy_ckpt_load_file") and not isinstance(value, str):
         raise _refuse(key, value, "expected a file path")
-    if key in ("device_num", "global_rank", "pipeline_stages"):
+    if key == "pipeline_stages":  # the blocks' pipeline_stage, by paratrain train's rule for it
+        problem = parallel_field_problem("pipeline_stage", value, "")
+        if problem:
+            raise _refuse(key, value, problem)
+    if key in ("device_num", "global_rank"):
         low = 0 if key == "global_rank" else 1
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if value_problem(key, value, 1) or value < low:
             raise _refuse(key, value, "expected a rank" if low == 0 else "expected a positive integer")
     if key in ("device_num", "global_rank"):
         from paratrain import communication
@@ -165,6 +236,7 @@ def reset_auto_parallel_context() -> None:
     _values.clear()
 
 
+WHERE = "TransformerOpParallelConfig."  # how the rules of paratrain.config_rules name the blocks' settings
 LAYOUT_FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "effective_zero_stage")
 
 
@@ -172,7 +244,9 @@ def parallel_config_for(configs: list[ParallelConfig], world_size: int, segments
     """The layout of a user's net on ``world_size`` ranks: a copy of its blocks' config (``configs``; none:
     data parallel over every rank) completed by the context, with ``segments`` virtual stages per pipeline
     rank (the cells' ``pipeline_segment``); raises ConfigError listing every contradiction."""
-    problems = []
+    problems = list(dict.fromkeys(q for c in configs for q in parallel_problems(c, WHERE)))
+    if problems:  # the rules below multiply and divide these sizes
+        raise ConfigError(problems)
     for other in configs[1:]:
         differs = [f for f in LAYOUT_FIELDS if getattr(other, f) != getattr(configs[0], f)]
         if differs:
@@ -212,14 +286,9 @@ def parallel_config_for(configs: list[ParallelConfig], world_size: int, segments
         problems.append(f"set_auto_parallel_context(enable_parallel_optimizer=False) contradicts the blocks' "
                         f"TransformerOpParallelConfig (zero_stage={config.effective_zero_stage}): make them agree")
     config.derive(world_size)
-    split = config.model_parallel * config.pipeline_stage
-    if not config.data_parallel_given:
-        problems.append(f"model_parallel={config.model_parallel} x pipeline_stage={config.pipeline_stage} = {split} "
-                        f"does not divide the world size {world_size}: launch a multiple of {split} processes")
-    elif config.world_size != world_size:
-        problems.append(f"data_parallel={config.data_parallel} x model_parallel={config.model_parallel} x "
-                        f"pipeline_stage={config.pipeline_stage} = {config.world_size} does not equal the world size "
-                        f"{world_size}: launch {config.world_size} processes, or leave data_parallel out to derive it")
+    problems += world_size_problems(config, world_size, WHERE)
+    if config.data_parallel_given:
+        problems += expert_split_problems(None, config.expert_parallel, config.data_parallel, where_parallel=WHERE)
     if problems:
         raise ConfigError(problems)
     return config

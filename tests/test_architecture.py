@@ -89,14 +89,13 @@ def test_one_implementation_of_the_transformer_parts():
 
 MINDSPORE_FACE = ("paratrain.train", "paratrain.nn", "paratrain.context", "paratrain.amp", "paratrain.auto_parallel",
                   "paratrain.parallel.user", "paratrain.parallel.semi_auto", "paratrain.parallel.hybrid")
-TOML_FACE = ("paratrain.config_file", "paratrain.config_rules", "paratrain.deepspeed_config",
-             "paratrain.deepspeed_keys", "paratrain.cli")
+TOML_FACE = ("paratrain.config_file", "paratrain.deepspeed_config", "paratrain.deepspeed_keys", "paratrain.cli")
 
 
 def test_the_mindspore_face_imports_only_the_settings_vocabulary():
     """The settings vocabulary (paratrain.config: the dataclasses) stands alone, and the MindSpore face takes
-    its settings from it, never from the TOML face (files, overrides, hints, the config rules, DeepSpeed's
-    mapping)."""
+    its settings from it and checks them by the one set of rules (paratrain.config_rules), never from the TOML
+    face (files, overrides, hints, DeepSpeed's mapping)."""
     graph = import_graph()
     face = [m for m in graph if m in MINDSPORE_FACE or m.startswith(tuple(f"{f}." for f in MINDSPORE_FACE))]
     assert "paratrain.train.model" in face and "paratrain.nn.config" in face and "paratrain.context" in face
@@ -105,6 +104,8 @@ def test_the_mindspore_face_imports_only_the_settings_vocabulary():
     assert graph["paratrain.config"] == {"paratrain.errors"}  # the vocabulary leans on no face
     assert graph["paratrain.config_file"] == {"paratrain.config"}
     assert graph["paratrain.config_rules"] == {"paratrain.config"}
+    for module in ("paratrain.context", "paratrain.nn.config", "paratrain.amp"):  # the rules paratrain train applies
+        assert "paratrain.config_rules" in graph[module], module
 
 
 def test_cycle_finder_finds_a_cycle():

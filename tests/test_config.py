@@ -1,7 +1,7 @@
 import pytest
 
-from paratrain import config_file
-from paratrain.config import Config, ConfigError, ParallelConfig, TransformerOpParallelConfig
+from paratrain import TransformerOpParallelConfig, config_file
+from paratrain.config import Config, ConfigError, ParallelConfig
 from paratrain.config_rules import check, validate
 
 

@@ -529,7 +529,8 @@ def test_dtype_arguments():
     (lambda: encoder_layer(hidden_act="swishy"), "hidden_act='swishy'"),
     (lambda: encoder_layer(hidden_dropout_rate=1.0), "hidden_dropout_rate=1.0"),
     (lambda: encoder_layer(parallel_config=OpParallelConfig(model_parallel=3)),
-     "num_heads=4, hidden_size=16, ffn_hidden_size=32 must be divisible by parallel_config.model_parallel=3"),
+     "num_heads=4 is not divisible by parallel_config.model_parallel=3: use model_parallel in [1, 2, 4]; "
+     "hidden_size=16 is not divisible"),
     (lambda: MultiHeadAttention(B, S, S, 15, 4), "hidden_size=15 is not divisible by num_heads=4"),
     (lambda: VocabEmbedding(9, 4, EmbeddingOpParallelConfig(model_parallel=2, vocab_emb_dp=False)), "vocab_size=9"),
     (lambda: VocabEmbedding(9, 4, param_init="glorot"), "param_init='glorot'"),

@@ -98,7 +98,7 @@ def test_loss_monitor_every_other_step_and_never(capsys):
     assert printed == [("1", "2"), ("2", "1"), ("2", "3")]  # global steps 2, 4, 6
     Model(net, optimizer=decay_optimizer(net)).train(1, dataset(), callbacks=LossMonitor(0))
     assert capsys.readouterr().out == ""
-    with pytest.raises(ValueError):
+    with pytest.raises(UserError, match=r"LossMonitor\(per_print_times=-1\)"):
         LossMonitor(-1)
 
 

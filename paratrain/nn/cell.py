@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from paratrain.errors import UserError
+from paratrain.nn.config import check_sizes
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 
@@ -55,8 +56,9 @@ class PipelineCell(nn.Module):
     def __init__(self, network: nn.Module, micro_size: int, stage_config: dict | None = None,
                  segment_config: dict | None = None):
         super().__init__()
-        if micro_size < 1:
-            raise ValueError(f"PipelineCell: micro_size={micro_size} must be at least 1")
+        if not isinstance(network, nn.Module):
+            raise UserError(f"PipelineCell(network={network!r:.60}): expected the net, a torch.nn.Module")
+        check_sizes("PipelineCell", micro_size=micro_size)
         for kind, option in (("stage", stage_config), ("segment", segment_config)):
             for name, value in (option or {}).items():
                 try:

@@ -1,12 +1,19 @@
-"""MindSpore's parallel configs for the blocks (``TransformerOpParallelConfig`` is paratrain's
-``ParallelConfig``), their defaults, and the checks every block shares."""
+"""MindSpore's parallel configs for the blocks (``TransformerOpParallelConfig`` is paratrain's ``ParallelConfig``,
+checked when given: ``paratrain.context``), their defaults, and the checks every block shares, by the rules
+``paratrain train`` applies to the same settings (``paratrain.config_rules``)."""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
-# the configs live in paratrain.config; MindSpore users import them from nn.transformer, so they are here too
-from paratrain.config import (EmbeddingOpParallelConfig, MoEConfig, OpParallelConfig, ParallelConfig,  # noqa: F401
-                              TransformerOpParallelConfig, TransformerRecomputeConfig)
+from paratrain import config
+from paratrain.config import ParallelConfig
+# the configs as a script builds them (paratrain.context); MindSpore users import them from nn.transformer
+from paratrain.context import (EmbeddingOpParallelConfig, MoEConfig, OpParallelConfig,  # noqa: F401
+                               TransformerOpParallelConfig, TransformerRecomputeConfig)
+from paratrain.config_rules import (divisible_problems, expert_split_problems, moe_problems, parallel_field_problem,
+                                   parallel_problems, value_problem)
 from paratrain.device import DTYPES
 from paratrain.errors import UserError
 
@@ -29,21 +36,45 @@ def to_dtype(value, name: str, owner: str) -> torch.dtype:
 def op_config(parallel_config, owner: str, embedding: bool = False) -> OpParallelConfig:
     """The per-operator view (data_parallel, model_parallel, and vocab_emb_dp with ``embedding``) of any
     of the parallel configs."""
-    view = EmbeddingOpParallelConfig if embedding else OpParallelConfig
+    view = config.EmbeddingOpParallelConfig if embedding else config.OpParallelConfig
     if isinstance(parallel_config, ParallelConfig):
+        _check_parallel(owner, parallel_config)
         return parallel_config.embedding_dp_mp_config if embedding else parallel_config.dp_mp_config
     if isinstance(parallel_config, view):
+        _check_parallel(owner, parallel_config)
         return parallel_config
     raise UserError(f"{owner}: parallel_config must be an {view.__name__} or a TransformerOpParallelConfig, "
                     f"got {type(parallel_config).__name__}")
 
 
+def _check_parallel(owner: str, parallel_config) -> None:
+    """Refuse the settings of a parallel config or view (one built as ``TransformerOpParallelConfig`` is checked
+    when given; a ``paratrain.config`` one here) by ``paratrain train``'s rules for ``[parallel]``."""
+    where = f"{owner}: parallel_config."
+    problems = (parallel_problems(parallel_config, where) if isinstance(parallel_config, ParallelConfig) else
+                [q for f in dataclasses.fields(parallel_config)
+                 if (q := parallel_field_problem(f.name, getattr(parallel_config, f.name), where))])
+    if problems:
+        raise UserError(problems[0])
+
+
+def check_sizes(owner: str, least: int = 1, **sizes: int) -> None:
+    """Refuse sizes that are not integers of at least ``least`` (``paratrain train``'s rule for the model's sizes),
+    naming each."""
+    for name, value in sizes.items():
+        problem = value_problem(name, value, 1) or (f"{name}={value} must be at least {least}" if value < least
+                                                    else None)
+        if problem:
+            raise UserError(f"{owner}: {problem}")
+
+
 def check_divisible(owner: str, model_parallel: int, **sizes: int) -> None:
-    """Refuse sizes the tensor-parallel split cannot cut evenly, naming each argument."""
-    bad = [f"{name}={value}" for name, value in sizes.items() if value % model_parallel]
-    if bad:
-        raise UserError(f"{owner}: {', '.join(bad)} must be divisible by parallel_config.model_parallel="
-                        f"{model_parallel}: use multiples of {model_parallel} or a smaller model_parallel")
+    """Refuse sizes that are not positive integers (``check_sizes``) or that the tensor-parallel split cannot cut
+    evenly, naming each argument."""
+    check_sizes(owner, **sizes)
+    problems = divisible_problems(sizes, model_parallel, "", "parallel_config.")
+    if problems:
+        raise UserError(f"{owner}: {'; '.join(problems)}")
 
 
 def refuse_unsupported(owner: str, use_past: bool = False) -> None:
@@ -53,22 +84,25 @@ def refuse_unsupported(owner: str, use_past: bool = False) -> None:
                         f"supported; build the block with use_past=False")
 
 
-def check_moe(owner: str, moe_config: MoEConfig, parallel_config) -> None:
-    """Refuse a MoEConfig the block cannot build, naming the numbers."""
-    expert_parallel = getattr(parallel_config, "expert_parallel", 1)
-    if not 1 <= moe_config.num_experts_chosen <= max(moe_config.expert_num, 1):
-        raise UserError(f"{owner}: moe_config.num_experts_chosen={moe_config.num_experts_chosen} must be in "
-                        f"1..expert_num={moe_config.expert_num}")
-    if moe_config.capacity_factor <= 0:
-        raise UserError(f"{owner}: moe_config.capacity_factor={moe_config.capacity_factor} leaves the experts no "
-                        f"capacity: use a positive factor such as 1.1")
-    if moe_config.expert_num % expert_parallel:
-        raise UserError(f"{owner}: moe_config.expert_num={moe_config.expert_num} is not divisible by "
-                        f"parallel_config.expert_parallel={expert_parallel}: use a multiple of {expert_parallel}")
+def check_moe(owner: str, moe_config: config.MoEConfig, parallel_config) -> None:
+    """Refuse a MoEConfig the block cannot build (changed since it was made, or split over expert_parallel ranks
+    that do not divide its experts), by ``paratrain train``'s rules for ``model.moe``."""
+    if not isinstance(moe_config, config.MoEConfig):
+        raise UserError(f"{owner}: moe_config must be a MoEConfig, got {type(moe_config).__name__}")
+    if isinstance(parallel_config, ParallelConfig):
+        _check_parallel(owner, parallel_config)
+    problems = moe_problems(vars(moe_config), f"{owner}: moe_config.") or expert_split_problems(
+        moe_config.expert_num, getattr(parallel_config, "expert_parallel", 1), None, f"{owner}: moe_config.",
+        "parallel_config.")
+    if problems:
+        raise UserError(problems[0])
 
 
 def check_rate(owner: str, **rates: float) -> None:
     """Refuse dropout rates outside [0, 1), naming each."""
     for name, value in rates.items():
+        problem = value_problem(name, value, 0.0)
+        if problem:
+            raise UserError(f"{owner}: {problem}")
         if not 0 <= value < 1:
             raise UserError(f"{owner}: {name}={value} is outside [0, 1): use a probability such as 0.1, or 0 for none")

@@ -6,6 +6,7 @@ from torch import nn
 
 from paratrain import ops
 from paratrain.nn.cell import Cell
+from paratrain.nn.config import check_sizes
 from paratrain.nn.layers import activation as make_activation, initialize
 
 
@@ -19,6 +20,7 @@ class Dense(Cell):
     def __init__(self, in_channels: int, out_channels: int, weight_init="normal", bias_init="zeros",
                  has_bias: bool = True, activation=None, dtype: torch.dtype = torch.float32):
         super().__init__()
+        check_sizes("Dense", in_channels=in_channels, out_channels=out_channels)
         self.in_channels, self.out_channels, self.has_bias = in_channels, out_channels, has_bias
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels, dtype=dtype))
         initialize(self.weight, weight_init, "Dense")

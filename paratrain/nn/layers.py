@@ -22,9 +22,9 @@ from paratrain.errors import UserError
 from paratrain.modules import moe as shared_moe
 from paratrain.modules import transformer as shared
 from paratrain.nn.cell import Cell
-from paratrain.nn.config import (MoEConfig, check_divisible, check_moe, check_rate, default_dpmp_config,
-                                 default_embedding_parallel_config, default_moe_config, op_config, refuse_unsupported,
-                                 to_dtype)
+from paratrain.nn.config import (MoEConfig, check_divisible, check_moe, check_rate, check_sizes,
+                                 default_dpmp_config, default_embedding_parallel_config, default_moe_config, op_config,
+                                 refuse_unsupported, to_dtype)
 
 MASKED_SCORE = -10000.0  # added to the scores of keys a query may not attend (MindSpore's value)
 
@@ -116,6 +116,7 @@ class VocabEmbedding(_SplitWhenParallel, shared.VocabEmbedding, Cell):
 
     def __init__(self, vocab_size: int, embedding_size: int, parallel_config=default_embedding_parallel_config,
                  param_init="normal"):
+        check_sizes("VocabEmbedding", vocab_size=vocab_size, embedding_size=embedding_size)
         super().__init__(vocab_size, embedding_size)
         self.vocab_size, self.embedding_size = vocab_size, embedding_size
         config = op_config(parallel_config, "VocabEmbedding", embedding=True)
@@ -135,6 +136,7 @@ class AttentionMask(Cell):
 
     def __init__(self, seq_length: int, parallel_config=default_dpmp_config):
         super().__init__()
+        check_sizes("AttentionMask", seq_length=seq_length)
         op_config(parallel_config, "AttentionMask")
         self.seq_length = seq_length
 
@@ -213,6 +215,8 @@ class MultiHeadAttention(_SplitWhenParallel, shared.Attention, Cell):
         owner = "MultiHeadAttention"
         refuse_unsupported(owner, use_past)
         check_rate(owner, hidden_dropout_rate=hidden_dropout_rate, attention_dropout_rate=attention_dropout_rate)
+        check_sizes(owner, batch_size=batch_size, src_seq_length=src_seq_length, tgt_seq_length=tgt_seq_length,
+                    hidden_size=hidden_size, num_heads=num_heads)
         if hidden_size % num_heads:
             raise UserError(f"{owner}: hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
         model_parallel = op_config(parallel_config, owner).model_parallel

@@ -18,8 +18,9 @@ from torch import nn
 from paratrain.errors import UserError
 from paratrain.modules.transformer import residual
 from paratrain.nn.cell import Cell
-from paratrain.nn.config import (ParallelConfig, check_divisible, check_moe, default_dpmp_config, default_moe_config,
-                                 default_transformer_config, op_config, refuse_unsupported, to_dtype)
+from paratrain.nn.config import (ParallelConfig, check_divisible, check_moe, check_sizes, default_dpmp_config,
+                                 default_moe_config, default_transformer_config, op_config, refuse_unsupported,
+                                 to_dtype)
 from paratrain.nn.layers import MoE, FeedForward, MultiHeadAttention, _LayerNorm
 
 
@@ -161,6 +162,7 @@ class _Stack(Cell):
     def _build(self, layer_class: type, args: dict) -> None:
         """The layers, built from the stack's arguments ``args`` that ``layer_class`` takes."""
         owner = type(self).__name__
+        check_sizes(owner, num_layers=args["num_layers"])
         self.num_layers = args["num_layers"]
         config = args["parallel_config"]
         if not isinstance(config, ParallelConfig):  # the stack needs the whole model's: stages, recompute, groups
@@ -240,6 +242,7 @@ class Transformer(Cell):
                  softmax_compute_type=torch.float32, param_init_type=torch.float32, lambda_func=None,
                  use_past: bool = False, moe_config=default_moe_config, parallel_config=default_transformer_config):
         super().__init__()
+        check_sizes("Transformer", least=0, encoder_layers=encoder_layers, decoder_layers=decoder_layers)
         if encoder_layers < 0 or decoder_layers < 0 or encoder_layers + decoder_layers == 0:
             raise UserError(f"Transformer: encoder_layers={encoder_layers} and decoder_layers={decoder_layers} "
                             f"must not be negative, and at least one must be positive")

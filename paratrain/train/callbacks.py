@@ -13,6 +13,14 @@ from paratrain.errors import UserError
 from paratrain.stopping import SIGNALS
 
 
+def _directory(owner: str, name: str, value) -> Path:
+    """The directory argument ``name`` of ``owner``, a str or Path, with ``~`` expanded as the shell does (left as
+    written, it would make a directory named '~')."""
+    if not isinstance(value, (str, Path)):
+        raise UserError(f"{owner}({name}={value!r}): expected a directory's path (a str or Path)")
+    return Path(value).expanduser()
+
+
 class CallbackParams(dict):
     """What ``RunContext.original_args()`` gives: MindSpore's fields (``cur_epoch_num``, ``cur_step_num``,
     ``batch_num``, ``epoch_num``, ``net_outputs``, ``network``, ``train_network``, ``optimizer``,
@@ -130,7 +138,7 @@ class LossMonitor(Callback):
 
     def __init__(self, per_print_times: int = 1):
         if isinstance(per_print_times, bool) or not isinstance(per_print_times, int) or per_print_times < 0:
-            raise ValueError(f"LossMonitor: per_print_times must be an int >= 0, got {per_print_times!r}")
+            raise UserError(f"LossMonitor(per_print_times={per_print_times!r}): expected an int >= 0 (0: never)")
         self._per_print_times = per_print_times
         self._last_print_step = 0
 
@@ -150,6 +158,9 @@ class TimeMonitor(Callback):
     The steps are the epoch's batches (``batch_num``), else ``data_size``."""
 
     def __init__(self, data_size: int | None = None):
+        if data_size is not None and (isinstance(data_size, bool) or not isinstance(data_size, int) or data_size < 1):
+            raise UserError(f"TimeMonitor(data_size={data_size!r}): expected None or the steps of an epoch, an int "
+                            f">= 1")
         self.data_size = data_size
         self.epoch_time = time.time()
 
@@ -178,10 +189,16 @@ class CheckpointConfig:
                  keep_checkpoint_per_n_minutes: int = 0, integrated_save: bool = True, async_save: bool = False,
                  saved_network=None, append_info=None, enc_key=None, enc_mode: str = "AES-GCM",
                  exception_save: bool = False):
-        for name, value, least, rule in (("save_checkpoint_steps", save_checkpoint_steps, 1, ">= 1"),
-                                         ("keep_checkpoint_max", keep_checkpoint_max, 0, ">= 0 (0: keep all)")):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise UserError(f"CheckpointConfig({name}={value!r}): expected an integer {rule}")
+        from paratrain.config_rules import value_problem
+
+        for name, value, default, least, rule in (
+                ("save_checkpoint_steps", save_checkpoint_steps, 1, 1, ">= 1"),
+                ("keep_checkpoint_max", keep_checkpoint_max, 1, 0, ">= 0 (0: keep all)"),
+                ("integrated_save", integrated_save, True, False, "")):
+            problem = value_problem(name, value, default) or (f"{name}={value!r} must be {rule}" if value < least
+                                                              else None)
+            if problem:
+                raise UserError(f"CheckpointConfig: {problem}")
         refused = {
             "save_checkpoint_seconds": (save_checkpoint_seconds, 0, "ranks would disagree on when a time is up: "
                                                                    "use save_checkpoint_steps"),
@@ -197,7 +214,7 @@ class CheckpointConfig:
                 raise UserError(f"CheckpointConfig({name}={value!r}) is not offered: {why}")
         self.save_checkpoint_steps = save_checkpoint_steps
         self.keep_checkpoint_max = keep_checkpoint_max
-        self.integrated_save = bool(integrated_save)
+        self.integrated_save = integrated_save
 
 
 class _Position:
@@ -229,8 +246,11 @@ class ModelCheckpoint(Callback):
 
         if not is_plain_name(prefix):
             raise UserError(f"ModelCheckpoint(prefix={prefix!r}): {NAME_RULE}")
+        if config is not None and not isinstance(config, CheckpointConfig):
+            raise UserError(f"ModelCheckpoint(config={config!r:.60}): expected a CheckpointConfig, e.g. "
+                            f"CheckpointConfig(save_checkpoint_steps=100, keep_checkpoint_max=5)")
         self.prefix = prefix
-        self.directory = Path(directory) if directory is not None else Path.cwd()
+        self.directory = _directory("ModelCheckpoint", "directory", directory) if directory is not None else Path.cwd()
         problem = writable_problem("ModelCheckpoint directory", self.directory)
         if problem:
             raise UserError(problem)
@@ -330,6 +350,9 @@ class SummaryCollector(Callback):
 
         if isinstance(collect_freq, bool) or not isinstance(collect_freq, int) or collect_freq < 1:
             raise UserError(f"SummaryCollector(collect_freq={collect_freq!r}): expected an int >= 1")
+        if collect_specified_data is not None and not isinstance(collect_specified_data, dict):
+            raise UserError(f"SummaryCollector(collect_specified_data={collect_specified_data!r}): expected None or a "
+                            f"dict such as {{'collect_metric': True}}")
         wanted = dict(collect_specified_data or {})
         if {k for k, v in wanted.items() if v} - {"collect_metric"}:
             raise UserError(f"SummaryCollector(collect_specified_data={collect_specified_data!r}): only collect_metric "
@@ -338,7 +361,10 @@ class SummaryCollector(Callback):
                             ("export_options", export_options)):
             if value is not None:
                 raise UserError(f"SummaryCollector({name}=...) is not offered: only the step's scalars are written")
-        self.summary_dir, self.collect_freq, self.breakdown = Path(summary_dir), collect_freq, bool(breakdown)
+        if not isinstance(breakdown, bool):
+            raise UserError(f"SummaryCollector(breakdown={breakdown!r}): expected True or False")
+        self.summary_dir = _directory("SummaryCollector", "summary_dir", summary_dir)
+        self.collect_freq, self.breakdown = collect_freq, breakdown
         problem = writable_problem("SummaryCollector summary_dir", self.summary_dir)
         if problem:
             raise UserError(problem)

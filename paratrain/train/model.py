@@ -8,6 +8,7 @@ import inspect
 from contextlib import ExitStack
 from typing import Iterable
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -182,10 +183,11 @@ def broadcast_parameters(net: nn.Module) -> None:
 
 
 def _as_batch(batch) -> tuple:
-    if isinstance(batch, torch.Tensor):
-        return (batch,)
+    """A dataset's batch as a tuple, its NumPy arrays (what MindSpore's datasets give) as tensors."""
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        batch = (batch,)
     if isinstance(batch, (tuple, list)):
-        return tuple(batch)
+        return tuple(torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in batch)
     raise UserError(f"Model.train: a batch must be a tuple of tensors (the net's forward arguments), got "
                     f"{type(batch).__name__}")
 
@@ -218,6 +220,46 @@ def _alike(kinds: list, first: list, rows_may_differ: bool) -> bool:
         return name, shape if shape is None or not rows_may_differ else (len(shape), shape[1:])
 
     return [compared(k) for k in kinds] == [compared(k) for k in first]
+
+
+def _declared_shape_problem(net: nn.Module, first: torch.Tensor) -> str | None:
+    """What is wrong with a first batch whose first tensor is ``first`` (the net's input: ids (B, T) or hidden
+    states (B, T, H)) for the ``batch_size`` and sequence lengths the net's attention blocks were built with; None
+    when they declare none or it fits. A length one longer than declared is an input the net shifts itself."""
+    from paratrain.nn.layers import MultiHeadAttention
+
+    blocks = [m for m in net.modules() if isinstance(m, MultiHeadAttention)]
+    batch_sizes = {m.batch_size for m in blocks}
+    lengths = sorted({n for m in blocks for n in (m.src_seq_length, m.tgt_seq_length)})
+    if not blocks or first.ndim < 2 or len(batch_sizes) != 1:
+        return None
+    (batch_size,) = batch_sizes
+    if first.shape[0] != batch_size:
+        return (f"its first tensor has {first.shape[0]} rows, but the net's blocks were built with batch_size="
+                f"{batch_size}: give batches of {batch_size} rows or build the blocks with batch_size="
+                f"{first.shape[0]}")
+    if first.shape[1] not in lengths and first.shape[1] - 1 not in lengths:
+        return (f"its first tensor has length {first.shape[1]}, but the net's blocks were built with sequence "
+                f"lengths {lengths}: give sequences of that length or build the blocks with it")
+    return None
+
+
+def _token_problem(net: nn.Module, batch: tuple) -> str | None:
+    """An id of the batch's integer (B, T) tensors on the host that no embedding table of the net has a row for
+    (it would end the step in an IndexError); None when there is none (the tensors on a device are not read: that
+    would wait for the device every step)."""
+    vocab = max((m.num_embeddings for m in net.modules() if isinstance(m, nn.Embedding)), default=None)
+    if vocab is None:
+        return None
+    for index, tensor in enumerate(batch):
+        if (isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.ndim >= 2
+                and not tensor.is_floating_point() and tensor.dtype != torch.bool and tensor.numel()):
+            largest = int(tensor.max())
+            if largest >= vocab:
+                return (f"tensor {index} holds id {largest}, but the net's largest embedding table has vocab_size="
+                        f"{vocab} rows (ids 0..{vocab - 1}): build the embedding with a larger vocab_size or "
+                        f"fix the data")
+    return None
 
 
 class _Callbacks:
@@ -331,6 +373,27 @@ class _Training(loop.Face):
                    default=0) or None
 
 
+def _check_arguments(**arguments) -> None:
+    """Refuse ``Model``'s arguments of the wrong kind (the net, the loss, the optimizer), naming them."""
+    expected = {"network": ("the net, a torch.nn.Module (or paratrain.AutoParallel)", (nn.Module, AutoParallel)),
+                "loss_fn": ("None or a loss, a torch.nn.Module or function of (output, label)", None),
+                "optimizer": ("None or a torch.optim.Optimizer built on the net's parameters, e.g. "
+                              "torch.optim.AdamW(net.parameters(), lr=1e-3)", (torch.optim.Optimizer,)),
+                "eval_network": ("None or a torch.nn.Module", (nn.Module,))}
+    for name, value in arguments.items():
+        what, kinds = expected[name]
+        fits = callable(value) if kinds is None else isinstance(value, kinds)
+        if not fits and (value is not None or name == "network"):
+            raise UserError(f"Model({name}={value!r:.60}): expected {what}")
+
+
+def _check_dataset(owner: str, name: str, dataset) -> None:
+    """Refuse a dataset that gives no batches by iteration, naming the argument."""
+    if isinstance(dataset, (str, bytes, torch.Tensor)) or not hasattr(dataset, "__iter__"):
+        raise UserError(f"{owner}({name}={dataset!r:.60}): expected an iterable of batches (tuples of tensors), "
+                        f"e.g. a list or a paratrain.data dataset")
+
+
 class Model:
     """Trains a user's net, as MindSpore's ``Model``, on the layout its blocks' ``TransformerOpParallelConfig``
     and the auto-parallel context describe (``paratrain.context``), with the loss of one device.
@@ -354,6 +417,7 @@ class Model:
                  optimizer: torch.optim.Optimizer | None = None, metrics=None, eval_network: nn.Module | None = None,
                  eval_indexes: list[int] | None = None, amp_level: str = "O0",
                  loss_scale_manager: LossScaleManager | None = None):
+        _check_arguments(network=network, loss_fn=loss_fn, optimizer=optimizer, eval_network=eval_network)
         self.metrics = get_metrics(metrics)
         if self.metrics and eval_network is None and loss_fn is None:
             raise UserError("Model(metrics=...) needs an eval_network, or a loss_fn to build one from the network "
@@ -394,6 +458,9 @@ class Model:
         would have."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
             raise UserError(f"Model.train: epoch must be a positive int, got {epoch!r}")
+        _check_dataset("Model.train", "train_dataset", train_dataset)
+        if not isinstance(dataset_sink_mode, bool):
+            raise UserError(f"Model.train(dataset_sink_mode={dataset_sink_mode!r}): expected True or False")
         if dataset_sink_mode and (isinstance(sink_size, bool) or not isinstance(sink_size, int)
                                   or (sink_size < 1 and sink_size != -1)):
             raise UserError(f"Model.train: sink_size must be -1 (the whole dataset) or positive, got {sink_size!r}")
@@ -466,10 +533,17 @@ class Model:
                             else LossScaler(False, device=layout.device))
         params.update(train_network=self.train_network, optimizer=self.optimizer, loss_scaler=self.loss_scaler)
 
-    def _check_batch(self, batch: tuple, config: ParallelConfig, where: str) -> None:
-        """Refuse a batch unlike the first (its tensors' count, dtypes and shapes; the rows may differ, as in a
-        last, smaller batch, except under a pipeline, traced with the first batch's shapes), before it runs."""
+    def _check_batch(self, batch: tuple, config: ParallelConfig, where: str, rows_of_this_rank: bool) -> None:
+        """Refuse, before it runs, a batch unlike the first (its tensors' count, dtypes and shapes; the rows may differ,
+        as in a last, smaller batch, except under a pipeline, traced with the first batch's shapes), a first batch
+        unlike the blocks' declared shapes (unless each rank reads its own rows: ``rows_of_this_rank``), and ids
+        beyond the net's embedding tables."""
         kinds = [_kind(t) for t in batch]
+        problem = _token_problem(self.network, batch)
+        if self._first_batch is None and problem is None and not rows_of_this_rank:
+            problem = isinstance(batch[0], torch.Tensor) and _declared_shape_problem(self.network, batch[0])
+        if problem:
+            raise UserError(f"Model.train: {where}: {problem}")
         if self._first_batch is None:
             self._first_batch = kinds
         elif not _alike(kinds, self._first_batch, rows_may_differ=config.pipeline_stage == 1):
@@ -484,7 +558,7 @@ class Model:
         record (device values, unless a callback reads this step's values). A batch unlike the first, or a loss
         that is no scalar, is refused naming the batch."""
         where = f"batch index {params.cur_step_in_epoch} of epoch {params.cur_epoch_num}"
-        self._check_batch(batch, config, where)
+        self._check_batch(batch, config, where, params.rows_of_this_rank)
         if self.train_network is None:
             self._place(batch, config, layout, params)
         if self._engine is None:
@@ -538,6 +612,7 @@ class Model:
         evaluates its rows and the metrics' sums are added over the ranks: every rank returns what one process
         would. Callbacks get the ``on_eval_*`` hooks (in sink mode the step hooks once, around the dataset).
         A pipeline (pipeline_stage > 1) is refused: its traced stages end in the loss, not the output."""
+        _check_dataset("Model.eval", "valid_dataset", valid_dataset)
         if not self.metrics:
             raise UserError("Model.eval needs metrics: Model(net, loss_fn, optimizer, metrics={'acc': Accuracy(), "
                             "'loss': Loss()})")
