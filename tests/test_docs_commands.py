@@ -1,9 +1,9 @@
 """Every shell command in README.md and docs/*.md runs as its page shows it.
 
 Each page's fenced ``bash``, ``sh`` and ``console`` blocks (in a ``console`` block, the lines starting with
-``$ ``) are run in order, as one bash script, in a scratch directory of the page's own that holds links to
-``examples/``, ``tools/`` and ``bench/``, with this environment's ``paratrain`` and ``python`` first on PATH
-and ``PARATRAIN_DEVICE=cpu``. A fenced block of any language whose first line is a comment naming a file
+``$ ``) are run in order, as one bash script, in a scratch directory of the page's own that holds links
+to ``examples/``, ``tools/``, ``bench/`` and ``tests/``, with this environment's ``paratrain`` and
+``python`` first on PATH and ``PARATRAIN_DEVICE=cpu``. A fenced block of any language whose first line is a comment naming a file
 (``# my.toml``, ``# quickstart.py``) is written to that file first. A comment on the line before a command
 tells this test about it:
 
@@ -32,7 +32,7 @@ GENERATED = {"configuration.md", "cli.md", "deepspeed-keys.md"}  # written by to
 PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in GENERATED)]
 SHELL_LANGUAGES = {"bash", "sh", "console"}
 NEEDS = {"gpu", "cluster", "network", "minutes"}
-LINKED = ("examples", "tools", "bench")
+LINKED = ("examples", "tools", "bench", "tests")
 # a skipped command whose output the page's next commands read: what runs in its place
 STAND_INS = {
     "make demo": "paratrain train --config examples/demo.toml --parallel.data_parallel=1 "
