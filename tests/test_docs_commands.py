@@ -4,9 +4,9 @@ Each page's fenced ``bash``, ``sh`` and ``console`` blocks (in a ``console`` blo
 ``$ ``) are run in order, as one bash script, in a scratch directory of the page's own that holds links
 to ``examples/``, ``tools/``, ``bench/`` and ``tests/``, with this environment's ``paratrain`` and
 ``python`` first on PATH, ``PARATRAIN_DEVICE=cpu`` and ``PARATRAIN_HOST_ALLOCATOR=system`` (a command run
-by hand would restart itself once with tcmalloc: time this test does not need to spend). A fenced block of any language whose first line is a comment naming a file
-(``# my.toml``, ``# quickstart.py``) is written to that file first. A comment on the line before a command
-tells this test about it:
+by hand would restart itself once with tcmalloc: time this test does not need to spend). A fenced block
+of any language whose first line is a comment naming a file (``# my.toml``, ``# quickstart.py``) is
+written to that file first. A comment on the line before a command tells this test about it:
 
 - ``# needs: gpu`` / ``cluster`` / ``network`` / ``minutes``: it cannot run here and is skipped, counted by
   reason (``minutes``: longer than this test's budget; ``make demo`` is replaced by a 2-step run of the
