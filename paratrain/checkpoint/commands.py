@@ -9,8 +9,13 @@ import time
 def cmd_export(args) -> int:
     from paratrain.checkpoint import export
     from paratrain.device import DTYPES
+    from paratrain.errors import UserError
 
-    print(f"wrote {export(args.checkpoint, args.out, dtype=DTYPES[args.dtype] if args.dtype else None)}")
+    try:
+        print(f"wrote {export(args.checkpoint, args.out, dtype=DTYPES[args.dtype] if args.dtype else None)}")
+    except OSError as exc:
+        raise UserError(f"export: cannot write {exc.filename or args.out}: {exc.strerror or exc}: free space or "
+                        f"choose another output file") from None
     return 0
 
 

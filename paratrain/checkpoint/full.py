@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from pathlib import Path
 
 import torch
 
-from paratrain.checkpoint.storage import (INTEGRATED_FILE, dcp_load, read_meta, recorded_bytes, resolve,
-                                          tensor_entries, verify)
+from paratrain.checkpoint.storage import (INTEGRATED_FILE, dcp_load, named_error, read_meta, recorded_bytes,
+                                          resolve, tensor_entries, verify)
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
@@ -28,6 +30,7 @@ def load_full_tensors(path: str | Path, prefix: str = MODEL_PREFIX) -> dict[str,
 def export(path: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write the model of checkpoint ``path`` to one ``.safetensors`` file with plain parameter names, tied
     weights under each of their names, as ``model.load_state_dict(safetensors.torch.load_file(out))`` takes."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     path = resolve(path)
@@ -38,10 +41,23 @@ def export(path: str | Path, out: str | Path, dtype: torch.dtype | None = None) 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-              metadata={"step": str(meta["step"]), "config": json.dumps(meta["config"])})
-    tmp.replace(out)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"step": str(meta["step"]), "config": json.dumps(meta["config"])})
+        tmp.replace(out)
+    except (OSError, SafetensorError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise _as_os_error(exc, tmp) from None
     return out
+
+
+def _as_os_error(exc: Exception, path: Path) -> Exception:
+    """safetensors' error for a failed write (``I/O error: No space left on device (os error 28)``) as the
+    OSError it wraps, naming ``path``; other errors as they are."""
+    if isinstance(exc, OSError):
+        return named_error(exc, path)
+    code = re.search(r"\(os error (\d+)\)", str(exc))
+    return OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) if code else exc
 
 
 def info(path: str | Path) -> dict:

@@ -1,0 +1,249 @@
+"""Checkpoints under faults: a disk that fills at any byte of a save, two runs on one directory, and what a load
+trusts.
+
+- Disk full: every write of a save goes through a file whose disk fills after N more bytes, for N swept over the
+  whole save (each file's first and last byte, and points between): the save ends in one CheckpointError line
+  "cannot write checkpoint ... No space left on device" naming the checkpoint, the unfinished directory is
+  removed, every complete checkpoint still verifies; ``paratrain train`` exits 2 with that line; a rank whose
+  disk fills ends the save on every rank; a real small tmpfs where one can be mounted.
+- One run per directory: a second ``paratrain train`` (or ``Model.train``) on a run or checkpoint directory in
+  use is refused in one line naming the holder, writing nothing there; the first run's losses are those of a
+  run alone; the lock of a killed run does not block.
+- Format 1 (no checksums) loads only when trusted.
+"""
+from __future__ import annotations
+
+import builtins
+import errno
+import io
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON
+from paratrain import cli
+
+BASE = """
+[run]
+seed = 7
+[model]
+kind = "gpt"
+vocab_size = 300
+hidden_size = 32
+num_heads = 4
+ffn_hidden_size = 64
+decoder_layers = 2
+seq_length = 16
+hidden_dropout = 0.0
+attention_dropout = 0.0
+[train]
+global_batch_size = 4
+steps = 2
+warmup_steps = 1
+[checkpoint]
+save_steps = 1
+[metrics]
+log_steps = 1
+progress = false
+peak_tflops = 1.0
+"""
+
+
+def trainer_for(run_dir: Path, *overrides: str):
+    from paratrain import config_file
+    from paratrain.trainer import Trainer
+
+    return Trainer(config_file.from_dict(tomllib.loads(BASE), [f"run.dir={run_dir}", *overrides]))
+
+
+# --- a disk that fills ------------------------------------------------------------------------------------------
+
+class FullDisk:
+    """Binary files opened for writing under ``root`` share ``budget`` bytes (None: no limit); a write past it writes what
+    fits and raises ENOSPC, as a full disk does. ``written`` counts the bytes written, by file name."""
+
+    def __init__(self, monkeypatch, root: Path, budget: int | None = None):
+        self.root, self.budget, self.used, self.written = str(root), budget, 0, {}
+        real_open = builtins.open
+        disk = self
+
+        class LimitedFile:
+            def __init__(self, raw, name):
+                self.raw, self.name = raw, name
+
+            def write(self, data):
+                size = memoryview(data).nbytes
+                fits = size if disk.budget is None else max(0, min(size, disk.budget - disk.used))
+                if fits:
+                    self.raw.write(bytes(memoryview(data).cast("B")[:fits]))
+                disk.used += fits
+                disk.written[self.name] = disk.written.get(self.name, 0) + fits
+                if fits < size:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                return size
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.raw.close()
+
+            def __getattr__(self, name):
+                return getattr(self.raw, name)
+
+        def limited_open(file, mode="r", *args, **kwargs):
+            raw = real_open(file, mode, *args, **kwargs)
+            if isinstance(file, (str, os.PathLike)) and "b" in mode and set(mode) & set("wax+") and \
+                    os.path.abspath(file).startswith(self.root):
+                return LimitedFile(raw, Path(file).name)
+            return raw
+
+        monkeypatch.setattr(builtins, "open", limited_open)
+        monkeypatch.setattr(io, "open", limited_open)
+
+
+def fill_points(sizes: list[int], extra: int = 24) -> list[int]:
+    """Budgets that fill the disk at each file's first and last byte, and at ``extra`` points between."""
+    total, points, at = sum(sizes), {0}, 0
+    for size in sizes:
+        points |= {at, at + 1, at + size - 1}
+        at += size
+    points |= set(random.Random(0).sample(range(total), min(extra, total)))
+    return sorted(p for p in points if 0 <= p < total)
+
+
+def assert_clean_failure(message: str, root: Path, name: str, before: list[str]) -> None:
+    """One line naming the checkpoint and the full disk; nothing unfinished left; what was complete still is."""
+    from paratrain.checkpoint.storage import META_FILE, verify
+
+    assert message.splitlines() == [message] and "Traceback" not in message
+    assert f"cannot write checkpoint {root / name}: No space left on device" in message, message
+    assert not list(root.glob(".tmp-*")) and not list(root.glob("*.tmp")), sorted(p.name for p in root.iterdir())
+    complete = sorted(p.name for p in root.iterdir() if (p / META_FILE).is_file())
+    assert set(before) <= set(complete) <= set(before) | {name}
+    for checkpoint in complete:
+        verify(root / checkpoint)
+
+
+def test_a_disk_filling_at_any_byte_of_a_save_ends_in_one_line_and_leaves_the_last_checkpoint(tmp_path,
+                                                                                                 monkeypatch):
+    from paratrain.checkpoint import CheckpointError
+    from paratrain.checkpoint.storage import LATEST, verify
+
+    trainer = trainer_for(tmp_path / "run", "checkpoint.keep_max=0")
+    trainer.train()
+    root = trainer.checkpointer.root
+    before = ["step_00000001", "step_00000002"]
+    disk = FullDisk(monkeypatch, root)
+    trainer.checkpointer.save(3)  # the bytes of a whole save, file by file
+    sizes = list(disk.written.values())
+    shutil.rmtree(root / "step_00000003")
+    (root / LATEST).write_text("step_00000002\n")
+    points = fill_points(sizes)
+    assert len(points) > 20
+    for budget in points:
+        disk.budget, disk.used = budget, 0
+        with pytest.raises(CheckpointError) as failed:
+            trainer.checkpointer.save(3)
+        assert_clean_failure(str(failed.value), root, "step_00000003", before)
+        if (root / "step_00000003").is_dir():  # renamed, then `latest` could not be replaced: complete
+            shutil.rmtree(root / "step_00000003")
+        assert (root / LATEST).read_text() == "step_00000002\n"
+    disk.budget = None
+    assert trainer.checkpointer.save(3) == root / "step_00000003"
+    verify(root / "step_00000003")
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3, 0.77, 0.999])
+def test_paratrain_train_on_a_full_disk_exits_2_with_one_line(tmp_path, monkeypatch, capsys, share):
+    """The disk fills during the second save (at ``share`` of its bytes): exit 2, one line, step 1 intact."""
+    config = tmp_path / "base.toml"
+    config.write_text(BASE)
+    argv = ["train", "--config", str(config), f"--run.dir={tmp_path / 'run'}"]
+    root = tmp_path / "run" / "checkpoints"
+    disk = FullDisk(monkeypatch, root)
+    assert cli.main(argv) == 0
+    saves = disk.used
+    shutil.rmtree(tmp_path / "run")
+    capsys.readouterr()
+    disk.budget, disk.used = int(saves / 2 + share * saves / 2), 0
+    assert cli.main(argv + ["--checkpoint.resume=none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("paratrain: ")
+    assert_clean_failure(err, root, "step_00000002", ["step_00000001"])
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs under the test's folder, or a skip where mounting is not permitted."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if shutil.which("mount") is None or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+                                                       capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_real_small_file_system_filling_during_a_save(small_tmpfs, tmp_path):
+    """On a real 2 MiB tmpfs, with the whole model written too (``integrated_save``: safetensors' own writer):
+    free space left at many points of a save."""
+    from paratrain.checkpoint import CheckpointError
+    from paratrain.checkpoint.storage import LATEST
+
+    trainer = trainer_for(small_tmpfs / "run", "checkpoint.keep_max=0", "checkpoint.integrated_save=true")
+    trainer.train()
+    root = trainer.checkpointer.root
+    size = sum(f.stat().st_size for f in (root / "step_00000002").iterdir())
+    filler = small_tmpfs / "filler"
+    failures = 0
+    for left in range(0, size + 3 * 4096, 4096):
+        filler.unlink(missing_ok=True)
+        stat = os.statvfs(small_tmpfs)
+        with open(filler, "wb") as f:
+            f.write(b"\0" * max(0, stat.f_bavail * stat.f_frsize - left))
+        try:
+            trainer.checkpointer.save(3)
+        except CheckpointError as exc:
+            failures += 1
+            assert_clean_failure(str(exc), root, "step_00000003", ["step_00000001", "step_00000002"])
+        shutil.rmtree(root / "step_00000003", ignore_errors=True)
+        (root / LATEST).unlink(missing_ok=True)
+    assert failures >= 3
+
+
+def _rank_1_disk_fills(root: str, budget: int):
+    """dp2, steps 1 and 2 saved; then rank 1's disk has ``budget`` bytes left for the save of step 3."""
+    import pytest as _pytest
+
+    from paratrain.checkpoint import CheckpointError
+
+    trainer = trainer_for(Path(root) / "run", "parallel.data_parallel=2", "checkpoint.keep_max=0")
+    trainer.train()
+    with _pytest.MonkeyPatch.context() as mp:
+        if trainer.layout.dp_rank == 1:
+            FullDisk(mp, trainer.checkpointer.root, budget)
+        try:
+            trainer.checkpointer.save(3)
+            return None
+        except CheckpointError as exc:
+            return str(exc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0, 700, 5000])
+def test_a_rank_whose_disk_fills_ends_the_save_on_every_rank(tmp_path, budget):
+    from multiprocess import run_distributed
+
+    messages = run_distributed(_rank_1_disk_fills, 2, str(tmp_path), budget, timeout=240)
+    root = tmp_path / "run" / "checkpoints"
+    assert messages[0] == messages[1] and messages[0] is not None
+    assert_clean_failure(messages[0], root, "step_00000003", ["step_00000001", "step_00000002"])
