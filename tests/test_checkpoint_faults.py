@@ -247,3 +247,131 @@ def test_a_rank_whose_disk_fills_ends_the_save_on_every_rank(tmp_path, budget):
     root = tmp_path / "run" / "checkpoints"
     assert messages[0] == messages[1] and messages[0] is not None
     assert_clean_failure(messages[0], root, "step_00000003", ["step_00000001", "step_00000002"])
+
+
+# --- one run per directory -------------------------------------------------------------------------------------
+
+MODEL_TRAIN_SCRIPT = """
+import sys
+import torch
+from torch import nn
+from paratrain.train import CheckpointConfig, LossMonitor, Model, ModelCheckpoint
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        return ((self.fc(x) - y) ** 2).mean()
+
+torch.manual_seed(0)
+generator = torch.Generator().manual_seed(1)
+data = [(torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator))
+        for _ in range(int(sys.argv[2]))]
+net = Net()
+Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.05)).train(
+    1, data, callbacks=[LossMonitor(), ModelCheckpoint(prefix="ck", directory=sys.argv[1],
+                                                       config=CheckpointConfig(save_checkpoint_steps=50))])
+"""
+
+
+def started(argv: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([PYTHON, *argv], cwd=cwd, env={**os.environ, "PARATRAIN_DEVICE": "cpu"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def paused_once_locked(proc: subprocess.Popen, directory: Path) -> None:
+    """Wait until ``proc`` holds the lock of ``directory``, then stop it there (SIGSTOP): it is mid-run."""
+    from paratrain.run_lock import LOCK_FILE
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if json.loads((directory / LOCK_FILE).read_text())["pid"] == proc.pid:
+                os.kill(proc.pid, 19)  # SIGSTOP
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"the first run never took the lock of {directory}: {proc.communicate()}")
+
+
+def snapshot(directory: Path) -> dict:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(directory.rglob("*"))
+            if p.is_file()}
+
+
+def finished(proc: subprocess.Popen) -> str:
+    os.kill(proc.pid, 18)  # SIGCONT
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return out
+
+
+def metrics_losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shared", ["run.dir", "checkpoint.dir"])
+def test_a_second_paratrain_train_on_a_directory_in_use_is_refused_and_the_first_goes_on(tmp_path, capsys, shared):
+    config = tmp_path / "base.toml"
+    config.write_text(BASE)
+    steps = ["--train.steps=30", "--checkpoint.save_steps=10"]
+    common = tmp_path / "common"
+
+    def argv(run: str) -> list[str]:
+        dirs = [f"--run.dir={common}"] if shared == "run.dir" else \
+            [f"--run.dir={tmp_path / run}", f"--checkpoint.dir={common}"]
+        return ["train", "--config", str(config), *dirs, *steps]
+
+    solo = started(["-m", "paratrain", "train", "--config", str(config), f"--run.dir={tmp_path / 'solo'}", *steps],
+                   tmp_path)
+    solo.communicate(timeout=300)
+    first = started(["-m", "paratrain", *argv("first")], tmp_path)
+    paused_once_locked(first, common)
+    before = snapshot(common)
+    assert cli.main(argv("second")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and f"{shared}={common} is in use by another run: pid {first.pid} on " in err
+    assert snapshot(common) == before  # the second wrote nothing there
+    finished(first)
+    first_dir = common if shared == "run.dir" else tmp_path / "first"
+    assert metrics_losses(first_dir) == metrics_losses(tmp_path / "solo")
+    assert [p.name for p in sorted((common if shared == "checkpoint.dir" else common / "checkpoints").glob("step_*"))] \
+        == ["step_00000010", "step_00000020", "step_00000030"]
+
+
+@pytest.mark.slow
+def test_a_second_model_train_on_a_model_checkpoint_directory_in_use_is_refused(tmp_path):
+    script = tmp_path / "train_net.py"
+    script.write_text(MODEL_TRAIN_SCRIPT)
+    solo = started([str(script), str(tmp_path / "solo"), "120"], tmp_path)
+    solo_out, _ = solo.communicate(timeout=300)
+    directory = tmp_path / "ck"
+    first = started([str(script), str(directory), "120"], tmp_path)
+    paused_once_locked(first, directory)
+    before = snapshot(tmp_path)
+    second = subprocess.run([PYTHON, str(script), str(directory), "120"], cwd=tmp_path, capture_output=True,
+                            text=True, env={**os.environ, "PARATRAIN_DEVICE": "cpu"}, timeout=300)
+    assert second.returncode != 0 and "UserError" in second.stderr
+    assert f"ModelCheckpoint directory={directory} is in use by another run: pid {first.pid} on " in second.stderr
+    assert snapshot(tmp_path) == before
+    assert finished(first) == solo_out  # the losses of a run alone
+    assert sorted(p.name for p in directory.glob("ck-*")) == ["ck-1_100", "ck-1_120", "ck-1_50"]
+
+
+def test_the_lock_of_a_killed_run_does_not_block(tmp_path, capsys):
+    from paratrain.run_lock import LOCK_FILE
+
+    run = tmp_path / "run"
+    killed = subprocess.run([PYTHON, "-c", "import os, pathlib, signal, sys; from paratrain import run_lock; "
+                             "run_lock.hold([('run.dir', pathlib.Path(sys.argv[1]))]); os.kill(os.getpid(), 9)",
+                             str(run)], cwd=tmp_path, timeout=120)
+    assert killed.returncode == -9
+    assert json.loads((run / LOCK_FILE).read_text())["pid"] != os.getpid()  # the killed process's details stay
+    config = tmp_path / "base.toml"
+    config.write_text(BASE)
+    assert cli.main(["train", "--config", str(config), f"--run.dir={run}"]) == 0, capsys.readouterr().err
+    assert [step for step, _ in metrics_losses(run)] == [1, 2]

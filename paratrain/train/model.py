@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from paratrain import loop, progress
+from paratrain import loop, progress, run_lock
 from paratrain.amp import LossScaleManager, precision_of
 from paratrain.auto_parallel import AutoParallel
 from paratrain.config import MetricsConfig, ParallelConfig
@@ -415,12 +415,21 @@ class Model:
             parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout,
             rows_of_this_rank=shards > 1, exit_requested=False, loss_scaler=self.loss_scaler, step_record=None)
         self._engine = None
-        done = self._resume(resume, train_dataset, callbacks, dataset_sink_mode, config, layout, params)
-        training = _Training(self, _Callbacks(callbacks), RunContext(params), dataset_sink_mode)
-        with training.hooks:
-            training.hooks.call("on_train_begin", training.run_context)
-            steps = training.steps(epoch, train_dataset, sink_size, done)
-            code = loop.exit_code(lambda: loop.run(training, steps, world_size), rank, "no ModelCheckpoint callback")
+        # one run per checkpoint directory, from before a resume is decided
+        locked = [("ModelCheckpoint directory", c.directory) for c in _Callbacks(callbacks).callbacks
+                  if isinstance(c, ModelCheckpoint)]
+        run_lock.hold(locked)
+        try:
+            done = self._resume(resume, train_dataset, callbacks, dataset_sink_mode, config, layout, params)
+            training = _Training(self, _Callbacks(callbacks), RunContext(params), dataset_sink_mode)
+            with training.hooks:
+                training.hooks.call("on_train_begin", training.run_context)
+                steps = training.steps(epoch, train_dataset, sink_size, done)
+                code = loop.exit_code(lambda: loop.run(training, steps, world_size), rank,
+                                      "no ModelCheckpoint callback")
+        finally:
+            for _, directory in locked:
+                run_lock.release(directory)
         if code:
             raise SystemExit(code)
 
