@@ -483,6 +483,7 @@ class CheckpointConfig(Section):
     integrated_save: bool = False
     resume: str = "auto"
     prefix: str = ""  # "": directories step_00000008; else MindSpore's <prefix>-<epoch>_<step> (one epoch here)
+    trust_unverified: bool = False  # load checkpoints of format 1, which record no checksums
 
 
 @dataclass

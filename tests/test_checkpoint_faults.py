@@ -375,3 +375,77 @@ def test_the_lock_of_a_killed_run_does_not_block(tmp_path, capsys):
     config.write_text(BASE)
     assert cli.main(["train", "--config", str(config), f"--run.dir={run}"]) == 0, capsys.readouterr().err
     assert [step for step, _ in metrics_losses(run)] == [1, 2]
+
+
+# --- what a load trusts --------------------------------------------------------------------------------------------
+
+def claim_format_1(path: Path, keep_checksums: bool) -> None:
+    """Edit checkpoint ``path`` to claim format 1 (no checksum of paratrain.json; with ``keep_checksums`` its files
+    keep theirs, else sizes only, as format 1 wrote them)."""
+    meta = json.loads((path / "paratrain.json").read_text())
+    meta.pop("checksum")
+    files = meta["files"] if keep_checksums else {name: entry["bytes"] for name, entry in meta["files"].items()}
+    meta.update(format=1, files=files)
+    (path / "paratrain.json").write_text(json.dumps(meta))
+
+
+def flipped(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 1
+    file.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A 2-step run saving both steps (integrated model too): its checkpoints directory."""
+    from conftest import one_thread
+
+    root = tmp_path_factory.mktemp("saved")
+    with one_thread():
+        trainer = trainer_for(root / "run", "checkpoint.integrated_save=true")
+        trainer.train()
+    return trainer.checkpointer.root
+
+
+@pytest.mark.parametrize("keep_checksums", [False, True])
+def test_a_checkpoint_claiming_format_1_is_refused_without_trust_everywhere(tmp_path, saved_run, capsys,
+                                                                           keep_checksums):
+    from paratrain.checkpoint import CheckpointError
+    from paratrain.train import load_checkpoint
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.copytree(saved_run, checkpoints)
+    step = checkpoints / "step_00000002"
+    claim_format_1(step, keep_checksums)
+    config = tmp_path / "base.toml"
+    config.write_text(BASE)
+    train = ["train", "--config", str(config), f"--run.dir={tmp_path / 'run'}", "--train.steps=3"]
+    refusals = {"train": cli.main(train),
+                "export": cli.main(["export", str(step), str(tmp_path / "out.safetensors")])}
+    for source in (step, step / "model.safetensors"):
+        with pytest.raises(CheckpointError, match="has format 1, which records no checksums") as refused:
+            load_checkpoint(source)
+        assert str(refused.value).splitlines() == [str(refused.value)]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert refusals == {"train": 2, "export": 2} and len(err) == 2
+    assert all(f"checkpoint {step} has format 1, which records no checksums" in line for line in err)
+    assert not (tmp_path / "out.safetensors").exists() and not (checkpoints / "step_00000003").exists()
+
+    trusted = load_checkpoint(step, trust_unverified=True)
+    assert trusted.keys() == load_checkpoint(saved_run / "step_00000002").keys()
+    assert cli.main(["export", "--trust-unverified", str(step), str(tmp_path / "out.safetensors")]) == 0
+    assert cli.main([*train, "--checkpoint.trust_unverified=true"]) == 0
+    assert (checkpoints / "step_00000003" / "paratrain.json").is_file()
+
+
+def test_a_trusted_checkpoint_claiming_format_1_still_checks_the_checksums_it_holds(tmp_path, saved_run):
+    """Edited to claim format 1 but its files' checksums kept: a flipped shard byte is found even when trusted."""
+    from paratrain.checkpoint import CheckpointError
+    from paratrain.train import load_checkpoint
+
+    step = tmp_path / "step_00000002"
+    shutil.copytree(saved_run / "step_00000002", step)
+    claim_format_1(step, keep_checksums=True)
+    flipped(step / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match="__0_0.distcp fails its checksum"):
+        load_checkpoint(step, trust_unverified=True)

@@ -33,8 +33,9 @@ from paratrain.checkpoint.storage import (DCP_METADATA, FORMAT_VERSION, INTEGRAT
                                           META_FILE, TMP_PREFIX, CheckpointError, ChecksumCheck, DamagedCheckpoint,
                                           check_checksums, checkpoint_name, checksum_owner, complete_checkpoints,
                                           dcp_load, dcp_save, file_checksum, file_entry, fsync_dir,
-                                          holds_tensor_data, raise_if_damaged, rank_file_name, read_meta, resolve,
-                                          step_dirs, tensor_entries, verify, write_atomic, write_file, write_meta)
+                                          holds_tensor_data, raise_if_damaged, rank_file_name, read_meta,
+                                          require_checksums, resolve, step_dirs, tensor_entries, verify, write_atomic,
+                                          write_file, write_meta)
 from paratrain.config import MODEL_KINDS, USER_MODEL_KIND, Config, ModelConfig
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
@@ -421,6 +422,7 @@ class Checkpointer:
         path = Path(path)
         rank, world = _rank_world()
         meta = read_meta(path)
+        require_checksums(path, meta, self.cfg.trust_unverified)
         check_resume_config(meta, self.config, path, report=rank == 0)
         lacking = [name for name in self.states if name not in meta]
         if lacking:

@@ -10,24 +10,28 @@ from pathlib import Path
 import torch
 
 from paratrain.checkpoint.storage import (INTEGRATED_FILE, dcp_load, named_error, read_meta, recorded_bytes,
-                                          resolve, tensor_entries, verify)
+                                          require_checksums, resolve, tensor_entries, verify)
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
 
 
-def load_full_tensors(path: str | Path, prefix: str = MODEL_PREFIX) -> dict[str, torch.Tensor]:
+def load_full_tensors(path: str | Path, prefix: str = MODEL_PREFIX,
+                      trust_unverified: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of checkpoint ``path`` whose key starts with ``prefix``, whole, keyed without it, read from
-    the DCP shards of all ranks in this process (no process group used)."""
+    the DCP shards of all ranks in this process (no process group used). A checkpoint without checksums
+    (format 1) is read only with ``trust_unverified`` (:func:`~paratrain.checkpoint.storage.require_checksums`)."""
     path = resolve(path)
-    _, metadata = verify(path)
+    meta = read_meta(path)
+    require_checksums(path, meta, trust_unverified)
+    _, metadata = verify(path, meta)
     state = {key: torch.empty(entry.size, dtype=entry.properties.dtype, device="cpu")
              for key, entry in tensor_entries(metadata).items() if key.startswith(prefix)}
     dcp_load(state, path, no_dist=True)
     return {key[len(prefix):]: value for key, value in state.items()}
 
 
-def export(path: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+def export(path: str | Path, out: str | Path, dtype: torch.dtype | None = None, trust_unverified: bool = False) -> Path:
     """Write the model of checkpoint ``path`` to one ``.safetensors`` file with plain parameter names, tied
     weights under each of their names, as ``model.load_state_dict(safetensors.torch.load_file(out))`` takes."""
     from safetensors import SafetensorError
@@ -35,7 +39,7 @@ def export(path: str | Path, out: str | Path, dtype: torch.dtype | None = None) 
 
     path = resolve(path)
     meta = read_meta(path)
-    tensors = load_full_tensors(path)
+    tensors = load_full_tensors(path, trust_unverified=trust_unverified)
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     out = Path(out)

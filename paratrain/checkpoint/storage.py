@@ -296,6 +296,23 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+TRUST_HOW = ("checkpoint.trust_unverified = true (paratrain train, translate), --trust-unverified (paratrain "
+             "export) or trust_unverified=True (Model.train, load_checkpoint)")
+
+
+def require_checksums(path: Path, meta: dict, trust_unverified: bool) -> None:
+    """Refuse a checkpoint of format 1, whose files have no checksums to check, unless ``trust_unverified``: its
+    content cannot be told from a damaged or altered one (a checkpoint edited to claim format 1 included)."""
+    if meta["format"] >= 2:
+        return
+    if not trust_unverified:
+        raise CheckpointError(f"checkpoint {path} has format {meta['format']}, which records no checksums: its files "
+                              f"cannot be checked for damage or changes; load it only if you trust where it came "
+                              f"from, with {TRUST_HOW}")
+    log.warning("checkpoint: loading %s of format %d without checksums (trusted: its files are checked for their "
+                "size only)", path, meta["format"])
+
+
 def _meta_problem(meta: dict) -> str | None:
     """What ``paratrain.json`` content ``meta`` lacks of what paratrain writes, or None."""
     for key, kind in META_KEYS.items():
