@@ -181,6 +181,33 @@ def test_paratrain_train_on_a_full_disk_exits_2_with_one_line(tmp_path, monkeypa
     assert_clean_failure(err, root, "step_00000002", ["step_00000001"])
 
 
+@pytest.mark.parametrize("share", [0.0, 0.5, 0.9])
+def test_model_train_on_a_full_disk_raises_a_checkpoint_error(tmp_path, monkeypatch, share):
+    """``Model.train`` saving every 2 steps; the disk fills during the second save: a named CheckpointError, the
+    first checkpoint intact."""
+    import torch
+
+    from paratrain.train import CheckpointConfig, CheckpointError, Model, ModelCheckpoint
+
+    namespace: dict = {}
+    exec(MODEL_TRAIN_SCRIPT.split("torch.manual_seed(0)")[0], namespace)  # the script's Net
+
+    def train(directory: Path) -> None:
+        torch.manual_seed(0)
+        net = namespace["Net"]()
+        data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(4)]
+        Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.05)).train(
+            1, data, callbacks=[ModelCheckpoint(prefix="ck", directory=directory,
+                                                config=CheckpointConfig(save_checkpoint_steps=2))])
+
+    disk = FullDisk(monkeypatch, tmp_path / "measure")
+    train(tmp_path / "measure")
+    disk.root, disk.used, disk.budget = str(tmp_path / "ck"), 0, int(disk.used / 2 * (1 + share))
+    with pytest.raises(CheckpointError) as failed:
+        train(tmp_path / "ck")
+    assert_clean_failure(str(failed.value), tmp_path / "ck", "ck-1_4", ["ck-1_2"])
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 2 MiB tmpfs under the test's folder, or a skip where mounting is not permitted."""
