@@ -21,7 +21,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import time
 import tomllib
 from pathlib import Path
@@ -30,31 +29,10 @@ import pytest
 
 from conftest import PYTHON
 from paratrain import cli
+from test_faults import BASE as FAULTS_BASE
 
-BASE = """
-[run]
-seed = 7
-[model]
-kind = "gpt"
-vocab_size = 300
-hidden_size = 32
-num_heads = 4
-ffn_hidden_size = 64
-decoder_layers = 2
-seq_length = 16
-hidden_dropout = 0.0
-attention_dropout = 0.0
-[train]
-global_batch_size = 4
-steps = 2
-warmup_steps = 1
-[checkpoint]
-save_steps = 1
-[metrics]
-log_steps = 1
-progress = false
-peak_tflops = 1.0
-"""
+# the model of test_faults, logging every step and saving every step
+BASE = FAULTS_BASE.replace("log_steps = 100", "log_steps = 1") + "[checkpoint]\nsave_steps = 1\n"
 
 
 def trainer_for(run_dir: Path, *overrides: str):
@@ -279,7 +257,6 @@ def test_a_rank_whose_disk_fills_ends_the_save_on_every_rank(tmp_path, budget):
 # --- one run per directory -------------------------------------------------------------------------------------
 
 MODEL_TRAIN_SCRIPT = """
-import sys
 import torch
 from torch import nn
 from paratrain.train import CheckpointConfig, LossMonitor, Model, ModelCheckpoint
@@ -393,7 +370,7 @@ def test_the_lock_of_a_killed_run_does_not_block(tmp_path, capsys):
     from paratrain.run_lock import LOCK_FILE
 
     run = tmp_path / "run"
-    killed = subprocess.run([PYTHON, "-c", "import os, pathlib, signal, sys; from paratrain import run_lock; "
+    killed = subprocess.run([PYTHON, "-c", "import os, pathlib, sys; from paratrain import run_lock; "
                              "run_lock.hold([('run.dir', pathlib.Path(sys.argv[1]))]); os.kill(os.getpid(), 9)",
                              str(run)], cwd=tmp_path, timeout=120)
     assert killed.returncode == -9
