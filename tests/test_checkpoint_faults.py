@@ -257,6 +257,8 @@ def test_a_rank_whose_disk_fills_ends_the_save_on_every_rank(tmp_path, budget):
 # --- one run per directory -------------------------------------------------------------------------------------
 
 MODEL_TRAIN_SCRIPT = """
+import sys
+
 import torch
 from torch import nn
 from paratrain.train import CheckpointConfig, LossMonitor, Model, ModelCheckpoint
