@@ -88,6 +88,38 @@ def test_layer_split_matches_pipeline_module():
                 pipeline_blocks(model), cfg.parallel, cost.layer_costs(cfg.model))
 
 
+MODELS = [("gpt", 0, 5, {}), ("gpt", 0, 7, {"expert_num": 4, "every": 3}), ("transformer", 3, 3, {}),
+          ("transformer", 5, 4, {"expert_num": 4, "every": 2}), ("transformer", 1, 4, {"expert_num": 2, "every": 3})]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,encoder,decoder,moe", MODELS)
+def test_parameters_read_off_a_small_model_are_the_whole_models(kind, encoder, decoder, moe):
+    """The planner reads one layer of each kind off a model with few layers: every layer of the whole model (built
+    on the meta device) has its kind's shapes, the count is the whole model's, and a rank of a layout splitting
+    every kind of parameter (vocab 62 over 4 ranks: uneven) holds what the really placed model gives it."""
+    from paratrain.models import build_model
+    from paratrain.modules.transformer import pipeline_blocks
+    from paratrain.plan.dryrun import dry_run
+
+    parallel = {"dp": 2, "mp": 4, "vocab_emb_dp": False, "zero_stage": 1, "ep": 2 if moe else 1}
+    cfg = config_file.from_dict({"model": {"kind": kind, "vocab_size": 62, "hidden_size": 32, "num_heads": 4,
+                                           "ffn_hidden_size": 64, "encoder_layers": encoder, "decoder_layers": decoder,
+                                           "moe": moe}, "parallel": parallel, "train": {"global_batch_size": 8}})
+    m = cfg.model
+    with torch.device("meta"):
+        model = build_model(m)
+    described = cost.model_description(m)
+    for (decoder_layer, layer_id, _), (name, _, _) in zip(cost.layer_blocks(m), pipeline_blocks(model), strict=True):
+        shapes = [p.shape for p in described.layers[decoder_layer, cost.is_moe(m, decoder_layer, layer_id)]]
+        assert shapes == [tuple(p.shape) for p in model.get_submodule(name).parameters()], name
+    assert cost.model_params(m) == sum(p.numel() for p in model.parameters())
+    (counted,) = dry_run(cfg)
+    (predicted,) = cost.stage_states(m, cfg.parallel)
+    assert (counted["params"], counted["tensors"], counted["optimizer"]) == (
+        predicted.params, predicted.tensors, predicted.optimizer)
+
+
 # --- real training steps: parameters, gradients and AdamW state measured by bench/parallel_cost ----
 
 MEASURED = {"dp2_zero0": {"dp": 2}, "dp2_zero1": {"dp": 2, "zero_stage": 1}, "dp2_zero3": {"dp": 2, "zero_stage": 3},

@@ -1,15 +1,15 @@
 """Per-rank cost model of one layout: model-state bytes, activation bytes, step time.
 
-Everything is derived from the model's shapes and from how paratrain shards (see ``paratrain/parallel``), without
-building the model:
+Everything is derived from the model's shapes and from how paratrain shards (see ``paratrain/parallel``):
 
-- Parameters: Megatron's tensor-parallel split as the modules' ``parallel_plan()`` declares it (q/k/v/fc1 weight and
-  bias and the head column-sharded, out_proj/fc2 weights row-sharded, their biases, LayerNorms and position tables
-  replicated, the word table sharded only with ``vocab_emb_dp=false``); shards follow ``torch.chunk`` (rank 0 holds
-  the largest). ZeRO stages 1-3 (FSDP2 ``fully_shard`` over dp) shard dim 0 of each local tensor again; stage 0
-  keeps it whole. Pipeline chunks follow ``layer_chunks``' split, balanced by ``layer_costs`` (the head's FLOPs
-  with the last layer's), and hold the parts the model places there, including the extra word-table copies of the
-  encoder-decoder and of a tied head.
+- Parameters: read off the model built on the meta device, one layer of each kind (``model_description``): their
+  shapes, the tensor-parallel split the modules' ``parallel_plan()`` declares (Megatron's: q/k/v/fc1 weight and bias
+  and the head column-sharded, out_proj/fc2 weights row-sharded, their biases, LayerNorms and position tables
+  replicated, the word table sharded only with ``vocab_emb_dp=false``) and the experts' split, and the layers and
+  parts that use them; shards follow ``torch.chunk`` (rank 0 holds the largest). ZeRO stages 1-3 (FSDP2
+  ``fully_shard`` over dp) shard dim 0 of each local tensor again; stage 0 keeps it whole. Pipeline chunks follow
+  ``layer_chunks``' split, balanced by ``layer_costs`` (the head's FLOPs with the last layer's), and hold the parts
+  the model places there, including the extra word-table copies of the encoder-decoder and of a tied head.
 - Gradients: same placement as the parameters at rest. Optimizer: AdamW exp_avg and exp_avg_sq like the parameter
   plus a 4-byte ``step`` per tensor (fused AdamW).
 - Transient model state (peak, on top of the above): stages 1-2 gather every parameter of the rank in forward and
@@ -22,6 +22,7 @@ building the model:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -41,89 +42,97 @@ def chunk_size(n: int, k: int, rank: int = 0) -> int:
 
 # --- parameters ---------------------------------------------------------------------------------
 
+# the dim of a Linear's or an Embedding's parameter that each split kind of ``parallel_plan()`` shards over
+# model_parallel (``paratrain.parallel.tensor.parallel_style``: DTensor's ColwiseParallel and RowwiseParallel)
+SHARDED_DIMS = {("colwise", "weight"): 0, ("colwise", "bias"): 0, ("head", "weight"): 0, ("head", "bias"): 0,
+                ("rowwise", "weight"): 1, ("vocab_rows", "weight"): 0}
+
+
 @dataclass(frozen=True)
 class Param:
-    name: str
+    """A parameter of the model as built, and how paratrain splits it."""
+
     shape: tuple
-    # "col" (Shard(0)), "row" (Shard(1)), "vocab" (Shard(0) if not vocab_emb_dp), "replicate", "expert<d>" (E over
-    # expert_parallel and dim d over model_parallel; "expert": E only)
-    tp: str = "replicate"
-    part: str = "layer"  # layer | word | input_embed | target_embed | encoder_norm | head
+    tp_dim: int | None = None  # the dim split over model_parallel
+    split_kind: str | None = None  # the ``parallel_plan()`` kind of its module ("vocab_rows": a word table)
+    expert: bool = False  # experts: dim 0 split over expert_parallel, left whole by data parallelism
+
+    @property
+    def table(self) -> bool:
+        """Whether it is a word table or an output head, (vocab, hidden) both."""
+        return self.split_kind in ("vocab_rows", "head")
 
 
-def _linear(name: str, out_f: int, in_f: int, style: str, bias: bool = True) -> list[Param]:
-    out = [Param(f"{name}.weight", (out_f, in_f), style)]
-    if bias:
-        out.append(Param(f"{name}.bias", (out_f,), "col" if style == "col" else "replicate"))
-    return out
+@dataclass(frozen=True)
+class ModelParams:
+    """A model's parameters: those of one layer of each kind (``layer_counts``' keys) and those outside the layers,
+    each with the parts of ``pipeline_parts`` that use it (a shared word table: several)."""
+
+    layers: dict  # (is_decoder_layer, is_moe) -> [Param]
+    others: list  # [(Param, frozenset of part names)]
 
 
-def _norm(name: str, h: int, part: str = "layer") -> list[Param]:
-    return [Param(f"{name}.weight", (h,), part=part), Param(f"{name}.bias", (h,), part=part)]
+_DESCRIBED: dict[str, ModelParams] = {}  # per model config, its layer counts aside
 
 
-def _attention(name: str, h: int) -> list[Param]:
-    return (_linear(f"{name}.q_proj", h, h, "col") + _linear(f"{name}.k_proj", h, h, "col")
-            + _linear(f"{name}.v_proj", h, h, "col") + _linear(f"{name}.out_proj", h, h, "row"))
+def model_description(m: ModelConfig) -> ModelParams:
+    """``m``'s parameters, read off the model built on the meta device with as few layers as hold each kind of
+    layer of ``m`` at the same place modulo ``moe.every`` (the kinds and shapes stay, the count does not
+    matter)."""
+    every = m.moe_config.every
+    counts = [n - every * max(0, n // every - 1) for n in m.stack_layers.values()]
+    sample = dataclasses.replace(m, **dict(zip(("encoder_layers", "decoder_layers")[-len(counts):], counts)))
+    key = repr(sample)
+    if key not in _DESCRIBED:
+        _DESCRIBED[key] = _describe(sample)
+    return _DESCRIBED[key]
 
 
-def _ffn(name: str, h: int, f: int) -> list[Param]:
-    return _linear(f"{name}.fc1", f, h, "col") + _linear(f"{name}.fc2", h, f, "row")
+def _describe(m: ModelConfig) -> ModelParams:
+    """The parameters of ``m`` built on the meta device: shapes from the tensors, splits from the modules'
+    ``parallel_plan()`` and the experts' split, users from the layers and ``pipeline_parts`` the pipeline splits."""
+    import torch
+    from torch.distributed.tensor import Shard
 
+    from paratrain.models import build_model
+    from paratrain.modules.moe import MoE
+    from paratrain.modules.transformer import pipeline_blocks
+    from paratrain.parallel.expert import _TENSOR_PARALLEL as EXPERT_SPLITS
+    from paratrain.parallel.pipeline import parameter_holders
+    from paratrain.parallel.tensor import declared_plan
 
-def _experts(name: str, h: int, f: int, e: int) -> list[Param]:
-    """A mixture of experts: the router (replicated) and the experts' tensors, split on E over expert_parallel
-    and on F over model_parallel (``paratrain.parallel.expert``)."""
-    return [Param(f"{name}.router.weight", (e, h)), Param(f"{name}.experts.w1", (e, h, f), "expert2"),
-            Param(f"{name}.experts.b1", (e, f), "expert1"), Param(f"{name}.experts.w2", (e, f, h), "expert1"),
-            Param(f"{name}.experts.b2", (e, h), "expert")]
+    with torch.device("meta"):
+        model = build_model(m)
+    plan = declared_plan(model)
+    experts = {id(p) for block in model.modules() if isinstance(block, MoE) for p in block.experts.parameters()}
 
+    def described(name: str, p: torch.Tensor) -> Param:
+        module, _, local = name.rpartition(".")
+        if id(p) in experts:
+            placement = EXPERT_SPLITS[local]
+            return Param(tuple(p.shape), placement.dim if isinstance(placement, Shard) else None, expert=True)
+        split = plan.get(module)
+        return Param(tuple(p.shape), SHARDED_DIMS.get((split, local)), split if isinstance(split, str) else None)
 
-def layer_params(m: ModelConfig, decoder: bool, moe: bool = False) -> list[Param]:
-    """Parameters of one encoder/GPT layer or one encoder-decoder decoder layer (names relative to the layer);
-    ``moe``: its FFN a mixture of experts (``model.moe``)."""
-    h = m.hidden_size
-    ffn = _experts("ffn", h, m.ffn_hidden_size, m.moe_config.expert_num) if moe else _ffn("ffn", h, m.ffn_hidden_size)
-    if not decoder:
-        return _norm("attn_branch.norm", h) + _norm("ffn_branch.norm", h) + _attention("attn", h) + ffn
-    return (_norm("self_attn_branch.norm", h) + _norm("cross_attn_branch.norm", h) + _norm("ffn_branch.norm", h)
-            + _attention("self_attn", h) + _attention("cross_attn", h) + ffn)
-
-
-def other_params(m: ModelConfig) -> list[Param]:
-    """Parameters outside the layers, tagged with the pipeline part that holds them."""
-    h, v = m.hidden_size, m.vocab_size
-    if not m.spec.encoder_decoder:
-        out = [Param("embed.word.embedding.weight", (v, h), "vocab", "word"),
-               Param("embed.position.weight", (m.seq_length, h), part="input_embed")]
-        out += _norm("norm", h, "head")
-    else:
-        out = [Param("src_embed.word.embedding.weight", (v, h), "vocab", "word"),
-               Param("src_embed.position.weight", (m.src_seq_length, h), part="input_embed"),
-               Param("tgt_embed.position.weight", (m.tgt_seq_length, h), part="target_embed")]
-        out += _norm("transformer.encoder.norm", h, "encoder_norm") + _norm("transformer.decoder.norm", h, "head")
-    if not m.tie_embeddings:
-        out.append(Param("head.weight", (v, h), "col", "head"))
-    return out
-
-
-def is_table(p: Param) -> bool:
-    """Whether ``p`` is a word table or an output head, (vocab, hidden) both."""
-    return p.part == "word" or p.name == "head.weight"
+    layers, first_stack = {}, next(iter(model.layer_stacks))
+    for name, _, _ in pipeline_blocks(model):
+        layer = model.get_submodule(name)
+        kind = (name.rpartition(".")[0] != first_stack, any(isinstance(x, MoE) for x in layer.modules()))
+        if kind not in layers:  # the first layer of each kind
+            layers[kind] = [described(n, p) for n, p in layer.named_parameters(prefix=name)]
+    parts = list(model.pipeline_parts)
+    holders = parameter_holders(model, {part: i for i, part in enumerate(parts)})
+    others = [(described(name, p), frozenset(parts[i] for i in holders[name]))
+              for name, p in model.named_parameters() if name in holders]
+    return ModelParams(layers, others)
 
 
 def local_numel(p: Param, par: ParallelConfig, tp_rank: int = 0, dp_rank: int = 0) -> int:
     """Elements of ``p`` this rank holds at rest."""
     shape = list(p.shape)
-    tp = par.model_parallel
-    if p.tp == "col" or (p.tp == "vocab" and not par.vocab_emb_dp):
-        shape[0] = chunk_size(shape[0], tp, tp_rank)
-    elif p.tp == "row":
-        shape[1] = chunk_size(shape[1], tp, tp_rank)
-    elif p.tp.startswith("expert"):  # E/ep experts a rank (data parallelism leaves them alone), F over tp
-        if p.tp != "expert":
-            dim = int(p.tp[len("expert"):])
-            shape[dim] = chunk_size(shape[dim], tp, tp_rank)
+    if p.tp_dim is not None and not (p.split_kind == "vocab_rows" and par.vocab_emb_dp):
+        shape[p.tp_dim] = chunk_size(shape[p.tp_dim], par.model_parallel, tp_rank)
+    if p.expert:  # E/ep experts a rank (data parallelism leaves them alone)
         return math.prod([chunk_size(shape[0], par.expert_parallel), *shape[1:]])
     if par.shards_parameters and par.data_parallel > 1:
         shape[0] = chunk_size(shape[0], par.data_parallel, dp_rank)
@@ -145,7 +154,7 @@ def layer_blocks(m: ModelConfig) -> list[tuple[bool, int, int]]:
 
 def chunk_of_layers(m: ModelConfig, par: ParallelConfig) -> list[int]:
     """The chunk of every layer, as ``paratrain.parallel.pipeline`` splits them, without building the model."""
-    from paratrain.parallel.pipeline import layer_chunks  # imported here: model_params needs no torch
+    from paratrain.parallel.pipeline import layer_chunks  # imported here: importing the cost model loads no torch
 
     return layer_chunks(layer_blocks(m), par, layer_costs(m))
 
@@ -154,7 +163,7 @@ def layer_costs(m: ModelConfig) -> list[int]:
     """Forward FLOPs of one sequence in each layer, in execution order, the output head's with the last layer's
     (embeddings are lookups): the work the pipeline split balances (``paratrain.parallel.pipeline.layer_chunks``).
     On a 32k vocabulary the head of a 512-wide model costs about five layers."""
-    from paratrain.metrics.flops import layer_flops  # imported here: model_params needs no torch
+    from paratrain.metrics.flops import layer_flops  # imported here: importing the cost model loads no torch
 
     costs = [int(sum(layer_flops(m, d, 1, experts=is_moe(m, d, i)).values())) for d, i, _ in layer_blocks(m)]
     if costs:  # not for a model without Transformer layers (ResNet)
@@ -180,18 +189,6 @@ PART_ROLES = {"embed": "input_embed", "src_embed": "input_embed", "tgt_embed": "
 def layer_names(m: ModelConfig) -> list[str]:
     """The names of the model's layers in execution order (``pipeline_blocks``)."""
     return [f"{stack}.{i}" for stack, n in m.stack_layers.items() for i in range(n)]
-
-
-def model_chunk_parts(m: ModelConfig, owner: list[int], chunk: int) -> set[str]:
-    """The roles of what besides its layers a chunk holds, placed as the model's ``pipeline_parts`` say
-    (``paratrain.parallel.pipeline.part_chunks``), and "word" when it holds a copy of the word table."""
-    from paratrain.parallel.pipeline import part_chunks
-
-    parts = m.spec.build_function().pipeline_parts
-    held = {PART_ROLES[p] for p, c in part_chunks(parts, layer_names(m), owner).items() if c == chunk}
-    if held & {"input_embed", "target_embed"} or (m.tie_embeddings and "head" in held):
-        held.add("word")
-    return held
 
 
 OPTIMIZER_STATES = 2  # AdamW's exp_avg and exp_avg_sq, each the size of its parameter
@@ -224,33 +221,36 @@ class StageState:
 
 
 def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = None) -> list[StageState]:
-    """Model-state bytes at rest of every pipeline rank (tp rank 0, dp rank 0)."""
-    from paratrain.parallel.pipeline import chunk_rank
+    """Model-state bytes at rest of every pipeline rank (tp rank 0, dp rank 0): each chunk holds its layers and the
+    parts placed with them as the model's ``pipeline_parts`` say (``paratrain.parallel.pipeline.part_chunks``),
+    with a copy of every parameter they use."""
+    from paratrain.parallel.pipeline import chunk_rank, part_chunks
 
     b = param_bytes or DTYPE_BYTES[m.dtype]
+    described = model_description(m)
     blocks = layer_blocks(m)
     owner = chunk_of_layers(m, par) if par.pipeline_stage > 1 else [0] * len(blocks)
     num_chunks = par.pipeline_stage * par.virtual_pipeline_stage if par.pipeline_stage > 1 else 1
-    kinds = {(d, moe): layer_params(m, d, moe) for d in (False, True) for moe in (False, True)}
-    sizes = {k: [local_numel(p, par) for p in ps] for k, ps in kinds.items()}
-    whole = {k: sum(tp_numel(p, par) for p in ps) for k, ps in kinds.items()}
-    others = other_params(m)
+    part_chunk = part_chunks(m.spec.build_function().pipeline_parts, layer_names(m), owner)
+    sizes = {k: [local_numel(p, par) for p in ps] for k, ps in described.layers.items()}
+    whole = {k: sum(tp_numel(p, par) for p in ps) for k, ps in described.layers.items()}
     stages = [StageState() for _ in range(par.pipeline_stage)]
     held_sizes = [[] for _ in stages]  # the local size of every tensor a pipeline rank holds
     for chunk in range(num_chunks):
         rank = chunk_rank(chunk, par) if par.pipeline_stage > 1 else 0
         st = stages[rank]
-        parts = model_chunk_parts(m, owner, chunk)
-        st.parts.append(parts)
+        parts = {part for part, c in part_chunk.items() if c == chunk}
+        st.parts.append({PART_ROLES[part] for part in parts})
         held = [(d, i) for (d, i, _), o in zip(blocks, owner) if o == chunk]
         st.layers += [(chunk, d, i) for d, i in held]
         keys = [(d, is_moe(m, d, i)) for d, i in held]
-        tensors = [n for k in keys for n in sizes[k]] + [local_numel(p, par) for p in others if p.part in parts]
+        others = [p for p, users in described.others if users & parts]
+        tensors = [n for k in keys for n in sizes[k]] + [local_numel(p, par) for p in others]
         held_sizes[rank] += tensors
         st.params += sum(tensors) * b
-        st.whole_params += (sum(whole[k] for k in keys) + sum(tp_numel(p, par) for p in others if p.part in parts)) * b
-        st.table_params += sum(tp_numel(p, par) for p in others if p.part in parts and is_table(p)) * b
-        st.table_uses += len(parts & {"input_embed", "target_embed", "head"})
+        st.whole_params += (sum(whole[k] for k in keys) + sum(tp_numel(p, par) for p in others)) * b
+        st.table_params += sum(tp_numel(p, par) for p in others if p.table) * b
+        st.table_uses += len(st.parts[-1] & {"input_embed", "target_embed", "head"})
         st.tensors += len(tensors)
         per_group = max(1, math.ceil(len(held) / par.aggregation_groups(len(held)))) if held else 0
         st.group_params = max(st.group_params, per_group * max(whole.values()) * b)
@@ -258,7 +258,7 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
         st.grads = st.params
         if par.shards_only_optimizer_state and par.data_parallel > 1:
             # zero stage 1 on replicas: each rank steps (and keeps the state of) the parameters dealt to it by size
-            from paratrain.parallel.data import owners  # imported here: model_params needs no torch
+            from paratrain.parallel.data import owners
 
             stepped = [n for n, o in zip(stepped, owners(stepped, par.data_parallel)) if o == 0]
         st.stepped = sum(stepped) * b
@@ -286,10 +286,10 @@ def all_to_all_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, elem
 
 def model_params(m: ModelConfig) -> int:
     """Number of parameters of the whole (unsplit) model; as fast for 10^12 layers as for 2."""
-    def per_layer(decoder: bool, moe: bool = False) -> int:
-        return sum(math.prod(p.shape) for p in layer_params(m, decoder, moe))
-    n = sum(math.prod(p.shape) for p in other_params(m))
-    return n + sum(count * per_layer(*kind) for kind, count in m.layer_counts().items())
+    described = model_description(m)
+    per_layer = {k: sum(math.prod(p.shape) for p in ps) for k, ps in described.layers.items()}
+    return (sum(math.prod(p.shape) for p, _ in described.others)
+            + sum(n * per_layer[k] for k, n in m.layer_counts().items()))
 
 
 def offload_bytes(par: ParallelConfig, st: StageState) -> dict:
@@ -377,7 +377,7 @@ def layer_train_flops(m: ModelConfig, tp: int, micro_batch: int, decoder: bool, 
     the forward ``mode`` recomputes (``full``: all of it, ``selective``: attention's core); a mixture of experts
     (``moe``) runs the router and each token's ``num_experts_chosen`` experts. Under expert parallelism a rank
     runs its experts on every rank's tokens: as many FLOPs as its own tokens make."""
-    from paratrain.metrics.flops import layer_flops  # imported here: model_params needs no torch
+    from paratrain.metrics.flops import layer_flops  # imported here: importing the cost model loads no torch
 
     f = layer_flops(m, decoder, micro_batch, experts=moe)
     forward = f["dense"] + f["core"]

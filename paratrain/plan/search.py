@@ -20,8 +20,9 @@ import dataclasses
 import itertools
 import math
 import os
+from dataclasses import dataclass
 
-from paratrain.config import Config, ConfigError, ParallelConfig
+from paratrain.config import Config, ConfigError, ModelConfig, ParallelConfig
 from paratrain.config_rules import divisors, validate
 from paratrain.metrics.flops import model_flops
 from paratrain.plan import cost
@@ -38,45 +39,87 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     is still costed, with the micro-batch rounded up, and reported infeasible with the rule.
     """
     m = cfg.model
-    dp, tp, pp, mb = par.data_parallel, par.model_parallel, par.pipeline_stage, par.micro_batch_num
-    gb = cfg.train.global_batch_size
-    b = -(-gb // (dp * mb))
-    row = {**{k: getattr(par, k) for k in FIELDS}, "zero_stage": par.effective_zero_stage, "micro_batch_size": b,
-           "pipeline_schedule": par.pipeline_schedule if pp > 1 else "none",
-           "virtual_pipeline_stage": par.virtual_pipeline_stage}
-    problems = validate(dataclasses.replace(cfg, parallel=par), dp * tp * pp)
-    if any(size % tp for size in (m.num_heads, m.hidden_size, m.ffn_hidden_size)) or \
-            pp * par.virtual_pipeline_stage > m.num_layers:
-        row.update(feasible=False, reason="; ".join(problems), memory_gib=None, step_time_s=None, mfu=None)
-        return row
+    b = -(-cfg.train.global_batch_size // (par.data_parallel * par.micro_batch_num))
+    problems = validate(dataclasses.replace(cfg, parallel=par), par.world_size)
+    if any(size % par.model_parallel for size in (m.num_heads, m.hidden_size, m.ffn_hidden_size)) or \
+            par.pipeline_stage * par.virtual_pipeline_stage > m.num_layers:
+        return layout_row(par, b) | dict(feasible=False, reason="; ".join(problems), memory_gib=None,
+                                         step_time_s=None, mfu=None)
     spec = cost.activation_spec(cfg)
-    pbytes = cost.DTYPE_BYTES[m.dtype]
-    key = (dp, tp, pp, par.shards_parameters, par.shards_only_optimizer_state, par.virtual_pipeline_stage,
-           par.pipeline_schedule, par.vocab_emb_dp, par.gradient_aggregation_group)
+    states = cached_stage_states(m, par, cache)
+    modes = cost.recompute_modes(par, m)
+    travel = par.moves_tokens(cost.tokens_per_rank(cfg, par.data_parallel), m.vocab_size)
+    peak = peak_memory(cfg, par, states, spec, modes, travel)
+    micro = micro_batch_times(cfg, par, hw, states, spec, modes, b)
+    times = step_times(cfg, par, hw, states, peak.state, spec, travel, b, micro)
+    return report_row(cfg, par, hw, b, problems, peak, times)
+
+
+def layout_row(par: ParallelConfig, micro_batch_size: int) -> dict:
+    """The fields of a report row that name the layout."""
+    return {**{k: getattr(par, k) for k in FIELDS}, "zero_stage": par.effective_zero_stage,
+            "micro_batch_size": micro_batch_size,
+            "pipeline_schedule": par.pipeline_schedule if par.pipeline_stage > 1 else "none",
+            "virtual_pipeline_stage": par.virtual_pipeline_stage}
+
+
+def cached_stage_states(m: ModelConfig, par: ParallelConfig, cache: dict | None) -> list[cost.StageState]:
+    """``cost.stage_states`` of the layout, from ``cache`` when a layout with the same placement of the model state
+    (micro-batches, recompute and sequence parallelism aside) was costed before."""
+    key = (par.data_parallel, par.model_parallel, par.pipeline_stage, par.shards_parameters,
+           par.shards_only_optimizer_state, par.virtual_pipeline_stage, par.pipeline_schedule, par.vocab_emb_dp,
+           par.gradient_aggregation_group)
     cache = {} if cache is None else cache
     if key not in cache:
-        cache[key] = cost.stage_states(m, par, pbytes)
-    states = cache[key]
-    modes = cost.recompute_modes(par, m)
-    zero, accumulate = par.effective_zero_stage, (mb > 1 or pp > 1)
-    tokens = cost.tokens_per_rank(cfg, dp)
-    travel = par.moves_tokens(tokens, m.vocab_size)  # the tables stay sharded (paratrain.parallel.vocab)
-    worst, act_micro = None, []
+        cache[key] = cost.stage_states(m, par, cost.DTYPE_BYTES[m.dtype])
+    return cache[key]
+
+
+@dataclass
+class PeakMemory:
+    """The pipeline rank that needs the most device memory, and what for."""
+
+    total: float  # bytes
+    stage: int
+    state: cost.StageState  # its model state at rest
+    gathered: float  # whole parameters (and gradients) ZeRO gathers on top of the state at rest
+    activations: dict  # cost.stage_activation_bytes
+
+
+def gathered_bytes(par: ParallelConfig, st: cost.StageState, travel: bool) -> float:
+    """Bytes a rank holds transiently under ZeRO: at stages 1-2 (or 3 in a pipeline) every parameter gathered
+    whole until backward, and the gradients whole too when they accumulate; at stage 3 about two layer groups'
+    parameters (prefetch) and one group's gradients. The word tables stay sharded where the tokens ``travel``."""
+    if not par.shards_parameters:  # replicas (stages 0, 1): gradients reduced in their own storage
+        return 0
+    if par.effective_zero_stage < 3 or par.pipeline_stage > 1:
+        gathered = st.whole_params - (st.table_params if travel else 0)
+        accumulate = par.micro_batch_num > 1 or par.pipeline_stage > 1
+        return gathered + (gathered if accumulate else st.group_params)
+    return 3 * st.group_params
+
+
+def peak_memory(cfg: Config, par: ParallelConfig, states: list[cost.StageState], spec: cost.ActivationSpec,
+                modes: list[str], travel: bool) -> PeakMemory:
+    """Device memory of the pipeline rank that needs the most: model state at rest (on the host with offload, not
+    counted), what ZeRO gathers, activations."""
+    worst = None
     for stage, st in enumerate(states):
         act = cost.stage_activation_bytes(cfg, par, stage, st, spec, modes)
-        produced = cost.stage_activation_bytes(cfg, par, stage, st, spec, ["none"] * len(modes))["per_micro_batch"]
-        act_micro.append(produced * (4 if "full" in modes else 3))  # bytes streamed by elementwise work
-        if not par.shards_parameters:  # replicas (stages 0, 1): gradients reduced in their own storage
-            transient = 0
-        elif zero < 3 or pp > 1:  # whole parameters gathered, gradients accumulated whole
-            gathered = st.whole_params - (st.table_params if travel else 0)
-            transient = gathered + (gathered if accumulate else st.group_params)
-        else:
-            transient = 3 * st.group_params  # two groups' parameters (prefetch) and one group's gradients
+        transient = gathered_bytes(par, st, travel)
         total = (0 if par.offloads else st.total) + transient + act["total"]
-        if worst is None or total > worst[0]:
-            worst = (total, stage, st, act, transient)
-    total, stage, st, act, transient = worst
+        if worst is None or total > worst.total:
+            worst = PeakMemory(total, stage, st, transient, act)
+    return worst
+
+
+def micro_batch_times(cfg: Config, par: ParallelConfig, hw: Hardware, states: list[cost.StageState],
+                      spec: cost.ActivationSpec, modes: list[str], b: int) -> list[tuple[float, float]]:
+    """(seconds, hardware FLOPs) of one micro-batch of ``b`` rows, forward and backward, on each pipeline rank:
+    its layers' and head's matmuls, the elementwise work (norms, softmax, activations, dropout), which streams the
+    activations ~3 times (4 with full recompute), a fixed overhead per layer, and the tensor-parallel
+    collectives."""
+    m, tp = cfg.model, par.model_parallel
     per_layer = {}
     source, target = m.lengths
     for d, moe, mode in itertools.product((False, True), (False, True), ("none", "selective", "full")):
@@ -87,7 +130,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
                                      collectives * tokens * m.hidden_size * spec.elem, calls)
     tokens_b = b * target
     times = []
-    for s in states:
+    for stage, s in enumerate(states):
         flops, tp_bytes, calls = 0.0, 0.0, 0
         for _, d, i in s.layers:
             fl, by, n = per_layer[(d, cost.is_moe(m, d, i), modes[i + m.encoder_layers if d else i])]
@@ -95,68 +138,106 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         if any("head" in parts for parts in s.parts):
             flops += 3 * 2 * tokens_b * m.hidden_size * m.vocab_size / tp
             tp_bytes += tokens_b * m.hidden_size * spec.elem + 3 * tokens_b * 4
-        # elementwise work (norms, softmax, activations, dropout) streams the activations ~3 times (4 with
-        # full recompute); each layer costs a fixed overhead per micro-batch
-        memory_time = act_micro[len(times)] / hw.mem_bw + len(s.layers) * hw.layer_overhead + calls * hw.latency
+        produced = cost.stage_activation_bytes(cfg, par, stage, s, spec, ["none"] * len(modes))["per_micro_batch"]
+        streamed = produced * (4 if "full" in modes else 3)
+        memory_time = streamed / hw.mem_bw + len(s.layers) * hw.layer_overhead + calls * hw.latency
         tp_time = hw.transfer_time(collective_bytes("all_reduce", tp_bytes, tp), tp)
         times.append((hw.compute_time(flops) + memory_time + tp_time, flops))
-    t_micro = max(t for t, _ in times)
-    pp_time = 0.0
-    if pp > 1:  # forward activation and backward gradient over each boundary, per micro-batch
-        boundary = tokens_b * m.hidden_size * spec.elem / (tp if par.sequence_parallel else 1)
-        if m.spec.encoder_decoder:
-            boundary *= 2  # encoder output + decoder state
-        pp_time = hw.transfer_time(2 * boundary * par.virtual_pipeline_stage, dp * tp * pp)
-    dp_time = 0.0
-    if dp > 1:
-        whole = max(s.whole_params - (s.table_params if travel else 0) for s in states)
-        # tokens travelling to the tables: hidden-sized rows gathered and reduce-scattered per use and micro-batch
-        uses = max(s.table_uses for s in states) if travel else 0
-        token_rows = mb * uses * 2 * collective_bytes("all_gather", dp * tokens * m.hidden_size * spec.elem, dp)
-        if zero == 3:  # parameters gathered in forward and backward, gradients reduce-scattered
-            gathers = 1 if pp > 1 else mb
-            volume = gathers * (2 * collective_bytes("all_gather", whole, dp)
-                                + collective_bytes("reduce_scatter", whole, dp))
-        else:  # stage 1 on replicas: the all-reduce, then every parameter broadcast from its owner
-            volume = collective_bytes("all_reduce", whole, dp) + (
-                collective_bytes("all_gather", whole, dp) if par.shards_only_optimizer_state else 0)
-        # one gather and/or reduction per layer group (gradient_aggregation_group buckets)
-        groups = par.aggregation_groups(max(len(s.layers) for s in states)) + 1
-        calls = groups * (3 * (1 if pp > 1 else mb) if zero == 3 else (2 if zero else 1))
-        calls += 2 * mb * uses
-        dp_time = hw.transfer_time(volume + token_rows, dp * tp, calls)
+    return times
+
+
+def pipeline_time(m: ModelConfig, par: ParallelConfig, hw: Hardware, b: int, spec: cost.ActivationSpec) -> float:
+    """Seconds per micro-batch of the forward activation and the backward gradient crossing each chunk
+    boundary."""
+    if par.pipeline_stage == 1:
+        return 0.0
+    boundary = b * m.lengths[1] * m.hidden_size * spec.elem / (par.model_parallel if par.sequence_parallel else 1)
+    if m.spec.encoder_decoder:
+        boundary *= 2  # encoder output + decoder state
+    return hw.transfer_time(2 * boundary * par.virtual_pipeline_stage, par.world_size)
+
+
+def data_parallel_time(m: ModelConfig, par: ParallelConfig, hw: Hardware, states: list[cost.StageState],
+                       spec: cost.ActivationSpec, travel: bool, b: int) -> float:
+    """Seconds of a step's data-parallel collectives: ZeRO-3's gathers and reduce-scatters, or the gradient
+    all-reduce (and stage 1's broadcast of the stepped parameters), in one call per gradient_aggregation_group,
+    and the tokens' rows travelling to the word tables and heads where they stay sharded."""
+    dp, mb, pp, zero = par.data_parallel, par.micro_batch_num, par.pipeline_stage, par.effective_zero_stage
+    if dp == 1:
+        return 0.0
+    whole = max(s.whole_params - (s.table_params if travel else 0) for s in states)
+    # tokens travelling to the tables: hidden-sized rows gathered and reduce-scattered per use and micro-batch
+    uses = max(s.table_uses for s in states) if travel else 0
+    tokens = b * m.lengths[1]
+    token_rows = mb * uses * 2 * collective_bytes("all_gather", dp * tokens * m.hidden_size * spec.elem, dp)
+    if zero == 3:  # parameters gathered in forward and backward, gradients reduce-scattered
+        gathers = 1 if pp > 1 else mb
+        volume = gathers * (2 * collective_bytes("all_gather", whole, dp)
+                            + collective_bytes("reduce_scatter", whole, dp))
+    else:  # stage 1 on replicas: the all-reduce, then every parameter broadcast from its owner
+        volume = collective_bytes("all_reduce", whole, dp) + (
+            collective_bytes("all_gather", whole, dp) if par.shards_only_optimizer_state else 0)
+    # one gather and/or reduction per layer group (gradient_aggregation_group buckets)
+    groups = par.aggregation_groups(max(len(s.layers) for s in states)) + 1
+    calls = groups * (3 * (1 if pp > 1 else mb) if zero == 3 else (2 if zero else 1))
+    calls += 2 * mb * uses
+    return hw.transfer_time(volume + token_rows, dp * par.model_parallel, calls)
+
+
+def step_times(cfg: Config, par: ParallelConfig, hw: Hardware, states: list[cost.StageState],
+               peak_state: cost.StageState, spec: cost.ActivationSpec, travel: bool, b: int,
+               micro: list[tuple[float, float]]) -> dict:
+    """The step time of the layout and its parts: ``micro`` (``micro_batch_times``) and the pipeline transfers
+    over the micro-batches and the bubble, the data-parallel and expert-parallel communication, the optimizer step
+    (on the host with offload, at its memory bandwidth) and the offload copies of the pipeline rank ``peak_state``
+    (``cost.offload_bytes``)."""
+    m, mb = cfg.model, par.micro_batch_num
     bubble = cost.bubble_micro_batches(par)
+    pp_time = pipeline_time(m, par, hw, b, spec)
+    dp_time = data_parallel_time(m, par, hw, states, spec, travel, b)
+    ep_time = hw.transfer_time(mb * cost.all_to_all_bytes(m, par, b, spec.elem), par.data_parallel * par.model_parallel)
     # AdamW reads parameter, gradient and two states and writes three of them
     optimizer_time = max(7 * s.stepped for s in states) / (hw.host_mem_bw if par.offloads else hw.mem_bw)
-    host = cost.offload_bytes(par, st) if par.offloads else {"host": 0, "host_to_device": 0, "device_to_host": 0}
+    host = cost.offload_bytes(par, peak_state) if par.offloads else {"host": 0, "host_to_device": 0,
+                                                                      "device_to_host": 0}
     offload_time = (host["host_to_device"] + host["device_to_host"]) / hw.host_bw
-    ep_time = hw.transfer_time(mb * cost.all_to_all_bytes(m, par, b, spec.elem), dp * tp)  # the experts' all-to-all
+    t_micro = max(t for t, _ in micro)
     step = (mb + bubble) * (t_micro + pp_time) + dp_time + ep_time + offload_time + optimizer_time
-    mfu = model_flops(m, gb) / (step * hw.devices * hw.peak_flops)
-    fits = total <= hw.usable_memory
-    memory = (f"needs {total / cost.GiB:.2f} GiB on pipeline rank {stage} > {hw.usable_memory / cost.GiB:.2f} GiB "
-              f"usable: model state {st.total / cost.GiB:.1f} (params {st.params / cost.GiB:.1f}, grads "
-              f"{st.grads / cost.GiB:.1f}, optimizer {st.optimizer / cost.GiB:.1f}), gathered by ZeRO "
-              f"{transient / cost.GiB:.1f}, activations {act['total'] / cost.GiB:.1f} ({act['in_flight']:g} "
-              f"micro-batches of {act['per_micro_batch'] / cost.GiB:.2f})")
+    return {"step": step, "compute_s": (mb + bubble) * hw.compute_time(max(fl for _, fl in micro)),
+            "bubble_micro_batches": bubble, "dp_comm_s": dp_time, "ep_comm_s": ep_time,
+            "pp_comm_s": (mb + bubble) * pp_time, "optimizer_s": optimizer_time, "host_bytes": host["host"],
+            "host_to_device_bytes": host["host_to_device"], "device_to_host_bytes": host["device_to_host"],
+            "offload_s": offload_time}
+
+
+def memory_reason(par: ParallelConfig, hw: Hardware, peak: PeakMemory) -> str:
+    """Why a layout does not fit a device: what its fullest pipeline rank needs, part by part."""
+    st, act, gib = peak.state, peak.activations, cost.GiB
+    memory = (f"needs {peak.total / gib:.2f} GiB on pipeline rank {peak.stage} > {hw.usable_memory / gib:.2f} GiB "
+              f"usable: model state {st.total / gib:.1f} (params {st.params / gib:.1f}, grads "
+              f"{st.grads / gib:.1f}, optimizer {st.optimizer / gib:.1f}), gathered by ZeRO "
+              f"{peak.gathered / gib:.1f}, activations {act['total'] / gib:.1f} ({act['in_flight']:g} "
+              f"micro-batches of {act['per_micro_batch'] / gib:.2f})")
     if par.offloads:
         memory = memory.replace("model state", "model state on the host, not counted:")
-    reasons = ([] if fits else [memory]) + problems
-    if host["host"] > hw.host_memory:
-        reasons.append(f"offload needs {host['host'] / cost.GiB:.2f} GiB of host memory per device > "
+    return memory
+
+
+def report_row(cfg: Config, par: ParallelConfig, hw: Hardware, b: int, problems: list[str], peak: PeakMemory,
+               times: dict) -> dict:
+    """The row ``paratrain plan`` reports for a layout: its fields, feasibility and why not, memory, step time,
+    MFU and their breakdown."""
+    reasons = ([] if peak.total <= hw.usable_memory else [memory_reason(par, hw, peak)]) + problems
+    if times["host_bytes"] > hw.host_memory:
+        reasons.append(f"offload needs {times['host_bytes'] / cost.GiB:.2f} GiB of host memory per device > "
                        f"{hw.host_memory / cost.GiB:.2f} GiB")
-    row.update(feasible=not reasons, reason="; ".join(reasons), memory_gib=total / cost.GiB, memory_bytes=int(total),
-               step_time_s=step, mfu=mfu,
-               breakdown={"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "zero_gathered": transient,
-                          "activations": act["total"], "in_flight": act["in_flight"],
-                          "compute_s": (mb + bubble) * hw.compute_time(max(fl for _, fl in times)),
-                          "bubble_micro_batches": bubble, "dp_comm_s": dp_time, "ep_comm_s": ep_time,
-                          "pp_comm_s": (mb + bubble) * pp_time,
-                          "optimizer_s": optimizer_time, "host_bytes": host["host"],
-                          "host_to_device_bytes": host["host_to_device"],
-                          "device_to_host_bytes": host["device_to_host"], "offload_s": offload_time,
-                          "worst_stage": stage})
-    return row
+    step, st = times["step"], peak.state
+    mfu = model_flops(cfg.model, cfg.train.global_batch_size) / (step * hw.devices * hw.peak_flops)
+    breakdown = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "zero_gathered": peak.gathered,
+                 "activations": peak.activations["total"], "in_flight": peak.activations["in_flight"],
+                 **{k: v for k, v in times.items() if k != "step"}, "worst_stage": peak.stage}
+    return layout_row(par, b) | dict(feasible=not reasons, reason="; ".join(reasons), memory_gib=peak.total / cost.GiB,
+                                     memory_bytes=int(peak.total), step_time_s=step, mfu=mfu, breakdown=breakdown)
 
 
 def candidates(cfg: Config, devices: int, micro_batch_sizes=(1, 2, 4, 8, 16, 32),
