@@ -29,8 +29,8 @@ def holder_info() -> dict:
     from paratrain import progress
 
     progress_dir = os.environ.get(progress.DIR_ENV)
-    return {"pid": os.getpid(), "host": socket.gethostname(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job": Path(progress_dir).parent.name if progress_dir else None,
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "job": Path(progress_dir).parent.name if progress_dir else None,  # the launcher's <jobs>/<name>/progress
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:200]}
 
 

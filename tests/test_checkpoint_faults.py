@@ -45,8 +45,8 @@ def trainer_for(run_dir: Path, *overrides: str):
 # --- a disk that fills ------------------------------------------------------------------------------------------
 
 class FullDisk:
-    """Binary files opened for writing under ``root`` share ``budget`` bytes (None: no limit); a write past it writes what
-    fits and raises ENOSPC, as a full disk does. ``written`` counts the bytes written, by file name."""
+    """Binary files opened for writing under ``root`` share ``budget`` bytes (None: no limit); a write past it writes
+    what fits and raises ENOSPC, as a full disk does. ``written`` counts the bytes written, by file name."""
 
     def __init__(self, monkeypatch, root: Path, budget: int | None = None):
         self.root, self.budget, self.used, self.written = str(root), budget, 0, {}
