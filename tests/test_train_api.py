@@ -470,7 +470,7 @@ def _stopped_model(directory, signal_rank, signal_step, exit_callback):
         code = 0
     except SystemExit as exc:
         code = exc.code
-    return code, steps[-1], sorted(p.name for p in Path(directory).iterdir() if p.name != "latest")
+    return code, steps[-1], sorted(p.name for p in Path(directory).glob("*-*"))  # the checkpoints
 
 
 @pytest.mark.slow

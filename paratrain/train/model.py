@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from paratrain import loop, progress
+from paratrain import loop, progress, run_lock
 from paratrain.amp import LossScaleManager, precision_of
 from paratrain.auto_parallel import AutoParallel
 from paratrain.config import MetricsConfig, ParallelConfig
@@ -441,7 +441,7 @@ class Model:
         self._placement: tuple[ParallelConfig, Layout] | None = None  # kept for later ``train`` calls
 
     def train(self, epoch: int, train_dataset: Iterable, callbacks=None, dataset_sink_mode: bool = False,
-              sink_size: int = -1, resume: str = "none") -> None:
+              sink_size: int = -1, resume: str = "none", trust_unverified: bool = False) -> None:
         """Train ``epoch`` epochs over ``train_dataset``, an iterable of global batches (tuples of tensors: the
         net's forward arguments, then the label with ``loss_fn``), iterated again each epoch; every rank
         gives the whole global batch and keeps its rows, but for a dataset split per rank (``num_shards`` > 1,
@@ -455,7 +455,7 @@ class Model:
         any; or a checkpoint's path. The run continues exactly where that one was saved, under any layout:
         weights, optimizer state, random state and the position in the data (the batches of the epochs
         done and of the current epoch up to that step are skipped), with the losses an uninterrupted run
-        would have."""
+        would have. ``trust_unverified``: resume from a checkpoint of format 1, which records no checksums."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
             raise UserError(f"Model.train: epoch must be a positive int, got {epoch!r}")
         _check_dataset("Model.train", "train_dataset", train_dataset)
@@ -484,17 +484,27 @@ class Model:
             parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout,
             rows_of_this_rank=shards > 1, exit_requested=False, loss_scaler=self.loss_scaler, step_record=None)
         self._engine = None
-        done = self._resume(resume, train_dataset, callbacks, dataset_sink_mode, config, layout, params)
-        training = _Training(self, _Callbacks(callbacks), RunContext(params), dataset_sink_mode)
-        with training.hooks:
-            training.hooks.call("on_train_begin", training.run_context)
-            steps = training.steps(epoch, train_dataset, sink_size, done)
-            code = loop.exit_code(lambda: loop.run(training, steps, world_size), rank, "no ModelCheckpoint callback")
+        # one run per checkpoint directory, from before a resume is decided
+        locked = [("ModelCheckpoint directory", c.directory) for c in _Callbacks(callbacks).callbacks
+                  if isinstance(c, ModelCheckpoint)]
+        run_lock.hold(locked)
+        try:
+            done = self._resume(resume, train_dataset, callbacks, dataset_sink_mode, config, layout, params,
+                                trust_unverified)
+            training = _Training(self, _Callbacks(callbacks), RunContext(params), dataset_sink_mode)
+            with training.hooks:
+                training.hooks.call("on_train_begin", training.run_context)
+                steps = training.steps(epoch, train_dataset, sink_size, done)
+                code = loop.exit_code(lambda: loop.run(training, steps, world_size), rank,
+                                      "no ModelCheckpoint callback")
+        finally:
+            for _, directory in locked:
+                run_lock.release(directory)
         if code:
             raise SystemExit(code)
 
     def _resume(self, spec: str, dataset: Iterable, callbacks, sink_mode: bool, config: ParallelConfig,
-                layout: Layout, params: CallbackParams) -> dict:
+                layout: Layout, params: CallbackParams, trust_unverified: bool) -> dict:
         """Apply ``Model.train``'s ``resume``; returns the saved position (epoch and step in it, 0 for none)."""
         if not isinstance(spec, str) or not spec.strip():
             raise UserError(f"Model.train(resume={spec!r}): expected 'none', 'auto' or a checkpoint's path")
@@ -512,7 +522,7 @@ class Model:
             raise UserError("Model.train: train_dataset gave no batch")
         if self.train_network is None:
             self._place(_as_batch(first), config, layout, params)
-        return savers[0].resume(params, spec.strip())
+        return savers[0].resume(params, spec.strip(), bool(trust_unverified))
 
     def _place(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams) -> None:
         """Place the net on the layout (``batch``: an example) and rebuild the optimizer on its shards."""
