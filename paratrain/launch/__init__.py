@@ -212,8 +212,9 @@ def _run_dir(words: list[str], job_dir: Path) -> str:
 
 def _dry_run(args, name, job_dir, words, hosts, topo) -> int:
     from paratrain.launch import launcher
+    from paratrain.launch.emit import line_safe
 
-    print(f"# job {name}: run directory {job_dir}")
+    print(f"# job {name}: run directory {line_safe(str(job_dir), 'the run directory')}")
     if not hosts:
         print(shlex.join(["torchrun", *launcher.torchrun_args(topo, name, launcher.rank_command(words),
                                                               args.join_timeout, args.max_restarts)]))
