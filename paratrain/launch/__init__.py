@@ -232,7 +232,7 @@ def _detach(args, job: Job) -> int:
     with open(Path(job.dir) / "launcher.log", "w") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, "PARATRAIN_JOB_PREPARED": "1"})
-    job.launcher_pid = proc.pid
+    job.launcher_pid, job.launcher_start = proc.pid, joblib.process_start(proc.pid)
     job.save()
     print(f"job {job.name} started in the background (pid {proc.pid}); "
           f"see 'paratrain jobs', 'paratrain logs {job.name}', 'paratrain stop {job.name}'")

@@ -68,6 +68,8 @@ class Job:
     node_rank: int = 0
     nproc_per_node: int = 1
     launcher_pid: int = field(default_factory=os.getpid)
+    # its start time (process_start): the pid is this job's launcher only while the process that holds it started then
+    launcher_start: int | None = field(default_factory=lambda: process_start(os.getpid()))
     pids: dict[str, int] = field(default_factory=dict)  # global rank -> pid (this node's ranks)
     start_time: float = field(default_factory=time.time)
     end_time: float | None = None
@@ -147,8 +149,12 @@ class Job:
         if self.slurm_job_id and os.environ.get("SLURM_JOB_ID") == self.slurm_job_id and now > was:
             return f"Slurm requeued job {self.slurm_job_id} since (SLURM_RESTART_COUNT {was} -> {now})"
         if self.host == socket.gethostname():
-            gone = not pid_alive(self.launcher_pid)
-            return f"its launcher (pid {self.launcher_pid} on this host) is gone" if gone else ""
+            if not pid_alive(self.launcher_pid):
+                return f"its launcher (pid {self.launcher_pid} on this host) is gone"
+            if not self.launcher_alive():
+                return (f"its launcher (pid {self.launcher_pid} on this host) is gone: another process, started "
+                        f"later, holds that pid now")
+            return ""
         age = time.time() - self.heartbeat
         if age <= LOST_AFTER_S:
             return ""
@@ -156,6 +162,11 @@ class Job:
 
     def launcher_gone(self) -> bool:
         return bool(self.lost_because())
+
+    def launcher_alive(self) -> bool:
+        """Whether this host's process with the recorded launcher pid is this job's launcher (alive, and started
+        when the recorded one did; a record without that time trusts the pid)."""
+        return is_process(self.launcher_pid, self.launcher_start)
 
     def shown_state(self) -> str:
         """The recorded state, or ``lost`` when an active job's launcher is gone."""
@@ -259,6 +270,24 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (field 22 of Linux's ``/proc/PID/stat``): with the
+    pid it names one process, whatever holds that pid later. None where it cannot be read."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def is_process(pid: int, start: int | None) -> bool:
+    """Whether process ``pid`` is alive and is the one that started at ``start`` (:func:`process_start`; None:
+    any)."""
+    if not pid_alive(pid):
+        return False
+    now = process_start(pid)
+    return start is None or now is None or now == start
+
+
 def tail(path: Path, lines: int = 20) -> list[str]:
     """The last ``lines`` lines of a text file ([] if missing)."""
     if not path.exists():
@@ -279,6 +308,8 @@ def format_table(jobs: list[Job | Unreadable]) -> str:
             notes.append(f"{job.name}: unreadable ({job.reason})")
             continue
         state = job.shown_state()
+        if state == "lost":
+            notes.append(f"{job.name}: lost: {job.lost_because()}")
         if state == "stopped" and job.saved_step is not None:
             notes.append(f"{job.name}: {job.outcome}")
         metrics = job.last_metrics()
