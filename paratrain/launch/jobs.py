@@ -14,6 +14,7 @@ from contextlib import suppress
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from paratrain import progress
 from paratrain.config import NAME_RULE, is_plain_name
 from paratrain.errors import UserError
 
@@ -203,6 +204,15 @@ class Job:
                 last = json.loads(line)
         return last
 
+    def last_step(self) -> tuple[int | None, float | None]:
+        """(step, loss) last logged in ``metrics.jsonl``, else (for a script's ``Model.train``, which writes none)
+        rank 0's progress record: its last step and the last loss on the host."""
+        metrics = self.last_metrics()
+        if metrics:
+            return metrics.get("step"), metrics.get("loss")
+        rank0 = progress.read(Path(self.dir) / PROGRESS_DIR).get(0)
+        return (rank0.step, rank0.loss) if rank0 is not None else (None, None)
+
 
 def _slurm_restart_count(environ) -> int:
     """How many times Slurm requeued the job this process runs in (``SLURM_RESTART_COUNT``; 0 if not set)."""
@@ -312,7 +322,7 @@ def format_table(jobs: list[Job | Unreadable]) -> str:
             notes.append(f"{job.name}: lost: {job.lost_because()}")
         if state == "stopped" and job.saved_step is not None:
             notes.append(f"{job.name}: {job.outcome}")
-        metrics = job.last_metrics()
+        step, loss = job.last_step()
         end = job.end_time or (time.time() if state in ACTIVE else job.start_time)
         exit_text = "" if job.exit_code is None else str(job.exit_code)
         if job.failing_rank is not None:
@@ -321,10 +331,10 @@ def format_table(jobs: list[Job | Unreadable]) -> str:
         if len(job.attempts) > 1:
             notes.append(f"{job.name}: {len(job.attempts)} attempts (max_restarts {job.max_restarts}): "
                          + "; ".join(map(_attempt_text, job.attempts)))
-        loss, elapsed = metrics.get("loss"), int(end - job.start_time)
+        elapsed = int(end - job.start_time)
         rows.append((job.name, state, str(job.world_size),
                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.start_time)),
-                     f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}", str(metrics.get("step", "")),
+                     f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}", str(step or ""),
                      f"{loss:.4f}" if isinstance(loss, (int, float)) else "", exit_text))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
