@@ -161,7 +161,8 @@ def cmd_launch(args) -> int:
     job = Job(name=name, dir=str(job_dir), command=words, argv=_argv(args, name), run_dir=_run_dir(words, job_dir),
               hosts=[h.name for h in hosts] if hosts else [], nnodes=len(hosts) if hosts else topo.nnodes,
               node_rank=0 if hosts else topo.node_rank,
-              nproc_per_node=hosts[0].slots if hosts else topo.nproc_per_node, max_restarts=args.max_restarts)
+              nproc_per_node=hosts[0].slots if hosts else topo.nproc_per_node, max_restarts=args.max_restarts,
+              launcher_start=joblib.process_start(os.getpid()))
     if other_node:
         job.record = f"node{job.node_rank}.json"
     elif os.environ.get("PARATRAIN_JOB_PREPARED") and job.path.exists():

@@ -69,8 +69,9 @@ class Job:
     node_rank: int = 0
     nproc_per_node: int = 1
     launcher_pid: int = field(default_factory=os.getpid)
-    # its start time (process_start): the pid is this job's launcher only while the process that holds it started then
-    launcher_start: int | None = field(default_factory=lambda: process_start(os.getpid()))
+    # its start time (process_start): the pid is this job's launcher only while the process that holds it started
+    # then (None: not recorded, the pid is trusted)
+    launcher_start: int | None = None
     pids: dict[str, int] = field(default_factory=dict)  # global rank -> pid (this node's ranks)
     start_time: float = field(default_factory=time.time)
     end_time: float | None = None
