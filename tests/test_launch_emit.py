@@ -358,3 +358,18 @@ def test_dry_run_refuses_a_control_character_in_its_comment_line(tmp_path, monke
     assert cli.main(["launch", "--dry-run", "--name", "j", "--", "train"]) == 2
     err = capsys.readouterr().err
     assert "the run directory" in err and "'\\n'" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("where", ["cwd", "home", "run_dir"])
+def test_sbatch_refuses_paths_that_are_not_utf8_in_one_line(tmp_path, monkeypatch, capsys, where):
+    odd = os.fsdecode(b"x\xff")  # Python's stand-in for a byte that is not UTF-8
+    cwd = tmp_path / (f"cwd{odd}" if where == "cwd" else "cwd")
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    (cwd / "c.toml").write_text(CONFIG)
+    home, run_dir, script = tmp_path / (f"home{odd}" if where == "home" else "home"), tmp_path / f"run{odd}", \
+        tmp_path / "job.sbatch"
+    code, out = _emit(monkeypatch, capsys, home, "--emit", "sbatch", "--emit-out", str(script), "--name", "j", "--",
+                      "train", "--config", "c.toml", *([f"--run.dir={run_dir}"] if where == "run_dir" else []))
+    assert code == 2 and "not UTF-8 text" in out.err and len(out.err.strip().splitlines()) == 1, out.err
+    assert not script.exists() and not run_dir.exists() and not home.exists()

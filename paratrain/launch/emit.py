@@ -54,9 +54,17 @@ def emit(args, name: str, job_dir: Path, words: list[str]) -> int:
         text = json.dumps(pytorchjob(args, name, words, nnodes, nproc, gpus), indent=2) + "\n"
     where = "every pod mounts at that path (a ReadWriteMany volume in the pod template)" \
         if args.emit == "pytorchjob" else "every node shares"
+    try:
+        data = text.encode()
+    except UnicodeEncodeError as exc:  # a path or argument of bytes that are not UTF-8 (Python keeps them as such)
+        line = text[text.rfind("\n", 0, exc.start) + 1:text.find("\n", exc.start)]
+        raise JobError(f"--emit {args.emit}: a path or argument is not UTF-8 text, which the job file is: {line!r}; "
+                       f"rename it") from None
+    if args.emit == "sbatch":
+        run_dir.mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there before the script runs
     if args.emit_out:
         try:
-            Path(args.emit_out).write_text(text)
+            Path(args.emit_out).write_bytes(data)
         except OSError as exc:
             raise JobError(f"--emit-out {args.emit_out}: cannot write: {exc.strerror}") from None
         print(f"paratrain launch: wrote {args.emit_out} ({args.emit}, {nnodes} node(s) x {nproc} rank(s))",
@@ -73,7 +81,6 @@ def sbatch_script(args, name: str, run_dir: Path, words: list[str], nnodes: int,
     for what, value in (("the run directory", str(run_dir)), ("the working directory", chdir),
                         ("this Python", python)):
         line_safe(value, what)
-    run_dir.mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there before the script runs
     resources = f"--gpus-per-node={nproc}" if gpus else f"--cpus-per-task={nproc}"
     device = "" if gpus else "export PARATRAIN_DEVICE=cpu\n"
     launch = shlex.join([sys.executable, "-m", "paratrain", "launch"])
