@@ -195,16 +195,18 @@ def _sbatch(script: Path, env: dict[str, str], job_id: str) -> subprocess.Comple
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sbatch_script_under_stub_srun_trains_as_one_process(tmp_path, monkeypatch, capsys, one_process):
+@pytest.mark.parametrize("home_name", ["runs", "runs $(touch pwned) `touch pwned`; 'q\" #x %j \\b*"],
+                         ids=["plain", "hostile"])
+def test_sbatch_script_under_stub_srun_trains_as_one_process(tmp_path, monkeypatch, capsys, one_process, home_name):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny.toml").write_text(CONFIG)
-    home, script = tmp_path / "runs", tmp_path / "job.sbatch"
+    home, script = tmp_path / home_name, tmp_path / "job.sbatch"
     code, out = _emit(monkeypatch, capsys, home, "--emit", "sbatch", "--emit-out", str(script), "--nnodes=2",
                       "--nproc-per-node=1", "--name", "tiny", "--", "train", "--config", "tiny.toml")
     assert code == 0 and out.out == "", out.err
     text = script.read_text()
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=1",
-                 "#SBATCH --requeue", "#SBATCH --job-name=tiny", f'#SBATCH --output="{home}/tiny/slurm-%j.out"'):
+                 "#SBATCH --requeue", "#SBATCH --job-name=tiny"):
         assert line in text.splitlines()
     stubs = tmp_path / "stubs"
     stubs.mkdir()
@@ -216,8 +218,10 @@ def test_sbatch_script_under_stub_srun_trains_as_one_process(tmp_path, monkeypat
     env = {**base, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_LOG": str(tmp_path / "srun"),
            "SLURM_JOB_ID": job_id, "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "cn[1-2]"}
     run = _sbatch(script, env, job_id)
-    log = (home / "tiny" / f"slurm-{job_id}.out").read_text()
+    log = Path(_sbatch_options(script, job_id)["output"]).read_text()
+    assert Path(_sbatch_options(script, job_id)["output"]).parent == home / "tiny"
     assert run.returncode == 0, log
+    assert not list(tmp_path.rglob("pwned"))
     assert (tmp_path / "srun").read_text().startswith("--ntasks-per-node=1 ")
     records = [json.loads(line) for line in (home / "tiny" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records] == pytest.approx(one_process, rel=1e-5)
