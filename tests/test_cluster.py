@@ -127,6 +127,7 @@ def test_launch_in_an_allocation(capsys, monkeypatch):
 @pytest.mark.parametrize("env, message", [
     ({"PET_NNODES": "0"}, "Kubeflow: PET_NNODES='0' is not a whole number of 1 or more"),
     ({"PET_NNODES": "1", "PET_NPROC_PER_NODE": "0"}, "PET_NPROC_PER_NODE='0' is not a whole number of 1 or more"),
+    ({"PET_NNODES": "1", "PET_NPROC_PER_NODE": "-2"}, "PET_NPROC_PER_NODE='-2' is not a whole number of 1 or more"),
     ({"PET_NNODES": "2", "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "m"}, "PET_NODE_RANK='2' is not a whole number "
                                                                         "from 0 to 1"),
     ({"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m", "PET_MASTER_PORT": "0"},

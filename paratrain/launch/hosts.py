@@ -223,7 +223,8 @@ def kubeflow_from_env(env: dict[str, str] | None = None) -> Topology | None:
         raise HostError(f"Kubeflow: PET_NNODES={nnodes} without PET_MASTER_ADDR (the master pod's address)")
     port_name = "PET_MASTER_PORT" if numbers["PET_MASTER_PORT"] else "MASTER_PORT"
     port = env.get(port_name)
-    return Topology(env_number("Kubeflow", "PET_NPROC_PER_NODE", nproc, 1) if nproc.isdigit() else 1, nnodes,
+    counted = nproc.lstrip("+-").isdigit()  # else torchrun's words (auto, gpu, cpu): one rank here
+    return Topology(env_number("Kubeflow", "PET_NPROC_PER_NODE", nproc, 1) if counted else 1, nnodes,
                     node_rank, check_host(master, "Kubeflow PET_MASTER_ADDR") if nnodes > 1 else None,
                     env_number("Kubeflow", port_name, port, 1, 65535) if port else 29500)
 
