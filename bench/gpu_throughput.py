@@ -14,7 +14,8 @@ freeing its memory before the next):
   (``VocabEmbedding`` for words and positions, ``TransformerEncoder`` given a (B, T, T) 0/1 mask built with
   ``expand``, a ``Linear`` head, ``CrossEntropyLoss`` with the pad mask, ``torch.optim.AdamW``) through
   ``Model(net, optimizer=opt, amp_level="O2").train``; ``ms_loop``: the same net, seed and AdamW in a plain
-  torch loop (bf16 autocast, clipping at 1.0).
+  torch loop (bf16 autocast, clipping at 1.0); ``ms_loop_padded`` that loop with the last 1/8 of every row
+  padded, so that the mask is causal x key padding (its score bias) rather than causal (``is_causal``).
 
 Each side runs its warm-up steps, then its timed steps between two ``torch.cuda.synchronize`` calls; a
 side's peak memory is ``torch.cuda.max_memory_allocated`` from its start, less what was allocated then.
@@ -22,7 +23,8 @@ MFU is the achieved model FLOP/s (``paratrain.metrics.flops.gpt_flops``: 6 x wei
 attention, the GPT's of these sizes for every side) over the device's bf16 peak as measured here (the
 fastest of three runs of 20 back-to-back 8192^3 bf16 matmuls), or ``--peak-tflops``, and over the
 datasheet's dense bf16 peak (``gpu_peak_tflops``). The ratios: CLI face / scratch loop, CLI face / loop over
-GPTModel, MindSpore face / plain loop over the same net, MindSpore face / CLI face, fp8 / bf16. Sides that
+GPTModel, MindSpore face / plain loop over the same net, MindSpore face / CLI face, fp8 / bf16, and the causal
+mask (recognised: ``is_causal``) / causal x key padding (its bias) in the plain loop over the LM. Sides that
 train the same model must train alike: a step whose loss differs between ``paratrain`` and ``torch``, or
 ``ms_model`` and ``ms_loop``, by more than ``--loss-rtol`` (2e-2 relative: bf16 rounding) makes it exit 3.
 
@@ -293,8 +295,8 @@ def run_scratch(cfg: Config, device: torch.device, warmup: int, compile: bool) -
     return timed_loop(step, model, cfg, device, warmup, memory_start)
 
 
-def mindspore_lm(cfg: Config):
-    """The tutorial's LM of ``paratrain.nn`` blocks as a MindSpore user writes it: ``VocabEmbedding`` for words and
+def mindspore_lm(cfg: Config, device: torch.device):
+    """On ``device``, the tutorial's LM of ``paratrain.nn`` blocks as a MindSpore user writes it: ``VocabEmbedding`` for words and
     positions, a ``TransformerEncoder`` given a (B, T, T) 0/1 mask (causal x key padding, built with ``expand``),
     a ``Linear`` head and ``CrossEntropyLoss`` with the pad mask: forward(ids, input_mask, labels) -> loss."""
     from paratrain import nn as msnn
@@ -324,16 +326,20 @@ def mindspore_lm(cfg: Config):
             return self.loss(self.head(hidden), labels, input_mask)
 
     torch.manual_seed(cfg.run.seed)
-    return LanguageModel()
+    with device:
+        return LanguageModel()
 
 
-def mindspore_batches(cfg: Config, device: torch.device):
-    """The LM's batches (ids, input_mask, labels), the same as the other sides': on ``device`` for the plain
-    loop, on the host for ``Model.train`` (which moves them)."""
+def mindspore_batches(cfg: Config, padded: int = 0):
+    """The LM's batches (ids, input_mask, labels) on the host, the same as the other sides'; ``padded``: the
+    last tokens of every row are padding (input_mask 0: the mask is causal x key padding, no longer causal)."""
     data = build_dataset(cfg)
     for number in range(cfg.train.steps):
         batch = data.batch_rows(number, 0, cfg.train.global_batch_size)
-        yield batch["input_ids"], (batch["labels"] != cfg.model.pad_token_id).float(), batch["labels"]
+        input_mask = (batch["labels"] != cfg.model.pad_token_id).float()
+        if padded:
+            input_mask[:, -padded:] = 0
+        yield batch["input_ids"], input_mask, batch["labels"]
 
 
 def run_mindspore_model(cfg: Config, device: torch.device, warmup: int, compile: bool) -> dict:
@@ -343,7 +349,7 @@ def run_mindspore_model(cfg: Config, device: torch.device, warmup: int, compile:
     from paratrain.train import Callback, Model
 
     memory_start = reset_peak_memory(device)
-    net = mindspore_lm(cfg)
+    net = mindspore_lm(cfg, device)
     optimizer = torch.optim.AdamW(net.parameters(), lr=PLAIN_LR)
     model = Model(net, optimizer=optimizer, amp_level="O2" if device.type == "cuda" else "O0")
     clock, losses = {}, []
@@ -359,21 +365,22 @@ def run_mindspore_model(cfg: Config, device: torch.device, warmup: int, compile:
 
     set_context(mode=GRAPH_MODE if compile else PYNATIVE_MODE)
     try:
-        model.train(1, list(mindspore_batches(cfg, device)), callbacks=[Clock()])
+        model.train(1, list(mindspore_batches(cfg)), callbacks=[Clock()])
     finally:
         set_context(mode=PYNATIVE_MODE)
     synchronize(device)
     return measured(time.perf_counter() - clock["start"], device, memory_start, net, torch.stack(losses).tolist())
 
 
-def run_mindspore_loop(cfg: Config, device: torch.device, warmup: int, compile: bool) -> dict:
-    """The same LM, seed and AdamW in a plain torch loop: bf16 autocast on CUDA, clipping at 1.0."""
+def run_mindspore_loop(cfg: Config, device: torch.device, warmup: int, compile: bool, padded: int = 0) -> dict:
+    """The same LM, seed and AdamW in a plain torch loop: bf16 autocast on CUDA, clipping at 1.0; ``padded``
+    tokens of padding at the end of every row (``mindspore_batches``)."""
     memory_start = reset_peak_memory(device)
-    net = mindspore_lm(cfg).to(device)
+    net = mindspore_lm(cfg, device)
     optimizer = torch.optim.AdamW(net.parameters(), lr=PLAIN_LR)
     forward = torch.compile(net) if compile else net
     losses = []
-    for number, batch in enumerate(mindspore_batches(cfg, device)):
+    for number, batch in enumerate(mindspore_batches(cfg, padded)):
         if number == warmup:
             synchronize(device)
             start = time.perf_counter()
@@ -435,7 +442,7 @@ SAME_TRAINING = {"paratrain": "torch", "paratrain_offload": "torch", "ms_model":
 # (name, numerator side, denominator side) of the ratios of tokens/s
 RATIOS = (("cli_vs_scratch", "paratrain", "scratch"), ("cli_vs_gptmodel_loop", "paratrain", "torch"),
           ("ms_vs_plain_loop", "ms_model", "ms_loop"), ("ms_vs_cli", "ms_model", "paratrain"),
-          ("fp8_vs_bf16", "paratrain_fp8", "paratrain"))
+          ("fp8_vs_bf16", "paratrain_fp8", "paratrain"), ("causal_mask_vs_padded", "ms_loop", "ms_loop_padded"))
 SIDES = {
     "scratch": "a GPT-2 loop from scratch (fused qkv, SDPA is_causal, fused AdamW)",
     "torch": "a plain loop over paratrain's GPTModel",
@@ -444,6 +451,7 @@ SIDES = {
     "paratrain_offload": "paratrain train, ZeRO-Offload (zero 3, optimizer and parameters on the host)",
     "ms_model": "Model(net, AdamW, amp_level=O2).train of a paratrain.nn LM",
     "ms_loop": "the same paratrain.nn LM and AdamW in a plain loop",
+    "ms_loop_padded": "ms_loop with the last 1/8 of every row padded: the mask causal x key padding, not is_causal",
 }
 
 
@@ -530,6 +538,7 @@ def run_sides(a: argparse.Namespace, device: torch.device, run_dir: str) -> tupl
         sides["paratrain_offload"] = run_paratrain(offload, device, a.warmup)
     sides["ms_model"] = run_mindspore_model(cfg, device, a.warmup, a.compile)
     sides["ms_loop"] = run_mindspore_loop(cfg, device, a.warmup, a.compile)
+    sides["ms_loop_padded"] = run_mindspore_loop(cfg, device, a.warmup, a.compile, cfg.model.seq_length // 8)
     return cfg, sides
 
 
