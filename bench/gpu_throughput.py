@@ -531,6 +531,8 @@ def run_sides(a: argparse.Namespace, device: torch.device, run_dir: str) -> tupl
             sides["paratrain_fp8"] = run_paratrain(fp8, device, a.warmup)
         except UserError as exc:  # the config's or the Trainer's refusal
             refusal = str(exc)
+        except Exception as exc:  # torchao's kernels on this torch: the other sides are still measured
+            refusal = f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     if refusal is not None:
         sides["paratrain_fp8"] = {"skipped": refusal}
     if a.offload:
