@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo demo-translation test test-torch-2.11 gpu-test gpu-wheels gpu-check bench bench-gpu bench-peers clean
+.PHONY: install demo demo-translation docs figures test test-torch-2.11 gpu-test gpu-wheels gpu-check bench bench-gpu bench-peers clean
 
 install: $(STAMP)
 
@@ -15,9 +15,21 @@ $(STAMP): pyproject.toml tools/install_tcmalloc.sh
 	bash tools/install_tcmalloc.sh $(VENV)
 	touch $(STAMP)
 
-# dp2 x mp2 x pp2 on 8 CPU processes; one log per rank in runs/demo-<time>/
+# dp2 x mp2 x pp2 on 8 CPU processes; one log per rank and the checkpoints in runs/demo-<time>/, which the link
+# runs/demo-latest names
 demo: install
-	$(BIN)/paratrain launch --nproc-per-node 8 --name demo-$$(date +%Y%m%d-%H%M%S) -- train --config examples/demo.toml
+	name=demo-$$(date +%Y%m%d-%H%M%S) && \
+	$(BIN)/paratrain launch --nproc-per-node 8 --name $$name -- train --config examples/demo.toml && \
+	ln -sfn $$name runs/demo-latest && \
+	echo "run directory: runs/$$name (also runs/demo-latest)"
+
+# the reference pages generated from the code: docs/configuration.md, docs/cli.md, docs/deepspeed-keys.md
+docs: install
+	$(BIN)/python tools/gen_docs.py
+
+# the figures of docs/images: the demo's loss (from runs/demo-latest: run make demo first) and the GPU throughput
+figures: install
+	$(BIN)/python tools/make_figures.py
 
 SAMPLE := runs/data/sample
 demo-translation: install

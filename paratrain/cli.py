@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import sys
+from pathlib import Path
 
 from paratrain import cluster, host_memory, progress, stopping
-from paratrain.config_file import parse_overrides
+from paratrain.config_file import parse_overrides, tomllib
 from paratrain.deepspeed_config import load_config
 from paratrain.errors import UserError
 
@@ -51,9 +53,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.set_defaults(func=cmd_train, overrides=True)
 
 
+def version() -> str:
+    """paratrain's version: the installed package's, else (run from a checkout on PYTHONPATH) pyproject.toml's."""
+    try:
+        return importlib.metadata.version("paratrain")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["version"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description="Train Transformer models on many devices "
                                                                     "with one parallel config.")
+    parser.add_argument("--version", action="version", version=f"paratrain {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
     for name in COMMAND_MODULES:

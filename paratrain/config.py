@@ -72,9 +72,9 @@ class RunConfig(Section):
     """Where a run writes and how it is seeded."""
 
     SECTION = "run"
-    name: str = "paratrain"
-    dir: str = ""  # default: runs/<name>
-    seed: int = 1234
+    name: str = "paratrain"  # names the run; its directory is runs/<name> unless dir is given
+    dir: str = ""  # the run directory (config, metrics, logs, checkpoints); "": runs/<name>
+    seed: int = 1234  # seeds the initial weights, dropout and synthetic data
 
     @property
     def path(self) -> Path:
@@ -125,12 +125,12 @@ class MoEConfig:
     weighted by ``aux_loss_factor``. ``every`` (paratrain's, the TOML face): every layer (1) or the second
     of every ``every`` layers (2: every other layer, as GShard) is a mixture of experts."""
 
-    expert_num: int = 1
-    capacity_factor: float = 1.1
-    aux_loss_factor: float = 0.05
-    num_experts_chosen: int = 1
-    expert_group_size: int | None = None
-    every: int = 1
+    expert_num: int = 1  # expert feed-forward blocks per mixture-of-experts layer; 1 = a plain feed-forward
+    capacity_factor: float = 1.1  # room per expert, as a multiple of an even share of the tokens
+    aux_loss_factor: float = 0.05  # weight of the load-balancing loss
+    num_experts_chosen: int = 1  # experts each token is sent to
+    expert_group_size: int | None = None  # tokens per routing group; None: the tokens of one rank's micro-batch
+    every: int = 1  # 1: every layer is a mixture of experts; 2: every other layer (as GShard)
 
     def used_in(self, layer_id: int) -> bool:
         """Whether layer ``layer_id`` (counted over the whole model) is a mixture of experts."""
@@ -147,24 +147,24 @@ class ModelConfig(Section):
 
     SECTION = "model"
     ALIASES = {"hidden_dropout_rate": "hidden_dropout", "attention_dropout_rate": "attention_dropout"}
-    kind: str = "transformer"
-    vocab_size: int = 64
-    hidden_size: int = 64
-    num_heads: int = 4
-    ffn_hidden_size: int = 256
-    encoder_layers: int = 2
-    decoder_layers: int = 2
-    src_seq_length: int = 32
-    tgt_seq_length: int = 32
-    seq_length: int = 64
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    hidden_act: str = "gelu"
-    post_layernorm_residual: bool = False
-    tie_embeddings: bool = False
-    layernorm_eps: float = 1e-5
-    dtype: str = "float32"
-    pad_token_id: int = 0
+    kind: str = "transformer"  # transformer (encoder-decoder) | gpt (decoder-only) | resnet (CIFAR-10 images)
+    vocab_size: int = 64  # tokens in the vocabulary (ids 0-3: pad, bos, eos, unk)
+    hidden_size: int = 64  # width of the embeddings and of every layer
+    num_heads: int = 4  # attention heads per layer (divides hidden_size; model_parallel divides it)
+    ffn_hidden_size: int = 256  # inner width of each feed-forward block
+    encoder_layers: int = 2  # layers of the encoder (transformer only)
+    decoder_layers: int = 2  # layers of the decoder (gpt: all its layers)
+    src_seq_length: int = 32  # source (encoder) tokens per example (transformer)
+    tgt_seq_length: int = 32  # target (decoder) tokens per example (transformer)
+    seq_length: int = 64  # tokens per example (gpt)
+    hidden_dropout: float = 0.1  # dropout probability on the hidden states
+    attention_dropout: float = 0.1  # dropout probability on the attention weights
+    hidden_act: str = "gelu"  # feed-forward activation: gelu | relu
+    post_layernorm_residual: bool = False  # MindSpore's option: the residual adds to the normalised input
+    tie_embeddings: bool = False  # the output head shares the word embedding's weights
+    layernorm_eps: float = 1e-5  # epsilon of every LayerNorm
+    dtype: str = "float32"  # dtype of the parameters: float32 | bfloat16 | float16 (see train.mixed_precision)
+    pad_token_id: int = 0  # id of the padding token, which does not count in the loss
     moe: dict = field(default_factory=dict)  # MoEConfig's fields, e.g. {expert_num = 8, num_experts_chosen = 2}
 
     @property
@@ -280,18 +280,22 @@ class ParallelConfig(Section):
     ALIASES = {"dp": "data_parallel", "mp": "model_parallel", "tp": "model_parallel", "pp": "pipeline_stage",
                "stage_num": "pipeline_stage", "pipeline_stages": "pipeline_stage",
                "enable_parallel_optimizer": "optimizer_shard", "ep": "expert_parallel"}
-    data_parallel: int = DERIVED
-    model_parallel: int = 1
-    pipeline_stage: int = 1
-    micro_batch_num: int = 1
+    data_parallel: int = DERIVED  # replicas the batch is split over; not given: world size / (mp x pp)
+    model_parallel: int = 1  # tensor-parallel degree inside each layer
+    pipeline_stage: int = 1  # number of pipeline stages
+    micro_batch_num: int = 1  # micro-batches per step (pipeline, gradient accumulation)
+    # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv_zero_bubble
     pipeline_schedule: str = "1f1b"
-    virtual_pipeline_stage: int = 1
-    optimizer_shard: bool = False
-    zero_stage: int = 0
-    gradient_aggregation_group: int = 0  # 0: each layer is its own group (one FSDP unit per block)
-    recompute: RecomputeSpec = "none"
-    vocab_emb_dp: bool = True
-    sequence_parallel: bool = False
+    virtual_pipeline_stage: int = 1  # model chunks per pipeline rank (2 or more: an interleaved schedule)
+    optimizer_shard: bool = False  # MindSpore's switch: true means zero_stage 1
+    zero_stage: int = 0  # ZeRO over the data-parallel ranks: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters
+    # groups of consecutive layers gathered and reduced together; 0: each layer is its own group (one FSDP unit
+    # per block)
+    gradient_aggregation_group: int = 0
+    recompute: RecomputeSpec = "none"  # activation recompute: none | full | selective, a bool, or one mode per layer
+    vocab_emb_dp: bool = True  # true: the embedding replicated; false: its vocabulary rows sharded over model_parallel
+    sequence_parallel: bool = False  # shard the norms' and dropouts' activations along the sequence over model_parallel
+    # the pipeline stage of each layer; empty: the split that balances the layers' FLOPs
     layer_stages: StageSpec = field(default_factory=list)
     offload_optimizer: str = "none"  # "cpu": optimizer state and step on the host (ZeRO-Offload, stages 1-3)
     offload_param: str = "none"  # "cpu": parameters at rest on the host too (stage 3)
@@ -394,21 +398,21 @@ class TrainConfig(Section):
     """Optimisation: batch, steps, AdamW, LR schedule, clipping, precision."""
 
     SECTION = "train"
-    global_batch_size: int = 16
-    steps: int = 100
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 10
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.98
-    eps: float = 1e-8
-    grad_clip: float = 1.0
+    global_batch_size: int = 16  # examples per step, over all data-parallel ranks and micro-batches
+    steps: int = 100  # optimizer steps to train
+    lr: float = 1e-3  # peak learning rate, reached at the end of the warmup
+    min_lr: float = 1e-4  # learning rate at the end of the decay
+    warmup_steps: int = 10  # steps of the warmup to lr
+    weight_decay: float = 0.01  # AdamW's decoupled weight decay (on matrices, not on biases and LayerNorms)
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.98  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
     # LR schedule (paratrain.optim.lr_at): "cosine" (linear warmup, cosine to min_lr), or DeepSpeed's
     # "warmup_lr" / "warmup_decay_lr" / "warmup_cosine_lr" starting at warmup_min_lr with a linear or log warmup
     lr_schedule: str = "cosine"
-    warmup_type: str = "linear"
-    warmup_min_lr: float = 0.0
+    warmup_type: str = "linear"  # warmup of the DeepSpeed schedules: linear | log
+    warmup_min_lr: float = 0.0  # learning rate the DeepSpeed schedules' warmup starts at
     lr_decay_steps: int = 0  # the step where the decay ends (DeepSpeed's total_num_steps); 0: train.steps
     mixed_precision: str = "auto"  # bf16 on a GPU, "none" (fp32) on the CPU (paratrain.precision)
     compile: bool = False  # torch.compile each layer (after tensor parallel and recompute, before FSDP)
@@ -432,14 +436,14 @@ class DataConfig(Section):
 
     SECTION = "data"
     KINDS = ("synthetic", "translation", "text", "cifar10")
-    kind: str = "synthetic"
+    kind: str = "synthetic"  # synthetic | translation | text | cifar10
     task: str = ""  # synthetic data: reverse | copy (encoder-decoder), markov (gpt); "": the first
-    min_length: int = 4
-    path: str = ""
-    tokenizer: str = ""
+    min_length: int = 4  # synthetic data: the length of the shortest string
+    path: str = ""  # the data file or directory of kind (see above)
+    tokenizer: str = ""  # a tokenizer.json; trained on path at first use if absent
     eval_path: str = ""  # held-out source<TAB>target pairs for BLEU
     eval_samples: int = 200  # how many of the held-out pairs (the first ones) BLEU decodes
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle the examples each epoch (seeded by run.seed)
     bucket_size: int = 0  # length bucketing: sort windows of this many global batches by length; 0 = off
     dynamic_padding: bool = False  # pad each global batch to its longest example, not the model lengths
     too_long: str = "filter"  # translation pairs longer than the model lengths: filter | truncate
@@ -477,11 +481,11 @@ class CheckpointConfig(Section):
 
     SECTION = "checkpoint"
     ALIASES = {"save_checkpoint_steps": "save_steps", "keep_checkpoint_max": "keep_max", "directory": "dir"}
-    dir: str = ""  # default: <run dir>/checkpoints
-    save_steps: int = 0
+    dir: str = ""  # where checkpoints go; "": <run dir>/checkpoints
+    save_steps: int = 0  # save every this many steps, and after the last one; 0 = no checkpoints
     keep_max: int = 3  # newest checkpoints kept; 0: all
-    integrated_save: bool = False
-    resume: str = "auto"
+    integrated_save: bool = False  # also write the whole model as one model.safetensors (plain parameter names)
+    resume: str = "auto"  # auto (the newest intact checkpoint, if any) | a checkpoint path | none
     prefix: str = ""  # "": directories step_00000008; else MindSpore's <prefix>-<epoch>_<step> (one epoch here)
 
 
@@ -490,8 +494,8 @@ class MetricsConfig(Section):
     """Logging: how often, and which sinks."""
 
     SECTION = "metrics"
-    log_steps: int = 10
-    tensorboard: bool = False
+    log_steps: int = 10  # log a step's metrics every this many steps
+    tensorboard: bool = False  # also write TensorBoard event files into the run directory
     breakdown: bool = False  # forward / backward / optimizer / communication / pipeline idle per step
     log_format: str = "default"  # default | mindspore
     peak_tflops: float = 0.0  # per device, for mfu; 0: GPU table (bf16) or a CPU matmul measured at start

@@ -77,3 +77,12 @@ def test_a_hosts_file_that_is_not_utf8_names_the_file(home, tmp_path, capsys, fl
     path.write_bytes(b"node1 slots=2\n\xff\xfe\x00garbage\n")
     err = refused(capsys, "launch", flag, str(path), "--dry-run", "--", "doctor")
     assert f"{path}: not UTF-8 text" in err
+
+
+def test_a_link_to_a_job_directory_is_not_listed_again(home, capsys):
+    (home / "demo-1").mkdir(parents=True)
+    Job(name="demo-1", dir=str(home / "demo-1"), state="succeeded", exit_code=0).save()
+    (home / "demo-latest").symlink_to("demo-1")
+    assert cli.main(["jobs"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:] if line.strip()]
+    assert names == ["demo-1"]

@@ -239,6 +239,8 @@ def list_jobs() -> list[Job | Unreadable]:
     home = jobs_home()
     jobs = []
     for path in home.glob("*/job.json") if home.is_dir() else []:
+        if path.parent.is_symlink():  # a second name of a job's directory (make demo's runs/demo-latest)
+            continue
         try:
             jobs.append(Job.from_file(path))
         except UnreadableRecord as exc:

@@ -7,6 +7,7 @@ from torch.distributed.tensor import DTensor
 
 from paratrain.errors import UserError
 from paratrain.modules.linear_cross_entropy import token_cross_entropy
+from paratrain.modules.token_loss import sum_and_count
 from paratrain.nn.cell import Cell
 from paratrain.nn.config import default_dpmp_config, op_config
 
@@ -16,9 +17,11 @@ REDUCTIONS = ("mean", "sum_and_count")
 class CrossEntropyLoss(Cell):
     """logits (N, V) or (B, T, V), labels and input_mask (N,) or (B, T) -> the mean cross-entropy over the tokens
     with mask 1 (the others' labels may be anything; 0 when none is kept). ``reduction="sum_and_count"``,
-    the trainer's: float32 (2,) ``[sum of the kept tokens' losses, their number]``, summed over data-parallel
-    ranks and micro-batches. Logits that are a DTensor sharded on the vocab dimension are reduced
-    vocab-parallel, under ``paratrain.parallel.loss.loss_context`` (a placed net's step enters it)."""
+    a placed net's: float32 (2,) ``[sum of the kept tokens' losses, their number]``, summed over data-parallel
+    ranks and micro-batches; in a training step's forward the mean as a scalar, whose backward is the global
+    batch's token mean's (``paratrain.modules.token_loss``). Logits that are a DTensor sharded on the vocab
+    dimension are reduced vocab-parallel, under ``paratrain.parallel.loss.loss_context`` (a placed net's step
+    enters it)."""
 
     supports_sum_and_count = True  # paratrain.parallel.user switches it to the global-batch token mean
 
@@ -36,6 +39,6 @@ class CrossEntropyLoss(Cell):
         token_loss = token_cross_entropy(logits, torch.where(mask != 0, labels.reshape(-1), 0))
         total, count = (token_loss * mask).sum(), mask.sum()
         if self.reduction == "sum_and_count":
-            return torch.stack([total, count])
+            return sum_and_count(total, count)
         return total / count.clamp(min=1e-5)
 

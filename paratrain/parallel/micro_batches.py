@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from paratrain.config import ParallelConfig
+from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.parallel.loss import loss_context, whole
 from paratrain.precision import autocast
@@ -23,11 +24,19 @@ class StepLoss:
     scalar loss over the micro-batches and the data-parallel replicas. Whatever the split, the loss and the
     gradients are one device's.
 
-    ``token_sum`` and ``mean`` give what backward runs on for one micro-batch (times the loss scale) and keep its
-    value; ``result`` adds them up over the ranks. A token count known before the forward (``tokens``: computed
-    from the labels) divides each micro-batch's loss; counts that come out of the forward (``counted``) are added
-    up after, and divide the gradients in the optimizer's step (``grad_scale``, ``LossScaler.divisor``): no pass
-    of its own over them."""
+    ``token_sum``, ``mean`` and ``with_token_means`` give what backward runs on for one micro-batch (times the loss
+    scale) and keep its value; ``result`` adds them up over the ranks. A token count known before the forward
+    (``tokens``: computed from the labels) divides each micro-batch's loss; counts that come out of the forward
+    (``counted``) are added up after, and divide the gradients in the optimizer's step (``grad_scale``,
+    ``LossScaler.divisor``): no pass of its own over them.
+
+    A net's output may also hold token means (``token_mean``, made by its token losses in the forward:
+    ``paratrain.modules.token_loss``) plus other terms, such as a mixture of experts' load-balancing loss, which
+    are one process's when averaged over the micro-batches and replicas (``with_token_means``). Such a term's
+    gradient must not be divided by the token count, so the count divides the token means' gradients in their
+    backward: with one micro-batch it is added up over the ranks before the backward; with several it comes from
+    forwards without gradients first (``count_first``: a net with a mixture of experts), else the output must be a
+    token mean alone, whose gradients the optimizer's step divides (``grad_scale``)."""
 
     def __init__(self, layout: Layout, micro_batch_num: int, loss_scale: torch.Tensor | float,
                  tokens: torch.Tensor | None = None, counted: bool = False):
@@ -39,6 +48,13 @@ class StepLoss:
         # (value, token count or None) of each micro-batch's loss; a pipeline schedule may call its loss function
         # before the micro-batches too (torch 2.13 infers the backward's shapes so): only the last ones count
         self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        # with_token_means: the token means of the forward under way (mean, sum, count, weight), then per
+        # micro-batch (output value, [(mean, sum, count, weight)]); factor: what their backward multiplies the
+        # gradient by; count: the global batch's token count once added up over the ranks
+        self.pending: list[tuple] = []
+        self.means: list[tuple[torch.Tensor, list]] = []
+        self.factor: torch.Tensor | float = layout.dp_size * micro_batch_num
+        self.count: torch.Tensor | None = None
 
     def token_sum(self, loss_sum: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         """A micro-batch's summed token loss (and its token count when ``counted``), times the data-parallel size
@@ -58,6 +74,43 @@ class StepLoss:
         """A micro-batch's plain scalar loss: its share of the mean over the micro-batches."""
         return self._kept(loss * self.mean_factor)
 
+    def token_mean(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """A token loss of the micro-batch under way: its mean over its ``count`` tokens (the value one process
+        computes), whose backward gives ``total`` the gradient of the global batch's token mean."""
+        total, count = whole(total).float(), whole(count.detach()).float()
+        weight = torch.zeros((), device=total.device)
+        mean = _TokenMean.apply(total, count, self, weight)
+        self.pending.append((mean, total.detach(), count, weight))
+        return mean
+
+    def with_token_means(self, output: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's net output (a scalar) holding the token means made in its forward, plus any other
+        terms: what backward runs on, the output times ``mean_factor``, the token means' gradients divided by the
+        global batch's token count (the class docstring says when). UserError for other terms with several
+        micro-batches."""
+        terms, self.pending = self.pending, []
+        if self.micro_batch_num == 1:
+            self._count(terms)
+        elif self.count is None and not (len(terms) == 1 and output is terms[0][0]):
+            raise UserError(f"the net's loss adds other terms to its CrossEntropyLoss's token mean, with "
+                            f"micro_batch_num={self.micro_batch_num}: the token count of the global batch is known "
+                            f"only after every micro-batch's forward; use micro_batch_num=1, or return the loss alone")
+        self.means.append((whole(output.detach()).float().reshape(()), [(m.detach(), *rest) for m, *rest in terms]))
+        return output.float().reshape(()) * self.mean_factor
+
+    def count_first(self, forwards: Callable[[], None]) -> None:
+        """Run ``forwards()``, the forwards of this rank's micro-batches without gradients, for their token
+        counts: the global batch's count then divides the token means' gradients from the first backward on, and
+        the outputs may hold other terms (``with_token_means``)."""
+        forwards()
+        terms, self.pending = self.pending, []
+        self._count(terms)
+
+    def _count(self, terms: list[tuple]) -> None:
+        """The global batch's token count from this rank's ``terms``, added up over the data-parallel ranks."""
+        self.count = self.layout.all_reduce_dp(self._sum([count for _, _, count, _ in terms])).clamp(min=1e-5)
+        self.factor = self.layout.dp_size * self.micro_batch_num / self.count
+
     def _kept(self, loss: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         self.kept.append((whole(loss.detach()), None if count is None else whole(count.detach())))
         return loss
@@ -67,6 +120,8 @@ class StepLoss:
 
     def result(self) -> dict:
         """{"loss": the global batch's loss, the same on every rank} and, when ``counted``, ``grad_scale``."""
+        if self.means:
+            return self._means_result()
         layout, kept = self.layout, self.kept[-self.micro_batch_num:]  # only the last pipeline stage has any
         values = [value for value, _ in kept]
         total = values[0] if len(values) == 1 else self._sum(values)  # divided next: reduced in a tensor of its own
@@ -77,6 +132,39 @@ class StepLoss:
             loss, out["grad_scale"] = loss / count, count.reciprocal()
         out["loss"] = layout.all_reduce_pp(loss)  # only the last stage has it
         return out
+
+    def _means_result(self) -> dict:
+        """``result`` of outputs holding token means: each token mean's share of the output (``weight``: its
+        gradient in backward, over ``mean_factor``) as the global batch's token mean, the rest averaged."""
+        token_sum, rest = [], []
+        for output, terms in self.means:
+            shares = [weight / self.mean_factor for *_, weight in terms]
+            token_sum += [share * total for share, (_, total, _, _) in zip(shares, terms)]
+            rest.append(output - self._sum([share * mean for share, (mean, *_) in zip(shares, terms)]))
+        local = [self._sum(token_sum), self._sum(rest)]
+        if self.count is None:
+            local.append(self._sum([count for _, terms in self.means for _, _, count, _ in terms]))
+        summed = self.layout.all_reduce_dp(torch.stack(local))
+        count = self.count if self.count is not None else summed[2].clamp(min=1e-5)
+        out = {"loss": summed[0] / count + summed[1] / (self.layout.dp_size * self.micro_batch_num)}
+        if self.count is None:  # the token means' gradients are divided by the count in the optimizer's step
+            out["grad_scale"] = count.reciprocal()
+        return out
+
+
+class _TokenMean(torch.autograd.Function):
+    """``total / count``, whose backward gives ``total`` the incoming gradient times ``step.factor`` (the step's
+    normalisation) and notes that gradient in ``weight``: how much of the net's output this mean is."""
+
+    @staticmethod
+    def forward(ctx, total: torch.Tensor, count: torch.Tensor, step: StepLoss, weight: torch.Tensor) -> torch.Tensor:
+        ctx.step, ctx.weight = step, weight
+        return total / count.clamp(min=1e-5)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.weight.copy_(grad)
+        return grad * ctx.step.factor, None, None, None
 
 
 def has_rows(value) -> bool:
@@ -93,6 +181,15 @@ def split(batch: dict | tuple, parts: int) -> list:
     chunks = [v.chunk(parts) if has_rows(v) else [v] * parts for v in values]
     micro_batches = [tuple(chunk[i] for chunk in chunks) for i in range(parts)]
     return [dict(zip(batch, micro)) for micro in micro_batches] if isinstance(batch, dict) else micro_batches
+
+
+def forward_only(batch: tuple, config: ParallelConfig, precision: str, device: torch.device, forward: Callable,
+                 phase) -> None:
+    """``forward(*micro_batch)`` of this rank's rows of a global batch in ``config.micro_batch_num`` micro-batches
+    as ``forward_backward`` runs them, without gradients."""
+    with torch.no_grad(), loss_context(config), autocast(precision, device), phase("forward"):
+        for micro in split(batch, config.micro_batch_num):
+            forward(*micro)
 
 
 def forward_backward(batch: dict | tuple, config: ParallelConfig, precision: str, device: torch.device, phase, *,

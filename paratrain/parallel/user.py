@@ -44,9 +44,11 @@ from paratrain.context import GRAPH_MODE, get_context
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
+from paratrain.modules.moe import MoE, moe_totals
+from paratrain.modules.token_loss import token_means_to
 from paratrain.parallel.data import apply_data_parallel, fusion_groups
 from paratrain.parallel.expert import apply_expert_parallel
-from paratrain.parallel.micro_batches import StepLoss, forward_backward, has_rows
+from paratrain.parallel.micro_batches import StepLoss, forward_backward, forward_only, has_rows
 from paratrain.parallel.pipeline import StageFixes, build_schedule, chunk_rank, integer_boundaries
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import declared_plan, gradient_like_parameter, has_submodule, parallel_style
@@ -146,6 +148,10 @@ class Placed:
     def __init__(self, net: nn.Module, config: ParallelConfig, layout: Layout, precision: str = "none"):
         self.config, self.layout, self.device, self.precision = config, layout, layout.device, precision
         self.summed = _sum_and_count(net)
+        # a mixture of experts' aux loss, which the net adds to its token losses' means: with several
+        # micro-batches the step counts their tokens first (StepLoss.count_first)
+        self.counts_first = self.summed and config.micro_batch_num > 1 and any(
+            isinstance(m, MoE) for m in net.modules())
         self.parts = [net]
         self._norm: StepLoss | None = None  # this step's
         self.phase = no_phase  # a StepTimer's phase, set by the engine's face
@@ -168,26 +174,37 @@ class Placed:
         mine = (t[start:start + rows] if replicas > 1 and has_rows(t) else t for t in batch)
         return tuple(t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in mine)
 
-    def _micro_loss(self, output: torch.Tensor, target=None) -> torch.Tensor:
-        """What backward runs on for one micro-batch (``StepLoss``): its loss sum and token count, or its plain
-        loss (``target``: a pipeline schedule's, unused). A loss of another shape (per row, per token) is
-        refused."""
-        if not isinstance(output, torch.Tensor) or output.numel() != (2 if self.summed else 1):
+    def _micro_loss(self, output: torch.Tensor, target=None, pairs: bool = True) -> torch.Tensor:
+        """What backward runs on for one micro-batch (``StepLoss``): its loss sum and token count (``pairs``: a
+        pipeline stage's output; else its token losses' means plus any other terms), or its plain loss
+        (``target``: a pipeline schedule's, unused). A loss of another shape (per row, per token) is refused."""
+        pair = self.summed and pairs
+        if not isinstance(output, torch.Tensor) or output.numel() != (2 if pair else 1):
             what = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
                     else f"a {type(output).__name__}")
             raise UserError(f"the net returned {what}, not a loss: reduce it to "
-                            f"{'a (sum, count) pair' if self.summed else 'a scalar'}, or give Model a loss_fn")
-        output = output.reshape(-1).float()
-        loss = self._norm.token_sum(output[0], output[1]) if self.summed else self._norm.mean(output[0])
+                            f"{'a (sum, count) pair' if pair else 'a scalar'}, or give Model a loss_fn")
+        if self.summed and not pairs:
+            loss = self._norm.with_token_means(output)
+        else:
+            output = output.reshape(-1).float()
+            loss = self._norm.token_sum(output[0], output[1]) if pair else self._norm.mean(output[0])
         # a net of no trainable parameter has nothing to learn: its backward is a no-op
         return loss if loss.requires_grad else loss.requires_grad_()
 
     def _run(self, batch: tuple, loss_scale: torch.Tensor | float, forward=None, pipeline=None) -> dict:
         """Forward and backward of this rank's ``batch`` (``_rows``) in micro-batches through ``forward(*micro)``
-        (the net's output), or a pipeline schedule's ``pipeline(batch)``; returns ``StepLoss.result()``."""
+        (the net's output; its token losses give their means: ``paratrain.modules.token_loss``), or a pipeline
+        schedule's ``pipeline(batch)``; returns ``StepLoss.result()``."""
         self._norm = StepLoss(self.layout, self.config.micro_batch_num, loss_scale, counted=self.summed)
-        forward_backward(batch, self.config, self.precision, self.device, self.phase, module=self.parts[0],
-                         loss_of=lambda micro: self._micro_loss(forward(*micro)), pipeline=pipeline)
+        with token_means_to(self._norm if self.summed and pipeline is None else None):
+            if self.counts_first and pipeline is None:
+                self._norm.count_first(lambda: forward_only(batch, self.config, self.precision, self.device, forward,
+                                                            self.phase))
+                moe_totals(self.parts[0])  # the statistics of the step's forwards with gradients only
+            forward_backward(batch, self.config, self.precision, self.device, self.phase, module=self.parts[0],
+                             loss_of=lambda micro: self._micro_loss(forward(*micro), pairs=False),
+                             pipeline=pipeline)
         return self._norm.result()
 
     def parameters(self):
@@ -269,6 +286,10 @@ class PlacedNet(Placed):
                             "inlined, so they cannot be compiled one by one; use PYNATIVE_MODE with pipeline_stages")
         micro = tuple(t[: t.shape[0] // (config.data_parallel * config.micro_batch_num)].to(
             "meta" if self.on_meta else self.device) for t in example)
+        if self.summed and not _returns_its_token_loss(net, micro):
+            raise UserError(f"pipeline_stage={config.pipeline_stage}: the net's loss adds other terms (a mixture of "
+                            f"experts' aux loss...) to its CrossEntropyLoss, whose (sum, count) the last stage sends "
+                            f"on to be added up over the micro-batches; use pipeline_stage=1, or return the loss alone")
         try:
             pipe = trace_pipeline(_InputsByName(net), (), _by_name(micro),
                                   split_spec=stage_starts(net, micro, config.pipeline_stage,
@@ -498,6 +519,25 @@ def _sum_and_count(net: nn.Module) -> bool:
     for loss in losses:
         loss.reduction = "sum_and_count"
     return bool(losses)
+
+
+class _TokenLossCalls:
+    """A stand-in for a step's ``StepLoss`` that keeps the token means a forward's token losses return."""
+
+    def __init__(self):
+        self.means = []
+
+    def token_mean(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        self.means.append(total / count.clamp(min=1e-5))
+        return self.means[-1]
+
+
+def _returns_its_token_loss(net: nn.Module, example: tuple) -> bool:
+    """Whether ``net(*example)`` returns its one token loss's value itself, nothing added."""
+    calls = _TokenLossCalls()
+    with torch.no_grad(), token_means_to(calls):
+        output = net(*example)
+    return len(calls.means) == 1 and output is calls.means[0]
 
 
 def _with_layer_recompute(config: ParallelConfig, layers: list[nn.Module]) -> ParallelConfig:
