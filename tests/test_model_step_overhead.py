@@ -1,7 +1,6 @@
 """Model.train's step costs what a plain torch loop over the same net costs: on a step no callback reads, no
-read of a device value by the host, and no more ops over tensors (forward, backward, gradient norm, optimizer,
-zero_grad) than the loop's but the division of the gradients by the token count, which a fused AdamW (Model's
-on CUDA) does in its own pass; only a few more ops on scalars (the loss's sum and count, the record)."""
+read of a device value by the host, no more ops over tensors (forward, backward, gradient norm, optimizer,
+zero_grad) than the loop's, and only a few more on scalars (the loss's token count and normalisation)."""
 import collections
 
 import pytest
@@ -16,7 +15,9 @@ from paratrain.train import Callback, Model
 
 B, T, H, V = 4, 16, 32, 64
 MEASURED_STEP = 3  # a step after the first (placement, optimizer state made)
-SCALAR_OPS = 24  # at most this many more ops on scalars: the loss's (sum, count) pair and its normalisation
+# at most this many more ops on scalars: the loss's (sum, count) pair, its token mean and its normalisation over
+# the step's tokens (paratrain.parallel.micro_batches.StepLoss), each a kernel of one element on a GPU (32 measured)
+SCALAR_OPS = 32
 
 
 class LanguageModel(torch.nn.Module):
@@ -111,7 +112,6 @@ def test_a_model_train_step_reads_nothing_and_adds_only_scalar_ops(monkeypatch):
     loop, loop_reads = loop_step(reads)
     assert model_reads == loop_reads == []
     assert sum(loop.ops.values()) > 100  # the count saw forward, backward and the optimizer
-    extra = model.ops - loop.ops
-    assert extra == collections.Counter({"aten._foreach_div_": 1}), (extra, loop.ops - model.ops)
-    assert sum(model.scalar_ops.values()) <= sum(loop.scalar_ops.values()) + SCALAR_OPS, (
-        model.scalar_ops - loop.scalar_ops)
+    assert model.ops == loop.ops, (model.ops - loop.ops, loop.ops - model.ops)
+    extra_scalar_ops = sum(model.scalar_ops.values()) - sum(loop.scalar_ops.values())
+    assert extra_scalar_ops <= SCALAR_OPS, (extra_scalar_ops, model.scalar_ops - loop.scalar_ops)
