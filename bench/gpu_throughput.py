@@ -296,9 +296,10 @@ def run_scratch(cfg: Config, device: torch.device, warmup: int, compile: bool) -
 
 
 def mindspore_lm(cfg: Config, device: torch.device):
-    """On ``device``, the tutorial's LM of ``paratrain.nn`` blocks as a MindSpore user writes it: ``VocabEmbedding`` for words and
-    positions, a ``TransformerEncoder`` given a (B, T, T) 0/1 mask (causal x key padding, built with ``expand``),
-    a ``Linear`` head and ``CrossEntropyLoss`` with the pad mask: forward(ids, input_mask, labels) -> loss."""
+    """On ``device``, the tutorial's LM of ``paratrain.nn`` blocks as a MindSpore user writes it: ``VocabEmbedding``
+    for words and positions, a ``TransformerEncoder`` given a (B, T, T) 0/1 mask (causal x key padding, built
+    with ``expand``), a ``Linear`` head and ``CrossEntropyLoss`` with the pad mask: forward(ids, input_mask,
+    labels) -> loss."""
     from paratrain import nn as msnn
 
     m, batch = cfg.model, cfg.train.global_batch_size
