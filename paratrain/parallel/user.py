@@ -170,9 +170,9 @@ class Placed:
             raise UserError(f"a batch of {size} rows does not split into {parts} equal parts ({split} x "
                             f"micro_batch_num={micro_batch_num}): give a batch size divisible by {parts}")
         rows = size // replicas
-        start = self.layout.dp_rank * rows if replicas > 1 else 0
-        return tuple((t[start:start + rows] if has_rows(t) else t).to(self.device, non_blocking=True)
-                     if isinstance(t, torch.Tensor) else t for t in batch)
+        start = self.layout.dp_rank * rows  # (one replica, or rows of this rank: the batch as it is)
+        mine = (t[start:start + rows] if replicas > 1 and has_rows(t) else t for t in batch)
+        return tuple(t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in mine)
 
     def _micro_loss(self, output: torch.Tensor, target=None, pairs: bool = True) -> torch.Tensor:
         """What backward runs on for one micro-batch (``StepLoss``): its loss sum and token count (``pairs``: a

@@ -97,7 +97,8 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]],
     """``optimizer`` (built on the unsharded net) built again, same class, groups and hyperparameters, on this
     rank's ``named_parameters`` (name in the whole net, parameter); ``names``: its groups' parameter names
     (``group_names``). A group with no parameter here is dropped; a group holding both plain and sharded
-    tensors is split by tensor kind, which multi-tensor kernels cannot mix."""
+    tensors is split by tensor kind, which multi-tensor kernels cannot mix. On CUDA a torch Adam or AdamW
+    left to torch's default kernels gets the fused one (``fused_where_equal``)."""
     group_of = {name: index for index, group in enumerate(names) for name in group}
     placed: list[dict[object, list[tuple[str, torch.Tensor]]]] = [{} for _ in optimizer.param_groups]
     seen: set[int] = set()
@@ -112,7 +113,28 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]],
             groups.append({**options, "params": [p for _, p in members]}
                           | ({"param_names": [n for n, _ in members]} if "param_names" in group else {}))
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    fused = fused_where_equal(optimizer, options, groups)
+    return type(optimizer)([group | fused for group in groups], **(options | fused))
+
+
+# torch optimizers whose fused CUDA kernel computes the update of their default (foreach) one, in one pass that
+# also divides the gradients (``paratrain.optim.step_dividing``'s ``grad_scale``)
+FUSED_EQUIVALENT = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def fused_where_equal(optimizer: torch.optim.Optimizer, options: dict, groups: list[dict]) -> dict:
+    """``{"fused": True}`` for a torch Adam or AdamW whose user chose neither ``foreach`` nor ``fused`` (nor
+    ``differentiable``) over plain CUDA parameters: the same update as torch's default kernels; else nothing."""
+    chosen = [options] + [{k: g[k] for k in ("foreach", "fused", "differentiable") if k in g} for g in groups]
+    params = [p for group in groups for p in group["params"]]
+    if (type(optimizer) not in FUSED_EQUIVALENT or not params
+            or any(c.get("foreach") is not None or c.get("fused") is not None or c.get("differentiable")
+                   for c in chosen)):
+        return {}
+    plain_cuda = all(type(p) is nn.Parameter and p.is_cuda and p.dtype in (torch.float32, torch.bfloat16,
+                                                                             torch.float16) for p in params)
+    return {"fused": True} if plain_cuda else {}
 
 
 def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, precision: str = "none"):
@@ -196,7 +218,7 @@ def _ids_per_row(first) -> int:
     """The tokens of a row of a batch whose first tensor is ``first``: its ids per row when it holds integer
     ids, else 1 (a row is one sample)."""
     if isinstance(first, torch.Tensor) and first.ndim > 1 and not first.is_floating_point():
-        return first[0].numel()
+        return first.shape[1:].numel()
     return 1
 
 
