@@ -1,13 +1,8 @@
-"""The pipeline split of a user's net by tracing: ``split_traced(net, micro_batch, config)``.
-
-``pipeline_stage`` attributes set on any submodule say where each stage starts, in the order the
-forward runs them (``stage_starts``). The forward is traced with ``torch.distributed.pipelining``
-(torch.export) at those points, then the stage graphs are rewritten so that tensors computed on one
-stage reach the later stages that use them (those computed from the net's inputs alone are computed
-again there), the net's inputs (ids, labels, masks) reach every stage as keyword arguments of the
-schedule (``by_name``), and what crosses a boundary is contiguous. A forward that cannot be traced
-(data-dependent Python control flow...) is refused with torch's reason.
-"""
+"""The pipeline split of a user's net by tracing (``split_traced``): its forward traced with
+``torch.distributed.pipelining`` (torch.export) and cut where its modules' ``pipeline_stage`` attributes say
+(``stage_starts``), the stage graphs rewritten so that every stage takes the net's inputs by name (``by_name``),
+computes again the tensors those alone give, and receives the rest contiguous. A forward that cannot be traced
+(data-dependent Python control flow...) is refused with torch's reason."""
 from __future__ import annotations
 
 import operator
@@ -22,7 +17,7 @@ from torch.torch_version import __version__ as TORCH_VERSION
 
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
-from paratrain.parallel.pipeline import StageFixes, integer_boundaries
+from paratrain.parallel.pipeline import StageFixes
 
 # torch 2.13's FSDP2 warns whenever a wrapped module returns a view; a traced stage's outputs only go to the
 # pipeline's send and to its backward, never into an in-place op, which is what the warning is about
@@ -75,9 +70,8 @@ def stage_starts(net: nn.Module, example: tuple, stages: int, segments: int = 1,
 
 
 def split_traced(net: nn.Module, micro: tuple, config: ParallelConfig) -> Pipe:
-    """``net``'s forward on one micro-batch ``micro`` traced and cut into ``config.pipeline_stage`` x
-    ``virtual_pipeline_stage`` stage modules at its ``stage_starts``, each taking all the net's inputs by name
-    and receiving only what its inputs alone do not give; UnsplittableNet with the reason when it cannot be."""
+    """``net``'s forward on one micro-batch ``micro`` as the ``config.pipeline_stage`` x ``virtual_pipeline_stage``
+    stage modules of a pipe; UnsplittableNet with the reason when it cannot be split so."""
     try:
         pipe = trace_pipeline(_InputsByName(net), (), by_name(micro),
                               split_spec=stage_starts(net, micro, config.pipeline_stage,
@@ -93,7 +87,7 @@ def split_traced(net: nn.Module, micro: tuple, config: ParallelConfig) -> Pipe:
         raise UnsplittableNet(f"the traced forward has {pipe.num_stages} stages, not {chunks}")
     _inputs_to_every_stage(pipe)
     _recompute_from_inputs(pipe)
-    carried = integer_boundaries(pipe) if TORCH_VERSION < (2, 13) else []
+    carried = _integer_boundaries(pipe) if TORCH_VERSION < (2, 13) else []
     if carried:
         raise UnsplittableNet(f"torch {TORCH_VERSION} cannot pass integer tensors between the stages of a traced "
                               f"net ({', '.join(carried)}; 2.13 can): compute them from the net's inputs alone "
@@ -229,6 +223,22 @@ def _erase_if_unused(node: fx.Node) -> None:
     node.graph.erase_node(node)
     for source in sources:
         _erase_if_unused(source)
+
+
+def _integer_boundaries(pipe: Pipe) -> list[str]:
+    """The tensors that a stage of the traced ``pipe`` (``torch.distributed.pipelining.pipeline``) receives
+    from the stage before and that are not floating point (the argmax of activations), as "name (dtype) into
+    stage k". torch 2.11 and 2.12 cannot pass one: their receiving stage asks it to require grad, their sending
+    stage waits for its gradient."""
+    found = []
+    stages = [node for node in pipe.split_gm.graph.nodes if node.op == "call_module"]
+    for index, node in enumerate(stages):
+        placeholders = [n for n in pipe.split_gm.get_submodule(node.target).graph.nodes if n.op == "placeholder"]
+        for placeholder, source in zip(placeholders, node.args):
+            value = placeholder.meta.get("val")
+            if source.op != "placeholder" and isinstance(value, torch.Tensor) and not value.is_floating_point():
+                found.append(f"{placeholder.name} ({value.dtype}) into stage {index}")
+    return found
 
 
 class TracedStage(StageFixes, _PipelineStage):

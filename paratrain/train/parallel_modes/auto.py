@@ -31,7 +31,7 @@ from paratrain.plan import cost
 from paratrain.train.parallel_modes.semi_auto import Call
 
 FORMAT = "paratrain-strategy-1"
-BYTES = 4  # float32
+BYTES = cost.DTYPE_BYTES["float32"]
 FOLLOWING = (BiasAdd, Softmax, Exp, Log, ReLU)  # one output split as their first input
 
 
