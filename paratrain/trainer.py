@@ -11,7 +11,7 @@ from paratrain.checkpoint import Checkpointer
 from paratrain.config import Config
 from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.device import DTYPES
-from paratrain import config_file, host_memory, loop, preflight, progress
+from paratrain import config_file, host_memory, loop, preflight, progress, run_lock
 from paratrain.distributed import init_from_env
 from paratrain.engine import Engine, TrainingDiverged
 from paratrain.evaluate import bleu_evaluator
@@ -46,6 +46,9 @@ class Trainer(loop.Face):
         rank, world_size = init_from_env(offload=cfg.parallel.offloads)
         progress.start(rank)
         self.cfg = preflight.check(cfg, world_size, resolved=True)
+        # one run per directory, from before anything is written there or a resume is decided
+        self.locked = [("run.dir", cfg.run.path), ("checkpoint.dir", cfg.checkpoint_path)]
+        run_lock.hold(self.locked)
         self.layout = Layout(cfg.parallel, world_size)
         self.device = self.layout.device
         precision_asked = cfg.train.mixed_precision
@@ -149,6 +152,8 @@ class Trainer(loop.Face):
 
     def close(self) -> None:
         self.metrics.close()
+        for _, directory in self.locked:
+            run_lock.release(directory)
         if self.is_main and self.loss_scaler.skipped_steps:
             print(f"fp16: {self.loss_scaler.summary()}", flush=True)
 

@@ -87,21 +87,22 @@ class Placed:
             raise UserError(f"a batch of {size} rows does not split into {parts} equal parts ({split} x "
                             f"micro_batch_num={micro_batch_num}): give a batch size divisible by {parts}")
         rows = size // replicas
-        start = self.layout.dp_rank * rows if replicas > 1 else 0
-        return tuple((t[start:start + rows] if has_rows(t) else t).to(self.device, non_blocking=True)
-                     if isinstance(t, torch.Tensor) else t for t in batch)
+        start = self.layout.dp_rank * rows  # (one replica, or rows of this rank: the batch as it is)
+        mine = (t[start:start + rows] if replicas > 1 and has_rows(t) else t for t in batch)
+        return tuple(t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in mine)
 
     def _micro_loss(self, output: torch.Tensor, target=None, pairs: bool = True) -> torch.Tensor:
         """What backward runs on for one micro-batch (``StepLoss``): its loss sum and token count (``pairs``: a
         pipeline stage's output; else its token losses' means plus any other terms), or its plain loss
         (``target``: a pipeline schedule's, unused). A loss of another shape (per row, per token) is refused."""
-        pair = self.summed and pairs
+        # a token loss of the user's own (``supports_sum_and_count``) returns its pair itself, making no token means
+        pair = self.summed and (pairs or not self._norm.pending)
         if not isinstance(output, torch.Tensor) or output.numel() != (2 if pair else 1):
             what = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
                     else f"a {type(output).__name__}")
             raise UserError(f"the net returned {what}, not a loss: reduce it to "
                             f"{'a (sum, count) pair' if pair else 'a scalar'}, or give Model a loss_fn")
-        if self.summed and not pairs:
+        if self.summed and not pair:
             loss = self._norm.with_token_means(output)
         else:
             output = output.reshape(-1).float()
@@ -261,11 +262,12 @@ class _TokenLossCalls:
 
 
 def _returns_its_token_loss(net: nn.Module, example: tuple) -> bool:
-    """Whether ``net(*example)`` returns its one token loss's value itself, nothing added."""
+    """Whether ``net(*example)`` returns its one token loss's value itself, nothing added (or a loss of the user's
+    own that makes no token means)."""
     calls = _TokenLossCalls()
     with torch.no_grad(), token_means_to(calls):
         output = net(*example)
-    return len(calls.means) == 1 and output is calls.means[0]
+    return not calls.means or (len(calls.means) == 1 and output is calls.means[0])
 
 
 def _with_layer_recompute(config: ParallelConfig, layers: list[nn.Module]) -> ParallelConfig:
