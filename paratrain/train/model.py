@@ -153,31 +153,35 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
     from paratrain.ops import Primitive
 
     mode, of_ops = get_auto_parallel_context("parallel_mode"), any(isinstance(m, Primitive) for m in net.modules())
-    if get_context("mode") == GRAPH_MODE and (mode == ParallelMode.HYBRID_PARALLEL or of_ops):
+    graph_mode = get_context("mode") == GRAPH_MODE
+    if graph_mode and (mode == ParallelMode.HYBRID_PARALLEL or of_ops):
         raise UserError("set_context(mode=GRAPH_MODE) compiles the layers of a net of paratrain.nn blocks or "
                         "torch modules; a hybrid-parallel net or one of paratrain.ops runs in PYNATIVE_MODE")
+    if graph_mode and config.pipeline_stage > 1:
+        raise UserError("set_context(mode=GRAPH_MODE) with pipeline stages: a traced stage runs its layers "
+                        "inlined, so they cannot be compiled one by one; use PYNATIVE_MODE with pipeline_stages")
     if get_auto_parallel_context("parameter_broadcast") and layout.world_size > 1 and not on_meta:
         # (a deferred build is replayed from one random state on every rank: nothing to broadcast)
         broadcast_parameters(net.to(layout.device))  # on its device first: NCCL broadcasts only GPU tensors
     if mode == ParallelMode.HYBRID_PARALLEL:
-        from paratrain.parallel.hybrid import HybridNet
+        from paratrain.train.parallel_modes.hybrid import HybridNet
 
         _materialize([net], deferred, layout.device)
         return HybridNet(net, config, layout, precision)
     if mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and layout.world_size > 1 and of_ops:
-        from paratrain.parallel.semi_auto import place_semi_auto
+        from paratrain.train.parallel_modes.semi_auto import place_semi_auto
 
         if config.model_parallel > 1 or config.pipeline_stage > 1:
             raise UserError("Model: the net mixes paratrain.ops strategies with blocks given model_parallel or "
                             "pipeline_stage; give the ops strategies only, or use the blocks without ops")
         choose = None
         if mode == ParallelMode.AUTO_PARALLEL:
-            from paratrain.parallel.auto import StrategyChooser
+            from paratrain.train.parallel_modes.auto import StrategyChooser
 
             choose = StrategyChooser.from_context(layout.world_size)
         _materialize([net], deferred, layout.device)
         return place_semi_auto(net, batch, layout.device, layout.world_size, config, choose, precision)
-    placed = place_net(net, config, layout, batch, precision)
+    placed = place_net(net, config, layout, batch, precision, compile_layers=graph_mode)
     _materialize(placed.parts, deferred, layout.device)
     return placed
 
