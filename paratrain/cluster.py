@@ -164,6 +164,17 @@ def _mpi(env, launcher: str) -> Place:
                  f"{launcher} ({names[0]}, {names[1]})")
 
 
+def _port(env, names: tuple[str, ...], default: int) -> int:
+    """The TCP port the first of ``names`` set in ``env`` gives, else ``default``."""
+    name = next((name for name in names if env.get(name)), None)
+    if name is None:
+        return default
+    value = env[name]
+    if not value.strip().isdigit() or not 1 <= int(value) <= 65535:
+        raise TopologyError(f"{name}={value!r} is not a TCP port: use one in 1..65535")
+    return int(value)
+
+
 def _kubeflow(env) -> Place:
     nnodes = env["PET_NNODES"]
     if not nnodes.isdigit():
@@ -179,9 +190,9 @@ def _kubeflow(env) -> Place:
     rank, world = _int(env, rank_name), _count(env, "PET_NNODES")
     if not rank < world:
         raise TopologyError(f"{rank_name}={rank} is not below PET_NNODES={world}")
-    port = env.get("PET_MASTER_PORT") or env.get("MASTER_PORT") or str(DEFAULT_PORT)
     return Place(rank, world, 0, 1, env.get("PET_MASTER_ADDR") or env.get("MASTER_ADDR") or "localhost",
-                 int(port), f"a Kubeflow PyTorchJob pod ({rank_name}, PET_NNODES, one process per pod)")
+                 _port(env, ("PET_MASTER_PORT", "MASTER_PORT"), DEFAULT_PORT),
+                 f"a Kubeflow PyTorchJob pod ({rank_name}, PET_NNODES, one process per pod)")
 
 
 def locate(env=None) -> Place | None:
@@ -204,7 +215,7 @@ def locate(env=None) -> Place | None:
             raise TopologyError(f"{name}={env[name]} but {place.source} says {given[name]}: unset {name} or "
                                 f"start the job so that they agree")
     return replace(place, master_addr=env.get("MASTER_ADDR") or place.master_addr,
-                   master_port=int(env.get("MASTER_PORT") or place.master_port))
+                   master_port=_port(env, ("MASTER_PORT",), place.master_port))
 
 
 def fill_env(env=None, report=lambda line: print(line, flush=True)) -> Place | None:

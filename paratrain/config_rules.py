@@ -172,7 +172,7 @@ def world_size_problems(p: ParallelConfig, world_size: int, where: str = "parall
     if p.world_size != world_size:
         return [f"{where}data_parallel={p.data_parallel} x model_parallel={p.model_parallel} x pipeline_stage="
                 f"{p.pipeline_stage} = {p.world_size} does not equal the world size {world_size}: launch "
-                f"{p.world_size} processes or change the parallel sizes"]
+                f"{p.world_size} process{'es' if p.world_size > 1 else ''} or change the parallel sizes"]
     return []
 
 

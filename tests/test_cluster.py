@@ -76,6 +76,9 @@ def test_slurm_one_task_per_rank():
     (_slurm(0, per_node="2,0"), r"'0' counts no task"),
     ({"PMI_RANK": "0", "PMI_SIZE": "0"}, "PMI_SIZE=0: a job runs at least one rank"),
     ({"PET_NNODES": "0", "PET_NODE_RANK": "0"}, "PET_NNODES=0: a job runs at least one rank"),
+    ({"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_PORT": "abc"}, "PET_MASTER_PORT='abc' is not a TCP port"),
+    ({"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_PORT": "0"}, "PET_MASTER_PORT='0' is not a TCP port"),
+    ({**_slurm(0), "MASTER_PORT": "70000"}, "MASTER_PORT='70000' is not a TCP port: use one in 1..65535"),
 ])
 def test_contradictions_are_refused(env, message):
     with pytest.raises(TopologyError, match=message):
