@@ -1,6 +1,8 @@
 """Model.train's step costs what a plain torch loop over the same net costs: on a step no callback reads, no
 read of a device value by the host, no more ops over tensors (forward, backward, gradient norm, optimizer,
-zero_grad) than the loop's, and only a few more on scalars (the loss's token count and normalisation)."""
+zero_grad) than the loop's, and only a few more on scalars (the loss's token count and normalisation). The checks
+of a batch on the host (its shapes, its ids against the embedding tables) come as it is drawn, before its step
+begins, and are not counted here."""
 import collections
 
 import pytest

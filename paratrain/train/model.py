@@ -270,6 +270,11 @@ def _declared_shape_problem(net: nn.Module, first: torch.Tensor) -> str | None:
     return None
 
 
+def _where(params: CallbackParams) -> str:
+    """The batch of the step under way, in words."""
+    return f"batch index {params.cur_step_in_epoch} of epoch {params.cur_epoch_num}"
+
+
 def _token_problem(net: nn.Module, batch: tuple) -> str | None:
     """An id of the batch's integer (B, T) tensors on the host that no embedding table of the net has a row for
     (it would end the step in an IndexError); None when there is none (the tensors on a device are not read: that
@@ -367,9 +372,11 @@ class _Training(loop.Face):
             if self.sink_mode:
                 call("on_train_step_begin", run_context)
             for batch, self.step_ends in _with_last(batches) if self.sink_mode else ((b, True) for b in batches):
+                batch = _as_batch(batch)  # checked on the host as it is drawn, before its step begins
+                self.model._check_batch(batch, config, _where(params), params.rows_of_this_rank)
                 if not self.sink_mode:
                     call("on_train_step_begin", run_context)
-                yield functools.partial(self.model._step, _as_batch(batch), config, layout, params, self.hooks)
+                yield functools.partial(self.model._step, batch, config, layout, params, self.hooks)
                 if run_context.get_stop_requested() and not self.sink_mode:
                     break
             if params.cur_step_in_epoch == 0:
@@ -591,10 +598,9 @@ class Model:
     def _step(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams,
               hooks: "_Callbacks") -> dict:
         """One optimizer step on a global batch (``paratrain.engine``); places the net on the first. Returns its
-        record (device values, unless a callback reads this step's values). A batch unlike the first, or a loss
-        that is no scalar, is refused naming the batch."""
-        where = f"batch index {params.cur_step_in_epoch} of epoch {params.cur_epoch_num}"
-        self._check_batch(batch, config, where, params.rows_of_this_rank)
+        record (device values, unless a callback reads this step's values). A loss that is no scalar is refused
+        naming the batch (a batch unlike the first was, as it was drawn: ``_check_batch``)."""
+        where = _where(params)
         if self.train_network is None:
             self._place(batch, config, layout, params)
         if self._engine is None:
