@@ -83,12 +83,10 @@ class Engine:
                     clip = clip_divisor(norm, self.grad_clip)
                     divisor = clip if divisor is None else divisor * clip
                 lr = self.scheduler.get_last_lr()[0] if self.scheduler is not None else None
-                overflow = self.loss_scaler.overflow(norm)  # fp16: a step whose gradients overflowed is skipped
-                if overflow is None:
-                    step_dividing(self.optimizer, divisor)
-                elif getattr(self.optimizer, "_step_supports_amp_scaling", False):  # skips on the device
-                    step_dividing(self.optimizer, divisor, found_inf=overflow.float())
-                elif not bool(overflow):  # any other optimizer waits for the decision
+                skip = self.loss_scaler.overflow(norm)  # fp16: a step whose gradients overflowed is skipped
+                if skip is not None and getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                    step_dividing(self.optimizer, divisor, found_inf=skip.float())  # decided on the device
+                elif skip is None or not bool(skip):  # any other optimizer waits for the decision
                     step_dividing(self.optimizer, divisor)
                 if self.scheduler is not None:
                     self.scheduler.step()  # the schedule advances over skipped steps too

@@ -120,8 +120,7 @@ class LossScaler:
         return ~torch.isfinite(grad_norm.to(self.device)) if self.enabled else None
 
     def update(self, grad_norm: torch.Tensor) -> torch.Tensor | bool:
-        """Record one step from its (unscaled) gradient norm, the same on every rank, and update the scale;
-        returns whether it overflowed, as ``overflow`` (False when disabled)."""
+        """Update the scale after a step of this gradient norm; returns ``overflow`` (False when disabled)."""
         overflow = self.overflow(grad_norm)
         if overflow is None:
             return False

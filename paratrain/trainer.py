@@ -36,11 +36,9 @@ __all__ = ["Trainer", "TrainingDiverged", "start"]
 
 
 def start(cfg: Config, report: Callable[[str], None] | None = None) -> tuple[int, Layout]:
-    """Start a run of ``cfg`` in this process, once: resolve ``train.mixed_precision`` for this device, check the
-    config before joining the process group the launcher described (``paratrain.distributed.init_from_env``), join
-    it and, given ``report`` (``paratrain train``), plan ``parallel.auto``'s layout for the group
-    (``paratrain.plan.resolve_auto``, which says why through ``report``) and check that. ``cfg`` is resolved in
-    place; returns this process's rank and Layout."""
+    """Start a run of ``cfg`` in this process, once: resolve its precision for this device, check it, join the
+    launcher's process group and, given ``report`` (``paratrain train``), plan ``parallel.auto``'s layout for it
+    (``paratrain.plan.resolve_auto``) and check that. ``cfg`` is resolved in place; returns (rank, Layout)."""
     cluster.fill_env()
     precision_asked = cfg.train.mixed_precision
     cfg.train.mixed_precision = resolve_mixed_precision(precision_asked, device())
@@ -60,10 +58,8 @@ def start(cfg: Config, report: Callable[[str], None] | None = None) -> tuple[int
 
 
 class Trainer(loop.Face):
-    """Trains the model a Config describes and logs one record per step.
-
-    ``started``: what ``start(cfg)`` returned, when the face started the run (``paratrain train``); without it
-    the trainer starts it, on a Config whose ``parallel.auto`` is already resolved (``paratrain.plan.resolve_auto``).
+    """Trains the model a Config describes and logs one record per step. ``started``: what ``start(cfg)`` returned
+    (``paratrain train``); without it the trainer starts the run, ``parallel.auto`` already resolved.
 
     The loss of a step is the summed token cross-entropy of every micro-batch
     divided by the non-pad target tokens of the whole global batch, so it does
