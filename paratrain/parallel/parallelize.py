@@ -30,9 +30,9 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_f
     Returns ``(model_parts, pipeline)``: this rank's model chunks -- the model itself,
     sharded in place, when ``pipeline_stage`` is 1 -- and the ``Pipeline`` whose
     schedule runs a step over them (calling ``loss_fn(logits, labels, **loss_kwargs)``),
-    or None without pipeline parallelism. ``train`` gives ``compile`` and
-    ``mixed_precision``, resolved for the device, never "auto" (FSDP then gathers parameters in the compute dtype
-    and reduces gradients in fp32; without ``train``: fp32). ``layer_costs``: each layer's work, which the pipeline split balances
+    or None without pipeline parallelism. ``train`` gives ``compile`` and ``mixed_precision``, resolved
+    for the device, never "auto" (FSDP then gathers parameters in the compute dtype and reduces gradients in
+    fp32; without ``train``: fp32). ``layer_costs``: each layer's work, which the pipeline split balances
     (``paratrain.parallel.pipeline.layer_chunks``; equal when not given). ``tokens_per_rank``: the tokens of a
     micro-batch when every data-parallel rank's have the same shape (``paratrain.parallel.vocab``).
     """
