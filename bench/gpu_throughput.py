@@ -1,32 +1,41 @@
-"""One-GPU training throughput: paratrain's Trainer against a plain PyTorch loop of the same GPT, in one run.
+"""One-GPU training throughput of every face of paratrain against plain PyTorch loops, in one run.
 
-Both sides train ``paratrain.models.GPTModel`` built from the same ModelConfig and seed on the same
-synthetic batches, in bf16 mixed precision (fp32 master weights, bf16 compute), with the same fused
-AdamW and LR schedule (``paratrain.optim``) and global-norm clipping at ``train.grad_clip``. The
-paratrain side is ``Trainer(cfg).train()``; the plain side is the loop a PyTorch user writes
-(``torch.autocast``, ``F.cross_entropy``, ``clip_grad_norm_``). Each side runs its warm-up steps, then
-its timed steps between two ``torch.cuda.synchronize`` calls. The sides run one after the other in
-this process (never both in memory); a side's peak memory is ``torch.cuda.max_memory_allocated``
-from its start, less what was allocated then. MFU is the achieved model FLOP/s
-(``paratrain.metrics.flops.gpt_flops``: 6 x weights x tokens plus attention) over the device's bf16
-peak as measured here (the fastest of three runs of 20 back-to-back 8192^3 bf16 matmuls, as the CPU's
-is measured), or ``--peak-tflops``; the datasheet's dense bf16 peak (``gpu_peak_tflops``) is printed
-beside it. The sides must train alike: a step whose loss differs between paratrain (either row) and
-the plain loop by more than ``--loss-rtol`` (2e-2 relative: bf16 rounding) makes it exit 3.
+Sides (each trains the same sizes on the same synthetic batches, one after the other in this process, each
+freeing its memory before the next):
+
+- ``scratch``: the fastest GPT-2 loop written in plain PyTorch, no paratrain module (fused qkv Linear, SDPA
+  ``is_causal``, bf16 autocast, fused AdamW, clipping at 1.0, the cross-entropy of the whole fp32 logits);
+- ``torch``: a plain loop over paratrain's ``GPTModel`` with paratrain's optimizer and schedule;
+- ``paratrain``: ``paratrain train`` (``Trainer(cfg).train()``) of that GPT, bf16; ``paratrain_fp8`` the same
+  with ``train.mixed_precision = "fp8"``, where it is accepted (CUDA, Hopper, torchao), else reported skipped
+  with the reason; ``paratrain_offload`` (``--offload``, CUDA) with ZeRO-Offload (zero 3, parameters and
+  AdamW on the host);
+- ``ms_model``: the MindSpore face, a user's LM of ``paratrain.nn`` blocks as the tutorial writes it
+  (``VocabEmbedding`` for words and positions, ``TransformerEncoder`` given a (B, T, T) 0/1 mask built with
+  ``expand``, a ``Linear`` head, ``CrossEntropyLoss`` with the pad mask, ``torch.optim.AdamW``) through
+  ``Model(net, optimizer=opt, amp_level="O2").train``; ``ms_loop``: the same net, seed and AdamW in a plain
+  torch loop (bf16 autocast, clipping at 1.0); ``ms_loop_padded`` that loop with the last 1/8 of every row
+  padded, so that the mask is causal x key padding (its score bias) rather than causal (``is_causal``).
+
+Each side runs its warm-up steps, then its timed steps between two ``torch.cuda.synchronize`` calls; a
+side's peak memory is ``torch.cuda.max_memory_allocated`` from its start, less what was allocated then.
+MFU is the achieved model FLOP/s (``paratrain.metrics.flops.gpt_flops``: 6 x weights x tokens plus
+attention, the GPT's of these sizes for every side) over the device's bf16 peak as measured here (the
+fastest of three runs of 20 back-to-back 8192^3 bf16 matmuls), or ``--peak-tflops``, and over the
+datasheet's dense bf16 peak (``gpu_peak_tflops``). The ratios: CLI face / scratch loop, CLI face / loop over
+GPTModel, MindSpore face / plain loop over the same net, MindSpore face / CLI face, fp8 / bf16, and the causal
+mask (recognised: ``is_causal``) / causal x key padding (its bias) in the plain loop over the LM. Sides that
+train the same model must train alike: a step whose loss differs between ``paratrain`` and ``torch``, or
+``ms_model`` and ``ms_loop``, by more than ``--loss-rtol`` (2e-2 relative: bf16 rounding) makes it exit 3.
 
 Model: 1.04 B parameters (hidden 2048, 18 layers, 16 heads, ffn 8192, vocab 32000, seq 2048), micro
-batch 8 x 2048 tokens: ``paratrain plan`` predicts 37 GiB on one device (26 GiB at micro batch 4,
-58 GiB at 16), which leaves an 80 GB GPU room for the fp32 logits of the loss, the allocator and
-kernel workspaces. ``--quick``: a GPT-2-small-sized model (0.135 B, seq 1024, micro batch 16:
-10 GiB predicted). On CUDA a third row trains paratrain's side again with ZeRO-Offload (zero stage 3,
-``offload_optimizer`` and ``offload_param`` = "cpu": FSDP2's CPUOffloadPolicy, parameters, gradients and
-AdamW state in pinned host memory, the optimizer step on the CPU) and reports its tokens/s and how much
-less device memory it peaks at; it is left out on the CPU, where offload is refused.
-``--device cpu --quick``: a tiny fp32 model on the CPU, MFU against a measured
-fp32 matmul peak -- a check of this script, not a benchmark. Without CUDA (and without
-``--device cpu``) it says why it did not run and exits 1.
+batch 8 x 2048 tokens (about 4 minutes for every side, eager, on an H100/H200). ``--quick``: a
+GPT-2-small-sized model (0.135 B, seq 1024, micro batch 16). ``--compile`` compiles every side.
+``--device cpu --quick``: a tiny fp32 model on the CPU, MFU against a measured fp32 matmul peak -- a check
+of this script, not a benchmark. Without CUDA (and without ``--device cpu``) it says why it did not run and
+exits 1.
 
-    python bench/gpu_throughput.py [--quick] [--device cuda|cpu] [--json PATH] [--micro-batch B]
+    python bench/gpu_throughput.py [--quick] [--device cuda|cpu] [--json PATH] [--micro-batch B] [--offload]
                                    [--steps N] [--warmup N] [--compile] [--peak-tflops T] [--loss-rtol R]
 """
 from __future__ import annotations
@@ -48,12 +57,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paratrain import config_file  # noqa: E402
 from paratrain.config import Config  # noqa: E402
+from paratrain.errors import UserError  # noqa: E402
 from paratrain.data.loader import build_dataset  # noqa: E402
 from paratrain.metrics.flops import gpt_flops, gpu_peak_tflops, measure_cpu_peak_tflops  # noqa: E402
 from paratrain.models import GPTModel  # noqa: E402
 from paratrain.optim import build_optimizer, build_scheduler  # noqa: E402
 from paratrain.trainer import Trainer  # noqa: E402
 
+# the learning rate of the sides with their own optimizer (no warm-up: an 18-layer net without a final LayerNorm,
+# the paratrain.nn LM, climbs at 3e-4)
+PLAIN_LR = 1e-4
 # name: (model section, micro batch)
 MODELS = {
     "1b": ({"hidden_size": 2048, "num_heads": 16, "ffn_hidden_size": 8192, "decoder_layers": 18,
@@ -71,30 +84,36 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cuda (cuda:0, bf16) or cpu (with --quick only: a tiny fp32 model, to check this script)")
     p.add_argument("--quick", action="store_true", help="a smaller model: GPT-2 small on a GPU, tiny on the CPU")
     p.add_argument("--micro-batch", type=int, help="sequences per step (default 8 for the 1B model, 16 --quick)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps of each side")
+    p.add_argument("--steps", type=int, default=15, help="timed steps of each side")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each side before them")
     p.add_argument("--compile", action="store_true",
-                   help="compile both sides: train.compile = true, torch.compile(model) in the plain loop")
+                   help="compile every side: train.compile = true, torch.compile(model) in the plain loops, "
+                        "set_context(mode=GRAPH_MODE) for Model.train")
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="the device's bf16 peak for MFU (default: measured with bf16 matmuls)")
     p.add_argument("--loss-rtol", type=float, default=2e-2,
                    help="the largest relative difference of a step's loss between the sides (default 2e-2)")
+    p.add_argument("--offload", action="store_true",
+                   help="on CUDA, also paratrain train with ZeRO-Offload (slow at 1B: the optimizer steps on the host)")
     p.add_argument("--json", type=Path, help="write the results here")
     a = p.parse_args(argv)
     if a.device == "cpu" and not a.quick:
         p.error("--device cpu runs only the tiny model: add --quick")
+    if a.device == "cpu" and a.offload:
+        p.error("--offload runs on CUDA only: paratrain refuses ZeRO-Offload on the CPU")
     if a.steps < 1 or a.warmup < 1:
         p.error("--steps and --warmup must be at least 1")
     return a
 
 
-def bench_config(a: argparse.Namespace, run_dir: str, offload: bool = False) -> Config:
-    """The run both sides train: one device, one micro-batch a step, no checkpoints, one logged step;
-    ``offload``: ZeRO-Offload of parameters, gradients and optimizer state (stage 3)."""
+def bench_config(a: argparse.Namespace, run_dir: str, offload: bool = False, precision: str | None = None) -> Config:
+    """The run every side trains: one device, one micro-batch a step, no checkpoints, one logged step;
+    ``offload``: ZeRO-Offload of parameters, gradients and optimizer state (stage 3); ``precision``: the
+    ``train.mixed_precision`` (default bf16 on CUDA, fp32 on the CPU)."""
     model, micro_batch = MODELS["tiny" if a.device == "cpu" else "quick" if a.quick else "1b"]
     steps = a.warmup + a.steps
     train = {"global_batch_size": a.micro_batch or micro_batch, "steps": steps,
-             "mixed_precision": "bf16" if a.device == "cuda" else "none"}
+             "mixed_precision": precision or ("bf16" if a.device == "cuda" else "none")}
     if a.compile:
         train["compile"] = True
     return config_file.from_dict({
@@ -159,7 +178,8 @@ def run_paratrain(cfg: Config, device: torch.device, warmup: int) -> dict:
 
 
 def run_torch(cfg: Config, device: torch.device, warmup: int, compile: bool) -> dict:
-    """The plain PyTorch loop over the same model, batches, optimizer and clipping, timed the same way."""
+    """The plain PyTorch loop over paratrain's GPTModel with the same batches, optimizer and clipping, timed the
+    same way."""
     memory_start = reset_peak_memory(device)
     torch.manual_seed(cfg.run.seed)
     with device:
@@ -167,15 +187,9 @@ def run_torch(cfg: Config, device: torch.device, warmup: int, compile: bool) -> 
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train)
     forward = torch.compile(model) if compile else model
-    data = build_dataset(cfg)
-    batch_size, bf16 = cfg.train.global_batch_size, cfg.train.mixed_precision == "bf16"
-    losses = []
-    for step in range(cfg.train.steps):
-        if step == warmup:
-            synchronize(device)
-            start = time.perf_counter()
-        batch = {k: v.to(device, non_blocking=True) for k, v in data.batch_rows(step, 0, batch_size).items()}
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+
+    def step(batch: dict) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = forward(batch["input_ids"])
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                                ignore_index=cfg.model.pad_token_id)
@@ -184,9 +198,217 @@ def run_torch(cfg: Config, device: torch.device, warmup: int, compile: bool) -> 
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        return loss
+
+    return timed_loop(step, model, cfg, device, warmup, memory_start)
+
+
+def timed_loop(step, model: torch.nn.Module, cfg: Config, device: torch.device, warmup: int,
+               memory_start: float) -> dict:
+    """``step(batch)`` (-> its loss, a device tensor) on each of the run's batches, the clock started after
+    ``warmup`` steps; the losses come to the host once, at the end."""
+    data = build_dataset(cfg)
+    losses = []
+    for number in range(cfg.train.steps):
+        if number == warmup:
+            synchronize(device)
+            start = time.perf_counter()
+        batch = {k: v.to(device, non_blocking=True)
+                 for k, v in data.batch_rows(number, 0, cfg.train.global_batch_size).items()}
+        losses.append(step(batch).detach())
     synchronize(device)
     return measured(time.perf_counter() - start, device, memory_start, model, torch.stack(losses).tolist())
+
+
+class ScratchBlock(torch.nn.Module):
+    """A GPT-2 block: LayerNorm, fused qkv Linear, SDPA ``is_causal``, projection; LayerNorm, 4x GELU MLP."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.c_attn, self.c_proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, ffn), torch.nn.GELU(approximate="tanh"),
+                                       torch.nn.Linear(ffn, hidden))
+
+    def forward(self, x):
+        batch, seq, hidden = x.shape
+        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2)
+                   for t in self.c_attn(self.ln_1(x)).split(hidden, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(batch, seq, hidden))
+        return x + self.mlp(self.ln_2(x))
+
+
+class ScratchGPT(torch.nn.Module):
+    """A GPT-2 written from scratch (no paratrain module): token and position embeddings, the blocks, a final
+    LayerNorm and a head tied to the token embedding; ids (B, T) -> logits (B, T, V)."""
+
+    def __init__(self, model: dict):
+        super().__init__()
+        hidden = model["hidden_size"]
+        self.wte = torch.nn.Embedding(model["vocab_size"], hidden)
+        self.wpe = torch.nn.Embedding(model["seq_length"], hidden)
+        self.h = torch.nn.ModuleList(ScratchBlock(hidden, model["num_heads"], model["ffn_hidden_size"])
+                                     for _ in range(model["decoder_layers"]))
+        self.ln_f = torch.nn.LayerNorm(hidden)
+        self.lm_head = torch.nn.Linear(hidden, model["vocab_size"], bias=False)
+        self.lm_head.weight = self.wte.weight
+        for name, param in self.named_parameters():
+            if name.endswith("weight") and param.dim() == 2:
+                torch.nn.init.normal_(param, std=0.02)
+            elif name.endswith("bias"):
+                torch.nn.init.zeros_(param)
+
+    def forward(self, ids):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def adamw(params, lr: float, device: torch.device) -> torch.optim.AdamW:
+    """The fastest plain AdamW: fused on CUDA."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, fused=device.type == "cuda")
+
+
+def run_scratch(cfg: Config, device: torch.device, warmup: int, compile: bool) -> dict:
+    """The fastest plain GPT-2 loop of the same sizes, written from scratch: bf16 autocast on CUDA, fused AdamW,
+    clipping at 1.0, the cross-entropy of the whole fp32 logits."""
+    memory_start = reset_peak_memory(device)
+    torch.manual_seed(cfg.run.seed)
+    with device:
+        model = ScratchGPT({k: getattr(cfg.model, k) for k in MODELS["1b"][0]})
+    optimizer = adamw(model.parameters(), PLAIN_LR, device)
+    forward = torch.compile(model) if compile else model
+
+    def step(batch: dict) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = forward(batch["input_ids"])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return timed_loop(step, model, cfg, device, warmup, memory_start)
+
+
+def mindspore_lm(cfg: Config, device: torch.device):
+    """On ``device``, the tutorial's LM of ``paratrain.nn`` blocks as a MindSpore user writes it: ``VocabEmbedding``
+    for words and positions, a ``TransformerEncoder`` given a (B, T, T) 0/1 mask (causal x key padding, built
+    with ``expand``), a ``Linear`` head and ``CrossEntropyLoss`` with the pad mask: forward(ids, input_mask,
+    labels) -> loss."""
+    from paratrain import nn as msnn
+
+    m, batch = cfg.model, cfg.train.global_batch_size
+
+    class LanguageModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.word_embedding = msnn.VocabEmbedding(m.vocab_size, m.hidden_size)
+            self.position_embedding = msnn.VocabEmbedding(m.seq_length, m.hidden_size)
+            self.encoder = msnn.TransformerEncoder(batch_size=batch, num_layers=m.decoder_layers,
+                                                   hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+                                                   seq_length=m.seq_length, num_heads=m.num_heads,
+                                                   attention_dropout_rate=0.0, hidden_dropout_rate=0.0)
+            self.head = torch.nn.Linear(m.hidden_size, m.vocab_size)
+            self.loss = msnn.CrossEntropyLoss()
+            self.register_buffer("causal", torch.ones(m.seq_length, m.seq_length).tril(), persistent=False)
+            self.register_buffer("positions", torch.arange(m.seq_length), persistent=False)
+
+        def forward(self, input_ids, input_mask, labels):
+            rows, length = input_ids.shape
+            words, _ = self.word_embedding(input_ids)
+            positions, _ = self.position_embedding(self.positions[None, :length].expand(rows, length))
+            mask = self.causal[:length, :length].expand(rows, length, length) * input_mask[:, None, :]
+            hidden, _ = self.encoder(words + positions, mask)
+            return self.loss(self.head(hidden), labels, input_mask)
+
+    torch.manual_seed(cfg.run.seed)
+    with device:
+        return LanguageModel()
+
+
+def mindspore_batches(cfg: Config, padded: int = 0):
+    """The LM's batches (ids, input_mask, labels) on the host, the same as the other sides'; ``padded``: the
+    last tokens of every row are padding (input_mask 0: the mask is causal x key padding, no longer causal)."""
+    data = build_dataset(cfg)
+    for number in range(cfg.train.steps):
+        batch = data.batch_rows(number, 0, cfg.train.global_batch_size)
+        input_mask = (batch["labels"] != cfg.model.pad_token_id).float()
+        if padded:
+            input_mask[:, -padded:] = 0
+        yield batch["input_ids"], input_mask, batch["labels"]
+
+
+def run_mindspore_model(cfg: Config, device: torch.device, warmup: int, compile: bool) -> dict:
+    """The LM through ``Model(net, optimizer=AdamW, amp_level="O2").train`` (O0 on the CPU: fp32);
+    ``--compile``: ``set_context(mode=GRAPH_MODE)``."""
+    from paratrain.context import GRAPH_MODE, PYNATIVE_MODE, set_context
+    from paratrain.train import Callback, Model
+
+    memory_start = reset_peak_memory(device)
+    net = mindspore_lm(cfg, device)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=PLAIN_LR)
+    model = Model(net, optimizer=optimizer, amp_level="O2" if device.type == "cuda" else "O0")
+    clock, losses = {}, []
+
+    class Clock(Callback):
+        def on_train_step_begin(self, run_context):
+            if run_context.original_args().cur_step_num == warmup:
+                synchronize(device)
+                clock["start"] = time.perf_counter()
+
+        def on_train_step_end(self, run_context):
+            losses.append(run_context.original_args().net_outputs)
+
+    set_context(mode=GRAPH_MODE if compile else PYNATIVE_MODE)
+    try:
+        model.train(1, list(mindspore_batches(cfg)), callbacks=[Clock()])
+    finally:
+        set_context(mode=PYNATIVE_MODE)
+    synchronize(device)
+    return measured(time.perf_counter() - clock["start"], device, memory_start, net, torch.stack(losses).tolist())
+
+
+def run_mindspore_loop(cfg: Config, device: torch.device, warmup: int, compile: bool, padded: int = 0) -> dict:
+    """The same LM, seed and AdamW in a plain torch loop: bf16 autocast on CUDA, clipping at 1.0; ``padded``
+    tokens of padding at the end of every row (``mindspore_batches``)."""
+    memory_start = reset_peak_memory(device)
+    net = mindspore_lm(cfg, device)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=PLAIN_LR)
+    forward = torch.compile(net) if compile else net
+    losses = []
+    for number, batch in enumerate(mindspore_batches(cfg, padded)):
+        if number == warmup:
+            synchronize(device)
+            start = time.perf_counter()
+        batch = [t.to(device, non_blocking=True) for t in batch]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = forward(*batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    synchronize(device)
+    return measured(time.perf_counter() - start, device, memory_start, net, torch.stack(losses).tolist())
+
+
+def fp8_refusal(device: torch.device) -> str | None:
+    """Why ``train.mixed_precision = "fp8"`` cannot run here (None: it may: CUDA, Hopper or later, torchao)."""
+    if device.type != "cuda":
+        return "fp8 needs a CUDA GPU"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (9, 0):
+        return f"fp8 needs a Hopper GPU or later (compute capability 9.0), this one is {capability[0]}.{capability[1]}"
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as exc:  # an import error, or compiled ops that do not load on this torch
+        return f"torchao.float8 does not import: {type(exc).__name__}: {exc}"
+    return None
 
 
 def measure_gpu_peak_tflops(device: torch.device, size: int = 8192, iters: int = 20, trials: int = 3) -> float:
@@ -216,21 +438,41 @@ def device_peak(device: torch.device, override: float) -> tuple[float, str]:
     return measure_cpu_peak_tflops(), f"fastest 512x512 fp32 CPU matmul, {torch.get_num_threads()} threads"
 
 
+# each side whose losses must follow another's step by step (the same model, seed and batches): its reference
+SAME_TRAINING = {"paratrain": "torch", "paratrain_offload": "torch", "ms_model": "ms_loop"}
+# (name, numerator side, denominator side) of the ratios of tokens/s
+RATIOS = (("cli_vs_scratch", "paratrain", "scratch"), ("cli_vs_gptmodel_loop", "paratrain", "torch"),
+          ("ms_vs_plain_loop", "ms_model", "ms_loop"), ("ms_vs_cli", "ms_model", "paratrain"),
+          ("fp8_vs_bf16", "paratrain_fp8", "paratrain"), ("causal_mask_vs_padded", "ms_loop", "ms_loop_padded"))
+SIDES = {
+    "scratch": "a GPT-2 loop from scratch (fused qkv, SDPA is_causal, fused AdamW)",
+    "torch": "a plain loop over paratrain's GPTModel",
+    "paratrain": "paratrain train (Trainer)",
+    "paratrain_fp8": "paratrain train --train.mixed_precision=fp8",
+    "paratrain_offload": "paratrain train, ZeRO-Offload (zero 3, optimizer and parameters on the host)",
+    "ms_model": "Model(net, AdamW, amp_level=O2).train of a paratrain.nn LM",
+    "ms_loop": "the same paratrain.nn LM and AdamW in a plain loop",
+    "ms_loop_padded": "ms_loop with the last 1/8 of every row padded: the mask causal x key padding, not is_causal",
+}
+
+
 def loss_agreement(result: dict, rtol: float) -> dict:
-    """The worst relative difference of a step's loss between each paratrain row and the plain loop, and
-    whether every one is within ``rtol``."""
-    want = result["torch"]["losses"]
-    worst = {side: max(abs(a - b) / abs(b) for a, b in zip(result[side]["losses"], want, strict=True))
-             for side in ("paratrain", "paratrain_offload") if side in result}
+    """The worst relative difference of a step's loss between each side and the side it must train like
+    (``SAME_TRAINING``), and whether every one is within ``rtol``."""
+    worst = {side: max(abs(a - b) / abs(b) for a, b in zip(result[side]["losses"], result[reference]["losses"],
+                                                           strict=True))
+             for side, reference in SAME_TRAINING.items() if "losses" in result.get(side, {})
+             and "losses" in result.get(reference, {})}
     return {"rtol": rtol, "worst": worst, "agree": all(w <= rtol for w in worst.values())}
 
 
-def rates(run: dict, cfg: Config, steps: int, peak: float | None) -> dict:
-    """tokens/s, TFLOP/s and MFU of a side's timed steps."""
+def rates(run: dict, cfg: Config, steps: int, peak: float, datasheet: float | None) -> dict:
+    """tokens/s, TFLOP/s and MFU (against the measured peak and the datasheet's) of a side's timed steps."""
     batch, seq = cfg.train.global_batch_size, cfg.model.seq_length
     tflops = gpt_flops(cfg.model, batch, seq) * steps / run["seconds"] / 1e12
     return {**run, "step_time_s": run["seconds"] / steps, "tokens_per_s": batch * seq * steps / run["seconds"],
-            "tflops": tflops, "mfu": tflops / peak if peak else None}
+            "tflops": tflops, "mfu": tflops / peak if peak else None,
+            "mfu_datasheet": tflops / datasheet if datasheet else None}
 
 
 def print_table(r: dict) -> None:
@@ -242,23 +484,28 @@ def print_table(r: dict) -> None:
     datasheet = f"; datasheet {r['datasheet_tflops']:.4g}" if r.get("datasheet_tflops") else ""
     print(f"{r['device']}: peak {r['peak_tflops']:.4g} TFLOP/s ({r['peak_source']}{datasheet}), "
           f"torch {r['torch_version']}")
-    print(f"{'side':<17} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'step (s)':>9} {'peak mem (MiB)':>15} "
-          f"{'loss first -> last':>19}")
-    for side in ("paratrain", "paratrain_offload", "torch"):
-        if side not in r:
+    print(f"{'side':<18} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'MFU(ds)':>7} {'step (s)':>9} "
+          f"{'peak mem (MiB)':>15} {'loss first -> last':>19}")
+    for side in SIDES:
+        s = r.get(side)
+        if s is None:
             continue
-        s = r[side]
-        mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else "-"
-        print(f"{side:<17} {s['tokens_per_s']:>12,.0f} {s['tflops']:>9.4g} {mfu:>7} {s['step_time_s']:>9.4f} "
+        if "skipped" in s:
+            print(f"{side:<18} skipped: {s['skipped']}")
+            continue
+        mfu, ds = (f"{100 * s[k]:.1f}%" if s[k] is not None else "-" for k in ("mfu", "mfu_datasheet"))
+        print(f"{side:<18} {s['tokens_per_s']:>12,.0f} {s['tflops']:>9.4g} {mfu:>7} {ds:>7} {s['step_time_s']:>9.4f} "
               f"{s['peak_memory_mb']:>15,.0f} {s['loss_first']:>9.3f} -> {s['loss_last']:.3f}")
-    print(f"ratio paratrain/torch tokens/s: {r['ratio']:.3f}")
-    if r.get("datasheet_tflops"):
-        paratrain, plain = (r[side]["tflops"] / r["datasheet_tflops"] for side in ("paratrain", "torch"))
-        print(f"MFU against the datasheet's {r['datasheet_tflops']:.4g} TFLOP/s: paratrain {paratrain:.1%}, "
-              f"torch {plain:.1%}")
+    for side, what in SIDES.items():
+        if side in r:
+            print(f"  {side}: {what}")
+    for name, value in r["ratios"].items():
+        print(f"ratio {name} ({' / '.join(next((a, b) for n, a, b in RATIOS if n == name))}) tokens/s: "
+              + (f"{value:.3f}" if value is not None else "- (a side did not run)"))
     losses = r["losses"]
-    print(f"losses: every step within {', '.join(f'{w:.2g}' for w in losses['worst'].values())} of the plain "
-          f"loop's (tolerance {losses['rtol']:g}): {'agree' if losses['agree'] else 'DISAGREE'}")
+    print("losses: every step within " + ", ".join(f"{w:.2g} ({side} vs {SAME_TRAINING[side]})"
+                                                    for side, w in losses["worst"].items())
+          + f" (tolerance {losses['rtol']:g}): {'agree' if losses['agree'] else 'DISAGREE'}")
     if "offload" in r:
         o = r["offload"]
         print(f"offload (zero stage 3, parameters and optimizer on the host): {o['tokens_per_s_ratio']:.3f} x the "
@@ -271,9 +518,36 @@ def write_json(path: Path | None, result: dict) -> None:
         path.write_text(json.dumps(result, indent=2) + "\n")
 
 
+def run_sides(a: argparse.Namespace, device: torch.device, run_dir: str) -> tuple[Config, dict]:
+    """Every side in turn, each freeing its memory before the next; a side that cannot run here is
+    ``{"skipped": why}``."""
+    cfg = bench_config(a, run_dir)
+    sides = {"scratch": run_scratch(cfg, device, a.warmup, a.compile),
+             "torch": run_torch(cfg, device, a.warmup, a.compile),
+             "paratrain": run_paratrain(cfg, device, a.warmup)}
+    refusal = fp8_refusal(device)
+    if refusal is None:
+        try:
+            fp8 = bench_config(a, str(Path(run_dir) / "fp8"), precision="fp8")
+            sides["paratrain_fp8"] = run_paratrain(fp8, device, a.warmup)
+        except UserError as exc:  # the config's or the Trainer's refusal
+            refusal = str(exc)
+        except Exception as exc:  # torchao's kernels on this torch: the other sides are still measured
+            refusal = f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    if refusal is not None:
+        sides["paratrain_fp8"] = {"skipped": refusal}
+    if a.offload:
+        offload = bench_config(a, str(Path(run_dir) / "offload"), offload=True)
+        sides["paratrain_offload"] = run_paratrain(offload, device, a.warmup)
+    sides["ms_model"] = run_mindspore_model(cfg, device, a.warmup, a.compile)
+    sides["ms_loop"] = run_mindspore_loop(cfg, device, a.warmup, a.compile)
+    sides["ms_loop_padded"] = run_mindspore_loop(cfg, device, a.warmup, a.compile, cfg.model.seq_length // 8)
+    return cfg, sides
+
+
 def main(argv=None) -> int:
-    """Run both sides, print the table and the ratio, write the JSON. Exit 1 without CUDA, 3 when the losses
-    of the sides disagree."""
+    """Run every side, print the table and the ratios, write the JSON. Exit 1 without CUDA, 3 when the losses
+    of sides that train alike disagree."""
     a = parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         reason = f"CUDA is not available (torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'})"
@@ -286,26 +560,26 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     peak, peak_source = device_peak(device, a.peak_tflops)
+    datasheet = gpu_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     with tempfile.TemporaryDirectory(prefix="gpu_throughput-") as run_dir:
-        cfg = bench_config(a, run_dir)
-        sides = {"paratrain": run_paratrain(cfg, device, a.warmup)}
-        if device.type == "cuda":
-            offload = bench_config(a, str(Path(run_dir) / "offload"), offload=True)
-            sides["paratrain_offload"] = run_paratrain(offload, device, a.warmup)
-        sides["torch"] = run_torch(cfg, device, a.warmup, a.compile)
+        cfg, sides = run_sides(a, device, run_dir)
     result = {
         "ran": True, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch_version": torch.__version__, "peak_tflops": peak, "peak_source": peak_source,
-        "datasheet_tflops": gpu_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
-        "model": {k: getattr(cfg.model, k) for k in MODELS["1b"][0]}, "params": sides["paratrain"]["params"],
-        "micro_batch": cfg.train.global_batch_size, "seq_length": cfg.model.seq_length,
+        "datasheet_tflops": datasheet, "model": {k: getattr(cfg.model, k) for k in MODELS["1b"][0]},
+        "params": sides["paratrain"]["params"], "micro_batch": cfg.train.global_batch_size,
+        "seq_length": cfg.model.seq_length,
         "precision": cfg.train.mixed_precision if cfg.train.mixed_precision != "none" else "fp32",
         "compile": a.compile, "steps": a.steps, "warmup": a.warmup,
         "memory": "torch.cuda.max_memory_allocated of each side" if device.type == "cuda"
                   else "process peak resident set so far (CPU: not reset between sides)",
-        **{side: rates(run, cfg, a.steps, peak) for side, run in sides.items()},
+        "flops": "every side's model FLOPs are the GPT's of these sizes (paratrain.metrics.flops.gpt_flops)",
+        **{side: run if "skipped" in run else rates(run, cfg, a.steps, peak, datasheet)
+           for side, run in sides.items()},
     }
-    result["ratio"] = result["paratrain"]["tokens_per_s"] / result["torch"]["tokens_per_s"]
+    result["ratios"] = {name: result[top]["tokens_per_s"] / result[bottom]["tokens_per_s"]
+                        if "tokens_per_s" in result[top] and "tokens_per_s" in result[bottom] else None
+                        for name, top, bottom in RATIOS}
     if "paratrain_offload" in result:
         offload, plain = result["paratrain_offload"], result["paratrain"]
         result["offload"] = {"tokens_per_s_ratio": offload["tokens_per_s"] / plain["tokens_per_s"],

@@ -79,6 +79,9 @@ def tasks_per_node(spec: str) -> list[int]:
         match = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", part)
         if match is None:
             raise TopologyError(f"Slurm tasks per node {spec!r}: expected counts like '4(x2),3'")
+        if int(match[1]) == 0 or match[2] is not None and int(match[2]) == 0:
+            raise TopologyError(f"Slurm tasks per node {spec!r}: {part.strip()!r} counts no task; every node of a "
+                                f"step runs one or more")
         counts += [int(match[1])] * int(match[2] or 1)
     return counts
 
@@ -90,9 +93,18 @@ def _int(env, name: str) -> int:
     return int(value)
 
 
+def _count(env, name: str) -> int:
+    """A number of ranks or nodes: 1 or more."""
+    count = _int(env, name)
+    if count == 0:
+        raise TopologyError(f"{name}=0: a job runs at least one rank on at least one node; start it with a "
+                            f"positive count")
+    return count
+
+
 def slurm_tasks(env) -> Place:
     """The place of this SLURM task (``SLURM_PROCID`` set) among the tasks of its job step."""
-    rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS")
+    rank, world = _int(env, "SLURM_PROCID"), _count(env, "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS")
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
     nodes = expand_nodelist(nodelist)
     spec_name = next((n for n in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
@@ -132,13 +144,13 @@ def slurm_tasks(env) -> Place:
 def _mpi(env, launcher: str) -> Place:
     names, job_names = MPI[launcher]
     job = next((env[name] for name in job_names if env.get(name)), "")
-    rank, world = _int(env, names[0]), _int(env, names[1])
+    rank, world = _int(env, names[0]), _count(env, names[1])
     if not rank < world:
         raise TopologyError(f"{names[0]}={rank} is not below {names[1]}={world}")
     if names[2] in env and names[3] in env:
-        local, local_world = _int(env, names[2]), _int(env, names[3])
+        local, local_world = _int(env, names[2]), _count(env, names[3])
     elif "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env:
-        local, local_world = _int(env, "LOCAL_RANK"), _int(env, "LOCAL_WORLD_SIZE")
+        local, local_world = _int(env, "LOCAL_RANK"), _count(env, "LOCAL_WORLD_SIZE")
     elif "MASTER_ADDR" not in env:  # no address of rank 0 either: every rank is on this machine
         local, local_world = rank, world
     else:
@@ -164,7 +176,7 @@ def _kubeflow(env) -> Place:
     rank_name = "PET_NODE_RANK" if "PET_NODE_RANK" in env else "RANK"
     if rank_name not in env:
         raise TopologyError("a Kubeflow pod (PET_NNODES set) without PET_NODE_RANK or RANK: which pod is this?")
-    rank, world = _int(env, rank_name), int(nnodes)
+    rank, world = _int(env, rank_name), _count(env, "PET_NNODES")
     if not rank < world:
         raise TopologyError(f"{rank_name}={rank} is not below PET_NNODES={world}")
     port = env.get("PET_MASTER_PORT") or env.get("MASTER_PORT") or str(DEFAULT_PORT)

@@ -485,6 +485,7 @@ class CheckpointConfig(Section):
     integrated_save: bool = False  # also write the whole model as one model.safetensors (plain parameter names)
     resume: str = "auto"  # auto (the newest intact checkpoint, if any) | a checkpoint path | none
     prefix: str = ""  # "": directories step_00000008; else MindSpore's <prefix>-<epoch>_<step> (one epoch here)
+    trust_unverified: bool = False  # load checkpoints of format 1, which record no checksums (only ones you trust)
 
 
 @dataclass

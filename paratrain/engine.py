@@ -138,4 +138,5 @@ class Engine:
             r["step_time_s"] *= window / host if host > 0 else 1.0
             r.update(tokens_per_s=r["tokens"] / r["step_time_s"], samples_per_s=r.pop("samples") / r["step_time_s"])
             self.timer.rates(r)
+        progress.loss_known(records[-1]["step"], records[-1]["loss"])
 

@@ -94,7 +94,7 @@ def load_translation_model(checkpoint: str | Path, config: str | Path | None = N
     tokenizer = translation_tokenizer(cfg)
     model = build_model(cfg.model)
     try:
-        model.load_state_dict(load_full_tensors(path))
+        model.load_state_dict(load_full_tensors(path, trust_unverified=cfg.checkpoint.trust_unverified))
     except RuntimeError as exc:
         raise UserError(f"checkpoint {path} does not fit the configured model: {exc}") from None
     return model.to(device).eval(), cfg, tokenizer

@@ -298,7 +298,7 @@ def check_resume(cfg: Config) -> None:
     """An explicit ``checkpoint.resume`` path must hold a checkpoint; the checkpoint a resume would take
     must have been saved with this model config (CheckpointError otherwise)."""
     from paratrain.checkpoint.core import check_resume_config
-    from paratrain.checkpoint.storage import CheckpointError, newest_complete, read_meta, resolve
+    from paratrain.checkpoint.storage import CheckpointError, newest_complete, read_meta, require_checksums, resolve
 
     spec = (cfg.checkpoint.resume or "none").strip()
     if spec.lower() == "none":
@@ -314,4 +314,5 @@ def check_resume(cfg: Config) -> None:
     else:
         path = resolve(spec)
         meta = read_meta(path)
+    require_checksums(path, meta, cfg.checkpoint.trust_unverified)
     check_resume_config(meta, cfg, path, report=False)

@@ -1,13 +1,16 @@
-"""Per-rank progress records that the launcher reads: last step, collectives issued, heartbeat, saved step.
+"""Per-rank progress records that the launcher and ``paratrain jobs`` read: last step and loss, collectives issued,
+heartbeat, saved step.
 
 A rank started by ``paratrain launch`` (``$PARATRAIN_PROGRESS_DIR`` set) calls :func:`start` once, then
-:func:`step_done` after every step (it only stores an integer: the loop never waits for a device) and
-:func:`saved` after every checkpoint; a daemon thread rewrites ``rank{R}.json`` every :data:`HEARTBEAT_S`
-seconds. The launcher reads the records to name the rank that stopped making progress when a collective
-times out, and the step saved by ranks that exit with :data:`EXIT_STOPPED`. Imports nothing heavy.
+:func:`step_done` after every step (it only stores an integer: the loop never waits for a device),
+:func:`loss_known` when losses reach the host and :func:`saved` after every checkpoint; a daemon thread
+rewrites ``rank{R}.json`` every :data:`HEARTBEAT_S` seconds. The launcher reads the records to name the rank
+that stopped making progress when a collective times out, and the step saved by ranks that exit with
+:data:`EXIT_STOPPED`; ``paratrain jobs`` shows rank 0's step and loss. Imports nothing heavy.
 """
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
@@ -34,6 +37,8 @@ class Progress:
     collectives: int | None = None  # collectives issued on the default process group
     saved_step: int | None = None  # step of the last checkpoint saved
     heartbeat: float = 0.0
+    loss_step: int | None = None  # the last step whose loss is on the host (the loop brings losses in batches)
+    loss: float | None = None  # its loss
 
 
 def record_path(directory: str | Path, rank: int) -> Path:
@@ -56,18 +61,19 @@ _record: Progress | None = None  # this rank's, once start() ran
 _path: Path | None = None
 
 
-def _write() -> None:
+def _write(count_collectives: bool = True) -> None:
     with _lock:
-        _record.collectives = _collectives_issued()
+        if count_collectives:
+            _record.collectives = _collectives_issued()
         _record.heartbeat = time.time()
         tmp = _path.with_name(f"{_path.name}.tmp")
         tmp.write_text(json.dumps(asdict(_record)))
         os.replace(tmp, _path)
 
 
-def _write_quietly() -> None:
+def _write_quietly(count_collectives: bool = True) -> None:
     with suppress(OSError):  # a full or vanished directory must not end the training; the next beat retries
-        _write()
+        _write(count_collectives)
 
 
 def _beat() -> None:
@@ -88,6 +94,9 @@ def start(rank: int | None = None) -> bool:
     _record, _path = Progress(rank=rank, pid=os.getpid()), record_path(directory, rank)
     _write()
     threading.Thread(target=_beat, name="paratrain-progress", daemon=True).start()
+    # the last step and loss, which a process ending before the next beat has not written yet; the collectives
+    # as the last beat counted them (the process group may be gone)
+    atexit.register(_write_quietly, count_collectives=False)
     return True
 
 
@@ -95,6 +104,13 @@ def step_done(step: int) -> None:
     """Record that ``step`` (a Python int) is complete; written by the next heartbeat."""
     if _record is not None:
         _record.step = step
+
+
+def loss_known(step: int, loss: float) -> None:
+    """Record the loss of ``step`` once it is on the host (``paratrain jobs`` shows it); written by the next
+    heartbeat."""
+    if _record is not None:
+        _record.loss_step, _record.loss = step, loss
 
 
 def saved(step: int) -> None:

@@ -14,7 +14,7 @@ from paratrain.checkpoint import Checkpointer
 from paratrain.config import Config
 from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.device import DTYPES, device
-from paratrain import cluster, config_file, host_memory, loop, preflight, progress
+from paratrain import cluster, config_file, host_memory, loop, preflight, progress, run_lock
 from paratrain.distributed import init_from_env
 from paratrain.engine import Engine, TrainingDiverged
 from paratrain.evaluate import BleuEvaluator, bleu_evaluator
@@ -72,6 +72,7 @@ class Trainer(loop.Face):
     layout: Layout
     device: torch.device
     is_main: bool  # rank 0: prints, logs and writes the run directory's config
+    locked: list[tuple[str, Path]]  # (key, directory): locked for this run from its start
     model_parts: list[nn.Module]  # this rank's model chunks (one without a pipeline)
     pipeline: Pipeline | None
     model: nn.Module  # every parameter of this rank as one module
@@ -93,6 +94,9 @@ class Trainer(loop.Face):
     def __init__(self, cfg: Config, started: tuple[int, Layout] | None = None):
         rank, self.layout = started or start(cfg)
         self.cfg, self.device, self.is_main = cfg, self.layout.device, rank == 0
+        # one run per directory, from before anything is written there or a resume is decided
+        self.locked = [("run.dir", cfg.run.path), ("checkpoint.dir", cfg.checkpoint_path)]
+        run_lock.hold(self.locked)
         # the model is built on the meta device, parallelized, and only this rank's shards are materialized,
         # with the values a plain build from this seed has (paratrain.parallel.deferred_init)
         torch.manual_seed(cfg.run.seed)
@@ -188,6 +192,8 @@ class Trainer(loop.Face):
 
     def close(self) -> None:
         self.metrics.close()
+        for _, directory in self.locked:
+            run_lock.release(directory)
         if self.is_main and self.loss_scaler.skipped_steps:
             print(f"fp16: {self.loss_scaler.summary()}", flush=True)
 

@@ -87,9 +87,15 @@ def test_one_implementation_of_the_transformer_parts():
 
 
 
-MINDSPORE_FACE = ("paratrain.train", "paratrain.nn", "paratrain.context", "paratrain.amp", "paratrain.auto_parallel",
-                  "paratrain.parallel.user", "paratrain.parallel.semi_auto", "paratrain.parallel.hybrid")
-TOML_FACE = ("paratrain.config_file", "paratrain.deepspeed_config", "paratrain.deepspeed_keys", "paratrain.cli")
+MINDSPORE_FACE = ("paratrain.train", "paratrain.nn", "paratrain.ops", "paratrain.context", "paratrain.amp",
+                  "paratrain.auto_parallel", "paratrain.communication")
+TOML_FACE = ("paratrain.config_file", "paratrain.deepspeed_config", "paratrain.deepspeed_keys", "paratrain.cli",
+             "paratrain.trainer")
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    """Whether ``module`` is one of ``packages`` or inside one."""
+    return module in packages or module.startswith(tuple(f"{p}." for p in packages))
 
 
 def test_the_mindspore_face_imports_only_the_settings_vocabulary():
@@ -97,7 +103,7 @@ def test_the_mindspore_face_imports_only_the_settings_vocabulary():
     its settings from it and checks them by the one set of rules (paratrain.config_rules), never from the TOML
     face (files, overrides, hints, DeepSpeed's mapping)."""
     graph = import_graph()
-    face = [m for m in graph if m in MINDSPORE_FACE or m.startswith(tuple(f"{f}." for f in MINDSPORE_FACE))]
+    face = [m for m in graph if _within(m, MINDSPORE_FACE)]
     assert "paratrain.train.model" in face and "paratrain.nn.config" in face and "paratrain.context" in face
     assert {"paratrain.config"} <= graph["paratrain.nn.config"] and {"paratrain.config"} <= graph["paratrain.context"]
     assert {m: sorted(graph[m] & set(TOML_FACE)) for m in face if graph[m] & set(TOML_FACE)} == {}
@@ -192,4 +198,16 @@ def test_dependencies_run_one_way():
     assert "paratrain.parallel.micro_batches" in graph and "paratrain.modules.moe" in graph
     wrong = {m: sorted(e for e in graph[m] if e.startswith(above[layer]))
              for layer in above for m in graph if m.startswith(layer)}
+    assert {m: edges for m, edges in wrong.items() if edges} == {}
+
+
+def test_placement_knows_no_face():
+    """parallel/ places the models of both faces and imports neither: what a face's settings decide (compile the
+    layers, ...) reaches it as arguments, and MindSpore's own parallel modes (op strategies, hybrid, the strategy
+    search) live with the MindSpore face."""
+    graph = import_graph()
+    placement = [m for m in graph if _within(m, ("paratrain.parallel",))]
+    assert {"paratrain.parallel.user", "paratrain.parallel.traced_pipeline"} <= set(placement)
+    assert "paratrain.context" in graph["paratrain.train.model"]  # the walk sees a face's imports
+    wrong = {m: sorted(e for e in graph[m] if _within(e, MINDSPORE_FACE + TOML_FACE)) for m in placement}
     assert {m: edges for m, edges in wrong.items() if edges} == {}

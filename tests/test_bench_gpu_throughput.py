@@ -1,5 +1,6 @@
-"""bench/gpu_throughput.py: without CUDA it says why and exits 1; on the CPU (--device cpu --quick) both sides
-run, the ratio is theirs (no timing thresholds) and their losses agree."""
+"""bench/gpu_throughput.py: without CUDA it says why and exits 1; on the CPU (--device cpu --quick) every side
+runs (fp8 reported skipped with its reason), the ratios are theirs (no timing thresholds) and the losses of the
+sides that train the same model agree."""
 import json
 import os
 import subprocess
@@ -25,20 +26,32 @@ def test_without_cuda_says_why_and_exits_1(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_cpu_quick_runs_both_sides(tmp_path):
+def test_cpu_quick_runs_every_side(tmp_path):
     proc = bench(tmp_path, "--device", "cpu", "--quick", "--steps", "2", "--warmup", "1")
     assert proc.returncode == 0, proc.stderr
-    assert "ratio paratrain/torch tokens/s" in proc.stdout
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["ran"] is True and result["precision"] == "fp32" and result["steps"] == 2
     assert "paratrain_offload" not in result and "offload" not in result  # refused on the CPU: no offload row
-    p, t = result["paratrain"], result["torch"]
-    for side in (p, t):
+    assert result["paratrain_fp8"] == {"skipped": "fp8 needs a CUDA GPU"}
+    assert "paratrain_fp8      skipped: fp8 needs a CUDA GPU" in proc.stdout
+    ran = ("scratch", "torch", "paratrain", "ms_model", "ms_loop", "ms_loop_padded")
+    for side in ran:
         for key in ("tokens_per_s", "tflops", "mfu", "peak_memory_mb", "step_time_s"):
-            assert side[key] > 0, key
+            assert result[side][key] > 0, (side, key)
+        assert len(result[side]["losses"]) == 3, side
+        assert any(line.startswith(side + " ") for line in proc.stdout.splitlines()), side
+    p, t = result["paratrain"], result["torch"]
     assert p["params"] == t["params"] == result["params"]  # the same model on both sides
+    assert result["ms_model"]["params"] == result["ms_loop"]["params"]
     assert p["loss_first"] == pytest.approx(t["loss_first"], rel=1e-2)  # same model and seed, same first batch
-    assert len(p["losses"]) == len(t["losses"]) == 3 and result["losses"]["agree"]
+    assert result["losses"]["agree"] and set(result["losses"]["worst"]) == {"paratrain", "ms_model"}
+    ratios = result["ratios"]
+    assert ratios["fp8_vs_bf16"] is None
+    assert ratios["ms_vs_plain_loop"] == pytest.approx(result["ms_model"]["tokens_per_s"]
+                                                       / result["ms_loop"]["tokens_per_s"])
+    assert ratios["cli_vs_scratch"] == pytest.approx(p["tokens_per_s"] / result["scratch"]["tokens_per_s"])
+    for name in ("cli_vs_scratch", "cli_vs_gptmodel_loop", "ms_vs_plain_loop", "ms_vs_cli", "causal_mask_vs_padded"):
+        assert f"ratio {name} " in proc.stdout
     assert "losses: every step within" in proc.stdout
 
 
@@ -47,7 +60,11 @@ def test_a_step_whose_losses_differ_beyond_the_tolerance_disagrees():
     from gpu_throughput import loss_agreement
 
     sides = {"paratrain": {"losses": [4.0, 3.0]}, "paratrain_offload": {"losses": [4.0, 3.03]},
-             "torch": {"losses": [4.0, 3.0]}}
+             "torch": {"losses": [4.0, 3.0]}, "ms_model": {"losses": [5.0, 4.0]}, "ms_loop": {"losses": [5.0, 4.0]},
+             "paratrain_fp8": {"skipped": "fp8 needs a CUDA GPU"}}
     assert loss_agreement(sides, 2e-2) == {"rtol": 2e-2, "worst": {"paratrain": 0.0, "paratrain_offload":
-                                                                   pytest.approx(0.01)}, "agree": True}
+                                                                   pytest.approx(0.01), "ms_model": 0.0},
+                                           "agree": True}
     assert loss_agreement(sides, 5e-3)["agree"] is False  # the offload row's last step
+    sides["ms_loop"]["losses"] = [5.0, 4.2]
+    assert loss_agreement(sides, 2e-2)["worst"]["ms_model"] == pytest.approx(0.2 / 4.2)

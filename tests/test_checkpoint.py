@@ -18,6 +18,7 @@ import torch
 from conftest import tiny_config
 from multiprocess import run_distributed
 from paratrain.checkpoint import CheckpointError, export, info, load_full_tensors
+from paratrain.run_lock import LOCK_FILE
 from paratrain.trainer import Trainer
 
 STEPS, SAVE = 8, 4
@@ -97,7 +98,8 @@ def test_keep_max_latest_and_layout(one_process, tmp_path):
     trainer = Trainer(config(tmp_path, keep_max=2, resume="none"))
     for step in (1, 2, 3):
         trainer.checkpointer.save(step)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name != LOCK_FILE)  # the run's lock
+    assert saved == ["latest", "step_00000002", "step_00000003"]
 
 
 def test_export_loads_into_plain_model_with_same_logits(one_process, tmp_path):
@@ -340,7 +342,7 @@ def test_checkpoint_prefix_names_keeps_and_resumes_mindspore_style(tmp_path):
     (tmp_path / "checkpoints" / "step_00000009").mkdir(parents=True)  # another naming: neither pruned nor resumed
     for step in (1, 2, 3):
         trainer.checkpointer.save(step)
-    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name != LOCK_FILE)
     assert names == ["latest", "net-1_2", "net-1_3", "step_00000009"]
     assert Trainer(config(tmp_path, prefix="net")).step == 3
 

@@ -72,6 +72,10 @@ def test_slurm_one_task_per_rank():
       "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, "export MASTER_ADDR=<host of rank 0>"),
     ({"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_NPROC_PER_NODE": "4"}, "run 'paratrain launch -- train"),
     ({"PET_NNODES": "1:4", "PET_NODE_RANK": "0"}, "elastic"),
+    (_slurm(0, ntasks=0, per_node=""), "SLURM_NTASKS=0: a job runs at least one rank"),
+    (_slurm(0, per_node="2,0"), r"'0' counts no task"),
+    ({"PMI_RANK": "0", "PMI_SIZE": "0"}, "PMI_SIZE=0: a job runs at least one rank"),
+    ({"PET_NNODES": "0", "PET_NODE_RANK": "0"}, "PET_NNODES=0: a job runs at least one rank"),
 ])
 def test_contradictions_are_refused(env, message):
     with pytest.raises(TopologyError, match=message):
@@ -118,6 +122,29 @@ def test_launch_in_an_allocation(capsys, monkeypatch):
                                                "SLURM_STEP_ID": "0"})
     assert code == 2 and "srun started 2 tasks on this node" in out.err
     assert "srun --ntasks-per-node=2 python -m paratrain train" in out.err
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"PET_NNODES": "0"}, "Kubeflow: PET_NNODES='0' is not a whole number of 1 or more"),
+    ({"PET_NNODES": "1", "PET_NPROC_PER_NODE": "0"}, "PET_NPROC_PER_NODE='0' is not a whole number of 1 or more"),
+    ({"PET_NNODES": "1", "PET_NPROC_PER_NODE": "-2"}, "PET_NPROC_PER_NODE='-2' is not a whole number of 1 or more"),
+    ({"PET_NNODES": "2", "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "m"}, "PET_NODE_RANK='2' is not a whole number "
+                                                                        "from 0 to 1"),
+    ({"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m", "PET_MASTER_PORT": "0"},
+     "PET_MASTER_PORT='0' is not a whole number from 1 to 65535"),
+    ({"SLURM_JOB_ID": "9", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "0", "SLURM_JOB_NODELIST": "cn1"},
+     "Slurm: SLURM_JOB_NUM_NODES='0' is not a whole number of 1 or more"),
+    ({"SLURM_JOB_ID": "9", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "two", "SLURM_JOB_NODELIST": "cn1"},
+     "SLURM_JOB_NUM_NODES='two' is not a whole number"),
+    ({"SLURM_JOB_ID": "9", "SLURM_NODEID": "-1", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "cn[1-2]"},
+     "SLURM_NODEID='-1' is not a whole number from 0 to 1"),
+    ({"SLURM_JOB_ID": "9", "SLURM_NODEID": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "cn[1-2]"},
+     "SLURM_NODEID='2' is not a whole number from 0 to 1"),
+])
+def test_launch_refuses_zero_or_negative_counts_of_a_cluster_in_one_line(capsys, monkeypatch, env, message):
+    code, out = _dry_run(capsys, monkeypatch, env)
+    assert code == 2 and message in out.err and len(out.err.strip().splitlines()) == 1, out.err
+    assert out.out == ""
 
 
 def test_launch_in_a_kubeflow_pod(capsys, monkeypatch):

@@ -729,7 +729,9 @@ def test_checkpoint_verify_names_the_damaged_file(tmp_path, four_steps, capsys):
     assert cli.main(["checkpoint", "verify", str(run / "checkpoints" / "step_00000004")]) == 0
 
 
-def test_a_checkpoint_written_before_checksums_still_loads(tmp_path, four_steps, capsys):
+def test_a_checkpoint_written_before_checksums_loads_only_when_trusted(tmp_path, four_steps, capsys):
+    from paratrain.checkpoint import CheckpointError
+
     run = tmp_path / "run"
     shutil.copytree(four_steps[0], run / "checkpoints")
     for path in (run / "checkpoints").glob("step_*"):  # as format 1 wrote it: sizes only
@@ -739,7 +741,9 @@ def test_a_checkpoint_written_before_checksums_still_loads(tmp_path, four_steps,
         (path / "paratrain.json").write_text(json.dumps(meta))
     assert cli.main(["checkpoint", "verify", str(run / "checkpoints" / "step_00000004")]) == 0
     assert "sizes only" in capsys.readouterr().out
-    trainer, losses = trained(run, 5)
+    with pytest.raises(CheckpointError, match="has format 1, which records no checksums.*trust_unverified"):
+        trained(run, 5)
+    trainer, losses = trained(run, 5, "checkpoint.trust_unverified=true")
     assert trainer.checkpointer.resumed_from.name == "step_00000004" and len(losses) == 1
 
 

@@ -1,4 +1,5 @@
 """Jobs, logs and stop (fake processes), then a few real torchrun launches: detach/stop, kill -9, ssh nodes."""
+import contextlib
 import json
 import os
 import signal
@@ -173,6 +174,51 @@ def test_kill_9_of_one_rank_fails_the_job_naming_it(tmp_path):
     table = paratrain(tmp_path, "jobs").stdout
     assert "(rank 1)" in table and "killed by SIGKILL" in table
     assert "most recent call first" in (tmp_path / "runs" / "k9" / "rank0.log").read_text()  # stacks of the rest
+
+
+def _training(tmp_path, name):
+    """True once both ranks of a ``train`` job run and rank 0 logged a step."""
+    metrics = tmp_path / "runs" / name / "metrics.jsonl"
+    return metrics.exists() and metrics.read_text().strip() != "" and len(record(tmp_path, name)["pids"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("command", ["doctor", "train"])
+def test_orphaned_ranks_of_a_killed_launcher_stop_on_their_own(tmp_path, command):
+    """kill -9 of the launcher leaves its ranks no parent to stop them: they get SIGTERM from the kernel and end
+    within seconds (not at --duration 300 or step 100000): a ``train`` job's ranks after agreeing to stop and
+    saving; ``jobs`` shows the job lost."""
+    from test_cluster import CONFIG
+
+    (tmp_path / "tiny.toml").write_text(CONFIG.replace("steps = 3", "steps = 100000"))
+    words = (["doctor", "--size-mb", "1", "--duration", "300"] if command == "doctor"
+             else ["train", "--config", "tiny.toml"])
+    env = {**os.environ, "PARATRAIN_HOME": str(tmp_path / "runs"), "TMPDIR": str(tmp_path)}
+    launcher = subprocess.Popen([PYTHON, "-m", "paratrain", "launch", "--nproc-per-node", "2", "--name", "orphans",
+                                 "--collective-timeout", "20", "--", *words],
+                                cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = []
+    try:
+        wait_for(lambda: (soaking if command == "doctor" else _training)(tmp_path, "orphans"), 90, "the job to run")
+        ranks = list(record(tmp_path, "orphans")["pids"].values())
+        assert all(map(J.pid_alive, ranks))
+        launcher.kill()
+        launcher.wait()
+        wait_for(lambda: not any(map(J.pid_alive, ranks)), 40, "the orphaned ranks to end")
+    finally:
+        launcher.kill()
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert "orphans  lost" in paratrain(tmp_path, "jobs").stdout
+    log = (tmp_path / "runs" / "orphans" / "rank0.log").read_text()
+    if command == "doctor":
+        assert "most recent call first" in log  # SIGTERM wrote its stacks
+    else:
+        saved = progress.read(tmp_path / "runs" / "orphans" / "progress")
+        assert "paratrain: stopped on request, saved at step" in log, log[-2000:]
+        assert {r.saved_step for r in saved.values()} == {max(r.step for r in saved.values())}
 
 
 @pytest.mark.slow

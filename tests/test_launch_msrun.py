@@ -56,6 +56,10 @@ def test_msrun_flags_start_the_launch_of_the_same_numbers(tmp_path, monkeypatch,
     (["--worker_num=6", "--local_worker_num=4"], "not a multiple of --local_worker_num=4"),
     (["--worker_num=8", "--local_worker_num=4"], "give each its index 0..1"),
     (["--cluster_time_out=-1"], "waits a bounded time"),
+    (["--worker_num=0", "--local_worker_num=0"], "--worker_num=0: the number of workers on all nodes is 1 or more"),
+    (["--worker_num=-2", "--local_worker_num=-2"], "--worker_num=-2: the number of workers on all nodes is 1 or"),
+    (["--worker_num=4", "--local_worker_num=-2"], "--local_worker_num=-2 --worker_num=4: each node runs 1 to 4"),
+    (["--worker_num=2", "--local_worker_num=2", "--master_port=-5"], "--master_port=-5 is not a TCP port"),
     (["--unknown=1"], "msrun: unexpected --unknown=1"),
 ])
 def test_flags_that_do_not_map_are_refused_with_the_reason(tmp_path, monkeypatch, capsys, flags, message):

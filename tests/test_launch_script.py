@@ -84,3 +84,58 @@ def test_a_train_config_is_checked_for_the_launched_world_before_any_rank_starts
     err = capsys.readouterr().err
     assert "does not divide the world size 3" in err and "data_parallel (not given)" in err
     assert cli.main(["launch", "--nproc-per-node", "4", "--dry-run", "--", "train", "--parallel.model_parallel=2"]) == 0
+
+
+MODEL_TRAIN = """\
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain import communication
+from paratrain.context import ParallelMode, set_auto_parallel_context
+from paratrain.train import LossMonitor, Model
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 1)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc2(torch.tanh(self.fc1(x))), y)
+
+
+class Printed(LossMonitor):
+    def on_train_step_end(self, run_context):
+        args = run_context.original_args()
+        print(f"step {args.cur_step_num} loss {float(args.net_outputs)!r}", flush=True)
+
+
+communication.init()
+set_auto_parallel_context(parallel_mode=ParallelMode.DATA_PARALLEL)
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(0)
+data = [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(5)]
+net = Net()
+callbacks = [Printed()] if "--every-step" in __import__("sys").argv else []
+Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2)).train(1, data, callbacks=callbacks)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("every_step", [True, False], ids=["loss-monitor", "no-callbacks"])
+def test_jobs_shows_the_step_and_loss_of_a_model_train_script(tmp_path, every_step):
+    (tmp_path / "net.py").write_text(MODEL_TRAIN)
+    out = launch(tmp_path, "--name", "ms", "--", "net.py", *(["--every-step"] if every_step else []))
+    assert out.returncode == 0, out.stderr
+    env = {**os.environ, "PARATRAIN_HOME": str(tmp_path / "runs")}
+    table = subprocess.run([PYTHON, "-m", "paratrain", "jobs"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True).stdout
+    row = next(line.split() for line in table.splitlines() if line.startswith("ms "))
+    assert row[1] == "succeeded" and row[6] == "5", table
+    if every_step:  # the loss rank 0 printed at its last step
+        printed = (tmp_path / "runs" / "ms" / "rank0.log").read_text().splitlines()[-1].split()
+        assert printed[:2] == ["step", "5"] and row[7] == f"{float(printed[3]):.4f}", table
+    else:
+        assert float(row[7]) > 0, table

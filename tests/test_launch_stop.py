@@ -193,3 +193,47 @@ def test_launcher_forwards_a_stop_to_its_ranks_and_waits_for_their_save(tmp_path
         assert "job saver stopped, saved at step 3" in stderr
         assert cli.main(["jobs"]) == 0
         assert "saver: stopped, saved at step 3" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_a_launcher_pid_now_held_by_another_process_is_dead_to_jobs_stop_and_launch(tmp_path, home, capsys):
+    """The launcher of a job was killed and its pid given to an unrelated process: ``jobs`` shows the job as lost,
+    ``stop`` leaves that process alone and ``launch --name`` takes the name over; with the recorded start time the
+    same pid is the job's launcher."""
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        started = J.process_start(bystander.pid)
+        assert started is not None
+        for name, start in (("stale", started - 1), ("taken", started - 1), ("live", started)):
+            (home / name).mkdir(parents=True)
+            Job(name=name, dir=str(home / name), command=["script.py"], state="running", launcher_pid=bystander.pid,
+                launcher_start=start).save()
+        assert cli.main(["jobs"]) == 0
+        out = capsys.readouterr().out
+        states = {line.split()[0]: line.split()[1] for line in out.splitlines()[1:] if line.split()}
+        assert (states["stale"], states["taken"], states["live"]) == ("lost", "lost", "running"), out
+        assert "stale: lost: its launcher (pid" in out and "another process" in out
+
+        assert cli.main(["stop", "stale", "--grace", "0"]) == 0
+        assert bystander.poll() is None  # never signalled
+        assert J.load("stale").state == "stopped"
+        assert cli.main(["stop", "live", "--grace", "0", "--now"]) == 0  # the same pid, recorded as the launcher
+        assert bystander.wait(10) == -signal.SIGKILL
+    finally:
+        bystander.kill()
+        bystander.wait()
+    bystander = subprocess.Popen(["sleep", "60"])  # another process with the taken job's launcher's (old) pid
+    try:
+        record = J.load("taken")
+        record.launcher_pid = bystander.pid
+        record.save()
+        (tmp_path / "hello.py").write_text("print('hello', flush=True)\n")
+        env = {**os.environ, "PARATRAIN_HOME": str(home), "PARATRAIN_DEVICE": "cpu"}
+        run = subprocess.run([PYTHON, "-m", "paratrain", "launch", "--name", "taken", "--", "hello.py"], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=100)
+        assert run.returncode == 0, run.stderr
+        assert "taking over the record" in run.stderr and "another process" in run.stderr
+        assert J.load("taken").state == "succeeded" and bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()

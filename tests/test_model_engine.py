@@ -182,6 +182,21 @@ def test_graph_mode_compiles_the_net_with_the_eager_losses():
     assert graph == pytest.approx(eager, rel=1e-4)
 
 
+def test_graph_mode_with_pipeline_stages_is_refused_before_placing():
+    """A traced pipeline stage runs its layers inlined, so they cannot be compiled one by one: Model refuses
+    GRAPH_MODE with pipeline stages before it places anything (no layout is needed to say so)."""
+    import paratrain
+    from paratrain.config import ParallelConfig
+    from paratrain.train.model import place
+
+    paratrain.set_context(mode=paratrain.GRAPH_MODE)
+    try:
+        with pytest.raises(UserError, match=r"GRAPH_MODE\) with pipeline stages"):
+            place(Net(), ParallelConfig(pipeline_stage=2, micro_batch_num=2), layout=None, batch=())
+    finally:
+        paratrain.set_context(mode=paratrain.PYNATIVE_MODE)
+
+
 def test_set_context_refuses_what_it_cannot_honour():
     import paratrain
 

@@ -7,7 +7,7 @@ from torch import nn
 from multiprocess import run_distributed
 from paratrain import ops
 from paratrain.ops import StrategyError
-from paratrain.parallel.semi_auto import check_strategies, parameter_placements, record_calls
+from paratrain.train.parallel_modes.semi_auto import check_strategies, parameter_placements, record_calls
 
 
 class Probe(nn.Module):
@@ -90,7 +90,7 @@ def reference(name):
 
 
 def run_cases(world):
-    from paratrain.parallel.semi_auto import place_semi_auto
+    from paratrain.train.parallel_modes.semi_auto import place_semi_auto
 
     results = {}
     for name, (factory, params, args, batch, strategies) in CASES.items():

@@ -372,7 +372,7 @@ def test_op_strategy_search_and_planner_cost_a_collective_alike():
     """One cost model: the time auto parallel's strategy search gives a MatMul's all-reduces and the planner's
     data-parallel gradient all-reduce are both the ring formula computed here, on the same hardware."""
     from conftest import tiny_config
-    from paratrain.parallel.auto import matmul_cost
+    from paratrain.train.parallel_modes.auto import matmul_cost
 
     hw = Hardware(2, 8, peak_flops=1e12, efficiency=1.0, intra_bw=1e9, latency=1e-5)
 

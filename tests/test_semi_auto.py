@@ -194,7 +194,7 @@ def save_under_dp2_mp2(world, directory):
 
 def load_under_mp2(world, directory):
     from paratrain import load_checkpoint, load_distributed_checkpoint, load_param_into_net
-    from paratrain.parallel.semi_auto import place_semi_auto
+    from paratrain.train.parallel_modes.semi_auto import place_semi_auto
     from paratrain.train import WithLoss
 
     out = {}

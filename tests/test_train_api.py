@@ -470,7 +470,7 @@ def _stopped_model(directory, signal_rank, signal_step, exit_callback):
         code = 0
     except SystemExit as exc:
         code = exc.code
-    return code, steps[-1], sorted(p.name for p in Path(directory).iterdir() if p.name != "latest")
+    return code, steps[-1], sorted(p.name for p in Path(directory).glob("*-*"))  # the checkpoints
 
 
 @pytest.mark.slow
@@ -547,3 +547,24 @@ def test_resume_refuses_what_it_cannot_do(tmp_path):
     with pytest.raises(UserError, match="dataset_sink_mode"):
         model.train(1, dataset(), callbacks=[ModelCheckpoint(directory=tmp_path)], dataset_sink_mode=True,
                     resume="auto")
+
+
+def test_a_default_adam_on_cuda_parameters_is_rebuilt_fused_and_a_chosen_kernel_kept(monkeypatch):
+    from paratrain.train.model import fused_where_equal
+
+    params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))]
+    monkeypatch.setattr(nn.Parameter, "is_cuda", property(lambda self: True))  # as placed on a GPU
+    for kind in (torch.optim.Adam, torch.optim.AdamW):
+        opt = kind(params, lr=1e-3)
+        assert fused_where_equal(opt, opt.defaults, opt.param_groups) == {"fused": True}
+        chosen = kind(params, lr=1e-3, foreach=False)
+        assert fused_where_equal(chosen, chosen.defaults, chosen.param_groups) == {}
+        grouped = kind([{"params": params[:1], "foreach": True}, {"params": params[1:]}], lr=1e-3)
+        assert fused_where_equal(grouped, grouped.defaults, grouped.param_groups) == {}
+    sgd = torch.optim.SGD(params, lr=0.1)
+    assert fused_where_equal(sgd, sgd.defaults, sgd.param_groups) == {}
+    monkeypatch.undo()
+    cpu = torch.optim.AdamW(params, lr=1e-3)
+    assert fused_where_equal(cpu, cpu.defaults, cpu.param_groups) == {}  # on the CPU: torch's default, as given
+    rebuilt = rebuild_optimizer(cpu, [["a", "b"]], [("a", params[0]), ("b", params[1])])
+    assert rebuilt.defaults["fused"] is None and rebuilt.param_groups[0]["fused"] is None

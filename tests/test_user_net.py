@@ -185,10 +185,11 @@ def _traced_stage_arguments() -> list[list[str]]:
     "received" for a tensor from the stage before."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
-    from paratrain.parallel.user import _by_name, _inputs_to_every_stage, _InputsByName, _recompute_from_inputs
+    from paratrain.parallel.traced_pipeline import (_inputs_to_every_stage, _InputsByName, _recompute_from_inputs,
+                                                    by_name)
 
     ids, _, mask = _batches(1)[0]
-    pipe = pipeline(_InputsByName(ShiftedNet()), (), _by_name((ids, mask)),
+    pipe = pipeline(_InputsByName(ShiftedNet()), (), by_name((ids, mask)),
                     split_spec={"blocks.2": SplitPoint.BEGINNING})
     _inputs_to_every_stage(pipe)
     _recompute_from_inputs(pipe)
@@ -236,7 +237,7 @@ def test_integer_tensors_computed_by_a_stage_are_refused_before_torch_2_13():
 
 def test_declared_plan_and_stage_starts():
     from paratrain.parallel.tensor import declared_plan
-    from paratrain.parallel.user import stage_starts
+    from paratrain.parallel.traced_pipeline import stage_starts
 
     net = Net()
     assert declared_plan(net) == {"embedding.table": "vocab_rows", **{f"blocks.{i}.{n}": k for i in range(4)
@@ -246,7 +247,7 @@ def test_declared_plan_and_stage_starts():
 
 
 def test_a_forward_that_cannot_be_split_is_refused_with_the_reason():
-    from paratrain.parallel.user import UnsplittableNet, stage_starts
+    from paratrain.parallel.traced_pipeline import UnsplittableNet, stage_starts
 
     net = Net()
     net.blocks[0].pipeline_stage, net.blocks[1].pipeline_stage = 1, 0
@@ -278,7 +279,8 @@ def _place_branching():
     from paratrain.config import ParallelConfig
     from paratrain.distributed import init_from_env
     from paratrain.mesh import Layout
-    from paratrain.parallel.user import UnsplittableNet, place_net
+    from paratrain.parallel.traced_pipeline import UnsplittableNet
+    from paratrain.parallel.user import place_net
 
     _, world = init_from_env()
     net = Branching()

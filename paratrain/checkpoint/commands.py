@@ -9,8 +9,15 @@ import time
 def cmd_export(args) -> int:
     from paratrain.checkpoint import export
     from paratrain.device import DTYPES
+    from paratrain.errors import UserError
 
-    print(f"wrote {export(args.checkpoint, args.out, dtype=DTYPES[args.dtype] if args.dtype else None)}")
+    try:
+        out = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype] if args.dtype else None,
+                     trust_unverified=args.trust_unverified)
+    except OSError as exc:
+        raise UserError(f"export: cannot write {exc.filename or args.out}: {exc.strerror or exc}: free space or "
+                        f"choose another output file") from None
+    print(f"wrote {out}")
     return 0
 
 
@@ -43,7 +50,8 @@ def cmd_verify(args) -> int:
             continue
         files = meta["files"]
         size = sum(recorded_bytes(e) for e in files.values())
-        how = "checksums" if meta["format"] >= 2 else "sizes only (format 1 records no checksums)"
+        how = "checksums" if meta["format"] >= 2 else ("sizes only (format 1 records no checksums: loading it "
+                                                        "needs trusting it)")
         print(f"ok          {path}: {len(files)} files, {size / 2**20:.1f} MiB, {how}, "
               f"{time.perf_counter() - start:.2f} s")
     if len(paths) > 1:
@@ -57,6 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     exp.add_argument("checkpoint", help="a checkpoint directory (step_*), or a checkpoints/run directory: the newest")
     exp.add_argument("out", help="output .safetensors file")
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating tensors")
+    exp.add_argument("--trust-unverified", action="store_true",
+                     help="read a checkpoint of format 1, which records no checksums (only one you trust)")
     exp.set_defaults(func=cmd_export)
     ckpt = sub.add_parser("checkpoint", help="inspect checkpoints")
     actions = ckpt.add_subparsers(dest="action", required=True)

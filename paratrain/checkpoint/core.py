@@ -33,9 +33,11 @@ from paratrain.checkpoint.storage import (DCP_METADATA, FORMAT_VERSION, INTEGRAT
                                           META_FILE, TMP_PREFIX, CheckpointError, ChecksumCheck, DamagedCheckpoint,
                                           check_checksums, checkpoint_name, checksum_owner, complete_checkpoints,
                                           dcp_load, dcp_save, file_checksum, file_entry, fsync_dir,
-                                          holds_tensor_data, raise_if_damaged, rank_file_name, read_meta, resolve,
-                                          step_dirs, tensor_entries, verify, write_atomic, write_file, write_meta)
+                                          holds_tensor_data, raise_if_damaged, rank_file_name, read_meta,
+                                          require_checksums, resolve, step_dirs, tensor_entries, verify, write_atomic,
+                                          write_file, write_meta)
 from paratrain.config import MODEL_KINDS, USER_MODEL_KIND, Config, ModelConfig
+from paratrain.errors import UserError
 from paratrain.mesh import Layout
 
 log = logging.getLogger("paratrain.checkpoint")
@@ -77,19 +79,21 @@ def _write_failed(final: Path, exc: OSError) -> str:
 
 
 def _together(fn, final: Path):
-    """``fn()`` on every rank; when it fails on any rank, every rank raises (an OSError as a CheckpointError
-    naming the file), none waits for the others. Returns ``fn``'s result."""
-    ok, error, result = True, None, None
+    """``fn()`` on every rank; when it fails on any rank, every rank raises a CheckpointError with the first
+    failed rank's message (an OSError: :func:`_write_failed`), none waits for the others. Returns ``fn``'s
+    result."""
+    problem, result = None, None
     try:
         result = fn()
+    except OSError as exc:
+        problem = _write_failed(final, exc)
+    except UserError as exc:
+        problem = str(exc)
     except BaseException as exc:  # tell the other ranks instead of leaving them waiting
-        ok, error = False, exc
-    if not all(_gather(ok)):
-        if isinstance(error, OSError):
-            raise CheckpointError(_write_failed(final, error)) from None
-        if error is not None:
-            raise error
-        raise CheckpointError(f"another rank failed to save checkpoint {final}; see its log")
+        problem = f"saving checkpoint {final} failed on rank {_rank_world()[0]}: {type(exc).__name__}: {exc}"
+    failed = next((p for p in _gather(problem) if p is not None), None)
+    if failed is not None:
+        raise CheckpointError(failed)
     return result
 
 
@@ -252,13 +256,22 @@ class Checkpointer:
         ``checkpoint.prefix``); every rank calls it. Returns the final directory.
 
         A failure on any rank (a full disk, ``File too large``) raises a CheckpointError naming the
-        file on every rank, so none is left waiting for the others."""
+        file on every rank, so none is left waiting for the others; the unfinished directory is removed and
+        the checkpoints saved before stay as they were."""
+        name = name or checkpoint_name(step, self.cfg.prefix)
+        tmp, final = self.root / (TMP_PREFIX + name), self.root / name
+        try:
+            return self._save(step, tmp, final)
+        except CheckpointError:  # every rank raises it, after every rank stopped writing
+            if _rank_world()[0] == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _save(self, step: int, tmp: Path, final: Path) -> Path:
         from safetensors.torch import save
 
         start = time.perf_counter()
         rank = _rank_world()[0]
-        name = name or checkpoint_name(step, self.cfg.prefix)
-        tmp, final = self.root / (TMP_PREFIX + name), self.root / name
 
         def prepare():
             if rank == 0:
@@ -281,7 +294,7 @@ class Checkpointer:
         self._fault_point("rank_state_written", step)
         try:
             written |= dcp_save(tensors, tmp)
-        except OSError as exc:  # DCP failed on every rank together
+        except OSError as exc:  # DCP failed on every rank together, with the first failed rank's error
             raise CheckpointError(_write_failed(final, exc)) from None
         # dcp.save returns once every rank's shards are written and rank 0 wrote .metadata
         self._fault_point("shards_written", step)
@@ -409,6 +422,7 @@ class Checkpointer:
         path = Path(path)
         rank, world = _rank_world()
         meta = read_meta(path)
+        require_checksums(path, meta, self.cfg.trust_unverified)
         check_resume_config(meta, self.config, path, report=rank == 0)
         lacking = [name for name in self.states if name not in meta]
         if lacking:

@@ -3,45 +3,65 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from pathlib import Path
 
 import torch
 
-from paratrain.checkpoint.storage import (INTEGRATED_FILE, dcp_load, read_meta, recorded_bytes, resolve,
-                                          tensor_entries, verify)
+from paratrain.checkpoint.storage import (INTEGRATED_FILE, dcp_load, named_error, read_meta, recorded_bytes,
+                                          require_checksums, resolve, tensor_entries, verify)
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
 
 
-def load_full_tensors(path: str | Path, prefix: str = MODEL_PREFIX) -> dict[str, torch.Tensor]:
+def load_full_tensors(path: str | Path, prefix: str = MODEL_PREFIX,
+                      trust_unverified: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of checkpoint ``path`` whose key starts with ``prefix``, whole, keyed without it, read from
-    the DCP shards of all ranks in this process (no process group used)."""
+    the DCP shards of all ranks in this process (no process group used). A checkpoint without checksums
+    (format 1) is read only with ``trust_unverified`` (:func:`~paratrain.checkpoint.storage.require_checksums`)."""
     path = resolve(path)
-    _, metadata = verify(path)
+    meta = read_meta(path)
+    require_checksums(path, meta, trust_unverified)
+    _, metadata = verify(path, meta)
     state = {key: torch.empty(entry.size, dtype=entry.properties.dtype, device="cpu")
              for key, entry in tensor_entries(metadata).items() if key.startswith(prefix)}
     dcp_load(state, path, no_dist=True)
     return {key[len(prefix):]: value for key, value in state.items()}
 
 
-def export(path: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+def export(path: str | Path, out: str | Path, dtype: torch.dtype | None = None, trust_unverified: bool = False) -> Path:
     """Write the model of checkpoint ``path`` to one ``.safetensors`` file with plain parameter names, tied
     weights under each of their names, as ``model.load_state_dict(safetensors.torch.load_file(out))`` takes."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     path = resolve(path)
     meta = read_meta(path)
-    tensors = load_full_tensors(path)
+    tensors = load_full_tensors(path, trust_unverified=trust_unverified)
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-              metadata={"step": str(meta["step"]), "config": json.dumps(meta["config"])})
-    tmp.replace(out)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"step": str(meta["step"]), "config": json.dumps(meta["config"])})
+        tmp.replace(out)
+    except (OSError, SafetensorError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise _as_os_error(exc, tmp) from None
     return out
+
+
+def _as_os_error(exc: Exception, path: Path) -> Exception:
+    """safetensors' error for a failed write (``I/O error: No space left on device (os error 28)``) as the
+    OSError it wraps, naming ``path``; other errors as they are."""
+    if isinstance(exc, OSError):
+        return named_error(exc, path)
+    code = re.search(r"\(os error (\d+)\)", str(exc))
+    return OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) if code else exc
 
 
 def info(path: str | Path) -> dict:

@@ -21,6 +21,7 @@ loader refuses pickled items, so a crafted file cannot run code.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -164,24 +165,43 @@ def file_entry(nbytes: int, checksum: str) -> dict:
 
 
 def write_file(path: Path, data: bytes) -> dict:
-    """Write ``data`` to ``path`` and fsync it; returns its :func:`file_entry`."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write ``data`` to ``path`` and fsync it; returns its :func:`file_entry`. An OSError names ``path``."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise named_error(exc, path) from None
     return file_entry(len(data), xxhash.xxh3_64(data).hexdigest())
 
 
-class _HashingStream:
-    """A file opened for writing that hashes every block written through it (writes are sequential)."""
+def named_error(exc: OSError, path) -> OSError:
+    """``exc`` naming file ``path`` (a write to an open file raises an OSError that names none)."""
+    return exc if exc.filename else OSError(exc.errno, exc.strerror or str(exc), str(path))
 
-    def __init__(self, raw):
-        self.raw, self.digest, self.nbytes = raw, xxhash.xxh3_64(), 0
+
+class _HashingStream:
+    """A file opened for writing that hashes every block written through it (writes are sequential) and keeps
+    the OSError of a failed write in ``failure``: torch's zip writer, writing a shard through it, reports that
+    as ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos``, which names no cause."""
+
+    def __init__(self, raw, path):
+        self.raw, self.path, self.digest, self.nbytes = raw, path, xxhash.xxh3_64(), 0
+        self.failure: OSError | None = None
 
     def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        try:
+            written = self.raw.write(data)
+            if written is not None and written < size:  # a raw file on a full disk writes what fits
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({written} of {size} bytes written)")
+        except OSError as exc:
+            self.failure = named_error(exc, self.path)
+            raise self.failure from None
         self.digest.update(data)
-        self.nbytes += memoryview(data).nbytes
-        return self.raw.write(data)
+        self.nbytes += size
+        return size
 
     def __getattr__(self, name):  # tell, flush, fileno, close...
         return getattr(self.raw, name)
@@ -197,12 +217,20 @@ class HashingFileSystem(FileSystem):
 
     @contextmanager
     def create_stream(self, path, mode: str):
-        with super().create_stream(path, mode) as raw:
-            if "w" not in mode:
-                yield raw
-                return
-            stream = _HashingStream(raw)
-            yield stream
+        try:
+            with super().create_stream(path, mode) as raw:
+                if "w" not in mode:
+                    yield raw
+                    return
+                stream = _HashingStream(raw, path)
+                try:
+                    yield stream
+                except Exception:
+                    if stream.failure is not None:  # the cause, whatever the writer made of it
+                        raise stream.failure from None
+                    raise
+        except OSError as exc:  # also the flush when the file is closed
+            raise named_error(exc, path) from None
         self.entries[Path(path).name] = file_entry(stream.nbytes, stream.digest.hexdigest())
 
     def rename(self, path, new_path) -> None:
@@ -266,6 +294,23 @@ def read_meta(path: Path) -> dict:
     if problem:
         raise DamagedCheckpoint(f"checkpoint {path} is damaged: file {file} {problem}")
     return meta
+
+
+TRUST_HOW = ("checkpoint.trust_unverified = true (paratrain train, translate), --trust-unverified (paratrain "
+             "export) or trust_unverified=True (Model.train, load_checkpoint)")
+
+
+def require_checksums(path: Path, meta: dict, trust_unverified: bool) -> None:
+    """Refuse a checkpoint of format 1, whose files have no checksums to check, unless ``trust_unverified``: its
+    content cannot be told from a damaged or altered one (a checkpoint edited to claim format 1 included)."""
+    if meta["format"] >= 2:
+        return
+    if not trust_unverified:
+        raise CheckpointError(f"checkpoint {path} has format {meta['format']}, which records no checksums: its files "
+                              f"cannot be checked for damage or changes; load it only if you trust where it came "
+                              f"from, with {TRUST_HOW}")
+    log.warning("checkpoint: loading %s of format %d without checksums (trusted: its files are checked for their "
+                "size only)", path, meta["format"])
 
 
 def _meta_problem(meta: dict) -> str | None:
@@ -480,8 +525,12 @@ def fsync_dir(path: Path) -> None:
 def write_atomic(file: Path, text: str) -> None:
     """Write ``text`` to ``file`` through a temporary file and a rename."""
     tmp = file.with_name(file.name + ".tmp")
-    write_file(tmp, text.encode())
-    os.replace(tmp, file)
+    try:
+        write_file(tmp, text.encode())
+        os.replace(tmp, file)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(file.parent)
 
 

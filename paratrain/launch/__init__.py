@@ -161,7 +161,8 @@ def cmd_launch(args) -> int:
     job = Job(name=name, dir=str(job_dir), command=words, argv=_argv(args, name), run_dir=_run_dir(words, job_dir),
               hosts=[h.name for h in hosts] if hosts else [], nnodes=len(hosts) if hosts else topo.nnodes,
               node_rank=0 if hosts else topo.node_rank,
-              nproc_per_node=hosts[0].slots if hosts else topo.nproc_per_node, max_restarts=args.max_restarts)
+              nproc_per_node=hosts[0].slots if hosts else topo.nproc_per_node, max_restarts=args.max_restarts,
+              launcher_start=joblib.process_start(os.getpid()))
     if other_node:
         job.record = f"node{job.node_rank}.json"
     elif os.environ.get("PARATRAIN_JOB_PREPARED") and job.path.exists():
@@ -212,8 +213,9 @@ def _run_dir(words: list[str], job_dir: Path) -> str:
 
 def _dry_run(args, name, job_dir, words, hosts, topo) -> int:
     from paratrain.launch import launcher
+    from paratrain.launch.emit import line_safe
 
-    print(f"# job {name}: run directory {job_dir}")
+    print(f"# job {name}: run directory {line_safe(str(job_dir), 'the run directory')}")
     if not hosts:
         print(shlex.join(["torchrun", *launcher.torchrun_args(topo, name, launcher.rank_command(words),
                                                               args.join_timeout, args.max_restarts)]))
@@ -231,7 +233,7 @@ def _detach(args, job: Job) -> int:
     with open(Path(job.dir) / "launcher.log", "w") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, "PARATRAIN_JOB_PREPARED": "1"})
-    job.launcher_pid = proc.pid
+    job.launcher_pid, job.launcher_start = proc.pid, joblib.process_start(proc.pid)
     job.save()
     print(f"job {job.name} started in the background (pid {proc.pid}); "
           f"see 'paratrain jobs', 'paratrain logs {job.name}', 'paratrain stop {job.name}'")

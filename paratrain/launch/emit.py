@@ -20,6 +20,9 @@ from paratrain.launch.jobs import JobError, jobs_home
 
 KUBEFLOW_PORT = 23456  # the training operator's default for the master's "pytorchjob-port"
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+# C0 and C1 control characters but the tab, and DEL: a newline or carriage return in a comment or an #SBATCH line
+# would end it and start a command of the script
+CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 NOT_WITH_EMIT = {"node_rank": "each node's rank", "master_addr": "node 0's address", "hostfile": "the nodes",
                  "rank_table": "the nodes", "include": "the nodes", "exclude": "the nodes"}
 
@@ -51,9 +54,17 @@ def emit(args, name: str, job_dir: Path, words: list[str]) -> int:
         text = json.dumps(pytorchjob(args, name, words, nnodes, nproc, gpus), indent=2) + "\n"
     where = "every pod mounts at that path (a ReadWriteMany volume in the pod template)" \
         if args.emit == "pytorchjob" else "every node shares"
+    try:
+        data = text.encode()
+    except UnicodeEncodeError as exc:  # a path or argument of bytes that are not UTF-8 (Python keeps them as such)
+        line = text[text.rfind("\n", 0, exc.start) + 1:text.find("\n", exc.start)]
+        raise JobError(f"--emit {args.emit}: a path or argument is not UTF-8 text, which the job file is: {line!r}; "
+                       f"rename it") from None
+    if args.emit == "sbatch":
+        run_dir.mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there before the script runs
     if args.emit_out:
         try:
-            Path(args.emit_out).write_text(text)
+            Path(args.emit_out).write_bytes(data)
         except OSError as exc:
             raise JobError(f"--emit-out {args.emit_out}: cannot write: {exc.strerror}") from None
         print(f"paratrain launch: wrote {args.emit_out} ({args.emit}, {nnodes} node(s) x {nproc} rank(s))",
@@ -66,16 +77,36 @@ def emit(args, name: str, job_dir: Path, words: list[str]) -> int:
 
 def sbatch_script(args, name: str, run_dir: Path, words: list[str], nnodes: int, nproc: int, gpus: bool) -> str:
     """A Slurm batch script: ``nnodes`` nodes, one task each running ``paratrain launch`` for ``nproc`` ranks."""
-    run_dir.mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there before the script runs
+    python, chdir = sys.executable, os.getcwd()
+    for what, value in (("the run directory", str(run_dir)), ("the working directory", chdir),
+                        ("this Python", python)):
+        line_safe(value, what)
     resources = f"--gpus-per-node={nproc}" if gpus else f"--cpus-per-task={nproc}"
     device = "" if gpus else "export PARATRAIN_DEVICE=cpu\n"
     launch = shlex.join([sys.executable, "-m", "paratrain", "launch"])
     flags = shlex.join([*_launch_flags(args, None, nnodes=None, nproc_per_node=nproc), "--", *words])
     template = string.Template(resources_files("paratrain.launch").joinpath("sbatch.template").read_text())
-    return template.substitute(name=name, nnodes=nnodes, nproc=nproc, resources=resources, python=sys.executable,
-                               output=shlex.quote(str(run_dir / "slurm-%j.out")), chdir=shlex.quote(os.getcwd()),
-                               run_dir=run_dir, home=shlex.quote(str(jobs_home())), device=device,
-                               launch=launch, flags=flags)
+    # sbatch fills in %j (the job id) and %% ('%') unless the name holds a backslash
+    output = f"{run_dir}/slurm.out" if "\\" in str(run_dir) else str(run_dir).replace("%", "%%") + "/slurm-%j.out"
+    return template.substitute(name=name, nnodes=nnodes, nproc=nproc, resources=resources, python=python,
+                               output=directive_quote(output), chdir=directive_quote(chdir), run_dir=run_dir,
+                               home=shlex.quote(str(jobs_home())), device=device, launch=launch, flags=flags)
+
+
+def line_safe(value: str, what: str) -> str:
+    """``value`` if it holds no control character, else a JobError naming it: ``what`` goes into a comment or an
+    ``#SBATCH`` line of a script, where a newline would start a command."""
+    found = CONTROL.search(value)
+    if found is not None:
+        raise JobError(f"{what} {value!r} holds the control character {found.group()!r}, which a job script cannot "
+                       f"carry in a comment or #SBATCH line: use a path without it")
+    return value
+
+
+def directive_quote(value: str) -> str:
+    """``value`` as one argument of an ``#SBATCH`` line, which sbatch reads with its own rules (not the shell's):
+    in double quotes, with a backslash before each quote, backslash and ``#`` (a comment otherwise)."""
+    return '"' + re.sub(r"([\\\"'#])", r"\\\1", value) + '"'
 
 
 def pytorchjob(args, name: str, words: list[str], nnodes: int, nproc: int, gpus: bool) -> dict:

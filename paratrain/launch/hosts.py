@@ -191,10 +191,12 @@ def slurm_from_env(env: dict[str, str] | None = None) -> SlurmAllocation | None:
     if not nodes:
         raise HostError("Slurm: SLURM_JOB_NODELIST is empty")
     gpus = (env.get("SLURM_GPUS_ON_NODE") or env.get("SLURM_GPUS_PER_NODE") or "").rpartition(":")[2]  # [type:]N
+    count_name = next((name for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES") if env.get(name)), None)
+    nnodes = env_number("Slurm", count_name, env[count_name], 1) if count_name else len(nodes)
     return SlurmAllocation(
         job_id=env["SLURM_JOB_ID"],
-        nnodes=int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or len(nodes)),
-        node_rank=int(env["SLURM_NODEID"]),
+        nnodes=nnodes,
+        node_rank=env_number("Slurm", "SLURM_NODEID", env["SLURM_NODEID"], 0, nnodes - 1),
         master_addr=check_host(nodes[0], "Slurm SLURM_JOB_NODELIST"),
         gpus_per_node=int(gpus) if gpus and gpus.isdigit() else None,
         master_port=job_port(env["SLURM_JOB_ID"]),
@@ -213,16 +215,28 @@ def kubeflow_from_env(env: dict[str, str] | None = None) -> Topology | None:
     if bad:
         raise HostError(f"Kubeflow: {', '.join(bad)} should be a number (an elastic range of nodes is not "
                         f"supported: give the PyTorchJob a fixed number of replicas)")
-    nnodes, node_rank = int(numbers["PET_NNODES"]), int(numbers["PET_NODE_RANK"])
-    if not 0 <= node_rank < nnodes:
-        raise HostError(f"Kubeflow: PET_NODE_RANK={node_rank} is not in 0..{nnodes - 1} (PET_NNODES={nnodes})")
+    nnodes = env_number("Kubeflow", "PET_NNODES", numbers["PET_NNODES"], 1)
+    node_rank = env_number("Kubeflow", "PET_NODE_RANK", numbers["PET_NODE_RANK"], 0, nnodes - 1)
     nproc = env.get("PET_NPROC_PER_NODE", "")
     master = env.get("PET_MASTER_ADDR") or env.get("MASTER_ADDR")
     if nnodes > 1 and not master:
         raise HostError(f"Kubeflow: PET_NNODES={nnodes} without PET_MASTER_ADDR (the master pod's address)")
-    return Topology(int(nproc) if nproc.isdigit() else 1, nnodes, node_rank,
-                    check_host(master, "Kubeflow PET_MASTER_ADDR") if nnodes > 1 else None,
-                    int(numbers["PET_MASTER_PORT"] or env.get("MASTER_PORT") or 29500))
+    port_name = "PET_MASTER_PORT" if numbers["PET_MASTER_PORT"] else "MASTER_PORT"
+    port = env.get(port_name)
+    counted = nproc.lstrip("+-").isdigit()  # else torchrun's words (auto, gpu, cpu): one rank here
+    return Topology(env_number("Kubeflow", "PET_NPROC_PER_NODE", nproc, 1) if counted else 1, nnodes,
+                    node_rank, check_host(master, "Kubeflow PET_MASTER_ADDR") if nnodes > 1 else None,
+                    env_number("Kubeflow", port_name, port, 1, 65535) if port else 29500)
+
+
+def env_number(source: str, name: str, value: str, lowest: int, highest: int | None = None) -> int:
+    """The value of the launcher variable ``name`` as a number in ``lowest..highest``, else a HostError naming
+    it and ``source`` (the launcher that set it)."""
+    span = f"from {lowest} to {highest}" if highest is not None else f"of {lowest} or more"
+    if not value.strip().isdigit() or not lowest <= int(value) <= (int(value) if highest is None else highest):
+        raise HostError(f"{source}: {name}={value!r} is not a whole number {span}: start paratrain in the job "
+                        f"that sets it, or unset it")
+    return int(value)
 
 
 def _read(path: str | Path) -> str:

@@ -14,6 +14,7 @@ from contextlib import suppress
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from paratrain import progress
 from paratrain.config import NAME_RULE, is_plain_name
 from paratrain.errors import UserError
 
@@ -68,6 +69,9 @@ class Job:
     node_rank: int = 0
     nproc_per_node: int = 1
     launcher_pid: int = field(default_factory=os.getpid)
+    # its start time (process_start): the pid is this job's launcher only while the process that holds it started
+    # then (None: not recorded, the pid is trusted)
+    launcher_start: int | None = None
     pids: dict[str, int] = field(default_factory=dict)  # global rank -> pid (this node's ranks)
     start_time: float = field(default_factory=time.time)
     end_time: float | None = None
@@ -147,8 +151,12 @@ class Job:
         if self.slurm_job_id and os.environ.get("SLURM_JOB_ID") == self.slurm_job_id and now > was:
             return f"Slurm requeued job {self.slurm_job_id} since (SLURM_RESTART_COUNT {was} -> {now})"
         if self.host == socket.gethostname():
-            gone = not pid_alive(self.launcher_pid)
-            return f"its launcher (pid {self.launcher_pid} on this host) is gone" if gone else ""
+            if not pid_alive(self.launcher_pid):
+                return f"its launcher (pid {self.launcher_pid} on this host) is gone"
+            if not self.launcher_alive():
+                return (f"its launcher (pid {self.launcher_pid} on this host) is gone: another process, started "
+                        f"later, holds that pid now")
+            return ""
         age = time.time() - self.heartbeat
         if age <= LOST_AFTER_S:
             return ""
@@ -156,6 +164,11 @@ class Job:
 
     def launcher_gone(self) -> bool:
         return bool(self.lost_because())
+
+    def launcher_alive(self) -> bool:
+        """Whether this host's process with the recorded launcher pid is this job's launcher (alive, and started
+        when the recorded one did; a record without that time trusts the pid)."""
+        return is_process(self.launcher_pid, self.launcher_start)
 
     def shown_state(self) -> str:
         """The recorded state, or ``lost`` when an active job's launcher is gone."""
@@ -191,6 +204,15 @@ class Job:
             with suppress(json.JSONDecodeError):  # a line being written
                 last = json.loads(line)
         return last
+
+    def last_step(self) -> tuple[int | None, float | None]:
+        """(step, loss) last logged in ``metrics.jsonl``, else (for a script's ``Model.train``, which writes none)
+        rank 0's progress record: its last step and the last loss on the host."""
+        metrics = self.last_metrics()
+        if metrics:
+            return metrics.get("step"), metrics.get("loss")
+        rank0 = progress.read(Path(self.dir) / PROGRESS_DIR).get(0)
+        return (rank0.step, rank0.loss) if rank0 is not None else (None, None)
 
 
 def _slurm_restart_count(environ) -> int:
@@ -261,6 +283,24 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (field 22 of Linux's ``/proc/PID/stat``): with the
+    pid it names one process, whatever holds that pid later. None where it cannot be read."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def is_process(pid: int, start: int | None) -> bool:
+    """Whether process ``pid`` is alive and is the one that started at ``start`` (:func:`process_start`; None:
+    any)."""
+    if not pid_alive(pid):
+        return False
+    now = process_start(pid)
+    return start is None or now is None or now == start
+
+
 def tail(path: Path, lines: int = 20) -> list[str]:
     """The last ``lines`` lines of a text file ([] if missing)."""
     if not path.exists():
@@ -281,9 +321,11 @@ def format_table(jobs: list[Job | Unreadable]) -> str:
             notes.append(f"{job.name}: unreadable ({job.reason})")
             continue
         state = job.shown_state()
+        if state == "lost":
+            notes.append(f"{job.name}: lost: {job.lost_because()}")
         if state == "stopped" and job.saved_step is not None:
             notes.append(f"{job.name}: {job.outcome}")
-        metrics = job.last_metrics()
+        step, loss = job.last_step()
         end = job.end_time or (time.time() if state in ACTIVE else job.start_time)
         exit_text = "" if job.exit_code is None else str(job.exit_code)
         if job.failing_rank is not None:
@@ -292,10 +334,10 @@ def format_table(jobs: list[Job | Unreadable]) -> str:
         if len(job.attempts) > 1:
             notes.append(f"{job.name}: {len(job.attempts)} attempts (max_restarts {job.max_restarts}): "
                          + "; ".join(map(_attempt_text, job.attempts)))
-        loss, elapsed = metrics.get("loss"), int(end - job.start_time)
+        elapsed = int(end - job.start_time)
         rows.append((job.name, state, str(job.world_size),
                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.start_time)),
-                     f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}", str(metrics.get("step", "")),
+                     f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}", str(step or ""),
                      f"{loss:.4f}" if isinstance(loss, (int, float)) else "", exit_text))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -32,16 +32,15 @@ from torch.distributed.run import config_from_args, get_args_parser
 from torch.torch_version import __version__ as TORCH_VERSION
 
 from paratrain import progress
-from paratrain.launch import is_script, rendezvous
+from paratrain.launch import is_script, rank_start, rendezvous
 from paratrain.launch import stop as stoplib
 from paratrain.launch.failure import TIMED_OUT, describe_failure, describe_laggards, first_failure, timed_out
 from paratrain.launch.hosts import Host, Topology
 from paratrain.launch.jobs import PROGRESS_DIR, Job
 from paratrain.launch.stop import StopRequest
 
-# Merges stderr into stdout (one log per rank) and execs the rank's command with
-# its arguments passed as "$@", so nothing in them is ever parsed by the shell.
-RANK_WRAPPER = ["/bin/sh", "-c", 'exec "$@" 2>&1', "paratrain-rank"]
+# Merges stderr into stdout and makes the rank end with its launcher, then execs the rank's command (-S: stdlib only)
+RANK_WRAPPER = [sys.executable, "-S", str(Path(rank_start.__file__))]
 SHUTDOWN_TIMEOUT_S = 15  # SIGTERM -> SIGKILL for the ranks left when one fails, or when the launcher is signalled
 # torchrun takes that wait from torch 2.12 on; 2.11's is a fixed 30 s
 SHUTDOWN_FLAGS = ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)] if TORCH_VERSION >= (2, 12) else []
@@ -295,6 +294,7 @@ def run_node(job: Job, topo: Topology, command: list[str], console: bool, join_t
     progress_dir = Path(job.dir) / PROGRESS_DIR
     progress.clear(progress_dir, my_ranks)
     os.environ[progress.DIR_ENV] = str(progress_dir)
+    os.environ[rank_start.LAUNCHER_PID_ENV] = str(os.getpid())
     if job.max_restarts:
         # the ranks of a restart would otherwise share the agent's store with the failed attempt's and can read
         # its stale addresses ("Gloo connectFullMesh failed", NCCL "connection refused"; pytorch#135712): rank 0

@@ -41,8 +41,14 @@ def launch_argv(args) -> list[str]:
     if not args.task_script.endswith(".py"):
         raise JobError(f"msrun runs a Python script on every worker: {args.task_script!r} does not end in .py")
     workers, local = args.worker_num, args.local_worker_num
+    if workers < 1:
+        raise JobError(f"msrun --worker_num={workers}: the number of workers on all nodes is 1 or more, e.g. "
+                       f"--worker_num=8")
+    if not 0 < args.master_port < 65536:
+        raise JobError(f"msrun --master_port={args.master_port} is not a TCP port: use one in 1..65535 "
+                       f"(default 8118)")
     if not 0 < local <= workers:
-        raise JobError(f"msrun --local_worker_num={local} --worker_num={workers}: each node runs 1 to worker_num "
+        raise JobError(f"msrun --local_worker_num={local} --worker_num={workers}: each node runs 1 to {workers} "
                        f"workers")
     if workers % local:
         raise JobError(f"msrun --worker_num={workers} is not a multiple of --local_worker_num={local}: paratrain "

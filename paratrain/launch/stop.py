@@ -69,14 +69,15 @@ def stop(job: Job, grace_s: float = 10.0, now: bool = False, out=None) -> Job:
         print(f"{job.name}: {problem}; that node acts on the stop request alone", file=out)
     request(job.dir, StopRequest(now=now, grace_s=grace_s))
     records = [job, *nodes]
-    launchers, ranks, orphans = _local_processes([r for r in records if r.host == here], job.dir)
+    local = [r for r in records if r.host == here]
+    launchers, ranks, orphans = _local_processes(local, job.dir)
     for pid in (ranks if now else orphans).values():
         signal_pid(pid, signal.SIGKILL if now else signal.SIGTERM)
         signal_pid(pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
     start, killed = time.monotonic(), {}
     while time.monotonic() < start + grace_s + CONFIRM_S:
         if time.monotonic() > start + grace_s and not killed:
-            killed = _kill(orphans)
+            killed = _kill(_local_processes(local, job.dir)[2])  # those still ranks of this job
         # done when every launcher that can record its stop has, and the processes here have exited
         recording = [r for r in _active(records) if not r.launcher_gone()]
         if not recording and not any(map(pid_alive, [*launchers.values(), *orphans.values()])):
@@ -84,7 +85,7 @@ def stop(job: Job, grace_s: float = 10.0, now: bool = False, out=None) -> Job:
         time.sleep(0.2)
     # a launcher that recorded its stop is left to finish exiting; one that did not, and its ranks, are killed
     stuck_launchers, stuck_ranks, _ = _local_processes([r for r in _active(records) if r.host == here], job.dir)
-    killed.update(_kill({**orphans, **stuck_ranks, **stuck_launchers}))
+    killed.update(_kill({**_local_processes(local, job.dir)[2], **stuck_ranks, **stuck_launchers}))
     if killed:
         print(f"{job.name}: SIGKILL after {grace_s:g} s grace: {', '.join(killed)}", file=out)
     for record in _active([r for r in records if r.host != here]):
@@ -102,13 +103,14 @@ def stop(job: Job, grace_s: float = 10.0, now: bool = False, out=None) -> Job:
 
 def _local_processes(records: list[Job], job_dir: str) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """(launchers alive, ranks, ranks whose launcher is gone) of the active ``records``, as who -> pid; a
-    recorded rank counts only while its pid still runs a rank of this job (a reused pid is left alone)."""
+    recorded pid counts only while it is still this job's launcher (its start time) or one of its ranks (their
+    environment): a reused pid is left alone."""
     launchers, ranks, orphans = {}, {}, {}
     marker = f"{progress.DIR_ENV}={Path(job_dir) / PROGRESS_DIR}".encode()  # in the environment of the job's ranks
     for record in records:
         if record.state not in ACTIVE:
             continue
-        has_launcher = pid_alive(record.launcher_pid)
+        has_launcher = record.launcher_alive()
         if has_launcher:
             launchers[f"launcher of {_node(record)}"] = record.launcher_pid
         for rank, pid in sorted(record.pids.items(), key=lambda kv: int(kv[0])):

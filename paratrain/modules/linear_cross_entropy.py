@@ -146,13 +146,17 @@ class OutputHead(torch.nn.Linear):
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Each token's cross-entropy, float32 (N,), of logits (..., V) and labels (...): a plain tensor.
+    bf16 and fp16 logits are never copied whole to fp32 (``_LowPrecisionCrossEntropy``).
 
     Logits that are a DTensor sharded on V over one mesh dimension (and replicated on any other) are
     reduced vocab-parallel by ``loss_parallel``, so forward and backward must run under it
     (``paratrain.parallel.loss.loss_context``); the result is then the same on every rank. Logits
     placed any other way (rows split by a semi-auto strategy) are gathered whole first."""
-    logits = logits.reshape(-1, logits.shape[-1]).float()
+    logits = logits.reshape(-1, logits.shape[-1])
     labels = labels.reshape(-1).long()
+    if type(logits) is torch.Tensor and logits.dtype in (torch.bfloat16, torch.float16):
+        return _LowPrecisionCrossEntropy.apply(logits, labels)
+    logits = logits.float()
     vocab_dims = [i for i, p in enumerate(logits.placements) if p.is_shard(1)] if isinstance(logits, DTensor) else []
     if isinstance(logits, DTensor) and (len(vocab_dims) != 1 or not all(
             p.is_replicate() for i, p in enumerate(logits.placements) if i != vocab_dims[0])):
@@ -165,3 +169,37 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
         logits = DTensor.from_local(logits.to_local(), vocab_mesh, [Shard(1)], shape=logits.shape,
                                     stride=logits.stride())
     return F.cross_entropy(logits, labels, reduction="none").to_local()
+
+
+class _LowPrecisionCrossEntropy(torch.autograd.Function):
+    """``F.cross_entropy(logits.float(), labels, reduction="none")`` of bf16/fp16 logits (N, V), a chunk of rows
+    at a time in fp32 (``chunk_rows``): forward keeps each row's log-sum-exp, backward recomputes the softmax
+    from the logits and writes their gradient in their dtype. No fp32 (N, V) copy lives from forward to
+    backward, nor its fp32 gradient; the logits themselves are saved instead (half the bytes). A label of -100
+    (``F.cross_entropy``'s ``ignore_index``) has loss and gradient 0."""
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        ignored = labels == -100
+        targets = labels.masked_fill(ignored, 0)[:, None]
+        rows = chunk_rows(logits.shape[1], logits.device.type)
+        with torch.autocast(logits.device.type, enabled=False):
+            lse = torch.cat([torch.logsumexp(part.float(), 1) for part in _chunks(logits, rows)])
+            loss = (lse - logits.gather(1, targets).squeeze(1).float()).masked_fill_(ignored, 0.0)
+        ctx.save_for_backward(logits, targets, lse, ignored)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        logits, targets, lse, ignored = ctx.saved_tensors
+        scale = grad_loss.float().masked_fill(ignored, 0.0)[:, None]
+        rows = chunk_rows(logits.shape[1], logits.device.type)
+        grad = torch.empty_like(logits)
+        with torch.autocast(logits.device.type, enabled=False):
+            for part, part_grad, part_lse, part_targets, part_scale in zip(*(
+                    _chunks(t, rows) for t in (logits, grad, lse[:, None], targets, scale))):
+                softmax = part.float().sub_(part_lse).exp_()
+                softmax.scatter_add_(1, part_targets, torch.full_like(part_scale, -1.0))
+                part_grad.copy_(softmax.mul_(part_scale))
+        return grad, None

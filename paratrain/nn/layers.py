@@ -240,15 +240,55 @@ class MultiHeadAttention(_SplitWhenParallel, shared.Attention, Cell):
         return output.reshape(shape).to(dtype), (k.transpose(-2, -1), v)
 
     @staticmethod
-    def _score_bias(attention_mask, dtype) -> torch.Tensor | None:
-        """(B, Tq, Tk) mask -> (B, 1, Tq, Tk) added to the scores: 0 where allowed, MASKED_SCORE elsewhere.
+    def _score_bias(attention_mask, dtype) -> torch.Tensor | str | None:
+        """(B, Tq, Tk) mask -> (B, 1, Tq, Tk) added to the scores: 0 where allowed, MASKED_SCORE elsewhere;
+        ``CAUSAL`` for a stack's mask recognised as causal (``RecognisedMask``).
 
         A finite bias, as MindSpore's: a query row with no allowed key (a padded query) gets a
         uniform softmax instead of NaN, and exp(MASKED_SCORE) is exactly 0 next to any allowed key.
         """
         if attention_mask is None:
             return None
-        mask = attention_mask.to(dtype)
-        if mask.dim() == 3:
-            mask = mask.unsqueeze(1)
-        return (1.0 - mask) * MASKED_SCORE
+        if isinstance(attention_mask, RecognisedMask):
+            return attention_mask.score_bias(dtype)
+        return score_bias(attention_mask, dtype)
+
+
+def score_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 0/1 mask (B, Tq, Tk) or (B, 1, Tq, Tk) as the bias added to the scores, (B, 1, Tq, Tk) in ``dtype``."""
+    mask = attention_mask.to(dtype)
+    if mask.dim() == 3:
+        mask = mask.unsqueeze(1)
+    return (1.0 - mask) * MASKED_SCORE
+
+
+class RecognisedMask:
+    """A stack's attention mask, looked at once per forward (``recognise_mask``) for all its layers: exactly
+    causal, which they run as SDPA's ``is_causal`` (the flash kernels, no mask read), or else its score bias,
+    made once per dtype rather than in every layer. ``shape`` is the mask's."""
+
+    def __init__(self, mask: torch.Tensor, causal: bool):
+        self.mask, self.causal, self.shape = mask, causal, mask.shape
+        self._biases: dict[torch.dtype, torch.Tensor] = {}
+
+    def score_bias(self, dtype: torch.dtype) -> torch.Tensor | str:
+        if self.causal:
+            return shared.CAUSAL
+        if dtype not in self._biases:
+            self._biases[dtype] = score_bias(self.mask, dtype)
+        return self._biases[dtype]
+
+
+def recognise_mask(attention_mask):
+    """A self-attention mask (B, T, T) or (B, 1, T, T), 0/1 float or bool, as a ``RecognisedMask``: causal
+    when it allows exactly the keys j <= i to every query i of every row (one comparison on the device and
+    one wait for it). Anything else is given back as it is: None, a mask that is no plain tensor (a
+    DTensor, a traced or fake tensor: a pipeline's trace, ``torch.compile``) or not square."""
+    if (type(attention_mask) is not torch.Tensor or torch.compiler.is_compiling() or attention_mask.is_meta
+            or attention_mask.dim() not in (3, 4) or (attention_mask.dim() == 4 and attention_mask.shape[1] != 1)
+            or attention_mask.shape[-1] != attention_mask.shape[-2]):
+        return attention_mask
+    length = attention_mask.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril_()
+    allowed = attention_mask.reshape(-1, length, length) != 0
+    return RecognisedMask(attention_mask, torch.equal(allowed, causal.expand_as(allowed)))

@@ -21,7 +21,7 @@ from paratrain.nn.cell import Cell
 from paratrain.nn.config import (ParallelConfig, check_divisible, check_moe, check_sizes, default_dpmp_config,
                                  default_moe_config, default_transformer_config, op_config, refuse_unsupported,
                                  to_dtype)
-from paratrain.nn.layers import MoE, FeedForward, MultiHeadAttention, _LayerNorm
+from paratrain.nn.layers import MoE, FeedForward, MultiHeadAttention, _LayerNorm, recognise_mask
 
 
 def _get_lambda_func(total_layer: int | None = None):
@@ -180,8 +180,11 @@ class _Stack(Cell):
             lambda_func(block, layer_id=i, offset=args["offset"], parallel_config=config, layers=self.num_layers)
             self.blocks.append(block)
 
-    def _run(self, hidden_states, *inputs) -> tuple:
-        """The layers in turn on ``hidden_states``: ``(output, their presents)`` and the summed MoE loss."""
+    def _run(self, hidden_states, attention_mask, *inputs) -> tuple:
+        """The layers in turn on ``hidden_states``: ``(output, their presents)`` and the summed MoE loss. Their
+        self-attention mask is recognised once for all of them (``recognise_mask``: a causal one runs as
+        ``is_causal``)."""
+        inputs = (recognise_mask(attention_mask), *inputs)
         present_layer, aux_losses = (), []
         for block in self.blocks:
             hidden_states, present, *aux = block(hidden_states, *inputs)

@@ -1,5 +1,5 @@
 """MindSpore's primitives (``mindspore.ops``) as torch modules with ``.shard(strategy)``, applied under
-``semi_auto_parallel``/``auto_parallel`` (``paratrain.parallel.semi_auto``; what a strategy means:
+``semi_auto_parallel``/``auto_parallel`` (``paratrain.train.parallel_modes.semi_auto``; what a strategy means:
 ``paratrain.ops.strategy``); elsewhere the ops are the plain torch computation.
 """
 from paratrain.ops.comm import AllReduce

@@ -26,7 +26,7 @@ class Primitive(nn.Module):
     def __init__(self):
         super().__init__()
         self.strategy: Strategy | None = None
-        self.mesh: StrategyMesh | None = None  # set by paratrain.parallel.semi_auto
+        self.mesh: StrategyMesh | None = None  # set by paratrain.train.parallel_modes.semi_auto
 
     def shard(self, in_strategy, out_strategy=None) -> "Primitive":
         """Set the strategy: one tuple per tensor input, the number of slices of each dimension. Returns self."""

@@ -144,22 +144,6 @@ def _keep_only(module: nn.Module, needed: list[str]) -> None:
             setattr(module, name, None)
 
 
-def integer_boundaries(pipe) -> list[str]:
-    """The tensors that a stage of the traced ``pipe`` (``torch.distributed.pipelining.pipeline``) receives
-    from the stage before and that are not floating point (the argmax of activations), as "name (dtype) into
-    stage k". torch 2.11 and 2.12 cannot pass one: their receiving stage asks it to require grad, their sending
-    stage waits for its gradient."""
-    found = []
-    stages = [node for node in pipe.split_gm.graph.nodes if node.op == "call_module"]
-    for index, node in enumerate(stages):
-        placeholders = [n for n in pipe.split_gm.get_submodule(node.target).graph.nodes if n.op == "placeholder"]
-        for placeholder, source in zip(placeholders, node.args):
-            value = placeholder.meta.get("val")
-            if source.op != "placeholder" and isinstance(value, torch.Tensor) and not value.is_floating_point():
-                found.append(f"{placeholder.name} ({value.dtype}) into stage {index}")
-    return found
-
-
 class _StageModule(nn.Module):
     """What a PipelineStage runs: it calls ``forward(*carried, **batch inputs)``; the model takes the
     carried tensors as ``hidden``."""

@@ -4,13 +4,14 @@ loss-scale managers, the metrics of ``Model.eval`` (``Metric``, ``Accuracy``, ``
 the weights-only loading (``load_checkpoint``, ``load_param_into_net``, ``load_distributed_checkpoint``).
 ``Model.train`` runs its steps on ``paratrain.engine``, as ``paratrain train``."""
 from paratrain.amp import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
+from paratrain.checkpoint.storage import CheckpointError
 from paratrain.train.callbacks import (Callback, CallbackParams, CheckpointConfig, LossMonitor, ModelCheckpoint,
                                        OnRequestExit, RunContext, SummaryCollector, TimeMonitor)
 from paratrain.nn.metrics import Accuracy, Loss, Metric, rearrange_inputs
 from paratrain.train.model import Model, WithLoss, group_names, rebuild_optimizer
 from paratrain.train.serialization import load_checkpoint, load_distributed_checkpoint, load_param_into_net
 
-__all__ = ["Accuracy", "Callback", "CallbackParams", "CheckpointConfig", "DynamicLossScaleManager",
+__all__ = ["Accuracy", "Callback", "CallbackParams", "CheckpointConfig", "CheckpointError", "DynamicLossScaleManager",
            "FixedLossScaleManager", "Loss", "LossMonitor", "LossScaleManager", "Metric", "Model", "ModelCheckpoint",
            "OnRequestExit", "RunContext", "SummaryCollector", "TimeMonitor", "WithLoss", "group_names",
            "load_checkpoint", "load_distributed_checkpoint", "load_param_into_net", "rearrange_inputs",

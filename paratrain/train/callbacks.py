@@ -258,14 +258,15 @@ class ModelCheckpoint(Callback):
         self._checkpointer = None
         self.last_saved_step = 0
 
-    def _checkpointer_for(self, params: CallbackParams, resume: str = "none"):
+    def _checkpointer_for(self, params: CallbackParams, resume: str = "none", trust_unverified: bool = False):
         from paratrain.checkpoint import Checkpointer
         from paratrain.config import USER_MODEL_KIND, CheckpointConfig as CheckpointSection, Config, ModelConfig
 
         if self._checkpointer is None:
             section = CheckpointSection(dir=str(self.directory), save_steps=self.config.save_checkpoint_steps,
                                         keep_max=self.config.keep_checkpoint_max,
-                                        integrated_save=self.config.integrated_save, resume=resume, prefix=self.prefix)
+                                        integrated_save=self.config.integrated_save, resume=resume, prefix=self.prefix,
+                                        trust_unverified=trust_unverified)
             config = Config(model=ModelConfig(kind=USER_MODEL_KIND), parallel=params.parallel_config,
                             checkpoint=section)
             states = {"position": _Position(params)}
@@ -275,12 +276,12 @@ class ModelCheckpoint(Callback):
                                               None, states)
         return self._checkpointer
 
-    def resume(self, params: CallbackParams, spec: str) -> dict:
+    def resume(self, params: CallbackParams, spec: str, trust_unverified: bool = False) -> dict:
         """Load checkpoint ``spec`` ("auto": the newest intact one in ``directory``, if any) into the placed
-        net and optimizer; returns the position it was saved at (epoch and step in it; 0 if none) and sets
-        the step count."""
+        net and optimizer (one of format 1, without checksums, only with ``trust_unverified``); returns the
+        position it was saved at (epoch and step in it; 0 if none) and sets the step count."""
         epoch, step_in_epoch = params.cur_epoch_num, params.cur_step_in_epoch
-        self.last_saved_step = self._checkpointer_for(params, spec).resume()
+        self.last_saved_step = self._checkpointer_for(params, spec, trust_unverified).resume()
         if self.last_saved_step == 0:
             return {"epoch": 0, "step_in_epoch": 0}
         position = {"epoch": params.cur_epoch_num, "step_in_epoch": params.cur_step_in_epoch}

@@ -51,7 +51,7 @@ def eval_rows(placed, batch: tuple, sharded: bool) -> tuple[tuple, dist.ProcessG
     """The inputs this rank runs ``placed`` (a ``PlacedNet``, ``OpPlacedNet`` or ``HybridNet``) on for ``batch``,
     on its device, and the group of ranks whose rows add up to the global batch (None: this rank saw all of
     it). ``sharded``: the batch is this rank's rows already (a dataset split per rank)."""
-    from paratrain.parallel.semi_auto import OpPlacedNet
+    from paratrain.train.parallel_modes.semi_auto import OpPlacedNet
     from paratrain.parallel.user import PlacedNet
 
     if isinstance(placed, OpPlacedNet):  # DTensor inputs: the outputs are the global batch's

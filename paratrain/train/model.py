@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from paratrain import loop, progress
+from paratrain import loop, progress, run_lock
 from paratrain.amp import LossScaleManager, precision_of
 from paratrain.auto_parallel import AutoParallel
 from paratrain.config import MetricsConfig, ParallelConfig
@@ -97,7 +97,8 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]],
     """``optimizer`` (built on the unsharded net) built again, same class, groups and hyperparameters, on this
     rank's ``named_parameters`` (name in the whole net, parameter); ``names``: its groups' parameter names
     (``group_names``). A group with no parameter here is dropped; a group holding both plain and sharded
-    tensors is split by tensor kind, which multi-tensor kernels cannot mix."""
+    tensors is split by tensor kind, which multi-tensor kernels cannot mix. On CUDA a torch Adam or AdamW
+    left to torch's default kernels gets the fused one (``fused_where_equal``)."""
     group_of = {name: index for index, group in enumerate(names) for name in group}
     placed: list[dict[object, list[tuple[str, torch.Tensor]]]] = [{} for _ in optimizer.param_groups]
     seen: set[int] = set()
@@ -112,7 +113,28 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]],
             groups.append({**options, "params": [p for _, p in members]}
                           | ({"param_names": [n for n, _ in members]} if "param_names" in group else {}))
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    fused = fused_where_equal(optimizer, options, groups)
+    return type(optimizer)([group | fused for group in groups], **(options | fused))
+
+
+# torch optimizers whose fused CUDA kernel computes the update of their default (foreach) one, in one pass that
+# also divides the gradients (``paratrain.optim.step_dividing``'s ``grad_scale``)
+FUSED_EQUIVALENT = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def fused_where_equal(optimizer: torch.optim.Optimizer, options: dict, groups: list[dict]) -> dict:
+    """``{"fused": True}`` for a torch Adam or AdamW whose user chose neither ``foreach`` nor ``fused`` (nor
+    ``differentiable``) over plain CUDA parameters: the same update as torch's default kernels; else nothing."""
+    chosen = [options] + [{k: g[k] for k in ("foreach", "fused", "differentiable") if k in g} for g in groups]
+    params = [p for group in groups for p in group["params"]]
+    if (type(optimizer) not in FUSED_EQUIVALENT or not params
+            or any(c.get("foreach") is not None or c.get("fused") is not None or c.get("differentiable")
+                   for c in chosen)):
+        return {}
+    plain_cuda = all(type(p) is nn.Parameter and p.is_cuda and p.dtype in (torch.float32, torch.bfloat16,
+                                                                             torch.float16) for p in params)
+    return {"fused": True} if plain_cuda else {}
 
 
 def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, precision: str = "none"):
@@ -131,31 +153,35 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
     from paratrain.ops import Primitive
 
     mode, of_ops = get_auto_parallel_context("parallel_mode"), any(isinstance(m, Primitive) for m in net.modules())
-    if get_context("mode") == GRAPH_MODE and (mode == ParallelMode.HYBRID_PARALLEL or of_ops):
+    graph_mode = get_context("mode") == GRAPH_MODE
+    if graph_mode and (mode == ParallelMode.HYBRID_PARALLEL or of_ops):
         raise UserError("set_context(mode=GRAPH_MODE) compiles the layers of a net of paratrain.nn blocks or "
                         "torch modules; a hybrid-parallel net or one of paratrain.ops runs in PYNATIVE_MODE")
+    if graph_mode and config.pipeline_stage > 1:
+        raise UserError("set_context(mode=GRAPH_MODE) with pipeline stages: a traced stage runs its layers "
+                        "inlined, so they cannot be compiled one by one; use PYNATIVE_MODE with pipeline_stages")
     if get_auto_parallel_context("parameter_broadcast") and layout.world_size > 1 and not on_meta:
         # (a deferred build is replayed from one random state on every rank: nothing to broadcast)
         broadcast_parameters(net.to(layout.device))  # on its device first: NCCL broadcasts only GPU tensors
     if mode == ParallelMode.HYBRID_PARALLEL:
-        from paratrain.parallel.hybrid import HybridNet
+        from paratrain.train.parallel_modes.hybrid import HybridNet
 
         _materialize([net], deferred, layout.device)
         return HybridNet(net, config, layout, precision)
     if mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and layout.world_size > 1 and of_ops:
-        from paratrain.parallel.semi_auto import place_semi_auto
+        from paratrain.train.parallel_modes.semi_auto import place_semi_auto
 
         if config.model_parallel > 1 or config.pipeline_stage > 1:
             raise UserError("Model: the net mixes paratrain.ops strategies with blocks given model_parallel or "
                             "pipeline_stage; give the ops strategies only, or use the blocks without ops")
         choose = None
         if mode == ParallelMode.AUTO_PARALLEL:
-            from paratrain.parallel.auto import StrategyChooser
+            from paratrain.train.parallel_modes.auto import StrategyChooser
 
             choose = StrategyChooser.from_context(layout.world_size)
         _materialize([net], deferred, layout.device)
         return place_semi_auto(net, batch, layout.device, layout.world_size, config, choose, precision)
-    placed = place_net(net, config, layout, batch, precision)
+    placed = place_net(net, config, layout, batch, precision, compile_layers=graph_mode)
     _materialize(placed.parts, deferred, layout.device)
     return placed
 
@@ -196,7 +222,7 @@ def _ids_per_row(first) -> int:
     """The tokens of a row of a batch whose first tensor is ``first``: its ids per row when it holds integer
     ids, else 1 (a row is one sample)."""
     if isinstance(first, torch.Tensor) and first.ndim > 1 and not first.is_floating_point():
-        return first[0].numel()
+        return first.shape[1:].numel()
     return 1
 
 
@@ -441,7 +467,7 @@ class Model:
         self._placement: tuple[ParallelConfig, Layout] | None = None  # kept for later ``train`` calls
 
     def train(self, epoch: int, train_dataset: Iterable, callbacks=None, dataset_sink_mode: bool = False,
-              sink_size: int = -1, resume: str = "none") -> None:
+              sink_size: int = -1, resume: str = "none", trust_unverified: bool = False) -> None:
         """Train ``epoch`` epochs over ``train_dataset``, an iterable of global batches (tuples of tensors: the
         net's forward arguments, then the label with ``loss_fn``), iterated again each epoch; every rank
         gives the whole global batch and keeps its rows, but for a dataset split per rank (``num_shards`` > 1,
@@ -455,7 +481,7 @@ class Model:
         any; or a checkpoint's path. The run continues exactly where that one was saved, under any layout:
         weights, optimizer state, random state and the position in the data (the batches of the epochs
         done and of the current epoch up to that step are skipped), with the losses an uninterrupted run
-        would have."""
+        would have. ``trust_unverified``: resume from a checkpoint of format 1, which records no checksums."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
             raise UserError(f"Model.train: epoch must be a positive int, got {epoch!r}")
         _check_dataset("Model.train", "train_dataset", train_dataset)
@@ -484,17 +510,27 @@ class Model:
             parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout,
             rows_of_this_rank=shards > 1, exit_requested=False, loss_scaler=self.loss_scaler, step_record=None)
         self._engine = None
-        done = self._resume(resume, train_dataset, callbacks, dataset_sink_mode, config, layout, params)
-        training = _Training(self, _Callbacks(callbacks), RunContext(params), dataset_sink_mode)
-        with training.hooks:
-            training.hooks.call("on_train_begin", training.run_context)
-            steps = training.steps(epoch, train_dataset, sink_size, done)
-            code = loop.exit_code(lambda: loop.run(training, steps, world_size), rank, "no ModelCheckpoint callback")
+        # one run per checkpoint directory, from before a resume is decided
+        locked = [("ModelCheckpoint directory", c.directory) for c in _Callbacks(callbacks).callbacks
+                  if isinstance(c, ModelCheckpoint)]
+        run_lock.hold(locked)
+        try:
+            done = self._resume(resume, train_dataset, callbacks, dataset_sink_mode, config, layout, params,
+                                trust_unverified)
+            training = _Training(self, _Callbacks(callbacks), RunContext(params), dataset_sink_mode)
+            with training.hooks:
+                training.hooks.call("on_train_begin", training.run_context)
+                steps = training.steps(epoch, train_dataset, sink_size, done)
+                code = loop.exit_code(lambda: loop.run(training, steps, world_size), rank,
+                                      "no ModelCheckpoint callback")
+        finally:
+            for _, directory in locked:
+                run_lock.release(directory)
         if code:
             raise SystemExit(code)
 
     def _resume(self, spec: str, dataset: Iterable, callbacks, sink_mode: bool, config: ParallelConfig,
-                layout: Layout, params: CallbackParams) -> dict:
+                layout: Layout, params: CallbackParams, trust_unverified: bool) -> dict:
         """Apply ``Model.train``'s ``resume``; returns the saved position (epoch and step in it, 0 for none)."""
         if not isinstance(spec, str) or not spec.strip():
             raise UserError(f"Model.train(resume={spec!r}): expected 'none', 'auto' or a checkpoint's path")
@@ -512,7 +548,7 @@ class Model:
             raise UserError("Model.train: train_dataset gave no batch")
         if self.train_network is None:
             self._place(_as_batch(first), config, layout, params)
-        return savers[0].resume(params, spec.strip())
+        return savers[0].resume(params, spec.strip(), bool(trust_unverified))
 
     def _place(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams) -> None:
         """Place the net on the layout (``batch``: an example) and rebuild the optimizer on its shards."""

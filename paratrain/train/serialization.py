@@ -12,18 +12,20 @@ from paratrain.errors import UserError
 
 
 def load_checkpoint(path: str | Path, net: nn.Module | None = None,
-                    filter_prefix: str | tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+                    filter_prefix: str | tuple[str, ...] | None = None,
+                    trust_unverified: bool = False) -> dict[str, torch.Tensor]:
     """Every model tensor of a paratrain checkpoint, whole, by name: a sliced checkpoint directory (any
     layout wrote it; a directory of checkpoints gives its newest), or a ``.safetensors`` file (an
     integrated save or ``paratrain export``). Names starting with ``filter_prefix`` are left out; with
-    ``net`` the tensors are also loaded into it (``load_param_into_net``). Needs no process group."""
+    ``net`` the tensors are also loaded into it (``load_param_into_net``). Needs no process group. A
+    checkpoint of format 1 (no checksums) is read only with ``trust_unverified``."""
     path = Path(path)
     if path.is_file() and path.suffix == ".safetensors":
-        params = _load_safetensors(path)
+        params = _load_safetensors(path, trust_unverified)
     else:
         from paratrain.checkpoint import load_full_tensors
 
-        params = load_full_tensors(path)
+        params = load_full_tensors(path, trust_unverified=trust_unverified)
     if filter_prefix:
         prefixes = (filter_prefix,) if isinstance(filter_prefix, str) else tuple(filter_prefix)
         params = {k: v for k, v in params.items() if not k.startswith(prefixes)}
@@ -32,17 +34,19 @@ def load_checkpoint(path: str | Path, net: nn.Module | None = None,
     return params
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _load_safetensors(path: Path, trust_unverified: bool) -> dict[str, torch.Tensor]:
     """The tensors of one ``.safetensors`` file; the integrated model of a checkpoint is checked against the
     checksum its ``paratrain.json`` records first."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from paratrain.checkpoint.storage import META_FILE, check_checksums, raise_if_damaged, read_meta
+    from paratrain.checkpoint.storage import (META_FILE, check_checksums, raise_if_damaged, read_meta,
+                                              require_checksums)
 
     if (path.parent / META_FILE).is_file():
         meta = read_meta(path.parent)
         if path.name in meta["files"]:
+            require_checksums(path.parent, meta, trust_unverified)
             raise_if_damaged(check_checksums(path.parent, meta, [path.name]))
     try:
         return load_file(str(path))

@@ -14,7 +14,8 @@ from torch import nn
 from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
 from paratrain.parallel.data import coalesced
-from paratrain.parallel.user import Placed, refuse_options
+from paratrain.parallel.user import Placed
+from paratrain.train.parallel_modes import refuse_options
 
 
 def is_layerwise(param: torch.Tensor) -> bool:

@@ -22,15 +22,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from paratrain.context import get_auto_parallel_context
 from paratrain.errors import UserError
 from paratrain.ops.math import BiasAdd, Exp, Log, MatMul, ReLU, Softmax, _Elementwise
 from paratrain.ops.primitive import Primitive
 from paratrain.ops.strategy import Strategy
-from paratrain.parallel.semi_auto import Call
 from paratrain.plan import cost
+from paratrain.train.parallel_modes.semi_auto import Call
 
 FORMAT = "paratrain-strategy-1"
-BYTES = 4  # float32
+BYTES = cost.DTYPE_BYTES["float32"]
 FOLLOWING = (BiasAdd, Softmax, Exp, Log, ReLU)  # one output split as their first input
 
 
@@ -102,9 +103,8 @@ class StrategyChooser:
 
     @classmethod
     def from_context(cls, device_num: int) -> "StrategyChooser":
-        from paratrain.context import get_auto_parallel_context as get
-
-        return cls(device_num, get("search_mode"), get("strategy_ckpt_load_file"), get("strategy_ckpt_save_file"))
+        return cls(device_num, *(get_auto_parallel_context(option) for option in
+                                 ("search_mode", "strategy_ckpt_load_file", "strategy_ckpt_save_file")))
 
     def __call__(self, calls: list[Call]) -> None:
         if self.load_file:

@@ -36,7 +36,8 @@ from paratrain.ops.primitive import Primitive
 from paratrain.ops.strategy import StrategyError, StrategyMesh, mesh_factors
 from paratrain.ops.strategy import placements as placements_on
 from paratrain.parallel.micro_batches import has_rows
-from paratrain.parallel.user import Placed, refuse_options
+from paratrain.parallel.user import Placed
+from paratrain.train.parallel_modes import refuse_options
 
 # a tensor split along one dimension over several mesh dims is reduced one mesh dim at a time; DTensor
 # warns about it on every redistribute
