@@ -28,9 +28,10 @@ def cmd_train(args) -> int:
     report = (lambda line: print(line, flush=True)) if os.environ.get("RANK", "0") == "0" else (lambda line: None)
     cfg = load_config(args.config, args.overrides, args.deepspeed, world_size, report)
     from paratrain import loop
+    from paratrain.plan import resolve_auto
     from paratrain.trainer import Trainer, start
 
-    rank, layout = start(cfg, report)
+    rank, layout = start(cfg, plan=lambda cfg, world_size: resolve_auto(cfg, world_size, report))
     return loop.exit_code(Trainer(cfg, (rank, layout)).run, rank)
 
 

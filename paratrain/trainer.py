@@ -35,21 +35,21 @@ from paratrain.precision import LossScaler, resolve_mixed_precision
 __all__ = ["Trainer", "TrainingDiverged", "start"]
 
 
-def start(cfg: Config, report: Callable[[str], None] | None = None) -> tuple[int, Layout]:
+def start(cfg: Config, plan: Callable[[Config, int], object] | None = None) -> tuple[int, Layout]:
     """Start a run of ``cfg`` in this process, once: resolve its precision for this device, check it, join the
-    launcher's process group and, given ``report`` (``paratrain train``), plan ``parallel.auto``'s layout for it
-    (``paratrain.plan.resolve_auto``) and check that. ``cfg`` is resolved in place; returns (rank, Layout)."""
+    launcher's process group and, given ``plan`` (``paratrain train``: ``paratrain.plan.resolve_auto``), let it
+    choose ``parallel.auto``'s layout for the group's size and check that. ``cfg`` is resolved in place; returns
+    (rank, Layout)."""
     cluster.fill_env()
     precision_asked = cfg.train.mixed_precision
     cfg.train.mixed_precision = resolve_mixed_precision(precision_asked, device())
-    plan = report is not None and cfg.parallel.auto
-    preflight.check(cfg, int(os.environ.get("WORLD_SIZE", "1")), resolved=not plan)
+    planned = plan is not None and cfg.parallel.auto
+    preflight.check(cfg, int(os.environ.get("WORLD_SIZE", "1")), resolved=not planned)
     rank, world_size = init_from_env(offload=cfg.parallel.offloads)
     progress.start(rank)
-    if plan:
-        from paratrain.plan import resolve_auto
-
-        preflight.check(resolve_auto(cfg, world_size, report=report), world_size, resolved=True)
+    if planned:
+        plan(cfg, world_size)
+        preflight.check(cfg, world_size, resolved=True)
     layout = Layout(cfg.parallel, world_size)
     if rank == 0:
         print(f"precision: {cfg.train.mixed_precision} on {layout.device} (train.mixed_precision = "
