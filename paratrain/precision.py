@@ -115,8 +115,8 @@ class LossScaler:
         return self.scale if grad_scale is None else self.scale / grad_scale
 
     def overflow(self, grad_norm: torch.Tensor) -> torch.Tensor | None:
-        """Whether the step of this (unscaled) gradient norm, the same on every rank, overflowed and its
-        optimizer step is skipped: a bool tensor on the device; None when disabled (nothing is skipped)."""
+        """Whether a step of this (unscaled) gradient norm overflowed and is skipped: a bool tensor on the device;
+        None when disabled."""
         return ~torch.isfinite(grad_norm.to(self.device)) if self.enabled else None
 
     def update(self, grad_norm: torch.Tensor) -> torch.Tensor | bool:

@@ -36,10 +36,9 @@ __all__ = ["Trainer", "TrainingDiverged", "start"]
 
 
 def start(cfg: Config, plan: Callable[[Config, int], object] | None = None) -> tuple[int, Layout]:
-    """Start a run of ``cfg`` in this process, once: resolve its precision for this device, check it, join the
-    launcher's process group and, given ``plan`` (``paratrain train``: ``paratrain.plan.resolve_auto``), let it
-    choose ``parallel.auto``'s layout for the group's size and check that. ``cfg`` is resolved in place; returns
-    (rank, Layout)."""
+    """Start a run of ``cfg`` (resolved in place) once: its precision for this device, a check, the launcher's process
+    group joined and, given ``plan`` (``paratrain train``: ``paratrain.plan.resolve_auto``), ``parallel.auto``'s
+    layout chosen for the group's size and checked; returns (rank, Layout)."""
     cluster.fill_env()
     precision_asked = cfg.train.mixed_precision
     cfg.train.mixed_precision = resolve_mixed_precision(precision_asked, device())
@@ -80,7 +79,6 @@ class Trainer(loop.Face):
     scheduler: torch.optim.lr_scheduler.LambdaLR
     loss_scaler: LossScaler
     data: ShardedBatches
-    run_dir: Path
     metrics: MetricsLogger
     timer: StepTimer
     loss_in_head: bool
@@ -123,11 +121,10 @@ class Trainer(loop.Face):
             steps = min(cfg.train.steps, 1000)
             print(f"data: {self.data.sampler.padding_fraction(steps):.1%} padding in the first {steps} global batches "
                   f"padded to their longest example (bucket_size={cfg.data.bucket_size})", flush=True)
-        self.run_dir = cfg.run.path
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.run.path.mkdir(parents=True, exist_ok=True)
         if self.is_main:
-            config_file.save(cfg, self.run_dir / "config.toml")
-        self.metrics = MetricsLogger(self.run_dir, cfg.metrics, cfg.train.steps, enabled=self.is_main)
+            config_file.save(cfg, cfg.run.path / "config.toml")
+        self.metrics = MetricsLogger(cfg.run.path, cfg.metrics, cfg.train.steps, enabled=self.is_main)
         self.timer = StepTimer(cfg.metrics, self.pipeline, self.device)
         if self.is_main:
             print(f"mfu: peak {self.timer.peak_tflops:.4g} TFLOP/s for the job ({self.timer.peak_source})", flush=True)
