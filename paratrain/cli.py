@@ -23,25 +23,16 @@ COMMAND_MODULES = ("paratrain.launch", "paratrain.doctor", "paratrain.data.comma
 
 
 def cmd_train(args) -> int:
-    from paratrain import preflight
-
     cluster.fill_env()  # srun/mpirun/a pod: what torchrun would set
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     report = (lambda line: print(line, flush=True)) if os.environ.get("RANK", "0") == "0" else (lambda line: None)
-    cfg = preflight.check(load_config(args.config, args.overrides, args.deepspeed, world_size, report), world_size)
-    from paratrain.device import device
-    from paratrain.distributed import init_from_env
+    cfg = load_config(args.config, args.overrides, args.deepspeed, world_size, report)
     from paratrain import loop
-    from paratrain.precision import resolve_mixed_precision
-    from paratrain.trainer import Trainer
+    from paratrain.plan import resolve_auto
+    from paratrain.trainer import Trainer, start
 
-    rank, world_size = init_from_env(offload=cfg.parallel.offloads)
-    # the planner below sizes activations in the compute dtype
-    cfg.train.mixed_precision = resolve_mixed_precision(cfg.train.mixed_precision, device())
-    if cfg.parallel.auto:  # the planner picks the layout for this world size before the trainer is built
-        from paratrain.plan import resolve_auto
-        resolve_auto(cfg, world_size, report=report)
-    return loop.exit_code(Trainer(cfg).run, rank)
+    rank, layout = start(cfg, plan=lambda cfg, world_size: resolve_auto(cfg, world_size, report))
+    return loop.exit_code(Trainer(cfg, (rank, layout)).run, rank)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

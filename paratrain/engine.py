@@ -29,7 +29,7 @@ import torch
 
 from paratrain import progress
 from paratrain.metrics.timer import StepTimer
-from paratrain.optim import clip_divisor, grad_norm
+from paratrain.optim import clip_divisor, grad_norm, step_dividing
 from paratrain.precision import LossScaler
 
 # record values that stay on the device until a flush (the last two: fp16 only)
@@ -83,7 +83,14 @@ class Engine:
                     clip = clip_divisor(norm, self.grad_clip)
                     divisor = clip if divisor is None else divisor * clip
                 lr = self.scheduler.get_last_lr()[0] if self.scheduler is not None else None
-                self.loss_scaler.step(self.optimizer, self.scheduler, norm, divisor)  # fp16: overflows skip it
+                skip = self.loss_scaler.overflow(norm)  # fp16: a step whose gradients overflowed is skipped
+                if skip is not None and getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                    step_dividing(self.optimizer, divisor, found_inf=skip.float())  # decided on the device
+                elif skip is None or not bool(skip):  # any other optimizer waits for the decision
+                    step_dividing(self.optimizer, divisor)
+                if self.scheduler is not None:
+                    self.scheduler.step()  # the schedule advances over skipped steps too
+                self.loss_scaler.update(norm)
                 self.optimizer.zero_grad(set_to_none=True)
         record = {"step": number, "loss": out["loss"], "grad_norm": norm, "tokens": out["tokens"],
                   "samples": out["samples"], "flops": out["flops"],

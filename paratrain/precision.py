@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from paratrain.device import DTYPES
-from paratrain.optim import step_dividing
 
 
 def resolve_mixed_precision(mixed_precision: str, device: torch.device) -> str:
@@ -115,12 +114,16 @@ class LossScaler:
             return None
         return self.scale if grad_scale is None else self.scale / grad_scale
 
+    def overflow(self, grad_norm: torch.Tensor) -> torch.Tensor | None:
+        """Whether a step of this (unscaled) gradient norm overflowed and is skipped: a bool tensor on the device;
+        None when disabled."""
+        return ~torch.isfinite(grad_norm.to(self.device)) if self.enabled else None
+
     def update(self, grad_norm: torch.Tensor) -> torch.Tensor | bool:
-        """Record one step from its (unscaled) gradient norm, the same on every rank; returns whether it
-        overflowed and must be skipped, a bool tensor on the device (False when disabled)."""
-        if not self.enabled:
+        """Update the scale after a step of this gradient norm; returns ``overflow`` (False when disabled)."""
+        overflow = self.overflow(grad_norm)
+        if overflow is None:
             return False
-        overflow = ~torch.isfinite(grad_norm.to(self.device))
         if not self.dynamic:
             self.skipped_steps = self.skipped_steps + overflow
             return overflow
@@ -137,21 +140,6 @@ class LossScaler:
         self.scale = torch.where(halve, (self.scale / 2).clamp(min=self.min_scale),
                                  torch.where(grow, self.scale * 2, self.scale))
         return overflow
-
-    def step(self, optimizer: torch.optim.Optimizer, scheduler, grad_norm: torch.Tensor,
-             divisor: torch.Tensor | None = None) -> None:
-        """The optimizer and LR steps, the gradients divided by ``divisor`` (``paratrain.optim.step_dividing``)
-        whose quotient has the norm ``grad_norm``; with fp16 an overflowed step leaves the parameters and
-        optimizer state as they were (a fused torch optimizer takes the decision as ``found_inf`` on the device;
-        any other waits for it). The LR schedule advances either way."""
-        if not self.enabled:
-            step_dividing(optimizer, divisor)
-        elif getattr(optimizer, "_step_supports_amp_scaling", False):
-            step_dividing(optimizer, divisor, found_inf=self.update(grad_norm).float())
-        elif not bool(self.update(grad_norm)):
-            step_dividing(optimizer, divisor)
-        if scheduler is not None:
-            scheduler.step()
 
     def check(self) -> None:
         """Raise :class:`LossScaleFloor` if an overflow came at the minimum scale or ``max_skipped``

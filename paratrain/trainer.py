@@ -3,6 +3,9 @@ checkpoints from a Config, trained in ``paratrain.loop`` one step at a time on `
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -10,11 +13,11 @@ from torch import nn
 from paratrain.checkpoint import Checkpointer
 from paratrain.config import Config
 from paratrain.data.loader import ShardedBatches, build_dataset
-from paratrain.device import DTYPES
-from paratrain import config_file, host_memory, loop, preflight, progress, run_lock
+from paratrain.device import DTYPES, device
+from paratrain import cluster, config_file, host_memory, loop, preflight, progress, run_lock
 from paratrain.distributed import init_from_env
 from paratrain.engine import Engine, TrainingDiverged
-from paratrain.evaluate import bleu_evaluator
+from paratrain.evaluate import BleuEvaluator, bleu_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
 from paratrain.models import build_model, token_loss_sum
@@ -25,15 +28,37 @@ from paratrain.parallel import parallelize, shard_optimizer_state
 from paratrain.parallel.expert import moe_step_metrics
 from paratrain.parallel.deferred_init import materialize, record_init
 from paratrain.parallel.micro_batches import StepLoss, forward_backward
+from paratrain.parallel.pipeline import Pipeline
 from paratrain.plan.cost import layer_costs, tokens_per_rank
 from paratrain.precision import LossScaler, resolve_mixed_precision
 
-__all__ = ["Trainer", "TrainingDiverged"]
+__all__ = ["Trainer", "TrainingDiverged", "start"]
+
+
+def start(cfg: Config, plan: Callable[[Config, int], object] | None = None) -> tuple[int, Layout]:
+    """Start a run of ``cfg`` (resolved in place) once: its precision for this device, a check, the launcher's process
+    group joined and, given ``plan`` (``paratrain train``: ``paratrain.plan.resolve_auto``), ``parallel.auto``'s
+    layout chosen for the group's size and checked; returns (rank, Layout)."""
+    cluster.fill_env()
+    precision_asked = cfg.train.mixed_precision
+    cfg.train.mixed_precision = resolve_mixed_precision(precision_asked, device())
+    planned = plan is not None and cfg.parallel.auto
+    preflight.check(cfg, int(os.environ.get("WORLD_SIZE", "1")), resolved=not planned)
+    rank, world_size = init_from_env(offload=cfg.parallel.offloads)
+    progress.start(rank)
+    if planned:
+        plan(cfg, world_size)
+        preflight.check(cfg, world_size, resolved=True)
+    layout = Layout(cfg.parallel, world_size)
+    if rank == 0:
+        print(f"precision: {cfg.train.mixed_precision} on {layout.device} (train.mixed_precision = "
+              f"{precision_asked!r})", flush=True)
+    return rank, layout
 
 
 class Trainer(loop.Face):
-    """Trains the model a finished Config describes (``parallel.auto`` already resolved) and logs one
-    record per step.
+    """Trains the model a Config describes and logs one record per step. ``started``: what ``start(cfg)`` returned
+    (``paratrain train``); without it the trainer starts the run, ``parallel.auto`` already resolved.
 
     The loss of a step is the summed token cross-entropy of every micro-batch
     divided by the non-pad target tokens of the whole global batch, so it does
@@ -42,17 +67,34 @@ class Trainer(loop.Face):
     checkpoints and evaluations, so other steps do not wait for the device.
     """
 
-    def __init__(self, cfg: Config):
-        rank, world_size = init_from_env(offload=cfg.parallel.offloads)
-        progress.start(rank)
-        self.cfg = preflight.check(cfg, world_size, resolved=True)
+    cfg: Config  # resolved by ``start``
+    layout: Layout
+    device: torch.device
+    is_main: bool  # rank 0: prints, logs and writes the run directory's config
+    locked: list[tuple[str, Path]]  # (key, directory): locked for this run from its start
+    model_parts: list[nn.Module]  # this rank's model chunks (one without a pipeline)
+    pipeline: Pipeline | None
+    model: nn.Module  # every parameter of this rank as one module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    loss_scaler: LossScaler
+    data: ShardedBatches
+    metrics: MetricsLogger
+    timer: StepTimer
+    loss_in_head: bool
+    checkpointer: Checkpointer
+    evaluator: BleuEvaluator | None
+    engine: Engine
+    step: int  # the steps done, resumed ones included
+    stopped_at: int | None  # the step saved when a stop was asked (SIGTERM/SIGINT)
+    history: list[dict]  # the records of the last train()
+
+    def __init__(self, cfg: Config, started: tuple[int, Layout] | None = None):
+        rank, self.layout = started or start(cfg)
+        self.cfg, self.device, self.is_main = cfg, self.layout.device, rank == 0
         # one run per directory, from before anything is written there or a resume is decided
         self.locked = [("run.dir", cfg.run.path), ("checkpoint.dir", cfg.checkpoint_path)]
         run_lock.hold(self.locked)
-        self.layout = Layout(cfg.parallel, world_size)
-        self.device = self.layout.device
-        precision_asked = cfg.train.mixed_precision
-        cfg.train.mixed_precision = resolve_mixed_precision(precision_asked, self.device)
         # the model is built on the meta device, parallelized, and only this rank's shards are materialized,
         # with the values a plain build from this seed has (paratrain.parallel.deferred_init)
         torch.manual_seed(cfg.run.seed)
@@ -64,7 +106,6 @@ class Trainer(loop.Face):
         torch.manual_seed(cfg.run.seed)
         # offloaded parameters are made on the host (FSDP2 pins them), never whole on the device
         materialize(self.model_parts, record, self.device, torch.device("cpu") if cfg.parallel.offloads else None)
-        # every parameter of this rank as one module
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else nn.ModuleList(self.model_parts)
         torch.manual_seed(cfg.run.seed + self.layout.dp_rank)  # dropout: shared by tensor-parallel peers
         self.optimizer = build_optimizer(self.model, cfg.train)
@@ -76,20 +117,16 @@ class Trainer(loop.Face):
                                       t.consecutive_hysteresis, self.device)
         self.data = ShardedBatches(build_dataset(cfg), cfg.train.global_batch_size, self.layout.dp_rank,
                                    self.layout.dp_size, self.device, cfg.model.pad_token_id)
-        self.is_main = rank == 0
         if self.is_main and self.data.sampler is not None and self.data.sampler.lengths is not None:
             steps = min(cfg.train.steps, 1000)
             print(f"data: {self.data.sampler.padding_fraction(steps):.1%} padding in the first {steps} global batches "
                   f"padded to their longest example (bucket_size={cfg.data.bucket_size})", flush=True)
-        self.run_dir = cfg.run.path
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.run.path.mkdir(parents=True, exist_ok=True)
         if self.is_main:
-            config_file.save(cfg, self.run_dir / "config.toml")
-        self.metrics = MetricsLogger(self.run_dir, cfg.metrics, cfg.train.steps, enabled=self.is_main)
+            config_file.save(cfg, cfg.run.path / "config.toml")
+        self.metrics = MetricsLogger(cfg.run.path, cfg.metrics, cfg.train.steps, enabled=self.is_main)
         self.timer = StepTimer(cfg.metrics, self.pipeline, self.device)
         if self.is_main:
-            print(f"precision: {cfg.train.mixed_precision} on {self.device} (train.mixed_precision = "
-                  f"{precision_asked!r})", flush=True)
             print(f"mfu: peak {self.timer.peak_tflops:.4g} TFLOP/s for the job ({self.timer.peak_source})", flush=True)
             if self.device.type == "cpu":
                 print(f"host memory: {host_memory.describe()}", flush=True)
@@ -100,9 +137,8 @@ class Trainer(loop.Face):
                                          {"loss_scaler": self.loss_scaler, "data": self.data})
         self.step = self.checkpointer.resume()  # checkpoint.resume: "auto" | path | "none"
         self.evaluator = bleu_evaluator(cfg, self.model_parts, self.pipeline is not None, self.is_main)
-        self.world_size = world_size
-        self.stopped_at: int | None = None  # the step saved when a stop was asked (SIGTERM/SIGINT)
-        self.history: list[dict] = []  # the records of the last train()
+        self.stopped_at = None
+        self.history = []
         self.engine = Engine(self.model_parts, self.optimizer, self.scheduler, self.layout, self.loss_scaler,
                              self.timer, grad_clip=cfg.train.grad_clip,
                              counted_in_norm=self.pipeline.counted_in_norm() if self.pipeline else None,
@@ -118,7 +154,8 @@ class Trainer(loop.Face):
     def run(self) -> loop.Outcome:
         """``train``, returning how the run ended (``paratrain.loop.exit_code`` makes it ``paratrain train``'s)."""
         self.history = []
-        outcome = loop.run(self, (self.train_step for _ in range(self.step, self.cfg.train.steps)), self.world_size)
+        steps = (self.train_step for _ in range(self.step, self.cfg.train.steps))
+        outcome = loop.run(self, steps, self.layout.world_size)
         self.stopped_at = self.step if outcome.stopped else None
         return outcome
 

@@ -19,7 +19,7 @@ from paratrain.parallel.expert import apply_expert_parallel
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import apply_tensor_parallel
-from paratrain.precision import compute_dtype, convert_to_fp8, resolve_mixed_precision
+from paratrain.precision import compute_dtype, convert_to_fp8
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_fn=None,
@@ -30,14 +30,14 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, loss_f
     Returns ``(model_parts, pipeline)``: this rank's model chunks -- the model itself,
     sharded in place, when ``pipeline_stage`` is 1 -- and the ``Pipeline`` whose
     schedule runs a step over them (calling ``loss_fn(logits, labels, **loss_kwargs)``),
-    or None without pipeline parallelism. ``train`` gives ``compile`` and
-    ``mixed_precision`` (FSDP then gathers parameters in the compute dtype and reduces
-    gradients in fp32). ``layer_costs``: each layer's work, which the pipeline split balances
+    or None without pipeline parallelism. ``train`` gives ``compile`` and ``mixed_precision``, resolved
+    for the device, never "auto" (FSDP then gathers parameters in the compute dtype and reduces gradients in
+    fp32; without ``train``: fp32). ``layer_costs``: each layer's work, which the pipeline split balances
     (``paratrain.parallel.pipeline.layer_chunks``; equal when not given). ``tokens_per_rank``: the tokens of a
     micro-batch when every data-parallel rank's have the same shape (``paratrain.parallel.vocab``).
     """
-    train = train or TrainConfig()
-    precision = resolve_mixed_precision(train.mixed_precision, layout.device)
+    train = train or TrainConfig(mixed_precision="none")
+    precision = train.mixed_precision
 
     def parallelize_chunk(chunk: nn.Module, root: nn.Module | None = None) -> nn.Module:
         if precision == "fp8":
