@@ -1,12 +1,10 @@
 """fp8 training (``train.mixed_precision = "fp8"``, ``Model(amp_level="fp8")``): refused in one line where it
 cannot run; where it runs, torchao's float8 Linears replace the right layers and train as bf16 does. On the
 CPU torchao emulates the fp8 matmuls (``torch._scaled_mm``), so the numbers are checked here; the GPU run is
-tests/gpu/test_gpu_fp8.py. torchao comes from ``paratrain[fp8]``, else from the wheel in wheels/ (the one the
-GPU machines use), imported from the zip as there."""
+tests/gpu/test_gpu_fp8.py. torchao comes with the test extra (``make install``) or ``paratrain[fp8]``; it is not
+imported from the zip in wheels/ here: this process forks workers, which would share its open file of the zip."""
 import copy
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +20,7 @@ from paratrain.checkpoint import info
 from paratrain.errors import UserError
 from paratrain.trainer import Trainer
 
-WHEELS = sorted((Path(__file__).parents[1] / "wheels").glob("torchao-*.whl"))
-if importlib.util.find_spec("torchao") is None and WHEELS:
-    sys.path.append(str(WHEELS[-1]))
-pytest.importorskip("torchao.float8", reason="torchao: pip install 'paratrain[fp8]', or its wheel in wheels/")
+pytest.importorskip("torchao.float8", reason="torchao: make install, or pip install 'paratrain[fp8]'")
 
 GPT = {"kind": "gpt", "vocab_size": 64, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 64,
        "decoder_layers": 2, "seq_length": 16}

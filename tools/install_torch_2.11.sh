@@ -22,11 +22,12 @@ pip=("$venv/bin/pip" install -q)
     'fsspec>=0.8.5'
 # paratrain's own requirements but torch, from pyproject.toml
 "$venv/bin/python" - > "$venv/requirements.txt" <<'EOF'
+import re
 import tomllib
 
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 for requirement in project["dependencies"] + project["optional-dependencies"]["test"]:
-    if not requirement.startswith("torch"):
+    if re.match(r"[\w.-]+", requirement).group() != "torch":
         print(requirement)
 EOF
 "${pip[@]}" -r "$venv/requirements.txt"
