@@ -85,8 +85,6 @@ class _Callbacks:
             getattr(callback, hook)(run_context)
 
 
-
-
 class _Training(loop.Face):
     """One ``Model.train`` call in ``paratrain.loop``: its epochs, sinks and resumed position (``steps``) and
     MindSpore's callbacks and step counts around the loop's steps."""
