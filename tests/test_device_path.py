@@ -153,7 +153,7 @@ def test_parameter_broadcast_runs_on_the_nets_device(monkeypatch):
 
     from paratrain.config import ParallelConfig
     from paratrain.context import ParallelMode, reset_auto_parallel_context, set_auto_parallel_context
-    from paratrain.train.model import place
+    from paratrain.train.placement import place
 
     seen = []
     monkeypatch.setattr(dist, "broadcast", lambda tensor, src: seen.append(tensor.device))

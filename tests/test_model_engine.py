@@ -187,7 +187,7 @@ def test_graph_mode_with_pipeline_stages_is_refused_before_placing():
     GRAPH_MODE with pipeline stages before it places anything (no layout is needed to say so)."""
     import paratrain
     from paratrain.config import ParallelConfig
-    from paratrain.train.model import place
+    from paratrain.train.placement import place
 
     paratrain.set_context(mode=paratrain.GRAPH_MODE)
     try:

@@ -323,7 +323,7 @@ def test_a_resume_through_torchs_distributed_checkpoint_goes_on_as_if_uninterrup
 @pytest.mark.parametrize("learning_rate", [[0.1, 0.05, 0.02], CosineDecayLR(0.01, 0.1, 2), 0.1],
                          ids=["list", "schedule", "number"])
 def test_model_rebuilds_momentum_with_its_learning_rate_and_groups(learning_rate):
-    from paratrain.train.model import group_names, rebuild_optimizer
+    from paratrain.train.placement import group_names, rebuild_optimizer
 
     net = torch.nn.Linear(3, 2, device="cpu")
     opt = Momentum([{"params": [net.weight], "weight_decay": 0.01}, {"params": [net.bias]}], learning_rate, 0.9)

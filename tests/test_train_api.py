@@ -550,7 +550,7 @@ def test_resume_refuses_what_it_cannot_do(tmp_path):
 
 
 def test_a_default_adam_on_cuda_parameters_is_rebuilt_fused_and_a_chosen_kernel_kept(monkeypatch):
-    from paratrain.train.model import fused_where_equal
+    from paratrain.train.placement import fused_where_equal
 
     params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))]
     monkeypatch.setattr(nn.Parameter, "is_cuda", property(lambda self: True))  # as placed on a GPU

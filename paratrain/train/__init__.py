@@ -8,7 +8,8 @@ from paratrain.checkpoint.storage import CheckpointError
 from paratrain.train.callbacks import (Callback, CallbackParams, CheckpointConfig, LossMonitor, ModelCheckpoint,
                                        OnRequestExit, RunContext, SummaryCollector, TimeMonitor)
 from paratrain.nn.metrics import Accuracy, Loss, Metric, rearrange_inputs
-from paratrain.train.model import Model, WithLoss, group_names, rebuild_optimizer
+from paratrain.train.model import Model, WithLoss
+from paratrain.train.placement import group_names, rebuild_optimizer
 from paratrain.train.serialization import load_checkpoint, load_distributed_checkpoint, load_param_into_net
 
 __all__ = ["Accuracy", "Callback", "CallbackParams", "CheckpointConfig", "CheckpointError", "DynamicLossScaleManager",

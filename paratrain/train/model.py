@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from contextlib import ExitStack
 from typing import Iterable
 
-import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -17,7 +15,7 @@ from paratrain import loop, progress, run_lock
 from paratrain.amp import LossScaleManager, precision_of
 from paratrain.auto_parallel import AutoParallel
 from paratrain.config import MetricsConfig, ParallelConfig
-from paratrain.context import GRAPH_MODE, ParallelMode, get_auto_parallel_context, get_context, parallel_config_for
+from paratrain.context import ParallelMode, get_auto_parallel_context, parallel_config_for
 from paratrain.distributed import init_from_env
 from paratrain.engine import Engine
 from paratrain.errors import UserError
@@ -25,16 +23,16 @@ from paratrain.mesh import Layout
 from paratrain.modules.moe import MoE
 from paratrain.metrics.timer import StepTimer
 from paratrain.nn import PipelineCell
-from paratrain.optim import tensor_kind
 from paratrain.parallel.data import shard_optimizer_state
-from paratrain.parallel.deferred_init import deferred_record, materialize
 from paratrain.parallel.expert import moe_step_metrics
-from paratrain.parallel.user import PlacedNet, place_net
+from paratrain.parallel.user import PlacedNet
 from paratrain.preflight import net_memory_problem
-from paratrain.precision import LossScaler, autocast, convert_to_fp8
+from paratrain.precision import LossScaler
+from paratrain.train.batches import BatchCheck, as_batch, batch_position, endless_batches, ids_per_row, with_last
 from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext, SummaryCollector
-from paratrain.train.metrics import (check_reducible, eval_rows, evaluating, get_metrics, global_loss,
-                                     reduce_metrics, update_metrics)
+from paratrain.train.evaluation import Evaluation, eval_shards
+from paratrain.train.metrics import get_metrics
+from paratrain.train.placement import group_names, parallel_configs, place, rebuild_optimizer
 
 
 class WithLoss(nn.Module):
@@ -63,236 +61,6 @@ class WithLoss(nn.Module):
         return self.loss_fn(output, label), output, label
 
 
-def parallel_configs(network: nn.Module) -> list[ParallelConfig]:
-    """The distinct ``TransformerOpParallelConfig`` objects held by the net's modules (its blocks')."""
-    found: dict[int, ParallelConfig] = {}
-    for module in network.modules():
-        for value in vars(module).values():
-            if isinstance(value, ParallelConfig):
-                found.setdefault(id(value), value)
-    return list(found.values())
-
-
-def group_names(optimizer: torch.optim.Optimizer, net: nn.Module) -> list[list[str]]:
-    """The names in ``net`` of each parameter group's parameters (every name of a shared one); call it before
-    placing the net, which replaces its parameters."""
-    if optimizer.state:
-        raise UserError("Model: the optimizer has taken steps already; paratrain rebuilds it on this rank's "
-                        "parameters without its state: give Model a fresh optimizer")
-    names: dict[int, list[str]] = {}
-    for name, param in net.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    groups = []
-    for group in optimizer.param_groups:
-        foreign = [list(p.shape) for p in group["params"] if id(p) not in names]
-        if foreign:
-            raise UserError(f"Model: the optimizer holds parameters of shapes {foreign} that are not in the "
-                            f"network: build the optimizer on the network's parameters")
-        groups.append([name for p in group["params"] for name in names[id(p)]])
-    return groups
-
-
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]],
-                      named_parameters) -> torch.optim.Optimizer:
-    """``optimizer`` (built on the unsharded net) built again, same class, groups and hyperparameters, on this
-    rank's ``named_parameters`` (name in the whole net, parameter); ``names``: its groups' parameter names
-    (``group_names``). A group with no parameter here is dropped; a group holding both plain and sharded
-    tensors is split by tensor kind, which multi-tensor kernels cannot mix. On CUDA a torch Adam or AdamW
-    left to torch's default kernels gets the fused one (``fused_where_equal``)."""
-    group_of = {name: index for index, group in enumerate(names) for name in group}
-    placed: list[dict[object, list[tuple[str, torch.Tensor]]]] = [{} for _ in optimizer.param_groups]
-    seen: set[int] = set()
-    for name, param in named_parameters:
-        if name in group_of and id(param) not in seen:
-            seen.add(id(param))
-            placed[group_of[name]].setdefault(tensor_kind(param), []).append((name, param))
-    groups = []
-    for group, kinds in zip(optimizer.param_groups, placed):
-        options = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        for members in kinds.values():
-            groups.append({**options, "params": [p for _, p in members]}
-                          | ({"param_names": [n for n, _ in members]} if "param_names" in group else {}))
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    fused = fused_where_equal(optimizer, options, groups)
-    return type(optimizer)([group | fused for group in groups], **(options | fused))
-
-
-# torch optimizers whose fused CUDA kernel computes the update of their default (foreach) one, in one pass that
-# also divides the gradients (``paratrain.optim.step_dividing``'s ``grad_scale``)
-FUSED_EQUIVALENT = (torch.optim.Adam, torch.optim.AdamW)
-
-
-def fused_where_equal(optimizer: torch.optim.Optimizer, options: dict, groups: list[dict]) -> dict:
-    """``{"fused": True}`` for a torch Adam or AdamW whose user chose neither ``foreach`` nor ``fused`` (nor
-    ``differentiable``) over plain CUDA parameters: the same update as torch's default kernels; else nothing."""
-    chosen = [options] + [{k: g[k] for k in ("foreach", "fused", "differentiable") if k in g} for g in groups]
-    params = [p for group in groups for p in group["params"]]
-    if (type(optimizer) not in FUSED_EQUIVALENT or not params
-            or any(c.get("foreach") is not None or c.get("fused") is not None or c.get("differentiable")
-                   for c in chosen)):
-        return {}
-    plain_cuda = all(type(p) is nn.Parameter and p.is_cuda and p.dtype in (torch.float32, torch.bfloat16,
-                                                                             torch.float16) for p in params)
-    return {"fused": True} if plain_cuda else {}
-
-
-def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, precision: str = "none"):
-    """``net`` placed as the context's ``parallel_mode`` says: whole on every rank with its own collectives
-    (hybrid), op by op on its strategies (semi-auto or auto parallel with ``paratrain.ops``), else by
-    ``place_net`` (the blocks' plans, pipeline, data parallel). A net built under ``no_init_parameters`` is placed
-    on the meta device and only this rank's shards are made (``place_net``; the others materialise it whole
-    first). With ``precision`` "fp8" its Linear layers are made fp8 ones first (``convert_to_fp8``)."""
-    if precision == "fp8":
-        convert_to_fp8(net)
-    on_meta = any(p.is_meta for p in net.parameters())
-    deferred = deferred_record(net) if on_meta else None
-    if on_meta and deferred is None:
-        raise UserError("Model: the net's parameters are on the meta device but it was not built under "
-                        "paratrain.no_init_parameters(), so nothing says how to initialise them")
-    from paratrain.ops import Primitive
-
-    mode, of_ops = get_auto_parallel_context("parallel_mode"), any(isinstance(m, Primitive) for m in net.modules())
-    graph_mode = get_context("mode") == GRAPH_MODE
-    if graph_mode and (mode == ParallelMode.HYBRID_PARALLEL or of_ops):
-        raise UserError("set_context(mode=GRAPH_MODE) compiles the layers of a net of paratrain.nn blocks or "
-                        "torch modules; a hybrid-parallel net or one of paratrain.ops runs in PYNATIVE_MODE")
-    if graph_mode and config.pipeline_stage > 1:
-        raise UserError("set_context(mode=GRAPH_MODE) with pipeline stages: a traced stage runs its layers "
-                        "inlined, so they cannot be compiled one by one; use PYNATIVE_MODE with pipeline_stages")
-    if get_auto_parallel_context("parameter_broadcast") and layout.world_size > 1 and not on_meta:
-        # (a deferred build is replayed from one random state on every rank: nothing to broadcast)
-        broadcast_parameters(net.to(layout.device))  # on its device first: NCCL broadcasts only GPU tensors
-    if mode == ParallelMode.HYBRID_PARALLEL:
-        from paratrain.train.parallel_modes.hybrid import HybridNet
-
-        _materialize([net], deferred, layout.device)
-        return HybridNet(net, config, layout, precision)
-    if mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and layout.world_size > 1 and of_ops:
-        from paratrain.train.parallel_modes.semi_auto import place_semi_auto
-
-        if config.model_parallel > 1 or config.pipeline_stage > 1:
-            raise UserError("Model: the net mixes paratrain.ops strategies with blocks given model_parallel or "
-                            "pipeline_stage; give the ops strategies only, or use the blocks without ops")
-        choose = None
-        if mode == ParallelMode.AUTO_PARALLEL:
-            from paratrain.train.parallel_modes.auto import StrategyChooser
-
-            choose = StrategyChooser.from_context(layout.world_size)
-        _materialize([net], deferred, layout.device)
-        return place_semi_auto(net, batch, layout.device, layout.world_size, config, choose, precision)
-    placed = place_net(net, config, layout, batch, precision, compile_layers=graph_mode)
-    _materialize(placed.parts, deferred, layout.device)
-    return placed
-
-
-def _materialize(parts: list[nn.Module], deferred: tuple | None, device: torch.device) -> None:
-    """Make the meta ``parts`` on ``device`` with the values the recorded build (``deferred``; None: not deferred,
-    nothing to make) draws from its random state."""
-    if deferred is None:
-        return
-    record, state = deferred
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(state)
-        materialize(parts, record, device)
-
-
-@torch.no_grad()
-def broadcast_parameters(net: nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers (MindSpore's ``parameter_broadcast``), but a
-    ``layerwise_parallel`` parameter, which is each rank's own slice."""
-    import torch.distributed as dist
-
-    for tensor in [*net.parameters(), *net.buffers()]:
-        if not getattr(tensor, "layerwise_parallel", False):
-            dist.broadcast(tensor.data, src=0)
-
-
-def _as_batch(batch) -> tuple:
-    """A dataset's batch as a tuple, its NumPy arrays (what MindSpore's datasets give) as tensors."""
-    if isinstance(batch, (torch.Tensor, np.ndarray)):
-        batch = (batch,)
-    if isinstance(batch, (tuple, list)):
-        return tuple(torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in batch)
-    raise UserError(f"Model.train: a batch must be a tuple of tensors (the net's forward arguments), got "
-                    f"{type(batch).__name__}")
-
-
-def _ids_per_row(first) -> int:
-    """The tokens of a row of a batch whose first tensor is ``first``: its ids per row when it holds integer
-    ids, else 1 (a row is one sample)."""
-    if isinstance(first, torch.Tensor) and first.ndim > 1 and not first.is_floating_point():
-        return first.shape[1:].numel()
-    return 1
-
-
-def _kind(value) -> tuple[str, tuple[int, ...] | None]:
-    """(dtype, shape) of a tensor of a batch; (type name, None) of anything else."""
-    if isinstance(value, torch.Tensor):
-        return str(value.dtype).removeprefix("torch."), tuple(value.shape)
-    return type(value).__name__, None
-
-
-def _kinds_text(kinds: list) -> str:
-    return "(" + ", ".join(name if shape is None else f"{list(shape)} {name}" for name, shape in kinds) + ")"
-
-
-def _alike(kinds: list, first: list, rows_may_differ: bool) -> bool:
-    """Whether a batch of ``kinds`` is like the first batch: the same tensors, dtypes and shapes, but for the
-    rows (the first dimension) when ``rows_may_differ``."""
-
-    def compared(kind):
-        name, shape = kind
-        return name, shape if shape is None or not rows_may_differ else (len(shape), shape[1:])
-
-    return [compared(k) for k in kinds] == [compared(k) for k in first]
-
-
-def _declared_shape_problem(net: nn.Module, first: torch.Tensor) -> str | None:
-    """What is wrong with a first batch whose first tensor is ``first`` (the net's input: ids (B, T) or hidden
-    states (B, T, H)) for the ``batch_size`` and sequence lengths the net's attention blocks were built with; None
-    when they declare none or it fits. A length one longer than declared is an input the net shifts itself."""
-    from paratrain.nn.layers import MultiHeadAttention
-
-    blocks = [m for m in net.modules() if isinstance(m, MultiHeadAttention)]
-    batch_sizes = {m.batch_size for m in blocks}
-    lengths = sorted({n for m in blocks for n in (m.src_seq_length, m.tgt_seq_length)})
-    if not blocks or first.ndim < 2 or len(batch_sizes) != 1:
-        return None
-    (batch_size,) = batch_sizes
-    if first.shape[0] != batch_size:
-        return (f"its first tensor has {first.shape[0]} rows, but the net's blocks were built with batch_size="
-                f"{batch_size}: give batches of {batch_size} rows or build the blocks with batch_size="
-                f"{first.shape[0]}")
-    if first.shape[1] not in lengths and first.shape[1] - 1 not in lengths:
-        return (f"its first tensor has length {first.shape[1]}, but the net's blocks were built with sequence "
-                f"lengths {lengths}: give sequences of that length or build the blocks with it")
-    return None
-
-
-def _where(params: CallbackParams) -> str:
-    """The batch of the step under way, in words."""
-    return f"batch index {params.cur_step_in_epoch} of epoch {params.cur_epoch_num}"
-
-
-def _token_problem(net: nn.Module, batch: tuple) -> str | None:
-    """An id of the batch's integer (B, T) tensors on the host that no embedding table of the net has a row for
-    (it would end the step in an IndexError); None when there is none (the tensors on a device are not read: that
-    would wait for the device every step)."""
-    vocab = max((m.num_embeddings for m in net.modules() if isinstance(m, nn.Embedding)), default=None)
-    if vocab is None:
-        return None
-    for index, tensor in enumerate(batch):
-        if (isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.ndim >= 2
-                and not tensor.is_floating_point() and tensor.dtype != torch.bool and tensor.numel()):
-            largest = int(tensor.max())
-            if largest >= vocab:
-                return (f"tensor {index} holds id {largest}, but the net's largest embedding table has vocab_size="
-                        f"{vocab} rows (ids 0..{vocab - 1}): build the embedding with a larger vocab_size or "
-                        f"fix the data")
-    return None
-
-
 class _Callbacks:
     """The callbacks of one ``Model.train``, entered together and called in order."""
 
@@ -317,30 +85,6 @@ class _Callbacks:
             getattr(callback, hook)(run_context)
 
 
-def _stream(dataset: Iterable):
-    """The batches of ``dataset`` without end, iterating it again whenever it runs out."""
-    while True:
-        empty = True
-        for batch in dataset:
-            empty = False
-            yield batch
-        if empty:
-            raise UserError("Model.train: train_dataset gave no batch")
-
-
-_END = object()
-
-
-def _with_last(items: Iterable):
-    """(item, whether it is the last) of each of ``items``, drawing each one a step ahead."""
-    items = iter(items)
-    current = next(items, _END)
-    while current is not _END:
-        following = next(items, _END)
-        yield current, following is _END
-        current = following
-
-
 class _Training(loop.Face):
     """One ``Model.train`` call in ``paratrain.loop``: its epochs, sinks and resumed position (``steps``) and
     MindSpore's callbacks and step counts around the loop's steps."""
@@ -359,7 +103,7 @@ class _Training(loop.Face):
         epoch and step callbacks between them."""
         params, run_context, call = self.params, self.run_context, self.hooks.call
         sinks = self.sink_mode and sink_size > 0
-        stream = _stream(dataset) if sinks else None
+        stream = endless_batches(dataset) if sinks else None
         config, layout = params.parallel_config, params.layout
         for current in range(done["epoch"] or 1, epochs + 1):  # a resumed run skips the epochs done
             params.update(cur_epoch_num=current, cur_step_in_epoch=0)
@@ -371,9 +115,9 @@ class _Training(loop.Face):
                 params.cur_step_in_epoch = done["step_in_epoch"]
             if self.sink_mode:
                 call("on_train_step_begin", run_context)
-            for batch, self.step_ends in _with_last(batches) if self.sink_mode else ((b, True) for b in batches):
-                batch = _as_batch(batch)  # checked on the host as it is drawn, before its step begins
-                self.model._check_batch(batch, config, _where(params), params.rows_of_this_rank)
+            for batch, self.step_ends in with_last(batches) if self.sink_mode else ((b, True) for b in batches):
+                batch = as_batch(batch)  # checked on the host as it is drawn, before its step begins
+                self.model._batch_check(batch, config, batch_position(params), params.rows_of_this_rank)
                 if not self.sink_mode:
                     call("on_train_step_begin", run_context)
                 yield functools.partial(self.model._step, batch, config, layout, params, self.hooks)
@@ -470,7 +214,7 @@ class Model:
         self._engine: Engine | None = None  # one per train call
         self._parameter_count = sum(p.numel() for p in network.parameters())
         self.train_network = None  # the placed net, from the first batch of ``train`` on
-        self._first_batch: list | None = None  # the (dtype, shape) of each tensor of the batch it was placed with
+        self._batch_check = BatchCheck(network)
         self._placement: tuple[ParallelConfig, Layout] | None = None  # kept for later ``train`` calls
 
     def train(self, epoch: int, train_dataset: Iterable, callbacks=None, dataset_sink_mode: bool = False,
@@ -554,7 +298,7 @@ class Model:
         if first is None:
             raise UserError("Model.train: train_dataset gave no batch")
         if self.train_network is None:
-            self._place(_as_batch(first), config, layout, params)
+            self._place(as_batch(first), config, layout, params)
         return savers[0].resume(params, spec.strip(), bool(trust_unverified))
 
     def _place(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams) -> None:
@@ -576,38 +320,19 @@ class Model:
                             else LossScaler(False, device=layout.device))
         params.update(train_network=self.train_network, optimizer=self.optimizer, loss_scaler=self.loss_scaler)
 
-    def _check_batch(self, batch: tuple, config: ParallelConfig, where: str, rows_of_this_rank: bool) -> None:
-        """Refuse, before it runs, a batch unlike the first (its tensors' count, dtypes and shapes; the rows may differ,
-        as in a last, smaller batch, except under a pipeline, traced with the first batch's shapes), a first batch
-        unlike the blocks' declared shapes (unless each rank reads its own rows: ``rows_of_this_rank``), and ids
-        beyond the net's embedding tables."""
-        kinds = [_kind(t) for t in batch]
-        problem = _token_problem(self.network, batch)
-        if self._first_batch is None and problem is None and not rows_of_this_rank:
-            problem = isinstance(batch[0], torch.Tensor) and _declared_shape_problem(self.network, batch[0])
-        if problem:
-            raise UserError(f"Model.train: {where}: {problem}")
-        if self._first_batch is None:
-            self._first_batch = kinds
-        elif not _alike(kinds, self._first_batch, rows_may_differ=config.pipeline_stage == 1):
-            rows = "" if config.pipeline_stage == 1 else " (a pipeline's rows too)"
-            raise UserError(f"Model.train: {where} is {_kinds_text(kinds)}, unlike the first batch "
-                            f"{_kinds_text(self._first_batch)}: give every batch the first one's tensors, dtypes "
-                            f"and shapes{rows}")
-
     def _step(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams,
               hooks: "_Callbacks") -> dict:
         """One optimizer step on a global batch (``paratrain.engine``); places the net on the first. Returns its
         record (device values, unless a callback reads this step's values). A loss that is no scalar is refused
-        naming the batch (a batch unlike the first was, as it was drawn: ``_check_batch``)."""
-        where = _where(params)
+        naming the batch (a batch unlike the first was, as it was drawn: ``BatchCheck``)."""
+        where = batch_position(params)
         if self.train_network is None:
             self._place(batch, config, layout, params)
         if self._engine is None:
             self._engine = self._make_engine(layout, hooks)
         summed = params.parallel_mode == ParallelMode.DATA_PARALLEL and not get_auto_parallel_context("gradients_mean")
         rows = len(batch[0]) * (config.data_parallel if params.rows_of_this_rank else 1)
-        tokens = rows * _ids_per_row(batch[0])
+        tokens = rows * ids_per_row(batch[0])
 
         net = self.train_network.parts[0]  # a mixture of experts' aux loss: in the net's own loss, reported too
 
@@ -660,15 +385,7 @@ class Model:
                             "'loss': Loss()})")
         rank, world_size = init_from_env()
         config, layout = self._layout_for(world_size)
-        if config.pipeline_stage > 1:
-            raise UserError(f"Model.eval: pipeline_stage={config.pipeline_stage}: the traced stages of a pipeline end "
-                            f"in the loss, so the metrics cannot see the network's output; evaluate the trained "
-                            f"weights in a net placed without pipeline stages (load_checkpoint + load_param_into_net)")
-        shards = getattr(valid_dataset, "num_shards", None) or 1
-        if shards > 1 and not shards == config.data_parallel == world_size:
-            raise UserError(f"Model.eval: the dataset is split into num_shards={shards} for {world_size} ranks, "
-                            f"{config.data_parallel} of them data-parallel: a dataset split per rank needs "
-                            f"num_shards=get_group_size() and no model parallelism")
+        shards = eval_shards(config, world_size, valid_dataset)
         params = CallbackParams(
             network=self.network, eval_network=self.eval_network, valid_dataset=valid_dataset, metrics=self.metrics,
             batch_num=len(valid_dataset) if hasattr(valid_dataset, "__len__") else None, cur_epoch_num=1,
@@ -680,46 +397,7 @@ class Model:
         if first is None:
             raise UserError("Model.eval: valid_dataset gave no batch")
         if self.train_network is None:
-            self._place(_as_batch(first), config, layout, params)
-        placed = self.train_network
-        root = placed.parts[0]  # run through it: its hooks gather and track the placed parameters
-        if self.eval_network is None:
-            forward, run = root.evaluate, root
-        elif any(m is root for m in self.eval_network.modules()):  # it calls the placed net itself
-            forward, run = None, self.eval_network
-        else:
-            forward, run = self.eval_network.__call__, root
-        loss_at = self.eval_indexes[0] if self.eval_indexes else None
-        for metric in self.metrics.values():
-            metric.clear()
-        group = None
-        with _Callbacks(callbacks) as hooks, evaluating(root, forward, [root, self.eval_network]):
-            hooks.call("on_eval_begin", run_context)
-            hooks.call("on_eval_epoch_begin", run_context)
-            if dataset_sink_mode:
-                hooks.call("on_eval_step_begin", run_context)
-            for batch in valid_dataset:
-                if not dataset_sink_mode:
-                    hooks.call("on_eval_step_begin", run_context)
-                inputs, group = eval_rows(placed, _as_batch(batch), shards > 1)
-                if params.cur_step_num == 0:
-                    check_reducible(self.metrics, group)
-                with autocast(self.precision, placed.device):  # as the net trains: amp_level
-                    outputs = run(*inputs)
-                outputs = [o.full_tensor() if isinstance(o, DTensor) else o
-                           for o in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))]
-                if loss_at is not None:  # the same on every rank: the global batch's
-                    rows = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.ndim), 1)
-                    outputs[loss_at] = global_loss(outputs[loss_at], rows, getattr(placed, "summed", False), group,
-                                                   placed.device)
-                update_metrics(self.metrics, outputs, self.eval_indexes)
-                params.net_outputs = tuple(outputs)
-                params.cur_step_num += 1
-                if not dataset_sink_mode:
-                    hooks.call("on_eval_step_end", run_context)
-            if dataset_sink_mode:
-                hooks.call("on_eval_step_end", run_context)
-            reduce_metrics(self.metrics, group, placed.device)
-            hooks.call("on_eval_epoch_end", run_context)
-            hooks.call("on_eval_end", run_context)
-        return {name: metric.eval() for name, metric in self.metrics.items()}
+            self._place(as_batch(first), config, layout, params)
+        evaluation = Evaluation(self.train_network, self.eval_network, self.metrics, self.eval_indexes,
+                                self.precision, shards > 1)
+        return evaluation.run(valid_dataset, _Callbacks(callbacks), run_context, dataset_sink_mode)
