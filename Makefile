@@ -65,7 +65,8 @@ GPU_ENV      = PYTHONPATH=$(CURDIR)$(foreach w,$(wildcard wheels/*.whl),:$(CURDI
 gpu-test:
 	@python=$(GPU_PYTHON) && $(GPU_ENV) $$python -m pytest -v -rs tests/gpu
 
-# fill wheels/ (committed) from PyPI, on a machine with network
+# fill wheels/ from PyPI, on a machine with network: tomli_w's is committed; torchao's (3.3 MB, fp8) is not
+# (.gitignore): fetch it before a GPU run and carry it to the GPU machine with the tree
 gpu-wheels:
 	rm -f wheels/*.whl
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --dest wheels $(GPU_WHEELS)

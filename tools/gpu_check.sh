@@ -128,7 +128,7 @@ EOF
                                   f"capability {torch.cuda.get_device_capability(0)}), torch {torch.__version__}, python",
                                   __import__("sys").version.split()[0])'
 "$python" -c 'import torchao; print(f"gpu_check: torchao {torchao.__version__} from {torchao.__file__}")' \
-    || echo "gpu_check: torchao does not import: fp8 is refused here"
+    || echo "gpu_check: torchao does not import: fp8 is refused here (make gpu-wheels fetches its wheel into wheels/)"
 for name in "${parts[@]}"; do
     part "$name" "${limits[$name]}" "${name//-/_}"
 done
