@@ -80,11 +80,10 @@ def batch_position(params: CallbackParams) -> str:
     return f"batch index {params.cur_step_in_epoch} of epoch {params.cur_epoch_num}"
 
 
-def _token_problem(net: nn.Module, batch: tuple) -> str | None:
-    """An id of the batch's integer (B, T) tensors on the host that no embedding table of the net has a row for
-    (it would end the step in an IndexError); None when there is none (the tensors on a device are not read: that
-    would wait for the device every step)."""
-    vocab = max((m.num_embeddings for m in net.modules() if isinstance(m, nn.Embedding)), default=None)
+def _token_problem(vocab: int | None, batch: tuple) -> str | None:
+    """An id of the batch's integer (B, T) tensors on the host that no row of the net's largest embedding table
+    (``vocab`` rows; None: the net has none) holds (it would end the step in an IndexError); None when there is
+    none (the tensors on a device are not read: that would wait for the device every step)."""
     if vocab is None:
         return None
     for index, tensor in enumerate(batch):
@@ -105,6 +104,8 @@ class BatchCheck:
     def __init__(self, network: nn.Module):
         self.network = network
         self.first_batch: list | None = None
+        # the net's largest embedding table, as built (before placement shards any)
+        self.vocab = max((m.num_embeddings for m in network.modules() if isinstance(m, nn.Embedding)), default=None)
 
     def __call__(self, batch: tuple, config: ParallelConfig, where: str, rows_of_this_rank: bool) -> None:
         """Refuse, before it runs, a batch unlike the first (its tensors' count, dtypes and shapes; the rows may differ,
@@ -112,7 +113,7 @@ class BatchCheck:
         unlike the blocks' declared shapes (unless each rank reads its own rows: ``rows_of_this_rank``), and ids
         beyond the net's embedding tables."""
         kinds = [_kind(t) for t in batch]
-        problem = _token_problem(self.network, batch)
+        problem = _token_problem(self.vocab, batch)
         if self.first_batch is None and problem is None and not rows_of_this_rank:
             problem = isinstance(batch[0], torch.Tensor) and _declared_shape_problem(self.network, batch[0])
         if problem:
