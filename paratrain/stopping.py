@@ -38,7 +38,8 @@ _catcher = _Catcher()
 
 
 def catch() -> None:
-    """From now on SIGTERM/SIGINT ask this process to stop (see the module's docstring)."""
+    """From now on SIGTERM/SIGINT ask this process to stop (see the module's docstring): a new run."""
+    _catcher.signal = None
     _catcher.install()
 
 
@@ -63,6 +64,8 @@ class StopAgreement:
         self.flag = torch.zeros(1, dtype=torch.int32, device="cpu")
         self.group = dist.new_group(backend="gloo") if world_size > 1 else None
         self.pending = None  # (work, flag tensor) of the all-reduce started last step
+        if _catcher.signal is not None and not _catcher.training:  # its StopRequested was lost on the way up
+            raise StopRequested(signal.Signals(_catcher.signal).name)
         _catcher.signal, _catcher.training = None, True  # a signal before this point ended the start-up
         self.previous = _catcher.install()
 
