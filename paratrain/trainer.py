@@ -154,9 +154,8 @@ class Trainer(loop.Face):
         to_host = (self.metrics.should_log(step - 1) or self.checkpointer.due(step) or step == self.cfg.train.steps
                    or (self.evaluator is not None and self.evaluator.due(step)))
         batch = self.data.batch(self.step)
-        fields = {"samples": self.cfg.train.global_batch_size, "flops": batch_flops(self.cfg.model, batch,
-                                                                                     self.layout.dp_size)}
-        return self.engine.step(step, batch, fields, to_host)
+        flops = batch_flops(self.cfg.model, batch, self.layout.dp_size)
+        return self.engine.step(step, batch, {"samples": self.cfg.train.global_batch_size, "flops": flops}, to_host)
 
     # the loop's Face: metrics, evaluation and checkpoints between steps
     def after_step(self, record: dict) -> bool:

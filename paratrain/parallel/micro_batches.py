@@ -2,8 +2,8 @@
 
 :func:`forward_backward` runs forward and backward of each micro-batch (or a pipeline schedule's step), with the
 gradients accumulated and, below ZeRO 3, reduced once; :class:`StepLoss` makes the loss and gradients those of one
-device whatever the split. Both faces' placements use them (``paratrain.trainer`` for the built-in models,
-``paratrain.parallel.user`` for a user's net); ``paratrain.engine`` does the rest of the step.
+device whatever the split. Every placed model uses them (``paratrain.parallel.placed``); ``paratrain.engine``
+does the rest of the step.
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ so one process gets the plain model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -31,10 +32,8 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, model_
                 tokens_per_rank: int | None = None) -> PlacedModel:
     """Split a built-in ``model`` (built identically on every rank, or on the meta device) over ``layout``'s mesh;
     returns it placed (``PlacedModel``): this rank's chunks -- the model itself, sharded in place, when
-    ``pipeline_stage`` is 1 -- and the ``Pipeline`` whose schedule runs a step over them.
-
-    ``model_config`` gives the loss (``ignore_index``, ``loss_in_head``) and whether there are experts (without
-    it: no MoE, the logits' loss). ``train`` gives ``compile`` and ``mixed_precision``, resolved for the device,
+    ``pipeline_stage`` is 1 -- and the ``Pipeline`` whose schedule runs a step over them. ``model_config`` gives
+    the loss (``ignore_index``, ``loss_in_head``) and whether there are experts (without it: none). ``train`` gives ``compile`` and ``mixed_precision``, resolved for the device,
     never "auto" (FSDP then gathers parameters in the compute dtype and reduces gradients in fp32; without
     ``train``: fp32). ``layer_costs``: each layer's work, which the pipeline split balances
     (``paratrain.parallel.pipeline.layer_chunks``; equal when not given). ``tokens_per_rank``: the tokens of a
@@ -42,11 +41,8 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, model_
     """
     train = train or TrainConfig(mixed_precision="none")
     precision = train.mixed_precision
-
-    def place(chunk: nn.Module, root: nn.Module | None = None) -> nn.Module:
-        return parallelize_chunk(chunk, config, layout, root=root, precision=precision, compile_layers=train.compile,
-                                 tokens_per_rank=tokens_per_rank)
-
+    place = functools.partial(parallelize_chunk, config=config, layout=layout, precision=precision,
+                              compile_layers=train.compile, tokens_per_rank=tokens_per_rank)
     pipeline = Pipeline(model, config, layout, place, layer_costs) if config.pipeline_stage > 1 else None
     known = model_config is not None
     return PlacedModel(pipeline.parts if pipeline else [place(model)], config, layout, precision, pipeline=pipeline,
@@ -62,17 +58,13 @@ def parallelize_chunk(chunk: nn.Module, config: ParallelConfig, layout: Layout, 
                       tokens_per_rank: int | None = None) -> nn.Module:
     """Every parallel dimension but the pipeline split on ``chunk`` (in place; returned): a built-in model or its
     pipeline chunk, a user's net or a traced pipeline stage of it. ``root``: the module whose forward runs the
-    chunk (its pipeline stage's).
-
-    ``net``: the user's net that ``chunk`` is or was cut from. Its modules declare what is split (``parallel_plan``:
-    only the splits they want, a traced stage's leaves replaced by them first), its layers (``is_transformer_layer``,
-    each with its own ``recompute_mode`` or the config's) and its data-parallel buckets (``comm_fusion``); only
-    its SyncBatchNorm layers take global statistics, as MindSpore's. Without it the chunk's own ``layer_stacks``
-    give the layers and every BatchNorm2d takes global statistics.
-    ``precision``: fp8 Linears and the dtype FSDP gathers parameters in (a user's net is converted before it is
-    placed and gathers in fp32). ``compile_layers``: each layer, or the chunk when it has none, compiled after
-    recompute. ``tokens_per_rank``: as ``parallelize``'s.
-    """
+    chunk (its pipeline stage's). ``net``: the user's net that ``chunk`` is or was cut from, whose modules declare
+    what is split (``parallel_plan``: only the splits they want), its layers (``is_transformer_layer``, each with
+    its own ``recompute_mode`` or the config's) and its data-parallel buckets (``comm_fusion``); only its
+    SyncBatchNorm layers take global statistics (as MindSpore's). Without it the chunk's ``layer_stacks`` give the
+    layers and every BatchNorm2d takes global statistics. ``precision``: fp8 Linears and the dtype FSDP gathers
+    parameters in (a user's net is converted before it is placed). ``compile_layers``: each layer, or the chunk
+    when it has none, compiled after recompute. ``tokens_per_rank``: as ``parallelize``'s."""
     if precision == "fp8":
         convert_to_fp8(chunk)
     if config.model_parallel > 1:
@@ -97,8 +89,7 @@ def parallelize_chunk(chunk: nn.Module, config: ParallelConfig, layout: Layout, 
 
 
 def _layer_stacks(net: nn.Module) -> dict[str, int]:
-    """The containers of the net's layers (``is_transformer_layer``) with the layers before each (MindSpore's
-    offset)."""
+    """The containers of the net's layers with the layers before each (MindSpore's offset)."""
     stacks, count = {}, 0
     for name, module in net.named_modules():
         if getattr(module, "is_transformer_layer", False):

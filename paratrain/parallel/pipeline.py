@@ -210,7 +210,7 @@ class Pipeline:
     """This rank's model chunks (``parts``), their PipelineStages and the schedule that runs a step over
     micro-batches.
 
-    ``parallelize_chunk(chunk, stage_module)`` applies the other dimensions to each chunk; ``layer_costs`` weigh
+    ``parallelize_chunk(chunk, root=stage_module)`` applies the other dimensions to each chunk; ``layer_costs`` weigh
     the layers in the split (``layer_chunks``).
     """
 
@@ -226,13 +226,13 @@ class Pipeline:
         for c in self.chunk_ids:
             chunk = _prune(copy.deepcopy(model), set(units), {u for u, o in units.items() if o == c})
             stage_module = _StageModule(chunk)
-            parallelize_chunk(chunk, stage_module)
+            parallelize_chunk(chunk, root=stage_module)
             if isinstance(stage_module, DDP):
                 stage_module.set_requires_gradient_sync(False)
             self.parts.append(chunk)
             self.stages.append(_Stage(stage_module, c, num_chunks, layout.device, group=layout.pp_group))
-        self.loss_fn = None  # the step's
-        self.schedule = build_schedule(self.stages, config, self._loss)
+        self.loss_fn = None  # the step's (torch's schedules take loss_kwargs themselves only from 2.13 on)
+        self.schedule = build_schedule(self.stages, config, lambda output, target: self.loss_fn(output, target))
         self.has_last = num_chunks - 1 in self.chunk_ids
         self.shared_groups = self._shared_groups()
 
@@ -263,11 +263,6 @@ class Pipeline:
                                 ("backward_weight_one_chunk", "backward")):
                 setattr(stage, attr, timed(getattr(stage, attr), phase))
         self.schedule._compute_loss = timed(self.schedule._compute_loss, "forward")
-
-    def _loss(self, output, target) -> torch.Tensor:
-        """The schedule's loss function: this step's ``loss_fn`` (torch's schedules take ``loss_kwargs`` themselves
-        only from 2.13 on)."""
-        return self.loss_fn(output, target)
 
     def step(self, batch: dict[str, torch.Tensor], loss_fn) -> None:
         """Forward and backward over ``micro_batch_num`` micro-batches; ``loss_fn(logits, labels)`` runs on the last

@@ -1,11 +1,5 @@
-"""A model placed on this rank, as ``paratrain.engine`` steps it: ``PlacedModel``.
-
-``parallelize`` returns one for a built-in model and ``paratrain.parallel.user.place_net`` one for a user's net
-(``PlacedNet``, of which MindSpore's hybrid and op-strategy placements are variants). Each owns this rank's modules
-(``parts``), the pipeline schedule over them (if any), the forward and backward of a global batch in micro-batches
-(``paratrain.parallel.micro_batches.forward_backward``), the loss of a micro-batch, the step's loss normalisation
-(``StepLoss``) and which parameters the gradient norm counts.
-"""
+"""A model placed on this rank, as ``paratrain.engine`` steps it: ``PlacedModel``, which ``parallelize`` returns for
+a built-in model and ``paratrain.parallel.user.place_net`` (``PlacedNet``) for a user's net."""
 from __future__ import annotations
 
 import contextlib
@@ -29,20 +23,17 @@ class PlacedModel:
     chunks, each holding its parameters under their names in the whole model), the ``pipeline``
     (``paratrain.parallel.pipeline.Pipeline``, or None) and ``model``, every part as one module.
 
-    ``forward_backward(batch, loss_scale) -> dict`` runs this rank's batch, ``config.micro_batch_num``
-    micro-batches forward in ``precision``, leaving on every parameter the gradient of the global batch's loss
-    times ``loss_scale`` that one device would compute (over ``grad_scale`` when returned: the engine's optimizer
-    step applies it); it returns ``{"loss": a device scalar, the same on every rank}``, optionally ``grad_scale``,
-    a mixture of experts' ``aux_loss`` and ``dropped`` (``experts``: the whole model has MoE blocks, which a
-    pipeline stage may not hold), and what the placement counts itself (a built-in model's ``tokens``).
+    ``forward_backward(batch, loss_scale) -> dict`` runs this rank's batch in ``config.micro_batch_num``
+    micro-batches, forward in ``precision``, leaving on every parameter the gradient of the global batch's loss
+    times ``loss_scale`` that one device would compute (over ``grad_scale`` when returned: the engine applies it);
+    it returns ``{"loss": a device scalar, the same on every rank}``, optionally ``grad_scale``, a mixture of
+    experts' ``aux_loss`` and ``dropped`` (``experts``: the whole model has MoE blocks) and a built-in's ``tokens``.
     ``grad_factor`` multiplies the gradients (MindSpore's data parallel without ``gradients_mean`` sums the
     replicas' gradients: ``data_parallel``). ``phase`` is the engine's timer's.
 
-    This class places a built-in model (``paratrain.models``): its batch is a dict of (B, T) tensors with
-    ``labels``; the loss of a step is the summed token cross-entropy (``ignore_index`` left out) of every
-    micro-batch over the global batch's counted tokens, computed by the model's head from ``labels``
-    (``loss_in_head``, no whole logits) or from the logits here; a mixture of experts' load-balancing loss joins
-    backward in each block and is added to the loss.
+    This class places a built-in model: its batch is a dict of (B, T) tensors with ``labels``; its loss the summed
+    token cross-entropy (but ``ignore_index``) of every micro-batch over the global batch's counted tokens, from the
+    head (``loss_in_head``: no whole logits) or the logits, plus a mixture of experts' load-balancing loss.
     """
 
     def __init__(self, parts: list[nn.Module], config: ParallelConfig, layout: Layout, precision: str = "none", *,
@@ -56,17 +47,14 @@ class PlacedModel:
 
     @property
     def counted_in_norm(self) -> set[int] | None:
-        """Ids of the parameters the global gradient norm counts (None: all): a parameter held by several
-        pipeline chunks once."""
+        """Ids of the parameters the gradient norm counts (None: all): one held by several pipeline chunks once."""
         return self.pipeline.counted_in_norm() if self.pipeline is not None else None
 
     def parameters(self):
         return itertools.chain.from_iterable(part.parameters() for part in self.parts)
 
-    def named_parameters(self):
-        """(name in the whole model, this rank's parameter)."""
-        for part in self.parts:
-            yield from part.named_parameters()
+    def named_parameters(self):  # (name in the whole model, this rank's parameter)
+        return itertools.chain.from_iterable(part.named_parameters() for part in self.parts)
 
     def forward_backward(self, batch, loss_scale: torch.Tensor | float = 1.0) -> dict:
         """Forward and backward of this rank's share of a global batch; see the class docstring."""
@@ -98,8 +86,8 @@ class PlacedModel:
         return StepLoss(self.layout, self.config.micro_batch_num, loss_scale, tokens=tokens)
 
     def losses_to(self, norm: StepLoss, batch) -> contextlib.AbstractContextManager:
-        """Where the forwards' losses other than the micro-batch loss go: a mixture of experts' load-balancing
-        loss, a micro-batch's share of its mean, joins backward in each block (any pipeline stage's)."""
+        """Where the forwards' other losses go: a mixture of experts' load-balancing loss joins backward in each
+        block (any pipeline stage's), a micro-batch's share of its mean."""
         self.model.train()
         return aux_loss_in_backward(norm.mean_factor)
 

@@ -70,9 +70,8 @@ def apply_tensor_parallel(model: nn.Module, config: ParallelConfig, tp_mesh: Dev
     net's own modules, which are then sharded."""
     vocab_emb_dp = config.vocab_emb_dp and declared_by is None
     plan = declared_plan(declared_by or model)
-    styles = {name: parallel_style(kind, config.sequence_parallel, vocab_emb_dp) for name, kind in plan.items()
-              if has_submodule(model, name)}
-    styles = {name: style for name, style in styles.items() if style is not None}
+    styles = {name: parallel_style(kind, config.sequence_parallel, vocab_emb_dp) for name, kind in plan.items()}
+    styles = {name: style for name, style in styles.items() if style is not None and has_submodule(model, name)}
     for name in styles if declared_by is not None else ():
         parent, _, child = name.rpartition(".")
         model.get_submodule(parent).register_module(child, declared_by.get_submodule(name))

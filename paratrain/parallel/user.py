@@ -1,23 +1,18 @@
 """A user's own net on any layout: ``place_net(net, config, layout, example_batch)``.
 
-The net is a plain ``nn.Module`` whose ``forward(*batch)`` returns its loss, built from
-``paratrain.nn`` blocks and plain torch layers. What is split comes from the net itself:
+The net is a plain ``nn.Module`` whose ``forward(*batch)`` returns its loss (``PlacedNet``), built from
+``paratrain.nn`` blocks and plain torch layers. What is split comes from the net itself
+(``paratrain.parallel.parallelize.parallelize_chunk``):
 
 - **Tensor parallel**: every module with a ``parallel_plan()`` method (the ``paratrain.nn``
   blocks) names its own Linear/Embedding submodules and their split over ``model_parallel``,
   in the kinds of ``paratrain.parallel.tensor``: ``colwise`` (output features), ``rowwise``
   (input features, outputs summed), ``vocab_rows`` (embedding rows, lookups summed)...
   Everything else is replicated and data-parallel, as MindSpore does with ops that have no strategy.
-- **Layers**: modules marked ``is_transformer_layer`` are the units of recompute and of FSDP
-  (their own ``recompute_mode``, set by ``recompute()`` or MindSpore's ``lambda_func``, or the
-  config's ``recompute`` for all of them).
+- **Layers**: modules marked ``is_transformer_layer`` are the units of recompute and of FSDP.
 - **Pipeline** (``pipeline_stage > 1``): the forward is traced and cut where the ``pipeline_stage``
   attributes set on its submodules say (``paratrain.parallel.traced_pipeline``). Each rank keeps its
   stage's module, then tensor parallel, recompute and FSDP are applied to it. Parameter names stay the net's.
-- **Loss**: token losses that declare ``supports_sum_and_count`` (``paratrain.nn.CrossEntropyLoss``)
-  get ``reduction = "sum_and_count"`` and return (sum, count), so the loss of a step is the mean
-  over every masked token of the global batch whatever the layout; a net returning any other
-  scalar has it averaged over micro-batches and replicas.
 """
 from __future__ import annotations
 
@@ -39,23 +34,25 @@ from paratrain.parallel.traced_pipeline import TracedStage, by_name, split_trace
 
 
 class PlacedNet(PlacedModel):
-    """A user's net placed on a layout (``PlacedModel``; ``place_net`` places it by the blocks' plans, MindSpore's
-    hybrid and op-strategy placements are variants of it). Its batch is a tuple of tensors, the net's forward
-    arguments, batch first: this rank keeps its rows (the ``dp_rank``-th of ``replicas`` equal parts, unless
-    ``rows_of_this_rank``: a dataset sharded per rank gave them already) on its device, each part a whole number
-    of micro-batches. The loss of a micro-batch is what the net returns: a token loss that declares
-    ``supports_sum_and_count`` (``paratrain.nn.CrossEntropyLoss``) is switched to return (sum, count), so the step's
-    loss is the mean over every counted token of the global batch whatever the layout; any other scalar is
-    averaged over the micro-batches and replicas. A mixture of experts' aux loss is in the net's own loss."""
+    """A user's net placed on a layout (``PlacedModel``: by ``place_net``, or MindSpore's hybrid and op-strategy
+    placements). Its batch is a tuple of tensors, the net's forward arguments, batch first: this rank keeps its
+    rows (the ``dp_rank``-th of ``replicas`` equal parts, unless ``rows_of_this_rank``: a dataset sharded per rank
+    gave them already), each a whole number of micro-batches. Its loss is what the net returns (any MoE aux loss
+    in it): a token loss declaring ``supports_sum_and_count`` (``paratrain.nn.CrossEntropyLoss``) is switched to
+    return (sum, count), so the step's loss is the mean over every counted token of the global batch whatever the
+    layout; any other scalar is averaged over the micro-batches and replicas."""
 
     adds_aux_loss = False
     counted_in_norm = None  # a traced stage holds each parameter once
 
     def __init__(self, net: nn.Module, config: ParallelConfig, layout: Layout, precision: str = "none", *,
-                 parts: list[nn.Module] | None = None, pipeline=None, replicas: int = 1, grad_factor: float = 1.0):
-        super().__init__(parts or [net], config, layout, precision, pipeline=pipeline, grad_factor=grad_factor,
+                 replicas: int = 1, grad_factor: float = 1.0):
+        super().__init__([net], config, layout, precision, grad_factor=grad_factor,
                          experts=any(isinstance(m, MoE) for m in net.modules()))
-        self.summed = _sum_and_count(net)
+        losses = [m for m in net.modules() if getattr(m, "supports_sum_and_count", False)]
+        for loss in losses:  # paratrain.nn's CrossEntropyLoss: (sum, count)
+            loss.reduction = "sum_and_count"
+        self.summed = bool(losses)
         # a mixture of experts' aux loss, which the net adds to its token losses' means: with several
         # micro-batches the step counts their tokens first (StepLoss.count_first)
         self.counts_first = self.summed and config.micro_batch_num > 1 and self.experts
@@ -129,9 +126,8 @@ def place_net(net: nn.Module, config: ParallelConfig, layout: Layout, example_ba
               precision: str = "none", compile_layers: bool = False, grad_factor: float = 1.0) -> PlacedNet:
     """Place ``net`` (built identically on every rank) on ``layout``: tensor, pipeline, expert and data parallel as
     the net and ``config`` say (``parallelize_chunk``); ``example_batch`` is one global batch. A net on the meta
-    device is placed as it is and materialised after. With ``compile_layers`` (no pipeline stages: a traced stage
-    runs its layers inlined) each layer, or the whole net when it has none, is compiled once placed.
-    ``grad_factor``: as ``PlacedModel``'s."""
+    device is placed as it is and materialised after. ``compile_layers`` (no pipeline stages: a traced stage runs
+    its layers inlined): as ``parallelize_chunk``'s; ``grad_factor``: as ``PlacedModel``'s."""
     if config.sequence_parallel:
         raise UserError("sequence_parallel on a user's net is not offered: its own modules between the blocks "
                         "(residuals, norms) would need sequence-sharded activations; leave it off (the built-in "
@@ -165,15 +161,6 @@ def place_net(net: nn.Module, config: ParallelConfig, layout: Layout, example_ba
     placed.is_last = chunks - 1 in ids
     placed.pipeline = build_schedule(stages, config, placed.output_loss)
     return placed
-
-
-def _sum_and_count(net: nn.Module) -> bool:
-    """Switch the net's token losses that can (``supports_sum_and_count``: paratrain.nn's CrossEntropyLoss) to
-    return (sum, count); whether it has any."""
-    losses = [m for m in net.modules() if getattr(m, "supports_sum_and_count", False)]
-    for loss in losses:
-        loss.reduction = "sum_and_count"
-    return bool(losses)
 
 
 class _TokenLossCalls:
