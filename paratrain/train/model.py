@@ -101,7 +101,7 @@ class _Training(loop.Face):
         params, run_context, call = self.params, self.run_context, self.hooks.call
         sinks = self.sink_mode and sink_size > 0
         stream = endless_batches(dataset) if sinks else None
-        config, layout = params.parallel_config, params.layout
+        config = params.parallel_config
         for current in range(done["epoch"] or 1, epochs + 1):  # a resumed run skips the epochs done
             params.update(cur_epoch_num=current, cur_step_in_epoch=0)
             call("on_train_epoch_begin", run_context)
@@ -117,7 +117,7 @@ class _Training(loop.Face):
                 self.model._batch_check(batch, config, batch_position(params), params.rows_of_this_rank)
                 if not self.sink_mode:
                     call("on_train_step_begin", run_context)
-                yield functools.partial(self.model._step, batch, config, layout, params, self.hooks)
+                yield functools.partial(self.model._step, batch, config, params, self.hooks)
                 if run_context.get_stop_requested() and not self.sink_mode:
                     break
             if params.cur_step_in_epoch == 0:
@@ -318,8 +318,7 @@ class Model:
                             else LossScaler(False, device=layout.device))
         params.update(train_network=self.train_network, optimizer=self.optimizer, loss_scaler=self.loss_scaler)
 
-    def _step(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams,
-              hooks: "_Callbacks") -> dict:
+    def _step(self, batch: tuple, config: ParallelConfig, params: CallbackParams, hooks: "_Callbacks") -> dict:
         """One optimizer step on a global batch (``paratrain.engine``). Returns its record (device values, unless a
         callback reads this step's values). A loss that is no scalar is refused naming the batch (a batch unlike
         the first was, as it was drawn: ``BatchCheck``)."""
