@@ -257,19 +257,19 @@ class Model:
             dataset_sink_mode=dataset_sink_mode, mode="train", device_number=world_size, rank=rank,
             parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout,
             rows_of_this_rank=shards > 1, exit_requested=False, loss_scaler=self.loss_scaler, step_record=None)
-        first = next(iter(train_dataset), None)
-        if first is None:
-            raise UserError("Model.train: train_dataset gave no batch")
-        if self.train_network is None:  # placed on the first batch, checked first as its step checks it
-            first = as_batch(first)
-            self._batch_check(first, config, "batch index 0 of epoch 1", params.rows_of_this_rank)
-            self._place(first, config, layout, params)
-        self.train_network.rows_of_this_rank = params.rows_of_this_rank
         # one run per checkpoint directory, from before a resume is decided
         locked = [("ModelCheckpoint directory", c.directory) for c in _Callbacks(callbacks).callbacks
                   if isinstance(c, ModelCheckpoint)]
         run_lock.hold(locked)
         try:
+            first = next(iter(train_dataset), None)
+            if first is None:
+                raise UserError("Model.train: train_dataset gave no batch")
+            if self.train_network is None:  # placed on the first batch, checked first as its step checks it
+                first = as_batch(first)
+                self._batch_check(first, config, "batch index 0 of epoch 1", params.rows_of_this_rank)
+                self._place(first, config, layout, params)
+            self.train_network.rows_of_this_rank = params.rows_of_this_rank
             done = self._resume(resume, callbacks, dataset_sink_mode, params, trust_unverified)
             training = _Training(self, _Callbacks(callbacks), RunContext(params), dataset_sink_mode)
             self._engine = self._make_engine(layout, training.hooks)
