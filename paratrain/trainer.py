@@ -129,7 +129,8 @@ class Trainer(loop.Face):
         self.stopped_at = None
         self.history = []
         self.engine = Engine(self.placed, self.optimizer, self.scheduler, self.layout, self.loss_scaler, self.timer,
-                             grad_clip=cfg.train.grad_clip, diverged_hint=": lower train.lr, raise train.warmup_steps or check the data")
+                             grad_clip=cfg.train.grad_clip,
+                             diverged_hint=": lower train.lr, raise train.warmup_steps or check the data")
 
     def train(self) -> list[dict]:
         """Run until ``train.steps``, or until a stop is asked (SIGTERM/SIGINT on any rank: every rank stops
