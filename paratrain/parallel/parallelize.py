@@ -35,9 +35,10 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, model_
     ``pipeline_stage`` is 1 -- and the ``Pipeline`` whose schedule runs a step over them. ``model_config`` gives
     the loss (``ignore_index``, ``loss_in_head``) and whether there are experts (without it: none). ``train``
     gives ``compile`` and ``mixed_precision``, resolved for the device, never "auto" (FSDP then gathers parameters
-    in the compute dtype and reduces gradients in fp32; without ``train``: fp32). ``layer_costs``: each layer's work, which the pipeline split balances
-    (``paratrain.parallel.pipeline.layer_chunks``; equal when not given). ``tokens_per_rank``: the tokens of a
-    micro-batch when every data-parallel rank's have the same shape (``paratrain.parallel.vocab``).
+    in the compute dtype and reduces gradients in fp32; without ``train``: fp32). ``layer_costs``: each layer's
+    work, which the pipeline split balances (``paratrain.parallel.pipeline.layer_chunks``; equal when not given).
+    ``tokens_per_rank``: the tokens of a micro-batch when every data-parallel rank's have the same shape
+    (``paratrain.parallel.vocab``).
     """
     train = train or TrainConfig(mixed_precision="none")
     precision = train.mixed_precision
