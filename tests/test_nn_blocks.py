@@ -82,8 +82,8 @@ def test_blocks_are_the_built_in_models_modules_under_mindspore_names():
     query, memory = torch.randn(B, T, H), torch.randn(B, S, H)
     mask = (torch.rand(B, T, S) > 0.4).float()
     mask[..., 0] = 1  # every query attends some key
-    assert torch.allclose(block(query, memory, memory, mask)[0], module(query, memory, mask=mask.bool()[:, None]),
-                          atol=1e-6)
+    output, _ = module(query, memory, attention_mask=mask.bool()[:, None])
+    assert torch.allclose(block(query, memory, memory, mask)[0], output, atol=1e-6)
     ffn = FeedForward(H, FFN, 0.0)
     assert torch.equal(ffn(query), renamed(ffn, shared.FeedForward(H, FFN, 0.0, nn.GELU(approximate="tanh")))(query))
     assert isinstance(VocabEmbedding(8, 4), shared.VocabEmbedding)
