@@ -65,9 +65,9 @@ def feed_forward(cfg: ModelConfig, layer_id: int) -> FeedForward | MoE:
 
 
 class EncoderLayer(TransformerLayer):
-    """Self-attention + FFN (``TransformerLayer``): (B, S, H) -> (B, S, H); causal as a decoder-only (GPT) block.
-
-    A mixture of experts joins its aux loss to backward itself (``aux_loss_in_backward``).
+    """Self-attention + FFN, x (B, S, H) -> ``(output (B, S, H), presents, *aux_loss)`` (``TransformerLayer``);
+    causal as a decoder-only (GPT) block. A mixture of experts joins its aux loss to backward itself
+    (``aux_loss_in_backward``): the models use the output alone.
     """
 
     # each LayerNorm inside a module of its own, as saved checkpoints name it
@@ -94,16 +94,16 @@ class EncoderLayer(TransformerLayer):
 
 
 class DecoderLayer(EncoderLayer):
-    """Masked self-attention, cross-attention over the encoder output, FFN (``TransformerLayer``).
-
-    x (B, T, H), memory (B, S, H) -> (B, T, H).
+    """Masked self-attention, cross-attention over the encoder output, FFN: x (B, T, H), mask, memory (B, S, H),
+    memory_mask -> ``(output (B, T, H), presents, *aux_loss)`` (``TransformerLayer``).
     """
 
     names = ("self_attn_branch.norm", "self_attn", "cross_attn_branch.norm", "cross_attn", "ffn_branch.norm", "ffn")
 
 
 class TransformerEncoder(TransformerStack):
-    """A stack of encoder layers and a final LayerNorm (``TransformerStack``): (B, S, H) -> (B, S, H).
+    """A stack of encoder layers and a final LayerNorm (``TransformerStack``): (B, S, H), mask -> ``(output
+    (B, S, H), ())`` (and the aux loss of mixtures of experts).
 
     In a pipeline chunk the stack holds some layers only, and the norm only where the decoder starts.
     """
@@ -120,7 +120,8 @@ class TransformerEncoder(TransformerStack):
 
 
 class TransformerDecoder(TransformerEncoder):
-    """The encoder's stack and norm of decoder layers: (B, T, H), memory (B, S, H) -> (B, T, H).
+    """The encoder's stack and norm of decoder layers: (B, T, H), mask, memory (B, S, H), memory_mask -> as the
+    encoder's.
 
     In a pipeline chunk the stack holds some layers only, and the norm only in the last chunk.
     """

@@ -1,5 +1,6 @@
-"""MindSpore's transformer layers and stacks as plain modules: TransformerEncoderLayer,
-TransformerDecoderLayer, TransformerEncoder, TransformerDecoder, Transformer.
+"""MindSpore's transformer layers and stacks: TransformerEncoderLayer, TransformerDecoderLayer, TransformerEncoder,
+TransformerDecoder, Transformer. The layers and stacks are the built-in models' (``TransformerLayer`` and
+``TransformerStack`` of ``paratrain.modules.transformer``) under MindSpore's names, arguments and checks.
 
 Shapes: B batch, S source length, T target length, H hidden size; masks are float or bool (B, Tq, Tk) with 1
 where a query may attend a key. Every layer returns ``(output, layer_present)``, the projected keys and values of
