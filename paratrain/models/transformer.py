@@ -75,22 +75,25 @@ class EncoderLayer(TransformerLayer):
 
     def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__(cfg.hidden_dropout, cfg.post_layernorm_residual)
-        for name in filter(None, self.names[::2]):
+        norm1, attention, norm2, cross_attention, norm3, ffn = self.names
+        for name in filter(None, (norm1, norm2, norm3)):
             holder, _, norm = name.partition(".")
             self.add_module(holder, nn.ModuleDict({norm: nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)}))
-        for name in filter(None, self.names[1:4:2]):
+        for name in filter(None, (attention, cross_attention)):
             self.add_module(name, Attention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout))
-        self.ffn = feed_forward(cfg, layer_id)
+        self.add_module(ffn, feed_forward(cfg, layer_id))
 
     def parallel_plan(self) -> dict:
-        """The LayerNorms on sequence shards; the sublayers' inputs, (query,) or (query, memory), gathered for
-        their tensor-parallel split, but a mixture of experts' (not split over model_parallel: each tp rank
+        """The LayerNorms on sequence shards; the inputs of the sublayers, (query,) or (query, memory), gathered
+        for their tensor-parallel split, but a mixture of experts' (not split over model_parallel: each tp rank
         runs the whole of its experts on the plain replicated input)."""
-        inputs = dict(zip(self.names[1::2], (1, 2, 1)))
-        if isinstance(self.ffn, MoE):
-            del inputs["ffn"]
-        return {name: "norm" for name in self.names[::2] if name} | {
-            name: ("gather", count) for name, count in inputs.items() if name}
+        norm1, attention, norm2, cross_attention, norm3, ffn = self.names
+        plan = {name: "norm" for name in (norm1, norm2, norm3) if name} | {attention: ("gather", 1)}
+        if cross_attention:
+            plan[cross_attention] = ("gather", 2)
+        if not isinstance(self.get_submodule(ffn), MoE):
+            plan[ffn] = ("gather", 1)
+        return plan
 
 
 class DecoderLayer(EncoderLayer):

@@ -110,17 +110,15 @@ class FeedForward(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """A pre-LayerNorm Transformer layer: self-attention, cross-attention over the encoder's output ``memory``
-    (a decoder layer's, given one), then the FFN or a mixture of experts, each sublayer as
-    ``x + dropout(sublayer(norm(x)))`` (with MindSpore's ``post_layernorm_residual``: ``norm(x) + ...``).
+    """A pre-LayerNorm Transformer layer: self-attention, cross-attention over the encoder output ``memory``
+    (given one), then the FFN or a mixture of experts, each as ``x + dropout(sublayer(norm(x)))`` (MindSpore's
+    ``post_layernorm_residual``: ``norm(x) + ...``): x (B, T, H), mask, memory (B, S, H), memory_mask ->
+    ``(output (B, T, H), presents, *aux_loss)``, the keys and values of its attentions and, where the FFN is a
+    mixture of experts, its load-balancing loss. ``cache``: the self-attention's while decoding.
 
-    x (B, T, H), mask, memory (B, S, H), memory_mask -> ``(output (B, T, H), presents, *aux_loss)``: the keys
-    and values of its attentions ((key, value) each), and a mixture of experts' load-balancing loss only
-    where the FFN is one. Masks as ``Attention``'s; ``cache``: the self-attention's while decoding.
-
-    The owner builds the parts and names them, as parameter names are part of the checkpoint format:
-    ``names`` are the LayerNorm and sublayer of the self-attention, the cross-attention (absent from a layer
-    without one) and the FFN. The attentions are called as ``Attention``, the FFN on the normed input alone.
+    Its owner builds the parts (the attentions called as ``Attention``) and names them in ``names``, as
+    parameter names are part of the checkpoint format: the LayerNorm and sublayer of the self-attention, of
+    the cross-attention (absent without one) and of the FFN.
     """
 
     is_transformer_layer = True  # a unit of recompute and FSDP
@@ -153,15 +151,12 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerStack(nn.Module):
-    """Transformer layers in turn, then the final LayerNorm where the stack has one: x (B, T, H) and what
-    every layer takes after it (``TransformerLayer``: its mask; a decoder's memory and memory mask) ->
-    ``(output (B, T, H), presents, *aux_loss)``: one present per layer where ``keeps_presents`` (MindSpore's
-    stacks return them; the built-ins' do not, as under recompute that would keep every layer's keys and
-    values alive to the stack's end), and the layers' mixture-of-experts losses summed, only where there are
-    any. ``caches`` (decoding): layer name -> its self-attention's cache, filled here.
-
-    The owner builds the layers, in a ModuleList or (where pipeline chunks remove some) a ModuleDict, and the
-    norm (None: none), under its ``names``.
+    """Layers in turn, then the final LayerNorm where there is one: x (B, T, H) and what each layer takes after
+    it -> ``(output (B, T, H), presents, *aux_loss)``: one present per layer where ``keeps_presents``
+    (MindSpore's stacks; under recompute the built-ins' would keep every layer's keys and values alive to the
+    end), and the layers' mixture-of-experts losses summed, if any. ``caches`` (decoding): layer name -> its
+    self-attention's cache. The owner builds the layers (a ModuleList, or a ModuleDict where pipeline chunks
+    remove some) and the norm (None: none) under its ``names``.
     """
 
     names = ("layers", "norm")

@@ -137,6 +137,7 @@ class _Stack(shared.TransformerStack, Cell):
     ``is_causal``)."""
 
     names = ("blocks", "norm")
+    norm = None
     keeps_presents = True
 
     def _build(self, layer_class: type, args: dict) -> None:
@@ -153,7 +154,6 @@ class _Stack(shared.TransformerStack, Cell):
         lambda_func = args["lambda_func"] or _get_lambda_func()
         layer_args = {name: args[name] for name in inspect.signature(layer_class).parameters
                       if name != "parallel_config"}
-        self.norm = None
         self.blocks = nn.ModuleList()
         for i in range(self.num_layers):
             block = layer_class(**layer_args, parallel_config=config.dp_mp_config)
