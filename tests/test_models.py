@@ -100,6 +100,19 @@ def test_encoder_layer_equals_torch_pre_ln_layer():
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
+def test_layer_parameter_names_are_those_of_saved_checkpoints():
+    """The built-in layers name their parts as checkpoints saved by earlier versions do."""
+    encoder_layer = {"attn_branch.norm.weight", "attn.q_proj.weight", "attn.out_proj.bias", "ffn_branch.norm.bias",
+                     "ffn.fc1.weight", "ffn.fc2.bias"}
+    decoder_layer = {"self_attn_branch.norm.weight", "self_attn.k_proj.bias", "cross_attn_branch.norm.bias",
+                     "cross_attn.v_proj.weight", "ffn_branch.norm.weight", "ffn.fc2.weight"}
+    want = {f"{stack}.1.{name}" for stack, names in (("transformer.encoder.layers", encoder_layer),
+                                                     ("transformer.decoder.layers", decoder_layer)) for name in names}
+    assert want | {"transformer.encoder.norm.weight"} <= set(dict(Seq2SeqModel(CFG).named_parameters()))
+    gpt = dict(GPTModel(ModelConfig(**{**CFG.__dict__, "kind": "gpt"})).named_parameters())
+    assert {f"layers.0.{name}" for name in encoder_layer} | {"norm.bias"} <= set(gpt)
+
+
 def test_tied_embeddings_share_one_tensor():
     model = Seq2SeqModel(ModelConfig(**{**CFG.__dict__, "tie_embeddings": True}))
     assert model.head.weight is model.src_embed.word.embedding.weight is model.tgt_embed.word.embedding.weight
