@@ -75,11 +75,11 @@ def initialise(a: argparse.Namespace, deferred: bool) -> dict:
     torch.manual_seed(0)
     if deferred:
         record = record_init(lambda: build_model(cfg.model))
-        parts, _ = parallelize(record.model, cfg.parallel, layout)
+        parts = parallelize(record.model, cfg.parallel, layout).parts
         torch.manual_seed(0)
         materialize(parts, record, layout.device)
     else:
-        parts, _ = parallelize(build_model(cfg.model), cfg.parallel, layout)
+        parts = parallelize(build_model(cfg.model), cfg.parallel, layout).parts
     seconds = time.perf_counter() - start
     local = [p.to_local() if isinstance(p, DTensor) else p for p in parts[0].parameters()]
     return {"peak_above_start_mib": _peak_mib() - before, "seconds": seconds,

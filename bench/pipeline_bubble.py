@@ -188,22 +188,23 @@ def measure(a: argparse.Namespace, group: list[dict]) -> list[dict]:
             layout = Layout(cfg.parallel, world)
             torch.manual_seed(0)
             pad = cfg.model.pad_token_id
-
-            def loss_fn(logits, labels, num_tokens):
-                return token_loss_sum(logits.float(), labels, pad) / num_tokens
-
-            parts, pipeline = parallelize(build_model(cfg.model), cfg.parallel, layout, loss_fn=loss_fn)
+            placed = parallelize(build_model(cfg.model), cfg.parallel, layout)
+            parts, pipeline = placed.parts, placed.pipeline
             g = torch.Generator().manual_seed(1)
             ids = torch.randint(1, cfg.model.vocab_size, (cfg.train.global_batch_size, a.length + 1), generator=g)
             batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
-            loss_kwargs = {"num_tokens": torch.tensor(float(batch["labels"].numel()))}
+            num_tokens = torch.tensor(float(batch["labels"].numel()))
+
+            def loss_fn(logits, labels):
+                return token_loss_sum(logits.float(), labels, pad) / num_tokens
+
             events, steps = [], []
             for step in range(a.warmup + a.steps):
                 if step == a.warmup:
                     _instrument(pipeline, events)
                 dist.barrier()
                 start = time.perf_counter()
-                pipeline.step(batch, loss_kwargs)
+                pipeline.step(batch, loss_fn)
                 end = time.perf_counter()
                 for module in parts:
                     module.zero_grad(set_to_none=True)

@@ -1,35 +1,27 @@
 """The one training step of every net, under both faces, and the life of its records.
 
-``paratrain train`` (the built-in models: ``paratrain.trainer``) and MindSpore's ``Model.train`` (a user's
-net: ``paratrain.train.model``) build a model, its placement and an optimizer, then run each step here. The
-placement does what depends on it, forward and backward of one global batch::
-
-    out = run(loss_scale)   # {"loss": the global batch's loss (a device tensor, the same on every rank),
-                            #  "tokens": ..., "samples": ..., "flops": ..., optionally "grad_scale"}
-
-leaving on every parameter the gradient of ``loss * loss_scale`` that one device would compute (times
-``1 / grad_scale``, when the normalisation is known only after the backward). Every net runs its micro-batches
-through ``paratrain.parallel.micro_batches.forward_backward`` and normalises its loss with its ``StepLoss``, also
-under a pipeline schedule. The engine does the rest the same way for every net: the global gradient norm, the
-optimizer step on the gradients divided by the loss scale and the clipping factor in the optimizer's own pass
-(``paratrain.optim.step_dividing``; an fp16 overflow skips the update, decided on the device), the LR step, the
-loss-scale update, ``zero_grad``; then the step's record, whose device values (loss, grad norm, tokens, loss
-scale) stay on the device until a step that needs them on the host (``flush``): logged, saved, evaluated or the
-last. They come over together, then the record gets its rates (tokens/s, samples/s, MFU, memory), and a NaN or
-infinite loss raises :class:`TrainingDiverged` naming its step.
+``paratrain train`` (the built-in models: ``paratrain.trainer``) and MindSpore's ``Model.train`` (a user's net:
+``paratrain.train.model``) place a model (``paratrain.parallel.placed.PlacedModel``) and build an optimizer, then
+run each step here, top to bottom in ``Engine.step``: the placed model's forward and backward of this rank's batch,
+the global gradient norm, the optimizer step on the gradients divided by the loss scale and the clipping factor in
+the optimizer's own pass (``paratrain.optim.step_dividing``; an fp16 overflow skips the update, decided on the
+device), the LR step, the loss-scale update, ``zero_grad``; then the step's record, with the fields the face gives
+(what the placed model does not count), whose device values (loss, grad norm, tokens, loss scale) stay on the
+device until a step that needs them on the host (``flush``): logged, saved, evaluated or the last. They come over
+together, then the record gets its rates (tokens/s, samples/s, MFU, memory), and a NaN or infinite loss raises
+:class:`TrainingDiverged` naming its step.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from typing import Callable
-
 import torch
 
 from paratrain import progress
 from paratrain.metrics.timer import StepTimer
 from paratrain.optim import clip_divisor, grad_norm, step_dividing
+from paratrain.parallel.placed import PlacedModel
 from paratrain.precision import LossScaler
 
 # record values that stay on the device until a flush (the last two: fp16 only)
@@ -43,40 +35,39 @@ class TrainingDiverged(RuntimeError):
 
 
 class Engine:
-    """Runs training steps for this rank's ``parts`` (the modules holding its parameters) and keeps their records.
+    """Runs training steps of ``placed`` (this rank's share of the model: its parts, their forward and backward, the
+    parameters its gradient norm counts) and keeps their records; it gives the placed model its timer's ``phase``.
 
     ``scheduler`` may be None (the optimizer sets its own rate, as MindSpore's optimizers with a
-    schedule do; the record's ``lr`` is then the first group's after the step). ``counted_in_norm`` (parameter
-    ids) and the pipeline group make the gradient norm count a parameter held by several stages once.
+    schedule do; the record's ``lr`` is then the first group's after the step).
     ``diverged_hint`` ends the message of a non-finite loss with what to change, in the face's words.
     """
 
-    def __init__(self, parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer, scheduler, layout,
-                 loss_scaler: LossScaler, timer: StepTimer, *, grad_clip: float = 0.0, counted_in_norm=None,
-                 diverged_hint: str = ""):
-        self.parts, self.optimizer, self.scheduler, self.layout = parts, optimizer, scheduler, layout
+    def __init__(self, placed: PlacedModel, optimizer: torch.optim.Optimizer, scheduler, layout,
+                 loss_scaler: LossScaler, timer: StepTimer, *, grad_clip: float = 0.0, diverged_hint: str = ""):
+        self.placed, self.optimizer, self.scheduler, self.layout = placed, optimizer, scheduler, layout
         self.loss_scaler, self.timer = loss_scaler, timer
-        self.grad_clip, self.counted_in_norm, self.diverged_hint = grad_clip, counted_in_norm, diverged_hint
+        self.grad_clip, self.diverged_hint = grad_clip, diverged_hint
         self.device = layout.device
+        placed.phase = timer.phase
         self._pending: list[dict] = []  # records whose device values are not on the host yet
         self._window_start, self._outside = time.perf_counter(), 0.0
 
-    def parameters(self):
-        for part in self.parts:
-            yield from part.parameters()
-
-    def step(self, number: int, run: Callable[[torch.Tensor], dict], to_host: bool) -> dict:
-        """Step ``number`` (counting from 1): ``run(loss_scale)`` then the optimizer's part; returns its record,
-        whose device values are on the host when ``to_host`` (with those of the steps before it)."""
+    def step(self, number: int, batch, fields: dict, to_host: bool) -> dict:
+        """Step ``number`` (counting from 1) on this rank's ``batch``; returns its record, with ``fields`` (those of
+        ``tokens``, ``samples`` and ``flops`` the placed model does not give), whose device values are on the host
+        when ``to_host`` (with those of the steps before it)."""
         start = time.perf_counter()
         with self.timer.step():
             # without loss scaling the scale is the number 1, which multiplies nothing on the device
-            out = run(self.loss_scaler.scale if self.loss_scaler.enabled else 1.0)
+            out = {**fields, **self.placed.forward_backward(
+                batch, self.loss_scaler.scale if self.loss_scaler.enabled else 1.0)}
             with self.timer.phase("optimizer"):
                 # the gradients are the loss's times the loss scale (over grad_scale): their norm is divided by
                 # that, and the optimizer divides them by it and the clipping factor in the pass of its update
                 divisor = self.loss_scaler.divisor(out.get("grad_scale"))
-                norm = grad_norm(self.parameters(), self.counted_in_norm, self.layout.pp_group, self.device)
+                norm = grad_norm(self.placed.parameters(), self.placed.counted_in_norm, self.layout.pp_group,
+                                 self.device)
                 if divisor is not None:
                     norm = norm / divisor
                 if self.grad_clip > 0:

@@ -2,7 +2,6 @@
 checkpoints from a Config, trained in ``paratrain.loop`` one step at a time on ``paratrain.engine``."""
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import Callable
@@ -20,15 +19,12 @@ from paratrain.engine import Engine, TrainingDiverged
 from paratrain.evaluate import BleuEvaluator, bleu_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
-from paratrain.models import build_model, token_loss_sum
-from paratrain.modules.moe import aux_loss_in_backward
+from paratrain.models import build_model
 from paratrain.metrics.flops import batch_flops
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallel import parallelize, shard_optimizer_state
-from paratrain.parallel.expert import moe_step_metrics
 from paratrain.parallel.deferred_init import materialize, record_init
-from paratrain.parallel.micro_batches import StepLoss, forward_backward
-from paratrain.parallel.pipeline import Pipeline
+from paratrain.parallel.placed import PlacedModel
 from paratrain.plan.cost import layer_costs, tokens_per_rank
 from paratrain.precision import LossScaler, resolve_mixed_precision
 
@@ -61,7 +57,7 @@ class Trainer(loop.Face):
     (``paratrain train``); without it the trainer starts the run, ``parallel.auto`` already resolved.
 
     The loss of a step is the summed token cross-entropy of every micro-batch
-    divided by the non-pad target tokens of the whole global batch, so it does
+    divided by the non-pad target tokens of the whole global batch (``PlacedModel``), so it does
     not depend on how the batch is split. Loss, gradient norm and token count stay
     on the device and reach the host together at logged steps (``metrics.log_steps``),
     checkpoints and evaluations, so other steps do not wait for the device.
@@ -72,8 +68,7 @@ class Trainer(loop.Face):
     device: torch.device
     is_main: bool  # rank 0: prints, logs and writes the run directory's config
     locked: list[tuple[str, Path]]  # (key, directory): locked for this run from its start
-    model_parts: list[nn.Module]  # this rank's model chunks (one without a pipeline)
-    pipeline: Pipeline | None
+    placed: PlacedModel  # this rank's model chunks (one without a pipeline), their pipeline and step
     model: nn.Module  # every parameter of this rank as one module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -81,7 +76,6 @@ class Trainer(loop.Face):
     data: ShardedBatches
     metrics: MetricsLogger
     timer: StepTimer
-    loss_in_head: bool
     checkpointer: Checkpointer
     evaluator: BleuEvaluator | None
     engine: Engine
@@ -99,14 +93,12 @@ class Trainer(loop.Face):
         # with the values a plain build from this seed has (paratrain.parallel.deferred_init)
         torch.manual_seed(cfg.run.seed)
         record = record_init(lambda: build_model(cfg.model))
-        self.model_parts, self.pipeline = parallelize(record.model.to(DTYPES[cfg.model.dtype]), cfg.parallel,
-                                                      self.layout, loss_fn=self._loss, train=cfg.train,
-                                                      layer_costs=layer_costs(cfg.model),
-                                                      tokens_per_rank=tokens_per_rank(cfg, self.layout.dp_size))
+        self.placed = parallelize(record.model.to(DTYPES[cfg.model.dtype]), cfg.parallel, self.layout, cfg.model,
+                                  cfg.train, layer_costs(cfg.model), tokens_per_rank(cfg, self.layout.dp_size))
         torch.manual_seed(cfg.run.seed)
         # offloaded parameters are made on the host (FSDP2 pins them), never whole on the device
-        materialize(self.model_parts, record, self.device, torch.device("cpu") if cfg.parallel.offloads else None)
-        self.model = self.model_parts[0] if len(self.model_parts) == 1 else nn.ModuleList(self.model_parts)
+        materialize(self.placed.parts, record, self.device, torch.device("cpu") if cfg.parallel.offloads else None)
+        self.model = self.placed.model
         torch.manual_seed(cfg.run.seed + self.layout.dp_rank)  # dropout: shared by tensor-parallel peers
         self.optimizer = build_optimizer(self.model, cfg.train)
         shard_optimizer_state(self.optimizer, self.layout.config, self.layout)
@@ -125,24 +117,19 @@ class Trainer(loop.Face):
         if self.is_main:
             config_file.save(cfg, cfg.run.path / "config.toml")
         self.metrics = MetricsLogger(cfg.run.path, cfg.metrics, cfg.train.steps, enabled=self.is_main)
-        self.timer = StepTimer(cfg.metrics, self.pipeline, self.device)
+        self.timer = StepTimer(cfg.metrics, self.placed.pipeline, self.device)
         if self.is_main:
             print(f"mfu: peak {self.timer.peak_tflops:.4g} TFLOP/s for the job ({self.timer.peak_source})", flush=True)
             if self.device.type == "cpu":
                 print(f"host memory: {host_memory.describe()}", flush=True)
-        # the Transformer's head computes the loss a few rows at a time, with no whole logits, unless the
-        # logits are vocab-sharded (the loss is then loss_parallel's); ResNet's classes go to _loss
-        self.loss_in_head = cfg.parallel.model_parallel == 1 and cfg.model.spec.loss_in_head
-        self.checkpointer = Checkpointer(cfg, self.layout, self.model_parts, self.optimizer, self.scheduler,
+        self.checkpointer = Checkpointer(cfg, self.layout, self.placed.parts, self.optimizer, self.scheduler,
                                          {"loss_scaler": self.loss_scaler, "data": self.data})
         self.step = self.checkpointer.resume()  # checkpoint.resume: "auto" | path | "none"
-        self.evaluator = bleu_evaluator(cfg, self.model_parts, self.pipeline is not None, self.is_main)
+        self.evaluator = bleu_evaluator(cfg, self.placed.parts, self.placed.pipeline is not None, self.is_main)
         self.stopped_at = None
         self.history = []
-        self.engine = Engine(self.model_parts, self.optimizer, self.scheduler, self.layout, self.loss_scaler,
-                             self.timer, grad_clip=cfg.train.grad_clip,
-                             counted_in_norm=self.pipeline.counted_in_norm() if self.pipeline else None,
-                             diverged_hint=": lower train.lr, raise train.warmup_steps or check the data")
+        self.engine = Engine(self.placed, self.optimizer, self.scheduler, self.layout, self.loss_scaler, self.timer,
+                             grad_clip=cfg.train.grad_clip, diverged_hint=": lower train.lr, raise train.warmup_steps or check the data")
 
     def train(self) -> list[dict]:
         """Run until ``train.steps``, or until a stop is asked (SIGTERM/SIGINT on any rank: every rank stops
@@ -166,7 +153,9 @@ class Trainer(loop.Face):
         step = self.step + 1
         to_host = (self.metrics.should_log(step - 1) or self.checkpointer.due(step) or step == self.cfg.train.steps
                    or (self.evaluator is not None and self.evaluator.due(step)))
-        return self.engine.step(step, self._forward_backward_step, to_host)
+        batch = self.data.batch(self.step)
+        flops = batch_flops(self.cfg.model, batch, self.layout.dp_size)
+        return self.engine.step(step, batch, {"samples": self.cfg.train.global_batch_size, "flops": flops}, to_host)
 
     # the loop's Face: metrics, evaluation and checkpoints between steps
     def after_step(self, record: dict) -> bool:
@@ -193,33 +182,3 @@ class Trainer(loop.Face):
             run_lock.release(directory)
         if self.is_main and self.loss_scaler.skipped_steps:
             print(f"fp16: {self.loss_scaler.summary()}", flush=True)
-
-    def _forward_backward_step(self, loss_scale: torch.Tensor) -> dict:
-        """Forward and backward of this rank's share of the next global batch (``Engine.step``'s ``run``); the
-        loss is normalised by the global batch's non-pad target tokens (``paratrain.parallel.micro_batches.StepLoss``)."""
-        batch = self.data.batch(self.step)
-        flops = batch_flops(self.cfg.model, batch, self.layout.dp_size)
-        num_tokens = self.layout.all_reduce_dp((batch["labels"] != self.cfg.model.ignore_index).sum())
-        norm = StepLoss(self.layout, self.cfg.parallel.micro_batch_num, loss_scale, tokens=num_tokens)
-        self.model.train()
-        # a mixture of experts' load-balancing loss, a micro-batch's share of its mean, joins backward in each
-        # block (any pipeline stage's) and the reported loss here
-        with aux_loss_in_backward(norm.mean_factor):
-            forward_backward(batch, self.cfg.parallel, self.cfg.train.mixed_precision, self.device, self.timer.phase,
-                             module=self.model, loss_of=lambda micro: self._micro_loss(micro, norm),
-                             pipeline=self.pipeline and functools.partial(self.pipeline.step, loss_kwargs={"norm": norm}))
-        out = norm.result()
-        moe = moe_step_metrics(self.model, self.layout, self.cfg.model.moe_config.expert_num > 1)
-        if moe:
-            out["loss"] = out["loss"] + moe["aux_loss"]
-        return {**out, "tokens": num_tokens, "samples": self.cfg.train.global_batch_size, "flops": flops, **moe}
-
-    def _micro_loss(self, micro: dict[str, torch.Tensor], norm: StepLoss) -> torch.Tensor:
-        inputs = {k: v for k, v in micro.items() if k != "labels"}
-        if self.loss_in_head:
-            return norm.token_sum(self.model(**inputs, labels=micro["labels"]))
-        return self._loss(self.model(**inputs), micro["labels"], norm)
-
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, norm: StepLoss) -> torch.Tensor:
-        """A micro-batch's summed token loss, normalised by ``norm`` (also a pipeline's last stage's loss)."""
-        return norm.token_sum(token_loss_sum(logits.float(), labels, self.cfg.model.ignore_index))

@@ -216,3 +216,23 @@ def test_placement_knows_no_face():
     assert "paratrain.context" in graph["paratrain.train.model"]  # the walk sees a face's imports
     wrong = {m: sorted(e for e in graph[m] if _within(e, MINDSPORE_FACE + TOML_FACE)) for m in placement}
     assert {m: edges for m, edges in wrong.items() if edges} == {}
+
+
+def test_both_faces_hand_the_engine_one_placed_model():
+    """Every placement (the built-ins' parallelize, a user's net by its blocks, hybrid, op strategies) is a
+    PlacedModel that owns the step's forward and backward: the engine knows placement only through it, and no face
+    builds a step's loss or runs micro-batches itself."""
+    import inspect
+
+    from paratrain.parallel import parallelize
+    from paratrain.parallel.placed import PlacedModel
+    from paratrain.parallel.user import PlacedNet, place_net
+    from paratrain.train.parallel_modes.hybrid import HybridNet
+    from paratrain.train.parallel_modes.semi_auto import OpPlacedNet
+
+    assert all(issubclass(kind, PlacedModel) for kind in (PlacedNet, HybridNet, OpPlacedNet))
+    assert [inspect.signature(f).return_annotation for f in (parallelize, place_net)] == ["PlacedModel", "PlacedNet"]
+    graph = import_graph()
+    assert {e for e in graph["paratrain.engine"] if _within(e, ("paratrain.parallel",))} == {"paratrain.parallel.placed"}
+    for face in ("paratrain.trainer", "paratrain.train.model"):  # the faces' steps
+        assert not graph[face] & {"paratrain.parallel.micro_batches", "paratrain.parallel.expert"}, face

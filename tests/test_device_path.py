@@ -67,8 +67,8 @@ def _data_parallel_units(zero_stage, mixed_precision):
     cfg = tiny_config(model={"kind": "gpt", "decoder_layers": 3}, parallel={"dp": 2, "zero_stage": zero_stage})
     with torch.device("meta"):
         model = build_model(cfg.model)
-    (part,), _ = parallelize(model, cfg.parallel, Layout(cfg.parallel, world),
-                             train=TrainConfig(mixed_precision=mixed_precision))
+    (part,) = parallelize(model, cfg.parallel, Layout(cfg.parallel, world),
+                          train=TrainConfig(mixed_precision=mixed_precision)).parts
     units = [name for name, m in part.named_modules() if isinstance(m, FSDPModule)]
     policies = {str(m._get_fsdp_state()._mp_policy.param_dtype) for m in part.modules() if isinstance(m, FSDPModule)}
     shared = {}  # one FSDP state per unit: (its modules' names, whether it stays gathered after forward)
@@ -224,7 +224,7 @@ def _outputs_kept_by_pipeline_stages(tmp_dir):
     trainer = Trainer(tiny_config(run={"dir": tmp_dir}, model={"kind": "gpt"}, parallel={"pp": 2, "micro_batch_num": 2},
                                   train={"steps": 1}, metrics={"progress": False}))
     trainer.train()
-    return [len(stage.output_chunks) for stage in trainer.pipeline.stages]
+    return [len(stage.output_chunks) for stage in trainer.placed.pipeline.stages]
 
 
 @pytest.mark.slow

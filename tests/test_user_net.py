@@ -103,12 +103,11 @@ def train_placed(net, config, layout, batches):
 
     placed = place_net(net, config, layout, batches[0])
     optimizer = torch.optim.AdamW([p for _, p in placed.named_parameters()], lr=1e-2)
-    engine = Engine(placed.parts, optimizer, None, layout, LossScaler(False, device=layout.device),
+    engine = Engine(placed, optimizer, None, layout, LossScaler(False, device=layout.device),
                     StepTimer(MetricsConfig(), device=layout.device, mfu=False), grad_clip=1.0)
     out = []
     for step, batch in enumerate(batches, 1):
-        record = engine.step(step, lambda scale: {**placed.forward_backward(batch, scale), "tokens": 0,
-                                                  "samples": 0, "flops": 0.0}, to_host=True)
+        record = engine.step(step, batch, {"tokens": 0, "samples": 0, "flops": 0.0}, to_host=True)
         out.append((record["loss"], record["grad_norm"]))
     return out
 
@@ -389,9 +388,11 @@ def test_a_ranks_share_that_does_not_split_into_micro_batches_is_refused_naming_
 
     config = ParallelConfig(micro_batch_num=3)
     placed = place_net(Net(), config, Layout(config, 1), _batches(1)[0])
+    placed.rows_of_this_rank = True
     with pytest.raises(UserError, match=r"a batch of 8 rows does not split into 3 equal parts \(this rank's share "
                                         r"of a dataset sharded per rank x micro_batch_num=3\)"):
-        placed.forward_backward(_batches(1)[0], rows_of_this_rank=True)
+        placed.forward_backward(_batches(1)[0])
+    placed.rows_of_this_rank = False
     with pytest.raises(UserError, match=r"\(data_parallel=1 x micro_batch_num=3\)"):
         placed.forward_backward(_batches(1)[0])
 

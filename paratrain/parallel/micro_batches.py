@@ -2,8 +2,8 @@
 
 :func:`forward_backward` runs forward and backward of each micro-batch (or a pipeline schedule's step), with the
 gradients accumulated and, below ZeRO 3, reduced once; :class:`StepLoss` makes the loss and gradients those of one
-device whatever the split. Both faces' placements use them (``paratrain.trainer`` for the built-in models,
-``paratrain.parallel.user`` for a user's net); ``paratrain.engine`` does the rest of the step.
+device whatever the split. Every placed model uses them (``paratrain.parallel.placed``); ``paratrain.engine``
+does the rest of the step.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class StepLoss:
     def __init__(self, layout: Layout, micro_batch_num: int, loss_scale: torch.Tensor | float,
                  tokens: torch.Tensor | None = None, counted: bool = False):
         self.layout, self.micro_batch_num, self.loss_scale = layout, micro_batch_num, loss_scale
-        self.counted = counted
+        self.counted, self.tokens = counted, tokens
         # what a micro-batch's summed loss is divided by: the global batch's token count over the data-parallel size
         # (gradient reduction averages where a sum is wanted) and the loss scale; one division a step
         self.divisor = None if tokens is None else tokens / (layout.dp_size * loss_scale)

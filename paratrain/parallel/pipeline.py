@@ -210,12 +210,11 @@ class Pipeline:
     """This rank's model chunks (``parts``), their PipelineStages and the schedule that runs a step over
     micro-batches.
 
-    ``parallelize_chunk(chunk, stage_module)`` applies the other dimensions to each chunk;
-    ``loss_fn(logits, labels, **loss_kwargs)`` runs on the last stage per micro-batch; ``layer_costs`` weigh the
-    layers in the split (``layer_chunks``).
+    ``parallelize_chunk(chunk, root=stage_module)`` applies the other dimensions to each chunk; ``layer_costs`` weigh
+    the layers in the split (``layer_chunks``).
     """
 
-    def __init__(self, model: nn.Module, config: ParallelConfig, layout: Layout, parallelize_chunk, loss_fn,
+    def __init__(self, model: nn.Module, config: ParallelConfig, layout: Layout, parallelize_chunk,
                  layer_costs: list[int] | None = None):
         self.config, self.layout = config, layout
         units = unit_chunks(model, config, layer_costs)
@@ -227,13 +226,13 @@ class Pipeline:
         for c in self.chunk_ids:
             chunk = _prune(copy.deepcopy(model), set(units), {u for u, o in units.items() if o == c})
             stage_module = _StageModule(chunk)
-            parallelize_chunk(chunk, stage_module)
+            parallelize_chunk(chunk, root=stage_module)
             if isinstance(stage_module, DDP):
                 stage_module.set_requires_gradient_sync(False)
             self.parts.append(chunk)
             self.stages.append(_Stage(stage_module, c, num_chunks, layout.device, group=layout.pp_group))
-        self.loss_fn, self.loss_kwargs = loss_fn, {}
-        self.schedule = build_schedule(self.stages, config, self._loss)
+        self.loss_fn = None  # the step's (torch's schedules take loss_kwargs themselves only from 2.13 on)
+        self.schedule = build_schedule(self.stages, config, lambda output, target: self.loss_fn(output, target))
         self.has_last = num_chunks - 1 in self.chunk_ids
         self.shared_groups = self._shared_groups()
 
@@ -265,16 +264,12 @@ class Pipeline:
                 setattr(stage, attr, timed(getattr(stage, attr), phase))
         self.schedule._compute_loss = timed(self.schedule._compute_loss, "forward")
 
-    def _loss(self, output, target) -> torch.Tensor:
-        """The schedule's loss function: ``loss_fn`` with this step's ``loss_kwargs`` (torch's schedules take
-        ``loss_kwargs`` themselves only from 2.13 on)."""
-        return self.loss_fn(output, target, **self.loss_kwargs)
-
-    def step(self, batch: dict[str, torch.Tensor], loss_kwargs: dict) -> None:
-        """Forward and backward over ``micro_batch_num`` micro-batches; ``loss_fn`` keeps the losses (the engine's
-        ``StepLoss``). The last stage keeps no micro-batch's output (``return_outputs=False``)."""
+    def step(self, batch: dict[str, torch.Tensor], loss_fn) -> None:
+        """Forward and backward over ``micro_batch_num`` micro-batches; ``loss_fn(logits, labels)`` runs on the last
+        stage per micro-batch and keeps the losses (the step's ``StepLoss``). The last stage keeps no micro-batch's
+        output (``return_outputs=False``)."""
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        self.loss_kwargs = loss_kwargs
+        self.loss_fn = loss_fn
         self.schedule.step(**inputs, target=batch["labels"] if self.has_last else None, return_outputs=False)
         self._sum_shared_grads()
 

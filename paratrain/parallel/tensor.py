@@ -62,19 +62,28 @@ def parallel_style(kind, sequence_parallel: bool = False, vocab_emb_dp: bool = F
                     f"head, norm, position or ('gather', inputs)")
 
 
-def apply_tensor_parallel(model: nn.Module, config: ParallelConfig, tp_mesh: DeviceMesh) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, config: ParallelConfig, tp_mesh: DeviceMesh,
+                          declared_by: nn.Module | None = None) -> nn.Module:
     """Shard ``model`` in place over ``tp_mesh`` as its modules declare; keeps a tied head tied to the (sharded)
-    table."""
-    plan = declared_plan(model)
-    head = getattr(model, "head", None)
-    word = next((model.get_submodule(name) for name, kind in plan.items() if kind == "vocab_rows"), None)
+    table. ``declared_by``: a user's net, which ``model`` is or was traced from: its modules declare only the
+    splits they want (``vocab_emb_dp`` is theirs), and those ``model`` holds as traced leaves are replaced by the
+    net's own modules, which are then sharded."""
+    vocab_emb_dp = config.vocab_emb_dp and declared_by is None
+    plan = declared_plan(declared_by or model)
+    styles = {name: parallel_style(kind, config.sequence_parallel, vocab_emb_dp) for name, kind in plan.items()}
+    styles = {name: style for name, style in styles.items() if style is not None and has_submodule(model, name)}
+    for name in styles if declared_by is not None else ():
+        parent, _, child = name.rpartition(".")
+        model.get_submodule(parent).register_module(child, declared_by.get_submodule(name))
+    tables = [model.get_submodule(name) for name in styles if plan[name] == "vocab_rows"]
+    head, word = getattr(model, "head", None), next(iter(tables), None)
     tied = head is not None and word is not None and head.weight is word.weight
-    styles = {name: parallel_style(kind, config.sequence_parallel, config.vocab_emb_dp) for name, kind in plan.items()}
-    parallelize_module(model, tp_mesh, {name: style for name, style in styles.items() if style is not None})
+    parallelize_module(model, tp_mesh, styles)
     if tied:
         head.weight = word.weight
-    if word is not None and not config.vocab_emb_dp:
-        word.weight.register_post_accumulate_grad_hook(gradient_like_parameter)
+    if not vocab_emb_dp:  # each table once (the source and target embeddings may share one)
+        for weight in {id(table.weight): table.weight for table in tables}.values():
+            weight.register_post_accumulate_grad_hook(gradient_like_parameter)
     return model
 
 

@@ -47,8 +47,8 @@ def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
         with torch.device("meta"):
             model = build_model(cfg.model)
         model = model.to(DTYPES[cfg.model.dtype])
-        parts, _ = parallelize(model, cfg.parallel, layout, loss_fn=lambda *a, **k: None,
-                               layer_costs=layer_costs(cfg.model), tokens_per_rank=tokens_per_rank(cfg, layout.dp_size))
+        parts = parallelize(model, cfg.parallel, layout, layer_costs=layer_costs(cfg.model),
+                            tokens_per_rank=tokens_per_rank(cfg, layout.dp_size)).parts
         params = list({id(p): p for part in parts for p in part.parameters()}.values())
         nbytes = sum(_local_bytes(p) for p in params)
         owner = parameter_owners(params, layout.config, layout)

@@ -15,17 +15,14 @@ from paratrain import loop, progress, run_lock
 from paratrain.amp import LossScaleManager, precision_of
 from paratrain.auto_parallel import AutoParallel
 from paratrain.config import MetricsConfig, ParallelConfig
-from paratrain.context import ParallelMode, get_auto_parallel_context, parallel_config_for
+from paratrain.context import get_auto_parallel_context, parallel_config_for
 from paratrain.distributed import init_from_env
 from paratrain.engine import Engine
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
-from paratrain.modules.moe import MoE
 from paratrain.metrics.timer import StepTimer
 from paratrain.nn import PipelineCell
 from paratrain.parallel.data import shard_optimizer_state
-from paratrain.parallel.expert import moe_step_metrics
-from paratrain.parallel.user import PlacedNet
 from paratrain.preflight import net_memory_problem
 from paratrain.precision import LossScaler
 from paratrain.train.batches import BatchCheck, as_batch, batch_position, endless_batches, ids_per_row, with_last
@@ -104,7 +101,7 @@ class _Training(loop.Face):
         params, run_context, call = self.params, self.run_context, self.hooks.call
         sinks = self.sink_mode and sink_size > 0
         stream = endless_batches(dataset) if sinks else None
-        config, layout = params.parallel_config, params.layout
+        config = params.parallel_config
         for current in range(done["epoch"] or 1, epochs + 1):  # a resumed run skips the epochs done
             params.update(cur_epoch_num=current, cur_step_in_epoch=0)
             call("on_train_epoch_begin", run_context)
@@ -120,7 +117,7 @@ class _Training(loop.Face):
                 self.model._batch_check(batch, config, batch_position(params), params.rows_of_this_rank)
                 if not self.sink_mode:
                     call("on_train_step_begin", run_context)
-                yield functools.partial(self.model._step, batch, config, layout, params, self.hooks)
+                yield functools.partial(self.model._step, batch, config, params, self.hooks)
                 if run_context.get_stop_requested() and not self.sink_mode:
                     break
             if params.cur_step_in_epoch == 0:
@@ -260,15 +257,22 @@ class Model:
             dataset_sink_mode=dataset_sink_mode, mode="train", device_number=world_size, rank=rank,
             parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout,
             rows_of_this_rank=shards > 1, exit_requested=False, loss_scaler=self.loss_scaler, step_record=None)
-        self._engine = None
         # one run per checkpoint directory, from before a resume is decided
         locked = [("ModelCheckpoint directory", c.directory) for c in _Callbacks(callbacks).callbacks
                   if isinstance(c, ModelCheckpoint)]
         run_lock.hold(locked)
         try:
-            done = self._resume(resume, train_dataset, callbacks, dataset_sink_mode, config, layout, params,
-                                trust_unverified)
+            first = next(iter(train_dataset), None)
+            if first is None:
+                raise UserError("Model.train: train_dataset gave no batch")
+            if self.train_network is None:  # placed on the first batch, checked first as its step checks it
+                first = as_batch(first)
+                self._batch_check(first, config, "batch index 0 of epoch 1", params.rows_of_this_rank)
+                self._place(first, config, layout, params)
+            self.train_network.rows_of_this_rank = params.rows_of_this_rank
+            done = self._resume(resume, callbacks, dataset_sink_mode, params, trust_unverified)
             training = _Training(self, _Callbacks(callbacks), RunContext(params), dataset_sink_mode)
+            self._engine = self._make_engine(layout, training.hooks)
             with training.hooks:
                 training.hooks.call("on_train_begin", training.run_context)
                 steps = training.steps(epoch, train_dataset, sink_size, done)
@@ -280,8 +284,7 @@ class Model:
         if code:
             raise SystemExit(code)
 
-    def _resume(self, spec: str, dataset: Iterable, callbacks, sink_mode: bool, config: ParallelConfig,
-                layout: Layout, params: CallbackParams, trust_unverified: bool) -> dict:
+    def _resume(self, spec: str, callbacks, sink_mode: bool, params: CallbackParams, trust_unverified: bool) -> dict:
         """Apply ``Model.train``'s ``resume``; returns the saved position (epoch and step in it, 0 for none)."""
         if not isinstance(spec, str) or not spec.strip():
             raise UserError(f"Model.train(resume={spec!r}): expected 'none', 'auto' or a checkpoint's path")
@@ -294,11 +297,6 @@ class Model:
         if sink_mode:
             raise UserError(f"Model.train(resume={spec!r}) with dataset_sink_mode: a sink's batches are not "
                             f"counted per epoch; resume without sink mode")
-        first = next(iter(dataset), None)
-        if first is None:
-            raise UserError("Model.train: train_dataset gave no batch")
-        if self.train_network is None:
-            self._place(as_batch(first), config, layout, params)
         return savers[0].resume(params, spec.strip(), bool(trust_unverified))
 
     def _place(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams) -> None:
@@ -314,40 +312,24 @@ class Model:
             self.network.placed = self.train_network
         if self.optimizer is not None:
             self.optimizer = rebuild_optimizer(self.optimizer, names, self.train_network.named_parameters())
-            if isinstance(self.train_network, PlacedNet):  # semi-auto shards its optimizer by placements
-                shard_optimizer_state(self.optimizer, config, layout)
+            # (a net on op strategies is placed on one device's layout: its optimizer is sharded by placements)
+            shard_optimizer_state(self.optimizer, self.train_network.config, self.train_network.layout)
         self.loss_scaler = (self.loss_scale_manager.scaler(layout.device) if self.loss_scale_manager is not None
                             else LossScaler(False, device=layout.device))
         params.update(train_network=self.train_network, optimizer=self.optimizer, loss_scaler=self.loss_scaler)
 
-    def _step(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams,
-              hooks: "_Callbacks") -> dict:
-        """One optimizer step on a global batch (``paratrain.engine``); places the net on the first. Returns its
-        record (device values, unless a callback reads this step's values). A loss that is no scalar is refused
-        naming the batch (a batch unlike the first was, as it was drawn: ``BatchCheck``)."""
-        where = batch_position(params)
-        if self.train_network is None:
-            self._place(batch, config, layout, params)
-        if self._engine is None:
-            self._engine = self._make_engine(layout, hooks)
-        summed = params.parallel_mode == ParallelMode.DATA_PARALLEL and not get_auto_parallel_context("gradients_mean")
+    def _step(self, batch: tuple, config: ParallelConfig, params: CallbackParams, hooks: "_Callbacks") -> dict:
+        """One optimizer step on a global batch (``paratrain.engine``). Returns its record (device values, unless a
+        callback reads this step's values). A loss that is no scalar is refused naming the batch (a batch unlike
+        the first was, as it was drawn: ``BatchCheck``)."""
         rows = len(batch[0]) * (config.data_parallel if params.rows_of_this_rank else 1)
         tokens = rows * ids_per_row(batch[0])
-
-        net = self.train_network.parts[0]  # a mixture of experts' aux loss: in the net's own loss, reported too
-
-        def run(loss_scale: torch.Tensor) -> dict:
-            try:
-                out = self.train_network.forward_backward(batch, loss_scale, params.rows_of_this_rank)
-            except UserError as exc:  # a batch that does not split, a loss that is no scalar
-                raise UserError(f"Model.train: {where}: {exc}") from None
-            if summed:  # MindSpore's default: the ranks' gradients summed (in the engine's optimizer step)
-                out["grad_scale"] = out.get("grad_scale", 1.0) * config.data_parallel
-            return {**out, "tokens": tokens, "samples": rows, "flops": 6.0 * self._parameter_count * tokens,
-                    **moe_step_metrics(net, layout, any(isinstance(m, MoE) for m in net.modules()))}
-
+        fields = {"tokens": tokens, "samples": rows, "flops": 6.0 * self._parameter_count * tokens}
         step = params.cur_step_num + 1
-        record = self._engine.step(step, run, any(c.needs_host_values(step) for c in hooks.callbacks))
+        try:
+            record = self._engine.step(step, batch, fields, any(c.needs_host_values(step) for c in hooks.callbacks))
+        except UserError as exc:  # a batch that does not split, a loss that is no scalar
+            raise UserError(f"Model.train: {batch_position(params)}: {exc}") from None
         params.step_record = record
         return record
 
@@ -356,8 +338,7 @@ class Model:
         summaries = [c for c in hooks.callbacks if isinstance(c, SummaryCollector)]
         timer = StepTimer(MetricsConfig(breakdown=any(c.breakdown for c in summaries)), device=layout.device,
                           mfu=bool(summaries))
-        self.train_network.phase = timer.phase
-        return Engine(self.train_network.parts, self.optimizer, None, layout, self.loss_scaler, timer,
+        return Engine(self.train_network, self.optimizer, None, layout, self.loss_scaler, timer,
                       diverged_hint=": lower the learning rate, use a loss_scale_manager with amp_level or check "
                                     "the data")
 

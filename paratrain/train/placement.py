@@ -136,7 +136,10 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
             choose = StrategyChooser.from_context(layout.world_size)
         _materialize([net], deferred, layout.device)
         return place_semi_auto(net, batch, layout.device, layout.world_size, config, choose, precision)
-    placed = place_net(net, config, layout, batch, precision, compile_layers=graph_mode)
+    # MindSpore's data parallel without gradients_mean sums the replicas' gradients
+    summed = mode == ParallelMode.DATA_PARALLEL and not get_auto_parallel_context("gradients_mean")
+    placed = place_net(net, config, layout, batch, precision, compile_layers=graph_mode,
+                       grad_factor=config.data_parallel if summed else 1.0)
     _materialize(placed.parts, deferred, layout.device)
     return placed
 

@@ -14,7 +14,7 @@ from torch import nn
 from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
 from paratrain.parallel.data import coalesced
-from paratrain.parallel.user import Placed
+from paratrain.parallel.user import PlacedNet
 from paratrain.train.parallel_modes import refuse_options
 
 
@@ -23,9 +23,9 @@ def is_layerwise(param: torch.Tensor) -> bool:
     return bool(getattr(param, "layerwise_parallel", False))
 
 
-class HybridNet(Placed):
-    """A net under ``hybrid_parallel`` (``Placed``): every rank runs it whole on the global batch (or its rows of
-    a dataset sharded per rank) in micro-batches, then averages over the ranks (``layout``'s data-parallel ones,
+class HybridNet(PlacedNet):
+    """A net under ``hybrid_parallel`` (``PlacedNet``): every rank runs it whole on the global batch (or its rows
+    of a dataset sharded per rank) in micro-batches, then averages over the ranks (``layout``'s data-parallel ones,
     every rank) the gradients of the parameters that are not ``layerwise_parallel``. ``parts`` is ``[net]``."""
 
     def __init__(self, net: nn.Module, config: ParallelConfig, layout: Layout, precision: str = "none"):
@@ -39,15 +39,11 @@ class HybridNet(Placed):
                             f"enable_parallel_optimizer): each rank's layerwise_parallel parameters are its own")
         refuse_options(config, net, "hybrid_parallel", problems)
         super().__init__(net.to(layout.device), config, layout, precision)
-        self.net = net
 
-    def forward_backward(self, batch: tuple, loss_scale: torch.Tensor | float = 1.0,
-                         rows_of_this_rank: bool = False) -> dict:
-        """Forward and backward of one batch; returns ``StepLoss.result()``: the loss averaged over the ranks."""
-        out = self._run(self._rows(batch, rows_of_this_rank), loss_scale, self.net)
+    def reduce_gradients(self) -> None:
+        """The gradients that are not ``layerwise_parallel`` averaged over the ranks."""
         grads = [p.grad for p in self.parameters() if p.grad is not None and not is_layerwise(p)]
         group = self.layout.dp_group
         if group is not None and grads:
             coalesced(grads, lambda flat: dist.all_reduce(flat, group=group, async_op=True))
             torch._foreach_div_(grads, self.layout.dp_size)
-        return out

@@ -36,7 +36,7 @@ from paratrain.ops.primitive import Primitive
 from paratrain.ops.strategy import StrategyError, StrategyMesh, mesh_factors
 from paratrain.ops.strategy import placements as placements_on
 from paratrain.parallel.micro_batches import has_rows
-from paratrain.parallel.user import Placed
+from paratrain.parallel.user import PlacedNet
 from paratrain.train.parallel_modes import refuse_options
 
 # a tensor split along one dimension over several mesh dims is reduced one mesh dim at a time; DTensor
@@ -147,10 +147,11 @@ def optimizer_shard(placements: list, shape: tuple[int, ...], mesh: StrategyMesh
     return placements
 
 
-class OpPlacedNet(Placed):
-    """A net of ``paratrain.ops`` on its strategies (``Placed``): each micro-batch's tensors enter as DTensors
+class OpPlacedNet(PlacedNet):
+    """A net of ``paratrain.ops`` on its strategies (``PlacedNet``): each micro-batch's tensors enter as DTensors
     (``as_input``) and DTensor computes the loss of the whole micro-batch, so every rank holds one device's loss
-    and each parameter its one-device gradient of it (times ``loss_scale``) in its placement. ``parts`` is
+    and each parameter its one-device gradient of it (times ``loss_scale``) in its placement. Its batch is the
+    whole global batch, or with ``rows_of_this_rank`` this rank's rows of it (ranks in order). ``parts`` is
     ``[net]``."""
 
     def __init__(self, net: nn.Module, mesh: StrategyMesh, device: torch.device, config: ParallelConfig,
@@ -166,21 +167,16 @@ class OpPlacedNet(Placed):
         placements = self.mesh.batch() if rows_of_this_rank and value.ndim else self.mesh.replicate()
         return DTensor.from_local(value, self.mesh.mesh, placements, run_check=False)
 
-    def forward_backward(self, batch: tuple, loss_scale: torch.Tensor | float = 1.0,
-                         rows_of_this_rank: bool = False) -> dict:
-        """Forward and backward of one batch: the whole global batch, or with ``rows_of_this_rank`` this rank's
-        rows of it (ranks in order). Returns ``StepLoss.result()``."""
+    def run_net(self, *inputs):
+        output = self.net(*(self.as_input(t, self.rows_of_this_rank) for t in inputs))
+        return output.full_tensor() if isinstance(output, DTensor) else output
 
-        def forward(*micro_batch):
-            output = self.net(*(self.as_input(t, rows_of_this_rank) for t in micro_batch))
-            return output.full_tensor() if isinstance(output, DTensor) else output
-
-        out = self._run(self._rows(batch, rows_of_this_rank), loss_scale, forward)
+    def reduce_gradients(self) -> None:
+        """Each gradient in its parameter's placement."""
         for param in self.parameters():
             grad = param.grad
             if isinstance(grad, DTensor) and grad.placements != param.placements:
                 param.grad = grad.redistribute(param.device_mesh, param.placements)
-        return out
 
 
 def place_semi_auto(net: nn.Module, example_batch: tuple, device: torch.device, device_num: int,
