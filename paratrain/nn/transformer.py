@@ -52,9 +52,10 @@ class _Layer(shared.TransformerLayer, Cell):
 
     names = ("layernorm1", "attention", "cross_attention_layernorm", "cross_attention", "layernorm2", "output")
 
-    def _check(self, hidden_size, ffn_hidden_size, num_heads, layernorm_compute_type, param_init_type, use_past,
-               moe_config, parallel_config) -> None:
+    def __init__(self, hidden_size, ffn_hidden_size, num_heads, post_layernorm_residual, layernorm_compute_type,
+                 param_init_type, use_past, moe_config, parallel_config):
         """Refuse what the layer cannot build; set the dtypes its sublayers take."""
+        super().__init__(0.0, post_layernorm_residual)  # MindSpore's sublayers drop their own outputs
         owner = type(self).__name__
         refuse_unsupported(owner, use_past)
         check_moe(owner, moe_config, parallel_config)
@@ -85,9 +86,8 @@ class TransformerEncoderLayer(_Layer):
                  post_layernorm_residual: bool = False, layernorm_compute_type=torch.float32,
                  softmax_compute_type=torch.float32, param_init_type=torch.float32, hidden_act="gelu",
                  use_past: bool = False, moe_config=default_moe_config, parallel_config=default_dpmp_config):
-        super().__init__(0.0, post_layernorm_residual)  # MindSpore's sublayers drop their own outputs
-        self._check(hidden_size, ffn_hidden_size, num_heads, layernorm_compute_type, param_init_type, use_past,
-                    moe_config, parallel_config)
+        super().__init__(hidden_size, ffn_hidden_size, num_heads, post_layernorm_residual, layernorm_compute_type,
+                         param_init_type, use_past, moe_config, parallel_config)
         self.layernorm1 = self._norm(hidden_size)
         self.attention = MultiHeadAttention(batch_size, seq_length, seq_length, hidden_size, num_heads,
                                             hidden_dropout_rate, attention_dropout_rate,
@@ -111,9 +111,8 @@ class TransformerDecoderLayer(_Layer):
                  post_layernorm_residual: bool = False, use_past: bool = False, layernorm_compute_type=torch.float32,
                  softmax_compute_type=torch.float32, param_init_type=torch.float32, hidden_act="gelu",
                  moe_config=default_moe_config, parallel_config=default_dpmp_config):
-        super().__init__(0.0, post_layernorm_residual)  # MindSpore's sublayers drop their own outputs
-        self._check(hidden_size, ffn_hidden_size, num_heads, layernorm_compute_type, param_init_type, use_past,
-                    moe_config, parallel_config)
+        super().__init__(hidden_size, ffn_hidden_size, num_heads, post_layernorm_residual, layernorm_compute_type,
+                         param_init_type, use_past, moe_config, parallel_config)
         attention = dict(hidden_size=hidden_size, num_heads=num_heads, batch_size=batch_size,
                          hidden_dropout_rate=hidden_dropout_rate, attention_dropout_rate=attention_dropout_rate,
                          softmax_compute_type=softmax_compute_type, param_init_type=self._param_dtype,
