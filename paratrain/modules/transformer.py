@@ -116,9 +116,10 @@ class TransformerLayer(nn.Module):
     ``(output (B, T, H), presents, *aux_loss)``, the keys and values of its attentions and, where the FFN is a
     mixture of experts, its load-balancing loss. ``cache``: the self-attention's while decoding.
 
-    Its owner builds the parts (the attentions called as ``Attention``) and names them in ``names``, as
-    parameter names are part of the checkpoint format: the LayerNorm and sublayer of the self-attention, of
-    the cross-attention (absent without one) and of the FFN.
+    Its owner builds the parts and names them in ``names``, as parameter names are part of the checkpoint
+    format: the LayerNorm and sublayer of the self-attention, of the cross-attention (absent without one) and
+    of the FFN. The attentions are called as ``Attention``, on (query,) and (query, memory) with the mask as
+    ``attention_mask``: the inputs a tensor-parallel plan's ``("gather", n)`` gathers.
     """
 
     is_transformer_layer = True  # a unit of recompute and FSDP

@@ -198,9 +198,9 @@ class MoE(shared_moe.MoE, Cell):
 
 
 class MultiHeadAttention(_SplitWhenParallel, shared.Attention, Cell):
-    """Multi-head attention of query (B, Tq, H) over key and value (B, Tk, H) (or (B*T, H) each; by default
-    the query's, value: the key's) under attention_mask (B, Tq, Tk), 1 where a query may attend a key (None:
-    everywhere).
+    """Multi-head attention of query (B, Tq, H) over key and value (B, Tk, H) (or (B*T, H) each; the key
+    defaults to the query, the value to the key) under attention_mask (B, Tq, Tk), 1 where a query may attend a
+    key (None: everywhere).
 
     Returns ``(output shaped like the query, (key (B, h, d, Tk), value (B, h, Tk, d)))``. ``dense1``/``dense2``/
     ``dense3`` (query, key, value) are split colwise (whole heads per rank), ``projection`` rowwise over
