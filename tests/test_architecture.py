@@ -70,20 +70,25 @@ def test_no_import_cycle_in_paratrain():
 
 
 def test_one_implementation_of_the_transformer_parts():
-    """The built-in models and paratrain.nn's blocks compose the same modules, and only the built-ins know
-    models/: neither paratrain.nn, paratrain.modules nor the tensor-parallel placement imports a model file."""
+    """The built-in models and paratrain.nn's blocks compose the same modules, layer and stack, and only the
+    built-ins know models/: neither paratrain.nn, paratrain.modules nor the tensor-parallel placement imports a
+    model file."""
     from paratrain import nn as blocks
     from paratrain.models import build_model
-    from paratrain.modules.transformer import Attention, FeedForward
+    from paratrain.modules.transformer import Attention, FeedForward, TransformerLayer, TransformerStack
 
     graph = import_graph()
     readers = [m for m, edges in graph.items() if m.startswith(("paratrain.nn", "paratrain.modules"))
                or m in ("paratrain.parallel.tensor", "paratrain.parallel.user")]
     assert "paratrain.nn.layers" in readers and "paratrain.modules.transformer" in readers
     assert [m for m in readers if any(e.startswith("paratrain.models") for e in graph[m])] == []
-    layer = build_model(tiny_config(model={"kind": "gpt"}).model).layers["0"]
+    gpt = build_model(tiny_config(model={"kind": "gpt"}).model)
+    layer = gpt.layers["0"]
     assert isinstance(layer.attn, Attention) and isinstance(layer.ffn, FeedForward)
     assert issubclass(blocks.MultiHeadAttention, Attention) and issubclass(blocks.FeedForward, FeedForward)
+    assert isinstance(layer, TransformerLayer) and isinstance(gpt, TransformerStack)
+    assert all(issubclass(getattr(blocks, f"Transformer{part}Layer"), TransformerLayer) and
+               issubclass(getattr(blocks, f"Transformer{part}"), TransformerStack) for part in ("Encoder", "Decoder"))
 
 
 

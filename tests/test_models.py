@@ -33,7 +33,7 @@ def test_causal_attention_needs_no_padding_mask_at_the_end():
     pad = torch.tensor([[False] * 7 + [True] * 2, [False] * 4 + [True] * 5])
     x = torch.randn(2, 9, CFG.hidden_size)
     explicit = torch.ones(9, 9, dtype=torch.bool).tril()[None, None] & ~pad[:, None, None, :]
-    want, got = layer(x, explicit), layer(x, CAUSAL)
+    want, got = layer(x, explicit)[0], layer(x, CAUSAL)[0]
     assert torch.allclose(got[~pad], want[~pad], atol=1e-6)
     assert not torch.allclose(got[pad], want[pad], atol=1e-3)  # pad positions differ: the check can fail
 
@@ -95,9 +95,22 @@ def test_encoder_layer_equals_torch_pre_ln_layer():
     x = torch.randn(3, 7, 32)
     pad = torch.zeros(3, 7, dtype=torch.bool)
     pad[1, 5:] = True
-    got = ours(x, attention_mask(pad, False, 7))
+    got = ours(x, attention_mask(pad, False, 7))[0]
     want = ref(x, src_key_padding_mask=pad)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_layer_parameter_names_are_those_of_saved_checkpoints():
+    """The built-in layers name their parts as checkpoints saved by earlier versions do."""
+    encoder_layer = {"attn_branch.norm.weight", "attn.q_proj.weight", "attn.out_proj.bias", "ffn_branch.norm.bias",
+                     "ffn.fc1.weight", "ffn.fc2.bias"}
+    decoder_layer = {"self_attn_branch.norm.weight", "self_attn.k_proj.bias", "cross_attn_branch.norm.bias",
+                     "cross_attn.v_proj.weight", "ffn_branch.norm.weight", "ffn.fc2.weight"}
+    want = {f"{stack}.1.{name}" for stack, names in (("transformer.encoder.layers", encoder_layer),
+                                                     ("transformer.decoder.layers", decoder_layer)) for name in names}
+    assert want | {"transformer.encoder.norm.weight"} <= set(dict(Seq2SeqModel(CFG).named_parameters()))
+    gpt = dict(GPTModel(ModelConfig(**{**CFG.__dict__, "kind": "gpt"})).named_parameters())
+    assert {f"layers.0.{name}" for name in encoder_layer} | {"norm.bias"} <= set(gpt)
 
 
 def test_tied_embeddings_share_one_tensor():

@@ -82,11 +82,45 @@ def test_blocks_are_the_built_in_models_modules_under_mindspore_names():
     query, memory = torch.randn(B, T, H), torch.randn(B, S, H)
     mask = (torch.rand(B, T, S) > 0.4).float()
     mask[..., 0] = 1  # every query attends some key
-    assert torch.allclose(block(query, memory, memory, mask)[0], module(query, memory, mask=mask.bool()[:, None]),
-                          atol=1e-6)
+    output, _ = module(query, memory, attention_mask=mask.bool()[:, None])
+    assert torch.allclose(block(query, memory, memory, mask)[0], output, atol=1e-6)
     ffn = FeedForward(H, FFN, 0.0)
     assert torch.equal(ffn(query), renamed(ffn, shared.FeedForward(H, FFN, 0.0, nn.GELU(approximate="tanh")))(query))
     assert isinstance(VocabEmbedding(8, 4), shared.VocabEmbedding)
+
+
+def test_layers_and_stacks_are_the_built_in_models_under_mindspore_names():
+    """TransformerDecoder runs the built-in models' layer and stack (paratrain.modules' TransformerLayer and
+    TransformerStack): its weights under the built-in decoder's names give the same output, a 0/1 memory mask
+    as its boolean form."""
+    from paratrain.config import ModelConfig
+    from paratrain.models import transformer as built_in
+    from paratrain.modules import transformer as shared
+
+    torch.manual_seed(0)
+    stack = TransformerDecoder(num_layers=2, batch_size=B, hidden_size=H, ffn_hidden_size=FFN, src_seq_length=S,
+                               tgt_seq_length=T, num_heads=HEADS, hidden_act="relu", **NO_DROPOUT)
+    cfg = ModelConfig(hidden_size=H, num_heads=HEADS, ffn_hidden_size=FFN, hidden_act="relu", hidden_dropout=0.0,
+                      attention_dropout=0.0)
+    decoder = built_in.TransformerDecoder(cfg, 2)
+    decoder.norm = None  # MindSpore's stacks end without one
+    parts = dict(zip(type(stack.blocks[0]).names, built_in.DecoderLayer.names))
+    attention, ffn = (dict(zip(type(a).names, type(b).names)) for a, b in (
+        (stack.blocks[0].attention, decoder.layers["0"].self_attn), (stack.blocks[0].output, decoder.layers["0"].ffn)))
+
+    def built_in_name(key):
+        _, layer, part, *inner = key.split(".")
+        names = attention if "attention" in part else ffn
+        return ".".join(["layers", layer, parts[part], *(names.get(n, n) for n in inner)])
+
+    decoder.load_state_dict({built_in_name(key): value for key, value in stack.state_dict().items()})
+    x, memory = torch.randn(B, T, H), torch.randn(B, S, H)
+    memory_mask = (torch.rand(B, T, S) > 0.4).float()
+    memory_mask[..., 0] = 1  # every query attends some key
+    want, presents = stack(x, torch.ones(T, T).tril().expand(B, T, T), memory, memory_mask)
+    got, none = decoder(x, shared.CAUSAL, memory, memory_mask.bool()[:, None])
+    assert torch.allclose(got, want, atol=1e-5) and len(presents) == 2 and none == ()
+    assert isinstance(stack, shared.TransformerStack) and isinstance(stack.blocks[0], shared.TransformerLayer)
 
 
 def test_layer_and_stack_shapes():

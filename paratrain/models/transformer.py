@@ -16,7 +16,8 @@ from torch import nn
 from paratrain.config import ModelConfig
 from paratrain.modules.linear_cross_entropy import OutputHead
 from paratrain.modules.moe import MoE
-from paratrain.modules.transformer import CAUSAL, Attention, FeedForward, VocabEmbedding, residual
+from paratrain.modules.transformer import (CAUSAL, Attention, FeedForward, TransformerLayer, TransformerStack,
+                                          VocabEmbedding)
 
 
 class Embeddings(nn.Module):
@@ -53,27 +54,6 @@ def attention_mask(key_pad: torch.Tensor | None, causal: bool, query_length: int
     return allowed[None, None] & ~key_pad[:, None, None, :]
 
 
-class Residual(nn.Module):
-    """x + dropout(sublayer(norm(x))): the pre-LN residual branch.
-
-    With ``post_layernorm_residual`` (MindSpore's option) the residual adds to
-    the normalised input instead of the raw one.
-    """
-
-    def __init__(self, hidden_size: int, dropout: float, eps: float, post_layernorm_residual: bool):
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden_size, eps=eps)
-        self.dropout = nn.Dropout(dropout)
-        self.post_layernorm_residual = post_layernorm_residual
-
-    def parallel_plan(self) -> dict:
-        return {"norm": "norm"}
-
-    def forward(self, x, sublayer):
-        normed = self.norm(x)
-        return residual(x, normed, self.dropout(sublayer(normed)), self.post_layernorm_residual)
-
-
 def feed_forward(cfg: ModelConfig, layer_id: int) -> FeedForward | MoE:
     """Layer ``layer_id``'s FFN, with exact GELU or ReLU: a mixture of experts where ``cfg.moe`` puts one."""
     activation = nn.GELU() if cfg.hidden_act == "gelu" else nn.ReLU()
@@ -84,63 +64,49 @@ def feed_forward(cfg: ModelConfig, layer_id: int) -> FeedForward | MoE:
     return FeedForward(cfg.hidden_size, cfg.ffn_hidden_size, cfg.hidden_dropout, activation)
 
 
-def ffn_plan(ffn: FeedForward | MoE) -> dict:
-    """The FFN's input gathered for its tensor-parallel split; a mixture of experts is not split over
-    model_parallel (each tp rank runs the whole of its experts on the plain replicated input)."""
-    return {} if isinstance(ffn, MoE) else {"ffn": ("gather", 1)}
-
-
-def ffn_output(ffn: FeedForward | MoE, x: torch.Tensor) -> torch.Tensor:
-    """The FFN's output; a mixture of experts joins its aux loss to backward itself (``aux_loss_in_backward``)."""
-    return ffn(x)[0] if isinstance(ffn, MoE) else ffn(x)
-
-
-class EncoderLayer(nn.Module):
-    """Self-attention + FFN, each a residual branch: (B, S, H) -> (B, S, H).
-
-    Causal when used as a decoder-only (GPT) block.
+class EncoderLayer(TransformerLayer):
+    """Self-attention + FFN, x (B, S, H) -> ``(output (B, S, H), presents, *aux_loss)`` (``TransformerLayer``);
+    causal as a decoder-only (GPT) block. A mixture of experts joins its aux loss to backward itself
+    (``aux_loss_in_backward``): the models use the output alone.
     """
 
+    # each LayerNorm inside a module of its own, as saved checkpoints name it
+    names = ("attn_branch.norm", "attn", None, None, "ffn_branch.norm", "ffn")
+
     def __init__(self, cfg: ModelConfig, layer_id: int = 0):
-        super().__init__()
-        args = (cfg.hidden_size, cfg.hidden_dropout, cfg.layernorm_eps, cfg.post_layernorm_residual)
-        self.attn_branch, self.ffn_branch = Residual(*args), Residual(*args)
-        self.attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
-        self.ffn = feed_forward(cfg, layer_id)
+        super().__init__(cfg.hidden_dropout, cfg.post_layernorm_residual)
+        norm1, attention, norm2, cross_attention, norm3, ffn = self.names
+        for name in filter(None, (norm1, norm2, norm3)):
+            holder, _, norm = name.partition(".")
+            self.add_module(holder, nn.ModuleDict({norm: nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)}))
+        for name in filter(None, (attention, cross_attention)):
+            self.add_module(name, Attention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout))
+        self.add_module(ffn, feed_forward(cfg, layer_id))
 
     def parallel_plan(self) -> dict:
-        return {"attn": ("gather", 1), **ffn_plan(self.ffn)}
+        """The LayerNorms on sequence shards; the inputs of the sublayers, (query,) or (query, memory), gathered
+        for their tensor-parallel split, but a mixture of experts' (not split over model_parallel: each tp rank
+        runs the whole of its experts on the plain replicated input)."""
+        norm1, attention, norm2, cross_attention, norm3, ffn = self.names
+        plan = {name: "norm" for name in (norm1, norm2, norm3) if name} | {attention: ("gather", 1)}
+        if cross_attention:
+            plan[cross_attention] = ("gather", 2)
+        if not isinstance(self.get_submodule(ffn), MoE):
+            plan[ffn] = ("gather", 1)
+        return plan
 
-    def forward(self, x, mask=None):
-        x = self.attn_branch(x, lambda h: self.attn(h, mask=mask))
-        return self.ffn_branch(x, lambda h: ffn_output(self.ffn, h))
 
-
-class DecoderLayer(nn.Module):
-    """Masked self-attention, cross-attention over the encoder output, FFN.
-
-    x (B, T, H), memory (B, S, H) -> (B, T, H).
+class DecoderLayer(EncoderLayer):
+    """Masked self-attention, cross-attention over the encoder output, FFN: x (B, T, H), mask, memory (B, S, H),
+    memory_mask -> ``(output (B, T, H), presents, *aux_loss)`` (``TransformerLayer``).
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
-        super().__init__()
-        args = (cfg.hidden_size, cfg.hidden_dropout, cfg.layernorm_eps, cfg.post_layernorm_residual)
-        self.self_attn_branch, self.cross_attn_branch, self.ffn_branch = Residual(*args), Residual(*args), Residual(*args)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
-        self.cross_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
-        self.ffn = feed_forward(cfg, layer_id)
-
-    def parallel_plan(self) -> dict:
-        return {"self_attn": ("gather", 1), "cross_attn": ("gather", 2), **ffn_plan(self.ffn)}
-
-    def forward(self, x, memory, self_mask=None, memory_mask=None, cache: dict | None = None):
-        x = self.self_attn_branch(x, lambda h: self.self_attn(h, mask=self_mask, cache=cache))
-        x = self.cross_attn_branch(x, lambda h: self.cross_attn(h, memory, mask=memory_mask))
-        return self.ffn_branch(x, lambda h: ffn_output(self.ffn, h))
+    names = ("self_attn_branch.norm", "self_attn", "cross_attn_branch.norm", "cross_attn", "ffn_branch.norm", "ffn")
 
 
-class TransformerEncoder(nn.Module):
-    """A stack of encoder layers and a final LayerNorm: (B, S, H) -> (B, S, H).
+class TransformerEncoder(TransformerStack):
+    """A stack of encoder layers and a final LayerNorm (``TransformerStack``): (B, S, H), mask -> ``(output
+    (B, S, H), ())`` (and the aux loss of mixtures of experts).
 
     In a pipeline chunk the stack holds some layers only, and the norm only where the decoder starts.
     """
@@ -155,24 +121,15 @@ class TransformerEncoder(nn.Module):
     def parallel_plan(self) -> dict:
         return {"norm": "norm"}
 
-    def forward(self, x, mask=None):
-        for layer in self.layers.values():
-            x = layer(x, mask)
-        return self.norm(x) if self.norm is not None else x
-
 
 class TransformerDecoder(TransformerEncoder):
-    """The encoder's stack and norm of decoder layers: (B, T, H), memory (B, S, H) -> (B, T, H).
+    """The encoder's stack and norm of decoder layers: (B, T, H), mask, memory (B, S, H), memory_mask -> as the
+    encoder's.
 
     In a pipeline chunk the stack holds some layers only, and the norm only in the last chunk.
     """
 
     layer = DecoderLayer
-
-    def forward(self, x, memory, self_mask=None, memory_mask=None, caches: dict[str, dict] | None = None):
-        for key, layer in self.layers.items():
-            x = layer(x, memory, self_mask, memory_mask, None if caches is None else caches.setdefault(key, {}))
-        return self.norm(x) if self.norm is not None else x
 
 
 class Transformer(nn.Module):
@@ -234,7 +191,7 @@ class Seq2SeqModel(nn.Module):
         """src_ids (B, S) -> memory (B, S, H); ``hidden``: the encoder state an earlier chunk reached."""
         x = self.src_embed(src_ids) if hidden is None else hidden
         pad = src_ids == self.pad_token_id
-        return self.transformer.encoder(x, attention_mask(pad, False, pad.shape[1]))
+        return self.transformer.encoder(x, attention_mask(pad, False, pad.shape[1]))[0]
 
     def decode(self, tgt_ids, memory, src_pad, hidden=None, caches: dict | None = None, start: int = 0,
                labels=None):
@@ -250,13 +207,14 @@ class Seq2SeqModel(nn.Module):
         # lengths come from the (B, S) / (B, T) ids: embedded inputs may be sequence-sharded
         length = tgt_ids.shape[1]
         self_mask = CAUSAL if caches is None else None
-        x = t.decoder(x, memory, self_mask, attention_mask(src_pad, False, length), caches)
+        x = t.decoder(x, self_mask, memory, attention_mask(src_pad, False, length), caches=caches)[0]
         return self.head(x, labels) if self.head is not None else x
 
 
-class GPTModel(nn.Module):
+class GPTModel(TransformerStack):
     """Decoder-only language model: input_ids (B, S) -> logits (B, S, V), or with ``labels`` (B, S) their
-    summed token loss computed without whole logits (see Seq2SeqModel).
+    summed token loss computed without whole logits (see Seq2SeqModel). Its causal layers and final norm run
+    as a ``TransformerStack`` between the embedding and the head.
 
     A pipeline chunk gets the hidden state (B, S, H) of the chunk before it as ``hidden``
     and returns its own unless it holds the head.
@@ -281,10 +239,8 @@ class GPTModel(nn.Module):
         return {"norm": "norm", "head": "head"}
 
     def forward(self, input_ids, hidden: tuple = (), labels=None):
-        x = hidden[0] if hidden else self.embed(input_ids)
-        for layer in self.layers.values():
-            x = layer(x, CAUSAL)
-        return self.head(self.norm(x), labels) if self.head is not None else x
+        x = super().forward(hidden[0] if hidden else self.embed(input_ids), CAUSAL)[0]
+        return self.head(x, labels) if self.head is not None else x
 
 
 def init_weights(model: nn.Module, std: float = 0.02) -> None:

@@ -1,9 +1,9 @@
-"""The Transformer's parts ("Attention Is All You Need"): token embedding, multi-head attention, position-wise
-feed-forward and the residual add, as plain single-device modules with no collectives.
+"""The Transformer ("Attention Is All You Need"): token embedding, multi-head attention, position-wise
+feed-forward, the layer they make and the stack of layers, as plain single-device modules with no collectives.
 
 Shapes: B batch, Tq / Tk query / key lengths, H hidden size, F ffn hidden size, V vocab size, h heads of size d.
 Every forward also runs on one tensor-parallel shard of its module, so no reshape names the number of heads or
-ffn features: a column-sharded q/k/v simply holds fewer heads. A module's Linears are named by its class
+ffn features: a column-sharded q/k/v simply holds fewer heads. A module's parts are named by its class
 attribute ``names``, as parameter names are part of the checkpoint format (``paratrain.nn`` keeps MindSpore's).
 """
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from paratrain.modules.moe import MoE
 
 CAUSAL = "causal"  # the mask of causal self-attention: SDPA's is_causal, no mask tensor (the flash kernel on GPU)
 
@@ -30,9 +32,10 @@ class VocabEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head attention: query (B, Tq, H) over key and value (B, Tk, H) -> (B, Tq, H).
+    """Multi-head attention: query (B, Tq, H) over key and value (B, Tk, H) -> ``(output (B, Tq, H), (key,
+    value))``, the projected keys and values (B, h, Tk, d) (MindSpore's ``layer_present``).
 
-    Self-attention when ``key`` is None; ``value`` defaults to ``key``. ``mask``: ``CAUSAL`` (SDPA's
+    Self-attention when ``key`` is None; ``value`` defaults to ``key``. ``attention_mask``: ``CAUSAL`` (SDPA's
     ``is_causal``), a boolean (B, 1, Tq, Tk) mask (True where a query may attend), a float one added to the
     scores, or None. With a ``cache`` dict (self-attention while decoding, MindSpore's ``use_past``) the new
     keys and values are appended to the cached ones, so the query holds only the new positions.
@@ -53,8 +56,9 @@ class Attention(nn.Module):
         *qkv, out = self.names
         return {**dict.fromkeys(qkv, "colwise"), out: "rowwise"}
 
-    def forward(self, query, key=None, value=None, mask=None, cache: dict | None = None) -> torch.Tensor:
-        return self.attend(*self.heads(query, key, value, cache), mask)
+    def forward(self, query, key=None, value=None, attention_mask=None, cache: dict | None = None) -> tuple:
+        q, k, v = self.heads(query, key, value, cache)
+        return self.attend(q, k, v, attention_mask), (k, v)
 
     def heads(self, query, key=None, value=None, cache: dict | None = None):
         """The projected query (B, h, Tq, d), key and value (B, h, Tk, d), h being this rank's heads."""
@@ -105,10 +109,74 @@ class FeedForward(nn.Module):
         return second(self.hidden_dropout(self.activation(first(x))))
 
 
-def residual(x: torch.Tensor, normed: torch.Tensor, update: torch.Tensor, post_layernorm_residual: bool):
-    """The residual add around a pre-LayerNorm sublayer: ``update`` onto the LayerNorm's input ``x``, or with
-    MindSpore's ``post_layernorm_residual`` onto its output ``normed``."""
-    return (normed if post_layernorm_residual else x) + update
+class TransformerLayer(nn.Module):
+    """A pre-LayerNorm Transformer layer: self-attention, cross-attention over the encoder output ``memory``
+    (given one), then the FFN or a mixture of experts, each as ``x + dropout(sublayer(norm(x)))`` (MindSpore's
+    ``post_layernorm_residual``: ``norm(x) + ...``): x (B, T, H), mask, memory (B, S, H), memory_mask ->
+    ``(output (B, T, H), presents, *aux_loss)``, the keys and values of its attentions and, where the FFN is a
+    mixture of experts, its load-balancing loss. ``cache``: the self-attention's while decoding.
+
+    Its owner builds the parts and names them in ``names``, as parameter names are part of the checkpoint
+    format: the LayerNorm and sublayer of the self-attention, of the cross-attention (absent without one) and
+    of the FFN. The attentions are called as ``Attention``, on (query,) and (query, memory) with the mask as
+    ``attention_mask``: the inputs a tensor-parallel plan's ``("gather", n)`` gathers.
+    """
+
+    is_transformer_layer = True  # a unit of recompute and FSDP
+    names = ("norm1", "self_attention", "norm2", "cross_attention", "norm3", "ffn")
+
+    def __init__(self, dropout: float, post_layernorm_residual: bool):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.post_layernorm_residual = post_layernorm_residual
+
+    def forward(self, x, mask=None, memory=None, memory_mask=None, cache: dict | None = None) -> tuple:
+        part = self.get_submodule
+        norm1, self_attention, norm2, cross_attention, norm3, ffn = self.names
+        decoding = {} if cache is None else {"cache": cache}  # only the built-ins' attention keeps one
+        normed = part(norm1)(x)
+        update, presents = part(self_attention)(normed, attention_mask=mask, **decoding)
+        x = self.residual(x, normed, update)
+        if memory is not None:
+            normed = part(norm2)(x)
+            update, cross_presents = part(cross_attention)(normed, memory, attention_mask=memory_mask)
+            x = self.residual(x, normed, update)
+            presents += cross_presents
+        normed, ffn = part(norm3)(x), part(ffn)
+        update, *aux_loss = ffn(normed) if isinstance(ffn, MoE) else (ffn(normed),)
+        return (self.residual(x, normed, update), presents, *aux_loss)
+
+    def residual(self, x: torch.Tensor, normed: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        """``update`` after dropout onto the LayerNorm's input ``x``, or onto its output ``normed``."""
+        return (normed if self.post_layernorm_residual else x) + self.dropout(update)
+
+
+class TransformerStack(nn.Module):
+    """Layers in turn, then the final LayerNorm where there is one: x (B, T, H) and what each layer takes after
+    it -> ``(output (B, T, H), presents, *aux_loss)``: one present per layer where ``keeps_presents``
+    (MindSpore's stacks; under recompute the built-ins' would keep every layer's keys and values alive to the
+    end), and the layers' mixture-of-experts losses summed, if any. ``caches`` (decoding): layer name -> its
+    self-attention's cache. The owner builds the layers (a ModuleList, or a ModuleDict where pipeline chunks
+    remove some) and the norm (None: none) under its ``names``.
+    """
+
+    names = ("layers", "norm")
+    keeps_presents = False
+
+    def forward(self, x, *inputs, caches: dict[str, dict] | None = None) -> tuple:
+        layers, norm = (getattr(self, name) for name in self.names)
+        presents, aux_losses = (), []
+        for key, layer in layers.named_children():
+            decoding = {} if caches is None else {"cache": caches.setdefault(key, {})}
+            x, present, *aux_loss = layer(x, *inputs, **decoding)
+            presents += (present,) if self.keeps_presents else ()
+            aux_losses += aux_loss
+        return (x if norm is None else norm(x), presents, *summed(aux_losses))
+
+
+def summed(aux_losses: list[torch.Tensor]) -> tuple:
+    """Mixture-of-experts losses as their sum, the last element of a return tuple (nothing without any)."""
+    return (torch.stack(aux_losses).sum(),) if aux_losses else ()
 
 
 def pipeline_blocks(model: nn.Module) -> list[tuple[str, int, int]]:

@@ -198,8 +198,9 @@ class MoE(shared_moe.MoE, Cell):
 
 
 class MultiHeadAttention(_SplitWhenParallel, shared.Attention, Cell):
-    """Multi-head attention of query (B, Tq, H) over key and value (B, Tk, H) (or (B*T, H) each) under
-    attention_mask (B, Tq, Tk), 1 where a query may attend a key (None: everywhere).
+    """Multi-head attention of query (B, Tq, H) over key and value (B, Tk, H) (or (B*T, H) each; the key
+    defaults to the query, the value to the key) under attention_mask (B, Tq, Tk), 1 where a query may attend a
+    key (None: everywhere).
 
     Returns ``(output shaped like the query, (key (B, h, d, Tk), value (B, h, Tk, d)))``. ``dense1``/``dense2``/
     ``dense3`` (query, key, value) are split colwise (whole heads per rank), ``projection`` rowwise over
@@ -230,8 +231,10 @@ class MultiHeadAttention(_SplitWhenParallel, shared.Attention, Cell):
         self.hidden_size, self.n_head, self.size_per_head = hidden_size, num_heads, hidden_size // num_heads
         self.dropout = nn.Dropout(hidden_dropout_rate)
 
-    def forward(self, query_tensor, key_tensor, value_tensor, attention_mask=None, key_past=None, value_past=None,
-                batch_valid_length=None):
+    def forward(self, query_tensor, key_tensor=None, value_tensor=None, attention_mask=None, key_past=None,
+                value_past=None, batch_valid_length=None):
+        key_tensor = query_tensor if key_tensor is None else key_tensor
+        value_tensor = key_tensor if value_tensor is None else value_tensor
         shape, dtype = query_tensor.shape, query_tensor.dtype
         batch = shape[0] if query_tensor.dim() == 3 else attention_mask.shape[0]
         q, k, v = self.heads(*(x.reshape(batch, -1, x.shape[-1]).to(self.dense1.weight.dtype)

@@ -1,5 +1,6 @@
-"""MindSpore's transformer layers and stacks as plain modules: TransformerEncoderLayer,
-TransformerDecoderLayer, TransformerEncoder, TransformerDecoder, Transformer.
+"""MindSpore's transformer layers and stacks: TransformerEncoderLayer, TransformerDecoderLayer, TransformerEncoder,
+TransformerDecoder, Transformer. The layers and stacks are the built-in models' (``TransformerLayer`` and
+``TransformerStack`` of ``paratrain.modules.transformer``) under MindSpore's names, arguments and checks.
 
 Shapes: B batch, S source length, T target length, H hidden size; masks are float or bool (B, Tq, Tk) with 1
 where a query may attend a key. Every layer returns ``(output, layer_present)``, the projected keys and values of
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
-from paratrain.modules.transformer import residual
+from paratrain.modules import transformer as shared
 from paratrain.nn.cell import Cell
 from paratrain.nn.config import (ParallelConfig, check_divisible, check_moe, check_sizes, default_dpmp_config,
                                  default_moe_config, default_transformer_config, op_config, refuse_unsupported,
@@ -45,15 +46,16 @@ def _get_lambda_func(total_layer: int | None = None):
     return set_parallel_configure_for_layer
 
 
-class _Layer(Cell):
-    """What both layers share: their checks, LayerNorms and last sublayer, the FFN or (``moe_config.expert_num``
-    > 1) the mixture of experts."""
+class _Layer(shared.TransformerLayer, Cell):
+    """What both layers share (``paratrain.modules.transformer.TransformerLayer`` under MindSpore's names): their
+    checks, LayerNorms and last sublayer, the FFN or (``moe_config.expert_num`` > 1) the mixture of experts."""
 
-    is_transformer_layer = True  # a unit of recompute and FSDP for paratrain.parallel.user
+    names = ("layernorm1", "attention", "cross_attention_layernorm", "cross_attention", "layernorm2", "output")
 
-    def _check(self, hidden_size, ffn_hidden_size, num_heads, layernorm_compute_type, param_init_type, use_past,
-               moe_config, parallel_config) -> None:
+    def __init__(self, hidden_size, ffn_hidden_size, num_heads, post_layernorm_residual, layernorm_compute_type,
+                 param_init_type, use_past, moe_config, parallel_config):
         """Refuse what the layer cannot build; set the dtypes its sublayers take."""
+        super().__init__(0.0, post_layernorm_residual)  # MindSpore's sublayers drop their own outputs
         owner = type(self).__name__
         refuse_unsupported(owner, use_past)
         check_moe(owner, moe_config, parallel_config)
@@ -67,21 +69,12 @@ class _Layer(Cell):
 
     def _build_ffn(self, hidden_size, ffn_hidden_size, dropout_rate, hidden_act, moe_config, parallel_config) -> None:
         self.layernorm2 = self._norm(hidden_size)
-        self.use_moe = moe_config.expert_num > 1
-        if self.use_moe:
+        if moe_config.expert_num > 1:
             self.output = MoE(hidden_size, ffn_hidden_size, dropout_rate, hidden_act, self._param_dtype, moe_config,
                               parallel_config)
         else:
             self.output = FeedForward(hidden_size, ffn_hidden_size, dropout_rate, hidden_act,
                                       param_init_type=self._param_dtype, parallel_config=parallel_config)
-
-    def _ffn(self, x, layer_present: tuple) -> tuple:
-        """The last sublayer and the layer's return tuple."""
-        normed = self.layernorm2(x)
-        if not self.use_moe:
-            return residual(x, normed, self.output(normed), self.post_layernorm_residual), layer_present
-        output, aux_loss = self.output(normed)
-        return residual(x, normed, output, self.post_layernorm_residual), layer_present, aux_loss
 
 
 class TransformerEncoderLayer(_Layer):
@@ -93,10 +86,8 @@ class TransformerEncoderLayer(_Layer):
                  post_layernorm_residual: bool = False, layernorm_compute_type=torch.float32,
                  softmax_compute_type=torch.float32, param_init_type=torch.float32, hidden_act="gelu",
                  use_past: bool = False, moe_config=default_moe_config, parallel_config=default_dpmp_config):
-        super().__init__()
-        self._check(hidden_size, ffn_hidden_size, num_heads, layernorm_compute_type, param_init_type, use_past,
-                    moe_config, parallel_config)
-        self.post_layernorm_residual = post_layernorm_residual
+        super().__init__(hidden_size, ffn_hidden_size, num_heads, post_layernorm_residual, layernorm_compute_type,
+                         param_init_type, use_past, moe_config, parallel_config)
         self.layernorm1 = self._norm(hidden_size)
         self.attention = MultiHeadAttention(batch_size, seq_length, seq_length, hidden_size, num_heads,
                                             hidden_dropout_rate, attention_dropout_rate,
@@ -105,9 +96,7 @@ class TransformerEncoderLayer(_Layer):
         self._build_ffn(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act, moe_config, parallel_config)
 
     def forward(self, x, input_mask=None, init_reset=True, batch_valid_length=None):
-        normed = self.layernorm1(x)
-        attention, layer_present = self.attention(normed, normed, normed, input_mask)
-        return self._ffn(residual(x, normed, attention, self.post_layernorm_residual), layer_present)
+        return super().forward(x, input_mask)
 
 
 class TransformerDecoderLayer(_Layer):
@@ -122,14 +111,12 @@ class TransformerDecoderLayer(_Layer):
                  post_layernorm_residual: bool = False, use_past: bool = False, layernorm_compute_type=torch.float32,
                  softmax_compute_type=torch.float32, param_init_type=torch.float32, hidden_act="gelu",
                  moe_config=default_moe_config, parallel_config=default_dpmp_config):
-        super().__init__()
-        self._check(hidden_size, ffn_hidden_size, num_heads, layernorm_compute_type, param_init_type, use_past,
-                    moe_config, parallel_config)
+        super().__init__(hidden_size, ffn_hidden_size, num_heads, post_layernorm_residual, layernorm_compute_type,
+                         param_init_type, use_past, moe_config, parallel_config)
         attention = dict(hidden_size=hidden_size, num_heads=num_heads, batch_size=batch_size,
                          hidden_dropout_rate=hidden_dropout_rate, attention_dropout_rate=attention_dropout_rate,
                          softmax_compute_type=softmax_compute_type, param_init_type=self._param_dtype,
                          parallel_config=parallel_config)
-        self.post_layernorm_residual = post_layernorm_residual
         self.layernorm1 = self._norm(hidden_size)
         self.attention = MultiHeadAttention(src_seq_length=tgt_seq_length, tgt_seq_length=tgt_seq_length, **attention)
         self.cross_attention_layernorm = self._norm(hidden_size)
@@ -139,25 +126,18 @@ class TransformerDecoderLayer(_Layer):
 
     def forward(self, hidden_stats, decoder_mask=None, encoder_output=None, memory_mask=None, init_reset=True,
                 batch_valid_length=None):
-        x, post = hidden_stats, self.post_layernorm_residual
-        normed = self.layernorm1(x)
-        attention, layer_present = self.attention(normed, normed, normed, decoder_mask)
-        x = residual(x, normed, attention, post)
-        if encoder_output is not None:
-            normed = self.cross_attention_layernorm(x)
-            attention, cross_present = self.cross_attention(normed, encoder_output, encoder_output, memory_mask)
-            x = residual(x, normed, attention, post)
-            layer_present += cross_present
-        return self._ffn(x, layer_present)
+        return super().forward(hidden_stats, decoder_mask, encoder_output, memory_mask)
 
 
-def _accumulated(aux_losses: list, use_moe: bool) -> tuple:
-    """A stack's summed load-balancing loss as the last element of its return tuple (nothing without MoE)."""
-    return (torch.stack(aux_losses).sum(),) if use_moe else ()
+class _Stack(shared.TransformerStack, Cell):
+    """What both stacks share (``paratrain.modules.transformer.TransformerStack``, with no final LayerNorm, as
+    MindSpore's): ``num_layers`` layers in ``blocks``, each passed to ``lambda_func`` as it is built. Their
+    self-attention mask is recognised once for all of them (``recognise_mask``: a causal one runs as
+    ``is_causal``)."""
 
-
-class _Stack(Cell):
-    """What both stacks share: ``num_layers`` layers in ``blocks``, each passed to ``lambda_func`` as it is built."""
+    names = ("blocks", "norm")
+    norm = None
+    keeps_presents = True
 
     def _build(self, layer_class: type, args: dict) -> None:
         """The layers, built from the stack's arguments ``args`` that ``layer_class`` takes."""
@@ -170,7 +150,6 @@ class _Stack(Cell):
                             f"got {type(config).__name__}")
         self.parallel_config = config  # the layout paratrain.train.Model reads
         check_moe(owner, args["moe_config"], config)
-        self.use_moe = args["moe_config"].expert_num > 1
         lambda_func = args["lambda_func"] or _get_lambda_func()
         layer_args = {name: args[name] for name in inspect.signature(layer_class).parameters
                       if name != "parallel_config"}
@@ -179,18 +158,6 @@ class _Stack(Cell):
             block = layer_class(**layer_args, parallel_config=config.dp_mp_config)
             lambda_func(block, layer_id=i, offset=args["offset"], parallel_config=config, layers=self.num_layers)
             self.blocks.append(block)
-
-    def _run(self, hidden_states, attention_mask, *inputs) -> tuple:
-        """The layers in turn on ``hidden_states``: ``(output, their presents)`` and the summed MoE loss. Their
-        self-attention mask is recognised once for all of them (``recognise_mask``: a causal one runs as
-        ``is_causal``)."""
-        inputs = (recognise_mask(attention_mask), *inputs)
-        present_layer, aux_losses = (), []
-        for block in self.blocks:
-            hidden_states, present, *aux = block(hidden_states, *inputs)
-            present_layer += (present,)
-            aux_losses += aux
-        return (hidden_states, present_layer) + _accumulated(aux_losses, self.use_moe)
 
 
 class TransformerEncoder(_Stack):
@@ -207,7 +174,7 @@ class TransformerEncoder(_Stack):
         self._build(TransformerEncoderLayer, locals())
 
     def forward(self, hidden_states, attention_mask=None, init_reset=True, batch_valid_length=None):
-        return self._run(hidden_states, attention_mask, init_reset, batch_valid_length)
+        return super().forward(hidden_states, recognise_mask(attention_mask))
 
 
 class TransformerDecoder(_Stack):
@@ -226,7 +193,7 @@ class TransformerDecoder(_Stack):
 
     def forward(self, hidden_states, attention_mask=None, encoder_output=None, memory_mask=None, init_reset=True,
                 batch_valid_length=None):
-        return self._run(hidden_states, attention_mask, encoder_output, memory_mask, init_reset, batch_valid_length)
+        return super().forward(hidden_states, recognise_mask(attention_mask), encoder_output, memory_mask)
 
 
 class Transformer(Cell):
@@ -250,7 +217,6 @@ class Transformer(Cell):
             raise UserError(f"Transformer: encoder_layers={encoder_layers} and decoder_layers={decoder_layers} "
                             f"must not be negative, and at least one must be positive")
         refuse_unsupported("Transformer", use_past)
-        self.use_moe = moe_config.expert_num > 1
         lambda_func = lambda_func or _get_lambda_func(total_layer=encoder_layers + decoder_layers)
         common = dict(batch_size=batch_size, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
                       num_heads=num_heads, attention_dropout_rate=attention_dropout_rate,
@@ -283,4 +249,4 @@ class Transformer(Cell):
                 inputs = (decoder_inputs, decoder_masks)
             output, decoder_layer_present, *aux = self.decoder(*inputs, init_reset, batch_valid_length)
             aux_losses += aux
-        return (output, encoder_layer_present, decoder_layer_present) + _accumulated(aux_losses, self.use_moe)
+        return (output, encoder_layer_present, decoder_layer_present, *shared.summed(aux_losses))
