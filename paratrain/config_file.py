@@ -96,8 +96,7 @@ def from_dict(data: dict[str, Any], overrides: list[str] = ()) -> Config:
             problems.append(f"[{name}] must be a table of keys, got {values!r}")
         else:
             built[name] = _section_from_dict(Config.sections()[name], values, problems)
-    if problems:
-        raise ConfigError(problems)
+    ConfigError.raise_any(problems)
     return Config(**built)
 
 

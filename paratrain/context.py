@@ -57,9 +57,7 @@ class TransformerOpParallelConfig(_CheckedWhenSet, ParallelConfig):
     optimizer offload needs a zero stage...)."""
 
     def __post_init__(self):
-        problems = parallel_problems(self, f"{type(self).__name__}.")
-        if problems:
-            raise ConfigError(problems)
+        ConfigError.raise_any(parallel_problems(self, f"{type(self).__name__}."))
 
 
 @dataclass
@@ -68,9 +66,7 @@ class MoEConfig(settings.MoEConfig):
     for ``model.moe`` (``config_rules.moe_problems``)."""
 
     def __post_init__(self):
-        problems = moe_problems(vars(self), "MoEConfig.")
-        if problems:
-            raise ConfigError(problems)
+        ConfigError.raise_any(moe_problems(vars(self), "MoEConfig."))
 
 
 @dataclass
@@ -79,9 +75,7 @@ class TransformerRecomputeConfig(settings.TransformerRecomputeConfig):
     built (``config_rules.type_problems``)."""
 
     def __post_init__(self):
-        problems = type_problems(self, "TransformerRecomputeConfig.")
-        if problems:
-            raise ConfigError(problems)
+        ConfigError.raise_any(type_problems(self, "TransformerRecomputeConfig."))
 
 
 class ParallelMode:
@@ -164,13 +158,11 @@ def _check(key: str, value: Any) -> Any:
         if problem:
             raise _refuse(key, value, problem)
     if key in ("device_num", "global_rank"):
-        low = 0 if key == "global_rank" else 1
-        if value_problem(key, value, 1) or value < low:
-            raise _refuse(key, value, "expected a rank" if low == 0 else "expected a positive integer")
-    if key in ("device_num", "global_rank"):
         from paratrain import communication
 
         world = key == "device_num"
+        if value_problem(key, value, 1) or value < int(world):
+            raise _refuse(key, value, "expected a positive integer" if world else "expected a rank")
         actual = communication.get_group_size() if world else communication.get_rank()
         if value != actual:
             raise _refuse(key, value, f"this job's {'world size' if world else 'rank'} is {actual}: it follows from "
@@ -244,9 +236,9 @@ def parallel_config_for(configs: list[ParallelConfig], world_size: int, segments
     """The layout of a user's net on ``world_size`` ranks: a copy of its blocks' config (``configs``; none:
     data parallel over every rank) completed by the context, with ``segments`` virtual stages per pipeline
     rank (the cells' ``pipeline_segment``); raises ConfigError listing every contradiction."""
-    problems = list(dict.fromkeys(q for c in configs for q in parallel_problems(c, WHERE)))
-    if problems:  # the rules below multiply and divide these sizes
-        raise ConfigError(problems)
+    # the rules below multiply and divide these sizes
+    ConfigError.raise_any(list(dict.fromkeys(q for c in configs for q in parallel_problems(c, WHERE))))
+    problems = []
     for other in configs[1:]:
         differs = [f for f in LAYOUT_FIELDS if getattr(other, f) != getattr(configs[0], f)]
         if differs:
@@ -289,8 +281,7 @@ def parallel_config_for(configs: list[ParallelConfig], world_size: int, segments
     problems += world_size_problems(config, world_size, WHERE)
     if config.data_parallel_given:
         problems += expert_split_problems(None, config.expert_parallel, config.data_parallel, where_parallel=WHERE)
-    if problems:
-        raise ConfigError(problems)
+    ConfigError.raise_any(problems)
     return config
 
 

@@ -46,7 +46,12 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         return layout_row(par, b) | dict(feasible=False, reason="; ".join(problems), memory_gib=None,
                                          step_time_s=None, mfu=None)
     spec = cost.activation_spec(cfg)
-    states = cached_stage_states(m, par, cache)
+    # the model state's placement (micro-batches, recompute and sequence parallelism aside), costed once a search
+    key = (par.data_parallel, par.model_parallel, par.pipeline_stage, par.shards_parameters,
+           par.shards_only_optimizer_state, par.virtual_pipeline_stage, par.pipeline_schedule, par.vocab_emb_dp,
+           par.gradient_aggregation_group)
+    cache = {} if cache is None else cache
+    states = cache[key] = cache.get(key) or cost.stage_states(m, par, cost.DTYPE_BYTES[m.dtype])
     modes = cost.recompute_modes(par, m)
     travel = par.moves_tokens(cost.tokens_per_rank(cfg, par.data_parallel), m.vocab_size)
     peak = peak_memory(cfg, par, states, spec, modes, travel)
@@ -61,18 +66,6 @@ def layout_row(par: ParallelConfig, micro_batch_size: int) -> dict:
             "micro_batch_size": micro_batch_size,
             "pipeline_schedule": par.pipeline_schedule if par.pipeline_stage > 1 else "none",
             "virtual_pipeline_stage": par.virtual_pipeline_stage}
-
-
-def cached_stage_states(m: ModelConfig, par: ParallelConfig, cache: dict | None) -> list[cost.StageState]:
-    """``cost.stage_states`` of the layout, from ``cache`` when a layout with the same placement of the model state
-    (micro-batches, recompute and sequence parallelism aside) was costed before."""
-    key = (par.data_parallel, par.model_parallel, par.pipeline_stage, par.shards_parameters,
-           par.shards_only_optimizer_state, par.virtual_pipeline_stage, par.pipeline_schedule, par.vocab_emb_dp,
-           par.gradient_aggregation_group)
-    cache = {} if cache is None else cache
-    if key not in cache:
-        cache[key] = cost.stage_states(m, par, cost.DTYPE_BYTES[m.dtype])
-    return cache[key]
 
 
 @dataclass
