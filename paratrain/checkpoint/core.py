@@ -345,18 +345,10 @@ class Checkpointer:
         sched = self.scheduler
         schedule = None if sched is None else {"last_epoch": sched.last_epoch, "_step_count": sched._step_count,
                                                "last_lr": sched.get_last_lr()[0]}
-        meta = {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "layout": layout,
-            "config": self.recorded_config(),
-            "scheduler": schedule,
-            **{name: state.state_dict() for name, state in self.states.items()},
-            "optimizer_settings": settings,
-            "torch_version": torch.__version__,
-            "files": files,
-        }
+        meta = {"format": FORMAT_VERSION, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "layout": layout, "config": self.recorded_config(), "scheduler": schedule,
+                **{name: state.state_dict() for name, state in self.states.items()}, "optimizer_settings": settings,
+                "torch_version": torch.__version__, "files": files}
         write_meta(directory, meta)
 
     def recorded_config(self) -> dict:

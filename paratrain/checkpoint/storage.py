@@ -92,13 +92,10 @@ _METADATA_GLOBALS = {
     (_DCP_MD, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
                                  "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
                                  "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint._extension", "ExtensionRegistry"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+     ("torch.distributed.checkpoint._extension", "ExtensionRegistry"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+     ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
 _DTYPE_NAMES = {str(t).removeprefix("torch.") for t in vars(torch).values() if isinstance(t, torch.dtype)}
 
 

@@ -28,16 +28,10 @@ aten = torch.ops.aten
 # the all-reduce (sequence parallel: reduce-scatter) of a sublayer's output is kept; the
 # sequence-parallel all-gather of its input is redone, as its output is what SP avoids keeping.
 SAVED_OPS = frozenset({
-    aten.mm.default,
-    aten.addmm.default,
-    aten.bmm.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops._c10d_functional.all_reduce.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-})
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default, torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default})
 
 
 def _applies_dropout(func, args: tuple, kwargs: dict) -> bool:
