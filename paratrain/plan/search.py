@@ -63,9 +63,8 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
 def layout_row(par: ParallelConfig, micro_batch_size: int) -> dict:
     """The fields of a report row that name the layout."""
     return {**{k: getattr(par, k) for k in FIELDS}, "zero_stage": par.effective_zero_stage,
-            "micro_batch_size": micro_batch_size,
-            "pipeline_schedule": par.pipeline_schedule if par.pipeline_stage > 1 else "none",
-            "virtual_pipeline_stage": par.virtual_pipeline_stage}
+            "micro_batch_size": micro_batch_size, "virtual_pipeline_stage": par.virtual_pipeline_stage,
+            "pipeline_schedule": par.pipeline_schedule if par.pipeline_stage > 1 else "none"}
 
 
 @dataclass

@@ -58,24 +58,21 @@ class WithLoss(nn.Module):
         return self.loss_fn(output, label), output, label
 
 
-class _Callbacks:
+class _Callbacks(ExitStack):
     """The callbacks of one ``Model.train``, entered together and called in order."""
 
     def __init__(self, callbacks):
+        super().__init__()
         callbacks = [] if callbacks is None else [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
         bad = [type(c).__name__ for c in callbacks if not isinstance(c, Callback)]
         if bad:
             raise UserError(f"Model.train: callbacks must be paratrain.train.Callback objects, got {', '.join(bad)}")
         self.callbacks = callbacks
-        self._stack = ExitStack()
 
     def __enter__(self) -> "_Callbacks":
         for callback in self.callbacks:
-            self._stack.enter_context(callback)
+            self.enter_context(callback)
         return self
-
-    def __exit__(self, *exc):
-        return self._stack.__exit__(*exc)
 
     def call(self, hook: str, run_context: RunContext) -> None:
         for callback in self.callbacks:
@@ -252,10 +249,9 @@ class Model:
         params = CallbackParams(
             network=self.network, train_network=self.train_network, loss_fn=self.loss_fn, optimizer=self.optimizer,
             epoch_num=epoch, batch_num=sink_size if sinks else len(train_dataset) if hasattr(train_dataset, "__len__")
-            else None,
-            cur_epoch_num=0, cur_step_num=0, cur_step_in_epoch=0, net_outputs=None, train_dataset=train_dataset,
-            dataset_sink_mode=dataset_sink_mode, mode="train", device_number=world_size, rank=rank,
-            parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout,
+            else None, cur_epoch_num=0, cur_step_num=0, cur_step_in_epoch=0, net_outputs=None,
+            train_dataset=train_dataset, dataset_sink_mode=dataset_sink_mode, mode="train", device_number=world_size,
+            rank=rank, parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout,
             rows_of_this_rank=shards > 1, exit_requested=False, loss_scaler=self.loss_scaler, step_record=None)
         # one run per checkpoint directory, from before a resume is decided
         locked = [("ModelCheckpoint directory", c.directory) for c in _Callbacks(callbacks).callbacks
