@@ -327,11 +327,6 @@ def activation_spec(cfg: Config) -> ActivationSpec:
     return ActivationSpec(elem=elem, hidden_mask=1.0 if m.hidden_dropout > 0 else 0.0)
 
 
-def _attention_kernel(n_q: int, h: int, heads: int, b: int, t: int, spec: ActivationSpec) -> float:
-    """Outputs of the fused attention kernel: the attention output and its logsumexp (fp32)."""
-    return n_q * h * spec.elem / t + (n_q // max(1, b)) * b * (heads // t) * 4
-
-
 def _branch_output(n: int, h: int, t: int, sp: bool, spec: ActivationSpec) -> float:
     """What selective recompute keeps of a branch's last projection (out_proj, fc2): its output
     (partial sums under tensor parallel) and the all-reduce (SP: reduce-scatter) of it."""
@@ -343,7 +338,8 @@ def _branch_attention(n_q: int, n_kv: int, h: int, heads: int, b: int, t: int, s
     """Saved bytes of one residual branch with attention: norm, q/k/v, core, out_proj, dropout; ``selective``:
     only q, k, v, the kernel's outputs and out_proj's (``_branch_output``)."""
     e, ss = spec.elem, (t if sp else 1)
-    out = (n_q + 2 * n_kv) * h * e / t + _attention_kernel(n_q, h, heads, b, t, spec)  # q, k, v; the core's
+    out = (n_q + 2 * n_kv) * h * e / t  # q, k, v
+    out += n_q * h * e / t + (n_q // max(1, b)) * b * (heads // t) * 4  # the fused kernel's output, logsumexp (fp32)
     if selective:
         return out + _branch_output(n_q, h, t, sp, spec)
     out += n_q * h * e / ss + 2 * n_q * spec.ln_stats / ss  # LayerNorm input, mean, rstd
