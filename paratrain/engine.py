@@ -43,8 +43,7 @@ class Engine:
     def __init__(self, placed: PlacedModel, optimizer: torch.optim.Optimizer, scheduler, layout,
                  loss_scaler: LossScaler, timer: StepTimer, *, grad_clip: float = 0.0, diverged_hint: str = ""):
         self.placed, self.optimizer, self.scheduler, self.layout = placed, optimizer, scheduler, layout
-        self.loss_scaler, self.timer = loss_scaler, timer
-        self.grad_clip, self.diverged_hint = grad_clip, diverged_hint
+        self.loss_scaler, self.timer, self.grad_clip, self.diverged_hint = loss_scaler, timer, grad_clip, diverged_hint
         self.device = layout.device
         placed.phase = timer.phase
         self._pending: list[dict] = []  # records whose device values are not on the host yet

@@ -1,9 +1,8 @@
 """MindSpore's primitives with their strategy rules and device matrices.
 
-Shapes: MatMul (M, K) x (K, N) -> (M, N), strategy ((a, b), (b, c)) on device matrix [a, b, c];
-BatchMatMul (..., M, K) x (..., K, N) on [batch..., a, b, c]; elementwise ops broadcast from the
-right, their device matrix the longest strategy; unary, reduce, Softmax, Reshape, Transpose:
-the input's strategy is the device matrix.
+Shapes: MatMul (M, K) x (K, N) -> (M, N), strategy ((a, b), (b, c)) on device matrix [a, b, c]; BatchMatMul (..., M,
+K) x (..., K, N) on [batch..., a, b, c]; elementwise ops broadcast from the right, their device matrix the longest
+strategy; unary, reduce, Softmax, Reshape, Transpose: the input's strategy is the device matrix.
 """
 from __future__ import annotations
 

@@ -97,17 +97,14 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
                         mp_policy: MixedPrecisionPolicy | None = None, root: nn.Module | None = None,
                         every_batch_norm: bool = True, groups: list[list[nn.Module]] | None = None,
                         tokens_per_rank: int | None = None) -> nn.Module:
-    """Shard (or replicate) ``model`` over the data-parallel ranks as ``zero_stage`` says.
-
-    ``root`` (default ``model``) is the module whose forward runs the rest: a pipeline
-    stage module wrapping ``model``. ``mp_policy`` applies to FSDP2; under DDP the
-    parameters stay fp32 and autocast alone lowers the compute dtype. Batch norm takes the
-    global batch's statistics: every BatchNorm2d, or with ``every_batch_norm=False`` (a user's
-    net, as MindSpore) only ``paratrain.nn.SyncBatchNorm`` layers (``sync_batch_norm``). ``groups``: the
-    modules gathered and reduced together (a user's ``comm_fusion`` groups); default: the layers in
-    ``gradient_aggregation_group`` groups. ``tokens_per_rank``: the tokens of a micro-batch when every rank's have
-    the same shape, so that the word tables and heads may stay sharded (``paratrain.parallel.vocab``).
-    """
+    """Shard (or replicate) ``model`` over the data-parallel ranks as ``zero_stage`` says. ``root`` (default
+    ``model``) is the module whose forward runs the rest: a pipeline stage module wrapping ``model``. ``mp_policy``
+    applies to FSDP2; under DDP the parameters stay fp32 and autocast alone lowers the compute dtype. Batch norm takes
+    the global batch's statistics: every BatchNorm2d, or with ``every_batch_norm=False`` (a user's net, as MindSpore)
+    only ``paratrain.nn.SyncBatchNorm`` layers (``sync_batch_norm``). ``groups``: the modules gathered and reduced
+    together (a user's ``comm_fusion`` groups); default: the layers in ``gradient_aggregation_group`` groups.
+    ``tokens_per_rank``: the tokens of a micro-batch when every rank's have the same shape, so that the word tables
+    and heads may stay sharded (``paratrain.parallel.vocab``)."""
     sync_batch_norm(model, layout.dp_group, layout.device, every_batch_norm)
     root = root if root is not None else model
     experts = [m for m in root.modules() if is_expert_parallel(m)]  # reduced by paratrain.parallel.expert
@@ -195,9 +192,8 @@ def owners(sizes: list[int], ranks: int) -> list[int]:
 
 
 def parameter_owners(params: list[torch.Tensor], config: ParallelConfig, layout: Layout) -> list[int] | None:
-    """The data-parallel rank that steps each of ``params`` at zero stage 1 on replicas over dp > 1 ranks
-    (``owners`` of the sizes of this rank's tensor-parallel shards), else None: every rank steps every
-    parameter."""
+    """The data-parallel rank that steps each of ``params`` at zero stage 1 on replicas over dp > 1 ranks (``owners``
+    of the sizes of this rank's tensor-parallel shards), else None: every rank steps every parameter."""
     if not config.shards_only_optimizer_state or layout.dp_group is None:
         return None
     if len(params) < layout.dp_size:
@@ -285,10 +281,8 @@ def _unpack(work, flat: torch.Tensor, bucket: list[torch.Tensor], receive: bool)
 
 class GlobalBatchNorm(nn.BatchNorm2d):
     """BatchNorm2d whose training statistics are those of the whole data-parallel batch: (B, C, H, W) -> same.
-
-    Per-channel sums, squared sums and counts are all-reduced (with their gradient)
-    over ``group`` before normalising. torch's SyncBatchNorm does this on GPU only.
-    """
+    Per-channel sums, squared sums and counts are all-reduced (with their gradient) over ``group`` before normalising.
+    torch's SyncBatchNorm does this on GPU only."""
 
     def __init__(self, num_features: int, group: dist.ProcessGroup, **kwargs):
         super().__init__(num_features, **kwargs)

@@ -1,12 +1,10 @@
 """Activation recompute: keep fewer activations, recompute them in backward.
 
-Both modes checkpoint a whole layer (``torch.utils.checkpoint``, non-reentrant, random
-state preserved so dropout recomputes the same masks). ``full`` keeps only the layer
-input and runs the whole layer again in backward. ``selective`` works op by op, as
-torchtitan does: it keeps the outputs of the expensive ops (matmuls, the fused attention
-kernels, the tensor-parallel all-reduce or reduce-scatter; ``SAVED_OPS``) and recomputes
-the cheap ones between them (LayerNorm, GELU, dropout, adds). The mode of each layer
-comes from ``ParallelConfig.recompute_mode``.
+Both modes checkpoint a whole layer (``torch.utils.checkpoint``, non-reentrant, random state preserved so dropout
+recomputes the same masks). ``full`` keeps only the layer input and runs the whole layer again in backward.
+``selective`` works op by op, as torchtitan does: it keeps the outputs of the expensive ops (matmuls, the fused
+attention kernels, the tensor-parallel all-reduce or reduce-scatter; ``SAVED_OPS``) and recomputes the cheap ones
+between them (LayerNorm, GELU, dropout, adds). The mode of each layer comes from ``ParallelConfig.recompute_mode``.
 """
 from __future__ import annotations
 

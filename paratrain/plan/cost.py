@@ -76,9 +76,8 @@ _DESCRIBED: dict[str, ModelParams] = {}  # per model config, its layer counts as
 
 
 def model_description(m: ModelConfig) -> ModelParams:
-    """``m``'s parameters, read off the model built on the meta device with as few layers as hold each kind of
-    layer of ``m`` at the same place modulo ``moe.every`` (the kinds and shapes stay, the count does not
-    matter)."""
+    """``m``'s parameters, read off the model built on the meta device with as few layers as hold each kind of layer
+    of ``m`` at the same place modulo ``moe.every`` (the kinds and shapes stay, the count does not matter)."""
     every = m.moe_config.every
     counts = [n - every * max(0, n // every - 1) for n in m.stack_layers.values()]
     sample = dataclasses.replace(m, **dict(zip(("encoder_layers", "decoder_layers")[-len(counts):], counts)))
@@ -383,16 +382,13 @@ def layer_train_flops(m: ModelConfig, tp: int, micro_batch: int, decoder: bool, 
 
 def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, decoder: bool, mode: str,
                            spec: ActivationSpec, moe: bool = False) -> float:
-    """Bytes one layer keeps for backward per micro-batch on one tensor-parallel rank.
-
-    ``full``: only the layer input; ``selective``: the layer input and the outputs of the ops
-    ``paratrain.parallel.recompute.SAVED_OPS`` names (matmuls, the attention kernel, the
-    tensor-parallel collectives), not those of LayerNorm, GELU, dropout or the adds;
-    ``none``: everything autograd saves. A mixture of experts (``moe``) keeps its FFN's tensors for each of its
+    """Bytes one layer keeps for backward per micro-batch on one tensor-parallel rank. ``full``: only the layer input;
+    ``selective``: the layer input and the outputs of the ops ``paratrain.parallel.recompute.SAVED_OPS`` names
+    (matmuls, the attention kernel, the tensor-parallel collectives), not those of LayerNorm, GELU, dropout or the
+    adds; ``none``: everything autograd saves. A mixture of experts (``moe``) keeps its FFN's tensors for each of its
     capacity slots (``capacity_factor`` x ``num_experts_chosen`` a token), the experts' (slots, H) input and output
-    and the router's logits and probabilities; under selective recompute only the logits (the experts' batched
-    matmuls are not among the saved ops).
-    """
+    and the router's logits and probabilities; under selective recompute only the logits (the experts' batched matmuls
+    are not among the saved ops)."""
     t, sp, h, b = par.model_parallel, par.sequence_parallel, m.hidden_size, micro_batch
     moe_config = m.moe_config
     slots = moe_config.capacity_factor * moe_config.num_experts_chosen if moe else 1  # per token

@@ -169,14 +169,13 @@ class Model:
     """Trains a user's net, as MindSpore's ``Model``, on the layout its blocks' ``TransformerOpParallelConfig``
     and the auto-parallel context describe (``paratrain.context``), with the loss of one device.
 
-    ``network`` returns its loss, or with ``loss_fn`` its output, which ``loss_fn(output, label)`` turns
-    into the loss (the label is the batch's last tensor). ``optimizer`` is a plain ``torch.optim``
-    optimizer built on the unsharded net; it is rebuilt on this rank's parameters (``rebuild_optimizer``),
-    its groups' parameters matched by name.
-    ``amp_level`` "O1"/"O2"/"O3" computes in bf16 with fp32 weights, as ``train.mixed_precision = "bf16"``
-    does, or in fp16 with loss scaling when a ``loss_scale_manager`` (``paratrain.amp``) is given; "O0" in fp32.
-    Steps run on ``paratrain.engine``, as ``paratrain train``'s do.
-    After ``train``, ``train_network`` is the placed net and ``optimizer`` the rebuilt optimizer.
+    ``network`` returns its loss, or with ``loss_fn`` its output, which ``loss_fn(output, label)`` turns into the loss
+    (the label is the batch's last tensor). ``optimizer`` is a plain ``torch.optim`` optimizer built on the unsharded
+    net; it is rebuilt on this rank's parameters (``rebuild_optimizer``), its groups' parameters matched by name.
+    ``amp_level`` "O1"/"O2"/"O3" computes in bf16 with fp32 weights, as ``train.mixed_precision = "bf16"`` does, or in
+    fp16 with loss scaling when a ``loss_scale_manager`` (``paratrain.amp``) is given; "O0" in fp32. Steps run on
+    ``paratrain.engine``, as ``paratrain train``'s do. After ``train``, ``train_network`` is the placed net and
+    ``optimizer`` the rebuilt optimizer.
 
     ``metrics`` (a dict {name: ``Metric``}, or a set of names: "acc"/"accuracy", "loss") are what ``eval``
     computes, on the outputs of ``eval_network`` (which shares the network's modules) or, without one, on
@@ -213,14 +212,13 @@ class Model:
 
     def train(self, epoch: int, train_dataset: Iterable, callbacks=None, dataset_sink_mode: bool = False,
               sink_size: int = -1, resume: str = "none", trust_unverified: bool = False) -> None:
-        """Train ``epoch`` epochs over ``train_dataset``, an iterable of global batches (tuples of tensors: the
-        net's forward arguments, then the label with ``loss_fn``), iterated again each epoch; every rank
-        gives the whole global batch and keeps its rows, but for a dataset split per rank (``num_shards`` > 1,
-        as ``paratrain.data.cifar_dataset.Cifar10Dataset`` gives): its batches are this rank's rows.
-        Callbacks see MindSpore's step counts: ``cur_step_num``
-        over the run, the step within the epoch in ``cur_step_in_epoch``. With ``dataset_sink_mode`` step
-        callbacks run once per sink: a whole epoch, or ``sink_size`` batches per epoch drawn on across
-        epochs.
+        """Train ``epoch`` epochs over ``train_dataset``, an iterable of global batches (tuples of tensors: the net's
+        forward arguments, then the label with ``loss_fn``), iterated again each epoch; every rank gives the whole
+        global batch and keeps its rows, but for a dataset split per rank (``num_shards`` > 1, as
+        ``paratrain.data.cifar_dataset.Cifar10Dataset`` gives): its batches are this rank's rows. Callbacks see
+        MindSpore's step counts: ``cur_step_num`` over the run, the step within the epoch in ``cur_step_in_epoch``.
+        With ``dataset_sink_mode`` step callbacks run once per sink: a whole epoch, or ``sink_size`` batches per epoch
+        drawn on across epochs.
 
         ``resume``: "none"; "auto", the newest intact checkpoint in the ``ModelCheckpoint``'s directory, if
         any; or a checkpoint's path. The run continues exactly where that one was saved, under any layout:
