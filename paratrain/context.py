@@ -5,9 +5,11 @@ MindSpore's config classes a script builds (``TransformerOpParallelConfig``, ``O
 ``EmbeddingOpParallelConfig``, ``MoEConfig``, ``TransformerRecomputeConfig``) are ``paratrain.config``'s, checked
 when given by the rules ``paratrain train`` applies to the same settings (``paratrain.config_rules``).
 
-``parallel_config_for`` completes the ``TransformerOpParallelConfig`` of a user's blocks with what only the
-context says (the parallel optimizer, pipeline stages and schedule, ``parallel_mode``). Where both state a value
-they must agree: a contradiction is refused naming both, and an option paratrain cannot honour is refused when
+``parallel_config_for`` completes the ``TransformerOpParallelConfig`` of a user's blocks (none: data parallel over
+every rank) with what only the context says: ``enable_parallel_optimizer`` and its ``optimizer_level`` (ZeRO stages
+1..3), ``pipeline_stages``, ``pipeline_config`` and ``parallel_mode`` (``stand_alone``: one process;
+``data_parallel``: no model or pipeline parallelism; the others: ``paratrain.train.parallel_modes``). Where both state
+a value they must agree: a contradiction is refused naming both, and an option paratrain cannot honour is refused when
 set, with the reason.
 """
 from __future__ import annotations

@@ -207,7 +207,7 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, config: ParallelConf
     this data-parallel rank owns (``owners``); after each step every parameter is broadcast from its owner. Call it
     before the first step. Its groups keep every parameter, so ``zero_grad`` and the LR schedule see them all; a
     hook before each step sets aside the gradients of the parameters other ranks own (AdamW skips a parameter
-    without gradient) and one after it puts them back."""
+    without gradient) and one after it puts them back. Checkpoints hold each state once, saved by its owner."""
     # each rank steps its own experts (paratrain.parallel.expert): only the others are dealt out
     params = [p for group in optimizer.param_groups for p in group["params"] if not is_expert_param(p)]
     owner = parameter_owners(params, config, layout)
