@@ -27,9 +27,8 @@ class LossScaleManager:
 
 
 class FixedLossScaleManager(LossScaleManager):
-    """A fixed loss scale ``loss_scale``; with ``drop_overflow_update`` (MindSpore's default) a step whose
-    gradients overflow is skipped, which paratrain always does (an update with infinite gradients would
-    ruin the weights)."""
+    """A fixed loss scale ``loss_scale``; with ``drop_overflow_update`` (MindSpore's default) a step whose gradients
+    overflow is skipped, which paratrain always does (an update with infinite gradients would ruin the weights)."""
 
     def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True):
         self._check("loss_scale", loss_scale, 1.0, 1)

@@ -51,6 +51,11 @@ class ConfigError(UserError, ValueError):
         else:
             super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
+    @classmethod
+    def raise_any(cls, problems: list[str]) -> None:
+        if problems:
+            raise cls(problems)
+
 
 class Section:
     """Base of the config sections: the section's name (``SECTION``) and the other names its keys go by

@@ -37,9 +37,8 @@ MINDSPORE_HINTS = {
 
 
 def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """The config of TOML file ``path`` (none: the defaults) with ``overrides`` (``section.key=value``).
-    A file naming a DeepSpeed config (``deepspeed = "ds.json"``) is read by
-    ``paratrain.deepspeed_config.load_config``."""
+    """The config of TOML file ``path`` (none: the defaults) with ``overrides`` (``section.key=value``). A file naming
+    a DeepSpeed config (``deepspeed = "ds.json"``) is read by ``paratrain.deepspeed_config.load_config``."""
     return from_dict(read_toml(path) if path is not None else {}, overrides)
 
 
@@ -96,8 +95,7 @@ def from_dict(data: dict[str, Any], overrides: list[str] = ()) -> Config:
             problems.append(f"[{name}] must be a table of keys, got {values!r}")
         else:
             built[name] = _section_from_dict(Config.sections()[name], values, problems)
-    if problems:
-        raise ConfigError(problems)
+    ConfigError.raise_any(problems)
     return Config(**built)
 
 

@@ -314,9 +314,7 @@ def check(cfg: Config, world_size: int | None = None, resolved: bool = False) ->
     derived from ``world_size`` when not given."""
     if world_size is not None and (resolved or not cfg.parallel.auto):
         cfg.parallel.derive(world_size)
-    problems = validate(cfg, world_size, resolved)
-    if problems:
-        raise ConfigError(problems)
+    ConfigError.raise_any(validate(cfg, world_size, resolved))
     return cfg
 
 

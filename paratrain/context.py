@@ -5,13 +5,12 @@ MindSpore's config classes a script builds (``TransformerOpParallelConfig``, ``O
 ``EmbeddingOpParallelConfig``, ``MoEConfig``, ``TransformerRecomputeConfig``) are ``paratrain.config``'s, checked
 when given by the rules ``paratrain train`` applies to the same settings (``paratrain.config_rules``).
 
-``parallel_config_for`` completes the ``TransformerOpParallelConfig`` of a user's blocks (none: data parallel
-over every rank) with what only the context says: ``enable_parallel_optimizer`` and its ``optimizer_level``
-(ZeRO stages 1..3), ``pipeline_stages``, ``pipeline_config`` and ``parallel_mode``: ``data_parallel`` (no
-model or pipeline parallelism), ``stand_alone`` (one process), ``semi_auto_parallel``/``auto_parallel`` (a
-net of ``paratrain.ops`` placed op by op) or ``hybrid_parallel`` (any net whole on every rank, with its own
-collectives). Where both state a value they must agree: a contradiction is refused naming both, and an
-option paratrain cannot honour is refused when set, with the reason.
+``parallel_config_for`` completes the ``TransformerOpParallelConfig`` of a user's blocks (none: data parallel over
+every rank) with what only the context says: ``enable_parallel_optimizer`` and its ``optimizer_level`` (ZeRO stages
+1..3), ``pipeline_stages``, ``pipeline_config`` and ``parallel_mode`` (``stand_alone``: one process;
+``data_parallel``: no model or pipeline parallelism; the others: ``paratrain.train.parallel_modes``). Where both state
+a value they must agree: a contradiction is refused naming both, and an option paratrain cannot honour is refused when
+set, with the reason.
 """
 from __future__ import annotations
 
@@ -57,9 +56,7 @@ class TransformerOpParallelConfig(_CheckedWhenSet, ParallelConfig):
     optimizer offload needs a zero stage...)."""
 
     def __post_init__(self):
-        problems = parallel_problems(self, f"{type(self).__name__}.")
-        if problems:
-            raise ConfigError(problems)
+        ConfigError.raise_any(parallel_problems(self, f"{type(self).__name__}."))
 
 
 @dataclass
@@ -68,9 +65,7 @@ class MoEConfig(settings.MoEConfig):
     for ``model.moe`` (``config_rules.moe_problems``)."""
 
     def __post_init__(self):
-        problems = moe_problems(vars(self), "MoEConfig.")
-        if problems:
-            raise ConfigError(problems)
+        ConfigError.raise_any(moe_problems(vars(self), "MoEConfig."))
 
 
 @dataclass
@@ -79,9 +74,7 @@ class TransformerRecomputeConfig(settings.TransformerRecomputeConfig):
     built (``config_rules.type_problems``)."""
 
     def __post_init__(self):
-        problems = type_problems(self, "TransformerRecomputeConfig.")
-        if problems:
-            raise ConfigError(problems)
+        ConfigError.raise_any(type_problems(self, "TransformerRecomputeConfig."))
 
 
 class ParallelMode:
@@ -164,13 +157,11 @@ def _check(key: str, value: Any) -> Any:
         if problem:
             raise _refuse(key, value, problem)
     if key in ("device_num", "global_rank"):
-        low = 0 if key == "global_rank" else 1
-        if value_problem(key, value, 1) or value < low:
-            raise _refuse(key, value, "expected a rank" if low == 0 else "expected a positive integer")
-    if key in ("device_num", "global_rank"):
         from paratrain import communication
 
         world = key == "device_num"
+        if value_problem(key, value, 1) or value < int(world):
+            raise _refuse(key, value, "expected a positive integer" if world else "expected a rank")
         actual = communication.get_group_size() if world else communication.get_rank()
         if value != actual:
             raise _refuse(key, value, f"this job's {'world size' if world else 'rank'} is {actual}: it follows from "
@@ -244,9 +235,9 @@ def parallel_config_for(configs: list[ParallelConfig], world_size: int, segments
     """The layout of a user's net on ``world_size`` ranks: a copy of its blocks' config (``configs``; none:
     data parallel over every rank) completed by the context, with ``segments`` virtual stages per pipeline
     rank (the cells' ``pipeline_segment``); raises ConfigError listing every contradiction."""
-    problems = list(dict.fromkeys(q for c in configs for q in parallel_problems(c, WHERE)))
-    if problems:  # the rules below multiply and divide these sizes
-        raise ConfigError(problems)
+    # the rules below multiply and divide these sizes
+    ConfigError.raise_any(list(dict.fromkeys(q for c in configs for q in parallel_problems(c, WHERE))))
+    problems = []
     for other in configs[1:]:
         differs = [f for f in LAYOUT_FIELDS if getattr(other, f) != getattr(configs[0], f)]
         if differs:
@@ -289,8 +280,7 @@ def parallel_config_for(configs: list[ParallelConfig], world_size: int, segments
     problems += world_size_problems(config, world_size, WHERE)
     if config.data_parallel_given:
         problems += expert_split_problems(None, config.expert_parallel, config.data_parallel, where_parallel=WHERE)
-    if problems:
-        raise ConfigError(problems)
+    ConfigError.raise_any(problems)
     return config
 
 

@@ -1,10 +1,9 @@
 """``paratrain doctor``: is this machine (or this set of machines) ready to train?
 
-It reports the environment, then across the ranks of a launched job checks the rendezvous and that
-all-reduce is exact, and measures all-reduce bus bandwidth as nccl-tests do (back-to-back, one
-synchronisation, algorithm bandwidth x 2(n-1)/n) from 1 KB up to ``--size-mb`` (default 1 GiB on GPUs,
-where NVLink needs large messages; 16 MB over gloo). ``--duration`` keeps measuring (a network soak
-test). Without a launch, ``--nproc-per-node``/``--hostfile`` start one.
+It reports the environment, then across the ranks of a launched job checks the rendezvous and that all-reduce is
+exact, and measures all-reduce bus bandwidth as nccl-tests do (back-to-back, one synchronisation, algorithm bandwidth
+x 2(n-1)/n) from 1 KB up to ``--size-mb`` (default 1 GiB on GPUs, where NVLink needs large messages; 16 MB over gloo).
+``--duration`` keeps measuring (a network soak test). Without a launch, ``--nproc-per-node``/``--hostfile`` start one.
 """
 from __future__ import annotations
 

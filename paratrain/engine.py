@@ -1,14 +1,11 @@
 """The one training step of every net, under both faces, and the life of its records.
 
-``paratrain train`` (the built-in models: ``paratrain.trainer``) and MindSpore's ``Model.train`` (a user's net:
-``paratrain.train.model``) place a model (``paratrain.parallel.placed.PlacedModel``) and build an optimizer, then
-run each step here, top to bottom in ``Engine.step``: the placed model's forward and backward of this rank's batch,
-the global gradient norm, the optimizer step on the gradients divided by the loss scale and the clipping factor in
-the optimizer's own pass (``paratrain.optim.step_dividing``; an fp16 overflow skips the update, decided on the
-device), the LR step, the loss-scale update, ``zero_grad``; then the step's record, with the fields the face gives
-(what the placed model does not count), whose device values (loss, grad norm, tokens, loss scale) stay on the
-device until a step that needs them on the host (``flush``): logged, saved, evaluated or the last. They come over
-together, then the record gets its rates (tokens/s, samples/s, MFU, memory), and a NaN or infinite loss raises
+``paratrain train`` (``paratrain.trainer``) and MindSpore's ``Model.train`` (``paratrain.train.model``) place a
+model (``paratrain.parallel.placed.PlacedModel``) and build an optimizer, then run each step here, top to bottom in
+``Engine.step``. The gradients are divided by the loss scale and the clipping factor in the optimizer's own pass
+(``paratrain.optim.step_dividing``; an fp16 overflow skips the update, decided on the device). A record's device
+values stay on the device until a step that needs them on the host (``flush``): logged, saved, evaluated or the
+last; they come over together, then the records get their rates and a NaN or infinite loss raises
 :class:`TrainingDiverged` naming its step.
 """
 from __future__ import annotations
@@ -46,8 +43,7 @@ class Engine:
     def __init__(self, placed: PlacedModel, optimizer: torch.optim.Optimizer, scheduler, layout,
                  loss_scaler: LossScaler, timer: StepTimer, *, grad_clip: float = 0.0, diverged_hint: str = ""):
         self.placed, self.optimizer, self.scheduler, self.layout = placed, optimizer, scheduler, layout
-        self.loss_scaler, self.timer = loss_scaler, timer
-        self.grad_clip, self.diverged_hint = grad_clip, diverged_hint
+        self.loss_scaler, self.timer, self.grad_clip, self.diverged_hint = loss_scaler, timer, grad_clip, diverged_hint
         self.device = layout.device
         placed.phase = timer.phase
         self._pending: list[dict] = []  # records whose device values are not on the host yet

@@ -2,9 +2,8 @@
 (why: README, Devices and speed, "Host memory on the CPU"; measured in ``bench/peers.py``).
 
 tcmalloc must be loaded before the process starts: ``paratrain launch`` puts it in CPU ranks' ``LD_PRELOAD``
-(:func:`rank_env`) and ``paratrain train`` run by hand restarts itself with it once
-(:func:`restart_with_allocator`). This module imports no torch: the launcher and the command line use it
-before torch loads.
+(:func:`rank_env`) and ``paratrain train`` run by hand restarts itself with it once (:func:`restart_with_allocator`).
+This module imports no torch: the launcher and the command line use it before torch loads.
 """
 from __future__ import annotations
 

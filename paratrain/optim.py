@@ -23,11 +23,9 @@ def tensor_kind(param: torch.Tensor):
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Parameter groups: matrices decay; biases and LayerNorm weights do not (as in the tutorial).
-
-    Each is split further by tensor kind (plain, or DTensor per mesh and placements)
-    because the multi-tensor AdamW kernels cannot mix them.
-    """
+    """Parameter groups: matrices decay; biases and LayerNorm weights do not (as in the tutorial). Each is split
+    further by tensor kind (plain, or DTensor per mesh and placements) because the multi-tensor AdamW kernels cannot
+    mix them."""
     norm_params = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
     groups: dict = {}
     for name, param in model.named_parameters():
@@ -40,13 +38,9 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over ``decay_groups``.
-
-    ``fused=True``: one kernel per parameter instead of a dozen passes over memory.
-    Same AdamW update (within 1 ulp of ``foreach``); on CPU the optimizer step is
-    ~7x faster than ``foreach`` (which falls back to per-tensor ops there). Works
-    with DTensor parameters (tensor parallel, FSDP2).
-    """
+    """AdamW over ``decay_groups``. ``fused=True``: one kernel per parameter instead of a dozen passes over memory.
+    Same AdamW update (within 1 ulp of ``foreach``); on CPU the optimizer step is ~7x faster than ``foreach`` (which
+    falls back to per-tensor ops there). Works with DTensor parameters (tensor parallel, FSDP2)."""
     return torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, fused=True)
 
@@ -94,15 +88,13 @@ def inverse_decay(step: float, start: float, rate: float, steps: int, stair: boo
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """The LR of optimizer step ``step`` (0-based) under ``train.lr_schedule``.
-
-    ``cosine``: linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``lr_decay_steps``
-    (0: ``steps``; ``total`` here). The others are DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR
-    (``deepspeed/runtime/lr_schedules.py``): step ``s`` runs at DeepSpeed's iteration ``i = s - 1`` (-1: as the
-    scheduler is made), warming up from ``warmup_min_lr`` (WarmupCosineLR: 0 at -1) to ``lr`` over ``w = max(2,
-    warmup_steps)`` iterations; then WarmupLR stays, WarmupDecayLR falls linearly to ``warmup_min_lr`` at ``total``
-    and WarmupCosineLR follows a cosine to ``min_lr`` (``cos_min_ratio x lr``) at ``total``, rising past it.
-    """
+    """The LR of optimizer step ``step`` (0-based) under ``train.lr_schedule``. ``cosine``: linear warmup to ``lr``
+    over ``warmup_steps``, then cosine decay to ``min_lr`` at ``lr_decay_steps`` (0: ``steps``; ``total`` here). The
+    others are DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR (``deepspeed/runtime/lr_schedules.py``): step
+    ``s`` runs at DeepSpeed's iteration ``i = s - 1`` (-1: as the scheduler is made), warming up from
+    ``warmup_min_lr`` (WarmupCosineLR: 0 at -1) to ``lr`` over ``w = max(2, warmup_steps)`` iterations; then WarmupLR
+    stays, WarmupDecayLR falls linearly to ``warmup_min_lr`` at ``total`` and WarmupCosineLR follows a cosine to
+    ``min_lr`` (``cos_min_ratio x lr``) at ``total``, rising past it."""
     total = cfg.lr_decay_steps or cfg.steps
     if cfg.lr_schedule == "cosine":
         if step < cfg.warmup_steps:
@@ -126,14 +118,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch
 
 def grad_norm(parameters, counted: set[int] | None = None, group: dist.ProcessGroup | None = None,
               device: torch.device | str = "cpu") -> torch.Tensor:
-    """The global L2 norm of all gradients (0-dim, float32, on ``device``: the gradients').
-
-    Gradients may mix plain tensors and DTensors on different meshes (TP without
-    sequence parallel leaves LayerNorms plain): the norm is taken per (mesh,
-    placements) group, made whole, and the groups combined. With pipeline stages the
-    squares are summed over ``group``; ``counted`` (parameter ids) leaves out copies
-    of a parameter held by several stages.
-    """
+    """The global L2 norm of all gradients (0-dim, float32, on ``device``: the gradients'). Gradients may mix plain
+    tensors and DTensors on different meshes (TP without sequence parallel leaves LayerNorms plain): the norm is taken
+    per (mesh, placements) group, made whole, and the groups combined. With pipeline stages the squares are summed
+    over ``group``; ``counted`` (parameter ids) leaves out copies of a parameter held by several stages."""
     groups: dict = {}
     for p in parameters:
         if p.grad is not None and (counted is None or id(p) in counted):

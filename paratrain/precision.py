@@ -100,8 +100,7 @@ class LossScaler:
     def __init__(self, enabled: bool, init_scale: float = 2.0 ** 16, growth_interval: int = 1000,
                  min_scale: float = 1.0, max_skipped: int = 100, hysteresis: int = 1,
                  consecutive_hysteresis: bool = False, device: torch.device | str = "cpu", dynamic: bool = True):
-        self.enabled, self.dynamic = enabled, dynamic
-        self.growth_interval = growth_interval
+        self.enabled, self.dynamic, self.growth_interval = enabled, dynamic, growth_interval
         self.min_scale, self.max_skipped = min_scale, max_skipped
         self.hysteresis, self.consecutive_hysteresis = hysteresis, consecutive_hysteresis
         self.device = torch.device(device)
@@ -124,12 +123,11 @@ class LossScaler:
         overflow = self.overflow(grad_norm)
         if overflow is None:
             return False
+        self.skipped_steps = self.skipped_steps + overflow
         if not self.dynamic:
-            self.skipped_steps = self.skipped_steps + overflow
             return overflow
         halve = overflow & (self.hysteresis_left <= 1)
         self.floor_hit |= halve & (self.scale <= self.min_scale)
-        self.skipped_steps = self.skipped_steps + overflow
         self.skipped_in_a_row = torch.where(overflow, self.skipped_in_a_row + 1, 0)
         self.most_in_a_row = torch.maximum(self.most_in_a_row, self.skipped_in_a_row)
         self.good_steps = torch.where(overflow, 0, self.good_steps + 1)

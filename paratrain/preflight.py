@@ -44,18 +44,13 @@ def train_config(argv: list[str], world_size: int | None = None) -> Config:
 def check(cfg: Config, world_size: int, local_world_size: int | None = None, resolved: bool = False) -> Config:
     """Raise ConfigError listing every problem above, or a CheckpointError about the resume; else return
     ``cfg``. ``local_world_size``: ranks on this host (default ``$LOCAL_WORLD_SIZE``, else ``world_size``)."""
-    _raise_any(validate(cfg, world_size, resolved))  # the checks below trust these numbers
-    _raise_any(offload_problems(cfg) + fp8_problems(cfg))
+    ConfigError.raise_any(validate(cfg, world_size, resolved))  # the checks below trust these numbers
+    ConfigError.raise_any(offload_problems(cfg) + fp8_problems(cfg))
     local = local_world_size or ranks_on_this_host(world_size)
-    _raise_any(memory_problems(cfg, world_size, local) + data_problems(cfg))
+    ConfigError.raise_any(memory_problems(cfg, world_size, local) + data_problems(cfg))
     check_resume(cfg)
-    _raise_any(directory_problems(cfg))
+    ConfigError.raise_any(directory_problems(cfg))
     return cfg
-
-
-def _raise_any(problems: list[str]) -> None:
-    if problems:
-        raise ConfigError(problems)
 
 
 def offload_problems(cfg: Config) -> list[str]:

@@ -1,12 +1,11 @@
 """One run per directory: a run holds an advisory lock on its run directory and its checkpoint directory.
 
-The lock is a POSIX record lock (``fcntl.lockf``) on ``<directory>/.paratrain.lock``, taken by rank 0 before
-anything is written there. POSIX locks rather than ``flock``: NFS (through its lock manager) and most cluster
-file systems honour them between nodes, where ``flock`` may lock on one node only. The kernel drops the lock
-when its process ends, however it ends, so the lock file a killed run leaves never blocks; the holder's pid,
-host, start time and job written into the file are information for the refusal message only. A run that ends
-removes the file. A second run is refused before it writes anything there: it opens the file without
-truncating it and reads it.
+The lock is a POSIX record lock (``fcntl.lockf``) on ``<directory>/.paratrain.lock``, taken by rank 0 before anything
+is written there. POSIX locks rather than ``flock``: NFS (through its lock manager) and most cluster file systems
+honour them between nodes, where ``flock`` may lock on one node only. The kernel drops the lock when its process ends,
+however it ends, so the lock file a killed run leaves never blocks; the holder's pid, host, start time and job written
+into the file are information for the refusal message only. A run that ends removes the file. A second run is refused
+before it writes anything there: it opens the file without truncating it and reads it.
 """
 from __future__ import annotations
 

@@ -54,14 +54,9 @@ def start(cfg: Config, plan: Callable[[Config, int], object] | None = None) -> t
 
 class Trainer(loop.Face):
     """Trains the model a Config describes and logs one record per step. ``started``: what ``start(cfg)`` returned
-    (``paratrain train``); without it the trainer starts the run, ``parallel.auto`` already resolved.
-
-    The loss of a step is the summed token cross-entropy of every micro-batch
-    divided by the non-pad target tokens of the whole global batch (``PlacedModel``), so it does
-    not depend on how the batch is split. Loss, gradient norm and token count stay
-    on the device and reach the host together at logged steps (``metrics.log_steps``),
-    checkpoints and evaluations, so other steps do not wait for the device.
-    """
+    (``paratrain train``); without it the trainer starts the run, ``parallel.auto`` already resolved. A step's loss
+    is the global batch's token mean however the batch is split (``PlacedModel``); its device values come to the
+    host only at logged, saved, evaluated and last steps (``paratrain.engine``), so other steps do not wait."""
 
     cfg: Config  # resolved by ``start``
     layout: Layout
@@ -148,9 +143,7 @@ class Trainer(loop.Face):
         return outcome
 
     def train_step(self) -> dict:
-        """One optimizer step (``paratrain.engine``). Its record's loss, grad norm and token count stay device
-        tensors until a step that is logged, saved, evaluated or the last: then they and those of the steps
-        before it come to the host together. With ``metrics.breakdown`` the record gets the time breakdown."""
+        """One optimizer step (``paratrain.engine``), its record's device values brought over when it needs them."""
         step = self.step + 1
         to_host = (self.metrics.should_log(step - 1) or self.checkpointer.due(step) or step == self.cfg.train.steps
                    or (self.evaluator is not None and self.evaluator.due(step)))

@@ -1,11 +1,10 @@
 """Saving and resuming a training run: sliced per rank through DCP, atomic, reshardable.
 
-Model and optimizer state come from ``torch.distributed.checkpoint.state_dict`` (optimizer state
-flattened to ``state.<param fqn>.<name>``), so keys are plain parameter names and tensors are DTensors
-sliced over whatever mesh the run uses; DCP reshards them on load. Every rank saves the keys it holds
-(a pipeline chunk: some layers, under their original names) and loads only its own, whatever layout wrote
-them. What is not a tensor goes to ``paratrain.json``, RNG states to one safetensors file per rank
-(``storage.py``: the on-disk format).
+Model and optimizer state come from ``torch.distributed.checkpoint.state_dict`` (optimizer state flattened to
+``state.<param fqn>.<name>``), so keys are plain parameter names and tensors are DTensors sliced over whatever mesh
+the run uses; DCP reshards them on load. Every rank saves the keys it holds (a pipeline chunk: some layers, under
+their original names) and loads only its own, whatever layout wrote them. What is not a tensor goes to
+``paratrain.json``, RNG states to one safetensors file per rank (``storage.py``: the on-disk format).
 """
 from __future__ import annotations
 
@@ -61,9 +60,8 @@ def _gather(obj) -> list:
 
 
 def restart_count() -> int:
-    """Which restart of a launched job this is: torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 for the first
-    attempt), the highest over the ranks, since the agent of a node restarted by another node's failure keeps
-    its own count."""
+    """Which restart of a launched job this is: torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 for the first attempt),
+    the highest over the ranks, since the agent of a node restarted by another node's failure keeps its own count."""
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) == 0:
         return 0  # not started by torchrun, or by one that never restarts: alike on every rank
     return max(_gather(int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)))
@@ -79,9 +77,8 @@ def _write_failed(final: Path, exc: OSError) -> str:
 
 
 def _together(fn, final: Path):
-    """``fn()`` on every rank; when it fails on any rank, every rank raises a CheckpointError with the first
-    failed rank's message (an OSError: :func:`_write_failed`), none waits for the others. Returns ``fn``'s
-    result."""
+    """``fn()`` on every rank; when it fails on any rank, every rank raises a CheckpointError with the first failed
+    rank's message (an OSError: :func:`_write_failed`), none waits for the others. Returns ``fn``'s result."""
     problem, result = None, None
     try:
         result = fn()
@@ -194,11 +191,10 @@ def check_resume_config(meta: dict, config: Config, path: Path, report: bool = T
 class Checkpointer:
     """Saves every ``checkpoint.save_steps`` steps and resumes a run from a checkpoint.
 
-    ``model_parts``: the model, or this rank's pipeline chunks, all under ``optimizer``;
-    ``scheduler``: the LR scheduler, or None; ``states``: name -> object with
-    ``state_dict``/``load_state_dict`` saved with them. Directories are named ``step_00000008``, or
-    ``<checkpoint.prefix>-1_8`` with a prefix (the trainer's run is one epoch); ``keep_max`` counts
-    those of the same prefix.
+    ``model_parts``: the model, or this rank's pipeline chunks, all under ``optimizer``; ``scheduler``: the LR
+    scheduler, or None; ``states``: name -> object with ``state_dict``/``load_state_dict`` saved with them.
+    Directories are named ``step_00000008``, or ``<checkpoint.prefix>-1_8`` with a prefix (the trainer's run is one
+    epoch); ``keep_max`` counts those of the same prefix.
     """
 
     def __init__(self, config: Config, layout: Layout, model_parts: list[nn.Module],
@@ -213,10 +209,9 @@ class Checkpointer:
     # --- what is saved --------------------------------------------------------------------
 
     def _collect(self) -> tuple[nn.Module, dict, dict, dict[str, str], dict[str, torch.Tensor]]:
-        """(module, model state, optimizer state, state key -> saved key, saved key -> tensor for DCP). The
-        module is the model, or one ``ModuleList`` over the parts whose leading index is stripped from the keys,
-        so that keys are the parameter names of the whole model. A weight held twice (a tied table in two
-        chunks) is one tensor."""
+        """(module, model state, optimizer state, state key -> saved key, saved key -> tensor for DCP). The module is
+        the model, or one ``ModuleList`` over the parts whose leading index is stripped from the keys, so that keys
+        are the parameter names of the whole model. A weight held twice (a tied table in two chunks) is one tensor."""
         strip = len(self.model_parts) > 1
         module = nn.ModuleList(self.model_parts) if strip else self.model_parts[0]
         msd = get_model_state_dict(module, options=OPTIONS)
@@ -345,18 +340,10 @@ class Checkpointer:
         sched = self.scheduler
         schedule = None if sched is None else {"last_epoch": sched.last_epoch, "_step_count": sched._step_count,
                                                "last_lr": sched.get_last_lr()[0]}
-        meta = {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "layout": layout,
-            "config": self.recorded_config(),
-            "scheduler": schedule,
-            **{name: state.state_dict() for name, state in self.states.items()},
-            "optimizer_settings": settings,
-            "torch_version": torch.__version__,
-            "files": files,
-        }
+        meta = {"format": FORMAT_VERSION, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "layout": layout, "config": self.recorded_config(), "scheduler": schedule,
+                **{name: state.state_dict() for name, state in self.states.items()}, "optimizer_settings": settings,
+                "torch_version": torch.__version__, "files": files}
         write_meta(directory, meta)
 
     def recorded_config(self) -> dict:

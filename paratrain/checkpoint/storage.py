@@ -12,12 +12,11 @@ A checkpoint is one directory ``<checkpoint dir>/step_00000008`` (with a prefix,
                            optimizer settings, the size and xxh3_64 checksum of every file
                            above (``files``) and a checksum of its own content
 
-It is written as ``.tmp-step_00000008``, renamed once every rank has finished, then ``latest``
-(a text file naming the directory) is replaced: a ``step_*`` directory with a ``paratrain.json``
-is complete, anything else is a killed save. Files are hashed as they are written and checked
-before they are trusted (README: Checksums); format 1 checkpoints (sizes only) still load.
-Nothing arbitrary is unpickled: DCP's ``.metadata`` goes through a restricted unpickler and the
-loader refuses pickled items, so a crafted file cannot run code.
+It is written as ``.tmp-step_00000008``, renamed once every rank has finished, then ``latest`` (a text file naming the
+directory) is replaced: a ``step_*`` directory with a ``paratrain.json`` is complete, anything else is a killed save.
+Files are hashed as they are written and checked before they are trusted (README: Checksums); format 1 checkpoints
+(sizes only) still load. Nothing arbitrary is unpickled: DCP's ``.metadata`` goes through a restricted unpickler and
+the loader refuses pickled items, so a crafted file cannot run code.
 """
 from __future__ import annotations
 
@@ -92,13 +91,10 @@ _METADATA_GLOBALS = {
     (_DCP_MD, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
                                  "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
                                  "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint._extension", "ExtensionRegistry"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+     ("torch.distributed.checkpoint._extension", "ExtensionRegistry"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+     ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
 _DTYPE_NAMES = {str(t).removeprefix("torch.") for t in vars(torch).values() if isinstance(t, torch.dtype)}
 
 

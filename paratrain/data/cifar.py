@@ -1,8 +1,7 @@
 """CIFAR-10 in its binary format (``cifar-10-batches-bin``), read memory-mapped.
 
-Each file is a sequence of 3073-byte records: one label byte (0-9), then
-3072 pixel bytes, the 1024 red, 1024 green and 1024 blue values of a 32x32
-image in row-major order. ``data_batch_1.bin`` .. ``data_batch_5.bin`` are the
+Each file is a sequence of 3073-byte records: one label byte (0-9), then 3072 pixel bytes, the 1024 red, 1024 green
+and 1024 blue values of a 32x32 image in row-major order. ``data_batch_1.bin`` .. ``data_batch_5.bin`` are the
 training set, ``test_batch.bin`` the test set.
 """
 from __future__ import annotations

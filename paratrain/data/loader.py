@@ -18,12 +18,11 @@ from paratrain.data.tokenizer import Tokenizer, lines_of
 class ShardedBatches:
     """Step -> this data-parallel rank's rows of the global batch (B / dp rows, in rank order), on ``device``.
 
-    A synthetic source makes any rows of any global batch from (seed, step, row). A dataset
-    (one with ``rows``) is ordered by a ``DistributedSampler`` seeded with ``seed``; this
-    rank reads only its own rows. While a step runs, the next step's rows are made on the
-    host by a background thread (pinned for a fast copy when the device is a GPU) and
-    copied with ``non_blocking``. ``state_dict``/``load_state_dict`` hold the next step,
-    so a resumed run reads exactly the batches that come next.
+    A synthetic source makes any rows of any global batch from (seed, step, row). A dataset (one with ``rows``) is
+    ordered by a ``DistributedSampler`` seeded with ``seed``; this rank reads only its own rows. While a step runs,
+    the next step's rows are made on the host by a background thread (pinned for a fast copy when the device is a GPU)
+    and copied with ``non_blocking``. ``state_dict``/``load_state_dict`` hold the next step, so a resumed run reads
+    exactly the batches that come next.
 
     Causal inputs (``input_ids``, ``tgt_in_ids``) must be padded at the end of each row
     with ``pad_token_id``: the models' causal attention does not mask padding.

@@ -1,13 +1,10 @@
 """A small English–French parallel corpus made from a lexicon and a grammar, written as newstest ``.sgm``.
 
-French agreement is real: articles, adjectives, past participles of ``être``
-and verbs agree in gender and number with their noun or subject; ``le/la``,
-``de``, ``ne``, ``je`` elide before a vowel (``l'arbre``, ``n'aime``); ``de le``
-and ``à le`` contract (``du``, ``au``); pre-nominal and post-nominal adjectives
-are placed as in French (``the small black cat`` -> ``le petit chat noir``).
-Sentences are a pure function of the seed, train and held-out sentences are
-disjoint, and the files go through the same ``paratrain.data.wmt14`` path as
-the real newstest data.
+French agreement is real: articles, adjectives, past participles of ``être`` and verbs agree in gender and number with
+their noun or subject; ``le/la``, ``de``, ``ne``, ``je`` elide before a vowel (``l'arbre``, ``n'aime``); ``de le`` and
+``à le`` contract (``du``, ``au``); pre-nominal and post-nominal adjectives are placed as in French
+(``the small black cat`` -> ``le petit chat noir``). Sentences are a pure function of the seed, train and held-out
+sentences are disjoint, and the files go through the same ``paratrain.data.wmt14`` path as the real newstest data.
 """
 from __future__ import annotations
 

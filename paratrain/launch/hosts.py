@@ -193,14 +193,11 @@ def slurm_from_env(env: dict[str, str] | None = None) -> SlurmAllocation | None:
     gpus = (env.get("SLURM_GPUS_ON_NODE") or env.get("SLURM_GPUS_PER_NODE") or "").rpartition(":")[2]  # [type:]N
     count_name = next((name for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES") if env.get(name)), None)
     nnodes = env_number("Slurm", count_name, env[count_name], 1) if count_name else len(nodes)
-    return SlurmAllocation(
-        job_id=env["SLURM_JOB_ID"],
-        nnodes=nnodes,
-        node_rank=env_number("Slurm", "SLURM_NODEID", env["SLURM_NODEID"], 0, nnodes - 1),
-        master_addr=check_host(nodes[0], "Slurm SLURM_JOB_NODELIST"),
-        gpus_per_node=int(gpus) if gpus and gpus.isdigit() else None,
-        master_port=job_port(env["SLURM_JOB_ID"]),
-    )
+    return SlurmAllocation(job_id=env["SLURM_JOB_ID"], nnodes=nnodes,
+                           node_rank=env_number("Slurm", "SLURM_NODEID", env["SLURM_NODEID"], 0, nnodes - 1),
+                           master_addr=check_host(nodes[0], "Slurm SLURM_JOB_NODELIST"),
+                           gpus_per_node=int(gpus) if gpus and gpus.isdigit() else None,
+                           master_port=job_port(env["SLURM_JOB_ID"]))
 
 
 def kubeflow_from_env(env: dict[str, str] | None = None) -> Topology | None:

@@ -30,11 +30,10 @@ GPU_PEAK_TFLOPS = [
 
 def layer_flops(m: ModelConfig, decoder: bool, batch: int, lengths: tuple[int, int] | None = None,
                 experts: bool = False) -> dict:
-    """Forward FLOPs of one layer on ``batch`` sequences: its weight matmuls (``dense``) and attention's
-    QK^T and (softmax)V (``core``). ``lengths``: (source, target), (seq, seq) for GPT; default
-    ``ModelConfig.lengths``. A decoder layer's cross-attention K and V run over the source (the memory); a
-    mixture-of-experts layer (``experts``) counts its router and the ``num_experts_chosen`` experts a token
-    goes to."""
+    """Forward FLOPs of one layer on ``batch`` sequences: its weight matmuls (``dense``) and attention's QK^T and
+    (softmax)V (``core``). ``lengths``: (source, target), (seq, seq) for GPT; default ``ModelConfig.lengths``. A
+    decoder layer's cross-attention K and V run over the source (the memory); a mixture-of-experts layer (``experts``)
+    counts its router and the ``num_experts_chosen`` experts a token goes to."""
     h, f = m.hidden_size, m.ffn_hidden_size
     source, target = lengths or m.lengths
     own = target if decoder else source

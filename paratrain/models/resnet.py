@@ -1,15 +1,13 @@
 """ResNets for CIFAR-10 (He et al. 2016), the data-parallel example models.
 
-The CIFAR ResNet of section 4.2: three stages of ``num_blocks`` basic blocks with
-``width``, ``2*width`` and ``4*width`` channels on 32x32, 16x16 and 8x8 maps, then
-global average pooling and a linear classifier: depth ``6 * num_blocks + 2`` (3
-blocks: ResNet-20). With ``block=Bottleneck`` and ``num_blocks=(3, 4, 6, 3)``, ``width=64``
-it is ResNet-50 (four stages of 1x1-3x3-1x1 bottlenecks, 256..2048 channels) on a 3x3
-CIFAR stem. Plain single-device module. Under data parallelism its batch-norm statistics
-must be those of the global batch to match one process: on GPU convert the
-layers with ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``; on CPU torch's
-SyncBatchNorm refuses CPU tensors, so pass a ``norm_layer`` that all-reduces
-the statistics over the data-parallel group (built by the parallel code).
+The CIFAR ResNet of section 4.2: three stages of ``num_blocks`` basic blocks with ``width``, ``2*width`` and
+``4*width`` channels on 32x32, 16x16 and 8x8 maps, then global average pooling and a linear classifier: depth
+``6 * num_blocks + 2`` (3 blocks: ResNet-20). With ``block=Bottleneck`` and ``num_blocks=(3, 4, 6, 3)``, ``width=64``
+it is ResNet-50 (four stages of 1x1-3x3-1x1 bottlenecks, 256..2048 channels) on a 3x3 CIFAR stem. Plain single-device
+module. Under data parallelism its batch-norm statistics must be those of the global batch to match one process: on
+GPU convert the layers with ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``; on CPU torch's SyncBatchNorm refuses
+CPU tensors, so pass a ``norm_layer`` that all-reduces the statistics over the data-parallel group (built by the
+parallel code).
 """
 from __future__ import annotations
 

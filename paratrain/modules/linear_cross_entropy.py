@@ -1,16 +1,14 @@
 """The output head and the cross-entropy in one, a few rows at a time: the logits are never whole.
 
-Computing logits (N, V) and then the loss keeps, at the start of backward, the log-softmax
-(N, V), its gradient and temporaries of the same size: for a 32k vocabulary and 512 tokens a
-rank, 65 MB each, at the moment the activations of every layer are also alive (the step's
-peak). Here each chunk of rows computes its logits, its loss and, at once, the gradients of the
-hidden states and of the head weight (softmax minus one-hot is the gradient of a summed
-cross-entropy), then frees them; backward only scales the saved gradients. Same FLOPs
-(the head's forward and both backward matmuls), a chunk's logits at a time (``chunk_rows``).
+Computing logits (N, V) and then the loss keeps, at the start of backward, the log-softmax (N, V), its gradient and
+temporaries of the same size: for a 32k vocabulary and 512 tokens a rank, 65 MB each, at the moment the activations of
+every layer are also alive (the step's peak). Here each chunk of rows computes its logits, its loss and, at once, the
+gradients of the hidden states and of the head weight (softmax minus one-hot is the gradient of a summed
+cross-entropy), then frees them; backward only scales the saved gradients. Same FLOPs (the head's forward and both
+backward matmuls), a chunk's logits at a time (``chunk_rows``).
 
-The matmuls run in the compute dtype (bf16 under autocast), the weight gradient's too, its
-chunks summed in fp32; under fp16 the weight gradient is computed in fp32, as a chunk's sum
-over many rows may exceed fp16's range.
+The matmuls run in the compute dtype (bf16 under autocast), the weight gradient's too, its chunks summed in fp32;
+under fp16 the weight gradient is computed in fp32, as a chunk's sum over many rows may exceed fp16's range.
 
 With vocab-sharded logits there is no such head: ``token_cross_entropy`` takes the logits as they
 come, through PyTorch's ``loss_parallel`` (``paratrain.parallel.loss.loss_context``).
@@ -129,10 +127,9 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
 
 
 class OutputHead(torch.nn.Linear):
-    """The bias-free output head: hidden (..., H) -> logits (..., V), or with ``labels`` (...) their summed
-    token loss over the targets that are not ``ignore_index``, without whole logits
-    (``linear_token_loss_sum``). Either way it is a module call, so hooks on the head run (FSDP2
-    gathers its weight when it is a unit of its own)."""
+    """The bias-free output head: hidden (..., H) -> logits (..., V), or with ``labels`` (...) their summed token loss
+    over the targets that are not ``ignore_index``, without whole logits (``linear_token_loss_sum``). Either way it is
+    a module call, so hooks on the head run (FSDP2 gathers its weight when it is a unit of its own)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, ignore_index: int):
         super().__init__(hidden_size, vocab_size, bias=False)

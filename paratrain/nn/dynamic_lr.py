@@ -9,12 +9,9 @@ from paratrain.optim import (cosine_decay, exponential_decay, inverse_decay, nat
 
 _RULES = {
     "an int > 0": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-    "a float": lambda v: isinstance(v, float),
-    "a float > 0": lambda v: isinstance(v, float) and v > 0,
-    "a float >= 0": lambda v: isinstance(v, float) and v >= 0,
-    "a bool": lambda v: isinstance(v, bool),
-    "a number > 0": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
-}
+    "a float": lambda v: isinstance(v, float), "a float > 0": lambda v: isinstance(v, float) and v > 0,
+    "a float >= 0": lambda v: isinstance(v, float) and v >= 0, "a bool": lambda v: isinstance(v, bool),
+    "a number > 0": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
 
 
 def check_args(owner: str, rule: str, **values) -> None:

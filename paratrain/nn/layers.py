@@ -45,14 +45,10 @@ ACTIVATIONS = {
 
 # MindSpore's initializer names (Normal and TruncatedNormal: sigma 0.01, Uniform: scale 0.07)
 INITIALIZERS = {
-    "normal": lambda t: nn.init.normal_(t, std=0.01),
+    "normal": lambda t: nn.init.normal_(t, std=0.01), "uniform": lambda t: nn.init.uniform_(t, -0.07, 0.07),
     "truncatednormal": lambda t: nn.init.trunc_normal_(t, std=0.01, a=-0.02, b=0.02),
-    "uniform": lambda t: nn.init.uniform_(t, -0.07, 0.07),
-    "xavier_uniform": nn.init.xavier_uniform_,
-    "he_uniform": nn.init.kaiming_uniform_,
-    "zeros": nn.init.zeros_,
-    "ones": nn.init.ones_,
-}
+    "xavier_uniform": nn.init.xavier_uniform_, "he_uniform": nn.init.kaiming_uniform_, "zeros": nn.init.zeros_,
+    "ones": nn.init.ones_}
 
 
 def activation(hidden_act, owner: str) -> nn.Module:

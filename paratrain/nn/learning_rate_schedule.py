@@ -90,7 +90,6 @@ class NaturalExpDecayLR(_Decay):
 
 
 class InverseDecayLR(_Decay):
-    """``learning_rate / (1 + decay_rate * p)`` with ``p = global_step / decay_steps`` (floored with
-    ``is_stair``)."""
+    """``learning_rate / (1 + decay_rate * p)`` with ``p = global_step / decay_steps`` (floored with ``is_stair``)."""
 
     decay = staticmethod(inverse_decay)

@@ -15,13 +15,12 @@ REDUCTIONS = ("mean", "sum_and_count")
 
 
 class CrossEntropyLoss(Cell):
-    """logits (N, V) or (B, T, V), labels and input_mask (N,) or (B, T) -> the mean cross-entropy over the tokens
-    with mask 1 (the others' labels may be anything; 0 when none is kept). ``reduction="sum_and_count"``,
-    a placed net's: float32 (2,) ``[sum of the kept tokens' losses, their number]``, summed over data-parallel
-    ranks and micro-batches; in a training step's forward the mean as a scalar, whose backward is the global
-    batch's token mean's (``paratrain.modules.token_loss``). Logits that are a DTensor sharded on the vocab
-    dimension are reduced vocab-parallel, under ``paratrain.parallel.loss.loss_context`` (a placed net's step
-    enters it)."""
+    """logits (N, V) or (B, T, V), labels and input_mask (N,) or (B, T) -> the mean cross-entropy over the tokens with
+    mask 1 (the others' labels may be anything; 0 when none is kept). ``reduction="sum_and_count"``, a placed net's:
+    float32 (2,) ``[sum of the kept tokens' losses, their number]``, summed over data-parallel ranks and
+    micro-batches; in a training step's forward the mean as a scalar, whose backward is the global batch's token
+    mean's (``paratrain.modules.token_loss``). Logits that are a DTensor sharded on the vocab dimension are reduced
+    vocab-parallel, under ``paratrain.parallel.loss.loss_context`` (a placed net's step enters it)."""
 
     supports_sum_and_count = True  # paratrain.parallel.user switches it to the global-batch token mean
 

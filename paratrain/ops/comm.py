@@ -28,9 +28,8 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 class AllReduce(nn.Module):
-    """``AllReduce(op='sum', group=None)(x)``: ``x`` reduced over every rank, any shape. One process (no
-    process group): ``x`` itself. ``op`` is ``'sum'`` (differentiable), ``'max'``, ``'min'`` or ``'prod'``
-    (no gradient)."""
+    """``AllReduce(op='sum', group=None)(x)``: ``x`` reduced over every rank, any shape. One process (no process
+    group): ``x`` itself. ``op`` is ``'sum'`` (differentiable), ``'max'``, ``'min'`` or ``'prod'`` (no gradient)."""
 
     def __init__(self, op: str = "sum", group=None):
         super().__init__()

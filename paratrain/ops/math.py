@@ -1,9 +1,8 @@
 """MindSpore's primitives with their strategy rules and device matrices.
 
-Shapes: MatMul (M, K) x (K, N) -> (M, N), strategy ((a, b), (b, c)) on device matrix [a, b, c];
-BatchMatMul (..., M, K) x (..., K, N) on [batch..., a, b, c]; elementwise ops broadcast from the
-right, their device matrix the longest strategy; unary, reduce, Softmax, Reshape, Transpose:
-the input's strategy is the device matrix.
+Shapes: MatMul (M, K) x (K, N) -> (M, N), strategy ((a, b), (b, c)) on device matrix [a, b, c]; BatchMatMul (..., M,
+K) x (..., K, N) on [batch..., a, b, c]; elementwise ops broadcast from the right, their device matrix the longest
+strategy; unary, reduce, Softmax, Reshape, Transpose: the input's strategy is the device matrix.
 """
 from __future__ import annotations
 
@@ -115,28 +114,15 @@ class _Elementwise(Primitive):
         return OpLayout(tuple(matrix), tuple(tuple(n - len(s) + t for t in range(len(s))) for s in strategy))
 
 
-class Add(_Elementwise):
-    """``Add()(x, y)``: x + y, broadcast."""
-
-    compute = staticmethod(operator.add)
-
-
-class Sub(_Elementwise):
-    """``Sub()(x, y)``: x - y, broadcast."""
-
-    compute = staticmethod(operator.sub)
+def _op(name: str, base: type, doc: str, **functions) -> type:
+    """The primitive ``name``: ``base`` with ``functions`` (its torch function as ``compute`` or ``reduce``)."""
+    return type(name, (base,), {"__doc__": doc, **{k: staticmethod(f) for k, f in functions.items()}})
 
 
-class Mul(_Elementwise):
-    """``Mul()(x, y)``: x * y, broadcast."""
-
-    compute = staticmethod(operator.mul)
-
-
-class RealDiv(_Elementwise):
-    """``RealDiv()(x, y)``: x / y, broadcast."""
-
-    compute = staticmethod(operator.truediv)
+Add = _op("Add", _Elementwise, "``Add()(x, y)``: x + y, broadcast.", compute=operator.add)
+Sub = _op("Sub", _Elementwise, "``Sub()(x, y)``: x - y, broadcast.", compute=operator.sub)
+Mul = _op("Mul", _Elementwise, "``Mul()(x, y)``: x * y, broadcast.", compute=operator.mul)
+RealDiv = _op("RealDiv", _Elementwise, "``RealDiv()(x, y)``: x / y, broadcast.", compute=operator.truediv)
 
 
 class NotEqual(_Elementwise):
@@ -166,22 +152,9 @@ class BiasAdd(Primitive):
 
 # --- one input ---------------------------------------------------------------------------------
 
-class Exp(Primitive):
-    """``Exp()(x)``: e ** x."""
-
-    compute = staticmethod(torch.exp)
-
-
-class Log(Primitive):
-    """``Log()(x)``: the natural logarithm."""
-
-    compute = staticmethod(torch.log)
-
-
-class ReLU(Primitive):
-    """``ReLU()(x)``: max(x, 0)."""
-
-    compute = staticmethod(torch.relu)
+Exp = _op("Exp", Primitive, "``Exp()(x)``: e ** x.", compute=torch.exp)
+Log = _op("Log", Primitive, "``Log()(x)``: the natural logarithm.", compute=torch.log)
+ReLU = _op("ReLU", Primitive, "``ReLU()(x)``: max(x, 0).", compute=torch.relu)
 
 
 class _Reduce(Primitive):
@@ -197,19 +170,10 @@ class _Reduce(Primitive):
         return self.reduce(x, dim=_axes(axis, x.ndim), keepdim=self.keep_dims)
 
 
-class ReduceSum(_Reduce):
-    __doc__ = _Reduce.__doc__.replace("Reduce*", "ReduceSum") + " Sum."
-    reduce = staticmethod(torch.sum)
-
-
-class ReduceMean(_Reduce):
-    __doc__ = _Reduce.__doc__.replace("Reduce*", "ReduceMean") + " Mean."
-    reduce = staticmethod(torch.mean)
-
-
-class ReduceMax(_Reduce):
-    __doc__ = _Reduce.__doc__.replace("Reduce*", "ReduceMax") + " Maximum."
-    reduce = staticmethod(torch.amax)
+ReduceSum = _op("ReduceSum", _Reduce, _Reduce.__doc__.replace("Reduce*", "ReduceSum") + " Sum.", reduce=torch.sum)
+ReduceMean = _op("ReduceMean", _Reduce, _Reduce.__doc__.replace("Reduce*", "ReduceMean") + " Mean.", reduce=torch.mean)
+ReduceMax = _op("ReduceMax", _Reduce, _Reduce.__doc__.replace("Reduce*", "ReduceMax") + " Maximum.",
+                reduce=torch.amax)
 
 
 class Softmax(Primitive):

@@ -24,23 +24,16 @@ What each ``zero_stage`` keeps on a rank (P = parameter bytes, dp ranks) and sen
 - 3: as 2, but parameters are freed after forward and all-gathered again in backward:
      3P(dp-1)/dp, in exchange for only one layer group's whole parameters alive at a time.
 ``optimizer_shard=true`` means stage 1.
-ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", stages 1-3 / 3; stage 1 then runs
-as 2): FSDP2's ``CPUOffloadPolicy(pin_memory=True)`` keeps this rank's parameter shards, their
-gradients and the optimizer state in pinned host memory; each all-gather first copies the shard to the device, each
-reduced gradient shard is copied back, and the optimizer step runs on the host. FSDP2 offloads the
-three together (DeepSpeed can keep parameters on the device while offloading only the optimizer).
-It needs an accelerator (``paratrain.preflight`` refuses it on a CPU device) and runs with one
-data-parallel rank too.
+ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", stages 1-3 / 3; stage 1 then runs as 2):
+FSDP2's ``CPUOffloadPolicy(pin_memory=True)`` keeps this rank's parameter shards, their gradients and the optimizer
+state in pinned host memory, and the optimizer step runs on the host (FSDP2 offloads the three together; DeepSpeed
+can offload the optimizer alone). It needs an accelerator and runs with one data-parallel rank too.
 Batch-norm layers (ResNet) normalise with the statistics of the whole data-parallel batch, as one
 process would (in a user's net only ``paratrain.nn.SyncBatchNorm`` ones, as MindSpore's).
-``gradient_aggregation_group`` sets how many groups of consecutive layers are gathered
-and reduced together (communication buckets); by default (0) each layer is its own FSDP unit, so one
-layer's parameters are gathered at a time, and DDP uses its own 25 MB buckets. Under FSDP2 the
-embeddings join the first layer group's unit and the final norm with the head the last one's (``part_units``,
-``part_groups``): one all-gather and one reduce-scatter for each pair; at stage 3 the last unit is not
-resharded after forward, since backward needs it first. At stages 2 and 3 a word table and head whose rows
-outnumber the tokens of all ranks' micro-batches are not FSDP2's: they stay row-sharded and the tokens travel
-to them instead (``paratrain.parallel.vocab``).
+``gradient_aggregation_group`` sets how many groups of consecutive layers are gathered and reduced together
+(communication buckets); by default (0) each layer is its own FSDP unit, and DDP uses its own 25 MB buckets.
+At stages 2 and 3 a word table and head whose rows outnumber the tokens of all ranks' micro-batches stay
+row-sharded and the tokens travel to them instead (``paratrain.parallel.vocab``).
 """
 from __future__ import annotations
 
@@ -104,17 +97,14 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
                         mp_policy: MixedPrecisionPolicy | None = None, root: nn.Module | None = None,
                         every_batch_norm: bool = True, groups: list[list[nn.Module]] | None = None,
                         tokens_per_rank: int | None = None) -> nn.Module:
-    """Shard (or replicate) ``model`` over the data-parallel ranks as ``zero_stage`` says.
-
-    ``root`` (default ``model``) is the module whose forward runs the rest: a pipeline
-    stage module wrapping ``model``. ``mp_policy`` applies to FSDP2; under DDP the
-    parameters stay fp32 and autocast alone lowers the compute dtype. Batch norm takes the
-    global batch's statistics: every BatchNorm2d, or with ``every_batch_norm=False`` (a user's
-    net, as MindSpore) only ``paratrain.nn.SyncBatchNorm`` layers (``sync_batch_norm``). ``groups``: the
-    modules gathered and reduced together (a user's ``comm_fusion`` groups); default: the layers in
-    ``gradient_aggregation_group`` groups. ``tokens_per_rank``: the tokens of a micro-batch when every rank's have
-    the same shape, so that the word tables and heads may stay sharded (``paratrain.parallel.vocab``).
-    """
+    """Shard (or replicate) ``model`` over the data-parallel ranks as ``zero_stage`` says. ``root`` (default
+    ``model``) is the module whose forward runs the rest: a pipeline stage module wrapping ``model``. ``mp_policy``
+    applies to FSDP2; under DDP the parameters stay fp32 and autocast alone lowers the compute dtype. Batch norm takes
+    the global batch's statistics: every BatchNorm2d, or with ``every_batch_norm=False`` (a user's net, as MindSpore)
+    only ``paratrain.nn.SyncBatchNorm`` layers (``sync_batch_norm``). ``groups``: the modules gathered and reduced
+    together (a user's ``comm_fusion`` groups); default: the layers in ``gradient_aggregation_group`` groups.
+    ``tokens_per_rank``: the tokens of a micro-batch when every rank's have the same shape, so that the word tables
+    and heads may stay sharded (``paratrain.parallel.vocab``)."""
     sync_batch_norm(model, layout.dp_group, layout.device, every_batch_norm)
     root = root if root is not None else model
     experts = [m for m in root.modules() if is_expert_parallel(m)]  # reduced by paratrain.parallel.expert
@@ -202,9 +192,8 @@ def owners(sizes: list[int], ranks: int) -> list[int]:
 
 
 def parameter_owners(params: list[torch.Tensor], config: ParallelConfig, layout: Layout) -> list[int] | None:
-    """The data-parallel rank that steps each of ``params`` at zero stage 1 on replicas over dp > 1 ranks
-    (``owners`` of the sizes of this rank's tensor-parallel shards), else None: every rank steps every
-    parameter."""
+    """The data-parallel rank that steps each of ``params`` at zero stage 1 on replicas over dp > 1 ranks (``owners``
+    of the sizes of this rank's tensor-parallel shards), else None: every rank steps every parameter."""
     if not config.shards_only_optimizer_state or layout.dp_group is None:
         return None
     if len(params) < layout.dp_size:
@@ -214,16 +203,11 @@ def parameter_owners(params: list[torch.Tensor], config: ParallelConfig, layout:
 
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, config: ParallelConfig, layout: Layout) -> None:
-    """ZeRO stage 1 over replicas: ``optimizer`` steps, and so makes state for, only the parameters this
-    data-parallel rank owns (``owners``); after each step every parameter is broadcast from its owner.
-    Does nothing unless ``config`` is stage 1 on replicas over dp > 1 ranks.
-
-    Call it before the optimizer's first step. Its groups keep every parameter, so ``zero_grad`` and the
-    LR schedule see them all; a hook before each step sets aside the gradients of the parameters other
-    ranks own (AdamW skips a parameter without gradient) and one after it puts them back. Checkpoints
-    hold each parameter's state once, saved by its owner, and load under any layout
-    (``paratrain.checkpoint``).
-    """
+    """ZeRO stage 1 over replicas (else nothing): ``optimizer`` steps, and so makes state for, only the parameters
+    this data-parallel rank owns (``owners``); after each step every parameter is broadcast from its owner. Call it
+    before the first step. Its groups keep every parameter, so ``zero_grad`` and the LR schedule see them all; a
+    hook before each step sets aside the gradients of the parameters other ranks own (AdamW skips a parameter
+    without gradient) and one after it puts them back. Checkpoints hold each state once, saved by its owner."""
     # each rank steps its own experts (paratrain.parallel.expert): only the others are dealt out
     params = [p for group in optimizer.param_groups for p in group["params"] if not is_expert_param(p)]
     owner = parameter_owners(params, config, layout)
@@ -256,15 +240,11 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, config: ParallelConf
 def coalesced(tensors: list[torch.Tensor], collective, bucket_bytes: int = BUCKET_BYTES, send: bool = True,
               receive: bool = True) -> None:
     """Run ``collective(flat)`` -- an async collective (``async_op=True``) that leaves its result in ``flat`` --
-    on ``tensors`` a few flat buckets at a time instead of tensor by tensor, and write the results back.
-
-    Tensors of one dtype are copied, in order, into buckets of up to ``bucket_bytes`` (a larger tensor
-    is a bucket of its own); a bucket's collective runs while the next is packed, so at most two
-    buckets of extra memory are alive. One launch per bucket instead of one per tensor: what NCCL
-    needs to reach its bandwidth, and what spares gloo a round trip per tensor. A rank that only
-    receives (``send=False``: a broadcast's destination) packs nothing, one that only sends
-    (``receive=False``: its source) writes nothing back.
-    """
+    on ``tensors`` packed, per dtype and in order, into flat buckets of up to ``bucket_bytes`` (a larger tensor is
+    a bucket of its own), and write the results back: one launch per bucket, as NCCL needs to reach its bandwidth
+    and gloo to spare a round trip per tensor. A bucket's collective runs while the next is packed (two buckets of
+    extra memory at most). ``send=False`` (a broadcast's destination) packs nothing, ``receive=False`` (its
+    source) writes nothing back."""
     buckets: list[list[torch.Tensor]] = []
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
@@ -301,10 +281,8 @@ def _unpack(work, flat: torch.Tensor, bucket: list[torch.Tensor], receive: bool)
 
 class GlobalBatchNorm(nn.BatchNorm2d):
     """BatchNorm2d whose training statistics are those of the whole data-parallel batch: (B, C, H, W) -> same.
-
-    Per-channel sums, squared sums and counts are all-reduced (with their gradient)
-    over ``group`` before normalising. torch's SyncBatchNorm does this on GPU only.
-    """
+    Per-channel sums, squared sums and counts are all-reduced (with their gradient) over ``group`` before normalising.
+    torch's SyncBatchNorm does this on GPU only."""
 
     def __init__(self, num_features: int, group: dist.ProcessGroup, **kwargs):
         super().__init__(num_features, **kwargs)

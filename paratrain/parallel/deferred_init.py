@@ -1,16 +1,14 @@
 """Model initialisation without the whole model on any host: build on the meta device, parallelize,
 then materialise only this rank's shards, with exactly the values a plain build on the CPU draws.
 
-``record_init(build)`` builds the model on the meta device while recording, in order, every
-operation that gives a parameter or buffer its values: its factory (``torch.empty``,
-``torch.zeros``...) and the in-place initialisers that follow (``normal_``, ``uniform_``,
-``fill_``, ``zero_``, and in-place arithmetic such as ``mul_``). Once the model is
+``record_init(build)`` builds the model on the meta device while recording, in order, every operation that gives a
+parameter or buffer its values: its factory (``torch.empty``, ``torch.zeros``...) and the in-place initialisers that
+follow (``normal_``, ``uniform_``, ``fill_``, ``zero_``, and in-place arithmetic such as ``mul_``). Once the model is
 parallelized (tensor parallel, FSDP, pipeline chunks -- all on the meta device),
-``materialize(parts, record, device)`` allocates this rank's shards on ``device`` and replays
-the record on the CPU from the same seed, one tensor at a time: a tensor is made in full, as
-the plain build made it, this rank's shard of it is copied in, and it is freed. Every tensor
-is replayed, held by this rank or not, so the random stream is consumed as the plain build
-consumed it. Host memory peaks at the largest tensor, not the model.
+``materialize(parts, record, device)`` allocates this rank's shards on ``device`` and replays the record on the CPU
+from the same seed, one tensor at a time: a tensor is made in full, as the plain build made it, this rank's shard of
+it is copied in, and it is freed. Every tensor is replayed, held by this rank or not, so the random stream is consumed
+as the plain build consumed it. Host memory peaks at the largest tensor, not the model.
 
 A build that draws random numbers into anything but its own parameters and buffers, or
 computes a parameter from other tensors, cannot be replayed and is refused with the reason.

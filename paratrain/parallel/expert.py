@@ -1,12 +1,10 @@
 """Expert parallelism, MindSpore's ``expert_parallel``: the experts of every ``MoE`` block are split over
-``expert_parallel`` (ep) ranks among the data-parallel ones, and the tokens travel to them and back with
-all-to-all.
+``expert_parallel`` (ep) ranks among the data-parallel ones, and the tokens travel to them and back with all-to-all.
 
-The data-parallel ranks form groups of ep consecutive ranks (``ep``), and the ranks at the same place in
-each group hold the same experts (``edp``, dp / ep of them). A block's ``Experts`` gets its parameters as
-DTensors sharded on the expert dim over ``ep`` (rank r holds experts r*E/ep .. (r+1)*E/ep - 1, so checkpoints
-hold them sliced and reload under any ep), and two hooks around its forward, applied from outside as
-torchtitan's ``ExpertParallel``:
+The data-parallel ranks form groups of ep consecutive ranks (``ep``), and the ranks at the same place in each group
+hold the same experts (``edp``, dp / ep of them). A block's ``Experts`` gets its parameters as DTensors sharded on the
+expert dim over ``ep`` (rank r holds experts r*E/ep .. (r+1)*E/ep - 1, so checkpoints hold them sliced and reload
+under any ep), and two hooks around its forward, applied from outside as torchtitan's ``ExpertParallel``:
 
 - dispatch: the (E, M, H) capacity slots of this rank's tokens are cut into ep chunks of E/ep experts, chunk
   r sent to rank r (``all_to_all_single_autograd``: backward sends the gradients back); the experts

@@ -84,10 +84,9 @@ class StepLoss:
         return mean
 
     def with_token_means(self, output: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's net output (a scalar) holding the token means made in its forward, plus any other
-        terms: what backward runs on, the output times ``mean_factor``, the token means' gradients divided by the
-        global batch's token count (the class docstring says when). UserError for other terms with several
-        micro-batches."""
+        """A micro-batch's net output (a scalar) holding the token means made in its forward, plus any other terms:
+        what backward runs on, the output times ``mean_factor``, the token means' gradients divided by the global
+        batch's token count (the class docstring says when). UserError for other terms with several micro-batches."""
         terms, self.pending = self.pending, []
         if self.micro_batch_num == 1:
             self._count(terms)

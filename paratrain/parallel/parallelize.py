@@ -1,10 +1,9 @@
 """The built-in models' entry point, ``parallelize(model, config, layout)``, and the one function that applies every
 parallel dimension but the pipeline split to a chunk of any model, ``parallelize_chunk``.
 
-Order (as torchtitan): pipeline split -> fp8 Linears (``train.mixed_precision = "fp8"``) -> tensor
-parallel -> expert parallel -> recompute -> compile (``train.compile``: each layer) -> data parallel /
-ZeRO (all but the split on each pipeline chunk). Each step is applied only when its dimension is used,
-so one process gets the plain model.
+Order (as torchtitan): pipeline split -> fp8 Linears (``train.mixed_precision = "fp8"``) -> tensor parallel -> expert
+parallel -> recompute -> compile (``train.compile``: each layer) -> data parallel / ZeRO (all but the split on each
+pipeline chunk). Each step is applied only when its dimension is used, so one process gets the plain model.
 """
 from __future__ import annotations
 

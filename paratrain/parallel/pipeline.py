@@ -1,16 +1,13 @@
 """Pipeline parallelism: layers split into stages, micro-batches run by torch.distributed.pipelining.
 
-Each rank holds one model chunk per virtual stage: a copy of the whole model with
-the layers and parts of other chunks removed, so parameter names stay those of the
-whole model (checkpoints load under any layout). Where the layers go comes from
-``layer_chunks``; the other parts follow the model's own ``pipeline_parts`` (with the
-first layer, the last, or a named one). The model's forward runs whatever its chunk
-holds and carries float tensors across the boundary; token ids reach every stage as
-keyword arguments.
+Each rank holds one model chunk per virtual stage: a copy of the whole model with the layers and parts of other chunks
+removed, so parameter names stay those of the whole model (checkpoints load under any layout). Where the layers go
+comes from ``layer_chunks``; the other parts follow the model's own ``pipeline_parts`` (with the first layer, the
+last, or a named one). The model's forward runs whatever its chunk holds and carries float tensors across the
+boundary; token ids reach every stage as keyword arguments.
 
-A parameter used by parts of several chunks (the word table of the source and target
-embeddings and a tied head) is copied to each, under its name in the whole model, and
-the copies' gradients are summed.
+A parameter used by parts of several chunks (the word table of the source and target embeddings and a tied head) is
+copied to each, under its name in the whole model, and the copies' gradients are summed.
 """
 from __future__ import annotations
 
@@ -114,9 +111,8 @@ def parameter_holders(model: nn.Module, units: dict[str, int]) -> dict[str, list
 def _prune(model: nn.Module, units: set[str], keep: set[str]) -> nn.Module:
     """Remove from ``model`` (in place) the layers and parts in ``units`` but not in ``keep``.
 
-    A removed part that holds, under its name in the whole model, a parameter a kept
-    one uses (the word table of a removed source embedding, used by the target
-    embedding) stays as a skeleton holding only that parameter.
+    A removed part that holds, under its name in the whole model, a parameter a kept one uses (the word table of a
+    removed source embedding, used by the target embedding) stays as a skeleton holding only that parameter.
     """
     name_of = {id(p): name for name, p in model.named_parameters()}
     used = {name_of[id(p)] for unit in keep for _, p in model.get_submodule(unit).named_parameters(remove_duplicate=False)}

@@ -1,12 +1,10 @@
 """Activation recompute: keep fewer activations, recompute them in backward.
 
-Both modes checkpoint a whole layer (``torch.utils.checkpoint``, non-reentrant, random
-state preserved so dropout recomputes the same masks). ``full`` keeps only the layer
-input and runs the whole layer again in backward. ``selective`` works op by op, as
-torchtitan does: it keeps the outputs of the expensive ops (matmuls, the fused attention
-kernels, the tensor-parallel all-reduce or reduce-scatter; ``SAVED_OPS``) and recomputes
-the cheap ones between them (LayerNorm, GELU, dropout, adds). The mode of each layer
-comes from ``ParallelConfig.recompute_mode``.
+Both modes checkpoint a whole layer (``torch.utils.checkpoint``, non-reentrant, random state preserved so dropout
+recomputes the same masks). ``full`` keeps only the layer input and runs the whole layer again in backward.
+``selective`` works op by op, as torchtitan does: it keeps the outputs of the expensive ops (matmuls, the fused
+attention kernels, the tensor-parallel all-reduce or reduce-scatter; ``SAVED_OPS``) and recomputes the cheap ones
+between them (LayerNorm, GELU, dropout, adds). The mode of each layer comes from ``ParallelConfig.recompute_mode``.
 """
 from __future__ import annotations
 
@@ -28,16 +26,10 @@ aten = torch.ops.aten
 # the all-reduce (sequence parallel: reduce-scatter) of a sublayer's output is kept; the
 # sequence-parallel all-gather of its input is redone, as its output is what SP avoids keeping.
 SAVED_OPS = frozenset({
-    aten.mm.default,
-    aten.addmm.default,
-    aten.bmm.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops._c10d_functional.all_reduce.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-})
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default, torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default})
 
 
 def _applies_dropout(func, args: tuple, kwargs: dict) -> bool:

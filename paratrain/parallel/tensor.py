@@ -1,15 +1,14 @@
 """Tensor (model) parallelism: the splits a model's modules declare, as DTensor styles over the "tp" mesh dim.
 
-Every module may declare how its direct children split with ``parallel_plan()``: child name -> kind.
-``colwise``: a Linear's output features sharded; ``rowwise``: its input features sharded, outputs summed;
-``vocab_rows``: an Embedding's rows sharded, lookups summed (built-in models: only with ``vocab_emb_dp=false``);
-``head``: column-sharded, the logits kept vocab-sharded for the vocab-parallel loss (``loss.py``);
-``("gather", n)``: the module's n inputs made replicated first, so q, k and v share one input and backward
-sums their gradients over the tp ranks once; with ``sequence_parallel`` only, ``norm`` (a LayerNorm on
-sequence shards) and ``position`` (a position table, this rank's sequence rows kept). With
-``sequence_parallel`` the residual stream between sublayers is sharded along the sequence: LayerNorms and
-dropout run on 1/mp of the tokens, attention and FFN inputs are all-gathered, and their outputs
-reduce-scattered instead of all-reduced.
+Every module may declare how its direct children split with ``parallel_plan()``: child name -> kind. ``colwise``: a
+Linear's output features sharded; ``rowwise``: its input features sharded, outputs summed; ``vocab_rows``: an
+Embedding's rows sharded, lookups summed (built-in models: only with ``vocab_emb_dp=false``); ``head``:
+column-sharded, the logits kept vocab-sharded for the vocab-parallel loss (``loss.py``); ``("gather", n)``: the
+module's n inputs made replicated first, so q, k and v share one input and backward sums their gradients over the tp
+ranks once; with ``sequence_parallel`` only, ``norm`` (a LayerNorm on sequence shards) and ``position`` (a position
+table, this rank's sequence rows kept). With ``sequence_parallel`` the residual stream between sublayers is sharded
+along the sequence: LayerNorms and dropout run on 1/mp of the tokens, attention and FFN inputs are all-gathered, and
+their outputs reduce-scattered instead of all-reduced.
 """
 from __future__ import annotations
 

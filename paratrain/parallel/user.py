@@ -2,17 +2,12 @@
 
 The net is a plain ``nn.Module`` whose ``forward(*batch)`` returns its loss (``PlacedNet``), built from
 ``paratrain.nn`` blocks and plain torch layers. What is split comes from the net itself
-(``paratrain.parallel.parallelize.parallelize_chunk``):
-
-- **Tensor parallel**: every module with a ``parallel_plan()`` method (the ``paratrain.nn``
-  blocks) names its own Linear/Embedding submodules and their split over ``model_parallel``,
-  in the kinds of ``paratrain.parallel.tensor``: ``colwise`` (output features), ``rowwise``
-  (input features, outputs summed), ``vocab_rows`` (embedding rows, lookups summed)...
-  Everything else is replicated and data-parallel, as MindSpore does with ops that have no strategy.
-- **Layers**: modules marked ``is_transformer_layer`` are the units of recompute and of FSDP.
-- **Pipeline** (``pipeline_stage > 1``): the forward is traced and cut where the ``pipeline_stage``
-  attributes set on its submodules say (``paratrain.parallel.traced_pipeline``). Each rank keeps its
-  stage's module, then tensor parallel, recompute and FSDP are applied to it. Parameter names stay the net's.
+(``paratrain.parallel.parallelize.parallelize_chunk``): each module with a ``parallel_plan()`` (the
+``paratrain.nn`` blocks) names its Linear/Embedding submodules' split over ``model_parallel``
+(``paratrain.parallel.tensor``), the rest is replicated and data-parallel, as MindSpore does with ops that have
+no strategy; modules marked ``is_transformer_layer`` are the units of recompute and of FSDP. With
+``pipeline_stage > 1`` the forward is traced and cut where its submodules' ``pipeline_stage`` attributes say
+(``paratrain.parallel.traced_pipeline``), and each rank's stages are placed so. Parameter names stay the net's.
 """
 from __future__ import annotations
 

@@ -76,9 +76,8 @@ _DESCRIBED: dict[str, ModelParams] = {}  # per model config, its layer counts as
 
 
 def model_description(m: ModelConfig) -> ModelParams:
-    """``m``'s parameters, read off the model built on the meta device with as few layers as hold each kind of
-    layer of ``m`` at the same place modulo ``moe.every`` (the kinds and shapes stay, the count does not
-    matter)."""
+    """``m``'s parameters, read off the model built on the meta device with as few layers as hold each kind of layer
+    of ``m`` at the same place modulo ``moe.every`` (the kinds and shapes stay, the count does not matter)."""
     every = m.moe_config.every
     counts = [n - every * max(0, n // every - 1) for n in m.stack_layers.values()]
     sample = dataclasses.replace(m, **dict(zip(("encoder_layers", "decoder_layers")[-len(counts):], counts)))
@@ -327,11 +326,6 @@ def activation_spec(cfg: Config) -> ActivationSpec:
     return ActivationSpec(elem=elem, hidden_mask=1.0 if m.hidden_dropout > 0 else 0.0)
 
 
-def _attention_kernel(n_q: int, h: int, heads: int, b: int, t: int, spec: ActivationSpec) -> float:
-    """Outputs of the fused attention kernel: the attention output and its logsumexp (fp32)."""
-    return n_q * h * spec.elem / t + (n_q // max(1, b)) * b * (heads // t) * 4
-
-
 def _branch_output(n: int, h: int, t: int, sp: bool, spec: ActivationSpec) -> float:
     """What selective recompute keeps of a branch's last projection (out_proj, fc2): its output
     (partial sums under tensor parallel) and the all-reduce (SP: reduce-scatter) of it."""
@@ -343,7 +337,8 @@ def _branch_attention(n_q: int, n_kv: int, h: int, heads: int, b: int, t: int, s
     """Saved bytes of one residual branch with attention: norm, q/k/v, core, out_proj, dropout; ``selective``:
     only q, k, v, the kernel's outputs and out_proj's (``_branch_output``)."""
     e, ss = spec.elem, (t if sp else 1)
-    out = (n_q + 2 * n_kv) * h * e / t + _attention_kernel(n_q, h, heads, b, t, spec)  # q, k, v; the core's
+    out = (n_q + 2 * n_kv) * h * e / t  # q, k, v
+    out += n_q * h * e / t + (n_q // max(1, b)) * b * (heads // t) * 4  # the fused kernel's output, logsumexp (fp32)
     if selective:
         return out + _branch_output(n_q, h, t, sp, spec)
     out += n_q * h * e / ss + 2 * n_q * spec.ln_stats / ss  # LayerNorm input, mean, rstd
@@ -387,16 +382,13 @@ def layer_train_flops(m: ModelConfig, tp: int, micro_batch: int, decoder: bool, 
 
 def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, decoder: bool, mode: str,
                            spec: ActivationSpec, moe: bool = False) -> float:
-    """Bytes one layer keeps for backward per micro-batch on one tensor-parallel rank.
-
-    ``full``: only the layer input; ``selective``: the layer input and the outputs of the ops
-    ``paratrain.parallel.recompute.SAVED_OPS`` names (matmuls, the attention kernel, the
-    tensor-parallel collectives), not those of LayerNorm, GELU, dropout or the adds;
-    ``none``: everything autograd saves. A mixture of experts (``moe``) keeps its FFN's tensors for each of its
+    """Bytes one layer keeps for backward per micro-batch on one tensor-parallel rank. ``full``: only the layer input;
+    ``selective``: the layer input and the outputs of the ops ``paratrain.parallel.recompute.SAVED_OPS`` names
+    (matmuls, the attention kernel, the tensor-parallel collectives), not those of LayerNorm, GELU, dropout or the
+    adds; ``none``: everything autograd saves. A mixture of experts (``moe``) keeps its FFN's tensors for each of its
     capacity slots (``capacity_factor`` x ``num_experts_chosen`` a token), the experts' (slots, H) input and output
-    and the router's logits and probabilities; under selective recompute only the logits (the experts' batched
-    matmuls are not among the saved ops).
-    """
+    and the router's logits and probabilities; under selective recompute only the logits (the experts' batched matmuls
+    are not among the saved ops)."""
     t, sp, h, b = par.model_parallel, par.sequence_parallel, m.hidden_size, micro_batch
     moe_config = m.moe_config
     slots = moe_config.capacity_factor * moe_config.num_experts_chosen if moe else 1  # per token

@@ -1,12 +1,11 @@
 """Dry run at scale: paratrain's real sharding applied on the meta device under a fake process group.
 
-For each pipeline stage, a child process joins a fake process group (``torch.testing._internal.
-distributed.fake_pg``: collectives return at once, nothing is sent) as that stage's first rank (tensor- and
-data-parallel rank 0, which holds the largest shards), builds the model on the meta device and runs
-``paratrain.parallel.parallelize`` exactly as the trainer does. The local shards of the parameters then give the
-rank's parameter bytes with no memory and no devices; gradients take the same placement and AdamW adds two states of
-the same size and a 4-byte step per tensor it steps (at zero stage 1 on replicas, those of the parameters this rank
-owns).
+For each pipeline stage, a child process joins a fake process group (``torch.testing._internal. distributed.fake_pg``:
+collectives return at once, nothing is sent) as that stage's first rank (tensor- and data-parallel rank 0, which holds
+the largest shards), builds the model on the meta device and runs ``paratrain.parallel.parallelize`` exactly as the
+trainer does. The local shards of the parameters then give the rank's parameter bytes with no memory and no devices;
+gradients take the same placement and AdamW adds two states of the same size and a 4-byte step per tensor it steps (at
+zero stage 1 on replicas, those of the parameters this rank owns).
 """
 from __future__ import annotations
 

@@ -7,12 +7,10 @@ peak x efficiency and communication is ring volume over the bandwidth of the lin
 ("pp", "dp", "tp") with tp innermost: a tp group stays inside a node when tp <= devices_per_node, a dp group when dp
 x tp <= devices_per_node, pipeline neighbours when the whole job fits one node.
 
-ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", FSDP2's CPUOffloadPolicy) moves the rank's model
-state at rest (parameter shards, gradients, optimizer state) from the device to host memory; the device keeps what
-is gathered (the whole parameters a step works on, unsharded gradients before their reduce-scatter) and the
-activations. Each gather copies the parameter shard host -> device (once a step at stages 1-2; in forward and in
-backward of every micro-batch at stage 3), each reduced gradient shard goes back, and AdamW runs on the host at its
-memory bandwidth. The search considers offload only when no layout fits without it.
+ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu") moves the rank's model state at rest to host
+memory; the device keeps what is gathered and the activations, the copies each way cost host bandwidth
+(``cost.offload_bytes``) and AdamW runs on the host at its memory bandwidth. The search considers offload only when
+no layout fits without it.
 """
 from __future__ import annotations
 
@@ -33,11 +31,9 @@ FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num"
 
 
 def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None = None) -> dict:
-    """Memory per device, predicted step time and MFU of one layout (``par``) of ``cfg``'s model.
-
-    A layout that breaks a configuration rule (e.g. a global batch not divisible by data_parallel)
-    is still costed, with the micro-batch rounded up, and reported infeasible with the rule.
-    """
+    """Memory per device, predicted step time and MFU of one layout (``par``) of ``cfg``'s model. A layout that breaks
+    a configuration rule (e.g. a global batch not divisible by data_parallel) is still costed, with the micro-batch
+    rounded up, and reported infeasible with the rule."""
     m = cfg.model
     b = -(-cfg.train.global_batch_size // (par.data_parallel * par.micro_batch_num))
     problems = validate(dataclasses.replace(cfg, parallel=par), par.world_size)
@@ -46,7 +42,12 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
         return layout_row(par, b) | dict(feasible=False, reason="; ".join(problems), memory_gib=None,
                                          step_time_s=None, mfu=None)
     spec = cost.activation_spec(cfg)
-    states = cached_stage_states(m, par, cache)
+    # the model state's placement (micro-batches, recompute and sequence parallelism aside), costed once a search
+    key = (par.data_parallel, par.model_parallel, par.pipeline_stage, par.shards_parameters,
+           par.shards_only_optimizer_state, par.virtual_pipeline_stage, par.pipeline_schedule, par.vocab_emb_dp,
+           par.gradient_aggregation_group)
+    cache = {} if cache is None else cache
+    states = cache[key] = cache.get(key) or cost.stage_states(m, par, cost.DTYPE_BYTES[m.dtype])
     modes = cost.recompute_modes(par, m)
     travel = par.moves_tokens(cost.tokens_per_rank(cfg, par.data_parallel), m.vocab_size)
     peak = peak_memory(cfg, par, states, spec, modes, travel)
@@ -58,21 +59,8 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
 def layout_row(par: ParallelConfig, micro_batch_size: int) -> dict:
     """The fields of a report row that name the layout."""
     return {**{k: getattr(par, k) for k in FIELDS}, "zero_stage": par.effective_zero_stage,
-            "micro_batch_size": micro_batch_size,
-            "pipeline_schedule": par.pipeline_schedule if par.pipeline_stage > 1 else "none",
-            "virtual_pipeline_stage": par.virtual_pipeline_stage}
-
-
-def cached_stage_states(m: ModelConfig, par: ParallelConfig, cache: dict | None) -> list[cost.StageState]:
-    """``cost.stage_states`` of the layout, from ``cache`` when a layout with the same placement of the model state
-    (micro-batches, recompute and sequence parallelism aside) was costed before."""
-    key = (par.data_parallel, par.model_parallel, par.pipeline_stage, par.shards_parameters,
-           par.shards_only_optimizer_state, par.virtual_pipeline_stage, par.pipeline_schedule, par.vocab_emb_dp,
-           par.gradient_aggregation_group)
-    cache = {} if cache is None else cache
-    if key not in cache:
-        cache[key] = cost.stage_states(m, par, cost.DTYPE_BYTES[m.dtype])
-    return cache[key]
+            "micro_batch_size": micro_batch_size, "virtual_pipeline_stage": par.virtual_pipeline_stage,
+            "pipeline_schedule": par.pipeline_schedule if par.pipeline_stage > 1 else "none"}
 
 
 @dataclass
@@ -115,10 +103,9 @@ def peak_memory(cfg: Config, par: ParallelConfig, states: list[cost.StageState],
 
 def micro_batch_times(cfg: Config, par: ParallelConfig, hw: Hardware, states: list[cost.StageState],
                       spec: cost.ActivationSpec, modes: list[str], b: int) -> list[tuple[float, float]]:
-    """(seconds, hardware FLOPs) of one micro-batch of ``b`` rows, forward and backward, on each pipeline rank:
-    its layers' and head's matmuls, the elementwise work (norms, softmax, activations, dropout), which streams the
-    activations ~3 times (4 with full recompute), a fixed overhead per layer, and the tensor-parallel
-    collectives."""
+    """(seconds, hardware FLOPs) of one micro-batch of ``b`` rows, forward and backward, on each pipeline rank: its
+    layers' and head's matmuls, the elementwise work (norms, softmax, activations, dropout), which streams the
+    activations ~3 times (4 with full recompute), a fixed overhead per layer, and the tensor-parallel collectives."""
     m, tp = cfg.model, par.model_parallel
     per_layer = {}
     source, target = m.lengths
@@ -147,8 +134,7 @@ def micro_batch_times(cfg: Config, par: ParallelConfig, hw: Hardware, states: li
 
 
 def pipeline_time(m: ModelConfig, par: ParallelConfig, hw: Hardware, b: int, spec: cost.ActivationSpec) -> float:
-    """Seconds per micro-batch of the forward activation and the backward gradient crossing each chunk
-    boundary."""
+    """Seconds per micro-batch of the forward activation and the backward gradient crossing each chunk boundary."""
     if par.pipeline_stage == 1:
         return 0.0
     boundary = b * m.lengths[1] * m.hidden_size * spec.elem / (par.model_parallel if par.sequence_parallel else 1)
@@ -303,12 +289,10 @@ def search(cfg: Config, hw: Hardware, **kwargs) -> list[dict]:
 
 def choose_layout(cfg: Config, world_size: int, devices_per_node: int | None = None,
                   hw: Hardware | None = None) -> tuple[ParallelConfig, str]:
-    """The best layout of ``cfg``'s model for ``world_size`` processes, and why (for ``parallel.auto``).
-
-    Keeps the user's non-searched settings (vocab_emb_dp, gradient_aggregation_group...). The
-    hardware defaults to an 80 GB, 312 TFLOP/s device; on a machine without CUDA the memory is
-    taken as unlimited and only the predicted step time ranks layouts.
-    """
+    """The best layout of ``cfg``'s model for ``world_size`` processes, and why (for ``parallel.auto``). Keeps the
+    user's non-searched settings (vocab_emb_dp, gradient_aggregation_group...). The hardware defaults to an 80 GB, 312
+    TFLOP/s device; on a machine without CUDA the memory is taken as unlimited and only the predicted step time ranks
+    layouts."""
     rows = search(cfg, hw or Hardware.default(world_size, devices_per_node or world_size))
     if not rows:
         raise ConfigError([f"parallel.auto: no layout of this model fits {world_size} processes (global batch "

@@ -56,10 +56,9 @@ class RunContext:
 
 
 class Callback:
-    """Base of the callbacks: override MindSpore 2.x's ``on_train_*`` hooks, or the older ``begin``,
-    ``epoch_begin``, ``step_begin``, ``step_end``, ``epoch_end`` and ``end`` that they call; and the
-    ``on_eval_*`` hooks for ``Model.eval``. A callback is a context manager entered for the whole of
-    ``Model.train`` or ``Model.eval``."""
+    """Base of the callbacks: override MindSpore 2.x's ``on_train_*`` hooks, or the older ``begin``, ``epoch_begin``,
+    ``step_begin``, ``step_end``, ``epoch_end`` and ``end`` that they call; and the ``on_eval_*`` hooks for
+    ``Model.eval``. A callback is a context manager entered for the whole of ``Model.train`` or ``Model.eval``."""
 
     def __enter__(self):
         return self
@@ -180,10 +179,9 @@ class TimeMonitor(Callback):
 
 
 class CheckpointConfig:
-    """MindSpore's checkpoint policy for ``ModelCheckpoint``: every ``save_checkpoint_steps`` steps, keep the
-    newest ``keep_checkpoint_max`` (0: all); ``integrated_save`` also writes the whole model as one
-    ``model.safetensors``. MindSpore's other options are accepted at their defaults only (refused with
-    the reason otherwise)."""
+    """MindSpore's checkpoint policy for ``ModelCheckpoint``: every ``save_checkpoint_steps`` steps, keep the newest
+    ``keep_checkpoint_max`` (0: all); ``integrated_save`` also writes the whole model as one ``model.safetensors``.
+    MindSpore's other options are accepted at their defaults only (refused with the reason otherwise)."""
 
     def __init__(self, save_checkpoint_steps: int = 1, save_checkpoint_seconds: int = 0, keep_checkpoint_max: int = 5,
                  keep_checkpoint_per_n_minutes: int = 0, integrated_save: bool = True, async_save: bool = False,
@@ -212,8 +210,7 @@ class CheckpointConfig:
         for name, (value, default, why) in refused.items():
             if value != default:
                 raise UserError(f"CheckpointConfig({name}={value!r}) is not offered: {why}")
-        self.save_checkpoint_steps = save_checkpoint_steps
-        self.keep_checkpoint_max = keep_checkpoint_max
+        self.save_checkpoint_steps, self.keep_checkpoint_max = save_checkpoint_steps, keep_checkpoint_max
         self.integrated_save = integrated_save
 
 
@@ -233,11 +230,10 @@ class _Position:
 
 
 class ModelCheckpoint(Callback):
-    """Saves the training network and optimizer as ``<directory>/<prefix>-<epoch>_<step in epoch>`` in
-    paratrain's sliced format (every rank writes its shards; it loads under any layout, and with
-    ``paratrain.load_checkpoint``), as MindSpore's ModelCheckpoint; the last step is always saved.
-    ``directory`` defaults to the working directory; it is made here, as MindSpore does, and refused (as the
-    prefix) when a checkpoint could not be written there."""
+    """Saves the training network and optimizer as ``<directory>/<prefix>-<epoch>_<step in epoch>`` in paratrain's
+    sliced format (every rank writes its shards; it loads under any layout, and with ``paratrain.load_checkpoint``),
+    as MindSpore's ModelCheckpoint; the last step is always saved. ``directory`` defaults to the working directory; it
+    is made here, as MindSpore does, and refused (as the prefix) when a checkpoint could not be written there."""
 
     def __init__(self, prefix: str = "CKP", directory: str | Path | None = None,
                  config: CheckpointConfig | None = None):

@@ -58,24 +58,21 @@ class WithLoss(nn.Module):
         return self.loss_fn(output, label), output, label
 
 
-class _Callbacks:
+class _Callbacks(ExitStack):
     """The callbacks of one ``Model.train``, entered together and called in order."""
 
     def __init__(self, callbacks):
+        super().__init__()
         callbacks = [] if callbacks is None else [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
         bad = [type(c).__name__ for c in callbacks if not isinstance(c, Callback)]
         if bad:
             raise UserError(f"Model.train: callbacks must be paratrain.train.Callback objects, got {', '.join(bad)}")
         self.callbacks = callbacks
-        self._stack = ExitStack()
 
     def __enter__(self) -> "_Callbacks":
         for callback in self.callbacks:
-            self._stack.enter_context(callback)
+            self.enter_context(callback)
         return self
-
-    def __exit__(self, *exc):
-        return self._stack.__exit__(*exc)
 
     def call(self, hook: str, run_context: RunContext) -> None:
         for callback in self.callbacks:
@@ -172,14 +169,13 @@ class Model:
     """Trains a user's net, as MindSpore's ``Model``, on the layout its blocks' ``TransformerOpParallelConfig``
     and the auto-parallel context describe (``paratrain.context``), with the loss of one device.
 
-    ``network`` returns its loss, or with ``loss_fn`` its output, which ``loss_fn(output, label)`` turns
-    into the loss (the label is the batch's last tensor). ``optimizer`` is a plain ``torch.optim``
-    optimizer built on the unsharded net; it is rebuilt on this rank's parameters (``rebuild_optimizer``),
-    its groups' parameters matched by name.
-    ``amp_level`` "O1"/"O2"/"O3" computes in bf16 with fp32 weights, as ``train.mixed_precision = "bf16"``
-    does, or in fp16 with loss scaling when a ``loss_scale_manager`` (``paratrain.amp``) is given; "O0" in fp32.
-    Steps run on ``paratrain.engine``, as ``paratrain train``'s do.
-    After ``train``, ``train_network`` is the placed net and ``optimizer`` the rebuilt optimizer.
+    ``network`` returns its loss, or with ``loss_fn`` its output, which ``loss_fn(output, label)`` turns into the loss
+    (the label is the batch's last tensor). ``optimizer`` is a plain ``torch.optim`` optimizer built on the unsharded
+    net; it is rebuilt on this rank's parameters (``rebuild_optimizer``), its groups' parameters matched by name.
+    ``amp_level`` "O1"/"O2"/"O3" computes in bf16 with fp32 weights, as ``train.mixed_precision = "bf16"`` does, or in
+    fp16 with loss scaling when a ``loss_scale_manager`` (``paratrain.amp``) is given; "O0" in fp32. Steps run on
+    ``paratrain.engine``, as ``paratrain train``'s do. After ``train``, ``train_network`` is the placed net and
+    ``optimizer`` the rebuilt optimizer.
 
     ``metrics`` (a dict {name: ``Metric``}, or a set of names: "acc"/"accuracy", "loss") are what ``eval``
     computes, on the outputs of ``eval_network`` (which shares the network's modules) or, without one, on
@@ -216,14 +212,13 @@ class Model:
 
     def train(self, epoch: int, train_dataset: Iterable, callbacks=None, dataset_sink_mode: bool = False,
               sink_size: int = -1, resume: str = "none", trust_unverified: bool = False) -> None:
-        """Train ``epoch`` epochs over ``train_dataset``, an iterable of global batches (tuples of tensors: the
-        net's forward arguments, then the label with ``loss_fn``), iterated again each epoch; every rank
-        gives the whole global batch and keeps its rows, but for a dataset split per rank (``num_shards`` > 1,
-        as ``paratrain.data.cifar_dataset.Cifar10Dataset`` gives): its batches are this rank's rows.
-        Callbacks see MindSpore's step counts: ``cur_step_num``
-        over the run, the step within the epoch in ``cur_step_in_epoch``. With ``dataset_sink_mode`` step
-        callbacks run once per sink: a whole epoch, or ``sink_size`` batches per epoch drawn on across
-        epochs.
+        """Train ``epoch`` epochs over ``train_dataset``, an iterable of global batches (tuples of tensors: the net's
+        forward arguments, then the label with ``loss_fn``), iterated again each epoch; every rank gives the whole
+        global batch and keeps its rows, but for a dataset split per rank (``num_shards`` > 1, as
+        ``paratrain.data.cifar_dataset.Cifar10Dataset`` gives): its batches are this rank's rows. Callbacks see
+        MindSpore's step counts: ``cur_step_num`` over the run, the step within the epoch in ``cur_step_in_epoch``.
+        With ``dataset_sink_mode`` step callbacks run once per sink: a whole epoch, or ``sink_size`` batches per epoch
+        drawn on across epochs.
 
         ``resume``: "none"; "auto", the newest intact checkpoint in the ``ModelCheckpoint``'s directory, if
         any; or a checkpoint's path. The run continues exactly where that one was saved, under any layout:
@@ -252,10 +247,9 @@ class Model:
         params = CallbackParams(
             network=self.network, train_network=self.train_network, loss_fn=self.loss_fn, optimizer=self.optimizer,
             epoch_num=epoch, batch_num=sink_size if sinks else len(train_dataset) if hasattr(train_dataset, "__len__")
-            else None,
-            cur_epoch_num=0, cur_step_num=0, cur_step_in_epoch=0, net_outputs=None, train_dataset=train_dataset,
-            dataset_sink_mode=dataset_sink_mode, mode="train", device_number=world_size, rank=rank,
-            parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout,
+            else None, cur_epoch_num=0, cur_step_num=0, cur_step_in_epoch=0, net_outputs=None,
+            train_dataset=train_dataset, dataset_sink_mode=dataset_sink_mode, mode="train", device_number=world_size,
+            rank=rank, parallel_mode=get_auto_parallel_context("parallel_mode"), parallel_config=config, layout=layout,
             rows_of_this_rank=shards > 1, exit_requested=False, loss_scaler=self.loss_scaler, step_record=None)
         # one run per checkpoint directory, from before a resume is decided
         locked = [("ModelCheckpoint directory", c.directory) for c in _Callbacks(callbacks).callbacks

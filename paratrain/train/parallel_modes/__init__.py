@@ -9,8 +9,7 @@ from torch import nn
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
 
-# what a net placed whole on every rank (hybrid) or op by op (semi-auto, auto) does not take: option -> (its
-# default, why)
+# what a net placed whole (hybrid) or op by op (semi-auto, auto) does not take: option -> (its default, why)
 NOT_OFFERED = {
     "sequence_parallel": (False, "its ops run on whole (or strategy-split) sequences"),
     "expert_parallel": (1, "it holds no paratrain.nn MoE blocks to split"),

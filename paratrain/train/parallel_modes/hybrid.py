@@ -18,11 +18,6 @@ from paratrain.parallel.user import PlacedNet
 from paratrain.train.parallel_modes import refuse_options
 
 
-def is_layerwise(param: torch.Tensor) -> bool:
-    """Whether ``param`` is a per-device slice (MindSpore's ``layerwise_parallel``)."""
-    return bool(getattr(param, "layerwise_parallel", False))
-
-
 class HybridNet(PlacedNet):
     """A net under ``hybrid_parallel`` (``PlacedNet``): every rank runs it whole on the global batch (or its rows
     of a dataset sharded per rank) in micro-batches, then averages over the ranks (``layout``'s data-parallel ones,
@@ -42,7 +37,7 @@ class HybridNet(PlacedNet):
 
     def reduce_gradients(self) -> None:
         """The gradients that are not ``layerwise_parallel`` averaged over the ranks."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None and not is_layerwise(p)]
+        grads = [p.grad for p in self.parameters() if p.grad is not None and not getattr(p, "layerwise_parallel", 0)]
         group = self.layout.dp_group
         if group is not None and grads:
             coalesced(grads, lambda flat: dist.all_reduce(flat, group=group, async_op=True))

@@ -13,11 +13,7 @@ tensors, no gradient) to record, in call order, each op's input shapes and the p
   optimizer: each op that reads it gathers it back (DTensor redistribute), and the gradient
   arrives reduce-scattered, so optimizer state and parameters are held once per slice.
 
-Every batch tensor enters as a DTensor: replicated (``full_batch``: every rank gives the whole
-batch) or split along dimension 0 over every device (a dataset sharded per rank). The loss is
-computed by DTensor on each whole micro-batch (``paratrain.parallel.micro_batches``), so each
-gradient is the one-device gradient in the placement of its parameter; the optimizer runs on
-those DTensors.
+The batches enter as DTensors and the optimizer runs on the DTensor parameters (``OpPlacedNet``).
 """
 from __future__ import annotations
 
@@ -149,10 +145,9 @@ def optimizer_shard(placements: list, shape: tuple[int, ...], mesh: StrategyMesh
 
 class OpPlacedNet(PlacedNet):
     """A net of ``paratrain.ops`` on its strategies (``PlacedNet``): each micro-batch's tensors enter as DTensors
-    (``as_input``) and DTensor computes the loss of the whole micro-batch, so every rank holds one device's loss
-    and each parameter its one-device gradient of it (times ``loss_scale``) in its placement. Its batch is the
-    whole global batch, or with ``rows_of_this_rank`` this rank's rows of it (ranks in order). ``parts`` is
-    ``[net]``."""
+    (``as_input``) and DTensor computes the loss of the whole micro-batch, so every rank holds one device's loss and
+    each parameter its one-device gradient of it (times ``loss_scale``) in its placement. Its batch is the whole
+    global batch, or with ``rows_of_this_rank`` this rank's rows of it (ranks in order). ``parts`` is ``[net]``."""
 
     def __init__(self, net: nn.Module, mesh: StrategyMesh, device: torch.device, config: ParallelConfig,
                  precision: str = "none"):
