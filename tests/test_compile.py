@@ -23,3 +23,28 @@ def test_compiled_layers_give_the_eager_losses(tmp_path):
     (compiled, all_compiled), = run_distributed(_losses, 1, str(tmp_path), True, timeout=240)
     assert all_compiled == [True, True] and not_compiled == [False, False]
     assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+
+def _user_net_losses(compile_layers):
+    """(losses, whether each layer of the net is compiled) of a user's net with full recompute over 3 steps,
+    placed by ``place_net`` (``compile_layers``: MindSpore's GRAPH_MODE)."""
+    import torch
+
+    from paratrain.config import ParallelConfig
+    from paratrain.mesh import Layout
+    from test_user_net import Net, _batches, train_placed
+
+    torch.manual_seed(0)
+    net, config = Net(layers=2), ParallelConfig(recompute="full")
+    steps = train_placed(net, config, Layout(config, 1), _batches(3), compile_layers=compile_layers)
+    return [loss for loss, _ in steps], [block._compiled_call_impl is not None for block in net.blocks]
+
+
+@pytest.mark.slow
+def test_a_user_nets_layers_compiled_under_recompute_give_the_eager_losses():
+    """GRAPH_MODE compiles each layer of a user's net after recompute wraps it, as ``train.compile`` does."""
+    (eager, not_compiled), = run_distributed(_user_net_losses, 1, False, timeout=240)
+    (compiled, all_compiled), = run_distributed(_user_net_losses, 1, True, timeout=240)
+    assert all_compiled == [True, True] and not_compiled == [False, False]
+    assert compiled == pytest.approx(eager, rel=1e-4)

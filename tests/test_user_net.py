@@ -92,16 +92,16 @@ def train(parallel: dict, steps=4, net_class=Net, batches=None):
     return train_placed(net, config, Layout(config, world), batches or _batches(steps))
 
 
-def train_placed(net, config, layout, batches):
-    """(loss, gradient norm) of each step of ``net`` placed on ``layout`` with AdamW and gradients clipped to
-    norm 1 (``paratrain.engine``), one step a batch."""
+def train_placed(net, config, layout, batches, **place_options):
+    """(loss, gradient norm) of each step of ``net`` placed on ``layout`` (``place_net`` with ``place_options``)
+    with AdamW and gradients clipped to norm 1 (``paratrain.engine``), one step a batch."""
     from paratrain.config import MetricsConfig
     from paratrain.engine import Engine
     from paratrain.metrics import StepTimer
     from paratrain.parallel.user import place_net
     from paratrain.precision import LossScaler
 
-    placed = place_net(net, config, layout, batches[0])
+    placed = place_net(net, config, layout, batches[0], **place_options)
     optimizer = torch.optim.AdamW([p for _, p in placed.named_parameters()], lr=1e-2)
     engine = Engine(placed, optimizer, None, layout, LossScaler(False, device=layout.device),
                     StepTimer(MetricsConfig(), device=layout.device, mfu=False), grad_clip=1.0)
