@@ -277,3 +277,17 @@ def _pipeline_eval():
 def test_a_pipeline_eval_is_refused_with_the_reason():
     for message in run_distributed(_pipeline_eval, 2, timeout=100):
         assert message.startswith("Model.eval: pipeline_stage=2: the traced stages of a pipeline end in the loss")
+
+
+def test_a_one_shot_iterator_is_trained_and_evaluated_from_its_first_batch():
+    """A generator's first batch, drawn to place the net, still gets its step and its share of the metrics."""
+    torch.manual_seed(0)
+    net, data = Classifier(), batches()
+    model = model_of(net, metrics={"acc": Accuracy(), "loss": Loss()})
+    assert model.eval(iter(data)) == pytest.approx(plain_metrics(net, data), rel=1e-6)
+    torch.manual_seed(0)
+    reference = Classifier()
+    model_of(reference).train(1, data)
+    model.train(1, (batch for batch in data))
+    for mine, want in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, want, rtol=0, atol=0)

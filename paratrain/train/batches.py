@@ -2,6 +2,7 @@
 batch on the host as it is drawn (``BatchCheck``), and the streams of batches a training epoch or sink draws."""
 from __future__ import annotations
 
+import itertools
 from typing import Iterable
 
 import numpy as np
@@ -125,6 +126,16 @@ class BatchCheck:
             raise UserError(f"Model.train: {where} is {_kinds_text(kinds)}, unlike the first batch "
                             f"{_kinds_text(self.first_batch)}: give every batch the first one's tensors, dtypes "
                             f"and shapes{rows}")
+
+
+def first_batch(owner: str, name: str, dataset: Iterable) -> tuple:
+    """(the first batch of ``dataset``, the dataset to iterate from its start): a one-shot iterator's first batch
+    is put back in front of the rest. UserError naming the argument when it gives no batch."""
+    batches = iter(dataset)
+    first = next(batches, None)
+    if first is None:
+        raise UserError(f"{owner}: {name} gave no batch")
+    return first, (itertools.chain([first], batches) if batches is dataset else dataset)
 
 
 def endless_batches(dataset: Iterable):

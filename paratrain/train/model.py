@@ -25,7 +25,8 @@ from paratrain.nn import PipelineCell
 from paratrain.parallel.data import shard_optimizer_state
 from paratrain.preflight import net_memory_problem
 from paratrain.precision import LossScaler
-from paratrain.train.batches import BatchCheck, as_batch, batch_position, endless_batches, ids_per_row, with_last
+from paratrain.train.batches import (BatchCheck, as_batch, batch_position, endless_batches, first_batch, ids_per_row,
+                                     with_last)
 from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext, SummaryCollector
 from paratrain.train.evaluation import Evaluation, eval_shards
 from paratrain.train.metrics import get_metrics
@@ -256,9 +257,7 @@ class Model:
                   if isinstance(c, ModelCheckpoint)]
         run_lock.hold(locked)
         try:
-            first = next(iter(train_dataset), None)
-            if first is None:
-                raise UserError("Model.train: train_dataset gave no batch")
+            first, train_dataset = first_batch("Model.train", "train_dataset", train_dataset)
             if self.train_network is None:  # placed on the first batch, checked first as its step checks it
                 first = as_batch(first)
                 self._batch_check(first, config, "batch index 0 of epoch 1", params.rows_of_this_rank)
@@ -368,9 +367,7 @@ class Model:
             device_number=world_size, rank=rank, parallel_mode=get_auto_parallel_context("parallel_mode"),
             parallel_config=config, layout=layout)
         run_context = RunContext(params)
-        first = next(iter(valid_dataset), None)
-        if first is None:
-            raise UserError("Model.eval: valid_dataset gave no batch")
+        first, valid_dataset = first_batch("Model.eval", "valid_dataset", valid_dataset)
         if self.train_network is None:
             self._place(as_batch(first), config, layout, params)
         evaluation = Evaluation(self.train_network, self.eval_network, self.metrics, self.eval_indexes,
