@@ -65,13 +65,14 @@ def feed_forward(cfg: ModelConfig, layer_id: int) -> FeedForward | MoE:
 
 
 class EncoderLayer(TransformerLayer):
-    """Self-attention + FFN, x (B, S, H) -> ``(output (B, S, H), presents, *aux_loss)`` (``TransformerLayer``);
+    """Self-attention + FFN, x (B, S, H) -> ``(output (B, S, H), (), *aux_loss)`` (``TransformerLayer``);
     causal as a decoder-only (GPT) block. A mixture of experts joins its aux loss to backward itself
     (``aux_loss_in_backward``): the models use the output alone.
     """
 
     # each LayerNorm inside a module of its own, as saved checkpoints name it
     names = ("attn_branch.norm", "attn", None, None, "ffn_branch.norm", "ffn")
+    returns_presents = False
 
     def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__(cfg.hidden_dropout, cfg.post_layernorm_residual)
@@ -98,7 +99,7 @@ class EncoderLayer(TransformerLayer):
 
 class DecoderLayer(EncoderLayer):
     """Masked self-attention, cross-attention over the encoder output, FFN: x (B, T, H), mask, memory (B, S, H),
-    memory_mask -> ``(output (B, T, H), presents, *aux_loss)`` (``TransformerLayer``).
+    memory_mask -> ``(output (B, T, H), (), *aux_loss)`` (``TransformerLayer``).
     """
 
     names = ("self_attn_branch.norm", "self_attn", "cross_attn_branch.norm", "cross_attn", "ffn_branch.norm", "ffn")

@@ -113,8 +113,10 @@ class TransformerLayer(nn.Module):
     """A pre-LayerNorm Transformer layer: self-attention, cross-attention over the encoder output ``memory``
     (given one), then the FFN or a mixture of experts, each as ``x + dropout(sublayer(norm(x)))`` (MindSpore's
     ``post_layernorm_residual``: ``norm(x) + ...``): x (B, T, H), mask, memory (B, S, H), memory_mask ->
-    ``(output (B, T, H), presents, *aux_loss)``, the keys and values of its attentions and, where the FFN is a
-    mixture of experts, its load-balancing loss. ``cache``: the self-attention's while decoding.
+    ``(output (B, T, H), presents, *aux_loss)``: the keys and values of its attentions where ``returns_presents``
+    (MindSpore's layers; else ``()``: under recompute they would stay alive to the end of the stack, and FSDP
+    hooks every tensor a unit returns) and, where the FFN is a mixture of experts, its load-balancing loss.
+    ``cache``: the self-attention's while decoding.
 
     Its owner builds the parts and names them in ``names``, as parameter names are part of the checkpoint
     format: the LayerNorm and sublayer of the self-attention, of the cross-attention (absent without one) and
@@ -124,6 +126,7 @@ class TransformerLayer(nn.Module):
 
     is_transformer_layer = True  # a unit of recompute and FSDP
     names = ("norm1", "self_attention", "norm2", "cross_attention", "norm3", "ffn")
+    returns_presents = True
 
     def __init__(self, dropout: float, post_layernorm_residual: bool):
         super().__init__()
@@ -144,7 +147,7 @@ class TransformerLayer(nn.Module):
             presents += cross_presents
         normed, ffn = part(norm3)(x), part(ffn)
         update, *aux_loss = ffn(normed) if isinstance(ffn, MoE) else (ffn(normed),)
-        return (self.residual(x, normed, update), presents, *aux_loss)
+        return (self.residual(x, normed, update), presents if self.returns_presents else (), *aux_loss)
 
     def residual(self, x: torch.Tensor, normed: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         """``update`` after dropout onto the LayerNorm's input ``x``, or onto its output ``normed``."""
@@ -153,15 +156,13 @@ class TransformerLayer(nn.Module):
 
 class TransformerStack(nn.Module):
     """Layers in turn, then the final LayerNorm where there is one: x (B, T, H) and what each layer takes after
-    it -> ``(output (B, T, H), presents, *aux_loss)``: one present per layer where ``keeps_presents``
-    (MindSpore's stacks; under recompute the built-ins' would keep every layer's keys and values alive to the
-    end), and the layers' mixture-of-experts losses summed, if any. ``caches`` (decoding): layer name -> its
+    it -> ``(output (B, T, H), presents, *aux_loss)``: the presents of the layers that return any, and the
+    layers' mixture-of-experts losses summed, if any. ``caches`` (decoding): layer name -> its
     self-attention's cache. The owner builds the layers (a ModuleList, or a ModuleDict where pipeline chunks
     remove some) and the norm (None: none) under its ``names``.
     """
 
     names = ("layers", "norm")
-    keeps_presents = False
 
     def forward(self, x, *inputs, caches: dict[str, dict] | None = None) -> tuple:
         layers, norm = (getattr(self, name) for name in self.names)
@@ -169,7 +170,7 @@ class TransformerStack(nn.Module):
         for key, layer in layers.named_children():
             decoding = {} if caches is None else {"cache": caches.setdefault(key, {})}
             x, present, *aux_loss = layer(x, *inputs, **decoding)
-            presents += (present,) if self.keeps_presents else ()
+            presents += (present,) if present else ()
             aux_losses += aux_loss
         return (x if norm is None else norm(x), presents, *summed(aux_losses))
 

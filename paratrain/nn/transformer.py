@@ -137,7 +137,6 @@ class _Stack(shared.TransformerStack, Cell):
 
     names = ("blocks", "norm")
     norm = None
-    keeps_presents = True
 
     def _build(self, layer_class: type, args: dict) -> None:
         """The layers, built from the stack's arguments ``args`` that ``layer_class`` takes."""
