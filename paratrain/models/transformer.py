@@ -10,11 +10,10 @@ by ``paratrain.modules.transformer.pipeline_blocks`` and ``paratrain.parallel.pi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paratrain.config import ModelConfig
-from paratrain.modules.linear_cross_entropy import OutputHead
+from paratrain.modules.linear_cross_entropy import OutputHead, token_loss_sum
 from paratrain.modules.moe import MoE
 from paratrain.modules.transformer import (CAUSAL, Attention, FeedForward, TransformerLayer, TransformerStack,
                                           VocabEmbedding)
@@ -252,12 +251,3 @@ def init_weights(model: nn.Module, std: float = 0.02) -> None:
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Summed cross-entropy over the non-pad targets: logits (B, T, V), labels (B, T) -> scalar
-    (or logits (B, C), labels (B,) for a classifier).
-
-    Divided by the non-pad token count of the global batch it gives the loss of
-    that batch whatever the split into ranks and micro-batches.
-    """
-    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=ignore_index, reduction="sum")

@@ -113,6 +113,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden.to(hidden_dtype) * grad_loss, grad_weight.mul_(scale).to(weight_dtype), None, None, None
 
 
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Summed cross-entropy over the non-pad targets: logits (B, T, V), labels (B, T) -> scalar
+    (or logits (B, C), labels (B,) for a classifier).
+
+    Divided by the non-pad token count of the global batch it gives the loss of
+    that batch whatever the split into ranks and micro-batches.
+    """
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=ignore_index, reduction="sum")
+
+
 def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           ignore_index: int, rows_of_ranks=None) -> torch.Tensor:
     """Summed cross-entropy of the head ``hidden @ weight.T`` over the targets that are not ``ignore_index``:

@@ -7,12 +7,12 @@ import functools
 import itertools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
+from paratrain.modules.linear_cross_entropy import token_loss_sum
 from paratrain.modules.moe import aux_loss_in_backward
 from paratrain.parallel.expert import moe_step_metrics
 from paratrain.parallel.micro_batches import StepLoss, forward_backward
@@ -100,8 +100,7 @@ class PlacedModel:
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, norm: StepLoss) -> torch.Tensor:
         """A micro-batch's summed token loss, normalised by ``norm`` (also a pipeline's last stage's loss)."""
-        return norm.token_sum(F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(),
-                                              ignore_index=self.ignore_index, reduction="sum"))
+        return norm.token_sum(token_loss_sum(logits.float(), labels, self.ignore_index))
 
     def pipeline_step(self, norm: StepLoss, batch):
         """The pipeline schedule's step over a batch, its last stage's loss normalised by ``norm``."""
