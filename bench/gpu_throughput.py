@@ -32,11 +32,18 @@ Model: 1.04 B parameters (hidden 2048, 18 layers, 16 heads, ffn 8192, vocab 3200
 batch 8 x 2048 tokens (about 4 minutes for every side, eager, on an H100/H200). ``--quick``: a
 GPT-2-small-sized model (0.135 B, seq 1024, micro batch 16). ``--compile`` compiles every side.
 ``--device cpu --quick``: a tiny fp32 model on the CPU, MFU against a measured fp32 matmul peak -- a check
-of this script, not a benchmark. Without CUDA (and without ``--device cpu``) it says why it did not run and
+of this script, not a benchmark.
+
+``--profile`` runs each side's last warm-up step under ``torch.profiler`` and prints, per side, the step's
+wall time, the device's busy time and share of it (the rest is the device waiting for the host: Python,
+launches, host syncs), the number of kernels and the time by kind of op (matmul, attention, optimizer,
+collectives, other); then, for the two sides of each ratio, the ops whose time differs most. Every side is
+profiled at the same point, so the profiler's own overhead weighs on all alike. Without CUDA (and without ``--device cpu``) it says why it did not run and
 exits 1.
 
     python bench/gpu_throughput.py [--quick] [--device cuda|cpu] [--json PATH] [--micro-batch B] [--offload]
-                                   [--steps N] [--warmup N] [--compile] [--peak-tflops T] [--loss-rtol R]
+                                   [--steps N] [--warmup N] [--compile] [--profile] [--peak-tflops T]
+                                   [--loss-rtol R]
 """
 from __future__ import annotations
 
@@ -95,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the largest relative difference of a step's loss between the sides (default 2e-2)")
     p.add_argument("--offload", action="store_true",
                    help="on CUDA, also paratrain train with ZeRO-Offload (slow at 1B: the optimizer steps on the host)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile each side's last warm-up step (torch.profiler): the device's busy share of the "
+                        "step, its time by kind of op and the ops that differ most between sides")
     p.add_argument("--json", type=Path, help="write the results here")
     a = p.parse_args(argv)
     if a.device == "cpu" and not a.quick:
@@ -103,6 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--offload runs on CUDA only: paratrain refuses ZeRO-Offload on the CPU")
     if a.steps < 1 or a.warmup < 1:
         p.error("--steps and --warmup must be at least 1")
+    if a.profile and a.warmup < 2:
+        p.error("--profile profiles the last warm-up step, which must not be the first (one-time costs): "
+                "give --warmup 2 or more")
     return a
 
 
@@ -149,35 +162,103 @@ def peak_memory_mb(device: torch.device, start: float) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def measured(seconds: float, device: torch.device, memory_start: float, model: torch.nn.Module,
-             losses: list) -> dict:
-    """What a side reports: its timed seconds, peak memory, parameter count and every step's loss."""
-    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    losses = [float(loss) for loss in losses]
-    return {"seconds": seconds, "peak_memory_mb": peak_memory_mb(device, memory_start), "params": params,
-            "losses": losses, "loss_first": losses[0], "loss_last": losses[-1]}
+class Clock:
+    """A side's clock: ``before(number)`` is called before each step (0-based). The clock starts once the
+    ``warmup`` steps are done (the host waits for the device there); with ``profile`` the last warm-up step
+    runs under ``torch.profiler`` (``step_profile``), so every side is profiled at the same point."""
+
+    def __init__(self, device: torch.device, warmup: int, profile: bool):
+        self.device, self.warmup, self.profile = device, warmup, profile
+        self.profiler, self.profiled, self.start = None, None, None
+
+    def before(self, number: int) -> None:
+        if self.profile and number == self.warmup - 1:
+            synchronize(self.device)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+            self.start = time.perf_counter()
+        if number == self.warmup:
+            synchronize(self.device)
+            if self.profiler is not None:
+                wall = time.perf_counter() - self.start
+                self.profiler.__exit__(None, None, None)
+                self.profiled = step_profile(self.profiler, self.device, wall)
+                self.profiler = None
+            self.start = time.perf_counter()
+
+    def seconds(self) -> float:
+        """Seconds from the end of the warm-up to now, once the device is done."""
+        synchronize(self.device)
+        return time.perf_counter() - self.start
+
+    def measured(self, memory_start: float, model: torch.nn.Module, losses: list) -> dict:
+        """What a side reports: its timed seconds, peak memory, parameter count, every step's loss and, if
+        profiled, where its profiled step's time went."""
+        seconds = self.seconds()
+        params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        losses = [float(loss) for loss in losses]
+        return {"seconds": seconds, "peak_memory_mb": peak_memory_mb(self.device, memory_start), "params": params,
+                "losses": losses, "loss_first": losses[0], "loss_last": losses[-1],
+                **({"profile": self.profiled} if self.profiled else {})}
 
 
-def run_paratrain(cfg: Config, device: torch.device, warmup: int) -> dict:
+# what an op's name says it is, in this order (the first pattern it contains); "optimizer" holds the gradient
+# clipping's foreach ops too; "other" is the rest: elementwise ops, norms, copies and casts, the loss
+OP_KINDS = (("attention", ("attention", "flash", "cudnn", "efficient")),
+            ("collectives", ("nccl", "c10d", "all_reduce", "allreduce", "all_gather", "reduce_scatter", "gloo")),
+            ("optimizer", ("adam", "_foreach")),
+            ("matmul", ("mm", "gemm", "linear", "matmul")))
+TOP_OPS = 12
+
+
+def op_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, parts in OP_KINDS if any(part in lowered for part in parts)), "other")
+
+
+def step_profile(profiler, device: torch.device, wall: float) -> dict:
+    """One profiled step: its wall time, the time the device spent in kernels (on the CPU: in ops) and its share
+    of the wall time (the rest: the device waiting for the host), the number of kernels, the time of each
+    kind of op (``OP_KINDS``) and the ops that took the most. Kernel time is counted at the op that launched
+    it (its self device time), so every kernel is counted once."""
+    on_cuda = device.type == "cuda"
+    ops = {}
+    for op in profiler.key_averages():
+        if "::" not in op.key or "#" in op.key:  # annotations (optimizer steps, profiler steps), not ops
+            continue
+        us = op.self_device_time_total if on_cuda else op.self_cpu_time_total
+        if us > 0:
+            ops[op.key] = (op.count, us / 1e3)
+    busy = sum(ms for _, ms in ops.values())
+    kinds = dict.fromkeys([kind for kind, _ in OP_KINDS] + ["other"], 0.0)
+    for name, (_, ms) in ops.items():
+        kinds[op_kind(name)] += ms
+    top = sorted(ops.items(), key=lambda item: -item[1][1])[:TOP_OPS]
+    return {"wall_ms": wall * 1e3, "busy_ms": busy, "busy_share": busy / (wall * 1e3),
+            "kernels": sum(len(event.kernels) for event in profiler.events()) if on_cuda else None,
+            "kinds_ms": kinds, "ops_ms": {name: ms for name, (_, ms) in ops.items()},
+            "top": [{"op": name, "calls": calls, "ms": ms} for name, (calls, ms) in top]}
+
+
+def run_paratrain(cfg: Config, device: torch.device, clock: Clock) -> dict:
     """``Trainer(cfg).train()``; the clock runs from the end of the warm-up steps to the end of the last."""
     memory_start = reset_peak_memory(device)
     trainer = Trainer(cfg)
-    train_step, clock = trainer.train_step, {}
+    train_step = trainer.train_step
 
     def timed_step():
-        if trainer.step == warmup:  # the warm-up steps are queued: wait for them, then start the clock
-            synchronize(device)
-            clock["start"] = time.perf_counter()
+        clock.before(trainer.step)
         return train_step()
 
     trainer.train_step = timed_step
     history = trainer.train()
-    synchronize(device)
-    return measured(time.perf_counter() - clock["start"], device, memory_start, trainer.model,
-                    [record["loss"] for record in history])
+    return clock.measured(memory_start, trainer.model, [record["loss"] for record in history])
 
 
-def run_torch(cfg: Config, device: torch.device, warmup: int, compile: bool) -> dict:
+def run_torch(cfg: Config, device: torch.device, clock: Clock, compile: bool) -> dict:
     """The plain PyTorch loop over paratrain's GPTModel with the same batches, optimizer and clipping, timed the
     same way."""
     memory_start = reset_peak_memory(device)
@@ -200,24 +281,21 @@ def run_torch(cfg: Config, device: torch.device, warmup: int, compile: bool) -> 
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    return timed_loop(step, model, cfg, device, warmup, memory_start)
+    return timed_loop(step, model, cfg, device, clock, memory_start)
 
 
-def timed_loop(step, model: torch.nn.Module, cfg: Config, device: torch.device, warmup: int,
+def timed_loop(step, model: torch.nn.Module, cfg: Config, device: torch.device, clock: Clock,
                memory_start: float) -> dict:
-    """``step(batch)`` (-> its loss, a device tensor) on each of the run's batches, the clock started after
-    ``warmup`` steps; the losses come to the host once, at the end."""
+    """``step(batch)`` (-> its loss, a device tensor) on each of the run's batches, timed by ``clock``; the
+    losses come to the host once, at the end."""
     data = build_dataset(cfg)
     losses = []
     for number in range(cfg.train.steps):
-        if number == warmup:
-            synchronize(device)
-            start = time.perf_counter()
+        clock.before(number)
         batch = {k: v.to(device, non_blocking=True)
                  for k, v in data.batch_rows(number, 0, cfg.train.global_batch_size).items()}
         losses.append(step(batch).detach())
-    synchronize(device)
-    return measured(time.perf_counter() - start, device, memory_start, model, torch.stack(losses).tolist())
+    return clock.measured(memory_start, model, torch.stack(losses).tolist())
 
 
 class ScratchBlock(torch.nn.Module):
@@ -272,7 +350,7 @@ def adamw(params, lr: float, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, fused=device.type == "cuda")
 
 
-def run_scratch(cfg: Config, device: torch.device, warmup: int, compile: bool) -> dict:
+def run_scratch(cfg: Config, device: torch.device, clock: Clock, compile: bool) -> dict:
     """The fastest plain GPT-2 loop of the same sizes, written from scratch: bf16 autocast on CUDA, fused AdamW,
     clipping at 1.0, the cross-entropy of the whole fp32 logits."""
     memory_start = reset_peak_memory(device)
@@ -292,7 +370,7 @@ def run_scratch(cfg: Config, device: torch.device, warmup: int, compile: bool) -
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    return timed_loop(step, model, cfg, device, warmup, memory_start)
+    return timed_loop(step, model, cfg, device, clock, memory_start)
 
 
 def mindspore_lm(cfg: Config, device: torch.device):
@@ -343,7 +421,7 @@ def mindspore_batches(cfg: Config, padded: int = 0):
         yield batch["input_ids"], input_mask, batch["labels"]
 
 
-def run_mindspore_model(cfg: Config, device: torch.device, warmup: int, compile: bool) -> dict:
+def run_mindspore_model(cfg: Config, device: torch.device, clock: Clock, compile: bool) -> dict:
     """The LM through ``Model(net, optimizer=AdamW, amp_level="O2").train`` (O0 on the CPU: fp32);
     ``--compile``: ``set_context(mode=GRAPH_MODE)``."""
     from paratrain.context import GRAPH_MODE, PYNATIVE_MODE, set_context
@@ -353,27 +431,24 @@ def run_mindspore_model(cfg: Config, device: torch.device, warmup: int, compile:
     net = mindspore_lm(cfg, device)
     optimizer = torch.optim.AdamW(net.parameters(), lr=PLAIN_LR)
     model = Model(net, optimizer=optimizer, amp_level="O2" if device.type == "cuda" else "O0")
-    clock, losses = {}, []
+    losses = []
 
-    class Clock(Callback):
+    class Timed(Callback):
         def on_train_step_begin(self, run_context):
-            if run_context.original_args().cur_step_num == warmup:
-                synchronize(device)
-                clock["start"] = time.perf_counter()
+            clock.before(run_context.original_args().cur_step_num)
 
         def on_train_step_end(self, run_context):
             losses.append(run_context.original_args().net_outputs)
 
     set_context(mode=GRAPH_MODE if compile else PYNATIVE_MODE)
     try:
-        model.train(1, list(mindspore_batches(cfg)), callbacks=[Clock()])
+        model.train(1, list(mindspore_batches(cfg)), callbacks=[Timed()])
     finally:
         set_context(mode=PYNATIVE_MODE)
-    synchronize(device)
-    return measured(time.perf_counter() - clock["start"], device, memory_start, net, torch.stack(losses).tolist())
+    return clock.measured(memory_start, net, torch.stack(losses).tolist())
 
 
-def run_mindspore_loop(cfg: Config, device: torch.device, warmup: int, compile: bool, padded: int = 0) -> dict:
+def run_mindspore_loop(cfg: Config, device: torch.device, clock: Clock, compile: bool, padded: int = 0) -> dict:
     """The same LM, seed and AdamW in a plain torch loop: bf16 autocast on CUDA, clipping at 1.0; ``padded``
     tokens of padding at the end of every row (``mindspore_batches``)."""
     memory_start = reset_peak_memory(device)
@@ -382,9 +457,7 @@ def run_mindspore_loop(cfg: Config, device: torch.device, warmup: int, compile: 
     forward = torch.compile(net) if compile else net
     losses = []
     for number, batch in enumerate(mindspore_batches(cfg, padded)):
-        if number == warmup:
-            synchronize(device)
-            start = time.perf_counter()
+        clock.before(number)
         batch = [t.to(device, non_blocking=True) for t in batch]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = forward(*batch)
@@ -393,8 +466,7 @@ def run_mindspore_loop(cfg: Config, device: torch.device, warmup: int, compile: 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    synchronize(device)
-    return measured(time.perf_counter() - start, device, memory_start, net, torch.stack(losses).tolist())
+    return clock.measured(memory_start, net, torch.stack(losses).tolist())
 
 
 def fp8_refusal(device: torch.device) -> str | None:
@@ -506,10 +578,43 @@ def print_table(r: dict) -> None:
     print("losses: every step within " + ", ".join(f"{w:.2g} ({side} vs {SAME_TRAINING[side]})"
                                                     for side, w in losses["worst"].items())
           + f" (tolerance {losses['rtol']:g}): {'agree' if losses['agree'] else 'DISAGREE'}")
+    if r.get("profile_differences") is not None:
+        print_profiles(r)
     if "offload" in r:
         o = r["offload"]
         print(f"offload (zero stage 3, parameters and optimizer on the host): {o['tokens_per_s_ratio']:.3f} x the "
               f"tokens/s, {o['device_memory_saved_mb']:,.0f} MiB less device memory at peak")
+
+
+def profile_differences(result: dict, shown: int = 6) -> dict:
+    """For each ratio's two sides when both were profiled: the ops whose time in the profiled step differs most,
+    name -> milliseconds of the first side minus the second's, largest first."""
+    differences = {}
+    for name, top, bottom in RATIOS:
+        if "profile" in result.get(top, {}) and "profile" in result.get(bottom, {}):
+            mine, theirs = result[top]["profile"]["ops_ms"], result[bottom]["profile"]["ops_ms"]
+            delta = {op: mine.get(op, 0.0) - theirs.get(op, 0.0) for op in mine.keys() | theirs.keys()}
+            differences[name] = dict(sorted(delta.items(), key=lambda item: -abs(item[1]))[:shown])
+    return differences
+
+
+def print_profiles(r: dict) -> None:
+    kinds = [kind for kind, _ in OP_KINDS] + ["other"]
+    unit = "device" if r["device"] != "cpu" else "CPU op"
+    print(f"one step profiled (each side's last warm-up step, torch.profiler; {unit} time counted at the op that "
+          f"ran it; busy: the share of the step's wall time the device worked; ms):")
+    print(f"{'side':<18} {'wall':>8} {'busy':>8} {'busy %':>7} {'kernels':>8} "
+          + " ".join(f"{kind:>11}" for kind in kinds))
+    for side in SIDES:
+        prof = r.get(side, {}).get("profile")
+        if prof:
+            kernels = f"{prof['kernels']:,}" if prof["kernels"] is not None else "-"
+            print(f"{side:<18} {prof['wall_ms']:>8.1f} {prof['busy_ms']:>8.1f} {100 * prof['busy_share']:>6.1f}% "
+                  f"{kernels:>8} " + " ".join(f"{prof['kinds_ms'][kind]:>11.1f}" for kind in kinds))
+    for name, delta in r["profile_differences"].items():
+        top, bottom = next((a, b) for n, a, b in RATIOS if n == name)
+        print(f"ops that differ most, {top} - {bottom} (ms): "
+              + ", ".join(f"{op} {ms:+.2f}" for op, ms in delta.items()))
 
 
 def write_json(path: Path | None, result: dict) -> None:
@@ -522,14 +627,18 @@ def run_sides(a: argparse.Namespace, device: torch.device, run_dir: str) -> tupl
     """Every side in turn, each freeing its memory before the next; a side that cannot run here is
     ``{"skipped": why}``."""
     cfg = bench_config(a, run_dir)
-    sides = {"scratch": run_scratch(cfg, device, a.warmup, a.compile),
-             "torch": run_torch(cfg, device, a.warmup, a.compile),
-             "paratrain": run_paratrain(cfg, device, a.warmup)}
+
+    def clock() -> Clock:
+        return Clock(device, a.warmup, a.profile)
+
+    sides = {"scratch": run_scratch(cfg, device, clock(), a.compile),
+             "torch": run_torch(cfg, device, clock(), a.compile),
+             "paratrain": run_paratrain(cfg, device, clock())}
     refusal = fp8_refusal(device)
     if refusal is None:
         try:
             fp8 = bench_config(a, str(Path(run_dir) / "fp8"), precision="fp8")
-            sides["paratrain_fp8"] = run_paratrain(fp8, device, a.warmup)
+            sides["paratrain_fp8"] = run_paratrain(fp8, device, clock())
         except UserError as exc:  # the config's or the Trainer's refusal
             refusal = str(exc)
         except Exception as exc:  # torchao's kernels on this torch: the other sides are still measured
@@ -538,10 +647,10 @@ def run_sides(a: argparse.Namespace, device: torch.device, run_dir: str) -> tupl
         sides["paratrain_fp8"] = {"skipped": refusal}
     if a.offload:
         offload = bench_config(a, str(Path(run_dir) / "offload"), offload=True)
-        sides["paratrain_offload"] = run_paratrain(offload, device, a.warmup)
-    sides["ms_model"] = run_mindspore_model(cfg, device, a.warmup, a.compile)
-    sides["ms_loop"] = run_mindspore_loop(cfg, device, a.warmup, a.compile)
-    sides["ms_loop_padded"] = run_mindspore_loop(cfg, device, a.warmup, a.compile, cfg.model.seq_length // 8)
+        sides["paratrain_offload"] = run_paratrain(offload, device, clock())
+    sides["ms_model"] = run_mindspore_model(cfg, device, clock(), a.compile)
+    sides["ms_loop"] = run_mindspore_loop(cfg, device, clock(), a.compile)
+    sides["ms_loop_padded"] = run_mindspore_loop(cfg, device, clock(), a.compile, cfg.model.seq_length // 8)
     return cfg, sides
 
 
@@ -585,6 +694,8 @@ def main(argv=None) -> int:
         result["offload"] = {"tokens_per_s_ratio": offload["tokens_per_s"] / plain["tokens_per_s"],
                              "device_memory_saved_mb": plain["peak_memory_mb"] - offload["peak_memory_mb"]}
     result["losses"] = loss_agreement(result, a.loss_rtol)
+    if a.profile:
+        result["profile_differences"] = profile_differences(result)
     print_table(result)
     write_json(a.json, result)
     return 0 if result["losses"]["agree"] else 3

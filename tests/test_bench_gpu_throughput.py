@@ -1,6 +1,6 @@
 """bench/gpu_throughput.py: without CUDA it says why and exits 1; on the CPU (--device cpu --quick) every side
-runs (fp8 reported skipped with its reason), the ratios are theirs (no timing thresholds) and the losses of the
-sides that train the same model agree."""
+runs (fp8 reported skipped with its reason), the ratios are theirs (no timing thresholds), the losses of the
+sides that train the same model agree, and --profile accounts for each side's profiled step."""
 import json
 import os
 import subprocess
@@ -27,7 +27,7 @@ def test_without_cuda_says_why_and_exits_1(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_cpu_quick_runs_every_side(tmp_path):
-    proc = bench(tmp_path, "--device", "cpu", "--quick", "--steps", "2", "--warmup", "1")
+    proc = bench(tmp_path, "--device", "cpu", "--quick", "--steps", "2", "--warmup", "2", "--profile")
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["ran"] is True and result["precision"] == "fp32" and result["steps"] == 2
@@ -38,7 +38,13 @@ def test_cpu_quick_runs_every_side(tmp_path):
     for side in ran:
         for key in ("tokens_per_s", "tflops", "mfu", "peak_memory_mb", "step_time_s"):
             assert result[side][key] > 0, (side, key)
-        assert len(result[side]["losses"]) == 3, side
+        assert len(result[side]["losses"]) == 4, side
+        profile = result[side]["profile"]
+        assert 0 < profile["busy_ms"] and 0 < profile["busy_share"] <= 1, (side, profile)
+        assert sum(profile["kinds_ms"].values()) == pytest.approx(profile["busy_ms"])
+        assert sum(profile["ops_ms"].values()) == pytest.approx(profile["busy_ms"])
+        assert profile["kinds_ms"]["matmul"] > 0 and profile["kinds_ms"]["attention"] > 0, side
+        assert [op["ms"] for op in profile["top"]] == sorted(profile["ops_ms"].values(), reverse=True)[:12]
         assert any(line.startswith(side + " ") for line in proc.stdout.splitlines()), side
     p, t = result["paratrain"], result["torch"]
     assert p["params"] == t["params"] == result["params"]  # the same model on both sides
@@ -53,6 +59,34 @@ def test_cpu_quick_runs_every_side(tmp_path):
     for name in ("cli_vs_scratch", "cli_vs_gptmodel_loop", "ms_vs_plain_loop", "ms_vs_cli", "causal_mask_vs_padded"):
         assert f"ratio {name} " in proc.stdout
     assert "losses: every step within" in proc.stdout
+    differences = result["profile_differences"]
+    assert set(differences) == set(ratios) - {"fp8_vs_bf16"}  # every pair of sides that both ran
+    ops, reference = result["ms_model"]["profile"]["ops_ms"], result["ms_loop"]["profile"]["ops_ms"]
+    for op, ms in differences["ms_vs_plain_loop"].items():
+        assert ms == pytest.approx(ops.get(op, 0.0) - reference.get(op, 0.0))
+    assert "ops that differ most, ms_model - ms_loop (ms): aten::" in proc.stdout
+
+
+def test_profile_needs_a_warm_up_step_before_the_profiled_one(tmp_path):
+    proc = bench(tmp_path, "--device", "cpu", "--quick", "--warmup", "1", "--profile")
+    assert proc.returncode == 2 and "give --warmup 2 or more" in proc.stderr, proc.stderr
+
+
+def test_op_kinds():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_throughput import op_kind
+
+    kinds = {name: op_kind(name) for name in (
+        "aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm", "aten::_flash_attention_forward",
+        "aten::_scaled_dot_product_cudnn_attention_backward", "aten::_fused_adamw_",
+        "aten::_foreach_norm", "c10d::allreduce_", "nccl:all_reduce", "aten::native_layer_norm", "aten::copy_",
+        "aten::gelu_backward")}
+    assert kinds == {"aten::mm": "matmul", "aten::addmm": "matmul", "aten::bmm": "matmul",
+                     "aten::_scaled_mm": "matmul", "aten::_flash_attention_forward": "attention",
+                     "aten::_scaled_dot_product_cudnn_attention_backward": "attention",
+                     "aten::_fused_adamw_": "optimizer", "aten::_foreach_norm": "optimizer",
+                     "c10d::allreduce_": "collectives", "nccl:all_reduce": "collectives",
+                     "aten::native_layer_norm": "other", "aten::copy_": "other", "aten::gelu_backward": "other"}
 
 
 def test_a_step_whose_losses_differ_beyond_the_tolerance_disagrees():
