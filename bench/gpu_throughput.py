@@ -15,7 +15,8 @@ freeing its memory before the next):
   ``expand``, a ``Linear`` head, ``CrossEntropyLoss`` with the pad mask, ``torch.optim.AdamW``) through
   ``Model(net, optimizer=opt, amp_level="O2").train``; ``ms_loop``: the same net, seed and AdamW in a plain
   torch loop (bf16 autocast, clipping at 1.0); ``ms_loop_padded`` that loop with the last 1/8 of every row
-  padded, so that the mask is causal x key padding (its score bias) rather than causal (``is_causal``).
+  padded, so that the mask is causal x key padding rather than causal (``is_causal``): its first 7/8 of the rows
+  run as ``is_causal``, the rest with the mask's score bias.
 
 Each side runs its warm-up steps, then its timed steps between two ``torch.cuda.synchronize`` calls; a
 side's peak memory is ``torch.cuda.max_memory_allocated`` from its start, less what was allocated then.
@@ -24,7 +25,7 @@ attention, the GPT's of these sizes for every side) over the device's bf16 peak 
 fastest of three runs of 20 back-to-back 8192^3 bf16 matmuls), or ``--peak-tflops``, and over the
 datasheet's dense bf16 peak (``gpu_peak_tflops``). The ratios: CLI face / scratch loop, CLI face / loop over
 GPTModel, MindSpore face / plain loop over the same net, MindSpore face / CLI face, fp8 / bf16, and the causal
-mask (recognised: ``is_causal``) / causal x key padding (its bias) in the plain loop over the LM. Sides that
+mask (``is_causal``) / causal x key padding (7/8 of the rows ``is_causal``) in the plain loop over the LM. Sides that
 train the same model must train alike: a step whose loss differs between ``paratrain`` and ``torch``, or
 ``ms_model`` and ``ms_loop``, by more than ``--loss-rtol`` (2e-2 relative: bf16 rounding) makes it exit 3.
 
@@ -524,7 +525,7 @@ SIDES = {
     "paratrain_offload": "paratrain train, ZeRO-Offload (zero 3, optimizer and parameters on the host)",
     "ms_model": "Model(net, AdamW, amp_level=O2).train of a paratrain.nn LM",
     "ms_loop": "the same paratrain.nn LM and AdamW in a plain loop",
-    "ms_loop_padded": "ms_loop with the last 1/8 of every row padded: the mask causal x key padding, not is_causal",
+    "ms_loop_padded": "ms_loop with the last 1/8 of every row padded: the mask causal x key padding",
 }
 
 

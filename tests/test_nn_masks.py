@@ -1,6 +1,8 @@
 """paratrain.nn stacks recognise their self-attention mask once per forward: a causal 0/1 mask (B, T, T) or
-(B, 1, T, T) runs as SDPA's is_causal, any other (causal x key padding, non-causal) as its score bias made once;
-either way the outputs and gradients are those of each layer given the mask itself (fp32)."""
+(B, 1, T, T) runs as SDPA's is_causal; causal x key padding (sequences padded at the end) runs its first rows,
+up to the shortest sequence's length, as is_causal and the others with their score bias; any other mask runs
+with its score bias; a bias is made once. Every way, the outputs and gradients are those of each layer given
+the mask itself (fp32)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,18 +79,36 @@ def test_a_causal_mask_runs_as_is_causal_with_the_same_outputs_and_gradients(sdp
     assert_same(got, want)
 
 
-def test_causal_times_key_padding_keeps_its_bias_made_once(sdpa_calls, monkeypatch):
-    stack, mask = encoder(), causal_times_padding([T, 4, 2])
+def mindspores_attention_mask(lengths: list[int]) -> torch.Tensor:
+    """MindSpore's AttentionMask of the rows' input masks: causal x query padding x key padding."""
+    return layers.AttentionMask(T)((torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).float())
+
+
+@pytest.mark.parametrize("make_mask", [causal_times_padding, mindspores_attention_mask],
+                         ids=["key_padding", "query_and_key_padding"])
+def test_causal_times_padding_runs_its_first_rows_as_is_causal_and_the_rest_with_their_bias_made_once(
+        sdpa_calls, monkeypatch, make_mask):
+    stack, mask = encoder(), make_mask([T, 4, 5])
     made = []
     monkeypatch.setattr(layers, "score_bias", lambda m, dtype, _o=layers.score_bias: made.append(1) or _o(m, dtype))
-    assert not layers.recognise_mask(mask).causal
+    recognised = layers.recognise_mask(mask)
+    assert recognised.causal_rows == 4 and not recognised.causal  # the shortest sequence's length
     got = outputs_and_gradients(stack, lambda s, x: s(x, mask)[0])
-    assert len(made) == 1 and all(not c.get("is_causal", False) for c in sdpa_calls)
-    biases = {id(c["attn_mask"]) for c in sdpa_calls}
-    assert len(biases) == 1  # every layer gets the same bias tensor
+    assert len(made) == 1  # one bias, for the rows after the causal ones
+    assert [c.get("is_causal", False) for c in sdpa_calls] == [True, False] * LAYERS
+    biases = {id(c["attn_mask"]) for c in sdpa_calls[1::2]}
+    assert len(biases) == 1 and sdpa_calls[1]["attn_mask"].shape == (B, 1, T - 4, T)  # every layer the same one
     made.clear()
     assert_same(got, outputs_and_gradients(stack, layer_by_layer(mask)))
     assert len(made) == LAYERS  # the layers given the mask itself make it each
+
+
+def test_a_padded_mask_whose_first_row_is_not_causal_runs_with_its_whole_bias(sdpa_calls):
+    stack, mask = encoder(), causal_times_padding([T, 0, 5])  # a sequence of padding only: no causal row
+    assert layers.recognise_mask(mask).causal_rows == 0
+    got = outputs_and_gradients(stack, lambda s, x: s(x, mask)[0])
+    assert all(not c.get("is_causal", False) and c["attn_mask"].shape == (B, 1, T, T) for c in sdpa_calls)
+    assert_same(got, outputs_and_gradients(stack, layer_by_layer(mask)))
 
 
 @pytest.mark.parametrize("mask", [torch.ones(B, T, T), torch.ones(T, T).triu().expand(B, T, T),

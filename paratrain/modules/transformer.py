@@ -8,6 +8,8 @@ attribute ``names``, as parameter names are part of the checkpoint format (``par
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,17 @@ from torch import nn
 from paratrain.modules.moe import MoE
 
 CAUSAL = "causal"  # the mask of causal self-attention: SDPA's is_causal, no mask tensor (the flash kernel on GPU)
+
+
+@dataclass(frozen=True)
+class CausalPrefix:
+    """A self-attention mask whose first ``rows`` query rows are causal in every sequence (causal x key padding
+    of sequences padded at the end, none shorter than ``rows``): those rows attend the first ``rows`` keys with
+    SDPA's ``is_causal`` (the flash kernel on GPU), the later rows add ``bias`` (B, 1, Tq - rows, Tk) to their
+    scores. The result is the whole mask's."""
+
+    rows: int
+    bias: torch.Tensor
 
 
 class VocabEmbedding(nn.Module):
@@ -36,8 +49,8 @@ class Attention(nn.Module):
     value))``, the projected keys and values (B, h, Tk, d) (MindSpore's ``layer_present``).
 
     Self-attention when ``key`` is None; ``value`` defaults to ``key``. ``attention_mask``: ``CAUSAL`` (SDPA's
-    ``is_causal``), a boolean (B, 1, Tq, Tk) mask (True where a query may attend), a float one added to the
-    scores, or None. With a ``cache`` dict (self-attention while decoding, MindSpore's ``use_past``) the new
+    ``is_causal``), a ``CausalPrefix``, a boolean (B, 1, Tq, Tk) mask (True where a query may attend), a float
+    one added to the scores, or None. With a ``cache`` dict (self-attention while decoding, MindSpore's ``use_past``) the new
     keys and values are appended to the cached ones, so the query holds only the new positions.
     ``linear(in_features, out_features)`` builds the projections; ``dropout`` applies to the attention
     probabilities. q, k and v split colwise (whole heads per rank), the output projection rowwise.
@@ -77,6 +90,12 @@ class Attention(nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         if mask is CAUSAL:
             context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        elif isinstance(mask, CausalPrefix):
+            n = mask.rows
+            context = torch.cat([
+                F.scaled_dot_product_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], is_causal=True,
+                                               dropout_p=dropout),
+                F.scaled_dot_product_attention(q[:, :, n:], k, v, attn_mask=mask.bias, dropout_p=dropout)], dim=2)
         else:
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         return getattr(self, self.names[-1])(context.transpose(1, 2).flatten(2))

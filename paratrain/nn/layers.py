@@ -262,32 +262,41 @@ def score_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 class RecognisedMask:
-    """A stack's attention mask, looked at once per forward (``recognise_mask``) for all its layers: exactly
-    causal, which they run as SDPA's ``is_causal`` (the flash kernels, no mask read), or else its score bias,
-    made once per dtype rather than in every layer. ``shape`` is the mask's."""
+    """A stack's self-attention mask (B, T, T) or (B, 1, T, T), looked at once per forward (``recognise_mask``)
+    for all its layers. ``causal_rows``: how many first query rows allow exactly the keys j <= i in every
+    sequence. All T (``causal``): the layers run SDPA's ``is_causal`` (the flash kernels, no mask read). Some
+    (causal x key padding of sequences padded at the end: the shortest sequence's length): those rows run as
+    ``is_causal`` and the rest with their score bias (``CausalPrefix``). None: the whole mask's score bias. A
+    bias is made once per dtype rather than in every layer. ``shape`` is the mask's."""
 
-    def __init__(self, mask: torch.Tensor, causal: bool):
-        self.mask, self.causal, self.shape = mask, causal, mask.shape
-        self._biases: dict[torch.dtype, torch.Tensor] = {}
+    def __init__(self, mask: torch.Tensor, causal_rows: int):
+        self.mask, self.causal_rows, self.shape = mask, causal_rows, mask.shape
+        self._biases: dict[torch.dtype, torch.Tensor | shared.CausalPrefix] = {}
 
-    def score_bias(self, dtype: torch.dtype) -> torch.Tensor | str:
+    @property
+    def causal(self) -> bool:
+        return self.causal_rows == self.shape[-1]
+
+    def score_bias(self, dtype: torch.dtype) -> torch.Tensor | shared.CausalPrefix | str:
         if self.causal:
             return shared.CAUSAL
         if dtype not in self._biases:
-            self._biases[dtype] = score_bias(self.mask, dtype)
+            rows = self.causal_rows
+            bias = score_bias(self.mask.reshape(-1, 1, *self.shape[-2:])[:, :, rows:], dtype)
+            self._biases[dtype] = shared.CausalPrefix(rows, bias) if rows else bias
         return self._biases[dtype]
 
 
 def recognise_mask(attention_mask):
-    """A self-attention mask (B, T, T) or (B, 1, T, T), 0/1 float or bool, as a ``RecognisedMask``: causal
-    when it allows exactly the keys j <= i to every query i of every row (one comparison on the device and
-    one wait for it). Anything else is given back as it is: None, a mask that is no plain tensor (a
-    DTensor, a traced or fake tensor: a pipeline's trace, ``torch.compile``) or not square."""
+    """A self-attention mask (B, T, T) or (B, 1, T, T), 0/1 float or bool, as a ``RecognisedMask`` that knows
+    how many of its first query rows are causal in every sequence (one comparison on the device and one wait
+    for its count). Anything else is given back as it is: None, a mask that is no plain tensor (a DTensor, a
+    traced or fake tensor: a pipeline's trace, ``torch.compile``) or not square."""
     if (type(attention_mask) is not torch.Tensor or torch.compiler.is_compiling() or attention_mask.is_meta
             or attention_mask.dim() not in (3, 4) or (attention_mask.dim() == 4 and attention_mask.shape[1] != 1)
             or attention_mask.shape[-1] != attention_mask.shape[-2]):
         return attention_mask
     length = attention_mask.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril_()
-    allowed = attention_mask.reshape(-1, length, length) != 0
-    return RecognisedMask(attention_mask, torch.equal(allowed, causal.expand_as(allowed)))
+    causal_row = ((attention_mask.reshape(-1, length, length) != 0) == causal).all(-1)  # (B, T)
+    return RecognisedMask(attention_mask, int(causal_row.cumprod(-1).sum(-1).min()))
