@@ -1,7 +1,8 @@
 """``train.compile = true``: each layer compiled with torch.compile (inductor on the CPU) trains with the
-losses of the eager model. Run in a child process: inductor's compile workers must not be inherited by the
-processes later tests fork."""
+losses of the eager model, and paratrain.nn layers so compiled follow the eager ones under padded masks. Run in a
+child process: inductor's compile workers must not be inherited by the processes later tests fork."""
 import pytest
+import torch
 
 from conftest import tiny_config
 from multiprocess import run_distributed
@@ -48,3 +49,37 @@ def test_a_user_nets_layers_compiled_under_recompute_give_the_eager_losses():
     (compiled, all_compiled), = run_distributed(_user_net_losses, 1, True, timeout=240)
     assert all_compiled == [True, True] and not_compiled == [False, False]
     assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+def _padded_mask_outputs(compile_layers):
+    """A paratrain.nn encoder's outputs and input gradients over masks of causal x key padding whose shortest
+    sequence changes from batch to batch (how many rows run as is_causal: paratrain.nn.layers.recognise_mask)."""
+    import torch
+
+    from paratrain.nn import TransformerEncoder
+
+    torch.manual_seed(0)
+    rows, length, hidden = 2, 16, 32
+    encoder = TransformerEncoder(batch_size=rows, num_layers=2, hidden_size=hidden, ffn_hidden_size=64,
+                                 seq_length=length, num_heads=4, attention_dropout_rate=0.0, hidden_dropout_rate=0.0)
+    if compile_layers:
+        for block in encoder.blocks:
+            block.compile()
+    results = []
+    for shortest in (length, 12, 10, 7, 0, 3):
+        keep = (torch.arange(length)[None] < torch.tensor([length, shortest])[:, None]).float()
+        mask = torch.ones(length, length).tril().expand(rows, length, length) * keep[:, None, :]
+        x = torch.randn(rows, length, hidden, requires_grad=True)
+        out = encoder(x, mask)[0]
+        out.square().sum().backward()
+        results.append((out.tolist(), x.grad.tolist()))  # plain lists: a tensor would not outlive its process
+    return results
+
+
+@pytest.mark.slow
+def test_compiled_layers_under_padded_masks_of_changing_lengths_give_the_eager_outputs():
+    (eager,) = run_distributed(_padded_mask_outputs, 1, False, timeout=240)
+    (compiled,) = run_distributed(_padded_mask_outputs, 1, True, timeout=240)
+    for got, want in zip(compiled, eager, strict=True):
+        for tensor, reference in zip(got, want, strict=True):
+            torch.testing.assert_close(torch.tensor(tensor), torch.tensor(reference), rtol=1e-4, atol=1e-5)
