@@ -7,7 +7,7 @@ from paratrain.data.synthetic import PAD
 from paratrain.modules import linear_cross_entropy
 from paratrain.models.transformer import (CAUSAL, EncoderLayer, GPTModel, Seq2SeqModel, VocabEmbedding,
                                           attention_mask, token_loss_sum)
-from paratrain.modules.transformer import pipeline_blocks
+from paratrain.modules.transformer import Attention, pipeline_blocks
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, num_heads=4, ffn_hidden_size=64, encoder_layers=2,
                   decoder_layers=2, src_seq_length=10, tgt_seq_length=9, seq_length=12, hidden_dropout=0.0,
@@ -174,3 +174,68 @@ def test_head_loss_by_chunks_under_bf16_autocast_is_close_to_whole_logits():
     torch.testing.assert_close(chunked, whole, rtol=1e-2, atol=1e-2)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=5e-2, atol=5e-2)
+
+
+def _project_separately(attention):
+    """Hooks that keep ``attention``'s q, k and v projections apart (a hooked Linear is not joined)."""
+    return [getattr(attention, name).register_forward_pre_hook(lambda module, args: None)
+            for name in attention.names[:3]]
+
+
+def _matmuls(run) -> int:
+    """The matmuls (mm, addmm) ``run()`` dispatches, forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        run()
+    return Count.calls
+
+
+@pytest.mark.parametrize("face", ["built_in", "mindspore"])
+def test_self_attention_projects_q_k_v_in_one_matmul_with_the_three_linears_results(face):
+    from paratrain import nn as msnn
+
+    torch.manual_seed(0)
+    if face == "built_in":
+        attention = GPTModel(ModelConfig(kind="gpt", vocab_size=32, hidden_size=32, num_heads=4, ffn_hidden_size=64,
+                                         decoder_layers=1, seq_length=8, attention_dropout=0.0)).layers["0"].attn
+    else:
+        attention = msnn.MultiHeadAttention(batch_size=2, src_seq_length=8, tgt_seq_length=8, hidden_size=32,
+                                            num_heads=4, hidden_dropout_rate=0.0, attention_dropout_rate=0.0)
+    x = torch.randn(2, 8, 32)
+
+    def step():
+        attention.zero_grad(set_to_none=True)
+        query = x.clone().requires_grad_()
+        out = attention(query, attention_mask=torch.ones(2, 8, 8))[0] if face == "mindspore" else \
+            attention(query, attention_mask=CAUSAL)[0]
+        out.square().sum().backward()
+        return out.detach(), query.grad, [p.grad for p in attention.parameters()]
+
+    joined = _matmuls(step)
+    got = step()
+    hooks = _project_separately(attention)
+    apart = _matmuls(step)
+    want = step()
+    for hook in hooks:
+        hook.remove()
+    # forward: q, k, v then the output projection; backward: two matmuls for each (input's and weight's gradients)
+    assert (joined, apart) == (2 + 2 * 2, 4 + 4 * 2)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    for g, w in zip(got[2], want[2], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_cross_attention_keeps_its_projections_apart():
+    torch.manual_seed(0)
+    attention = Attention(32, 4, 0.0)
+    assert attention.projected_together(torch.randn(2, 8, 32)) is not None  # self-attention's: joined
+    assert _matmuls(lambda: attention(torch.randn(2, 8, 32), torch.randn(2, 5, 32))) == 4  # q, k, v, out apart

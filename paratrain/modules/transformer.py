@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from paratrain.modules.moe import MoE
 
@@ -75,15 +76,32 @@ class Attention(nn.Module):
 
     def heads(self, query, key=None, value=None, cache: dict | None = None):
         """The projected query (B, h, Tq, d), key and value (B, h, Tk, d), h being this rank's heads."""
-        key = query if key is None else key
-        value = key if value is None else value
-        q, k, v = (getattr(self, name)(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-                   for name, x in zip(self.names, (query, key, value)))
+        projected = self.projected_together(query) if key is None and value is None else None
+        if projected is None:
+            key = query if key is None else key
+            value = key if value is None else value
+            projected = (getattr(self, name)(x) for name, x in zip(self.names, (query, key, value)))
+        q, k, v = (x.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for x in projected)
         if cache is not None:
             if cache:
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
             cache.update(k=k, v=v)
         return q, k, v
+
+    def projected_together(self, x: torch.Tensor) -> tuple | None:
+        """Self-attention's q, k and v of ``x`` (..., H) by one matmul of their weights joined: one read of ``x``
+        (one cast under autocast) and one matmul for its gradient instead of three and their sum. None where a
+        projection is more than a plain Linear (a tensor-parallel shard, fp8, a hook on it) or torch.export
+        traces the module (a pipeline split, whose stages take their layers' parameters as they are)."""
+        linears = [getattr(self, name) for name in self.names[:3]]
+        biases = [linear.bias for linear in linears]
+        if (torch.compiler.is_exporting() or len({bias is None for bias in biases}) > 1
+                or any(type(linear) is not nn.Linear or isinstance(linear.weight, DTensor) or linear._forward_hooks
+                       or linear._forward_pre_hooks for linear in linears)):
+            return None
+        weight = torch.cat([linear.weight for linear in linears])
+        bias = None if biases[0] is None else torch.cat(biases)
+        return F.linear(x, weight, bias).split([linear.weight.shape[0] for linear in linears], dim=-1)
 
     def attend(self, q, k, v, mask=None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v of every head, then the output projection: -> (B, Tq, H)."""

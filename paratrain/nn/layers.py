@@ -233,8 +233,9 @@ class MultiHeadAttention(_SplitWhenParallel, shared.Attention, Cell):
         value_tensor = key_tensor if value_tensor is None else value_tensor
         shape, dtype = query_tensor.shape, query_tensor.dtype
         batch = shape[0] if query_tensor.dim() == 3 else attention_mask.shape[0]
-        q, k, v = self.heads(*(x.reshape(batch, -1, x.shape[-1]).to(self.dense1.weight.dtype)
-                               for x in (query_tensor, key_tensor, value_tensor)))
+        inputs = (query_tensor,) if key_tensor is query_tensor and value_tensor is query_tensor else (
+            query_tensor, key_tensor, value_tensor)  # self-attention: its projections may run as one
+        q, k, v = self.heads(*(x.reshape(batch, -1, x.shape[-1]).to(self.dense1.weight.dtype) for x in inputs))
         output = self.dropout(self.attend(q, k, v, self._score_bias(attention_mask, q.dtype)))
         return output.reshape(shape).to(dtype), (k.transpose(-2, -1), v)
 
