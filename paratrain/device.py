@@ -73,6 +73,14 @@ def device(choice: str | None = None) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch's host tensor on ``device`` without the host waiting for the device: bound for a GPU, it is pinned
+    first (a copy from pageable memory may wait for the work queued before it), then copied ``non_blocking``."""
+    if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 def backend(host_tensors: bool = False) -> str:
     """The collective backend of this process's device: ``nccl`` on CUDA, ``gloo`` on the CPU and for GPUs
     shared by ranks (``shares_gpus``). With ``host_tensors`` (offloaded gradients, whose norm is reduced on the

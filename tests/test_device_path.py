@@ -266,3 +266,10 @@ def test_head_loss_chunks_are_few_on_a_gpu_and_its_matmuls_run_in_bf16(monkeypat
             linear_cross_entropy.linear_token_loss_sum(hidden, weight, labels, -100)
         low = (str(dtype), str(dtype))
         assert seen.dtypes == [low, low, (weight_gradient, weight_gradient)] * 3, seen.dtypes
+
+
+def test_a_batch_tensor_on_a_cpu_run_is_used_as_it_is():
+    from paratrain.device import to_device
+
+    host = torch.arange(4)
+    assert to_device(host, torch.device("cpu")) is host  # no copy, no pinning (that is for GPUs)

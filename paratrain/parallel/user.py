@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from paratrain.config import ParallelConfig
+from paratrain.device import to_device
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.modules.moe import MoE, moe_totals
@@ -68,7 +69,7 @@ class PlacedNet(PlacedModel):
         rows = size // replicas
         start = self.layout.dp_rank * rows  # (one replica, or rows of this rank: the batch as it is)
         mine = (t[start:start + rows] if replicas > 1 and has_rows(t) else t for t in batch)
-        return tuple(t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in mine)
+        return tuple(to_device(t, self.device) if isinstance(t, torch.Tensor) else t for t in mine)
 
     def step_loss(self, batch: tuple, loss_scale: torch.Tensor | float) -> StepLoss:
         self._norm = StepLoss(self.layout, self.config.micro_batch_num, loss_scale, counted=self.summed)

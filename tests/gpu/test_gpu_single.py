@@ -127,3 +127,19 @@ def test_training_uses_a_fused_attention_kernel(tmp_path):
     (ops, _kernels) = run_spawned(trainer_attention, 1, tmp_path / "run", root=tmp_path, timeout=240)[0]
     assert ops & FUSED_SDPA, ops
     assert not ops & UNFUSED_SDPA, ops
+
+
+def host_batch_to_the_gpu():
+    """Worker: a pageable host tensor through ``to_device``: its values and device on arrival, and whether the
+    caller's tensor was left pageable (the pinned copy is the function's own)."""
+    from paratrain.device import to_device
+
+    host = torch.arange(12).reshape(3, 4)
+    arrived = to_device(host, torch.device("cuda", 0))
+    return {"device": str(arrived.device), "values": arrived.cpu().tolist(), "caller_pinned": host.is_pinned()}
+
+
+@pytest.mark.timeout(120)
+def test_a_host_batch_reaches_the_gpu_through_pinned_memory(tmp_path):
+    (r,) = run_spawned(host_batch_to_the_gpu, 1, root=tmp_path, timeout=60)
+    assert r == {"device": "cuda:0", "values": torch.arange(12).reshape(3, 4).tolist(), "caller_pinned": False}

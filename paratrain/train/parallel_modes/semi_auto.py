@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from paratrain.config import ParallelConfig
+from paratrain.device import to_device
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.ops.primitive import Primitive
@@ -158,7 +159,7 @@ class OpPlacedNet(PlacedNet):
         """A batch tensor as the DTensor the ops take: replicated, or with ``rows_of_this_rank`` split by rows."""
         if not isinstance(value, torch.Tensor):
             return value
-        value = value.to(self.device, non_blocking=True)
+        value = to_device(value, self.device)
         placements = self.mesh.batch() if rows_of_this_rank and value.ndim else self.mesh.replicate()
         return DTensor.from_local(value, self.mesh.mesh, placements, run_check=False)
 
