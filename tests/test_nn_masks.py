@@ -145,3 +145,24 @@ def test_the_decoder_recognises_its_self_attention_mask_and_keeps_the_memory_mas
     got = outputs_and_gradients(stack, whole)
     assert [c.get("is_causal", False) for c in sdpa_calls] == [True, False] * 2  # self-attention, cross
     assert_same(got, outputs_and_gradients(stack, by_layer))
+
+
+def test_under_autocast_the_blocks_outputs_skip_the_cast_back_with_the_same_sums(monkeypatch):
+    """Under bf16 autocast a block's output stays bf16 (no round trip to fp32 through memory): the stack's outputs
+    and gradients are those of blocks that cast back to fp32, as the residual adds promote to fp32 anyway."""
+    stack, mask = encoder(), causal_times_padding([T, 4, 5])
+
+    def run(s, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return s(x, mask)[0]
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        block_output = stack.blocks[0].attention(torch.randn(B, T, H), torch.randn(B, T, H), torch.randn(B, T, H),
+                                                 torch.ones(B, T, T))[0]
+    assert block_output.dtype == torch.bfloat16
+    got = outputs_and_gradients(stack, run)
+    monkeypatch.setattr(layers, "in_input_dtype", lambda output, dtype: output.to(dtype))  # the cast back
+    want = outputs_and_gradients(stack, run)
+    assert got[0].dtype == want[0].dtype == torch.float32
+    for g, w in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]], strict=True):
+        assert torch.equal(g, w)

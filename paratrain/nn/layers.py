@@ -5,8 +5,8 @@ VocabEmbedding, FeedForward and MultiHeadAttention are adapters over the modules
 the same forward and tensor-parallel plan. Shapes: B batch, T (Tq, Tk) sequence lengths, H hidden size,
 F ffn hidden size, V vocab size, h heads of size d = H / heads.
 
-Dense layers compute in ``param_init_type`` (inputs cast to it, outputs back), LayerNorms in
-``layernorm_compute_type``. ``compute_dtype`` and ``softmax_compute_type`` are accepted and recorded only:
+Dense layers compute in ``param_init_type`` (inputs cast to it, outputs back; under autocast the outputs stay
+in its compute dtype), LayerNorms in ``layernorm_compute_type``. ``compute_dtype`` and ``softmax_compute_type`` are accepted and recorded only:
 MindSpore's fp16 matmuls are the trainer's ``mixed_precision`` (autocast) here, and the softmax runs inside
 ``scaled_dot_product_attention`` in the queries' dtype (the fused GPU kernels accumulate in fp32).
 """
@@ -83,6 +83,13 @@ def dense(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
     initialize(linear.weight, "normal", "Dense")
     initialize(linear.bias, "zeros", "Dense")
     return linear
+
+
+def in_input_dtype(output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A block's output in its input's ``dtype``, as MindSpore casts it back; under autocast left in the
+    compute dtype, which whatever takes it casts or promotes anyway (a residual add makes the same fp32 sum),
+    instead of a round trip through memory."""
+    return output if torch.is_autocast_enabled(output.device.type) else output.to(dtype)
 
 
 class _LayerNorm(nn.LayerNorm):
@@ -166,7 +173,7 @@ class FeedForward(_SplitWhenParallel, shared.FeedForward, Cell):
         self.dropout = nn.Dropout(dropout_rate)
 
     def forward(self, x):
-        return self.dropout(super().forward(x.to(self.mapping.weight.dtype))).to(x.dtype)
+        return in_input_dtype(self.dropout(super().forward(x.to(self.mapping.weight.dtype))), x.dtype)
 
 
 class MoE(shared_moe.MoE, Cell):
@@ -190,7 +197,7 @@ class MoE(shared_moe.MoE, Cell):
 
     def forward(self, x):
         output, aux_loss = super().forward(x.to(self.router.weight.dtype))
-        return self.dropout(output).to(x.dtype), aux_loss
+        return in_input_dtype(self.dropout(output), x.dtype), aux_loss
 
 
 class MultiHeadAttention(_SplitWhenParallel, shared.Attention, Cell):
@@ -237,7 +244,7 @@ class MultiHeadAttention(_SplitWhenParallel, shared.Attention, Cell):
             query_tensor, key_tensor, value_tensor)  # self-attention: its projections may run as one
         q, k, v = self.heads(*(x.reshape(batch, -1, x.shape[-1]).to(self.dense1.weight.dtype) for x in inputs))
         output = self.dropout(self.attend(q, k, v, self._score_bias(attention_mask, q.dtype)))
-        return output.reshape(shape).to(dtype), (k.transpose(-2, -1), v)
+        return in_input_dtype(output.reshape(shape), dtype), (k.transpose(-2, -1), v)
 
     @staticmethod
     def _score_bias(attention_mask, dtype) -> torch.Tensor | str | None:
