@@ -43,8 +43,8 @@ profiled at the same point, so the profiler's own overhead weighs on all alike. 
 exits 1.
 
     python bench/gpu_throughput.py [--quick] [--device cuda|cpu] [--json PATH] [--micro-batch B] [--offload]
-                                   [--steps N] [--warmup N] [--compile] [--profile] [--peak-tflops T]
-                                   [--loss-rtol R]
+                                   [--steps N] [--warmup N] [--compile] [--profile] [--sides A,B...]
+                                   [--peak-tflops T] [--loss-rtol R]
 """
 from __future__ import annotations
 
@@ -106,11 +106,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="profile each side's last warm-up step (torch.profiler): the device's busy share of the "
                         "step, its time by kind of op and the ops that differ most between sides")
+    p.add_argument("--sides", help="the sides to run, comma-separated (default: all but paratrain_offload, which "
+                                   "--offload adds); the sides: " + ", ".join(SIDES))
     p.add_argument("--json", type=Path, help="write the results here")
     a = p.parse_args(argv)
     if a.device == "cpu" and not a.quick:
         p.error("--device cpu runs only the tiny model: add --quick")
-    if a.device == "cpu" and a.offload:
+    default = [side for side in SIDES if side != "paratrain_offload" or a.offload]
+    a.sides = default if a.sides is None else [side.strip() for side in a.sides.split(",") if side.strip()]
+    unknown = [side for side in a.sides if side not in SIDES]
+    if unknown or not a.sides:
+        p.error(f"--sides: unknown {', '.join(map(repr, unknown))}" if unknown else "--sides names no side")
+    a.sides = [side for side in SIDES if side in a.sides]  # in the table's order
+    if a.device == "cpu" and "paratrain_offload" in a.sides:
         p.error("--offload runs on CUDA only: paratrain refuses ZeRO-Offload on the CPU")
     if a.steps < 1 or a.warmup < 1:
         p.error("--steps and --warmup must be at least 1")
@@ -511,6 +519,8 @@ def device_peak(device: torch.device, override: float) -> tuple[float, str]:
     return measure_cpu_peak_tflops(), f"fastest 512x512 fp32 CPU matmul, {torch.get_num_threads()} threads"
 
 
+# the sides that train the GPT of the table's header (the others train the paratrain.nn LM of its sizes)
+GPT_SIDES = ("paratrain", "torch", "scratch")
 # each side whose losses must follow another's step by step (the same model, seed and batches): its reference
 SAME_TRAINING = {"paratrain": "torch", "paratrain_offload": "torch", "ms_model": "ms_loop"}
 # (name, numerator side, denominator side) of the ratios of tokens/s
@@ -632,27 +642,34 @@ def run_sides(a: argparse.Namespace, device: torch.device, run_dir: str) -> tupl
     def clock() -> Clock:
         return Clock(device, a.warmup, a.profile)
 
-    sides = {"scratch": run_scratch(cfg, device, clock(), a.compile),
-             "torch": run_torch(cfg, device, clock(), a.compile),
-             "paratrain": run_paratrain(cfg, device, clock())}
+    runs = {
+        "scratch": lambda: run_scratch(cfg, device, clock(), a.compile),
+        "torch": lambda: run_torch(cfg, device, clock(), a.compile),
+        "paratrain": lambda: run_paratrain(cfg, device, clock()),
+        "paratrain_fp8": lambda: run_paratrain_fp8(bench_config(a, str(Path(run_dir) / "fp8"), precision="fp8"),
+                                                   device, clock()),
+        "paratrain_offload": lambda: run_paratrain(bench_config(a, str(Path(run_dir) / "offload"), offload=True),
+                                                   device, clock()),
+        "ms_model": lambda: run_mindspore_model(cfg, device, clock(), a.compile),
+        "ms_loop": lambda: run_mindspore_loop(cfg, device, clock(), a.compile),
+        "ms_loop_padded": lambda: run_mindspore_loop(cfg, device, clock(), a.compile, cfg.model.seq_length // 8),
+    }
+    return cfg, {side: runs[side]() for side in a.sides}
+
+
+def run_paratrain_fp8(cfg: Config, device: torch.device, clock: Clock) -> dict:
+    """``run_paratrain`` of an fp8 config where fp8 is accepted, else ``{"skipped": why}``: the other sides are
+    still measured when torchao's kernels fail on this torch."""
     refusal = fp8_refusal(device)
-    if refusal is None:
-        try:
-            fp8 = bench_config(a, str(Path(run_dir) / "fp8"), precision="fp8")
-            sides["paratrain_fp8"] = run_paratrain(fp8, device, clock())
-        except UserError as exc:  # the config's or the Trainer's refusal
-            refusal = str(exc)
-        except Exception as exc:  # torchao's kernels on this torch: the other sides are still measured
-            refusal = f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     if refusal is not None:
-        sides["paratrain_fp8"] = {"skipped": refusal}
-    if a.offload:
-        offload = bench_config(a, str(Path(run_dir) / "offload"), offload=True)
-        sides["paratrain_offload"] = run_paratrain(offload, device, clock())
-    sides["ms_model"] = run_mindspore_model(cfg, device, clock(), a.compile)
-    sides["ms_loop"] = run_mindspore_loop(cfg, device, clock(), a.compile)
-    sides["ms_loop_padded"] = run_mindspore_loop(cfg, device, clock(), a.compile, cfg.model.seq_length // 8)
-    return cfg, sides
+        return {"skipped": refusal}
+    try:
+        return run_paratrain(cfg, device, clock)
+    except UserError as exc:  # the config's or the Trainer's refusal
+        return {"skipped": str(exc)}
+    except Exception as exc:
+        return {"skipped": f"failed: {type(exc).__name__}: "
+                           f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"}
 
 
 def main(argv=None) -> int:
@@ -677,7 +694,8 @@ def main(argv=None) -> int:
         "ran": True, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch_version": torch.__version__, "peak_tflops": peak, "peak_source": peak_source,
         "datasheet_tflops": datasheet, "model": {k: getattr(cfg.model, k) for k in MODELS["1b"][0]},
-        "params": sides["paratrain"]["params"], "micro_batch": cfg.train.global_batch_size,
+        "params": next(sides[side]["params"] for side in (*GPT_SIDES, *sides) if "params" in sides.get(side, {})),
+        "micro_batch": cfg.train.global_batch_size,
         "seq_length": cfg.model.seq_length,
         "precision": cfg.train.mixed_precision if cfg.train.mixed_precision != "none" else "fp32",
         "compile": a.compile, "steps": a.steps, "warmup": a.warmup,
@@ -688,9 +706,9 @@ def main(argv=None) -> int:
            for side, run in sides.items()},
     }
     result["ratios"] = {name: result[top]["tokens_per_s"] / result[bottom]["tokens_per_s"]
-                        if "tokens_per_s" in result[top] and "tokens_per_s" in result[bottom] else None
+                        if "tokens_per_s" in result.get(top, {}) and "tokens_per_s" in result.get(bottom, {}) else None
                         for name, top, bottom in RATIOS}
-    if "paratrain_offload" in result:
+    if "tokens_per_s" in result.get("paratrain_offload", {}) and "tokens_per_s" in result.get("paratrain", {}):
         offload, plain = result["paratrain_offload"], result["paratrain"]
         result["offload"] = {"tokens_per_s_ratio": offload["tokens_per_s"] / plain["tokens_per_s"],
                              "device_memory_saved_mb": plain["peak_memory_mb"] - offload["peak_memory_mb"]}

@@ -102,3 +102,16 @@ def test_a_step_whose_losses_differ_beyond_the_tolerance_disagrees():
     assert loss_agreement(sides, 5e-3)["agree"] is False  # the offload row's last step
     sides["ms_loop"]["losses"] = [5.0, 4.2]
     assert loss_agreement(sides, 2e-2)["worst"]["ms_model"] == pytest.approx(0.2 / 4.2)
+
+
+@pytest.mark.timeout(240)
+def test_sides_runs_those_named_only(tmp_path):
+    proc = bench(tmp_path, "--device", "cpu", "--quick", "--steps", "1", "--warmup", "1", "--sides", "ms_loop,scratch")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert [side for side in ("scratch", "torch", "paratrain", "paratrain_fp8", "ms_model", "ms_loop",
+                              "ms_loop_padded") if side in result] == ["scratch", "ms_loop"]
+    assert result["params"] == result["scratch"]["params"]  # the GPT's, from the GPT side that ran
+    assert set(result["ratios"].values()) == {None}  # no ratio has both its sides
+    proc = bench(tmp_path, "--device", "cpu", "--quick", "--sides", "ms_loop,cli")
+    assert proc.returncode == 2 and "--sides: unknown 'cli'" in proc.stderr, proc.stderr
