@@ -129,6 +129,39 @@ def test_training_uses_a_fused_attention_kernel(tmp_path):
     assert not ops & UNFUSED_SDPA, ops
 
 
+def padded_mask_attention():
+    """Worker: the attention ops of a paratrain.nn encoder's forward and backward in bf16 under a causal x key
+    padding mask whose shortest sequence is 3/4 of the length."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from paratrain.nn import TransformerEncoder
+
+    device, rows, length, hidden = torch.device("cuda", 0), 4, 256, 256
+    torch.manual_seed(0)
+    with device:
+        encoder = TransformerEncoder(batch_size=rows, num_layers=2, hidden_size=hidden, ffn_hidden_size=4 * hidden,
+                                     seq_length=length, num_heads=4, attention_dropout_rate=0.0,
+                                     hidden_dropout_rate=0.0)
+        keep = (torch.arange(length)[None] < torch.tensor([length, length, length * 3 // 4, length])[:, None])
+        mask = torch.ones(length, length).tril().expand(rows, length, length) * keep[:, None, :]
+        x = torch.randn(rows, length, hidden, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = encoder(x, mask)[0]
+        out.float().square().mean().backward()
+        torch.cuda.synchronize(device)
+    return attention_ops(prof)
+
+
+@pytest.mark.timeout(300)
+def test_a_padded_causal_mask_runs_its_first_rows_in_a_fused_kernel(tmp_path):
+    """The rows up to the shortest sequence's length run as is_causal (flash or cuDNN); the others with the
+    mask, in a kernel that takes one."""
+    (ops, _kernels) = run_spawned(padded_mask_attention, 1, root=tmp_path, timeout=240)[0]
+    assert ops & FUSED_SDPA, ops
+    assert ops & (UNFUSED_SDPA | {"aten::_scaled_dot_product_cudnn_attention"}), ops
+
+
 def host_batch_to_the_gpu():
     """Worker: a pageable host tensor through ``to_device``: its values and device on arrival, and whether the
     caller's tensor was left pageable (the pinned copy is the function's own)."""
