@@ -33,14 +33,15 @@ Model: 1.04 B parameters (hidden 2048, 18 layers, 16 heads, ffn 8192, vocab 3200
 batch 8 x 2048 tokens (about 4 minutes for every side, eager, on an H100/H200). ``--quick``: a
 GPT-2-small-sized model (0.135 B, seq 1024, micro batch 16). ``--compile`` compiles every side.
 ``--device cpu --quick``: a tiny fp32 model on the CPU, MFU against a measured fp32 matmul peak -- a check
-of this script, not a benchmark.
+of this script, not a benchmark. Without CUDA (and without ``--device cpu``) it says why it did not run and
+exits 1.
 
 ``--profile`` runs each side's last warm-up step under ``torch.profiler`` and prints, per side, the step's
 wall time, the device's busy time and share of it (the rest is the device waiting for the host: Python,
 launches, host syncs), the number of kernels and the time by kind of op (matmul, attention, optimizer,
 collectives, other); then, for the two sides of each ratio, the ops whose time differs most. Every side is
-profiled at the same point, so the profiler's own overhead weighs on all alike. Without CUDA (and without ``--device cpu``) it says why it did not run and
-exits 1.
+profiled at the same point, so the profiler's own overhead weighs on all alike. ``--sides`` runs only the
+sides it names.
 
     python bench/gpu_throughput.py [--quick] [--device cuda|cpu] [--json PATH] [--micro-batch B] [--offload]
                                    [--steps N] [--warmup N] [--compile] [--profile] [--sides A,B...]

@@ -51,8 +51,9 @@ class Attention(nn.Module):
 
     Self-attention when ``key`` is None; ``value`` defaults to ``key``. ``attention_mask``: ``CAUSAL`` (SDPA's
     ``is_causal``), a ``CausalPrefix``, a boolean (B, 1, Tq, Tk) mask (True where a query may attend), a float
-    one added to the scores, or None. With a ``cache`` dict (self-attention while decoding, MindSpore's ``use_past``) the new
-    keys and values are appended to the cached ones, so the query holds only the new positions.
+    one added to the scores, or None. With a ``cache`` dict (self-attention while decoding, MindSpore's
+    ``use_past``) the new keys and values are appended to the cached ones, so the query holds only the new
+    positions.
     ``linear(in_features, out_features)`` builds the projections; ``dropout`` applies to the attention
     probabilities. q, k and v split colwise (whole heads per rank), the output projection rowwise.
     """

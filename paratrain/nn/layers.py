@@ -6,9 +6,10 @@ the same forward and tensor-parallel plan. Shapes: B batch, T (Tq, Tk) sequence 
 F ffn hidden size, V vocab size, h heads of size d = H / heads.
 
 Dense layers compute in ``param_init_type`` (inputs cast to it, outputs back; under autocast the outputs stay
-in its compute dtype), LayerNorms in ``layernorm_compute_type``. ``compute_dtype`` and ``softmax_compute_type`` are accepted and recorded only:
-MindSpore's fp16 matmuls are the trainer's ``mixed_precision`` (autocast) here, and the softmax runs inside
-``scaled_dot_product_attention`` in the queries' dtype (the fused GPU kernels accumulate in fp32).
+in its compute dtype), LayerNorms in ``layernorm_compute_type``. ``compute_dtype`` and ``softmax_compute_type``
+are accepted and recorded only: MindSpore's fp16 matmuls are the trainer's ``mixed_precision`` (autocast) here,
+and the softmax runs inside ``scaled_dot_product_attention`` in the queries' dtype (the fused GPU kernels
+accumulate in fp32).
 """
 from __future__ import annotations
 
@@ -299,10 +300,10 @@ def recognise_mask(attention_mask):
     """A self-attention mask (B, T, T) or (B, 1, T, T), 0/1 float or bool, as a ``RecognisedMask`` that knows
     how many of its first query rows are causal in every sequence (one comparison on the device and one wait
     for its count). Anything else is given back as it is: None, a mask that is no plain tensor (a DTensor, a
-    traced or fake tensor: a pipeline's trace, ``torch.compile``) or not square."""
+    traced or fake tensor: a pipeline's trace, ``torch.compile``), not square or empty."""
     if (type(attention_mask) is not torch.Tensor or torch.compiler.is_compiling() or attention_mask.is_meta
             or attention_mask.dim() not in (3, 4) or (attention_mask.dim() == 4 and attention_mask.shape[1] != 1)
-            or attention_mask.shape[-1] != attention_mask.shape[-2]):
+            or attention_mask.shape[-1] != attention_mask.shape[-2] or attention_mask.numel() == 0):
         return attention_mask
     length = attention_mask.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril_()
