@@ -123,7 +123,8 @@ def test_a_mask_that_is_not_causal_falls_back_to_its_bias(sdpa_calls, mask):
 
 
 def test_what_is_not_a_square_plain_mask_is_given_back_as_it_is():
-    for mask in (None, torch.ones(B, T, S), torch.ones(B, 2, T, T), torch.ones(B, T, T, device="meta")):
+    for mask in (None, torch.ones(B, T, S), torch.ones(B, 2, T, T), torch.ones(B, T, T, device="meta"),
+                 torch.ones(0, T, T)):
         assert layers.recognise_mask(mask) is mask
 
 
