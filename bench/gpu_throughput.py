@@ -635,10 +635,9 @@ def write_json(path: Path | None, result: dict) -> None:
         path.write_text(json.dumps(result, indent=2) + "\n")
 
 
-def run_sides(a: argparse.Namespace, device: torch.device, run_dir: str) -> tuple[Config, dict]:
-    """Every side in turn, each freeing its memory before the next; a side that cannot run here is
-    ``{"skipped": why}``."""
-    cfg = bench_config(a, run_dir)
+def run_sides(a: argparse.Namespace, cfg: Config, device: torch.device, run_dir: str):
+    """Each side of ``a.sides`` in turn, as (side, what it measured), each freeing its memory before the next;
+    a side that cannot run here measures ``{"skipped": why}``."""
 
     def clock() -> Clock:
         return Clock(device, a.warmup, a.profile)
@@ -655,7 +654,8 @@ def run_sides(a: argparse.Namespace, device: torch.device, run_dir: str) -> tupl
         "ms_loop": lambda: run_mindspore_loop(cfg, device, clock(), a.compile),
         "ms_loop_padded": lambda: run_mindspore_loop(cfg, device, clock(), a.compile, cfg.model.seq_length // 8),
     }
-    return cfg, {side: runs[side]() for side in a.sides}
+    for side in a.sides:
+        yield side, runs[side]()
 
 
 def run_paratrain_fp8(cfg: Config, device: torch.device, clock: Clock) -> dict:
@@ -687,15 +687,32 @@ def main(argv=None) -> int:
     device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    peak, peak_source = device_peak(device, a.peak_tflops)
-    datasheet = gpu_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    peak = device_peak(device, a.peak_tflops)
     with tempfile.TemporaryDirectory(prefix="gpu_throughput-") as run_dir:
-        cfg, sides = run_sides(a, device, run_dir)
+        cfg, sides = bench_config(a, run_dir), {}
+        for side, run in run_sides(a, cfg, device, run_dir):
+            sides[side] = run
+            print(f"gpu_throughput: {side} done ({len(sides)} of {len(a.sides)} sides)", flush=True)
+            if len(sides) < len(a.sides):  # what a run stopped by a time limit leaves
+                write_json(a.json, summary(a, cfg, sides, device, peak) | {"ran": "partial"})
+    result = summary(a, cfg, sides, device, peak)
+    print_table(result)
+    write_json(a.json, result)
+    return 0 if result["losses"]["agree"] else 3
+
+
+def summary(a: argparse.Namespace, cfg: Config, sides: dict, device: torch.device, measured_peak: tuple) -> dict:
+    """The result of the sides measured so far: the run's settings, each side's rates, the ratios whose two sides
+    ran, the losses' agreement and, with ``--profile``, the ops that differ most. ``measured_peak``: what
+    ``device_peak`` gave."""
+    peak, peak_source = measured_peak
+    datasheet = gpu_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     result = {
         "ran": True, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch_version": torch.__version__, "peak_tflops": peak, "peak_source": peak_source,
         "datasheet_tflops": datasheet, "model": {k: getattr(cfg.model, k) for k in MODELS["1b"][0]},
-        "params": next(sides[side]["params"] for side in (*GPT_SIDES, *sides) if "params" in sides.get(side, {})),
+        "params": next((sides[side]["params"] for side in (*GPT_SIDES, *sides) if "params" in sides.get(side, {})),
+                       None),
         "micro_batch": cfg.train.global_batch_size,
         "seq_length": cfg.model.seq_length,
         "precision": cfg.train.mixed_precision if cfg.train.mixed_precision != "none" else "fp32",
@@ -716,9 +733,7 @@ def main(argv=None) -> int:
     result["losses"] = loss_agreement(result, a.loss_rtol)
     if a.profile:
         result["profile_differences"] = profile_differences(result)
-    print_table(result)
-    write_json(a.json, result)
-    return 0 if result["losses"]["agree"] else 3
+    return result
 
 
 if __name__ == "__main__":

@@ -115,3 +115,22 @@ def test_sides_runs_those_named_only(tmp_path):
     assert set(result["ratios"].values()) == {None}  # no ratio has both its sides
     proc = bench(tmp_path, "--device", "cpu", "--quick", "--sides", "ms_loop,cli")
     assert proc.returncode == 2 and "--sides: unknown 'cli'" in proc.stderr, proc.stderr
+
+
+def test_a_run_cut_short_leaves_the_sides_it_measured(tmp_path, monkeypatch):
+    """After each side but the last the JSON holds what was measured so far, marked partial: a run stopped by a
+    time limit (tools/gpu_check.sh) keeps its figures. In this process: the plain loops start no process group."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_throughput
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # as a time limit's signal would stop it
+
+    monkeypatch.setenv("PARATRAIN_DEVICE", "cpu")
+    monkeypatch.setattr(gpu_throughput, "run_mindspore_loop", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_throughput.main(["--device", "cpu", "--quick", "--steps", "1", "--warmup", "1", "--sides",
+                             "scratch,ms_loop", "--json", str(tmp_path / "out.json")])
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["ran"] == "partial" and "ms_loop" not in result
+    assert result["scratch"]["tokens_per_s"] > 0 and result["params"] == result["scratch"]["params"]
