@@ -40,5 +40,5 @@ def test_gpu_check_with_a_cpu_only_python_stops_in_one_line(tmp_path):
 def test_gpu_check_refuses_an_unknown_part_before_looking_for_a_gpu(tmp_path):
     out = run_check(tmp_path, "suite", "benchmark", python=str(tmp_path / "no-such-python"))
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-    assert out.stderr.startswith("gpu_check: unknown part 'benchmark': the parts are suite refusals bench fp8"), \
+    assert out.stderr.startswith("gpu_check: unknown part 'benchmark': the parts are bench suite refusals fp8"), \
         out.stderr

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The one command for a lent GPU machine (README, "GPU"): its own python and torch, no venv, pip or network.
-#   suite      tests/gpu's tests that need one GPU (fp8's apart)
-#   refusals   one line and exit 2, before anything starts: 2 ranks on 1 GPU (paratrain launch), fp8 on the CPU
 #   bench      the throughput bench: the 1B GPT, paratrain against plain PyTorch loops (its table, and a
 #              profile of one step of each side; it fails when the sides' losses disagree)
+#   suite      tests/gpu's tests that need one GPU (fp8's apart)
+#   refusals   one line and exit 2, before anything starts: 2 ranks on 1 GPU (paratrain launch), fp8 on the CPU
 #   fp8        tests/gpu/test_gpu_fp8.py: the small GPT 50 steps in fp8 within 2 % of bf16
 #   shared     tests/gpu's tests that need two GPUs, with two ranks sharing this one over gloo when it is the only
 #              one (tests/gpu/conftest.py), and the table of which collectives carry CUDA tensors
 #   fp8-speed  paratrain train on the 1B GPT, compiled, bf16 then fp8: tokens/s and their ratio
-# bash tools/gpu_check.sh [PART...] runs those parts (default: all, in that order). Each part has a time limit,
+# bash tools/gpu_check.sh [PART...] runs those parts (default: all, in that order: the figures first). Each part has a time limit,
 # cut to what is left of GPU_CHECK_BUDGET_S (default 570 s) so that the whole stays within 10 minutes; a part
 # with under 20 s left is not started and counts as failed. Every part runs; the script exits 1 if any failed.
 # Results under $OUT/gpu_check/ when OUT is set, else runs/gpu_check/: each part's log (PART.log), the pytest
@@ -17,10 +17,10 @@ set -u
 cd "$(dirname "$0")/.."
 declare -A limits=([suite]=150 [refusals]=60 [bench]=240 [fp8]=120 [shared]=240 [fp8-speed]=200)
 parts=("$@")
-[ ${#parts[@]} = 0 ] && parts=(suite refusals bench fp8 shared fp8-speed)
+[ ${#parts[@]} = 0 ] && parts=(bench suite refusals fp8 shared fp8-speed)
 for name in "${parts[@]}"; do
     if [ -z "${limits[$name]:-}" ]; then
-        echo "gpu_check: unknown part '$name': the parts are suite refusals bench fp8 shared fp8-speed" >&2
+        echo "gpu_check: unknown part '$name': the parts are bench suite refusals fp8 shared fp8-speed" >&2
         exit 2
     fi
 done
