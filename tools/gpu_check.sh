@@ -8,9 +8,9 @@
 #   shared     tests/gpu's tests that need two GPUs, with two ranks sharing this one over gloo when it is the only
 #              one (tests/gpu/conftest.py), and the table of which collectives carry CUDA tensors
 #   fp8-speed  paratrain train on the 1B GPT, compiled, bf16 then fp8: tokens/s and their ratio
-# bash tools/gpu_check.sh [PART...] runs those parts (default: all, in that order: the figures first). Each part has a time limit,
-# cut to what is left of GPU_CHECK_BUDGET_S (default 570 s) so that the whole stays within 10 minutes; a part
-# with under 20 s left is not started and counts as failed. Every part runs; the script exits 1 if any failed.
+# bash tools/gpu_check.sh [PART...] runs those parts (default: all, in that order: the figures first). Each part
+# has a time limit, cut to what is left of GPU_CHECK_BUDGET_S (default 570 s) so that the whole stays within 10
+# minutes; a part with under 20 s left is not started and counts as failed. Every part runs; the script exits 1 if any failed.
 # Results under $OUT/gpu_check/ when OUT is set, else runs/gpu_check/: each part's log (PART.log), the pytest
 # parts' JUnit XML (PART.xml), the refusals' stderr, the bench JSON, collectives.json, fp8_speed/fp8_speed.json.
 set -u
