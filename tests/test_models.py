@@ -199,7 +199,7 @@ def _matmuls(run) -> int:
 
 
 @pytest.mark.parametrize("face", ["built_in", "mindspore"])
-def test_self_attention_projects_q_k_v_in_one_matmul_with_the_three_linears_results(face):
+def test_self_attention_under_autocast_projects_q_k_v_in_one_matmul_with_the_three_linears_results(face):
     from paratrain import nn as msnn
 
     torch.manual_seed(0)
@@ -214,10 +214,11 @@ def test_self_attention_projects_q_k_v_in_one_matmul_with_the_three_linears_resu
     def step():
         attention.zero_grad(set_to_none=True)
         query = x.clone().requires_grad_()
-        out = attention(query, attention_mask=torch.ones(2, 8, 8))[0] if face == "mindspore" else \
-            attention(query, attention_mask=CAUSAL)[0]
-        out.square().sum().backward()
-        return out.detach(), query.grad, [p.grad for p in attention.parameters()]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = attention(query, attention_mask=torch.ones(2, 8, 8))[0] if face == "mindspore" else \
+                attention(query, attention_mask=CAUSAL)[0]
+        out.float().square().sum().backward()
+        return out.detach().float(), query.grad, [p.grad for p in attention.parameters()]
 
     joined = _matmuls(step)
     got = step()
@@ -228,14 +229,18 @@ def test_self_attention_projects_q_k_v_in_one_matmul_with_the_three_linears_resu
         hook.remove()
     # forward: q, k, v then the output projection; backward: two matmuls for each (input's and weight's gradients)
     assert (joined, apart) == (2 + 2 * 2, 4 + 4 * 2)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
-    for g, w in zip(got[2], want[2], strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    for g, w in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]], strict=True):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-3)  # bf16 matmuls of other shapes
 
 
-def test_cross_attention_keeps_its_projections_apart():
+def test_projections_stay_apart_where_joining_would_keep_a_copy_more_or_for_cross_attention():
     torch.manual_seed(0)
     attention = Attention(32, 4, 0.0)
-    assert attention.projected_together(torch.randn(2, 8, 32)) is not None  # self-attention's: joined
-    assert _matmuls(lambda: attention(torch.randn(2, 8, 32), torch.randn(2, 5, 32))) == 4  # q, k, v, out apart
+    x = torch.randn(2, 8, 32)
+    assert attention.projected_together(x) is None  # fp32: backward keeps the weights themselves, not casts
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention.projected_together(x) is not None  # autocast casts the weights: joined
+        assert _matmuls(lambda: attention(x, torch.randn(2, 5, 32))) == 4  # cross-attention: q, k, v, out apart
+    attention.to(torch.bfloat16)  # parameters in the compute dtype (as FSDP gathers them): no cast to join
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention.projected_together(x.bfloat16()) is None

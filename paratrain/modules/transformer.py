@@ -90,18 +90,25 @@ class Attention(nn.Module):
         return q, k, v
 
     def projected_together(self, x: torch.Tensor) -> tuple | None:
-        """Self-attention's q, k and v of ``x`` (..., H) by one matmul of their weights joined: one read of ``x``
-        (one cast under autocast) and one matmul for its gradient instead of three and their sum. None where a
-        projection is more than a plain Linear (a tensor-parallel shard, fp8, a hook on it) or torch.export
-        traces the module (a pipeline split, whose stages take their layers' parameters as they are)."""
+        """Under autocast, self-attention's q, k and v of ``x`` (..., H) by one matmul of their weights cast and
+        joined: one read and cast of ``x`` and one matmul for its gradient instead of three and their sum. The
+        joined weight is what backward keeps in place of the three casts it would keep anyway, so only weights
+        that autocast casts are joined (parameters already in the compute dtype, as FSDP gathers them, or fp32
+        training would keep a copy more). None then, and where a projection is more than a plain Linear (a
+        tensor-parallel shard, fp8, a hook on it) or torch.export traces the module (a pipeline split, whose
+        stages take their layers' parameters as they are)."""
+        device = x.device.type
+        if not torch.is_autocast_enabled(device) or torch.compiler.is_exporting():
+            return None
+        dtype = torch.get_autocast_dtype(device)
         linears = [getattr(self, name) for name in self.names[:3]]
         biases = [linear.bias for linear in linears]
-        if (torch.compiler.is_exporting() or len({bias is None for bias in biases}) > 1
-                or any(type(linear) is not nn.Linear or isinstance(linear.weight, DTensor) or linear._forward_hooks
-                       or linear._forward_pre_hooks for linear in linears)):
+        if len({bias is None for bias in biases}) > 1 or any(
+                type(linear) is not nn.Linear or isinstance(linear.weight, DTensor) or linear.weight.dtype == dtype
+                or linear._forward_hooks or linear._forward_pre_hooks for linear in linears):
             return None
-        weight = torch.cat([linear.weight for linear in linears])
-        bias = None if biases[0] is None else torch.cat(biases)
+        weight = torch.cat([linear.weight.to(dtype) for linear in linears])
+        bias = None if biases[0] is None else torch.cat([bias.to(dtype) for bias in biases])
         return F.linear(x, weight, bias).split([linear.weight.shape[0] for linear in linears], dim=-1)
 
     def attend(self, q, k, v, mask=None) -> torch.Tensor:
