@@ -188,13 +188,13 @@ class Clock:
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities)
-            self.profiler.__enter__()
+            self.profiler.start()
             self.start = time.perf_counter()
         if number == self.warmup:
             synchronize(self.device)
             if self.profiler is not None:
                 wall = time.perf_counter() - self.start
-                self.profiler.__exit__(None, None, None)
+                self.profiler.stop()
                 self.profiled = step_profile(self.profiler, self.device, wall)
                 self.profiler = None
             self.start = time.perf_counter()
@@ -701,6 +701,11 @@ def main(argv=None) -> int:
     return 0 if result["losses"]["agree"] else 3
 
 
+def timed(result: dict, *sides: str) -> bool:
+    """Whether every one of ``sides`` ran and was timed (not skipped, not left out by ``--sides``)."""
+    return all("tokens_per_s" in result.get(side, {}) for side in sides)
+
+
 def summary(a: argparse.Namespace, cfg: Config, sides: dict, device: torch.device, measured_peak: tuple) -> dict:
     """The result of the sides measured so far: the run's settings, each side's rates, the ratios whose two sides
     ran, the losses' agreement and, with ``--profile``, the ops that differ most. ``measured_peak``: what
@@ -724,9 +729,8 @@ def summary(a: argparse.Namespace, cfg: Config, sides: dict, device: torch.devic
            for side, run in sides.items()},
     }
     result["ratios"] = {name: result[top]["tokens_per_s"] / result[bottom]["tokens_per_s"]
-                        if "tokens_per_s" in result.get(top, {}) and "tokens_per_s" in result.get(bottom, {}) else None
-                        for name, top, bottom in RATIOS}
-    if "tokens_per_s" in result.get("paratrain_offload", {}) and "tokens_per_s" in result.get("paratrain", {}):
+                        if timed(result, top, bottom) else None for name, top, bottom in RATIOS}
+    if timed(result, "paratrain_offload", "paratrain"):
         offload, plain = result["paratrain_offload"], result["paratrain"]
         result["offload"] = {"tokens_per_s_ratio": offload["tokens_per_s"] / plain["tokens_per_s"],
                              "device_memory_saved_mb": plain["peak_memory_mb"] - offload["peak_memory_mb"]}

@@ -73,12 +73,18 @@ def device(choice: str | None = None) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch's host tensor on ``device`` without the host waiting for the device: bound for a GPU, it is pinned
-    first (a copy from pageable memory may wait for the work queued before it), then copied ``non_blocking``."""
+def pinned(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch's host tensor bound for ``device``, in pinned memory when that is a GPU (a copy from pageable
+    memory may wait for the work queued before it); else as it is."""
     if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
+        return tensor.pin_memory()
+    return tensor
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch's host tensor on ``device`` without the host waiting for the device: ``pinned``, then copied
+    ``non_blocking``."""
+    return pinned(tensor, device).to(device, non_blocking=True)
 
 
 def backend(host_tensors: bool = False) -> str:

@@ -13,6 +13,7 @@ from paratrain.data.datasets import TextDataset, TranslationDataset
 from paratrain.data.sampler import DistributedSampler
 from paratrain.data.synthetic import CPU, SyntheticLM, SyntheticTranslation
 from paratrain.data.tokenizer import Tokenizer, lines_of
+from paratrain.device import pinned, to_device
 
 
 class ShardedBatches:
@@ -60,10 +61,7 @@ class ShardedBatches:
                                 f"each sequence at its end (causal attention does not mask padding)")
         # one block each (a source's input_ids may be a view of its windows): made here, off the step, the device
         # copy is one transfer and the step's lookups and gathers read them as they are
-        rows = {k: v.contiguous() for k, v in rows.items()}
-        if self.device.type == "cuda":
-            rows = {k: v.pin_memory() for k, v in rows.items()}
-        return rows
+        return {k: pinned(v.contiguous(), self.device) for k, v in rows.items()}
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """Rows of step ``step`` on the device; starts making those of ``step + 1``."""
@@ -71,7 +69,7 @@ class ShardedBatches:
         rows = ahead[1].result() if ahead is not None and ahead[0] == step else self.host_rows(step)
         self._ahead = (step + 1, self._workers.submit(self.host_rows, step + 1))
         self.next_step = step + 1
-        return {k: v.to(self.device, non_blocking=True) for k, v in rows.items()}
+        return {k: to_device(v, self.device) for k, v in rows.items()}
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict() | {"step": self.next_step} if self.sampler else {"step": self.next_step}
