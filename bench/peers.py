@@ -417,7 +417,7 @@ def _pipe_classes():
 
         def forward(self, x):  # GPTModel's mask for ids without padding (prepare checks the data has none)
             no_pad = x.new_zeros(x.shape[:2], dtype=bool)
-            return self.layer(x, attention_mask(no_pad, True, x.shape[1]))
+            return self.layer(x, attention_mask(no_pad, True, x.shape[1]))[0]  # the hidden states, not presents
 
     class Head(nn.Module):
         def __init__(self, job):

@@ -119,3 +119,21 @@ def test_equal_terms_preload_one_allocator_for_every_system(tmp_path):
     assert peers.parse_args([]).terms == ["equal", "own"]
     with pytest.raises(SystemExit):
         peers.parse_args(["--terms", "mine"])
+
+
+def test_deepspeed_pipeline_layers_chain_to_the_gpt(measured):
+    """The DeepSpeed pipeline side's layers (embeddings, blocks, norm + head), run in turn without DeepSpeed,
+    give the whole GPT's logits: each passes the next one a tensor."""
+    import torch
+
+    _, _, job, _ = measured  # the saved weights every system starts from
+    embed, block, head = peers._pipe_classes()
+    layers = [embed(job), *(block(job, i) for i in range(job["model"]["layers"])), head(job)]
+    ids = torch.randint(0, job["model"]["vocab"], (2, job["model"]["length"]))
+    x = ids
+    for layer in layers:
+        x = layer(x)
+    (gpt,) = peers._gpt_part(job, "")
+    expected = gpt(ids)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    torch.testing.assert_close(x, expected)
