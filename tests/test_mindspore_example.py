@@ -36,8 +36,10 @@ def one_process(data, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, layout", [(4, ["--mp", "2"]), (2, ["--pp", "2", "--micro", "2"])],
-                         ids=["dp2_mp2", "pipeline_cell_pp2"])
+@pytest.mark.parametrize("world, layout", [
+    (4, ["--mp", "2"]), (2, ["--pp", "2", "--micro", "2"]),
+    (8, ["--mp", "2", "--pp", "2", "--micro", "4"]),  # the tutorial's run: blocks built for 2-row micro-batches
+], ids=["dp2_mp2", "pipeline_cell_pp2", "dp2_mp2_pp2_micro4"])
 def test_example_prints_the_one_process_losses(data, tmp_path, one_process, world, layout):
     got = run_distributed(run_example, world, _argv(data, tmp_path, *layout), timeout=300)[0]
     assert one_process[-1] < one_process[0]

@@ -351,6 +351,29 @@ def test_model_train_refuses_batches_unlike_the_blocks_before_any_step(rows, len
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
 
 
+@pytest.mark.parametrize("rows,says", [
+    (16, None),  # micro-batches of 4 rows: the blocks' batch_size, as MindSpore's tutorial builds them
+    (4, None),  # the whole batch: the blocks' batch_size
+    (8, "8 rows, but the net's blocks were built with batch_size=4: build the blocks with batch_size=8 or with "
+        "the rows of one of its micro_size=4 micro-batches (2)"),
+])
+def test_a_pipeline_cell_takes_blocks_built_for_its_micro_batches(rows, says):
+    from paratrain.nn import PipelineCell
+    from paratrain.train import Model
+
+    torch.manual_seed(0)
+    net = PipelineCell(_BlocksNet(), 4)
+    ids = torch.randint(0, 16, (rows, 8))
+    model = Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    if says is None:
+        model.train(1, [(ids, ids.roll(1, -1))])
+        assert model.train_network is not None
+        return
+    with pytest.raises(UserError) as err:
+        model.train(1, [(ids, ids.roll(1, -1))])
+    one_line_naming(err.value, "Model.train: batch index 0 of epoch 1", says)
+
+
 @pytest.mark.parametrize("name", ["recompute", "parallel_optimizer_comm_recompute", "mp_comm_recompute",
                                   "recompute_slice_activation"])
 def test_recompute_config_refuses_what_is_not_a_bool(name):

@@ -82,7 +82,8 @@ def build(a: argparse.Namespace, vocab_size: int):
     config = TransformerOpParallelConfig(data_parallel=device_num // a.mp // a.pp, model_parallel=a.mp,
                                          pipeline_stage=a.pp, micro_batch_num=a.micro, vocab_emb_dp=False)
     torch.manual_seed(1)
-    net = Net(batch=a.batch, src_len=a.length, tgt_len=a.length, hidden_size=a.hidden, vocab_size=vocab_size,
+    # as the tutorial: the blocks are built for one micro-batch's rows, the dataset gives whole batches
+    net = Net(batch=a.batch // a.micro, src_len=a.length, tgt_len=a.length, hidden_size=a.hidden, vocab_size=vocab_size,
               en_layer=a.layers, de_layer=a.layers, parallel_config=config, dropout=a.dropout)
     decay = [p for n, p in net.named_parameters() if p.ndim > 1]
     no_decay = [p for n, p in net.named_parameters() if p.ndim <= 1]

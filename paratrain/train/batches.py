@@ -57,7 +57,10 @@ def _alike(kinds: list, first: list, rows_may_differ: bool) -> bool:
 def _declared_shape_problem(net: nn.Module, first: torch.Tensor) -> str | None:
     """What is wrong with a first batch whose first tensor is ``first`` (the net's input: ids (B, T) or hidden
     states (B, T, H)) for the ``batch_size`` and sequence lengths the net's attention blocks were built with; None
-    when they declare none or it fits. A length one longer than declared is an input the net shifts itself."""
+    when they declare none or it fits. Under a ``PipelineCell(network, micro_size)`` the blocks may be built with
+    the batch's rows or with the rows of one micro-batch (MindSpore's tutorial builds them with
+    ``batch_size // micro_size``). A length one longer than declared is an input the net shifts itself."""
+    from paratrain.nn.cell import PipelineCell
     from paratrain.nn.layers import MultiHeadAttention
 
     blocks = [m for m in net.modules() if isinstance(m, MultiHeadAttention)]
@@ -66,10 +69,13 @@ def _declared_shape_problem(net: nn.Module, first: torch.Tensor) -> str | None:
     if not blocks or first.ndim < 2 or len(batch_sizes) != 1:
         return None
     (batch_size,) = batch_sizes
-    if first.shape[0] != batch_size:
-        return (f"its first tensor has {first.shape[0]} rows, but the net's blocks were built with batch_size="
-                f"{batch_size}: give batches of {batch_size} rows or build the blocks with batch_size="
-                f"{first.shape[0]}")
+    rows, micro_size = first.shape[0], net.micro_size if isinstance(net, PipelineCell) else 1
+    fitting = {rows} | ({rows // micro_size} if rows % micro_size == 0 else set())
+    if batch_size not in fitting:
+        micro = (f" or with the rows of one of its micro_size={micro_size} micro-batches ({rows // micro_size})"
+                 if len(fitting) > 1 else "")
+        return (f"its first tensor has {rows} rows, but the net's blocks were built with batch_size={batch_size}: "
+                f"build the blocks with batch_size={rows}{micro} or give batches that fit")
     if first.shape[1] not in lengths and first.shape[1] - 1 not in lengths:
         return (f"its first tensor has length {first.shape[1]}, but the net's blocks were built with sequence "
                 f"lengths {lengths}: give sequences of that length or build the blocks with it")
