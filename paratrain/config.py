@@ -116,6 +116,8 @@ MODEL_KINDS = {
                              ("src_seq_length", "tgt_seq_length"), loss_in_head=True),
     "gpt": ModelKind("paratrain.models.transformer:GPTModel", ("synthetic", "text"), ("markov",), ("layers",),
                      ("seq_length", "seq_length"), loss_in_head=True),
+    "llama": ModelKind("paratrain.models.llama:LlamaModel", ("synthetic", "text"), ("markov",), ("layers",),
+                       ("seq_length", "seq_length"), loss_in_head=True),
     "resnet": ModelKind("paratrain.models.resnet:build_resnet", ("cifar10",)),
 }
 USER_MODEL_KIND = "user"  # model.kind a user's own net is recorded as (MindSpore face): none of the built-in ones
@@ -148,11 +150,16 @@ class MoEConfig:
 
 @dataclass
 class ModelConfig(Section):
-    """Sizes of the encoder-decoder ``transformer`` or the decoder-only ``gpt``."""
+    """Sizes of the encoder-decoder ``transformer``, the decoder-only ``gpt`` or ``llama`` (the Llama family:
+    Llama 3, Qwen2/3, Mistral). The llama kind's keys by their Hugging Face ``config.json`` names: vocab_size,
+    hidden_size, num_heads (num_attention_heads), ffn_hidden_size (intermediate_size), decoder_layers
+    (num_hidden_layers), seq_length (at most max_position_embeddings), attention_dropout, tie_embeddings
+    (tie_word_embeddings) and the keys below marked llama; hidden_dropout has no HF counterpart (set it to 0)."""
 
     SECTION = "model"
-    ALIASES = {"hidden_dropout_rate": "hidden_dropout", "attention_dropout_rate": "attention_dropout"}
-    kind: str = "transformer"  # transformer (encoder-decoder) | gpt (decoder-only) | resnet (CIFAR-10 images)
+    ALIASES = {"hidden_dropout_rate": "hidden_dropout", "attention_dropout_rate": "attention_dropout",
+               "attention_bias": "qkv_bias"}
+    kind: str = "transformer"  # transformer (encoder-decoder) | gpt (decoder-only) | llama | resnet (CIFAR-10 images)
     vocab_size: int = 64  # tokens in the vocabulary (ids 0-3: pad, bos, eos, unk)
     hidden_size: int = 64  # width of the embeddings and of every layer
     num_heads: int = 4  # attention heads per layer (divides hidden_size; model_parallel divides it)
@@ -171,6 +178,20 @@ class ModelConfig(Section):
     dtype: str = "float32"  # dtype of the parameters: float32 | bfloat16 | float16 (see train.mixed_precision)
     pad_token_id: int = 0  # id of the padding token, which does not count in the loss
     moe: dict = field(default_factory=dict)  # MoEConfig's fields, e.g. {expert_num = 8, num_experts_chosen = 2}
+    # llama: key/value heads, each shared by num_heads / num_kv_heads query heads (grouped-query attention);
+    # 1: multi-query; 0: num_heads (HF: num_key_value_heads)
+    num_kv_heads: int = 0
+    head_dim: int = 0  # llama: width of each attention head; 0: hidden_size / num_heads (HF: head_dim)
+    rms_norm_eps: float = 1e-6  # llama: epsilon of every RMSNorm (HF: rms_norm_eps)
+    rope_theta: float = 10000.0  # llama: base of the rotary position embedding's frequencies (HF: rope_theta)
+    # llama: rotary frequencies rescaled, {rope_type = "linear", factor = F} or {rope_type = "llama3", factor,
+    # low_freq_factor, high_freq_factor, original_max_position_embeddings}; empty: not rescaled (HF: rope_scaling)
+    rope_scaling: dict = field(default_factory=dict)
+    qk_norm: bool = False  # llama: an RMSNorm over each head's queries and keys, as Qwen3 (HF: q_norm, k_norm)
+    qkv_bias: bool = False  # llama: biases on the query, key and value projections, as Qwen2 (HF: attention_bias)
+    # llama: a Hugging Face model directory (config.json, safetensors, tokenizer.json) whose architecture the
+    # model takes and whose weights it starts from; "": none
+    from_hf: str = ""
 
     @property
     def moe_config(self) -> MoEConfig:
@@ -189,8 +210,14 @@ class ModelConfig(Section):
         return counts
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def head_size(self) -> int:
+        """Width of each attention head: ``head_dim``, or hidden_size / num_heads."""
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads of each attention: ``num_kv_heads``, or num_heads."""
+        return self.num_kv_heads or self.num_heads
 
     @property
     def spec(self) -> ModelKind:
