@@ -13,6 +13,7 @@ meet are :mod:`paratrain.config_rules`.
 from __future__ import annotations
 
 import importlib
+import json
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -123,6 +124,52 @@ MODEL_KINDS = {
 USER_MODEL_KIND = "user"  # model.kind a user's own net is recorded as (MindSpore face): none of the built-in ones
 
 
+HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+# the llama kind's [model] key -> its name in a Hugging Face config.json
+HF_NAMES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "ffn_hidden_size": "intermediate_size",
+            "decoder_layers": "num_hidden_layers", "tie_embeddings": "tie_word_embeddings",
+            "rms_norm_eps": "rms_norm_eps", "attention_dropout": "attention_dropout"}
+
+
+def read_hf_config(directory: str | Path) -> dict:
+    """The ``config.json`` of a Hugging Face model directory; a missing or unreadable one refused naming it."""
+    path = Path(directory) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError([f"model.from_hf={str(directory)!r}: cannot read {path}: {err}"]) from err
+
+
+def hf_model_settings(hf: dict) -> dict:
+    """The llama kind's ``[model]`` keys an HF ``config.json`` (``hf``) sets; an architecture or option paratrain
+    does not implement refused naming it."""
+    architectures = hf.get("architectures") or [None]
+    if len(architectures) != 1 or architectures[0] not in HF_ARCHITECTURES:
+        raise ConfigError([f"config.json's architectures={architectures} is not supported: use one of "
+                           f"{', '.join(HF_ARCHITECTURES)}"])
+    architecture = architectures[0]
+    unsupported = []
+    if hf.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={hf['hidden_act']!r} (only 'silu')")
+    if hf.get("attention_bias") and architecture != "Qwen2ForCausalLM":
+        unsupported.append("attention_bias=true (a bias on the output projection as well)")
+    if hf.get("mlp_bias"):
+        unsupported.append("mlp_bias=true")
+    if hf.get("use_sliding_window") or (architecture == "MistralForCausalLM" and hf.get("sliding_window")):
+        unsupported.append(f"sliding_window={hf.get('sliding_window')} (attention over a window)")
+    ConfigError.raise_any([f"config.json of {architecture}: {item} is not supported by model.kind='llama'"
+                           for item in unsupported])
+    settings = {key: hf[name] for key, name in HF_NAMES.items() if hf.get(name) is not None}
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})  # transformers 5's, or 4's
+    settings["rope_theta"] = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    settings["rope_scaling"] = {} if rope_type == "default" else {"rope_type": rope_type, **rope}
+    settings["qkv_bias"] = architecture == "Qwen2ForCausalLM"
+    settings["qk_norm"] = architecture == "Qwen3ForCausalLM"
+    return settings
+
+
 @dataclass
 class MoEConfig:
     """MindSpore's mixture-of-experts settings (``paratrain.modules.moe.MoE``): ``expert_num`` expert FFNs
@@ -208,6 +255,21 @@ class ModelConfig(Section):
                                                    ((stack > 0, True), experts)) if n})
             start += count
         return counts
+
+    def take_hf(self, given: set[str]) -> list[str]:
+        """Set the keys ``from_hf``'s config.json decides (kind llama; hidden_dropout 0 unless ``given``); a
+        problem for each of the ``given`` keys (set by the user) that contradicts it, showing both values."""
+        settings = {"kind": "llama", **hf_model_settings(read_hf_config(self.from_hf))}
+        names = {**HF_NAMES, "kind": "architectures", "rope_theta": "rope_parameters", "rope_scaling":
+                 "rope_parameters", "qkv_bias": "architectures", "qk_norm": "architectures"}
+        problems = [f"model.{key}={getattr(self, key)!r} contradicts {self.from_hf}/config.json ({names[key]}): "
+                    f"{value!r}; remove model.{key} or set it to {value!r}"
+                    for key, value in settings.items() if key in given and getattr(self, key) != value]
+        for key, value in settings.items():
+            setattr(self, key, value)
+        if "hidden_dropout" not in given:
+            self.hidden_dropout = 0.0  # HF's Llama family has no dropout on the hidden states
+        return problems
 
     @property
     def head_size(self) -> int:

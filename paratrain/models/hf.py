@@ -1,6 +1,7 @@
-"""The llama kind to and from Hugging Face: its settings from a ``config.json``, its parameter names against
-``transformers``' (the state-dict adapter), and its initial weights from a directory's safetensors, read by DCP's
-``HuggingFaceStorageReader`` straight into whatever layout the model has (each rank reads its own shards only).
+"""The llama kind to and from Hugging Face: its parameter names against ``transformers``' (the state-dict
+adapter) and its initial weights from a directory's safetensors, read by DCP's ``HuggingFaceStorageReader`` straight
+into whatever layout the model has (each rank reads its own shards only). Its settings from a ``config.json``:
+``paratrain.config.hf_model_settings``.
 """
 from __future__ import annotations
 
@@ -8,58 +9,13 @@ import json
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from paratrain.errors import UserError
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 RENAMED = (("o_proj", "out_proj"), ("lm_head", "head"))  # (HF's, paratrain's) name parts that differ
-# config.json name -> model key, for the keys both have under their own names
-SAME_KEYS = ("vocab_size", "hidden_size", "rms_norm_eps", "attention_dropout")
-HF_KEYS = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
-           "intermediate_size": "ffn_hidden_size", "num_hidden_layers": "decoder_layers",
-           "tie_word_embeddings": "tie_embeddings", **{key: key for key in SAME_KEYS}}
-
-
-def read_config(directory: str | Path) -> dict:
-    """The ``config.json`` of an HF model directory; a missing or unreadable one refused naming it."""
-    path = Path(directory) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise UserError(f"model.from_hf={str(directory)!r}: cannot read {path}: {err}") from err
-
-
-def model_settings(hf: dict) -> dict:
-    """The llama kind's ``[model]`` keys an HF ``config.json`` (``hf``) sets; an architecture or option paratrain
-    does not implement refused naming it."""
-    architectures = hf.get("architectures") or [None]
-    if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
-        raise UserError(f"config.json's architectures={architectures} is not supported: use one of "
-                        f"{', '.join(ARCHITECTURES)}")
-    architecture = architectures[0]
-    unsupported = []
-    if hf.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act={hf['hidden_act']!r} (only 'silu')")
-    if hf.get("attention_bias") and architecture != "Qwen2ForCausalLM":
-        unsupported.append("attention_bias=true (a bias on the output projection as well)")
-    if hf.get("mlp_bias"):
-        unsupported.append("mlp_bias=true")
-    if hf.get("use_sliding_window") or (architecture == "MistralForCausalLM" and hf.get("sliding_window")):
-        unsupported.append(f"sliding_window={hf.get('sliding_window')} (attention over a window)")
-    if unsupported:
-        raise UserError(f"config.json of {architecture}: {'; '.join(unsupported)} is not supported by paratrain's "
-                        f"llama kind")
-    settings = {key: hf[name] for name, key in HF_KEYS.items() if hf.get(name) is not None}
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})  # transformers 5's, or 4's
-    settings["rope_theta"] = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    settings["rope_scaling"] = {} if kind == "default" else {"rope_type": kind, **{
-        key: value for key, value in rope.items() if key not in ("rope_type", "type")}}
-    settings["qkv_bias"] = architecture == "Qwen2ForCausalLM"
-    settings["qk_norm"] = architecture == "Qwen3ForCausalLM"
-    return settings
 
 
 def to_hf(name: str) -> str:
@@ -73,8 +29,6 @@ def to_hf(name: str) -> str:
 def stored_tensors(directory: str | Path) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor of a directory's ``model.safetensors`` or the shards its
     ``model.safetensors.index.json`` names; a missing file or broken header refused naming it."""
-    from safetensors import safe_open
-
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     try:
@@ -89,25 +43,28 @@ def stored_tensors(directory: str | Path) -> dict[str, tuple[int, ...]]:
         raise UserError(f"model.from_hf={str(directory)!r}: cannot read its safetensors: {err}") from err
 
 
-def load_hf_weights(model: nn.Module, directory: str | Path) -> None:
-    """Set ``model``'s parameters (plain, tensor-parallel or FSDP-sharded) to the HF weights in ``directory``,
-    each rank reading only its shards. Missing, unexpected and mis-shaped tensors are refused first, each named
-    (a tied head has no tensor of its own)."""
+def load_hf_weights(parts: list[nn.Module], whole: nn.Module, directory: str | Path) -> None:
+    """Set the parameters of ``parts`` (this rank's model chunks: plain, tensor-parallel or FSDP-sharded) to the
+    HF weights in ``directory``, each rank reading only its shards. ``whole``: the model all ranks hold together
+    (built on the meta device), whose tensors the directory must hold: missing, unexpected and mis-shaped ones
+    are refused first, each named (a tied head has no tensor of its own)."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    state = get_model_state_dict(model)
-    ours = {to_hf(name): tensor for name, tensor in state.items()}
+    wanted = {to_hf(name): tuple(tensor.shape) for name, tensor in whole.state_dict().items()}
     stored = stored_tensors(directory)
-    if model.head is not None and model.embed_tokens is not None and model.head.weight is model.embed_tokens.weight:
-        ours.pop("lm_head.weight", None)
+    if whole.head.weight is whole.embed_tokens.weight:
+        wanted.pop("lm_head.weight", None)
         stored.pop("lm_head.weight", None)  # saved by some exports of tied models
-    problems = [f"missing {name} {tuple(tensor.shape)}" for name, tensor in ours.items() if name not in stored]
-    problems += [f"unexpected {name} {shape}" for name, shape in stored.items() if name not in ours]
-    problems += [f"{name} is {stored[name]}, the model's is {tuple(tensor.shape)}" for name, tensor in ours.items()
-                 if name in stored and stored[name] != tuple(tensor.shape)]
+    problems = [f"missing {name} {shape}" for name, shape in wanted.items() if name not in stored]
+    problems += [f"unexpected {name} {shape}" for name, shape in stored.items() if name not in wanted]
+    problems += [f"{name} is {stored[name]}, the model's is {shape}" for name, shape in wanted.items()
+                 if name in stored and stored[name] != shape]
     if problems:
         raise UserError(f"model.from_hf={str(directory)!r} does not fit the model:\n" +
                         "\n".join(f"  - {p}" for p in problems))
-    dcp.load(ours, storage_reader=HuggingFaceStorageReader(str(directory)))
-    loaded = {name: ours[to_hf(name)] for name in state if to_hf(name) in ours}
-    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
+    for part in parts:
+        state = {name: tensor for name, tensor in get_model_state_dict(part).items() if to_hf(name) in wanted}
+        hf_state = {to_hf(name): tensor for name, tensor in state.items()}
+        dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(directory)))
+        set_model_state_dict(part, {name: hf_state[to_hf(name)] for name in state},
+                             options=StateDictOptions(strict=False))

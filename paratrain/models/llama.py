@@ -7,6 +7,8 @@ Shapes: B batch, S sequence length, H hidden size, V vocab size. Parameter names
 """
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 
 from paratrain.config import ModelConfig
@@ -29,7 +31,7 @@ class LlamaLayer(EncoderLayer):
     def make_attention(self, cfg: ModelConfig) -> Attention:
         return Attention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout, num_kv_heads=cfg.kv_heads,
                          head_dim=cfg.head_size, qkv_bias=cfg.qkv_bias, out_bias=False,
-                         qk_norm=nn.RMSNorm(cfg.head_size, eps=cfg.rms_norm_eps) if cfg.qk_norm else None,
+                         qk_norm=partial(nn.RMSNorm, cfg.head_size, eps=cfg.rms_norm_eps) if cfg.qk_norm else None,
                          rotary=RotaryEmbedding(cfg.head_size, cfg.rope_theta, cfg.rope_scaling))
 
     def make_feed_forward(self, cfg: ModelConfig, layer_id: int) -> nn.Module:

@@ -8,9 +8,9 @@ attribute ``names``, as parameter names are part of the checkpoint format (``par
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,16 +61,17 @@ class Attention(nn.Module):
 
     The Llama family's options: ``num_kv_heads`` key/value heads shared by groups of query heads (grouped-query
     attention; 1: multi-query; None: ``num_heads``), ``head_dim`` (None: hidden_size / num_heads), ``qkv_bias`` /
-    ``out_bias`` (biases of q, k, v and of the output projection), ``qk_norm`` (a module of size d, e.g. RMSNorm,
-    copied for the queries and the keys of every head, Qwen3) and ``rotary`` (a ``RotaryEmbedding`` turning q
-    and k by their positions, counted after the cached ones).
+    ``out_bias`` (biases of q, k, v and of the output projection), ``qk_norm`` (makes a module of size d, e.g. an
+    RMSNorm, one for the queries and one for the keys of every head, Qwen3) and ``rotary`` (a ``RotaryEmbedding``
+    turning q and k by their positions, counted after the cached ones).
     """
 
     names = ("q_proj", "k_proj", "v_proj", "out_proj")
 
     def __init__(self, hidden_size: int, num_heads: int, dropout: float, linear=nn.Linear,
                  num_kv_heads: int | None = None, head_dim: int | None = None, qkv_bias: bool = True,
-                 out_bias: bool = True, qk_norm: nn.Module | None = None, rotary: nn.Module | None = None):
+                 out_bias: bool = True, qk_norm: Callable[[], nn.Module] | None = None,
+                 rotary: nn.Module | None = None):
         super().__init__()
         self.head_dim = head_dim or hidden_size // num_heads
         self.attention_dropout = dropout
@@ -78,7 +79,7 @@ class Attention(nn.Module):
         for name, (width_in, width_out), bias in zip(self.names, [(hidden_size, w) for w in widths] + [
                 (widths[0], hidden_size)], (qkv_bias,) * 3 + (out_bias,)):
             self.add_module(name, linear(width_in, width_out) if bias else linear(width_in, width_out, bias=False))
-        self.q_norm, self.k_norm = (None, None) if qk_norm is None else (qk_norm, copy.deepcopy(qk_norm))
+        self.q_norm, self.k_norm = (None, None) if qk_norm is None else (qk_norm(), qk_norm())
         self.rotary = rotary
 
     def parallel_plan(self) -> dict:
