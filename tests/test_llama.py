@@ -190,3 +190,24 @@ def test_five_steps_from_hf_weights_equal_a_plain_loop_over_the_hf_model(layout,
     # the first loss is the HF weights' forward; Adam then amplifies the summation order of sharded matmuls
     errors = [abs(a - b) / b for a, b in zip(got, want)]
     assert errors[0] <= 1e-5 and max(errors) <= (1e-5 if world_size == 1 else 1e-4), (got, want)
+
+
+def test_plan_counts_llama3_8b_from_the_module_built_on_the_meta_device(capsys):
+    from conftest import ROOT
+    from paratrain.cli import main
+
+    assert main(["plan", "--config", str(ROOT / "examples/llama3_8b.toml"), "--top", "1"]) in (0, None)
+    assert "model: llama, 8.03 B parameters (8,030,261,248), 32 layers" in capsys.readouterr().out
+
+
+def test_a_resumed_run_goes_on_from_its_own_checkpoint_not_the_hf_weights(hf_dirs, tmp_path):
+    case = "llama_gqa2"
+    cfg = run_config(hf_dirs[case][0], tmp_path, {})
+    want = plain_hf_losses(case, cfg)
+    cfg.train.steps, cfg.checkpoint.save_steps = 3, 3
+    first = trainer_losses(cfg)
+    cfg.train.steps = STEPS
+    resumed = trainer_losses(cfg)
+    got = first + resumed
+    assert len(resumed) == STEPS - 3
+    assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-5, (got, want)
