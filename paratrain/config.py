@@ -170,6 +170,18 @@ def hf_model_settings(hf: dict) -> dict:
     return settings
 
 
+def hf_config_json(m: ModelConfig) -> dict:
+    """The Hugging Face ``config.json`` of a llama-kind model ``m`` (``hf_model_settings`` read back gives its keys):
+    Qwen3 with q/k norms, Qwen2 with q/k/v biases, else Llama (Mistral's architecture without a sliding window)."""
+    architecture, model_type = (("Qwen3ForCausalLM", "qwen3") if m.qk_norm else ("Qwen2ForCausalLM", "qwen2")
+                                if m.qkv_bias else ("LlamaForCausalLM", "llama"))
+    scaling = dict(m.rope_scaling) or {"rope_type": "default"}
+    return {"architectures": [architecture], "model_type": model_type, "hidden_act": "silu",
+            **{name: getattr(m, key) for key, name in HF_NAMES.items()}, "head_dim": m.head_size,
+            "num_key_value_heads": m.kv_heads, "rope_parameters": {"rope_theta": m.rope_theta, **scaling},
+            "max_position_embeddings": m.seq_length, "attention_bias": False, "dtype": m.dtype}
+
+
 @dataclass
 class MoEConfig:
     """MindSpore's mixture-of-experts settings (``paratrain.modules.moe.MoE``): ``expert_num`` expert FFNs

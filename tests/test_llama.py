@@ -211,3 +211,26 @@ def test_a_resumed_run_goes_on_from_its_own_checkpoint_not_the_hf_weights(hf_dir
     got = first + resumed
     assert len(resumed) == STEPS - 3
     assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-5, (got, want)
+
+
+def test_export_of_a_tp2_run_loads_in_transformers_with_the_same_logits(hf_dirs, tmp_path):
+    """A tp2 run of Qwen3 (tied, head_dim 16) saved after 2 steps, exported as an HF directory from its sharded
+    checkpoint: transformers' logits of the export equal paratrain's of the checkpoint."""
+    from paratrain.checkpoint import export
+    from paratrain.cli import main
+
+    directory = hf_dirs["qwen3_qk_norm_head_dim"][0]
+    cfg = run_config(directory, tmp_path / "run", {"mp": 2, "vocab_emb_dp": False})
+    cfg.train.steps, cfg.checkpoint.save_steps = 2, 2
+    run_distributed(trainer_losses, 2, cfg, timeout=300)
+    assert main(["export", str(cfg.checkpoint_path), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
+    model = build_model(cfg.model).eval()
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(export(cfg.checkpoint_path, tmp_path / "plain.safetensors")))
+    with torch.no_grad():
+        want, got = model(ids()), loaded(ids()).logits
+    assert relative(got, want) <= 1e-5
+    assert relative(want, hf_dirs["qwen3_qk_norm_head_dim"][1]) > 1e-4  # trained: not the HF weights again

@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from paratrain.config import ModelConfig, hf_config_json
 from paratrain.errors import UserError
 
 RENAMED = (("o_proj", "out_proj"), ("lm_head", "head"))  # (HF's, paratrain's) name parts that differ
@@ -68,3 +70,36 @@ def load_hf_weights(parts: list[nn.Module], whole: nn.Module, directory: str | P
         dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(directory)))
         set_model_state_dict(part, {name: hf_state[to_hf(name)] for name in state},
                              options=StateDictOptions(strict=False))
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
+              trust_unverified: bool = False) -> Path:
+    """Write the llama-kind model of ``checkpoint`` (saved under any layout) as a Hugging Face directory that
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads: ``config.json``, safetensors shards (one per
+    layer, and one for the embedding, norm and head) with their index written by DCP's
+    ``HuggingFaceStorageWriter``, and the tokenizer files of the run's ``model.from_hf`` if it had one."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from paratrain.checkpoint.full import load_full_tensors
+    from paratrain.checkpoint.storage import read_meta, resolve
+
+    path = resolve(checkpoint)
+    m = ModelConfig(**read_meta(path)["config"]["model"])
+    if m.kind != "llama":
+        raise UserError(f"export --format hf: {path} holds a model.kind={m.kind!r} model; only 'llama' has a "
+                        f"Hugging Face counterpart (export it as one .safetensors file instead)")
+    tensors = {to_hf(name): tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
+               for name, tensor in load_full_tensors(path, trust_unverified=trust_unverified).items()}
+    if m.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    shards = {name: int(name.split(".")[2]) + 2 if name.startswith("model.layers.") else 1 for name in tensors}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(out), fqn_to_index_mapping=shards), no_dist=True)
+    written = dict(hf_config_json(m), dtype=str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch."))
+    (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        source = Path(m.from_hf) / name if m.from_hf else None
+        if source is not None and source.is_file():
+            (out / name).write_bytes(source.read_bytes())
+    return out
