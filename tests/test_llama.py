@@ -142,6 +142,7 @@ LAYOUTS = {  # name: (case, world size, parallel section)
     "qwen3_tied_tp2_vocab_rows_sp": ("qwen3_qk_norm_head_dim", 2, {"mp": 2, "vocab_emb_dp": False,
                                                                    "sequence_parallel": True}),
     "qwen2_dp2_zero3": ("qwen2_bias", 2, {"dp": 2, "zero_stage": 3}),
+    "llama3_tied_pp2_1f1b": ("llama3_rope_tied", 2, {"pp": 2, "micro_batch_num": 2, "pipeline_schedule": "1f1b"}),
 }
 
 
@@ -234,3 +235,24 @@ def test_export_of_a_tp2_run_loads_in_transformers_with_the_same_logits(hf_dirs,
         want, got = model(ids()), loaded(ids()).logits
     assert relative(got, want) <= 1e-5
     assert relative(want, hf_dirs["qwen3_qk_norm_head_dim"][1]) > 1e-4  # trained: not the HF weights again
+
+
+def meta_and_normal_losses(cfg, meta_dir) -> tuple[list[float], list[float]]:
+    normal = trainer_losses(cfg)
+    cfg.run.dir = str(meta_dir)
+    torch.set_default_device("meta")  # a tensor made without naming its device fails loudly
+    try:
+        return normal, trainer_losses(cfg)
+    finally:
+        torch.set_default_device(None)
+
+
+@pytest.mark.parametrize("parallel", [{}, {"mp": 2}], ids=["one_process", "tp2"])
+def test_from_hf_trains_under_a_meta_default_device(parallel, hf_dirs, tmp_path):
+    cfg = run_config(hf_dirs["qwen3_qk_norm_head_dim"][0], tmp_path / "normal", {**parallel, "vocab_emb_dp": False})
+    cfg.train.steps = 2
+    if parallel:
+        normal, meta = run_distributed(meta_and_normal_losses, 2, cfg, str(tmp_path / "meta"), timeout=300)[0]
+    else:
+        normal, meta = meta_and_normal_losses(cfg, tmp_path / "meta")
+    assert normal == pytest.approx(meta, rel=1e-6)

@@ -67,7 +67,8 @@ def load_hf_weights(parts: list[nn.Module], whole: nn.Module, directory: str | P
     for part in parts:
         state = {name: tensor for name, tensor in get_model_state_dict(part).items() if to_hf(name) in wanted}
         hf_state = {to_hf(name): tensor for name, tensor in state.items()}
-        dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(directory)))
+        with torch.device("cpu"):  # the reader's own tensors (file reads) are host tensors, whatever the default
+            dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(directory)))
         set_model_state_dict(part, {name: hf_state[to_hf(name)] for name in state},
                              options=StateDictOptions(strict=False))
 
