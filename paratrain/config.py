@@ -100,6 +100,7 @@ class ModelKind:
     stacks: tuple[str, ...] = ()
     length_keys: tuple[str, ...] = ()  # the ModelConfig keys of its (source, target) sequence lengths
     loss_in_head: bool = False  # its head computes the token loss from ``labels`` without whole logits
+    ffn_matrices: int = 2  # weight matrices of each feed-forward block (a gated one: 3)
 
     @property
     def encoder_decoder(self) -> bool:
@@ -118,7 +119,7 @@ MODEL_KINDS = {
     "gpt": ModelKind("paratrain.models.transformer:GPTModel", ("synthetic", "text"), ("markov",), ("layers",),
                      ("seq_length", "seq_length"), loss_in_head=True),
     "llama": ModelKind("paratrain.models.llama:LlamaModel", ("synthetic", "text"), ("markov",), ("layers",),
-                       ("seq_length", "seq_length"), loss_in_head=True),
+                       ("seq_length", "seq_length"), loss_in_head=True, ffn_matrices=3),
     "resnet": ModelKind("paratrain.models.resnet:build_resnet", ("cifar10",)),
 }
 USER_MODEL_KIND = "user"  # model.kind a user's own net is recorded as (MindSpore face): none of the built-in ones

@@ -256,3 +256,15 @@ def test_from_hf_trains_under_a_meta_default_device(parallel, hf_dirs, tmp_path)
     else:
         normal, meta = meta_and_normal_losses(cfg, tmp_path / "meta")
     assert normal == pytest.approx(meta, rel=1e-6)
+
+
+def test_flops_count_the_matmuls_of_the_module_built_on_the_meta_device():
+    """A layer's dense FLOPs are 2 x tokens x its weight matrices' sizes (grouped kv heads, head_dim, gated FFN)."""
+    from paratrain.metrics.flops import layer_flops
+
+    m = ModelConfig(kind="llama", hidden_size=64, num_heads=4, num_kv_heads=1, head_dim=24, ffn_hidden_size=96,
+                    seq_length=16)
+    with torch.device("meta"):
+        layer = build_model(m).layers["0"]
+    matrices = sum(p.numel() for name, p in layer.named_parameters() if name.endswith("proj.weight"))
+    assert layer_flops(m, False, 2)["dense"] == 2 * 2 * 16 * matrices

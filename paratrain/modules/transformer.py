@@ -75,9 +75,10 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = head_dim or hidden_size // num_heads
         self.attention_dropout = dropout
-        widths = [n * self.head_dim for n in (num_heads, num_kv_heads or num_heads, num_kv_heads or num_heads)]
-        for name, (width_in, width_out), bias in zip(self.names, [(hidden_size, w) for w in widths] + [
-                (widths[0], hidden_size)], (qkv_bias,) * 3 + (out_bias,)):
+        q_width, kv_width = num_heads * self.head_dim, (num_kv_heads or num_heads) * self.head_dim
+        shapes = [(hidden_size, q_width, qkv_bias), (hidden_size, kv_width, qkv_bias),
+                  (hidden_size, kv_width, qkv_bias), (q_width, hidden_size, out_bias)]
+        for name, (width_in, width_out, bias) in zip(self.names, shapes):
             self.add_module(name, linear(width_in, width_out) if bias else linear(width_in, width_out, bias=False))
         self.q_norm, self.k_norm = (None, None) if qk_norm is None else (qk_norm(), qk_norm())
         self.rotary = rotary
