@@ -268,3 +268,15 @@ def test_flops_count_the_matmuls_of_the_module_built_on_the_meta_device():
         layer = build_model(m).layers["0"]
     matrices = sum(p.numel() for name, p in layer.named_parameters() if name.endswith("proj.weight"))
     assert layer_flops(m, False, 2)["dense"] == 2 * 2 * 16 * matrices
+
+
+def test_a_broken_safetensors_header_is_refused_naming_the_directory(hf_dirs, tmp_path):
+    import shutil
+
+    directory = tmp_path / "broken"
+    shutil.copytree(hf_dirs["llama_gqa2"][0], directory)
+    shard = sorted(directory.glob("*.safetensors"))[0]
+    shard.write_bytes(b"\xff" * 16 + shard.read_bytes()[16:])
+    model = build_model(llama_config(directory))
+    with pytest.raises(UserError, match="cannot read its safetensors"):
+        load_hf_weights([model], model, directory)
