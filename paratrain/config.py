@@ -13,6 +13,7 @@ meet are :mod:`paratrain.config_rules`.
 from __future__ import annotations
 
 import importlib
+import json
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -99,6 +100,7 @@ class ModelKind:
     stacks: tuple[str, ...] = ()
     length_keys: tuple[str, ...] = ()  # the ModelConfig keys of its (source, target) sequence lengths
     loss_in_head: bool = False  # its head computes the token loss from ``labels`` without whole logits
+    ffn_matrices: int = 2  # weight matrices of each feed-forward block (a gated one: 3)
 
     @property
     def encoder_decoder(self) -> bool:
@@ -116,9 +118,69 @@ MODEL_KINDS = {
                              ("src_seq_length", "tgt_seq_length"), loss_in_head=True),
     "gpt": ModelKind("paratrain.models.transformer:GPTModel", ("synthetic", "text"), ("markov",), ("layers",),
                      ("seq_length", "seq_length"), loss_in_head=True),
+    "llama": ModelKind("paratrain.models.llama:LlamaModel", ("synthetic", "text"), ("markov",), ("layers",),
+                       ("seq_length", "seq_length"), loss_in_head=True, ffn_matrices=3),
     "resnet": ModelKind("paratrain.models.resnet:build_resnet", ("cifar10",)),
 }
 USER_MODEL_KIND = "user"  # model.kind a user's own net is recorded as (MindSpore face): none of the built-in ones
+
+
+HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+# the llama kind's [model] key -> its name in a Hugging Face config.json
+HF_NAMES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "ffn_hidden_size": "intermediate_size",
+            "decoder_layers": "num_hidden_layers", "tie_embeddings": "tie_word_embeddings",
+            "rms_norm_eps": "rms_norm_eps", "attention_dropout": "attention_dropout"}
+
+
+def read_hf_config(directory: str | Path) -> dict:
+    """The ``config.json`` of a Hugging Face model directory; a missing or unreadable one refused naming it."""
+    path = Path(directory) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError([f"model.from_hf={str(directory)!r}: cannot read {path}: {err}"]) from err
+
+
+def hf_model_settings(hf: dict) -> dict:
+    """The llama kind's ``[model]`` keys an HF ``config.json`` (``hf``) sets; an architecture or option paratrain
+    does not implement refused naming it."""
+    architectures = hf.get("architectures") or [None]
+    if len(architectures) != 1 or architectures[0] not in HF_ARCHITECTURES:
+        raise ConfigError([f"config.json's architectures={architectures} is not supported: use one of "
+                           f"{', '.join(HF_ARCHITECTURES)}"])
+    architecture = architectures[0]
+    unsupported = []
+    if hf.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={hf['hidden_act']!r} (only 'silu')")
+    if hf.get("attention_bias") and architecture != "Qwen2ForCausalLM":
+        unsupported.append("attention_bias=true (a bias on the output projection as well)")
+    if hf.get("mlp_bias"):
+        unsupported.append("mlp_bias=true")
+    if hf.get("use_sliding_window") or (architecture == "MistralForCausalLM" and hf.get("sliding_window")):
+        unsupported.append(f"sliding_window={hf.get('sliding_window')} (attention over a window)")
+    ConfigError.raise_any([f"config.json of {architecture}: {item} is not supported by model.kind='llama'"
+                           for item in unsupported])
+    settings = {key: hf[name] for key, name in HF_NAMES.items() if hf.get(name) is not None}
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})  # transformers 5's, or 4's
+    settings["rope_theta"] = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    settings["rope_scaling"] = {} if rope_type == "default" else {"rope_type": rope_type, **rope}
+    settings["qkv_bias"] = architecture == "Qwen2ForCausalLM"
+    settings["qk_norm"] = architecture == "Qwen3ForCausalLM"
+    return settings
+
+
+def hf_config_json(m: ModelConfig) -> dict:
+    """The Hugging Face ``config.json`` of a llama-kind model ``m`` (``hf_model_settings`` read back gives its keys):
+    Qwen3 with q/k norms, Qwen2 with q/k/v biases, else Llama (Mistral's architecture without a sliding window)."""
+    architecture, model_type = (("Qwen3ForCausalLM", "qwen3") if m.qk_norm else ("Qwen2ForCausalLM", "qwen2")
+                                if m.qkv_bias else ("LlamaForCausalLM", "llama"))
+    scaling = dict(m.rope_scaling) or {"rope_type": "default"}
+    return {"architectures": [architecture], "model_type": model_type, "hidden_act": "silu",
+            **{name: getattr(m, key) for key, name in HF_NAMES.items()}, "head_dim": m.head_size,
+            "num_key_value_heads": m.kv_heads, "rope_parameters": {"rope_theta": m.rope_theta, **scaling},
+            "max_position_embeddings": m.seq_length, "attention_bias": False, "dtype": m.dtype}
 
 
 @dataclass
@@ -148,11 +210,16 @@ class MoEConfig:
 
 @dataclass
 class ModelConfig(Section):
-    """Sizes of the encoder-decoder ``transformer`` or the decoder-only ``gpt``."""
+    """Sizes of the encoder-decoder ``transformer``, the decoder-only ``gpt`` or ``llama`` (the Llama family:
+    Llama 3, Qwen2/3, Mistral). The llama kind's keys by their Hugging Face ``config.json`` names: vocab_size,
+    hidden_size, num_heads (num_attention_heads), ffn_hidden_size (intermediate_size), decoder_layers
+    (num_hidden_layers), seq_length (at most max_position_embeddings), attention_dropout, tie_embeddings
+    (tie_word_embeddings) and the keys below marked llama; hidden_dropout has no HF counterpart (set it to 0)."""
 
     SECTION = "model"
-    ALIASES = {"hidden_dropout_rate": "hidden_dropout", "attention_dropout_rate": "attention_dropout"}
-    kind: str = "transformer"  # transformer (encoder-decoder) | gpt (decoder-only) | resnet (CIFAR-10 images)
+    ALIASES = {"hidden_dropout_rate": "hidden_dropout", "attention_dropout_rate": "attention_dropout",
+               "attention_bias": "qkv_bias"}
+    kind: str = "transformer"  # transformer (encoder-decoder) | gpt (decoder-only) | llama | resnet (CIFAR-10 images)
     vocab_size: int = 64  # tokens in the vocabulary (ids 0-3: pad, bos, eos, unk)
     hidden_size: int = 64  # width of the embeddings and of every layer
     num_heads: int = 4  # attention heads per layer (divides hidden_size; model_parallel divides it)
@@ -171,6 +238,20 @@ class ModelConfig(Section):
     dtype: str = "float32"  # dtype of the parameters: float32 | bfloat16 | float16 (see train.mixed_precision)
     pad_token_id: int = 0  # id of the padding token, which does not count in the loss
     moe: dict = field(default_factory=dict)  # MoEConfig's fields, e.g. {expert_num = 8, num_experts_chosen = 2}
+    # llama: key/value heads, each shared by num_heads / num_kv_heads query heads (grouped-query attention);
+    # 1: multi-query; 0: num_heads (HF: num_key_value_heads)
+    num_kv_heads: int = 0
+    head_dim: int = 0  # llama: width of each attention head; 0: hidden_size / num_heads (HF: head_dim)
+    rms_norm_eps: float = 1e-6  # llama: epsilon of every RMSNorm (HF: rms_norm_eps)
+    rope_theta: float = 10000.0  # llama: base of the rotary position embedding's frequencies (HF: rope_theta)
+    # llama: rotary frequencies rescaled, {rope_type = "linear", factor = F} or {rope_type = "llama3", factor,
+    # low_freq_factor, high_freq_factor, original_max_position_embeddings}; empty: not rescaled (HF: rope_scaling)
+    rope_scaling: dict = field(default_factory=dict)
+    qk_norm: bool = False  # llama: an RMSNorm over each head's queries and keys, as Qwen3 (HF: q_norm, k_norm)
+    qkv_bias: bool = False  # llama: biases on the query, key and value projections, as Qwen2 (HF: attention_bias)
+    # llama: a Hugging Face model directory (config.json, safetensors, tokenizer.json) whose architecture the
+    # model takes and whose weights it starts from; "": none
+    from_hf: str = ""
 
     @property
     def moe_config(self) -> MoEConfig:
@@ -188,9 +269,30 @@ class ModelConfig(Section):
             start += count
         return counts
 
+    def take_hf(self, given: set[str]) -> list[str]:
+        """Set the keys ``from_hf``'s config.json decides (kind llama; hidden_dropout 0 unless ``given``); a
+        problem for each of the ``given`` keys (set by the user) that contradicts it, showing both values."""
+        settings = {"kind": "llama", **hf_model_settings(read_hf_config(self.from_hf))}
+        names = {**HF_NAMES, "kind": "architectures", "rope_theta": "rope_parameters", "rope_scaling":
+                 "rope_parameters", "qkv_bias": "architectures", "qk_norm": "architectures"}
+        problems = [f"model.{key}={getattr(self, key)!r} contradicts {self.from_hf}/config.json ({names[key]}): "
+                    f"{value!r}; remove model.{key} or set it to {value!r}"
+                    for key, value in settings.items() if key in given and getattr(self, key) != value]
+        for key, value in settings.items():
+            setattr(self, key, value)
+        if "hidden_dropout" not in given:
+            self.hidden_dropout = 0.0  # HF's Llama family has no dropout on the hidden states
+        return problems
+
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def head_size(self) -> int:
+        """Width of each attention head: ``head_dim``, or hidden_size / num_heads."""
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads of each attention: ``num_kv_heads``, or num_heads."""
+        return self.num_kv_heads or self.num_heads
 
     @property
     def spec(self) -> ModelKind:

@@ -19,7 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 import tomli_w
 
-from paratrain.config import Config, ConfigError, Section, TransformerRecomputeConfig
+from paratrain.config import Config, ConfigError, ModelConfig, Section, TransformerRecomputeConfig
 
 # MindSpore names that are no key here, and what to do instead
 MINDSPORE_HINTS = {
@@ -95,6 +95,10 @@ def from_dict(data: dict[str, Any], overrides: list[str] = ()) -> Config:
             problems.append(f"[{name}] must be a table of keys, got {values!r}")
         else:
             built[name] = _section_from_dict(Config.sections()[name], values, problems)
+    model = built.get("model")
+    if not problems and model is not None and model.from_hf:
+        given = {ModelConfig.ALIASES.get(key, key) for key in data["model"]}
+        problems += model.take_hf(given - {"from_hf"})
     ConfigError.raise_any(problems)
     return Config(**built)
 

@@ -122,10 +122,11 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         problems.append(f"model.kind={m.kind!r} trains with data parallelism only (the planner knows Transformer "
                         f"layers), got parallel.model_parallel={p.model_parallel}, pipeline_stage={p.pipeline_stage} "
                         f"and auto={str(p.auto).lower()}: set both to 1, auto to false")
-    if m.hidden_size % m.num_heads:
+    if m.hidden_size % m.num_heads and not m.head_dim:
         problems.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}: "
                         f"use num_heads in {divisors(m.hidden_size)}")
     mp = p.model_parallel
+    problems += _llama_problems(m, mp)
     problems += divisible_problems({name: getattr(m, name) for name in ("num_heads", "hidden_size", "ffn_hidden_size")},
                                    mp)
     if not p.vocab_emb_dp and m.vocab_size % mp:
@@ -428,6 +429,46 @@ def _moe_problems(cfg: Config) -> list[str]:
     if p.sequence_parallel:
         problems.append("model.moe with parallel.sequence_parallel=true is not supported yet (the experts take "
                         "whole sequences): set sequence_parallel=false")
+    return problems
+
+
+def _llama_problems(m: ModelConfig, mp: int) -> list[str]:
+    """The llama kind's own keys: grouped heads, rotary settings, and kv heads whole on each tensor-parallel rank;
+    the other kinds must leave those keys alone."""
+    keys = {"num_kv_heads": 0, "head_dim": 0, "qk_norm": False, "qkv_bias": False, "rope_scaling": {}, "from_hf": ""}
+    if m.kind != "llama":
+        return [f"model.{key}={getattr(m, key)!r} is a key of model.kind='llama', not of {m.kind!r}: remove it"
+                for key, default in keys.items() if getattr(m, key) != default]
+    problems = []
+    for name in ("num_kv_heads", "head_dim"):
+        if getattr(m, name) < 0:
+            problems.append(f"model.{name}={getattr(m, name)} is negative: use a positive size, or 0 for the default")
+    for name in ("rms_norm_eps", "rope_theta"):
+        if getattr(m, name) <= 0:
+            problems.append(f"model.{name}={getattr(m, name)} must be positive (e.g. 1e-6 and 10000.0)")
+    if problems:
+        return problems
+    if m.num_heads % m.kv_heads:
+        problems.append(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.kv_heads}: "
+                        f"use num_kv_heads in {divisors(m.num_heads)}")
+    elif m.kv_heads % mp:
+        both = [d for d in divisors(m.kv_heads) if m.num_heads % d == 0]
+        problems.append(f"model.num_kv_heads={m.kv_heads} is not divisible by parallel.model_parallel={mp}: each "
+                        f"rank holds whole key/value heads; use model_parallel in {both}")
+    scaling = dict(m.rope_scaling)
+    kind = scaling.pop("rope_type", scaling.pop("type", None))
+    needed = {"linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor",
+                                               "original_max_position_embeddings"}, None: set()}
+    if kind not in needed or (kind is None and scaling):
+        problems.append(f"model.rope_scaling={m.rope_scaling!r} has rope_type {kind!r}: use 'linear' or 'llama3' "
+                        f"(or an empty rope_scaling for none)")
+    elif needed[kind] - set(scaling):
+        missing = ", ".join(sorted(needed[kind] - set(scaling)))
+        problems.append(f"model.rope_scaling of rope_type {kind!r} lacks {missing}: give "
+                        f"{', '.join(sorted(needed[kind]))}")
+    if m.moe_config.expert_num > 1:
+        problems.append(f"model.moe.expert_num={m.moe_config.expert_num} with model.kind='llama': the llama kind has "
+                        f"no mixture of experts yet; remove model.moe")
     return problems
 
 

@@ -20,6 +20,7 @@ from paratrain.evaluate import BleuEvaluator, bleu_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
 from paratrain.models import build_model
+from paratrain.models.hf import load_hf_weights
 from paratrain.metrics.flops import batch_flops
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallel import parallelize, shard_optimizer_state
@@ -120,6 +121,10 @@ class Trainer(loop.Face):
         self.checkpointer = Checkpointer(cfg, self.layout, self.placed.parts, self.optimizer, self.scheduler,
                                          {"loss_scaler": self.loss_scaler, "data": self.data})
         self.step = self.checkpointer.resume()  # checkpoint.resume: "auto" | path | "none"
+        if self.step == 0 and cfg.model.from_hf:  # a resumed run goes on from its own checkpoint
+            with torch.device("meta"):
+                whole = build_model(cfg.model)
+            load_hf_weights(self.placed.parts, whole, cfg.model.from_hf)
         self.evaluator = bleu_evaluator(cfg, self.placed.parts, self.placed.pipeline is not None, self.is_main)
         self.stopped_at = None
         self.history = []

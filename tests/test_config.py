@@ -226,13 +226,13 @@ def test_the_registry_of_model_kinds_drives_validation(monkeypatch):
 
     monkeypatch.setitem(config.MODEL_KINDS, "tiny_lm", dataclasses.replace(config.MODEL_KINDS["gpt"],
                                                                            data_kinds=("text",)))
-    assert problems_for(model={"kind": "bert"}) == ["model.kind='bert' is not one of transformer, gpt, resnet, "
-                                                    "tiny_lm"]
+    assert problems_for(model={"kind": "bert"}) == ["model.kind='bert' is not one of transformer, gpt, llama, "
+                                                    "resnet, tiny_lm"]
     assert problems_for(model={"kind": "tiny_lm"}) == ["data.kind='synthetic' has no batches for "
                                                        "model.kind='tiny_lm': use data.kind 'text'"]
     resnet = {"model": {"kind": "resnet"}, "data": {"kind": "cifar10", "path": "x"}}
     assert "the planner knows Transformer layers" in only_problem(parallel={"auto": True}, **resnet)
-    for kind in ("transformer", "gpt"):
+    for kind in ("transformer", "gpt", "llama"):
         cfg = tiny_config(model={"kind": kind}).model
         model = build_model(cfg)
         assert list(model.layer_stacks) == list(cfg.spec.stacks)

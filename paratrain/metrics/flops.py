@@ -35,14 +35,15 @@ def layer_flops(m: ModelConfig, decoder: bool, batch: int, lengths: tuple[int, i
     decoder layer's cross-attention K and V run over the source (the memory); a mixture-of-experts layer (``experts``)
     counts its router and the ``num_experts_chosen`` experts a token goes to."""
     h, f = m.hidden_size, m.ffn_hidden_size
+    q, kv = m.num_heads * m.head_size, m.kv_heads * m.head_size  # query and key/value widths (grouped heads)
     source, target = lengths or m.lengths
     own = target if decoder else source
     n = batch * own
     if experts:  # the router and the k experts a token runs through
         moe = m.moe_config
         f = f * moe.num_experts_chosen + moe.expert_num / 2
-    dense = 2 * n * (4 * h * h + 2 * h * f)
-    core = 4 * n * own * h
+    dense = 2 * n * (2 * h * q + 2 * h * kv + m.spec.ffn_matrices * h * f)
+    core = 4 * n * own * q
     if decoder:
         dense += 2 * n * 2 * h * h + 2 * batch * source * 2 * h * h  # cross-attention q, out | k, v
         core += 4 * n * source * h

@@ -77,11 +77,24 @@ class EncoderLayer(TransformerLayer):
         super().__init__(cfg.hidden_dropout, cfg.post_layernorm_residual)
         norm1, attention, norm2, cross_attention, norm3, ffn = self.names
         for name in filter(None, (norm1, norm2, norm3)):
-            holder, _, norm = name.partition(".")
-            self.add_module(holder, nn.ModuleDict({norm: nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)}))
+            holder, _, norm = name.rpartition(".")
+            if holder:
+                self.add_module(holder, nn.ModuleDict({norm: self.make_norm(cfg)}))
+            else:
+                self.add_module(norm, self.make_norm(cfg))
         for name in filter(None, (attention, cross_attention)):
-            self.add_module(name, Attention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout))
-        self.add_module(ffn, feed_forward(cfg, layer_id))
+            self.add_module(name, self.make_attention(cfg))
+        self.add_module(ffn, self.make_feed_forward(cfg, layer_id))
+
+    def make_norm(self, cfg: ModelConfig) -> nn.Module:
+        """Each sublayer's norm (subclasses of other families build theirs)."""
+        return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+
+    def make_attention(self, cfg: ModelConfig) -> nn.Module:
+        return Attention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
+
+    def make_feed_forward(self, cfg: ModelConfig, layer_id: int) -> nn.Module:
+        return feed_forward(cfg, layer_id)
 
     def parallel_plan(self) -> dict:
         """The LayerNorms on sequence shards; the inputs of the sublayers, (query,) or (query, memory), gathered

@@ -8,7 +8,9 @@ attribute ``names``, as parameter names are part of the checkpoint format (``par
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -56,16 +58,30 @@ class Attention(nn.Module):
     positions.
     ``linear(in_features, out_features)`` builds the projections; ``dropout`` applies to the attention
     probabilities. q, k and v split colwise (whole heads per rank), the output projection rowwise.
+
+    The Llama family's options: ``num_kv_heads`` key/value heads shared by groups of query heads (grouped-query
+    attention; 1: multi-query; None: ``num_heads``), ``head_dim`` (None: hidden_size / num_heads), ``qkv_bias`` /
+    ``out_bias`` (biases of q, k, v and of the output projection), ``qk_norm`` (makes a module of size d, e.g. an
+    RMSNorm, one for the queries and one for the keys of every head, Qwen3) and ``rotary`` (a ``RotaryEmbedding``
+    turning q and k by their positions, counted after the cached ones).
     """
 
     names = ("q_proj", "k_proj", "v_proj", "out_proj")
 
-    def __init__(self, hidden_size: int, num_heads: int, dropout: float, linear=nn.Linear):
+    def __init__(self, hidden_size: int, num_heads: int, dropout: float, linear=nn.Linear,
+                 num_kv_heads: int | None = None, head_dim: int | None = None, qkv_bias: bool = True,
+                 out_bias: bool = True, qk_norm: Callable[[], nn.Module] | None = None,
+                 rotary: nn.Module | None = None):
         super().__init__()
-        self.head_dim = hidden_size // num_heads
+        self.head_dim = head_dim or hidden_size // num_heads
         self.attention_dropout = dropout
-        for name in self.names:
-            self.add_module(name, linear(hidden_size, hidden_size))
+        q_width, kv_width = num_heads * self.head_dim, (num_kv_heads or num_heads) * self.head_dim
+        shapes = [(hidden_size, q_width, qkv_bias), (hidden_size, kv_width, qkv_bias),
+                  (hidden_size, kv_width, qkv_bias), (q_width, hidden_size, out_bias)]
+        for name, (width_in, width_out, bias) in zip(self.names, shapes):
+            self.add_module(name, linear(width_in, width_out) if bias else linear(width_in, width_out, bias=False))
+        self.q_norm, self.k_norm = (None, None) if qk_norm is None else (qk_norm(), qk_norm())
+        self.rotary = rotary
 
     def parallel_plan(self) -> dict:
         *qkv, out = self.names
@@ -82,7 +98,12 @@ class Attention(nn.Module):
             key = query if key is None else key
             value = key if value is None else value
             projected = (getattr(self, name)(x) for name, x in zip(self.names, (query, key, value)))
-        q, k, v = (x.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for x in projected)
+        q, k, v = (x.unflatten(-1, (-1, self.head_dim)) for x in projected)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, start=cache["k"].shape[2] if cache else 0)
         if cache is not None:
             if cache:
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
@@ -112,8 +133,11 @@ class Attention(nn.Module):
         return F.linear(x, weight, bias).split([linear.weight.shape[0] for linear in linears], dim=-1)
 
     def attend(self, q, k, v, mask=None) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v of every head, then the output projection: -> (B, Tq, H)."""
+        """softmax(q k^T / sqrt(d)) v of every head (a key/value head serving q.shape[1] / k.shape[1] query
+        heads), then the output projection: -> (B, Tq, H)."""
         dropout = self.attention_dropout if self.training else 0.0
+        if k.shape[1] != q.shape[1]:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         if mask is CAUSAL:
             context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         elif isinstance(mask, CausalPrefix):
@@ -152,6 +176,68 @@ class FeedForward(nn.Module):
     def forward(self, x):
         first, second = (getattr(self, name) for name in self.names)
         return second(self.hidden_dropout(self.activation(first(x))))
+
+
+class GatedFeedForward(nn.Module):
+    """The SwiGLU feed-forward of the Llama family: x (..., H) -> down(silu(gate(x)) * up(x)) (..., H), gate
+    and up (H -> F) and down (F -> H) without biases. Gate and up split colwise, down rowwise."""
+
+    names = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int):
+        super().__init__()
+        gate, up, down = self.names
+        self.add_module(gate, nn.Linear(hidden_size, ffn_hidden_size, bias=False))
+        self.add_module(up, nn.Linear(hidden_size, ffn_hidden_size, bias=False))
+        self.add_module(down, nn.Linear(ffn_hidden_size, hidden_size, bias=False))
+
+    def parallel_plan(self) -> dict:
+        gate, up, down = self.names
+        return {gate: "colwise", up: "colwise", down: "rowwise"}
+
+    def forward(self, x):
+        gate, up, down = (getattr(self, name) for name in self.names)
+        return down(F.silu(gate(x)) * up(x))
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoFormer) in the rotate-half layout of Hugging Face's Llama, so its q/k weights
+    need no permutation: q, k (B, h, T, d) -> the same turned by the angles of positions ``start`` .. ``start +
+    T - 1``, frequency i of the pairs (j, j + d/2) being ``theta ** (-2i / d)``. ``scaling``: HF's
+    ``rope_scaling`` of ``rope_type`` "linear" (frequencies / ``factor``) or "llama3" (Llama 3.1's: low
+    frequencies / ``factor``, high ones kept, those between blended). No parameters or buffers: the angles are
+    computed in float32 on q's device at each call."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, dict(scaling or {})
+
+    def frequencies(self, device) -> torch.Tensor:
+        """(d/2,) float32 angles per position of each rotated pair."""
+        d = self.head_dim
+        inv_freq = self.theta ** -(torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+        kind = self.scaling.get("rope_type", self.scaling.get("type"))
+        if kind == "linear":
+            return inv_freq / self.scaling["factor"]
+        if kind != "llama3":
+            return inv_freq
+        factor, low, high = (self.scaling[key] for key in ("factor", "low_freq_factor", "high_freq_factor"))
+        context = self.scaling["original_max_position_embeddings"]
+        wavelength = 2 * math.pi / inv_freq
+        blend = ((context / wavelength - low) / (high - low)).clamp(0, 1)  # 0 at long wavelengths, 1 at short
+        return (1 - blend) * inv_freq / factor + blend * inv_freq
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, start + q.shape[2], dtype=torch.float32, device=q.device)
+        angles = torch.outer(positions, self.frequencies(q.device)).repeat(1, 2)
+        cos, sin = angles.cos(), angles.sin()
+        return tuple((x * cos + rotate_half(x) * sin).to(x.dtype) for x in (q, k))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(..., d) -> (-x[d/2:], x[:d/2]): the second half of each pair's rotation."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
 
 
 class TransformerLayer(nn.Module):

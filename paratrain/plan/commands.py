@@ -88,8 +88,8 @@ def cmd_plan(args) -> int:
 def print_table(cfg, hw, rows: list[dict], top: int) -> None:
     from paratrain.plan import cost
 
-    m = cfg.model
-    print(f"model: {m.kind}, {cost.model_params(m) / 1e9:.3g} B parameters, {m.num_layers} layers, hidden "
+    m, params = cfg.model, cost.model_params(cfg.model)
+    print(f"model: {m.kind}, {params / 1e9:.3g} B parameters ({params:,}), {m.num_layers} layers, hidden "
           f"{m.hidden_size}; {hw.devices} devices ({hw.devices_per_node} per node, {hw.device_memory / cost.GiB:.0f} "
           f"GiB, {hw.peak_flops / 1e12:g} TFLOP/s); global batch {cfg.train.global_batch_size}")
     head = (f"{'#':>4} {'dp':>5} {'mp':>3} {'pp':>3} {'micro':>5} {'mbs':>4} {'zero':>4} {'recompute':>9} {'sp':>3} "

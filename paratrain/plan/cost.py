@@ -180,9 +180,9 @@ def tokens_per_rank(cfg: Config, data_parallel: int) -> int | None:
 
 
 # the role in this cost model of each part the models declare in ``pipeline_parts``
-PART_ROLES = {"embed": "input_embed", "src_embed": "input_embed", "tgt_embed": "target_embed",
-              "transformer.encoder.norm": "encoder_norm", "norm": "head", "transformer.decoder.norm": "head",
-              "head": "head"}
+PART_ROLES = {"embed": "input_embed", "embed_tokens": "input_embed", "src_embed": "input_embed",
+              "tgt_embed": "target_embed", "transformer.encoder.norm": "encoder_norm", "norm": "head",
+              "transformer.decoder.norm": "head", "head": "head"}
 
 
 def layer_names(m: ModelConfig) -> list[str]:

@@ -1,0 +1,106 @@
+"""The llama kind to and from Hugging Face: its parameter names against ``transformers``' (the state-dict
+adapter) and its initial weights from a directory's safetensors, read by DCP's ``HuggingFaceStorageReader`` straight
+into whatever layout the model has (each rank reads its own shards only). Its settings from a ``config.json``:
+``paratrain.config.hf_model_settings``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from paratrain.config import ModelConfig, hf_config_json
+from paratrain.errors import UserError
+
+RENAMED = (("o_proj", "out_proj"), ("lm_head", "head"))  # (HF's, paratrain's) name parts that differ
+
+
+def to_hf(name: str) -> str:
+    """A paratrain parameter name -> its HF name (``layers.0.self_attn.out_proj.weight`` ->
+    ``model.layers.0.self_attn.o_proj.weight``)."""
+    for theirs, ours in RENAMED:
+        name = ".".join(theirs if part == ours else part for part in name.split("."))
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def stored_tensors(directory: str | Path) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor of a directory's ``model.safetensors`` or the shards its
+    ``model.safetensors.index.json`` names; a missing file or broken header refused naming it."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
+            "model.safetensors"]
+        shapes = {}
+        for file in files:
+            with safe_open(str(directory / file), framework="pt") as f:
+                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        return shapes
+    except Exception as err:  # safetensors raises its own error types
+        raise UserError(f"model.from_hf={str(directory)!r}: cannot read its safetensors: {err}") from err
+
+
+def load_hf_weights(parts: list[nn.Module], whole: nn.Module, directory: str | Path) -> None:
+    """Set the parameters of ``parts`` (this rank's model chunks: plain, tensor-parallel or FSDP-sharded) to the
+    HF weights in ``directory``, each rank reading only its shards. ``whole``: the model all ranks hold together
+    (built on the meta device), whose tensors the directory must hold: missing, unexpected and mis-shaped ones
+    are refused first, each named (a tied head has no tensor of its own)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    wanted = {to_hf(name): tuple(tensor.shape) for name, tensor in whole.state_dict().items()}
+    stored = stored_tensors(directory)
+    if whole.head.weight is whole.embed_tokens.weight:
+        wanted.pop("lm_head.weight", None)
+        stored.pop("lm_head.weight", None)  # saved by some exports of tied models
+    problems = [f"missing {name} {shape}" for name, shape in wanted.items() if name not in stored]
+    problems += [f"unexpected {name} {shape}" for name, shape in stored.items() if name not in wanted]
+    problems += [f"{name} is {stored[name]}, the model's is {shape}" for name, shape in wanted.items()
+                 if name in stored and stored[name] != shape]
+    if problems:
+        raise UserError(f"model.from_hf={str(directory)!r} does not fit the model:\n" +
+                        "\n".join(f"  - {p}" for p in problems))
+    for part in parts:
+        state = {name: tensor for name, tensor in get_model_state_dict(part).items() if to_hf(name) in wanted}
+        hf_state = {to_hf(name): tensor for name, tensor in state.items()}
+        with torch.device("cpu"):  # the reader's own tensors (file reads) are host tensors, whatever the default
+            dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(directory)))
+        set_model_state_dict(part, {name: hf_state[to_hf(name)] for name in state},
+                             options=StateDictOptions(strict=False))
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
+              trust_unverified: bool = False) -> Path:
+    """Write the llama-kind model of ``checkpoint`` (saved under any layout) as a Hugging Face directory that
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads: ``config.json``, safetensors shards (one per
+    layer, and one for the embedding, norm and head) with their index written by DCP's
+    ``HuggingFaceStorageWriter``, and the tokenizer files of the run's ``model.from_hf`` if it had one."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from paratrain.checkpoint.full import load_full_tensors
+    from paratrain.checkpoint.storage import read_meta, resolve
+
+    path = resolve(checkpoint)
+    m = ModelConfig(**read_meta(path)["config"]["model"])
+    if m.kind != "llama":
+        raise UserError(f"export --format hf: {path} holds a model.kind={m.kind!r} model; only 'llama' has a "
+                        f"Hugging Face counterpart (export it as one .safetensors file instead)")
+    tensors = {to_hf(name): tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
+               for name, tensor in load_full_tensors(path, trust_unverified=trust_unverified).items()}
+    if m.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    shards = {name: int(name.split(".")[2]) + 2 if name.startswith("model.layers.") else 1 for name in tensors}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(out), fqn_to_index_mapping=shards), no_dist=True)
+    written = dict(hf_config_json(m), dtype=str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch."))
+    (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        source = Path(m.from_hf) / name if m.from_hf else None
+        if source is not None and source.is_file():
+            (out / name).write_bytes(source.read_bytes())
+    return out

@@ -1,0 +1,282 @@
+"""The llama kind against ``transformers`` itself: tiny random Llama, Qwen2, Qwen3 and Mistral models made here and
+saved in two shards; paratrain's logits from their directories equal HF's, on one process and on 2 gloo ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch.nn.functional as F
+
+from multiprocess import run_distributed
+from paratrain import config_file
+from paratrain.config import ConfigError, ModelConfig
+from paratrain.config import hf_model_settings as model_settings, read_hf_config as read_config
+from paratrain.errors import UserError
+from paratrain.models import build_model
+from paratrain.models.hf import load_hf_weights
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 64, 12
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+             num_hidden_layers=2, max_position_embeddings=64)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+CASES = {
+    "llama_gqa2": ("LlamaConfig", {}),
+    "llama_mqa": ("LlamaConfig", {"num_key_value_heads": 1}),
+    "llama3_rope_tied": ("LlamaConfig", {"rope_parameters": {"rope_theta": 500000.0, **LLAMA3},
+                                         "tie_word_embeddings": True}),
+    "llama_linear_rope": ("LlamaConfig", {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "linear",
+                                                              "factor": 2.0}}),
+    "qwen2_bias": ("Qwen2Config", {}),
+    "qwen3_qk_norm_head_dim": ("Qwen3Config", {"head_dim": 16, "tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+}
+
+
+def hf_model(case: str):
+    name, extra = CASES[case]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, name)(**{**SIZES, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    with torch.no_grad():  # HF's init leaves norms at 1 and biases at 0: random ones catch a misplaced one
+        for pname, p in model.named_parameters():
+            if "norm" in pname or "bias" in pname:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """case -> (directory of the HF model saved in two shards, HF's logits of ``ids``)."""
+    out = {}
+    for case in CASES:
+        model, directory = hf_model(case), tmp_path_factory.mktemp(case)
+        model.save_pretrained(directory, max_shard_size="40KB")
+        assert (directory / "model.safetensors.index.json").exists()
+        with torch.no_grad():
+            out[case] = (directory, model(ids()).logits)
+    return out
+
+
+def ids() -> torch.Tensor:
+    return torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def llama_config(directory, **keys) -> ModelConfig:
+    return ModelConfig(**{"kind": "llama", "seq_length": SEQ, "hidden_dropout": 0.0,
+                          **model_settings(read_config(directory)), **keys})
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_equal_transformers_on_one_process(case, hf_dirs):
+    directory, want = hf_dirs[case]
+    model = build_model(llama_config(directory)).eval()
+    load_hf_weights([model], model, directory)
+    with torch.no_grad():
+        got = model(ids())
+    assert relative(got, want) <= 1e-5
+
+
+def test_settings_follow_config_json(hf_dirs):
+    settings = model_settings(read_config(hf_dirs["qwen3_qk_norm_head_dim"][0]))
+    assert settings["head_dim"] == 16 and settings["qk_norm"] and not settings["qkv_bias"]
+    assert settings["tie_embeddings"] and settings["num_kv_heads"] == 2
+    llama3 = model_settings(read_config(hf_dirs["llama3_rope_tied"][0]))
+    assert llama3["rope_theta"] == 500000.0 and llama3["rope_scaling"] == LLAMA3
+    assert model_settings(read_config(hf_dirs["qwen2_bias"][0]))["qkv_bias"]
+
+
+def test_other_architectures_refused_naming_them():
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM"):
+        model_settings({"architectures": ["GPT2LMHeadModel"]})
+
+
+def test_missing_unexpected_and_misshaped_tensors_refused_naming_each(hf_dirs):
+    directory = hf_dirs["llama_gqa2"][0]
+    model = build_model(llama_config(directory, ffn_hidden_size=40, decoder_layers=3))
+    with pytest.raises(UserError) as err:
+        load_hf_weights([model], model, directory)
+    message = str(err.value)
+    assert "missing model.layers.2.self_attn.q_proj.weight" in message
+    assert "model.layers.0.mlp.up_proj.weight is (48, 32), the model's is (40, 32)" in message
+
+
+def test_kv_heads_model_parallel_rule_names_the_values_that_work():
+    from paratrain.config import Config
+    from paratrain.config_rules import validate
+
+    cfg = Config()
+    cfg.model = ModelConfig(kind="llama", hidden_size=64, num_heads=8, num_kv_heads=2, ffn_hidden_size=64)
+    cfg.parallel.model_parallel = 4
+    problems = validate(cfg)
+    assert any("num_kv_heads=2 is not divisible by parallel.model_parallel=4" in p and "[1, 2]" in p
+               for p in problems), problems
+    cfg.model = ModelConfig(kind="gpt", num_kv_heads=2)
+    cfg.parallel.model_parallel = 1
+    assert any("model.num_kv_heads=2 is a key of model.kind='llama'" in p for p in validate(cfg))
+
+
+def test_the_toml_takes_config_json_and_refuses_a_contradiction_showing_both(hf_dirs):
+    directory = str(hf_dirs["qwen3_qk_norm_head_dim"][0])
+    cfg = config_file.from_dict({"model": {"from_hf": directory, "seq_length": SEQ}})
+    m = cfg.model
+    assert (m.kind, m.num_kv_heads, m.head_dim, m.qk_norm, m.hidden_dropout) == ("llama", 2, 16, True, 0.0)
+    with pytest.raises(ConfigError) as err:
+        config_file.from_dict({"model": {"from_hf": directory, "num_heads": 8, "kind": "gpt", "ffn_hidden_size": 48}})
+    message = str(err.value)
+    assert "model.num_heads=8 contradicts" in message and "(num_attention_heads): 4" in message
+    assert "model.kind='gpt' contradicts" in message and "ffn_hidden_size" not in message
+
+
+STEPS, BATCH, LR = 5, 4, 2e-3
+LAYOUTS = {  # name: (case, world size, parallel section)
+    "one_process": ("llama_gqa2", 1, {}),
+    "tp2": ("llama_gqa2", 2, {"mp": 2}),
+    "dp2_zero3": ("llama_gqa2", 2, {"dp": 2, "zero_stage": 3}),
+    "qwen3_tied_tp2_vocab_rows_sp": ("qwen3_qk_norm_head_dim", 2, {"mp": 2, "vocab_emb_dp": False,
+                                                                   "sequence_parallel": True}),
+    "qwen2_dp2_zero3": ("qwen2_bias", 2, {"dp": 2, "zero_stage": 3}),
+    "llama3_tied_pp2_1f1b": ("llama3_rope_tied", 2, {"pp": 2, "micro_batch_num": 2, "pipeline_schedule": "1f1b"}),
+}
+
+
+def run_config(directory, tmp_dir, parallel: dict):
+    return config_file.from_dict({
+        "run": {"dir": str(tmp_dir)}, "model": {"from_hf": str(directory), "seq_length": SEQ},
+        "parallel": parallel, "metrics": {"log_steps": 1},
+        "train": {"steps": STEPS, "global_batch_size": BATCH, "lr": LR, "min_lr": LR, "warmup_steps": 0,
+                  "weight_decay": 0.0, "grad_clip": 0.0}})
+
+
+def trainer_losses(cfg) -> list[float]:
+    from paratrain.trainer import Trainer
+
+    return [record["loss"] for record in Trainer(cfg).train()]
+
+
+def plain_hf_losses(case: str, cfg) -> list[float]:
+    """A plain torch loop over the HF model on the batches paratrain trains on, with the same AdamW."""
+    from paratrain.data.loader import ShardedBatches, build_dataset
+
+    model, t = hf_model(case).train(), cfg.train
+    data = ShardedBatches(build_dataset(cfg), BATCH, 0, 1, torch.device("cpu"), cfg.model.pad_token_id)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=0.0,
+                                  fused=True)
+    losses = []
+    for step in range(STEPS):
+        batch = data.host_rows(step)
+        logits = model(batch["input_ids"]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_five_steps_from_hf_weights_equal_a_plain_loop_over_the_hf_model(layout, hf_dirs, tmp_path):
+    case, world_size, parallel = LAYOUTS[layout]
+    cfg = run_config(hf_dirs[case][0], tmp_path / layout, parallel)
+    want = plain_hf_losses(case, cfg)
+    got = trainer_losses(cfg) if world_size == 1 else run_distributed(trainer_losses, world_size, cfg,
+                                                                      timeout=300)[0]
+    assert len(got) == STEPS and want[-1] < want[0]
+    # the first loss is the HF weights' forward; Adam then amplifies the summation order of sharded matmuls
+    errors = [abs(a - b) / b for a, b in zip(got, want)]
+    assert errors[0] <= 1e-5 and max(errors) <= (1e-5 if world_size == 1 else 1e-4), (got, want)
+
+
+def test_plan_counts_llama3_8b_from_the_module_built_on_the_meta_device(capsys):
+    from conftest import ROOT
+    from paratrain.cli import main
+
+    assert main(["plan", "--config", str(ROOT / "examples/llama3_8b.toml"), "--top", "1"]) in (0, None)
+    assert "model: llama, 8.03 B parameters (8,030,261,248), 32 layers" in capsys.readouterr().out
+
+
+def test_a_resumed_run_goes_on_from_its_own_checkpoint_not_the_hf_weights(hf_dirs, tmp_path):
+    case = "llama_gqa2"
+    cfg = run_config(hf_dirs[case][0], tmp_path, {})
+    want = plain_hf_losses(case, cfg)
+    cfg.train.steps, cfg.checkpoint.save_steps = 3, 3
+    first = trainer_losses(cfg)
+    cfg.train.steps = STEPS
+    resumed = trainer_losses(cfg)
+    got = first + resumed
+    assert len(resumed) == STEPS - 3
+    assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-5, (got, want)
+
+
+def test_export_of_a_tp2_run_loads_in_transformers_with_the_same_logits(hf_dirs, tmp_path):
+    """A tp2 run of Qwen3 (tied, head_dim 16) saved after 2 steps, exported as an HF directory from its sharded
+    checkpoint: transformers' logits of the export equal paratrain's of the checkpoint."""
+    from paratrain.checkpoint import export
+    from paratrain.cli import main
+
+    directory = hf_dirs["qwen3_qk_norm_head_dim"][0]
+    cfg = run_config(directory, tmp_path / "run", {"mp": 2, "vocab_emb_dp": False})
+    cfg.train.steps, cfg.checkpoint.save_steps = 2, 2
+    run_distributed(trainer_losses, 2, cfg, timeout=300)
+    assert main(["export", str(cfg.checkpoint_path), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
+    model = build_model(cfg.model).eval()
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(export(cfg.checkpoint_path, tmp_path / "plain.safetensors")))
+    with torch.no_grad():
+        want, got = model(ids()), loaded(ids()).logits
+    assert relative(got, want) <= 1e-5
+    assert relative(want, hf_dirs["qwen3_qk_norm_head_dim"][1]) > 1e-4  # trained: not the HF weights again
+
+
+def meta_and_normal_losses(cfg, meta_dir) -> tuple[list[float], list[float]]:
+    normal = trainer_losses(cfg)
+    cfg.run.dir = str(meta_dir)
+    torch.set_default_device("meta")  # a tensor made without naming its device fails loudly
+    try:
+        return normal, trainer_losses(cfg)
+    finally:
+        torch.set_default_device(None)
+
+
+@pytest.mark.parametrize("parallel", [{}, {"mp": 2}], ids=["one_process", "tp2"])
+def test_from_hf_trains_under_a_meta_default_device(parallel, hf_dirs, tmp_path):
+    cfg = run_config(hf_dirs["qwen3_qk_norm_head_dim"][0], tmp_path / "normal", {**parallel, "vocab_emb_dp": False})
+    cfg.train.steps = 2
+    if parallel:
+        normal, meta = run_distributed(meta_and_normal_losses, 2, cfg, str(tmp_path / "meta"), timeout=300)[0]
+    else:
+        normal, meta = meta_and_normal_losses(cfg, tmp_path / "meta")
+    assert normal == pytest.approx(meta, rel=1e-6)
+
+
+def test_flops_count_the_matmuls_of_the_module_built_on_the_meta_device():
+    """A layer's dense FLOPs are 2 x tokens x its weight matrices' sizes (grouped kv heads, head_dim, gated FFN)."""
+    from paratrain.metrics.flops import layer_flops
+
+    m = ModelConfig(kind="llama", hidden_size=64, num_heads=4, num_kv_heads=1, head_dim=24, ffn_hidden_size=96,
+                    seq_length=16)
+    with torch.device("meta"):
+        layer = build_model(m).layers["0"]
+    matrices = sum(p.numel() for name, p in layer.named_parameters() if name.endswith("proj.weight"))
+    assert layer_flops(m, False, 2)["dense"] == 2 * 2 * 16 * matrices
+
+
+def test_a_broken_safetensors_header_is_refused_naming_the_directory(hf_dirs, tmp_path):
+    import shutil
+
+    directory = tmp_path / "broken"
+    shutil.copytree(hf_dirs["llama_gqa2"][0], directory)
+    shard = sorted(directory.glob("*.safetensors"))[0]
+    shard.write_bytes(b"\xff" * 16 + shard.read_bytes()[16:])
+    model = build_model(llama_config(directory))
+    with pytest.raises(UserError, match="cannot read its safetensors"):
+        load_hf_weights([model], model, directory)
