@@ -123,6 +123,22 @@ def test_layers_and_stacks_are_the_built_in_models_under_mindspore_names():
     assert isinstance(stack, shared.TransformerStack) and isinstance(stack.blocks[0], shared.TransformerLayer)
 
 
+def test_encoder_layer_post_layernorm_follows_mindspore():
+    """MindSpore's encoder post-LN adds the unnormalised input to the attention, normalises with layernorm2, and
+    ends with layernorm1; its decoder's keeps the normalised input on the residual (the shared layer's form)."""
+    torch.manual_seed(0)
+    layer = encoder_layer(post_layernorm_residual=True)
+    for norm in (layer.layernorm1, layer.layernorm2):
+        torch.nn.init.normal_(norm.weight)
+        torch.nn.init.normal_(norm.bias)
+    x, mask = torch.randn(B, S, H), torch.ones(B, S, S)
+    middle = layer.layernorm2(x + layer.attention(x, x, x, mask)[0])
+    want = layer.layernorm1(middle + layer.output(middle))
+    got, (key, value) = layer(x, mask)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(layer(x.reshape(B * S, H), mask)[0], want.reshape(B * S, H))
+
+
 def test_layer_and_stack_shapes():
     out, (key, value) = TransformerEncoderLayer(batch_size=2, hidden_size=8, ffn_hidden_size=64, seq_length=16,
                                                 num_heads=2)(ones(2, 16, 8), ones(2, 16, 16))
@@ -213,7 +229,7 @@ def test_cross_entropy_loss_is_the_mean_over_masked_tokens():
     keep = input_mask.bool()
     loss_fn = CrossEntropyLoss()
     loss = loss_fn(logits, labels, input_mask)
-    expected = F.cross_entropy(logits[keep], labels[keep].long())
+    expected = (F.cross_entropy(logits[keep], labels[keep].long(), reduction="sum") / (keep.sum() + 1e-5)).reshape(1)
     torch.testing.assert_close(loss, expected)
     grad, = torch.autograd.grad(loss, logits)
     torch.testing.assert_close(grad, torch.autograd.grad(expected, logits)[0])
@@ -229,6 +245,21 @@ def test_cross_entropy_loss_is_the_mean_over_masked_tokens():
     loss_fn.reduction = "sum"
     with pytest.raises(UserError, match="reduction='sum'"):
         loss_fn(logits, labels, input_mask)
+
+
+def test_cross_entropy_loss_follows_mindspore_value_shape_and_arguments():
+    """MindSpore's loss: shape (1,) (``loss[0]`` works), over ``Σmask + 1e-5``, each token's value
+    ``-log(softmax + 1e-24)`` (saturating near 55.26) with the plain cross-entropy's gradient; the forward's
+    keywords are MindSpore's (``label``)."""
+    logits = torch.tensor([[0.0, 200.0], [0.0, 0.0]], requires_grad=True)
+    label, mask = torch.tensor([0, 0], dtype=torch.int32), torch.tensor([1.0, 0.0])
+    loss = CrossEntropyLoss()(logits=logits, label=label, input_mask=mask)
+    assert loss.shape == (1,)
+    torch.testing.assert_close(loss[0], -torch.log(torch.tensor(1e-24)) / (1 + 1e-5))
+    grad, = torch.autograd.grad(loss[0], logits)
+    torch.testing.assert_close(grad, torch.tensor([[-1.0, 1.0], [0.0, 0.0]]) / (1 + 1e-5))
+    half = CrossEntropyLoss()(torch.zeros(1, 2), torch.tensor([1], dtype=torch.int32), torch.tensor([0.5]))
+    torch.testing.assert_close(half, torch.log(torch.tensor([2.0])) * 0.5 / (0.5 + 1e-5))
 
 
 def _vocab_parallel_loss(logits, labels, input_mask):

@@ -338,3 +338,31 @@ def test_model_rebuilds_momentum_with_its_learning_rate_and_groups(learning_rate
         rebuilt.zero_grad()
         rates.append(rebuilt.param_groups[1]["lr"])
     assert rates == [opt.rate(s) for s in range(4)]
+
+
+def test_ungrouped_trainable_params_leave_layer_norms_undecayed_as_mindspore():
+    """MindSpore's default filter: ungrouped, a parameter named with ``beta`` or ``gamma`` (a LayerNorm's, as
+    ``trainable_params()`` names them) is not decayed; the others are, and unnamed torch parameters too."""
+    from paratrain.nn import Cell, Dense
+    from paratrain.nn.layers import _LayerNorm
+
+    class Net(Cell):
+        def __init__(self):
+            super().__init__()
+            self.dense, self.norm = Dense(3, 3), _LayerNorm(3, torch.float32, torch.float32)
+
+    net = Net()
+    params = net.trainable_params()
+    assert [p.param_name for p in params] == ["dense.weight", "dense.bias", "norm.gamma", "norm.beta"]
+    before = [p.detach().clone() for p in params]
+    opt = AdamWeightDecay(params, learning_rate=0.1, weight_decay=0.5)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    for p, old in zip(params, before):
+        torch.testing.assert_close(p.detach(), old * (1 - 0.05) ** 3 if "dense" in p.param_name else old)
+    unnamed = torch.nn.Parameter(torch.ones(2))
+    unnamed.grad = torch.zeros(2)
+    AdamWeightDecay([unnamed], learning_rate=0.1, weight_decay=0.5).step()
+    torch.testing.assert_close(unnamed.detach(), torch.full((2,), 0.95))

@@ -13,6 +13,7 @@ from paratrain.errors import UserError
 from paratrain.nn.config import check_sizes
 
 RECOMPUTE_MODES = ("none", "full", "selective")
+LAYER_NORM_NAMES = {"weight": "gamma", "bias": "beta"}
 
 
 class Cell(nn.Module):
@@ -44,6 +45,19 @@ class Cell(nn.Module):
     def parallel_plan(self) -> dict[str, str]:
         """Tensor-parallel split of this cell's direct Linear/Embedding children by name; ``{}``: none."""
         return {}
+
+    def trainable_params(self, recurse: bool = True) -> list[nn.Parameter]:
+        """The parameters that require grad, each with ``param_name`` set to its MindSpore name: its path in this cell,
+        a LayerNorm's weight and bias named ``gamma`` and ``beta`` (the names MindSpore's optimizers filter by)."""
+        params = []
+        for path, param in self.named_parameters(recurse=recurse):
+            if param.requires_grad:
+                owner, _, leaf = path.rpartition(".")
+                if isinstance(self.get_submodule(owner), nn.LayerNorm):
+                    leaf = LAYER_NORM_NAMES.get(leaf, leaf)
+                param.param_name = f"{owner}.{leaf}" if owner else leaf
+                params.append(param)
+        return params
 
 
 class PipelineCell(nn.Module):

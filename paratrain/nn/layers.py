@@ -128,6 +128,9 @@ class VocabEmbedding(_SplitWhenParallel, shared.VocabEmbedding, Cell):
         check_divisible("VocabEmbedding", self.model_parallel, vocab_size=vocab_size)
         initialize(self.embedding.weight, param_init, "VocabEmbedding")
 
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().forward(input_ids)
+
     @property
     def embedding_table(self) -> nn.Parameter:
         """The (V, E) table under MindSpore's name."""

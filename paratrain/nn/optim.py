@@ -114,12 +114,20 @@ class Momentum(_Scheduled, torch.optim.SGD):
         return loss
 
 
+def decays(param: torch.Tensor) -> bool:
+    """MindSpore's default weight-decay filter of ungrouped parameters, on the name ``trainable_params()`` gives."""
+    name = getattr(param, "param_name", None) or ""
+    return "beta" not in name and "gamma" not in name
+
+
 class AdamWeightDecay(_Scheduled, torch.optim.Optimizer):
     """``AdamWeightDecay(params, learning_rate=1e-3, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.0)``,
     MindSpore's update, without torch AdamW's bias correction: ``param -= lr * (m / (sqrt(v) + eps) +
     weight_decay * param)``. ``learning_rate`` as ``rate_function`` takes it; a group may hold its own ``lr``
     with a number. ``params`` may be MindSpore's groups (dicts with ``params`` and their own ``weight_decay``;
-    an ``order_params`` group has no effect: torch keeps the parameters' order)."""
+    an ``order_params`` group has no effect: torch keeps the parameters' order). Ungrouped, as MindSpore's, a
+    parameter whose ``param_name`` contains ``beta`` or ``gamma`` is not decayed (``Cell.trainable_params()`` names a
+    LayerNorm's ``gamma`` and ``beta``; a parameter without a name is decayed)."""
 
     def __init__(self, params, learning_rate=1e-3, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-6,
                  weight_decay: float = 0.0):
@@ -131,6 +139,10 @@ class AdamWeightDecay(_Scheduled, torch.optim.Optimizer):
         params = list(params)
         if params and isinstance(params[0], dict):
             params = [group for group in params if "order_params" not in group]
+        else:
+            params = [group for group in ({"params": [p for p in params if decays(p)]},
+                                          {"params": [p for p in params if not decays(p)], "weight_decay": 0.0})
+                      if group["params"]]
         self._init_rate(learning_rate, "AdamWeightDecay")
         super().__init__(params, {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "eps": eps,
                                   "weight_decay": weight_decay})

@@ -79,7 +79,8 @@ class _Layer(shared.TransformerLayer, Cell):
 
 class TransformerEncoderLayer(_Layer):
     """Self-attention then FFN, each behind a LayerNorm with a residual add:
-    x (B, S, H) or (B*S, H), input_mask (B, S, S) -> ``(output shaped like x, (key, value))``."""
+    x (B, S, H) or (B*S, H), input_mask (B, S, S) -> ``(output shaped like x, (key, value))``.
+    ``post_layernorm_residual=True``: ``y = layernorm2(x + attention(x))``, output ``layernorm1(y + output(y))``."""
 
     def __init__(self, batch_size: int, hidden_size: int, ffn_hidden_size: int, num_heads: int, seq_length: int,
                  attention_dropout_rate: float = 0.1, hidden_dropout_rate: float = 0.1,
@@ -96,7 +97,14 @@ class TransformerEncoderLayer(_Layer):
         self._build_ffn(hidden_size, ffn_hidden_size, hidden_dropout_rate, hidden_act, moe_config, parallel_config)
 
     def forward(self, x, input_mask=None, init_reset=True, batch_valid_length=None):
-        return super().forward(x, input_mask)
+        if not self.post_layernorm_residual:
+            return super().forward(x, input_mask)
+        # MindSpore's encoder post-LN differs from its decoder's: the input is added unnormalised, and layernorm1
+        # normalises the layer's output
+        update, presents = self.attention(x, attention_mask=input_mask)
+        x = self.layernorm2(x + update)
+        update, *aux_loss = self.output(x) if isinstance(self.output, MoE) else (self.output(x),)
+        return (self.layernorm1(x + update), presents, *aux_loss)
 
 
 class TransformerDecoderLayer(_Layer):
