@@ -205,11 +205,11 @@ class Clock:
         return time.perf_counter() - self.start
 
     def measured(self, memory_start: float, model: torch.nn.Module, losses: list) -> dict:
-        """What a side reports: its timed seconds, peak memory, parameter count, every step's loss and, if
-        profiled, where its profiled step's time went."""
+        """What a side reports: its timed seconds, peak memory, parameter count, every step's loss (``losses``: floats or
+        the steps' loss tensors, () or MindSpore's (1,)) and, if profiled, where its profiled step's time went."""
         seconds = self.seconds()
         params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-        losses = [float(loss) for loss in losses]
+        losses = torch.stack([torch.as_tensor(loss).reshape(()) for loss in losses]).tolist()  # one device wait
         return {"seconds": seconds, "peak_memory_mb": peak_memory_mb(self.device, memory_start), "params": params,
                 "losses": losses, "loss_first": losses[0], "loss_last": losses[-1],
                 **({"profile": self.profiled} if self.profiled else {})}
@@ -305,7 +305,7 @@ def timed_loop(step, model: torch.nn.Module, cfg: Config, device: torch.device, 
         batch = {k: v.to(device, non_blocking=True)
                  for k, v in data.batch_rows(number, 0, cfg.train.global_batch_size).items()}
         losses.append(step(batch).detach())
-    return clock.measured(memory_start, model, torch.stack(losses).tolist())
+    return clock.measured(memory_start, model, losses)
 
 
 class ScratchBlock(torch.nn.Module):
@@ -455,7 +455,7 @@ def run_mindspore_model(cfg: Config, device: torch.device, clock: Clock, compile
         model.train(1, list(mindspore_batches(cfg)), callbacks=[Timed()])
     finally:
         set_context(mode=PYNATIVE_MODE)
-    return clock.measured(memory_start, net, torch.stack(losses).tolist())
+    return clock.measured(memory_start, net, losses)
 
 
 def run_mindspore_loop(cfg: Config, device: torch.device, clock: Clock, compile: bool, padded: int = 0) -> dict:
@@ -476,7 +476,7 @@ def run_mindspore_loop(cfg: Config, device: torch.device, clock: Clock, compile:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    return clock.measured(memory_start, net, torch.stack(losses).tolist())
+    return clock.measured(memory_start, net, losses)
 
 
 def fp8_refusal(device: torch.device) -> str | None:
