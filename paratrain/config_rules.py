@@ -354,8 +354,8 @@ MOE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MoEConfig)}
 
 def moe_problems(values: Mapping[str, Any], where: str = "model.moe.") -> list[str]:
     """Every rule the mixture-of-experts settings ``values`` (``MoEConfig``'s fields; the others at their
-    defaults) break on their own, each named ``<where><field>``."""
-    moe = {**MOE_DEFAULTS, **values}
+    defaults, any other key left to its owner) break on their own, each named ``<where><field>``."""
+    moe = {**MOE_DEFAULTS, **{name: value for name, value in values.items() if name in MOE_DEFAULTS}}
     problems = [q for name, value in moe.items() if name != "expert_group_size"
                 and (q := value_problem(where + name, value, MOE_DEFAULTS[name]))]
     group = moe["expert_group_size"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paratrain import config as settings
-from paratrain.config import ConfigError, ParallelConfig
+from paratrain.config import DERIVED, ConfigError, ParallelConfig
 from paratrain.config_rules import (expert_split_problems, moe_problems, parallel_field_problem, parallel_problems,
                                    type_problems, value_problem, world_size_problems)
 from paratrain.errors import UserError
@@ -49,23 +49,61 @@ class EmbeddingOpParallelConfig(_CheckedWhenSet, settings.EmbeddingOpParallelCon
     given."""
 
 
-@dataclass
+@dataclass(init=False)
 class TransformerOpParallelConfig(_CheckedWhenSet, ParallelConfig):
-    """``paratrain.config.ParallelConfig`` under MindSpore's name, as a script builds it: every setting is checked
-    when given and when set later, and the settings together when built (``config_rules.parallel_problems``:
-    optimizer offload needs a zero stage...)."""
+    """``paratrain.config.ParallelConfig`` under MindSpore's name, as a script builds it: MindSpore's arguments in
+    MindSpore's order and with its defaults (``gradient_aggregation_group=4``: 4 communication groups of layers;
+    ``[parallel]``'s default 0 is one per layer), then any other ``ParallelConfig`` setting by keyword.
+    ``pipeline_segment`` is ``virtual_pipeline_stage`` (model chunks per pipeline rank). ``data_parallel`` not
+    given is derived from the world size. Every setting is checked when given and when set later, and the
+    settings together when built (``config_rules.parallel_problems``: optimizer offload needs a zero stage...)."""
 
-    def __post_init__(self):
+    def __init__(self, data_parallel=DERIVED, model_parallel=1, expert_parallel=1, pipeline_stage=1,
+                 pipeline_segment=1, micro_batch_num=1, recompute="none", optimizer_shard=False,
+                 gradient_aggregation_group=4, vocab_emb_dp=True, **settings_by_name):
+        virtual = settings_by_name.pop("virtual_pipeline_stage", pipeline_segment)
+        if pipeline_segment not in (1, virtual):
+            raise UserError(f"{type(self).__name__}(pipeline_segment={pipeline_segment}, virtual_pipeline_stage="
+                            f"{virtual}): both name the model chunks per pipeline rank; give one")
+        super().__init__(data_parallel=data_parallel, model_parallel=model_parallel, expert_parallel=expert_parallel,
+                         pipeline_stage=pipeline_stage, virtual_pipeline_stage=virtual,
+                         micro_batch_num=micro_batch_num, recompute=recompute, optimizer_shard=optimizer_shard,
+                         gradient_aggregation_group=gradient_aggregation_group, vocab_emb_dp=vocab_emb_dp,
+                         **settings_by_name)
         ConfigError.raise_any(parallel_problems(self, f"{type(self).__name__}."))
+
+    @property
+    def pipeline_segment(self) -> int:
+        """MindSpore's name for ``virtual_pipeline_stage``."""
+        return self.virtual_pipeline_stage
+
+    @pipeline_segment.setter
+    def pipeline_segment(self, value: int) -> None:
+        self.virtual_pipeline_stage = value
 
 
 @dataclass
 class MoEConfig(settings.MoEConfig):
     """MindSpore's ``MoEConfig`` (``paratrain.config.MoEConfig``), checked when built by ``paratrain train``'s rules
-    for ``model.moe`` (``config_rules.moe_problems``)."""
+    for ``model.moe`` (``config_rules.moe_problems``). MindSpore's communication options ``group_wise_a2a``,
+    ``comp_comm_parallel`` and ``comp_comm_parallel_degree`` are checked and taken; they change how MindSpore
+    overlaps the experts' all-to-all, not the result, and here they change nothing."""
+
+    group_wise_a2a: bool = False
+    comp_comm_parallel: bool = False
+    comp_comm_parallel_degree: int = 2
 
     def __post_init__(self):
-        ConfigError.raise_any(moe_problems(vars(self), "MoEConfig."))
+        problems = moe_problems(vars(self), "MoEConfig.")
+        problems += [q for name in COMMUNICATION_OPTIONS
+                     if (q := value_problem(f"MoEConfig.{name}", getattr(self, name), MOE_COMMUNICATION[name]))]
+        if not problems and self.comp_comm_parallel_degree < 1:
+            problems.append(f"MoEConfig.comp_comm_parallel_degree={self.comp_comm_parallel_degree} must be positive")
+        ConfigError.raise_any(problems)
+
+
+COMMUNICATION_OPTIONS = ("group_wise_a2a", "comp_comm_parallel", "comp_comm_parallel_degree")
+MOE_COMMUNICATION = {name: MoEConfig.__dataclass_fields__[name].default for name in COMMUNICATION_OPTIONS}
 
 
 @dataclass

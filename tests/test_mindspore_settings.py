@@ -316,7 +316,7 @@ class _BlocksNet(torch.nn.Module):
         super().__init__()
         self.embedding = VocabEmbedding(16, 16)
         self.transformer = Transformer(hidden_size=16, batch_size=4, ffn_hidden_size=32, src_seq_length=8,
-                                       tgt_seq_length=8, encoder_layers=0, decoder_layers=1, num_heads=2,
+                                       tgt_seq_length=8, encoder_layers=1, decoder_layers=0, num_heads=2,
                                        attention_dropout_rate=0.0, hidden_dropout_rate=0.0)
 
     def forward(self, ids, labels):

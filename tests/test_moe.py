@@ -110,7 +110,7 @@ class MoENet(nn.Module):
 
         self.embedding = VocabEmbedding(VOCAB, HIDDEN, parallel_config=parallel_config.embedding_dp_mp_config)
         self.mask = AttentionMask(SEQ, parallel_config=parallel_config.dp_mp_config)
-        self.transformer = Transformer(HIDDEN, ROWS, 32, SEQ, SEQ, encoder_layers=0, decoder_layers=2, num_heads=2,
+        self.transformer = Transformer(HIDDEN, ROWS, 32, SEQ, SEQ, encoder_layers=2, decoder_layers=0, num_heads=2,
                                        attention_dropout_rate=0.0, hidden_dropout_rate=0.0, moe_config=moe_config,
                                        parallel_config=parallel_config)
         self.head = nn.Linear(HIDDEN, VOCAB)
@@ -312,7 +312,8 @@ def _regularised_losses(graph: bool) -> list[float]:
     with torch.no_grad():
         first = float(net(*data[0]))
     Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1)).train(1, data, callbacks=[losses])
-    assert losses.values[0] == pytest.approx(first, rel=1e-6)
+    # a placed step divides by the global token count, a plain call by Σmask + 1e-5 (as MindSpore)
+    assert losses.values[0] == pytest.approx(first, rel=1e-5 / ROWS + 1e-6)
     return losses.values
 
 
@@ -477,7 +478,7 @@ def test_mindspore_blocks_refuse_what_the_experts_cannot_split():
     from paratrain.nn import MoEConfig, Transformer
 
     with pytest.raises(UserError, match="expert_num=6 is not divisible by parallel_config.expert_parallel=4"):
-        Transformer(16, 8, 32, 6, 6, encoder_layers=0, decoder_layers=1, num_heads=2,
+        Transformer(16, 8, 32, 6, 6, encoder_layers=1, decoder_layers=0, num_heads=2,
                     moe_config=MoEConfig(expert_num=6), parallel_config=TransformerOpParallelConfig(
                         data_parallel=4, expert_parallel=4))
 

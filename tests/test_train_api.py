@@ -395,7 +395,7 @@ class TutorialNet(nn.Module):
         super().__init__()
         self.embedding = VocabEmbedding(vocab, 16, parallel_config=config.embedding_dp_mp_config)
         self.transformer = Transformer(hidden_size=16, batch_size=8, ffn_hidden_size=32, src_seq_length=length,
-                                       tgt_seq_length=length, encoder_layers=0, decoder_layers=2, num_heads=2,
+                                       tgt_seq_length=length, encoder_layers=2, decoder_layers=0, num_heads=2,
                                        attention_dropout_rate=0.0, hidden_dropout_rate=0.0, parallel_config=config)
         self.attention_mask = AttentionMask(length)
         self.loss = CrossEntropyLoss(parallel_config=config.dp_mp_config)

@@ -207,9 +207,8 @@ class Transformer(Cell):
     """Encoder-decoder Transformer (pre-LayerNorm by default, no final LayerNorm, as MindSpore's):
     encoder_inputs (B, S, H), encoder_masks (B, S, S), decoder_inputs (B, T, H), decoder_masks (B, T, T),
     memory_mask (B, T, S) -> ``(output, encoder_layer_present, decoder_layer_present)``; ``output`` is the
-    decoder's (B, T, H), or the encoder's (B, S, H) when ``decoder_layers=0``. With ``encoder_layers=0`` the
-    decoder is a stack of ``TransformerEncoderLayer`` blocks (no cross-attention) on ``decoder_inputs`` (else
-    ``encoder_inputs``) and ``encoder_layer_present`` is None. The default ``lambda_func`` spreads both stacks'
+    decoder's (B, T, H), or the encoder's (B, S, H) when ``decoder_layers=0`` (then ``decoder_layer_present``
+    is None). ``encoder_layers`` must be positive, as MindSpore's. The default ``lambda_func`` spreads both stacks'
     layers together evenly over the pipeline stages."""
 
     def __init__(self, hidden_size: int, batch_size: int, ffn_hidden_size: int, src_seq_length: int,
@@ -220,9 +219,10 @@ class Transformer(Cell):
                  use_past: bool = False, moe_config=default_moe_config, parallel_config=default_transformer_config):
         super().__init__()
         check_sizes("Transformer", least=0, encoder_layers=encoder_layers, decoder_layers=decoder_layers)
-        if encoder_layers < 0 or decoder_layers < 0 or encoder_layers + decoder_layers == 0:
-            raise UserError(f"Transformer: encoder_layers={encoder_layers} and decoder_layers={decoder_layers} "
-                            f"must not be negative, and at least one must be positive")
+        if encoder_layers < 1 or decoder_layers < 0:
+            raise UserError(f"Transformer: encoder_layers={encoder_layers} must be positive and decoder_layers="
+                            f"{decoder_layers} not negative (as MindSpore's; one stack without cross-attention: "
+                            f"encoder_layers={max(encoder_layers, decoder_layers, 1)}, decoder_layers=0)")
         refuse_unsupported("Transformer", use_past)
         lambda_func = lambda_func or _get_lambda_func(total_layer=encoder_layers + decoder_layers)
         common = dict(batch_size=batch_size, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
@@ -231,29 +231,19 @@ class Transformer(Cell):
                       post_layernorm_residual=post_layernorm_residual, layernorm_compute_type=layernorm_compute_type,
                       softmax_compute_type=softmax_compute_type, param_init_type=param_init_type,
                       lambda_func=lambda_func, moe_config=moe_config, parallel_config=parallel_config)
-        self.encoder = self.decoder = None
-        if encoder_layers > 0:
-            self.encoder = TransformerEncoder(num_layers=encoder_layers, seq_length=src_seq_length, **common)
-        if decoder_layers > 0 and self.encoder is None:
-            self.decoder = TransformerEncoder(num_layers=decoder_layers, seq_length=tgt_seq_length, **common)
-        elif decoder_layers > 0:
+        self.encoder = TransformerEncoder(num_layers=encoder_layers, seq_length=src_seq_length, **common)
+        self.decoder = None
+        if decoder_layers > 0:
             self.decoder = TransformerDecoder(num_layers=decoder_layers, src_seq_length=src_seq_length,
                                               tgt_seq_length=tgt_seq_length, offset=encoder_layers, **common)
 
     def forward(self, encoder_inputs, encoder_masks, decoder_inputs=None, decoder_masks=None, memory_mask=None,
                 init_reset=True, batch_valid_length=None):
-        output = encoder_layer_present = decoder_layer_present = None
-        aux_losses = []
-        if self.encoder is not None:
-            output, encoder_layer_present, *aux_losses = self.encoder(encoder_inputs, encoder_masks, init_reset,
-                                                                      batch_valid_length)
+        decoder_layer_present = None
+        output, encoder_layer_present, *aux_losses = self.encoder(encoder_inputs, encoder_masks, init_reset,
+                                                                  batch_valid_length)
         if self.decoder is not None:
-            if self.encoder is not None:
-                inputs = (decoder_inputs, decoder_masks, output, memory_mask)
-            elif decoder_inputs is None:
-                inputs = (encoder_inputs, encoder_masks)
-            else:
-                inputs = (decoder_inputs, decoder_masks)
-            output, decoder_layer_present, *aux = self.decoder(*inputs, init_reset, batch_valid_length)
+            output, decoder_layer_present, *aux = self.decoder(decoder_inputs, decoder_masks, output, memory_mask,
+                                                               init_reset, batch_valid_length)
             aux_losses += aux
         return (output, encoder_layer_present, decoder_layer_present, *shared.summed(aux_losses))
