@@ -182,3 +182,28 @@ def _ranks():
 @pytest.mark.timeout(120)
 def test_communication_on_two_ranks():
     assert run_distributed(_ranks, 2) == [(0, 2, True), (1, 2, True)]
+
+
+def test_transformer_op_parallel_config_takes_mindspores_positional_order_and_defaults():
+    from paratrain.nn import MoEConfig, TransformerOpParallelConfig
+
+    # MindSpore's order: data_parallel, model_parallel, expert_parallel, pipeline_stage, pipeline_segment,
+    # micro_batch_num, recompute, optimizer_shard, gradient_aggregation_group, vocab_emb_dp
+    config = TransformerOpParallelConfig(1, 2, 1, 2, 1, 4, "none", False, 2, False)
+    assert (config.data_parallel, config.model_parallel, config.pipeline_stage, config.micro_batch_num,
+            config.gradient_aggregation_group, config.vocab_emb_dp) == (1, 2, 2, 4, 2, False)
+    assert TransformerOpParallelConfig().gradient_aggregation_group == 4
+    assert TransformerOpParallelConfig(pipeline_stage=2, pipeline_segment=2).virtual_pipeline_stage == 2
+    moe = MoEConfig(expert_num=2, group_wise_a2a=True, comp_comm_parallel=True, comp_comm_parallel_degree=3)
+    assert (moe.group_wise_a2a, moe.comp_comm_parallel, moe.comp_comm_parallel_degree) == (True, True, 3)
+
+
+def test_vocab_embedding_takes_mindspores_forward_keyword():
+    import torch
+
+    from paratrain.nn import VocabEmbedding
+
+    embedding = VocabEmbedding(vocab_size=8, embedding_size=4)
+    ids = torch.tensor([[1, 2, 3]])
+    out, table = embedding(input_ids=ids)
+    assert torch.equal(out, table[ids])
