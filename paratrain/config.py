@@ -387,6 +387,9 @@ class ParallelConfig(Section):
     ALIASES = {"dp": "data_parallel", "mp": "model_parallel", "tp": "model_parallel", "pp": "pipeline_stage",
                "stage_num": "pipeline_stage", "pipeline_stages": "pipeline_stage",
                "enable_parallel_optimizer": "optimizer_shard", "ep": "expert_parallel"}
+    # more gradient_aggregation_group groups than layers: refused here; one group per layer in MindSpore's
+    # TransformerOpParallelConfig, whose default is 4 groups whatever the layer count
+    GROUPS_MAY_EXCEED_LAYERS = False
     data_parallel: int = DERIVED  # replicas the batch is split over; not given: world size / (mp x pp)
     model_parallel: int = 1  # tensor-parallel degree inside each layer
     pipeline_stage: int = 1  # number of pipeline stages

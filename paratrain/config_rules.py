@@ -53,7 +53,8 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         positive(m, ["encoder_layers"])
     parallel = parallel_problems(p, num_layers=m.num_layers)
     problems += parallel
-    if not parallel and m.spec.stacks and p.gradient_aggregation_group > m.num_layers > 0:
+    if (not parallel and m.spec.stacks and p.gradient_aggregation_group > m.num_layers > 0
+            and not p.GROUPS_MAY_EXCEED_LAYERS):
         problems.append(f"parallel.gradient_aggregation_group={p.gradient_aggregation_group} must be 0 (one group "
                         f"per layer) or a number of groups of the model's {m.num_layers} layers, 1..{m.num_layers}")
     positive(t, ["global_batch_size", "steps", "lr", "eps", "initial_loss_scale", "min_loss_scale",

@@ -58,6 +58,8 @@ class TransformerOpParallelConfig(_CheckedWhenSet, ParallelConfig):
     given is derived from the world size. Every setting is checked when given and when set later, and the
     settings together when built (``config_rules.parallel_problems``: optimizer offload needs a zero stage...)."""
 
+    GROUPS_MAY_EXCEED_LAYERS = True
+
     def __init__(self, data_parallel=DERIVED, model_parallel=1, expert_parallel=1, pipeline_stage=1,
                  pipeline_segment=1, micro_batch_num=1, recompute="none", optimizer_shard=False,
                  gradient_aggregation_group=4, vocab_emb_dp=True, **settings_by_name):

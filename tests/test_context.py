@@ -207,3 +207,15 @@ def test_vocab_embedding_takes_mindspores_forward_keyword():
     ids = torch.tensor([[1, 2, 3]])
     out, table = embedding(input_ids=ids)
     assert torch.equal(out, table[ids])
+
+
+def test_mindspores_default_of_4_aggregation_groups_runs_a_model_of_fewer_layers():
+    from paratrain import config_file
+    from paratrain.config_rules import validate
+    from paratrain.nn import TransformerOpParallelConfig
+
+    cfg = config_file.from_dict({"model": {"kind": "gpt", "vocab_size": 64, "hidden_size": 32, "num_heads": 4,
+                                           "ffn_hidden_size": 64, "decoder_layers": 2, "seq_length": 16}})
+    cfg.parallel = TransformerOpParallelConfig(data_parallel=1)
+    assert cfg.parallel.gradient_aggregation_group == 4 and cfg.parallel.aggregation_groups(2) == 2
+    assert validate(cfg, world_size=1) == []  # 4 groups of 2 layers: one per layer, as MindSpore's lambda_func
