@@ -205,8 +205,9 @@ class Clock:
         return time.perf_counter() - self.start
 
     def measured(self, memory_start: float, model: torch.nn.Module, losses: list) -> dict:
-        """What a side reports: its timed seconds, peak memory, parameter count, every step's loss (``losses``: floats or
-        the steps' loss tensors, () or MindSpore's (1,)) and, if profiled, where its profiled step's time went."""
+        """What a side reports: its timed seconds, peak memory, parameter count, every step's loss (``losses``:
+        floats or the steps' loss tensors, () or MindSpore's (1,)) and, if profiled, where its profiled step's time
+        went."""
         seconds = self.seconds()
         params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         losses = torch.stack([torch.as_tensor(loss).reshape(()) for loss in losses]).tolist()  # one device wait
