@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo demo-translation docs figures test test-torch-2.11 gpu-test gpu-wheels gpu-check bench bench-gpu bench-peers clean
+.PHONY: install demo demo-translation docs figures test test-torch-2.11 test-mindspore gpu-test gpu-wheels gpu-check bench bench-gpu bench-peers clean
 
 install: $(STAMP)
 
@@ -38,9 +38,9 @@ demo-translation: install
 		--input $(SAMPLE)/train/sample.en_fr.txt --vocab-size 1000 --out $(SAMPLE)/tokenizer.json
 	$(BIN)/paratrain train --config examples/translation.toml
 
-# the CPU suite, also on a CUDA machine: the device is forced to the CPU and tests/gpu left out
+# the CPU suite, also on a CUDA machine: the device forced to the CPU; tests/gpu, tests/mindspore_reference left out
 test: install
-	PARATRAIN_DEVICE=cpu $(BIN)/python -m pytest -q tests --ignore=tests/gpu
+	PARATRAIN_DEVICE=cpu $(BIN)/python -m pytest -q tests --ignore=tests/gpu --ignore=tests/mindspore_reference
 
 # the CPU suite under torch 2.11.0, the GPU machines' release (CI stays on 2.13), in a venv of its own:
 # PyPI's CUDA build without most of its CUDA libraries (tools/install_torch_2.11.sh: 2.2 GB, ~1 minute)
@@ -50,7 +50,19 @@ $(VENV_211)/.installed: pyproject.toml tools/install_torch_2.11.sh tools/install
 	touch $@
 
 test-torch-2.11: $(VENV_211)/.installed
-	PARATRAIN_DEVICE=cpu $(VENV_211)/bin/python -m pytest -q tests --ignore=tests/gpu
+	PARATRAIN_DEVICE=cpu $(VENV_211)/bin/python -m pytest -q tests --ignore=tests/gpu --ignore=tests/mindspore_reference
+
+# the reference suite: the MindSpore face against MindSpore 2.7.0 itself (CPU; the last release with the
+# nn.transformer blocks), in a venv of its own with paratrain's dependencies (numpy < 2, as MindSpore needs)
+VENV_MS := .venv-mindspore
+$(VENV_MS)/.installed: pyproject.toml
+	test -x $(VENV_MS)/bin/python || $(PYTHON) -m venv $(VENV_MS)
+	$(VENV_MS)/bin/pip install -q --upgrade pip
+	$(VENV_MS)/bin/pip install -q torch==2.13.0 mindspore==2.7.0 'numpy<2' -e . 'pytest>=7' 'pytest-timeout>=2'
+	touch $@
+
+test-mindspore: $(VENV_MS)/.installed
+	PARATRAIN_DEVICE=cpu $(VENV_MS)/bin/python -m pytest -q tests/mindspore_reference
 
 # The GPU targets run without a venv, pip or network (the lent GPU machines have none): on the machine's own
 # python when its torch has CUDA (else .venv's; tools/gpu_python.sh says why neither will do and fails),

@@ -1,0 +1,18 @@
+"""The reference suite against MindSpore 2.7.0 (``make test-mindspore``, in its own venv): each test builds the
+same net in MindSpore and in paratrain and compares. Left out where MindSpore is not installed (``make test``
+also leaves this folder out)."""
+import pytest
+
+try:
+    import mindspore
+except ImportError:
+    mindspore = None
+
+collect_ignore_glob = ["test_*.py"] if mindspore is None else []
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _pynative_cpu():
+    """MindSpore in PyNative mode on the CPU, as paratrain's face runs eagerly."""
+    mindspore.set_context(mode=mindspore.PYNATIVE_MODE, device_target="CPU")
+    yield
