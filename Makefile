@@ -3,7 +3,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo demo-translation docs figures test test-torch-2.11 test-mindspore gpu-test gpu-wheels gpu-check bench bench-gpu bench-peers clean
+.PHONY: install demo demo-translation docs figures test test-torch-2.11 test-mindspore
+.PHONY: gpu-test gpu-wheels gpu-check bench bench-gpu bench-peers clean
 
 install: $(STAMP)
 
