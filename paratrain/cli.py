@@ -19,7 +19,8 @@ from paratrain.deepspeed_config import load_config
 from paratrain.errors import UserError
 
 COMMAND_MODULES = ("paratrain.launch", "paratrain.doctor", "paratrain.data.commands", "paratrain.metrics.report",
-                   "paratrain.checkpoint.commands", "paratrain.plan.commands", "paratrain.translation")
+                   "paratrain.checkpoint.commands", "paratrain.plan.commands", "paratrain.translation",
+                   "paratrain.generation")
 
 
 def cmd_train(args) -> int:

@@ -6,6 +6,7 @@ into whatever layout the model has (each rank reads its own shards only). Its se
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -67,7 +68,8 @@ def load_hf_weights(parts: list[nn.Module], whole: nn.Module, directory: str | P
     for part in parts:
         state = {name: tensor for name, tensor in get_model_state_dict(part).items() if to_hf(name) in wanted}
         hf_state = {to_hf(name): tensor for name, tensor in state.items()}
-        with torch.device("cpu"):  # the reader's own tensors (file reads) are host tensors, whatever the default
+        with torch.device("cpu"), warnings.catch_warnings():  # the reader's tensors (file reads) are host tensors
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # one process: meant so
             dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(directory)))
         set_model_state_dict(part, {name: hf_state[to_hf(name)] for name in state},
                              options=StateDictOptions(strict=False))

@@ -14,7 +14,8 @@ from torch import nn
 from paratrain.config import ModelConfig
 from paratrain.models.transformer import EncoderLayer, init_weights
 from paratrain.modules.linear_cross_entropy import OutputHead
-from paratrain.modules.transformer import CAUSAL, Attention, GatedFeedForward, RotaryEmbedding, TransformerStack
+from paratrain.modules.transformer import (Attention, GatedFeedForward, RotaryEmbedding, TransformerStack,
+                                          decoder_mask)
 
 
 class LlamaLayer(EncoderLayer):
@@ -44,7 +45,8 @@ class LlamaModel(TransformerStack):
     the final RMSNorm as a ``TransformerStack``, then the bias-free head (tied to the embedding or not).
 
     A pipeline chunk gets the hidden state (B, S, H) of the chunk before it as ``hidden`` and returns its own
-    unless it holds the head.
+    unless it holds the head. ``caches`` (decoding, ``paratrain.generation``): layer name -> its keys and values
+    so far, filled by a prompt, then extended one new token at a time.
     """
 
     pipeline_parts = {"embed_tokens": "first", "norm": "last", "head": "last"}  # see Seq2SeqModel
@@ -64,6 +66,7 @@ class LlamaModel(TransformerStack):
     def parallel_plan(self) -> dict:
         return {"embed_tokens": "vocab_rows", "norm": "norm", "head": "head"}
 
-    def forward(self, input_ids, hidden: tuple = (), labels=None):
-        x = super().forward(hidden[0] if hidden else self.embed_tokens(input_ids), CAUSAL)[0]
+    def forward(self, input_ids, hidden: tuple = (), labels=None, caches: dict[str, dict] | None = None):
+        x = hidden[0] if hidden else self.embed_tokens(input_ids)
+        x = super().forward(x, decoder_mask(caches), caches=caches)[0]
         return self.head(x, labels) if self.head is not None else x

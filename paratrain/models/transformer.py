@@ -16,7 +16,7 @@ from paratrain.config import ModelConfig
 from paratrain.modules.linear_cross_entropy import OutputHead, token_loss_sum
 from paratrain.modules.moe import MoE
 from paratrain.modules.transformer import (CAUSAL, Attention, FeedForward, TransformerLayer, TransformerStack,
-                                          VocabEmbedding)
+                                          VocabEmbedding, cached_length, decoder_mask)
 
 
 class Embeddings(nn.Module):
@@ -219,7 +219,7 @@ class Seq2SeqModel(nn.Module):
         x = self.tgt_embed(tgt_ids, start) if hidden is None else hidden
         # lengths come from the (B, S) / (B, T) ids: embedded inputs may be sequence-sharded
         length = tgt_ids.shape[1]
-        self_mask = CAUSAL if caches is None else None
+        self_mask = decoder_mask(caches)
         x = t.decoder(x, self_mask, memory, attention_mask(src_pad, False, length), caches=caches)[0]
         return self.head(x, labels) if self.head is not None else x
 
@@ -230,7 +230,7 @@ class GPTModel(TransformerStack):
     as a ``TransformerStack`` between the embedding and the head.
 
     A pipeline chunk gets the hidden state (B, S, H) of the chunk before it as ``hidden``
-    and returns its own unless it holds the head.
+    and returns its own unless it holds the head. ``caches``: as ``LlamaModel``'s.
     """
 
     pipeline_parts = {"embed": "first", "norm": "last", "head": "last"}  # see Seq2SeqModel
@@ -251,8 +251,9 @@ class GPTModel(TransformerStack):
     def parallel_plan(self) -> dict:
         return {"norm": "norm", "head": "head"}
 
-    def forward(self, input_ids, hidden: tuple = (), labels=None):
-        x = super().forward(hidden[0] if hidden else self.embed(input_ids), CAUSAL)[0]
+    def forward(self, input_ids, hidden: tuple = (), labels=None, caches: dict[str, dict] | None = None):
+        x = hidden[0] if hidden else self.embed(input_ids, start=cached_length(caches))
+        x = super().forward(x, decoder_mask(caches), caches=caches)[0]
         return self.head(x, labels) if self.head is not None else x
 
 

@@ -306,6 +306,18 @@ class TransformerStack(nn.Module):
         return (x if norm is None else norm(x), presents, *summed(aux_losses))
 
 
+def cached_length(caches: dict[str, dict] | None) -> int:
+    """Positions the self-attention caches of a decoding model already hold (0: none, or not decoding)."""
+    cache = next(iter(caches.values()), None) if caches else None
+    return cache["k"].shape[2] if cache else 0
+
+
+def decoder_mask(caches: dict[str, dict] | None) -> str | None:
+    """The self-attention mask of a decoder-only model: ``CAUSAL``, but None once its ``caches`` hold earlier
+    positions, where the one new token attends every key."""
+    return None if cached_length(caches) else CAUSAL
+
+
 def summed(aux_losses: list[torch.Tensor]) -> tuple:
     """Mixture-of-experts losses as their sum, the last element of a return tuple (nothing without any)."""
     return (torch.stack(aux_losses).sum(),) if aux_losses else ()
