@@ -201,6 +201,25 @@ def test_plan_counts_llama3_8b_from_the_module_built_on_the_meta_device(capsys):
     assert "model: llama, 8.03 B parameters (8,030,261,248), 32 layers" in capsys.readouterr().out
 
 
+def test_qwen3_preset_counts_what_transformers_builds_and_its_dry_run_equals_the_planner(capsys):
+    """examples/qwen3_0_6b.toml against Qwen3ForCausalLM of the same published config.json, built on the meta
+    device; the dry run's counted bytes equal the planner's prediction."""
+    from conftest import ROOT
+    from paratrain.cli import main
+
+    hf = transformers.Qwen3Config(vocab_size=151936, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                                  head_dim=128, intermediate_size=3072, num_hidden_layers=28, rms_norm_eps=1e-6,
+                                  tie_word_embeddings=True)
+    with torch.device("meta"):
+        want = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf).parameters())
+    preset = str(ROOT / "examples/qwen3_0_6b.toml")
+    assert main(["plan", "--config", preset, "--top", "1"]) in (0, None)
+    assert f"parameters ({want:,}), 28 layers" in capsys.readouterr().out
+    assert main(["plan", "--config", preset, "--dry-run"]) in (0, None)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("0 ")]
+    assert rows and all(row[-1] == "True" for row in rows)
+
+
 def test_a_resumed_run_goes_on_from_its_own_checkpoint_not_the_hf_weights(hf_dirs, tmp_path):
     case = "llama_gqa2"
     cfg = run_config(hf_dirs[case][0], tmp_path, {})
