@@ -310,8 +310,10 @@ class ModelConfig(Section):
 
     @property
     def ignore_index(self) -> int:
-        """Target value that does not count in the loss: padding, or none for image classes."""
-        return self.pad_token_id if self.spec.stacks else -100
+        """Target value that does not count in the loss: the encoder-decoder's padding; none (-100) for a
+        decoder-only model, whose windows of text are never padded and whose every id may be a real token (id 0
+        of a Hugging Face tokenizer), and for image classes."""
+        return self.pad_token_id if self.spec.encoder_decoder else -100
 
     @property
     def lengths(self) -> tuple[int, int]:

@@ -10,7 +10,6 @@ Hugging Face model directory (``config.json``, safetensors, ``tokenizer.json``) 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,15 +71,6 @@ def generate(model, input_ids, max_new_tokens: int, eos_ids: tuple[int, ...] = (
     return tokens
 
 
-def eos_of(directory: Path) -> tuple[int, ...]:
-    """The ids that end a text by a Hugging Face directory's ``generation_config.json``, else (without one) its
-    ``config.json``, as ``transformers`` decides."""
-    generation = directory / "generation_config.json"
-    path = generation if generation.is_file() else directory / "config.json"
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-
-
 def hf_tokenizer(path: Path):
     """The ``tokenizers.Tokenizer`` of a ``tokenizer.json`` file, None where there is none."""
     from tokenizers import Tokenizer
@@ -97,6 +87,7 @@ def load_generator(checkpoint: str | Path, device) -> Generator:
     import torch
 
     from paratrain.config import ConfigError, ModelConfig
+    from paratrain.data.tokenizer import eos_ids
     from paratrain.models import build_model
 
     path = Path(checkpoint)
@@ -111,7 +102,7 @@ def load_generator(checkpoint: str | Path, device) -> Generator:
         with torch.device(device):
             model = build_model(cfg)
         load_hf_weights([model], model, path)
-        return Generator(model.eval(), hf_tokenizer(path / "tokenizer.json"), eos_of(path), cfg.vocab_size, None)
+        return Generator(model.eval(), hf_tokenizer(path / "tokenizer.json"), eos_ids(path), cfg.vocab_size, None)
     from paratrain import config_file
     from paratrain.checkpoint.full import load_full_tensors
     from paratrain.checkpoint.storage import read_meta, resolve
@@ -128,10 +119,10 @@ def load_generator(checkpoint: str | Path, device) -> Generator:
         model = build_model(cfg)
     model.load_state_dict(load_full_tensors(path, trust_unverified=run.checkpoint.trust_unverified))
     if cfg.from_hf:
-        tokenizer, eos_ids = hf_tokenizer(Path(cfg.from_hf) / "tokenizer.json"), eos_of(Path(cfg.from_hf))
+        tokenizer, ends = hf_tokenizer(Path(cfg.from_hf) / "tokenizer.json"), eos_ids(Path(cfg.from_hf))
     else:  # paratrain's own tokenizer (data.kind = "text"), whose EOS ends every document
-        tokenizer, eos_ids = hf_tokenizer(Path(run.data.tokenizer)) if run.data.tokenizer else None, (EOS,)
-    return Generator(model.eval(), tokenizer, eos_ids, cfg.vocab_size, cfg.seq_length if cfg.kind == "gpt" else None)
+        tokenizer, ends = hf_tokenizer(Path(run.data.tokenizer)) if run.data.tokenizer else None, (EOS,)
+    return Generator(model.eval(), tokenizer, ends, cfg.vocab_size, cfg.seq_length if cfg.kind == "gpt" else None)
 
 
 def cmd_generate(args) -> int:

@@ -183,7 +183,9 @@ def data_problems(cfg: Config) -> list[str]:
         problems += _token_array_problems(Path(d.path), cfg.model.vocab_size)
     if d.eval_path:
         problems += _file_problems("data.eval_path", Path(d.eval_path), text=True)
-    if text and not problems:  # a tokenizer is trained on data.path: only worth checking when that is fine
+    if text and not problems and cfg.model.from_hf and not d.tokenizer:
+        problems += _hf_tokenizer_problems(cfg.model.from_hf, cfg.model.vocab_size)
+    elif text and not problems:  # a tokenizer is trained on data.path: only worth checking when that is fine
         tokenizer = Path(d.tokenizer or Path(d.path).with_name("tokenizer.json"))
         if tokenizer.is_dir():
             problems.append(f"data.tokenizer={tokenizer} is a directory: give its tokenizer.json")
@@ -195,6 +197,21 @@ def data_problems(cfg: Config) -> list[str]:
             problems.append(f"tokenizer {tokenizer} does not exist and would be trained and saved there, but "
                             f"{problem}")
     return problems
+
+
+def _hf_tokenizer_problems(directory: str, vocab_size: int) -> list[str]:
+    """The tokenizer of a ``model.from_hf`` directory must load, name an EOS and fit the model's vocabulary."""
+    from paratrain.data import DataError
+    from paratrain.data.tokenizer import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.of_hf_model(directory)
+    except DataError as exc:
+        return [str(exc)]
+    if tokenizer.vocab_size > vocab_size:
+        return [f"model.from_hf={directory!r}: its tokenizer.json has {tokenizer.vocab_size} tokens, more than the "
+                f"model's vocab_size={vocab_size}: it is not this model's tokenizer (or set data.tokenizer)"]
+    return []
 
 
 def _token_array_problems(path: Path, vocab_size: int) -> list[str]:

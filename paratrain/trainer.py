@@ -104,7 +104,8 @@ class Trainer(loop.Face):
                                       t.min_loss_scale, t.max_skipped_steps, t.loss_scale_hysteresis,
                                       t.consecutive_hysteresis, self.device)
         self.data = ShardedBatches(build_dataset(cfg), cfg.train.global_batch_size, self.layout.dp_rank,
-                                   self.layout.dp_size, self.device, cfg.model.pad_token_id)
+                                   self.layout.dp_size, self.device,
+                                   cfg.model.pad_token_id if cfg.model.spec.encoder_decoder else None)
         if self.is_main and self.data.sampler is not None and self.data.sampler.lengths is not None:
             steps = min(cfg.train.steps, 1000)
             print(f"data: {self.data.sampler.padding_fraction(steps):.1%} padding in the first {steps} global batches "

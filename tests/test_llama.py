@@ -165,7 +165,7 @@ def plain_hf_losses(case: str, cfg) -> list[float]:
     from paratrain.data.loader import ShardedBatches, build_dataset
 
     model, t = hf_model(case).train(), cfg.train
-    data = ShardedBatches(build_dataset(cfg), BATCH, 0, 1, torch.device("cpu"), cfg.model.pad_token_id)
+    data = ShardedBatches(build_dataset(cfg), BATCH, 0, 1, torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=0.0,
                                   fused=True)
     losses = []
@@ -191,6 +191,31 @@ def test_five_steps_from_hf_weights_equal_a_plain_loop_over_the_hf_model(layout,
     # the first loss is the HF weights' forward; Adam then amplifies the summation order of sharded matmuls
     errors = [abs(a - b) / b for a, b in zip(got, want)]
     assert errors[0] <= 1e-5 and max(errors) <= (1e-5 if world_size == 1 else 1e-4), (got, want)
+
+
+def test_text_trains_with_the_hf_tokenizer_counting_every_id_in_the_loss(hf_dirs, tmp_path):
+    """data.kind = "text" on a from_hf run takes the directory's tokenizer.json and its EOS between lines; id 0 is
+    a word like any other (no padding in windows of text): the losses equal the plain loop over the HF model."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from paratrain.data.loader import build_dataset
+
+    directory = shutil.copytree(hf_dirs["llama_gqa2"][0], tmp_path / "hf")
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    words = torch.randint(0, VOCAB, (40, 9), generator=torch.Generator().manual_seed(3))
+    words[:, 0] = 0  # every line starts with the word of id 0
+    (tmp_path / "text.txt").write_text("".join(" ".join(f"w{i}" for i in row) + "\n" for row in words.tolist()))
+    cfg = run_config(directory, tmp_path / "run", {})
+    cfg.data.kind, cfg.data.path = "text", str(tmp_path / "text.txt")
+    eos = transformers.AutoConfig.from_pretrained(directory).eos_token_id
+    stream = [t for row in words.tolist() for t in (*row, eos)]
+    assert build_dataset(cfg).stream.tolist() == stream
+    want = plain_hf_losses("llama_gqa2", cfg)
+    assert trainer_losses(cfg) == pytest.approx(want, rel=1e-5)
 
 
 def test_plan_counts_llama3_8b_from_the_module_built_on_the_meta_device(capsys):

@@ -132,7 +132,7 @@ def test_loss_ignores_pad_and_blocks_are_ordered():
 
 def _loss_and_grads(model, labels, fused: bool, *inputs):
     model.zero_grad(set_to_none=True)
-    loss = model(*inputs, labels=labels) if fused else token_loss_sum(model(*inputs), labels, PAD)
+    loss = model(*inputs, labels=labels) if fused else token_loss_sum(model(*inputs), labels, model.head.ignore_index)
     (loss * 0.3).backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -143,8 +143,8 @@ def test_head_loss_by_chunks_equals_the_loss_of_whole_logits(kind, tied, monkeyp
     included), computed a few rows at a time; here 7 rows a chunk, so the last chunk is ragged."""
     monkeypatch.setattr(linear_cross_entropy, "CHUNK_BYTES", 4 * CFG.vocab_size * 7)
     torch.manual_seed(0)
-    model = (GPTModel if kind == "gpt" else Seq2SeqModel)(ModelConfig(**{**CFG.__dict__, "kind": kind,
-                                                                       "tie_embeddings": tied}))
+    cfg = ModelConfig(**{**CFG.__dict__, "kind": kind, "tie_embeddings": tied})
+    model = (GPTModel if kind == "gpt" else Seq2SeqModel)(cfg)
     if kind == "gpt":
         inputs = (torch.randint(1, CFG.vocab_size, (3, CFG.seq_length), device="cpu"),)
         labels = torch.randint(1, CFG.vocab_size, (3, CFG.seq_length), device="cpu")
@@ -152,7 +152,7 @@ def test_head_loss_by_chunks_equals_the_loss_of_whole_logits(kind, tied, monkeyp
         inputs = (torch.randint(1, CFG.vocab_size, (3, CFG.src_seq_length), device="cpu"),
                   torch.randint(1, CFG.vocab_size, (3, CFG.tgt_seq_length), device="cpu"))
         labels = torch.randint(1, CFG.vocab_size, (3, CFG.tgt_seq_length), device="cpu")
-    labels[0, -4:] = PAD  # padding does not count
+    labels[0, -4:] = cfg.ignore_index  # padding (the encoder-decoder's) does not count
     whole, whole_grads = _loss_and_grads(model, labels, False, *inputs)
     chunked, chunked_grads = _loss_and_grads(model, labels, True, *inputs)
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-5)

@@ -108,7 +108,8 @@ class TranslationDataset:
 
 
 class TextDataset:
-    """A token stream (a ``.npy`` array, or a text file tokenized once, EOS after each line) cut into windows
+    """A token stream (a ``.npy`` array, or a text file tokenized once, the tokenizer's EOS after each line) cut
+    into windows
     of ``seq_length + 1`` tokens: ``rows`` returns input_ids (b, L) and labels (b, L), shifted left by one."""
 
     def __init__(self, path: str | Path, tokenizer: Tokenizer | None, seq_length: int):
@@ -122,7 +123,7 @@ class TextDataset:
             def build():
                 with open(self.path, encoding="utf-8") as f:
                     return {"stream": np.fromiter((t for ids in tokenizer.encode_batch(f.read().splitlines())
-                                                   for t in (*ids, EOS)), dtype=np.int32)}
+                                                   for t in (*ids, tokenizer.eos_id)), dtype=np.int32)}
 
             self.stream = cached_arrays(self.path, tokenizer, build)["stream"]
         if len(self) == 0:

@@ -82,17 +82,22 @@ class ShardedBatches:
 
 
 def load_tokenizer(cfg: Config) -> Tokenizer:
-    """``data.tokenizer``, trained on ``data.path`` with ``model.vocab_size`` tokens and saved there if absent."""
-    path = Path(cfg.data.tokenizer or Path(cfg.data.path).with_name("tokenizer.json"))
-    if not path.is_file():
-        try:
-            Tokenizer.train(lines_of([cfg.data.path]), cfg.model.vocab_size).save(path)
-        except UnicodeDecodeError as exc:
-            raise not_utf8(cfg.data.path, exc) from None
-        except OSError as exc:
-            raise DataError(f"cannot train tokenizer {path} on data.path={cfg.data.path}: {exc.strerror} "
-                            f"({exc.filename})") from None
-    tokenizer = Tokenizer.load(path)
+    """``data.tokenizer``, trained on ``data.path`` with ``model.vocab_size`` tokens and saved there if absent;
+    without ``data.tokenizer`` a ``model.from_hf`` directory's own."""
+    if cfg.model.from_hf and not cfg.data.tokenizer:
+        path = Path(cfg.model.from_hf) / "tokenizer.json"
+        tokenizer = Tokenizer.of_hf_model(cfg.model.from_hf)
+    else:
+        path = Path(cfg.data.tokenizer or Path(cfg.data.path).with_name("tokenizer.json"))
+        if not path.is_file():
+            try:
+                Tokenizer.train(lines_of([cfg.data.path]), cfg.model.vocab_size).save(path)
+            except UnicodeDecodeError as exc:
+                raise not_utf8(cfg.data.path, exc) from None
+            except OSError as exc:
+                raise DataError(f"cannot train tokenizer {path} on data.path={cfg.data.path}: {exc.strerror} "
+                                f"({exc.filename})") from None
+        tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError([f"tokenizer {path} has {tokenizer.vocab_size} tokens, more than model.vocab_size="
                            f"{cfg.model.vocab_size}: set model.vocab_size={tokenizer.vocab_size} or retrain it smaller"])

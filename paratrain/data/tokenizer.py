@@ -6,6 +6,7 @@ NFC-normalised and split GPT-2 style over UTF-8 bytes: any text round-trips and 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -20,14 +21,13 @@ SPECIAL_TOKENS = {PAD: "<pad>", BOS: "<s>", EOS: "</s>", UNK: "<unk>"}
 
 
 class Tokenizer:
-    """A trained BPE tokenizer: text -> token ids (no BOS/EOS added) and back (``decode`` stops at the first
-    EOS and skips PAD/BOS, so a row of model output decodes directly)."""
+    """A tokenizer: text -> token ids and back (``decode`` stops at the first ``eos_id`` and skips special tokens,
+    so a row of model output decodes directly). paratrain's own (``train``, ``load``) is a BPE with the special
+    ids of ``paratrain.data.synthetic`` that adds no BOS/EOS; a Hugging Face model's (``of_hf_model``) encodes as
+    its ``tokenizer.json`` says (BOS where its post-processor adds one) and ends a text with the model's EOS."""
 
-    def __init__(self, hf: HFTokenizer):
-        for token_id, token in SPECIAL_TOKENS.items():
-            if hf.token_to_id(token) != token_id:
-                raise ValueError(f"tokenizer maps {token} to id {hf.token_to_id(token)}, paratrain needs {token_id}")
-        self.hf = hf
+    def __init__(self, hf: HFTokenizer, eos_id: int = EOS):
+        self.hf, self.eos_id = hf, eos_id
 
     @property
     def vocab_size(self) -> int:
@@ -41,8 +41,8 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = list(ids)
-        if EOS in ids:
-            ids = ids[: ids.index(EOS)]
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
         return self.hf.decode(ids, skip_special_tokens=True)
 
     def decode_batch(self, rows: Iterable[Iterable[int]]) -> list[str]:
@@ -71,10 +71,26 @@ class Tokenizer:
         except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
             raise DataError(f"tokenizer {path} is not a tokenizer.json ({exc}): train one with `paratrain "
                             f"tokenizer train` or point data.tokenizer at another") from None
+        for token_id, token in SPECIAL_TOKENS.items():
+            if hf.token_to_id(token) != token_id:
+                raise DataError(f"tokenizer {path} maps {token} to id {hf.token_to_id(token)}, paratrain's own "
+                                f"tokenizers have it at {token_id} (a Hugging Face model's is taken from "
+                                f"model.from_hf: leave data.tokenizer out)")
+        return cls(hf)
+
+    @classmethod
+    def of_hf_model(cls, directory: str | Path) -> "Tokenizer":
+        """The ``tokenizer.json`` of a Hugging Face model directory, ending texts with the model's first EOS id."""
+        path = Path(directory) / "tokenizer.json"
         try:
-            return cls(hf)
-        except ValueError as exc:
-            raise DataError(f"tokenizer {path}: {exc}") from None
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise DataError(f"model.from_hf={str(directory)!r}: cannot read its tokenizer {path} ({exc})") from None
+        eos = eos_ids(Path(directory))
+        if not eos:
+            raise DataError(f"model.from_hf={str(directory)!r}: its generation_config.json / config.json name no "
+                            f"eos_token_id, the id that ends each document of data.kind='text'")
+        return cls(hf, eos[0])
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> "Tokenizer":
@@ -91,6 +107,18 @@ class Tokenizer:
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
         hf.train_from_iterator(texts, trainer=trainer)
         return cls(hf)
+
+
+def eos_ids(directory: Path) -> tuple[int, ...]:
+    """The ids that end a text by a Hugging Face directory's ``generation_config.json``, else (without one) its
+    ``config.json``, as ``transformers`` decides."""
+    generation = directory / "generation_config.json"
+    path = generation if generation.is_file() else directory / "config.json"
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError) as exc:
+        raise DataError(f"cannot read {path}: {exc}") from None
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
 
 
 def lines_of(paths: Iterable[str | Path]) -> Iterator[str]:
