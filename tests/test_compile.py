@@ -8,10 +8,11 @@ from conftest import tiny_config
 from multiprocess import run_distributed
 
 
-def _losses(root, compile_layers):
+def _losses(root, kind, compile_layers):
     from paratrain.trainer import Trainer
 
-    cfg = tiny_config(run={"dir": f"{root}/{compile_layers}"}, model={"kind": "gpt", "decoder_layers": 2},
+    grouped = {"num_kv_heads": 2} if kind == "llama" else {}
+    cfg = tiny_config(run={"dir": f"{root}/{compile_layers}"}, model={"kind": kind, "decoder_layers": 2, **grouped},
                       train={"steps": 3, "compile": compile_layers}, metrics={"progress": False})
     trainer = Trainer(cfg)
     compiled = [layer._compiled_call_impl is not None for layer in trainer.model.layers.values()]
@@ -19,9 +20,10 @@ def _losses(root, compile_layers):
 
 
 @pytest.mark.slow
-def test_compiled_layers_give_the_eager_losses(tmp_path):
-    (eager, not_compiled), = run_distributed(_losses, 1, str(tmp_path), False, timeout=240)
-    (compiled, all_compiled), = run_distributed(_losses, 1, str(tmp_path), True, timeout=240)
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_compiled_layers_give_the_eager_losses(tmp_path, kind):
+    (eager, not_compiled), = run_distributed(_losses, 1, str(tmp_path), kind, False, timeout=240)
+    (compiled, all_compiled), = run_distributed(_losses, 1, str(tmp_path), kind, True, timeout=240)
     assert all_compiled == [True, True] and not_compiled == [False, False]
     assert compiled == pytest.approx(eager, rel=1e-4)
 

@@ -143,6 +143,10 @@ LAYOUTS = {  # name: (case, world size, parallel section)
                                                                    "sequence_parallel": True}),
     "qwen2_dp2_zero3": ("qwen2_bias", 2, {"dp": 2, "zero_stage": 3}),
     "llama3_tied_pp2_1f1b": ("llama3_rope_tied", 2, {"pp": 2, "micro_batch_num": 2, "pipeline_schedule": "1f1b"}),
+    "dp2_tp2_pp2_gpipe": ("llama_gqa2", 8, {"dp": 2, "mp": 2, "pp": 2, "micro_batch_num": 2,
+                                            "pipeline_schedule": "gpipe"}),
+    "mistral_dp2_zero1_recompute_full": ("mistral", 2, {"dp": 2, "zero_stage": 1, "recompute": "full"}),
+    "mqa_dp2_zero2_selective": ("llama_mqa", 2, {"dp": 2, "zero_stage": 2, "recompute": "selective"}),
 }
 
 
