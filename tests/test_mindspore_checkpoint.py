@@ -2,6 +2,8 @@
 2.7.0) and safetensors in MindSpore's names and layouts, ``load_checkpoint`` reads them back marked as in that
 layout, and ``load_param_into_net`` maps them onto paratrain's blocks and reports as MindSpore's
 (``tests/mindspore_reference/test_checkpoints.py`` checks the same against MindSpore itself)."""
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -190,6 +192,26 @@ def test_encryption_and_what_cannot_be_saved_are_refused(tmp_path, net):
     with pytest.raises(UserError, match="nothing of .* is left after"):
         load_checkpoint(tmp_path / "net.ckpt", filter_prefix=("dense", "norm", "step", "note"))
     assert not list(tmp_path.glob("x*")) and not list(tmp_path.glob(".*tmp"))
+
+
+def test_a_failed_save_leaves_the_file_before_it_and_no_temporary_file(tmp_path, net, monkeypatch):
+    import errno
+    import os
+
+    import safetensors.torch
+
+    file = tmp_path / "net.safetensors"
+    save_checkpoint({"w": torch.ones(2)}, file, format="safetensors")
+    before = file.read_bytes()
+
+    def full_disk(tensors, name, metadata=None):
+        Path(name).write_bytes(b"half a file")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(UserError, match=rf"cannot write {file} \(No space left on device\)"):
+        save_checkpoint(net, file, format="safetensors")
+    assert file.read_bytes() == before and sorted(tmp_path.iterdir()) == [file]
 
 
 def test_a_dict_mixing_mindspore_and_other_tensors_is_refused(tmp_path, net):

@@ -186,7 +186,18 @@ def write_ckpt(file: Path, items: dict[str, torch.Tensor | str], crc_check: bool
             if crc_check:
                 f.write(CRC_MARK + crc.to_bytes(CRC_BYTES, "big"))
 
-    write_atomic(file, write)
+    _write(file, write)
+
+
+def _write(file: Path, writer) -> None:
+    """``write_atomic(file, writer)``, a failure (a full disk, no permission) as a CheckpointError naming ``file``."""
+    from safetensors import SafetensorError
+
+    try:
+        write_atomic(file, writer)
+    except (OSError, SafetensorError) as exc:
+        raise CheckpointError(f"save_checkpoint: cannot write {file} ({getattr(exc, 'strerror', None) or exc})") \
+            from None
 
 
 def _safetensors_crc(tensors: dict[str, torch.Tensor]) -> int:
@@ -240,4 +251,4 @@ def write_safetensors(file: Path, items: dict[str, torch.Tensor], crc_check: boo
     check_savable(items, file, "safetensors")
     tensors = {name: items[name].detach().cpu().contiguous().clone() for name in sorted(items)}
     metadata = {"format": "ms"} | ({"crc_num": str(_safetensors_crc(tensors))} if crc_check else {})
-    write_atomic(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    _write(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
