@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from multiprocess import run_distributed
 import paratrain
 import paratrain.nn as pnn
 from paratrain import load_checkpoint, load_param_into_net, save_checkpoint
@@ -240,3 +241,39 @@ def test_save_checkpoint_is_exported_where_mindspore_has_it():
     import paratrain.train
 
     assert paratrain.save_checkpoint is paratrain.train.save_checkpoint is save_checkpoint
+
+
+def test_a_tensor_over_the_slice_size_spans_several_values_and_reads_back_whole(tmp_path, monkeypatch):
+    import paratrain.train.mindspore_checkpoint as ms_files
+
+    monkeypatch.setattr(ms_files, "SLICE_BYTES", 8)  # MindSpore's is 512 MiB
+    weight = torch.arange(10.0)
+    save_checkpoint({"w": weight, "b": torch.ones(1)}, tmp_path / "split.ckpt")
+    assert (tmp_path / "split.ckpt").read_bytes().count(b"Float32") == 5 + 1
+    params = load_checkpoint(tmp_path / "split.ckpt")
+    assert list(params) == ["w", "b"] and torch.equal(params["w"], weight)
+
+
+def _save_sharded_feed_forward(file):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)  # the same weights on both ranks
+    ffn = pnn.FeedForward(4, 6, 0.0)
+    ffn.mapping.weight = nn.Parameter(distribute_tensor(ffn.mapping.weight.detach(), mesh, [Shard(0)]))
+    whole = ffn.mapping.weight.full_tensor().clone()
+    save_checkpoint(ffn, file)  # every rank takes part in gathering the slices; each writes the same file
+    return whole.tolist(), ffn.projection.weight.tolist()
+
+
+@pytest.mark.timeout(120)
+def test_a_sharded_net_is_saved_whole_from_every_rank(tmp_path):
+    file = str(tmp_path / "ffn.ckpt")
+    (mapping, projection), _ = run_distributed(_save_sharded_feed_forward, 2, file)
+    params = load_checkpoint(file)
+    assert torch.equal(params["mapping.weight"], torch.tensor(mapping).T)  # whole, in MindSpore's (in, out)
+    assert torch.equal(params["projection.weight"], torch.tensor(projection).T)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ffn.ckpt"]
