@@ -96,6 +96,17 @@ def test_the_ckpt_format_is_mindspores_byte_for_byte(tmp_path):
     assert list(load_checkpoint(tmp_path / "dict.ckpt")) == ["dense.weight", "norm.gamma"]
 
 
+def test_a_batch_norm_saves_as_mindspores_and_its_batch_count_is_left_out(tmp_path):
+    net = randomised(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), 9)
+    net[1].running_var.uniform_(0.5, 1.5)
+    save_checkpoint(net, tmp_path / "bn.ckpt")
+    params = load_checkpoint(tmp_path / "bn.ckpt")
+    assert list(params) == ["0.weight", "0.bias", "1.gamma", "1.beta", "1.moving_mean", "1.moving_variance"]
+    fresh = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
+    assert load_param_into_net(fresh, params) == ([], [])
+    assert torch.equal(fresh[1].running_var, net[1].running_var)
+
+
 def test_mindspore_safetensors_are_read_in_mindspores_layout_and_paratrains_in_its_own(tmp_path, net):
     save_checkpoint(net, tmp_path / "ms.safetensors", format="safetensors", crc_check=True)
     raw = load_file(tmp_path / "ms.safetensors")

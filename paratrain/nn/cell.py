@@ -16,13 +16,18 @@ from paratrain.errors import UserError
 from paratrain.nn.config import check_sizes
 
 RECOMPUTE_MODES = ("none", "full", "selective")
-LAYER_NORM_NAMES = {"weight": "gamma", "bias": "beta"}
 
 # how a tensor is laid out in MindSpore, next to torch's: the same; its last two dims swapped (MindSpore's _Linear
-# keeps (in, out) weights); an expert's bias (experts, out) held as (1, experts, 1, out)
-SAME, TRANSPOSED, EXPERT_BIAS = "same", "transposed", "expert_bias"
-# the MindSpore names of plain torch modules' tensors, where MindSpore's own cell of that kind names them otherwise
-TORCH_MINDSPORE_NAMES = {nn.LayerNorm: LAYER_NORM_NAMES, nn.Embedding: {"weight": "embedding_table"}}
+# keeps (in, out) weights); an expert's bias (experts, out) held as (1, experts, 1, out); absent (torch's batch
+# norm counts its batches, MindSpore's does not): neither saved to nor expected from a MindSpore file
+SAME, TRANSPOSED, EXPERT_BIAS, ABSENT = "same", "transposed", "expert_bias", "absent"
+# the MindSpore names (and layouts) of plain torch modules' tensors, where MindSpore's own cell of that kind differs
+LAYER_NORM_NAMES = {"weight": ("gamma", SAME), "bias": ("beta", SAME)}
+TORCH_MINDSPORE_NAMES = {
+    nn.LayerNorm: LAYER_NORM_NAMES, nn.Embedding: {"weight": ("embedding_table", SAME)},
+    nn.modules.batchnorm._BatchNorm: {**LAYER_NORM_NAMES, "running_mean": ("moving_mean", SAME),
+                                      "running_var": ("moving_variance", SAME),
+                                      "num_batches_tracked": ("num_batches_tracked", ABSENT)}}
 
 
 def to_mindspore_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:
@@ -46,14 +51,14 @@ def from_mindspore_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:
 def mindspore_names(module: nn.Module) -> dict[str, tuple[str, str]]:
     """(MindSpore name, layout) of every tensor of ``module``'s state dict, by its name there: what the ``Cell``s
     in it declare (``Cell.mindspore_params``; an outer cell's word wins over a cell inside it), the MindSpore names
-    of torch's LayerNorm and Embedding tensors (``TORCH_MINDSPORE_NAMES``), else its own name and layout."""
+    of torch's LayerNorm, Embedding and batch norm tensors (``TORCH_MINDSPORE_NAMES``), else its own name and
+    layout."""
     names: dict[str, tuple[str, str]] = {}
     for prefix, sub in module.named_modules():
         if isinstance(sub, Cell):
             declared = sub.mindspore_params()
         else:
-            declared = next(({leaf: (ms, SAME) for leaf, ms in table.items()}
-                             for kind, table in TORCH_MINDSPORE_NAMES.items() if isinstance(sub, kind)), {})
+            declared = next((table for kind, table in TORCH_MINDSPORE_NAMES.items() if isinstance(sub, kind)), {})
         for name, (ms_name, layout) in declared.items():
             names.setdefault(f"{prefix}.{name}" if prefix else name,
                              (f"{prefix}.{ms_name}" if prefix else ms_name, layout))
@@ -92,8 +97,8 @@ class Cell(nn.Module):
 
     def mindspore_params(self) -> dict[str, tuple[str, str]]:
         """How MindSpore's cell of this name names and lays out this cell's tensors where it differs from torch:
-        {name in this cell's state dict: (MindSpore's name in the cell, layout ``SAME``, ``TRANSPOSED`` or
-        ``EXPERT_BIAS``)}. Tensors left out keep their names and layout; ``{}``: all of them."""
+        {name in this cell's state dict: (MindSpore's name in the cell, layout ``SAME``, ``TRANSPOSED``,
+        ``EXPERT_BIAS`` or ``ABSENT``)}. Tensors left out keep their names and layout; ``{}``: all of them."""
         return {}
 
     def trainable_params(self, recurse: bool = True) -> list[nn.Parameter]:

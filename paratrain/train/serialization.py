@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from paratrain.checkpoint.storage import CheckpointError
 from paratrain.errors import UserError
-from paratrain.nn.cell import SAME, from_mindspore_layout, mindspore_names, to_mindspore_layout
+from paratrain.nn.cell import ABSENT, SAME, from_mindspore_layout, mindspore_names, to_mindspore_layout
 from paratrain.train import mindspore_checkpoint as ms_files
 
 FORMATS = ("ckpt", "safetensors")
@@ -164,7 +164,10 @@ def load_param_into_net(net, parameter_dict: dict, strict_load: bool = False,
         names = mindspore_names(module)
         for name, tensor in module.state_dict(keep_vars=True).items():
             ms_name, layout = names[name]
-            targets[ms_name if in_mindspore else name] = (name, tensor, layout if in_mindspore else SAME)
+            if not in_mindspore:
+                targets[name] = (name, tensor, SAME)
+            elif layout != ABSENT:
+                targets[ms_name] = (name, tensor, layout)
     param_not_load, loaded = [], set()
     for key, target in targets.items():
         if key not in parameter_dict:
@@ -309,7 +312,8 @@ def _save_items(save_obj, integrated_save: bool) -> dict[str, torch.Tensor | str
                                     f"integrated_save=False)), or save it whole (integrated_save=True)")
                 tensor = tensor.full_tensor()
             ms_name, layout = names[name]
-            items[ms_name] = to_mindspore_layout(tensor.detach(), layout)
+            if layout != ABSENT:
+                items[ms_name] = to_mindspore_layout(tensor.detach(), layout)
     return items
 
 

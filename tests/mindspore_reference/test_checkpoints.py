@@ -1,6 +1,7 @@
 """Checkpoints cross between MindSpore 2.7.0 and paratrain: the same tiny encoder-decoder (embedding, attention,
-cross-attention, FFN or mixture of experts, LayerNorms) built in both; what one saves the other loads, with the same
-outputs and nothing left unloaded; both ``load_param_into_net`` report the same on a partly matching file."""
+cross-attention, FFN or mixture of experts, LayerNorms) built in both, and a net of MindSpore's ``nn`` cells beside
+torch's (Embedding, Conv2d, BatchNorm2d, Dense, LayerNorm); what one saves the other loads, with the same outputs and
+nothing left unloaded; both ``load_param_into_net`` report the same on a partly matching file."""
 import mindspore
 import numpy as np
 import pytest
@@ -114,12 +115,12 @@ def nets(experts: int):
     return in_fp32(MsNet(experts)), Net(experts)
 
 
-def spread(ms_net: MsNet) -> None:
+def spread(ms_net: ms_nn.Cell) -> None:
     """Weights of MindSpore's net away from their initial scale (0.01), LayerNorms and biases away from 1 and 0, so
     that the outputs are of order 1 and a weight in the wrong place or layout shows."""
     rng = np.random.default_rng(3)
     for p in ms_net.get_parameters():
-        value = rng.normal(0, 0.3, p.shape) + (1 if p.name.endswith("gamma") else 0)
+        value = rng.normal(0, 0.3, p.shape) + (1 if p.name.endswith(("gamma", "moving_variance")) else 0)
         p.set_data(mindspore.Tensor(value.astype(np.float32)))
 
 
@@ -189,3 +190,59 @@ def test_both_load_param_into_net_report_the_same_of_a_partly_matching_checkpoin
     assert sorted(param_not_load) == sorted(expected[0]) and ckpt_not_load == expected[1]
     torch.testing.assert_close(net.transformer.encoder.blocks[0].layernorm2.weight.detach(),
                                torch.from_numpy(ms_net.transformer.encoder.blocks[0].layernorm2.gamma.asnumpy()))
+
+
+class MsCells(ms_nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.embedding = ms_nn.Embedding(VOCAB, 6)
+        self.conv = ms_nn.Conv2d(1, 3, 3, pad_mode="valid", has_bias=True)
+        self.bn = ms_nn.BatchNorm2d(3)
+        self.dense = ms_nn.Dense(3 * 4 * 4, 5)
+        self.norm = ms_nn.LayerNorm((5,), epsilon=1e-5)
+
+    def construct(self, ids):
+        x = self.bn(self.conv(self.embedding(ids).expand_dims(1)))
+        return self.norm(self.dense(x.reshape(x.shape[0], -1)))
+
+
+class TorchModules(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(VOCAB, 6)
+        self.conv = torch.nn.Conv2d(1, 3, 3)
+        self.bn = torch.nn.BatchNorm2d(3)
+        self.dense = torch.nn.Linear(3 * 4 * 4, 5)
+        self.norm = torch.nn.LayerNorm(5)
+
+    def forward(self, ids):
+        x = self.bn(self.conv(self.embedding(ids).unsqueeze(1)))
+        return self.norm(self.dense(x.flatten(1)))
+
+
+IDS = np.random.default_rng(4).integers(0, VOCAB, (BATCH, 6)).astype(np.int32)
+
+
+@pytest.mark.parametrize("fmt", ["ckpt", "safetensors"])
+def test_mindspores_nn_cells_and_torchs_modules_exchange_checkpoints(tmp_path, fmt):
+    mindspore.set_seed(1)
+    ms_net, net = MsCells(), TorchModules()
+    spread(ms_net)
+    ms_net.set_train(False)
+    mindspore.save_checkpoint(ms_net, str(tmp_path / f"ms.{fmt}"), format=fmt)
+    assert paratrain.load_param_into_net(net, paratrain.load_checkpoint(tmp_path / f"ms.{fmt}")) == ([], [])
+    with torch.no_grad():
+        assert_close(net.eval()(torch.from_numpy(IDS).long()).numpy(), ms_net(mindspore.Tensor(IDS)).asnumpy())
+
+    torch.manual_seed(5)
+    with torch.no_grad():  # paratrain's side trained on: new weights and statistics
+        for name, t in net.state_dict().items():
+            if t.is_floating_point():
+                t.copy_(torch.rand_like(t) + 0.5 if name.endswith("running_var") else torch.randn_like(t) * 0.3)
+    paratrain.save_checkpoint(net, tmp_path / f"pt.{fmt}", format=fmt)
+    fresh = MsCells()
+    assert mindspore.load_param_into_net(fresh, mindspore.load_checkpoint(str(tmp_path / f"pt.{fmt}"),
+                                                                          format=fmt)) == ([], [])
+    fresh.set_train(False)
+    with torch.no_grad():
+        assert_close(fresh(mindspore.Tensor(IDS)).asnumpy(), net(torch.from_numpy(IDS).long()).numpy())
