@@ -8,7 +8,8 @@ from paratrain.context import (GRAPH_MODE, PYNATIVE_MODE, ParallelMode, Transfor
 __all__ = ["AutoParallel", "Config", "ConfigError", "DataConfig", "GRAPH_MODE", "ModelConfig", "PYNATIVE_MODE", "ParallelConfig",
            "ParallelMode", "TrainConfig", "TransformerOpParallelConfig", "check", "get_auto_parallel_context",
            "get_context", "load_checkpoint", "load_distributed_checkpoint", "load_param_into_net",
-           "no_init_parameters", "reset_auto_parallel_context", "set_auto_parallel_context", "set_context", "validate"]
+           "no_init_parameters", "reset_auto_parallel_context", "save_checkpoint", "set_auto_parallel_context",
+           "set_context", "validate"]
 __version__ = "0.1.0"
 
 
@@ -20,7 +21,7 @@ def __getattr__(name: str):
     if name == "no_init_parameters":
         from paratrain.parallel.deferred_init import no_init_parameters
         return no_init_parameters
-    if name in ("load_checkpoint", "load_param_into_net", "load_distributed_checkpoint"):
+    if name in ("load_checkpoint", "load_param_into_net", "load_distributed_checkpoint", "save_checkpoint"):
         from paratrain.train import serialization
         return getattr(serialization, name)
     raise AttributeError(f"module 'paratrain' has no attribute {name!r}")

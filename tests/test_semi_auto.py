@@ -203,7 +203,7 @@ def load_under_mp2(world, directory):
         train(net, ParallelMode.SEMI_AUTO_PARALLEL, data()[4:])[1]
     net = MLP(1, 2)
     net.extra = nn.Parameter(torch.zeros(3))
-    out["whole"] = load_param_into_net(net, load_checkpoint(f"{directory}/whole-1_4/model.safetensors")), \
+    out["whole"] = load_param_into_net(net, load_checkpoint(f"{directory}/whole-1_4/model.safetensors"))[0], \
         train(net, ParallelMode.SEMI_AUTO_PARALLEL, data()[4:])[1]
     placed = place_semi_auto(WithLoss(MLP(1, 2), SquaredError()), data()[0], torch.device("cpu"), world)
     out["placed"] = load_distributed_checkpoint(placed, sorted(Path(f"{directory}/sliced-1_4").iterdir())), {

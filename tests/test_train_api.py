@@ -234,11 +234,12 @@ def test_model_checkpoint_names_keeps_and_loads(tmp_path):
         assert all(torch.equal(params[n], trained[n]) for n in trained)
 
     fresh = Net()
-    assert load_param_into_net(fresh, params) == []
+    assert load_param_into_net(fresh, params) == ([], [])
     assert all(torch.equal(p, trained[n]) for n, p in fresh.named_parameters())
     bigger = nn.Module()
     bigger.network, bigger.extra = Net(), nn.Linear(2, 2)  # a wrapper's prefix, and one parameter more
-    assert load_param_into_net(bigger, params) == ["extra.weight", "extra.bias"]
+    # the wrapped names are found by their ends; those entries are not loaded under their own names
+    assert load_param_into_net(bigger, params) == (["extra.weight", "extra.bias"], list(params))
     assert torch.equal(bigger.network.fc1.weight, trained["fc1.weight"])
     assert load_checkpoint(tmp_path, filter_prefix="fc1").keys() == trained.keys() - {"fc1.weight", "fc1.bias"}
     params["fc2.weight"] = torch.zeros(3, 3)
@@ -307,7 +308,7 @@ def _load_into_a_sharded_parameter(params):
     mesh = init_device_mesh("cpu", (2,))
     module = nn.Linear(3, 4)
     module.weight = nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))
-    missing = load_param_into_net([module], params)
+    missing, _ = load_param_into_net([module], params)
     return missing, module.weight.to_local().tolist(), module.bias.tolist()  # tensors do not cross processes
 
 
@@ -337,7 +338,7 @@ def _train_data_parallel(directory, zero):
     with contextlib.redirect_stdout(out):
         model.train(2, dataset(), callbacks=[LossMonitor(), ModelCheckpoint(
             prefix="dp", directory=directory, config=CheckpointConfig(save_checkpoint_steps=6))])
-    missing = load_param_into_net(model.train_network, load_checkpoint(directory))
+    missing, _ = load_param_into_net(model.train_network, load_checkpoint(directory))
     names = {p: n for n, p in model.train_network.named_parameters()}
     return out.getvalue(), missing, sorted(names[p] for p in model.optimizer.state)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from paratrain.checkpoint.storage import (INTEGRATED_FILE, dcp_load, named_error, read_meta, recorded_bytes,
-                                          require_checksums, resolve, tensor_entries, verify)
+                                          require_checksums, resolve, tensor_entries, verify, write_atomic)
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
@@ -44,14 +44,12 @@ def export(path: str | Path, out: str | Path, dtype: torch.dtype | None = None, 
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    metadata = {"step": str(meta["step"]), "config": json.dumps(meta["config"])}
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"step": str(meta["step"]), "config": json.dumps(meta["config"])})
-        tmp.replace(out)
+        write_atomic(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     except (OSError, SafetensorError) as exc:
-        tmp.unlink(missing_ok=True)
-        raise _as_os_error(exc, tmp) from None
+        raise _as_os_error(exc, out) from None
     return out
 
 

@@ -26,8 +26,10 @@ import logging
 import os
 import pickle
 import re
+import secrets
 import threading
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -518,13 +520,22 @@ def fsync_dir(path: Path) -> None:
     os.close(fd)
 
 
-def write_atomic(file: Path, text: str) -> None:
-    """Write ``text`` to ``file`` through a temporary file and a rename."""
-    tmp = file.with_name(file.name + ".tmp")
+def write_atomic(file: Path, content: str | bytes | Callable[[Path], None]) -> None:
+    """Write ``content`` to ``file`` through a temporary file beside it and a rename, so that ``file`` is either
+    its old self or wholly new: text, bytes, or a function that writes the temporary file it is given (a
+    serializer writing to a path). The temporary name is this process's own (``.<name>.<pid>-<random>.tmp``), so
+    that two writers never share it; it is removed when the write fails."""
+    file = Path(file)
+    tmp = file.with_name(f".{file.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
-        write_file(tmp, text.encode())
+        if callable(content):
+            content(tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        else:
+            write_file(tmp, content.encode() if isinstance(content, str) else content)
         os.replace(tmp, file)
-    except OSError:
+    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(file.parent)

@@ -3,17 +3,66 @@ calls a collective): ``pipeline_stage`` (set by ``lambda_func`` or by hand); ``r
 ``"full"`` or ``"selective"``); ``comm_fusion``, its gradient communication group (MindSpore's fusion index,
 None when unset); and ``parallel_plan()``, how its own direct ``nn.Linear`` / ``nn.Embedding`` children split
 over ``model_parallel`` by child name, in ``paratrain.parallel.tensor``'s kinds (``"colwise"``, ``"rowwise"``,
-``"vocab_rows"``; ``{}``: nothing split).
+``"vocab_rows"``; ``{}``: nothing split); and ``mindspore_params()``, the names and layouts its tensors have in
+MindSpore's cell of the same name, which MindSpore's checkpoints (``paratrain.save_checkpoint``,
+``load_param_into_net``) read and write through ``mindspore_names``.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from paratrain.errors import UserError
 from paratrain.nn.config import check_sizes
 
 RECOMPUTE_MODES = ("none", "full", "selective")
-LAYER_NORM_NAMES = {"weight": "gamma", "bias": "beta"}
+
+# how a tensor is laid out in MindSpore, next to torch's: the same; its last two dims swapped (MindSpore's _Linear
+# keeps (in, out) weights); an expert's bias (experts, out) held as (1, experts, 1, out); absent (torch's batch
+# norm counts its batches, MindSpore's does not): neither saved to nor expected from a MindSpore file
+SAME, TRANSPOSED, EXPERT_BIAS, ABSENT = "same", "transposed", "expert_bias", "absent"
+# the MindSpore names (and layouts) of plain torch modules' tensors, where MindSpore's own cell of that kind differs
+LAYER_NORM_NAMES = {"weight": ("gamma", SAME), "bias": ("beta", SAME)}
+TORCH_MINDSPORE_NAMES = {
+    nn.LayerNorm: LAYER_NORM_NAMES, nn.Embedding: {"weight": ("embedding_table", SAME)},
+    nn.modules.batchnorm._BatchNorm: {**LAYER_NORM_NAMES, "running_mean": ("moving_mean", SAME),
+                                      "running_var": ("moving_variance", SAME),
+                                      "num_batches_tracked": ("num_batches_tracked", ABSENT)}}
+
+
+def to_mindspore_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:
+    """``tensor`` (torch's layout) in MindSpore's ``layout`` (a view where it can be)."""
+    if layout == TRANSPOSED:
+        return tensor.transpose(-2, -1)
+    if layout == EXPERT_BIAS:
+        return tensor.reshape(1, tensor.shape[0], 1, tensor.shape[1])
+    return tensor
+
+
+def from_mindspore_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:
+    """``tensor`` in MindSpore's ``layout`` back in torch's (its shape already checked against the target's)."""
+    if layout == TRANSPOSED:
+        return tensor.transpose(-2, -1)
+    if layout == EXPERT_BIAS:
+        return tensor.reshape(tensor.shape[1], tensor.shape[3])
+    return tensor
+
+
+def mindspore_names(module: nn.Module) -> dict[str, tuple[str, str]]:
+    """(MindSpore name, layout) of every tensor of ``module``'s state dict, by its name there: what the ``Cell``s
+    in it declare (``Cell.mindspore_params``; an outer cell's word wins over a cell inside it), the MindSpore names
+    of torch's LayerNorm, Embedding and batch norm tensors (``TORCH_MINDSPORE_NAMES``), else its own name and
+    layout."""
+    names: dict[str, tuple[str, str]] = {}
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, Cell):
+            declared = sub.mindspore_params()
+        else:
+            declared = next((table for kind, table in TORCH_MINDSPORE_NAMES.items() if isinstance(sub, kind)), {})
+        for name, (ms_name, layout) in declared.items():
+            names.setdefault(f"{prefix}.{name}" if prefix else name,
+                             (f"{prefix}.{ms_name}" if prefix else ms_name, layout))
+    return {name: names.get(name, (name, SAME)) for name in module.state_dict(keep_vars=True)}
 
 
 class Cell(nn.Module):
@@ -46,16 +95,21 @@ class Cell(nn.Module):
         """Tensor-parallel split of this cell's direct Linear/Embedding children by name; ``{}``: none."""
         return {}
 
+    def mindspore_params(self) -> dict[str, tuple[str, str]]:
+        """How MindSpore's cell of this name names and lays out this cell's tensors where it differs from torch:
+        {name in this cell's state dict: (MindSpore's name in the cell, layout ``SAME``, ``TRANSPOSED``,
+        ``EXPERT_BIAS`` or ``ABSENT``)}. Tensors left out keep their names and layout; ``{}``: all of them."""
+        return {}
+
     def trainable_params(self, recurse: bool = True) -> list[nn.Parameter]:
-        """The parameters that require grad, each with ``param_name`` set to its MindSpore name: its path in this cell,
-        a LayerNorm's weight and bias named ``gamma`` and ``beta`` (the names MindSpore's optimizers filter by)."""
+        """The parameters that require grad, each with ``param_name`` set to its MindSpore name (``mindspore_names``:
+        its path in this cell, a LayerNorm's weight and bias named ``gamma`` and ``beta``, the names MindSpore's
+        optimizers filter by)."""
+        ms_names = mindspore_names(self)
         params = []
         for path, param in self.named_parameters(recurse=recurse):
             if param.requires_grad:
-                owner, _, leaf = path.rpartition(".")
-                if isinstance(self.get_submodule(owner), nn.LayerNorm):
-                    leaf = LAYER_NORM_NAMES.get(leaf, leaf)
-                param.param_name = f"{owner}.{leaf}" if owner else leaf
+                param.param_name = ms_names[path][0] if path in ms_names else path
                 params.append(param)
         return params
 

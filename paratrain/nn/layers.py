@@ -22,7 +22,7 @@ from torch import nn
 from paratrain.errors import UserError
 from paratrain.modules import moe as shared_moe
 from paratrain.modules import transformer as shared
-from paratrain.nn.cell import Cell
+from paratrain.nn.cell import EXPERT_BIAS, SAME, TRANSPOSED, Cell
 from paratrain.nn.config import (MoEConfig, check_divisible, check_moe, check_rate, check_sizes,
                                  default_dpmp_config, default_embedding_parallel_config, default_moe_config, op_config,
                                  refuse_unsupported, to_dtype)
@@ -136,6 +136,9 @@ class VocabEmbedding(_SplitWhenParallel, shared.VocabEmbedding, Cell):
         """The (V, E) table under MindSpore's name."""
         return self.embedding.weight
 
+    def mindspore_params(self) -> dict[str, tuple[str, str]]:
+        return {"embedding.weight": ("embedding_table", SAME)}
+
 
 class AttentionMask(Cell):
     """input_mask (B, T), nonzero for real tokens -> float (B, T, T): 1 where query i may attend key j,
@@ -179,6 +182,10 @@ class FeedForward(_SplitWhenParallel, shared.FeedForward, Cell):
     def forward(self, x):
         return in_input_dtype(self.dropout(super().forward(x.to(self.mapping.weight.dtype))), x.dtype)
 
+    def mindspore_params(self) -> dict[str, tuple[str, str]]:
+        # MindSpore's _Linear(transpose_b=False) keeps both weights (in, out)
+        return {name: (name, TRANSPOSED) for name in ("mapping.weight", "projection.weight")}
+
 
 class MoE(shared_moe.MoE, Cell):
     """MindSpore's mixture-of-experts FFN: x (B, T, H) or (B*T, H) -> ``(output shaped like x, aux_loss ())``.
@@ -202,6 +209,12 @@ class MoE(shared_moe.MoE, Cell):
     def forward(self, x):
         output, aux_loss = super().forward(x.to(self.router.weight.dtype))
         return in_input_dtype(self.dropout(output), x.dtype), aux_loss
+
+    def mindspore_params(self) -> dict[str, tuple[str, str]]:
+        # MindSpore's experts are one batched FFN, ``ffn``, weights (experts, in, out) as here
+        return {"router.weight": ("router.dense.weight", SAME), "experts.w1": ("ffn.mapping.weight", SAME),
+                "experts.b1": ("ffn.mapping.bias", EXPERT_BIAS), "experts.w2": ("ffn.projection.weight", SAME),
+                "experts.b2": ("ffn.projection.bias", EXPERT_BIAS)}
 
 
 class MultiHeadAttention(_SplitWhenParallel, shared.Attention, Cell):
@@ -249,6 +262,10 @@ class MultiHeadAttention(_SplitWhenParallel, shared.Attention, Cell):
         q, k, v = self.heads(*(x.reshape(batch, -1, x.shape[-1]).to(self.dense1.weight.dtype) for x in inputs))
         output = self.dropout(self.attend(q, k, v, self._score_bias(attention_mask, q.dtype)))
         return in_input_dtype(output.reshape(shape), dtype), (k.transpose(-2, -1), v)
+
+    def mindspore_params(self) -> dict[str, tuple[str, str]]:
+        # MindSpore's output projection is a _Linear(transpose_b=False), (in, out); dense1-3 are (out, in) as here
+        return {"projection.weight": ("projection.weight", TRANSPOSED)}
 
     @staticmethod
     def _score_bias(attention_mask, dtype) -> torch.Tensor | str | None:

@@ -9,7 +9,12 @@ class Parameter(nn.Parameter):
     """An ``nn.Parameter`` with MindSpore's ``layerwise_parallel`` flag: under ``hybrid_parallel`` a parameter
     with it set is this device's own slice, left out of the data-parallel gradient reduction (the net's own
     collectives, ``paratrain.ops.AllReduce``, combine the slices). The attribute may also be set on any
-    existing ``nn.Parameter``. ``data``: a tensor or anything ``torch.as_tensor`` takes (a numpy array)."""
+    existing ``nn.Parameter``. ``data``: a tensor or anything ``torch.as_tensor`` takes (a numpy array).
+    ``checkpoint_layout`` is ``"mindspore"`` for a tensor read from a MindSpore checkpoint file
+    (``paratrain.load_checkpoint``): it is named and laid out as in MindSpore's net, which ``load_param_into_net``
+    maps onto paratrain's; else None."""
+
+    checkpoint_layout = None
 
     def __new__(cls, data=None, requires_grad: bool = True, layerwise_parallel: bool = False, name: str | None = None):
         data = torch.empty(0) if data is None else torch.as_tensor(data)
@@ -21,6 +26,7 @@ class Parameter(nn.Parameter):
         if id(self) not in memo:
             memo[id(self)] = type(self)(self.data.clone(), self.requires_grad, self.layerwise_parallel,
                                         self.param_name)
+            memo[id(self)].checkpoint_layout = self.checkpoint_layout
         return memo[id(self)]
 
     def __repr__(self):
