@@ -32,6 +32,7 @@ CASES = {
     "qwen2_bias": ("Qwen2Config", {}),
     "qwen3_qk_norm_head_dim": ("Qwen3Config", {"head_dim": 16, "tie_word_embeddings": True}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
+    "llama_4_layers": ("LlamaConfig", {"num_hidden_layers": 4}),
 }
 
 
@@ -147,6 +148,9 @@ LAYOUTS = {  # name: (case, world size, parallel section)
                                             "pipeline_schedule": "gpipe"}),
     "mistral_dp2_zero1_recompute_full": ("mistral", 2, {"dp": 2, "zero_stage": 1, "recompute": "full"}),
     "mqa_dp2_zero2_selective": ("llama_mqa", 2, {"dp": 2, "zero_stage": 2, "recompute": "selective"}),
+    **{f"pp2_v2_{schedule}": ("llama_4_layers", 2, {"pp": 2, "virtual_pipeline_stage": 2, "micro_batch_num": 4,
+                                                    "pipeline_schedule": schedule})
+       for schedule in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")},
 }
 
 
