@@ -8,7 +8,8 @@ from paratrain.context import (GRAPH_MODE, PYNATIVE_MODE, ParallelMode, Transfor
 __all__ = ["AutoParallel", "Config", "ConfigError", "DataConfig", "GRAPH_MODE", "ModelConfig", "PYNATIVE_MODE", "ParallelConfig",
            "ParallelMode", "TrainConfig", "TransformerOpParallelConfig", "check", "get_auto_parallel_context",
            "get_context", "load_checkpoint", "load_distributed_checkpoint", "load_param_into_net",
-           "no_init_parameters", "reset_auto_parallel_context", "set_auto_parallel_context", "set_context", "validate"]
+           "no_init_parameters", "reset_auto_parallel_context", "set_auto_parallel_context", "set_context", "validate",
+           "get_seed", "set_seed", "Model", "CheckpointConfig", "LossMonitor", "ModelCheckpoint", "TimeMonitor"]
 __version__ = "0.1.0"
 
 
@@ -23,4 +24,15 @@ def __getattr__(name: str):
     if name in ("load_checkpoint", "load_param_into_net", "load_distributed_checkpoint"):
         from paratrain.train import serialization
         return getattr(serialization, name)
+    if name in ("set_seed", "get_seed"):
+        from paratrain import seed
+        return getattr(seed, name)
+    if name in ("Model", "CheckpointConfig", "LossMonitor", "ModelCheckpoint", "TimeMonitor"):
+        from paratrain import train
+        return getattr(train, name)
+    from paratrain.dtype import TORCH_NAMES
+
+    if name in TORCH_NAMES and name != "bool":  # paratrain.bool_, as mindspore.bool_
+        import torch
+        return getattr(torch, TORCH_NAMES[name])
     raise AttributeError(f"module 'paratrain' has no attribute {name!r}")

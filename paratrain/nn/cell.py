@@ -1,4 +1,4 @@
-"""``Cell``: the base of every block, stating what the parallel runtime applies from outside (a block never
+"""``Cell``: the base of every block and of a user's MindSpore-style cells (``forward`` runs ``construct``), stating what the parallel runtime applies from outside (a block never
 calls a collective): ``pipeline_stage`` (set by ``lambda_func`` or by hand); ``recompute_mode`` (``"none"``,
 ``"full"`` or ``"selective"``); ``comm_fusion``, its gradient communication group (MindSpore's fusion index,
 None when unset); and ``parallel_plan()``, how its own direct ``nn.Linear`` / ``nn.Embedding`` children split
@@ -11,17 +11,25 @@ from torch import nn
 
 from paratrain.errors import UserError
 from paratrain.nn.config import check_sizes
+from paratrain.nn.parameter import with_name
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 LAYER_NORM_NAMES = {"weight": "gamma", "bias": "beta"}
 
 
 class Cell(nn.Module):
-    """A ``torch.nn.Module`` with MindSpore's per-cell parallel settings (see the module docstring)."""
+    """A ``torch.nn.Module`` with MindSpore's per-cell parallel settings (see the module docstring). A subclass
+    defines its computation as MindSpore's ``construct`` or as torch's ``forward``."""
 
     pipeline_stage = 0
     recompute_mode = "none"
     comm_fusion = None
+
+    def forward(self, *args, **kwargs):
+        return self.construct(*args, **kwargs)
+
+    def construct(self, *args, **kwargs):
+        raise UserError(f"{type(self).__name__} defines neither construct nor forward: a Cell computes in one of them")
 
     def recompute(self, mode: bool | str = True, **mindspore_options) -> None:
         """Recompute this cell's forward in backward: True means ``"full"``, False ``"none"``, or a mode name.
@@ -47,17 +55,21 @@ class Cell(nn.Module):
         return {}
 
     def trainable_params(self, recurse: bool = True) -> list[nn.Parameter]:
-        """The parameters that require grad, each with ``param_name`` set to its MindSpore name: its path in this cell,
-        a LayerNorm's weight and bias named ``gamma`` and ``beta`` (the names MindSpore's optimizers filter by)."""
-        params = []
-        for path, param in self.named_parameters(recurse=recurse):
-            if param.requires_grad:
-                owner, _, leaf = path.rpartition(".")
-                if isinstance(self.get_submodule(owner), nn.LayerNorm):
-                    leaf = LAYER_NORM_NAMES.get(leaf, leaf)
-                param.param_name = f"{owner}.{leaf}" if owner else leaf
-                params.append(param)
-        return params
+        """The parameters that require grad (``mindspore_named``)."""
+        return mindspore_named(self, recurse)
+
+
+def mindspore_named(net: nn.Module, recurse: bool = True) -> list[nn.Parameter]:
+    """The parameters of ``net`` that require grad, each with its MindSpore ``name`` (``with_name``): its path in
+    ``net``, a LayerNorm's weight and bias named ``gamma`` and ``beta`` (the names MindSpore's optimizers filter by)."""
+    params = []
+    for path, param in net.named_parameters(recurse=recurse):
+        if param.requires_grad:
+            owner, _, leaf = path.rpartition(".")
+            if isinstance(net.get_submodule(owner), nn.LayerNorm):
+                leaf = LAYER_NORM_NAMES.get(leaf, leaf)
+            params.append(with_name(param, f"{owner}.{leaf}" if owner else leaf))
+    return params
 
 
 class PipelineCell(nn.Module):
@@ -89,7 +101,8 @@ class PipelineCell(nn.Module):
     def forward(self, *batch):
         return self.network(*batch)
 
-    def infer_param_pipeline_stage(self) -> list[tuple[str, nn.Parameter]]:
-        """(name, parameter) of every parameter this rank holds: its pipeline stage's once placed, else all."""
-        source = self.placed if self.placed is not None else self.network
-        return list(source.named_parameters())
+    def infer_param_pipeline_stage(self) -> list[nn.Parameter]:
+        """The trainable parameters this rank holds, with their ``name`` (as ``Cell.trainable_params()``): its
+        pipeline stage's once ``Model`` placed the network, before that all of them (the optimizer built on them
+        is rebuilt on this rank's own)."""
+        return mindspore_named(self.placed if self.placed is not None else self.network)

@@ -57,6 +57,11 @@ class Primitive(nn.Module):
         """Device matrix and tensor maps: by default every input split as the first (elementwise, unary)."""
         return OpLayout(strategy[0], tuple(tuple(range(len(s))) for s in strategy))
 
+    def splits_batch_only(self, strategy: Strategy, data_parallel: int) -> bool:
+        """Whether ``strategy`` splits nothing but each input's dimension 0 (the batch's), over a divisor of
+        ``data_parallel``: what data parallelism does anyway."""
+        return all(all(n == 1 for n in s[1:]) and (not s or data_parallel % s[0] == 0) for s in strategy)
+
     def problems(self, strategy: Strategy, shapes: list[tuple[int, ...]], device_num: int) -> list[str]:
         """Every rule ``strategy`` breaks on inputs of ``shapes`` over ``device_num`` devices."""
         if len(strategy) != len(shapes):
