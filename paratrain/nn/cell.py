@@ -59,11 +59,12 @@ class Cell(nn.Module):
         return mindspore_named(self, recurse)
 
 
-def mindspore_named(net: nn.Module, recurse: bool = True) -> list[nn.Parameter]:
-    """The parameters of ``net`` that require grad, each with its MindSpore ``name`` (``with_name``): its path in
-    ``net``, a LayerNorm's weight and bias named ``gamma`` and ``beta`` (the names MindSpore's optimizers filter by)."""
+def mindspore_named(net: nn.Module, recurse: bool = True, named=None) -> list[nn.Parameter]:
+    """The parameters of ``net`` (or the (path in ``net``, parameter) pairs ``named``: a placed net's) that require
+    grad, each with its MindSpore ``name`` (``with_name``): its path in ``net``, a LayerNorm's weight and bias named
+    ``gamma`` and ``beta`` (the names MindSpore's optimizers filter by)."""
     params = []
-    for path, param in net.named_parameters(recurse=recurse):
+    for path, param in (net.named_parameters(recurse=recurse) if named is None else named):
         if param.requires_grad:
             owner, _, leaf = path.rpartition(".")
             if isinstance(net.get_submodule(owner), nn.LayerNorm):
@@ -105,4 +106,4 @@ class PipelineCell(nn.Module):
         """The trainable parameters this rank holds, with their ``name`` (as ``Cell.trainable_params()``): its
         pipeline stage's once ``Model`` placed the network, before that all of them (the optimizer built on them
         is rebuilt on this rank's own)."""
-        return mindspore_named(self.placed if self.placed is not None else self.network)
+        return mindspore_named(self.network, named=None if self.placed is None else self.placed.named_parameters())
