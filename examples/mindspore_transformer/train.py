@@ -82,10 +82,10 @@ def main():
         print("rank_id is {}, device_num is {}, dp is {}".format(rank_id, device_num, dp))
         gradient_accumulation_shard = dp > 1 and args_opt.pipeline_stage > 1
         reset_auto_parallel_context()
-        set_auto_parallel_context(parallel_mode=ParallelMode.SEMI_AUTO_PARALLEL, gradients_mean=False,
-                                  full_batch=True, loss_repeated_mean=True, device_num=device_num,
-                                  enable_parallel_optimizer=True,
-                                  parallel_optimizer_config={"gradient_accumulation_shard": gradient_accumulation_shard})
+        set_auto_parallel_context(
+            parallel_mode=ParallelMode.SEMI_AUTO_PARALLEL, gradients_mean=False, full_batch=True,
+            loss_repeated_mean=True, device_num=device_num, enable_parallel_optimizer=True,
+            parallel_optimizer_config={"gradient_accumulation_shard": gradient_accumulation_shard})
     else:
         dp = 1
 

@@ -1,9 +1,9 @@
-"""``Cell``: the base of every block and of a user's MindSpore-style cells (``forward`` runs ``construct``), stating what the parallel runtime applies from outside (a block never
-calls a collective): ``pipeline_stage`` (set by ``lambda_func`` or by hand); ``recompute_mode`` (``"none"``,
-``"full"`` or ``"selective"``); ``comm_fusion``, its gradient communication group (MindSpore's fusion index,
-None when unset); and ``parallel_plan()``, how its own direct ``nn.Linear`` / ``nn.Embedding`` children split
-over ``model_parallel`` by child name, in ``paratrain.parallel.tensor``'s kinds (``"colwise"``, ``"rowwise"``,
-``"vocab_rows"``; ``{}``: nothing split).
+"""``Cell``: the base of every block and of a user's cells (``forward`` runs MindSpore's ``construct``), stating
+what the parallel runtime applies from outside (a block never calls a collective): ``pipeline_stage`` (set by
+``lambda_func`` or by hand); ``recompute_mode`` (``"none"``, ``"full"`` or ``"selective"``); ``comm_fusion``, its
+gradient communication group (MindSpore's fusion index, None when unset); and ``parallel_plan()``, how its own
+direct ``nn.Linear`` / ``nn.Embedding`` children split over ``model_parallel`` by child name, in
+``paratrain.parallel.tensor``'s kinds (``"colwise"``, ``"rowwise"``, ``"vocab_rows"``; ``{}``: nothing split).
 """
 from __future__ import annotations
 

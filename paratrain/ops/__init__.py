@@ -10,5 +10,5 @@ from paratrain.ops.primitive import Primitive
 from paratrain.ops.strategy import StrategyError
 
 __all__ = ["Add", "AllReduce", "BatchMatMul", "BiasAdd", "Cast", "Dropout", "Exp", "Gather", "Log", "MatMul", "Mul",
-           "NotEqual", "OneHot", "Primitive", "RealDiv", "ReduceMax", "ReduceMean", "ReduceSum", "ReLU", "Reshape", "Softmax",
-           "StrategyError", "Sub", "Transpose", "shape"]
+           "NotEqual", "OneHot", "Primitive", "RealDiv", "ReduceMax", "ReduceMean", "ReduceSum", "ReLU", "Reshape",
+           "Softmax", "StrategyError", "Sub", "Transpose", "shape"]

@@ -19,8 +19,9 @@ class TypeCast:
         self.data_type = data_type
 
     def __call__(self, value) -> torch.Tensor:
-        value = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else torch.as_tensor(value)
-        return value.to(self.data_type)
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(np.ascontiguousarray(value)).to(self.data_type)
+        return torch.as_tensor(value).to(self.data_type)
 
     def __repr__(self) -> str:
         return f"TypeCast({self.data_type})"
