@@ -2,14 +2,16 @@
 from paratrain.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from paratrain.config_rules import check, validate
 from paratrain.context import (GRAPH_MODE, PYNATIVE_MODE, ParallelMode, TransformerOpParallelConfig,
-                               get_auto_parallel_context, get_context, reset_auto_parallel_context,
-                               set_auto_parallel_context, set_context)
+                               get_algo_parameters, get_auto_parallel_context, get_context, reset_algo_parameters,
+                               reset_auto_parallel_context, set_algo_parameters, set_auto_parallel_context,
+                               set_context)
 
-__all__ = ["AutoParallel", "Config", "ConfigError", "DataConfig", "GRAPH_MODE", "ModelConfig", "PYNATIVE_MODE", "ParallelConfig",
-           "ParallelMode", "TrainConfig", "TransformerOpParallelConfig", "check", "get_auto_parallel_context",
-           "get_context", "load_checkpoint", "load_distributed_checkpoint", "load_param_into_net",
-           "no_init_parameters", "reset_auto_parallel_context", "set_auto_parallel_context", "set_context", "validate",
-           "get_seed", "set_seed", "Model", "CheckpointConfig", "LossMonitor", "ModelCheckpoint", "TimeMonitor"]
+__all__ = ["AutoParallel", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "GRAPH_MODE", "LossMonitor",
+           "Model", "ModelCheckpoint", "ModelConfig", "PYNATIVE_MODE", "ParallelConfig", "ParallelMode", "TimeMonitor",
+           "TrainConfig", "TransformerOpParallelConfig", "check", "get_algo_parameters", "get_auto_parallel_context",
+           "get_context", "get_seed", "load_checkpoint", "load_distributed_checkpoint", "load_param_into_net",
+           "no_init_parameters", "reset_algo_parameters", "reset_auto_parallel_context", "set_algo_parameters",
+           "set_auto_parallel_context", "set_context", "set_seed", "validate"]
 __version__ = "0.1.0"
 
 

@@ -267,6 +267,53 @@ def reset_auto_parallel_context() -> None:
     _values.clear()
 
 
+# MindSpore's set_algo_parameters options (how its AUTO_PARALLEL search picks strategies) and their defaults;
+# paratrain's search (paratrain.train.parallel_modes.auto) reads none of them; under SEMI_AUTO_PARALLEL strategies
+# are given
+ALGO_DEFAULTS: dict[str, Any] = {"fully_use_devices": True, "elementwise_op_strategy_follow": False,
+                                 "enable_algo_approxi": False, "algo_approxi_epsilon": 0.1,
+                                 "tensor_slice_align_enable": False, "tensor_slice_align_size": 16}
+_algo_values: dict[str, Any] = {}
+
+
+def set_algo_parameters(**kwargs) -> None:
+    """MindSpore's ``set_algo_parameters``: its options are checked and kept (``get_algo_parameters``) and change
+    nothing here: they tune MindSpore's strategy search, not paratrain's."""
+    for key, value in kwargs.items():
+        if key not in ALGO_DEFAULTS:
+            raise UserError(f"set_algo_parameters({key}={value!r}): unknown option; known: "
+                            f"{', '.join(sorted(ALGO_DEFAULTS))}")
+        if key == "algo_approxi_epsilon":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+        elif key == "tensor_slice_align_size":
+            ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1024
+        else:
+            ok = isinstance(value, bool)
+        if not ok:
+            want = {"algo_approxi_epsilon": "a number in (0, 1]", "tensor_slice_align_size": "an int in 1..1024"}
+            raise UserError(f"set_algo_parameters({key}={value!r}): expected {want.get(key, 'True or False')}")
+    _algo_values.update(kwargs)
+
+
+def get_algo_parameters(key: str) -> Any:
+    """The value of ``set_algo_parameters`` option ``key``: as set, else MindSpore's default."""
+    if key not in ALGO_DEFAULTS:
+        raise UserError(f"get_algo_parameters({key!r}): unknown option; known: {', '.join(sorted(ALGO_DEFAULTS))}")
+    return _algo_values.get(key, ALGO_DEFAULTS[key])
+
+
+def reset_algo_parameters() -> None:
+    """Forget every ``set_algo_parameters`` option set."""
+    _algo_values.clear()
+
+
+def _set_multi_subgraphs(multi_subgraph: bool = True) -> None:
+    """MindSpore's private ``_set_multi_subgraphs`` (its graph compiler's switch), accepted as ports call it; a net
+    here is one PyTorch module whatever it is set to."""
+    if not isinstance(multi_subgraph, bool):
+        raise UserError(f"_set_multi_subgraphs({multi_subgraph!r}): expected True or False")
+
+
 WHERE = "TransformerOpParallelConfig."  # how the rules of paratrain.config_rules name the blocks' settings
 LAYOUT_FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "effective_zero_stage")
 

@@ -38,9 +38,9 @@ class Parameter(Named, nn.Parameter):
                                         getattr(self, "layerwise_parallel", False), self.name)
         return memo[id(self)]
 
-    def __repr__(self):
-        return f"Parameter(name={self.name!r}, layerwise_parallel={getattr(self, 'layerwise_parallel', False)}) " \
-               f"containing:\n{self.data!r}"
+    def __repr__(self):  # MindSpore's form: a list of parameters prints one short line each
+        return (f"Parameter (name={self.name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"requires_grad={self.requires_grad}, layerwise_parallel={getattr(self, 'layerwise_parallel', False)})")
 
 
 _NAMED_CLASSES: dict[type, type] = {}
