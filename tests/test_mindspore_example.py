@@ -27,16 +27,28 @@ def run_tutorial(cwd, *command: str, timeout: int) -> list[float]:
     return [loss for _, _, loss in found]
 
 
-@pytest.mark.slow
-def test_the_tutorial_on_eight_ranks_prints_the_one_process_losses(tmp_path):
-    (tmp_path / "one").mkdir()
-    (tmp_path / "eight").mkdir()
-    one = run_tutorial(tmp_path / "one", PYTHON, str(SCRIPT), *TINY, timeout=240)
-    eight = run_tutorial(tmp_path / "eight", PYTHON, "-m", "paratrain", "launch", "--nproc-per-node", "8", "--name",
-                         "tutorial", "--", str(SCRIPT), "--distribute", "true", "--mp", "2", "--pipeline_stage", "2",
-                         "--micro_batch_num", "4", *TINY, timeout=400)
-    assert len(one) == 4 and one[-1] < one[0]
-    assert eight == pytest.approx(one, rel=1e-4)
+def checkpoints(folder) -> list[str]:
+    return sorted(p.name for p in folder.glob("test-*"))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The losses of the tutorial on one process, as a user runs it (``--distribute false``)."""
+    folder = tmp_path_factory.mktemp("one")
+    losses = run_tutorial(folder, PYTHON, str(SCRIPT), *TINY, timeout=240)
+    assert len(losses) == 4 and losses[-1] < losses[0]
     # ModelCheckpoint(prefix="test") in the working directory, one per step (keep_checkpoint_max=4)
-    for run in ("one", "eight"):
-        assert sorted(p.name for p in (tmp_path / run).glob("test-*")) == [f"test-1_{s}" for s in range(1, 5)]
+    assert checkpoints(folder) == [f"test-1_{s}" for s in range(1, 5)]
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, layout", [
+    (8, ["--mp", "2", "--pipeline_stage", "2", "--micro_batch_num", "4"]),  # the tutorial's run
+    (4, ["--mp", "2"]), (2, ["--pipeline_stage", "2", "--micro_batch_num", "2"]),
+], ids=["dp2_mp2_pp2_micro4", "dp2_mp2", "pp2_micro2"])
+def test_the_tutorial_launched_prints_the_one_process_losses(tmp_path, one_process, ranks, layout):
+    losses = run_tutorial(tmp_path, PYTHON, "-m", "paratrain", "launch", "--nproc-per-node", str(ranks), "--name",
+                          "tutorial", "--", str(SCRIPT), "--distribute", "true", *layout, *TINY, timeout=400)
+    assert losses == pytest.approx(one_process, rel=1e-4)
+    assert checkpoints(tmp_path) == [f"test-1_{s}" for s in range(1, 5)]

@@ -61,7 +61,9 @@ def _named_class(cls: type) -> type:
         return result
 
     if cls not in _NAMED_CLASSES:
-        _NAMED_CLASSES[cls] = type(f"Named{cls.__name__}", (Named, cls), {"__deepcopy__": __deepcopy__})
+        name = f"Named{cls.__name__}"
+        named = type(name, (Named, cls), {"__deepcopy__": __deepcopy__, "__module__": __name__})
+        globals()[name] = _NAMED_CLASSES[cls] = named  # found by its name, as pickle looks a class up
     return _NAMED_CLASSES[cls]
 
 
@@ -76,3 +78,12 @@ def with_name(param: nn.Parameter, name: str) -> nn.Parameter:
             param.__class__ = _named_class(type(param))
     param.name = name
     return param
+
+
+def __getattr__(name: str):
+    # a process unpickling a named DTensor parameter before naming one itself
+    if name == "NamedDTensor":
+        from torch.distributed.tensor import DTensor
+
+        return _named_class(DTensor)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -63,10 +63,9 @@ class MatMul(Primitive):
     def compute(self, x, w):
         return (x.mT if self.transpose_a else x) @ (w.mT if self.transpose_b else w)
 
-
     def splits_batch_only(self, strategy, data_parallel):
         # the second input is the weight: any split of it is model parallelism
-        return super().splits_batch_only(strategy[:1], data_parallel) and all(n == 1 for n in strategy[1])
+        return super().splits_batch_only(strategy[:1], data_parallel) and all(n == 1 for s in strategy[1:] for n in s)
 
 
 class BatchMatMul(MatMul):

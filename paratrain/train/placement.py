@@ -88,8 +88,8 @@ def fused_where_equal(optimizer: torch.optim.Optimizer, options: dict, groups: l
             or any(c.get("foreach") is not None or c.get("fused") is not None or c.get("differentiable")
                    for c in chosen)):
         return {}
-    plain_cuda = all(type(p) in (nn.Parameter, Parameter) and p.is_cuda and p.dtype in (torch.float32, torch.bfloat16,
-                                                                             torch.float16) for p in params)
+    plain_cuda = all(type(p) in (nn.Parameter, Parameter) and p.is_cuda
+                     and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params)
     return {"fused": True} if plain_cuda else {}
 
 
