@@ -215,5 +215,7 @@ def test_generator_dataset_maps_and_batches_as_mindspore():
         data.map(input_columns="idz", operations=C.TypeCast(mstype.int32))
     with pytest.raises(UserError, match=r"TypeCast\(data_type='int32'\): expected a dtype"):
         C.TypeCast("int32")
+    with pytest.raises(UserError, match=r"column_types=/schema=\): the columns keep the types the source gives"):
+        ds.GeneratorDataset(rows, column_names=["ids", "mask", "label"], column_types=[mstype.int32] * 3)
     shuffled = ds.GeneratorDataset([(np.array(i),) for i in range(8)], column_names=["x"], shuffle=True)
     assert sorted(t.item() for b in shuffled.batch(4) for t in b[0]) == list(range(8))

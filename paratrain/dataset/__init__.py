@@ -19,11 +19,15 @@ class GeneratorDataset(RowDataset):
     again each time the dataset is read), an iterable of rows, or a random-access one (``__getitem__`` and
     ``__len__``), which is shuffled by default, as MindSpore does (seeded, the same on every rank). The rows are read
     once, on first use, and kept. ``map(operations, input_columns)`` and ``batch(batch_size, drop_remainder)``
-    return new datasets; every rank reads every row (full batch)."""
+    return new datasets; every rank reads every row (full batch). The worker options are accepted and unused."""
 
     def __init__(self, source, column_names: str | list[str] | None = None, column_types=None, schema=None,
                  num_samples: int | None = None, num_parallel_workers: int = 1, shuffle: bool | None = None,
-                 sampler=None, num_shards: int | None = None, shard_id: int | None = None, **_options):
+                 sampler=None, num_shards: int | None = None, shard_id: int | None = None,
+                 python_multiprocessing: bool = True, max_rowsize=None):
+        if column_types is not None or schema is not None:
+            raise UserError("GeneratorDataset(column_types=/schema=): the columns keep the types the source gives; "
+                            "cast them with map(operations=TypeCast(...), input_columns=...)")
         if sampler is not None or num_shards is not None or shard_id is not None:
             raise UserError("GeneratorDataset(sampler=/num_shards=/shard_id=): every rank reads the whole global "
                             "batch here (full_batch) and keeps its rows; leave them out")
@@ -77,9 +81,11 @@ class GeneratorDataset(RowDataset):
         return tuple(torch.stack([torch.as_tensor(row[c]) for row in rows]) for c in range(len(rows[0])))
 
     def map(self, operations=None, input_columns: str | list[str] | None = None, output_columns=None,
-            **_options) -> "GeneratorDataset":
+            num_parallel_workers: int | None = None, python_multiprocessing: bool = False,
+            max_rowsize=None) -> "GeneratorDataset":
         """A dataset whose rows have ``operations`` (a callable or a list of them, applied in turn to each value)
-        applied to the columns ``input_columns`` (default: the first)."""
+        applied to the columns ``input_columns`` (default: the first). The worker options are accepted; the
+        operations run in this process, when a batch is read."""
         operations = operations if isinstance(operations, (list, tuple)) else [operations]
         if not operations or not all(callable(op) for op in operations):
             raise UserError(f"map(operations={operations!r:.60}): expected a callable, or a list of them")
