@@ -255,11 +255,16 @@ def set_auto_parallel_context(**kwargs) -> None:
     _values.update(checked)
 
 
+def _lookup(owner: str, key: str, defaults: dict[str, Any], values: dict[str, Any]) -> Any:
+    """Option ``key`` of ``owner``'s: its value in ``values``, else its default; a UserError for an unknown one."""
+    if key not in defaults:
+        raise UserError(f"{owner}({key!r}): unknown option; known: {', '.join(sorted(defaults))}")
+    return values.get(key, defaults[key])
+
+
 def get_auto_parallel_context(key: str) -> Any:
     """The value of option ``key``: as set, else what paratrain does."""
-    if key not in DEFAULTS:
-        raise UserError(f"get_auto_parallel_context({key!r}): unknown option; known: {', '.join(sorted(DEFAULTS))}")
-    return _values.get(key, DEFAULTS[key])
+    return _lookup("get_auto_parallel_context", key, DEFAULTS, _values)
 
 
 def reset_auto_parallel_context() -> None:
@@ -297,9 +302,7 @@ def set_algo_parameters(**kwargs) -> None:
 
 def get_algo_parameters(key: str) -> Any:
     """The value of ``set_algo_parameters`` option ``key``: as set, else MindSpore's default."""
-    if key not in ALGO_DEFAULTS:
-        raise UserError(f"get_algo_parameters({key!r}): unknown option; known: {', '.join(sorted(ALGO_DEFAULTS))}")
-    return _algo_values.get(key, ALGO_DEFAULTS[key])
+    return _lookup("get_algo_parameters", key, ALGO_DEFAULTS, _algo_values)
 
 
 def reset_algo_parameters() -> None:
