@@ -45,8 +45,8 @@ def one_process(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks, layout", [
     (8, ["--mp", "2", "--pipeline_stage", "2", "--micro_batch_num", "4"]),  # the tutorial's run
-    (4, ["--mp", "2"]), (2, ["--pipeline_stage", "2", "--micro_batch_num", "2"]),
-], ids=["dp2_mp2_pp2_micro4", "dp2_mp2", "pp2_micro2"])
+    (4, ["--mp", "2"]), (2, ["--pipeline_stage", "2", "--micro_batch_num", "2"]), (2, []),
+], ids=["dp2_mp2_pp2_micro4", "dp2_mp2", "pp2_micro2", "dp2"])
 def test_the_tutorial_launched_prints_the_one_process_losses(tmp_path, one_process, ranks, layout):
     losses = run_tutorial(tmp_path, PYTHON, "-m", "paratrain", "launch", "--nproc-per-node", str(ranks), "--name",
                           "tutorial", "--", str(SCRIPT), "--distribute", "true", *layout, *TINY, timeout=400)

@@ -211,3 +211,20 @@ def test_cast_dropout_and_shape():
     assert mask.tolist() == [1.0, 1.0, 1.0] and y.tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(Exception, match=r"Dropout\(keep_prob=0\): expected a number in \(0, 1\]"):
         ops.Dropout(keep_prob=0)
+
+
+def test_a_scalar_inputs_empty_tuple_is_accepted_as_mindspore_writes_it():
+    class NotPad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.no_equal = ops.NotEqual().shard(((2, 1), ()))
+
+        def forward(self, ids):
+            return self.no_equal(ids, 1)
+
+    net = NotPad()
+    assert check_strategies(record_calls(net, (torch.ones(4, 3, dtype=torch.int32),)), 2) == (2,)
+    assert net.no_equal.strategy == ((2, 1),)  # one tuple per tensor input
+    net.no_equal.shard(((2, 1), (2,)))  # a split of a scalar is still refused
+    with pytest.raises(StrategyError, match=r"it gives 2 tuples for 1 tensor inputs"):
+        check_strategies(record_calls(net, (torch.ones(4, 3, dtype=torch.int32),)), 2)

@@ -528,11 +528,11 @@ def test_parameters_of_a_placed_net_have_their_mindspore_names():
     assert loss == loss and copied == names[0]
 
 
-def _tutorial_ops_net(strategy_of_add):
+def _tutorial_ops_net(strategy_of_add, model_parallel=2):
     from paratrain.config import ParallelConfig
     from paratrain import ops
 
-    config = ParallelConfig(data_parallel=2, model_parallel=2)
+    config = ParallelConfig(data_parallel=2, model_parallel=model_parallel)
     net = TutorialNet(config)
     net.add = ops.Add().shard(strategy_of_add)
     net.head_matmul = ops.MatMul(transpose_b=True).shard(((1, 1), (1, 1)))
@@ -547,6 +547,8 @@ def test_ops_splitting_the_batch_only_go_with_the_blocks_and_others_are_refused(
 
     net, config = _tutorial_ops_net(((2, 1, 1), (2, 1, 1)))
     assert op_by_op(net, config) is False  # placed by the blocks' placement, data parallel
+    assert op_by_op(*_tutorial_ops_net(((2, 1, 1), (2, 1, 1)), model_parallel=1)) is False
+    assert op_by_op(*_tutorial_ops_net(((1, 2, 1), (1, 2, 1)), model_parallel=1)) is True  # op by op
     net, config = _tutorial_ops_net(((1, 2, 1), (1, 2, 1)))
     with pytest.raises(UserError, match=r"split more than the batch over data_parallel=2 \(add.shard\(\(\(1, 2, 1\), "
                                         r"\(1, 2, 1\)\)\)\) with blocks given model_parallel=2"):

@@ -36,6 +36,17 @@ class Primitive(nn.Module):
         self.strategy = as_strategy(in_strategy, type(self).__name__)
         return self
 
+    def drop_scalar_entries(self, args: tuple) -> None:
+        """MindSpore gives a scalar input (``NotEqual()(x, 1)``) an empty tuple in the strategy, ``((1, 1), ())``;
+        here a strategy has one tuple per tensor input: the empty tuples of ``args``' non-tensor inputs are dropped
+        (any other mismatch is left for ``problems`` to name)."""
+        strategy = self.strategy
+        if strategy is None or len(strategy) != len(args):
+            return
+        tensor = [isinstance(a, torch.Tensor) for a in args]
+        if not all(tensor) and all(t or s == () for t, s in zip(tensor, strategy)):
+            self.strategy = tuple(s for t, s in zip(tensor, strategy) if t)
+
     def extra_repr(self) -> str:
         return f"strategy={self.strategy}" if self.strategy is not None else ""
 
@@ -99,6 +110,7 @@ class Primitive(nn.Module):
     def placed_inputs(self, args: tuple) -> tuple[tuple, OpLayout]:
         """``args`` with each tensor redistributed to this op's placements on the mesh, and the op's layout."""
         mesh = self.mesh
+        self.drop_scalar_entries(args)
         index = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         tensors = [args[i] for i in index]
         shapes = [tuple(t.shape) for t in tensors]

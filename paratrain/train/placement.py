@@ -141,24 +141,27 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
 
 
 def op_by_op(net: nn.Module, config: ParallelConfig) -> bool:
-    """Whether ``net`` is placed op by op on its ``paratrain.ops`` strategies: it holds ops, and no blocks given
-    ``model_parallel`` or ``pipeline_stage``. Beside such blocks, ops whose strategies split only the batch over
-    ``data_parallel`` (``((dp, 1, 1),)``, ``((1, 1), ())``, or none) are data parallel, as the blocks' placement
-    runs them; any other strategy there is refused."""
+    """Whether ``net`` is placed op by op on its ``paratrain.ops`` strategies (else by the blocks' placement,
+    ``place_net``): it holds ops, and either no ``paratrain.nn`` blocks or ops whose strategies split more than
+    the batch, which is refused beside blocks given ``model_parallel`` or ``pipeline_stage``. Ops beside blocks
+    whose strategies split only the batch over ``data_parallel`` (``((dp, 1, 1),)``, ``((1, 1), ())``, or none)
+    change nothing beyond data parallelism, which the blocks' placement runs."""
     from paratrain.ops import Primitive
 
     ops = {path: m for path, m in net.named_modules() if isinstance(m, Primitive)}
-    if not ops or (config.model_parallel == 1 and config.pipeline_stage == 1):
+    if not ops or not parallel_configs(net):
         return bool(ops)
     splitting = [f"{path or type(op).__name__}.shard({op.strategy})" for path, op in ops.items()
                  if op.strategy is not None and not op.splits_batch_only(op.strategy, config.data_parallel)]
-    if splitting:
+    if not splitting:
+        return False
+    if config.model_parallel > 1 or config.pipeline_stage > 1:
         raise UserError(f"Model: the net mixes paratrain.ops strategies that split more than the batch over "
                         f"data_parallel={config.data_parallel} ({', '.join(splitting)}) with blocks given "
                         f"model_parallel={config.model_parallel} or pipeline_stage={config.pipeline_stage}; the "
                         f"blocks' placement runs ops data parallel: split only dimension 0 by data_parallel, "
                         f"e.g. ((dp, 1, 1),), or use the ops without the blocks")
-    return False
+    return True
 
 
 def _materialize(parts: list[nn.Module], deferred: tuple | None, device: torch.device) -> None:
