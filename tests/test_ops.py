@@ -211,6 +211,8 @@ def test_cast_dropout_and_shape():
     assert mask.tolist() == [1.0, 1.0, 1.0] and y.tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(Exception, match=r"Dropout\(keep_prob=0\): expected a number in \(0, 1\]"):
         ops.Dropout(keep_prob=0)
+    with pytest.raises(Exception, match=r"Dropout\(keep_prob='0.5'\): expected a number in \(0, 1\]"):
+        ops.Dropout(keep_prob="0.5")
 
 
 def test_a_scalar_inputs_empty_tuple_is_accepted_as_mindspore_writes_it():

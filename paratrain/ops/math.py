@@ -213,7 +213,7 @@ class Dropout(Primitive):
 
     def __init__(self, keep_prob: float = 0.5, Seed0: int = 0, Seed1: int = 0):  # noqa: N803 (MindSpore's names)
         super().__init__()
-        if not 0 < keep_prob <= 1:
+        if isinstance(keep_prob, bool) or not isinstance(keep_prob, (int, float)) or not 0 < keep_prob <= 1:
             raise UserError(f"Dropout(keep_prob={keep_prob!r}): expected a number in (0, 1]")
         self.keep_prob = keep_prob
 
