@@ -209,9 +209,11 @@ def test_cast_dropout_and_shape():
     torch.testing.assert_close(y, mask / 0.75)
     y, mask = ops.Dropout(keep_prob=1.0)(torch.ones(3))
     assert mask.tolist() == [1.0, 1.0, 1.0] and y.tolist() == [1.0, 1.0, 1.0]
-    with pytest.raises(Exception, match=r"Dropout\(keep_prob=0\): expected a number in \(0, 1\]"):
+    from paratrain.errors import UserError
+
+    with pytest.raises(UserError, match=r"Dropout\(keep_prob=0\): expected a number in \(0, 1\]"):
         ops.Dropout(keep_prob=0)
-    with pytest.raises(Exception, match=r"Dropout\(keep_prob='0.5'\): expected a number in \(0, 1\]"):
+    with pytest.raises(UserError, match=r"Dropout\(keep_prob='0.5'\): expected a number in \(0, 1\]"):
         ops.Dropout(keep_prob="0.5")
 
 
