@@ -255,16 +255,66 @@ def set_auto_parallel_context(**kwargs) -> None:
     _values.update(checked)
 
 
+def _lookup(owner: str, key: str, defaults: dict[str, Any], values: dict[str, Any]) -> Any:
+    """Option ``key`` of ``owner``'s: its value in ``values``, else its default; a UserError for an unknown one."""
+    if key not in defaults:
+        raise UserError(f"{owner}({key!r}): unknown option; known: {', '.join(sorted(defaults))}")
+    return values.get(key, defaults[key])
+
+
 def get_auto_parallel_context(key: str) -> Any:
     """The value of option ``key``: as set, else what paratrain does."""
-    if key not in DEFAULTS:
-        raise UserError(f"get_auto_parallel_context({key!r}): unknown option; known: {', '.join(sorted(DEFAULTS))}")
-    return _values.get(key, DEFAULTS[key])
+    return _lookup("get_auto_parallel_context", key, DEFAULTS, _values)
 
 
 def reset_auto_parallel_context() -> None:
     """Forget every option set."""
     _values.clear()
+
+
+# MindSpore's set_algo_parameters options (how its AUTO_PARALLEL search picks strategies) and their defaults;
+# paratrain's search (paratrain.train.parallel_modes.auto) reads none of them; under SEMI_AUTO_PARALLEL strategies
+# are given
+ALGO_DEFAULTS: dict[str, Any] = {"fully_use_devices": True, "elementwise_op_strategy_follow": False,
+                                 "enable_algo_approxi": False, "algo_approxi_epsilon": 0.1,
+                                 "tensor_slice_align_enable": False, "tensor_slice_align_size": 16}
+_algo_values: dict[str, Any] = {}
+
+
+def set_algo_parameters(**kwargs) -> None:
+    """MindSpore's ``set_algo_parameters``: its options are checked and kept (``get_algo_parameters``) and change
+    nothing here: they tune MindSpore's strategy search, not paratrain's."""
+    for key, value in kwargs.items():
+        if key not in ALGO_DEFAULTS:
+            raise UserError(f"set_algo_parameters({key}={value!r}): unknown option; known: "
+                            f"{', '.join(sorted(ALGO_DEFAULTS))}")
+        if key == "algo_approxi_epsilon":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+        elif key == "tensor_slice_align_size":
+            ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1024
+        else:
+            ok = isinstance(value, bool)
+        if not ok:
+            want = {"algo_approxi_epsilon": "a number in (0, 1]", "tensor_slice_align_size": "an int in 1..1024"}
+            raise UserError(f"set_algo_parameters({key}={value!r}): expected {want.get(key, 'True or False')}")
+    _algo_values.update(kwargs)
+
+
+def get_algo_parameters(key: str) -> Any:
+    """The value of ``set_algo_parameters`` option ``key``: as set, else MindSpore's default."""
+    return _lookup("get_algo_parameters", key, ALGO_DEFAULTS, _algo_values)
+
+
+def reset_algo_parameters() -> None:
+    """Forget every ``set_algo_parameters`` option set."""
+    _algo_values.clear()
+
+
+def _set_multi_subgraphs(multi_subgraph: bool = True) -> None:
+    """MindSpore's private ``_set_multi_subgraphs`` (its graph compiler's switch), accepted as ports call it; a net
+    here is one PyTorch module whatever it is set to."""
+    if not isinstance(multi_subgraph, bool):
+        raise UserError(f"_set_multi_subgraphs({multi_subgraph!r}): expected True or False")
 
 
 WHERE = "TransformerOpParallelConfig."  # how the rules of paratrain.config_rules name the blocks' settings

@@ -219,3 +219,25 @@ def test_mindspores_default_of_4_aggregation_groups_runs_a_model_of_fewer_layers
     cfg.parallel = TransformerOpParallelConfig(data_parallel=1)
     assert cfg.parallel.gradient_aggregation_group == 4 and cfg.parallel.aggregation_groups(2) == 2
     assert validate(cfg, world_size=1) == []  # 4 groups of 2 layers: one per layer, as MindSpore's lambda_func
+
+
+def test_set_algo_parameters_are_checked_and_kept_and_multi_subgraphs_accepted():
+    import paratrain
+    from paratrain.context import _set_multi_subgraphs
+
+    paratrain.set_algo_parameters(elementwise_op_strategy_follow=True, fully_use_devices=False)
+    try:
+        assert paratrain.get_algo_parameters("elementwise_op_strategy_follow") is True
+        assert paratrain.get_algo_parameters("tensor_slice_align_size") == 16  # MindSpore's default
+        with pytest.raises(UserError, match=r"set_algo_parameters\(fully_use_devices='yes'\): expected True or "
+                                            r"False"):
+            paratrain.set_algo_parameters(fully_use_devices="yes")
+        with pytest.raises(UserError, match=r"set_algo_parameters\(search=1\): unknown option; known: "
+                                            r"algo_approxi_epsilon, "):
+            paratrain.set_algo_parameters(search=1)
+    finally:
+        paratrain.reset_algo_parameters()
+    assert paratrain.get_algo_parameters("fully_use_devices") is True
+    _set_multi_subgraphs()
+    with pytest.raises(UserError, match=r"_set_multi_subgraphs\(1\): expected True or False"):
+        _set_multi_subgraphs(1)

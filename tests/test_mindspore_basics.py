@@ -172,3 +172,51 @@ def test_sync_batch_norm_takes_mindspore_momentum_and_is_the_only_one_synced_in_
     sync_batch_norm(on_gpu, None, torch.device("cuda"), every_batch_norm=False)  # torch's SyncBatchNorm there
     assert type(on_gpu[0]) is nn.BatchNorm2d and type(on_gpu[1]) is nn.SyncBatchNorm
     assert on_gpu[1].momentum == pytest.approx(0.2)
+
+
+def test_dtype_names_are_torch_dtypes_without_importing_torch_first():
+    import torch
+
+    import paratrain
+    from paratrain import dtype as mstype
+
+    assert (mstype.float32, mstype.float16, mstype.int32, mstype.bool_) == (torch.float32, torch.float16,
+                                                                            torch.int32, torch.bool)
+    assert paratrain.float32 is torch.float32 and paratrain.int64 is torch.int64
+    with pytest.raises(AttributeError):
+        paratrain.float99
+    code = "import sys, paratrain; from paratrain import dtype; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_generator_dataset_maps_and_batches_as_mindspore():
+    import numpy as np
+    import torch
+
+    import paratrain.dataset as ds
+    import paratrain.dataset.transforms.c_transforms as C
+    from paratrain import dtype as mstype
+    from paratrain.errors import UserError
+
+    def rows():
+        for i in range(5):
+            yield np.arange(3) + i, np.ones((2, 2)), np.array(i, dtype=np.int32)
+
+    data = ds.GeneratorDataset(rows, column_names=["ids", "mask", "label"])
+    data = data.map(input_columns="ids", operations=C.TypeCast(mstype.int32))
+    data = data.map(input_columns="mask", operations=C.TypeCast(mstype.float16))
+    batches = data.batch(2, drop_remainder=True)
+    assert batches.get_dataset_size() == 2 and data.get_dataset_size() == 5
+    first = next(iter(batches))
+    assert isinstance(first, tuple) and [t.dtype for t in first] == [torch.int32, torch.float16, torch.int32]
+    assert first[0].tolist() == [[0, 1, 2], [1, 2, 3]] and first[1].shape == (2, 2, 2)
+    assert [len(b[0]) for b in data.batch(2)] == [2, 2, 1]
+    assert [type(c) for c in next(batches.create_tuple_iterator(output_numpy=True))] == [np.ndarray] * 3
+    with pytest.raises(UserError, match=r"no column 'idz'; the columns are ids, mask, label"):
+        data.map(input_columns="idz", operations=C.TypeCast(mstype.int32))
+    with pytest.raises(UserError, match=r"TypeCast\(data_type='int32'\): expected a dtype"):
+        C.TypeCast("int32")
+    with pytest.raises(UserError, match=r"column_types=/schema=\): the columns keep the types the source gives"):
+        ds.GeneratorDataset(rows, column_names=["ids", "mask", "label"], column_types=[mstype.int32] * 3)
+    shuffled = ds.GeneratorDataset([(np.array(i),) for i in range(8)], column_names=["x"], shuffle=True)
+    assert sorted(t.item() for b in shuffled.batch(4) for t in b[0]) == list(range(8))

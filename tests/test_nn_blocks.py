@@ -610,3 +610,72 @@ def test_activations_follow_mindspore():
     torch.testing.assert_close(FeedForward(4, 8, 0.0, hidden_act="fast_gelu").activation(x), x * torch.sigmoid(1.702 * x))
     assert isinstance(FeedForward(4, 8, 0.0, hidden_act="ReLU").activation, nn.ReLU)
     assert isinstance(FeedForward(4, 8, 0.0, hidden_act=nn.SiLU).activation, nn.SiLU)
+
+
+def test_a_cell_computes_in_construct():
+    import paratrain.nn as pnn
+
+    class Twice(pnn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.dense = pnn.Dense(3, 2, has_bias=False)
+
+        def construct(self, x):
+            return 2 * self.dense(x)
+
+    net = Twice()
+    x = torch.ones(4, 3)
+    torch.testing.assert_close(net(x), 2 * x @ net.dense.weight.T)
+    with pytest.raises(UserError, match="Empty defines neither construct nor forward"):
+        type("Empty", (pnn.Cell,), {})()(x)
+
+
+def test_dropout_as_mindspore():
+    import paratrain.nn as pnn
+
+    dropout = pnn.Dropout(1 - 0.1)
+    dropout.dropout.shard(((2, 1, 1),))
+    assert dropout.dropout.strategy == ((2, 1, 1),) and dropout.dropout.keep_prob == pytest.approx(0.9)
+    x = torch.ones(2, 40, 40)
+    torch.manual_seed(0)
+    y = dropout(x)
+    assert 0.85 < (y != 0).float().mean() < 0.95 and y.max() == pytest.approx(1 / 0.9)
+    dropout.eval()
+    assert dropout(x) is x
+    assert pnn.Dropout(keep_prob=1.0)(x) is x and pnn.Dropout(p=0)(x) is x
+    assert pnn.Dropout(p=0.5).dropout.keep_prob == 0.5
+    with pytest.raises(UserError, match=r"Dropout\(keep_prob=0\): expected a number in \(0, 1\]"):
+        pnn.Dropout(0)
+    with pytest.raises(UserError, match=r"Dropout\(p=1\): expected a number in \[0, 1\)"):
+        pnn.Dropout(p=1)
+
+
+def test_trainable_params_have_mindspore_names():
+    import paratrain.nn as pnn
+    from paratrain.nn import Parameter
+
+    class Net(pnn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.dense, self.layernorm = nn.Linear(3, 3), nn.LayerNorm(3)
+
+        def construct(self, x):
+            return self.layernorm(self.dense(x))
+
+    net = Net()
+    params = net.trainable_params()
+    assert [p.name for p in params] == ["dense.weight", "dense.bias", "layernorm.gamma", "layernorm.beta"]
+    assert params[0] is net.dense.weight and isinstance(params[0], Parameter)
+    assert copy.deepcopy(params[0]).name == "dense.weight"
+    net(torch.ones(2, 3)).sum().backward()  # still the net's own parameters
+    assert net.dense.weight.grad is not None
+    assert Parameter(torch.zeros(2), name="w").name == "w"
+
+
+def test_infer_param_pipeline_stage_gives_named_parameters():
+    import paratrain.nn as pnn
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+    params = pnn.PipelineCell(net, 2).infer_param_pipeline_stage()
+    assert [p.name for p in params] == ["0.weight", "0.bias", "1.gamma", "1.beta"]
+    assert params[0] is net[0].weight

@@ -195,3 +195,40 @@ def test_shard_takes_tuples_of_positive_ints():
         ops.MatMul().shard(((0, 1), (1, 1)))
     with pytest.raises(Exception, match="positive slice counts"):
         ops.MatMul().shard((2, 1))
+
+
+def test_cast_dropout_and_shape():
+    x = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    assert ops.Cast()(x, torch.float16).dtype == torch.float16
+    assert ops.shape(x) == (2, 3) and ops.shape(x)[-1] == 3
+    torch.manual_seed(0)
+    dropout = ops.Dropout(keep_prob=0.75).shard(((2, 1, 1),))
+    assert dropout.strategy == ((2, 1, 1),)
+    y, mask = dropout(torch.ones(4, 50, 50))
+    assert set(mask.unique().tolist()) == {0.0, 1.0} and 0.7 < mask.mean() < 0.8
+    torch.testing.assert_close(y, mask / 0.75)
+    y, mask = ops.Dropout(keep_prob=1.0)(torch.ones(3))
+    assert mask.tolist() == [1.0, 1.0, 1.0] and y.tolist() == [1.0, 1.0, 1.0]
+    from paratrain.errors import UserError
+
+    with pytest.raises(UserError, match=r"Dropout\(keep_prob=0\): expected a number in \(0, 1\]"):
+        ops.Dropout(keep_prob=0)
+    with pytest.raises(UserError, match=r"Dropout\(keep_prob='0.5'\): expected a number in \(0, 1\]"):
+        ops.Dropout(keep_prob="0.5")
+
+
+def test_a_scalar_inputs_empty_tuple_is_accepted_as_mindspore_writes_it():
+    class NotPad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.no_equal = ops.NotEqual().shard(((2, 1), ()))
+
+        def forward(self, ids):
+            return self.no_equal(ids, 1)
+
+    net = NotPad()
+    assert check_strategies(record_calls(net, (torch.ones(4, 3, dtype=torch.int32),)), 2) == (2,)
+    assert net.no_equal.strategy == ((2, 1),)  # one tuple per tensor input
+    net.no_equal.shard(((2, 1), (2,)))  # a split of a scalar is still refused
+    with pytest.raises(StrategyError, match=r"it gives 2 tuples for 1 tensor inputs"):
+        check_strategies(record_calls(net, (torch.ones(4, 3, dtype=torch.int32),)), 2)

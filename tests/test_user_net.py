@@ -494,3 +494,66 @@ def test_every_schedule_with_virtual_stages_matches_one_process(schedule, one_pr
     got = run_distributed(train_interleaved, 2, parallel, timeout=300)[0]
     for step, (g, want) in enumerate(zip(got, one_process)):
         assert g == pytest.approx(want, rel=1e-4), f"{schedule}: step {step + 1}"
+
+
+def _named_after_placing():
+    """(name, class name, is a DTensor) of the tutorial net's parameters placed on model_parallel=2, named after
+    placing, and the loss of a step taken after, and a deep copy's name."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    from paratrain.config import ParallelConfig
+    from paratrain.distributed import init_from_env
+    from paratrain.mesh import Layout
+    from paratrain.nn.cell import mindspore_named
+    from paratrain.parallel.user import place_net
+
+    torch.set_num_threads(1)
+    _, world = init_from_env()
+    torch.manual_seed(0)
+    config = ParallelConfig(model_parallel=2)
+    net = TutorialNet(config)
+    placed = place_net(net, config, Layout(config, world), tutorial_batches(1)[0])
+    params = mindspore_named(net, named=placed.named_parameters())
+    loss = placed.forward_backward(tutorial_batches(1)[0])["loss"]
+    return ([(p.name, isinstance(p, DTensor)) for p in params], float(loss), copy.deepcopy(params[0]).name)
+
+
+def test_parameters_of_a_placed_net_have_their_mindspore_names():
+    named, loss, copied = run_distributed(_named_after_placing, 2, timeout=240)[0]
+    names = [name for name, _ in named]
+    assert any(name.endswith(".gamma") for name in names) and any(name.endswith(".beta") for name in names)
+    assert any(is_dtensor for _, is_dtensor in named)  # the split ones are DTensors, named all the same
+    assert loss == loss and copied == names[0]
+
+
+def _tutorial_ops_net(strategy_of_add, model_parallel=2):
+    from paratrain.config import ParallelConfig
+    from paratrain import ops
+
+    config = ParallelConfig(data_parallel=2, model_parallel=model_parallel)
+    net = TutorialNet(config)
+    net.add = ops.Add().shard(strategy_of_add)
+    net.head_matmul = ops.MatMul(transpose_b=True).shard(((1, 1), (1, 1)))
+    net.no_equal = ops.NotEqual().shard(((1, 1), ()))
+    return net, config
+
+
+def test_ops_splitting_the_batch_only_go_with_the_blocks_and_others_are_refused():
+    from paratrain import ops
+    from paratrain.errors import UserError
+    from paratrain.train.placement import op_by_op
+
+    net, config = _tutorial_ops_net(((2, 1, 1), (2, 1, 1)))
+    assert op_by_op(net, config) is False  # placed by the blocks' placement, data parallel
+    assert op_by_op(*_tutorial_ops_net(((2, 1, 1), (2, 1, 1)), model_parallel=1)) is False
+    assert op_by_op(*_tutorial_ops_net(((1, 2, 1), (1, 2, 1)), model_parallel=1)) is True  # op by op
+    net, config = _tutorial_ops_net(((1, 2, 1), (1, 2, 1)))
+    with pytest.raises(UserError, match=r"split more than the batch over data_parallel=2 \(add.shard\(\(\(1, 2, 1\), "
+                                        r"\(1, 2, 1\)\)\)\) with blocks given model_parallel=2"):
+        op_by_op(net, config)
+    net.add = ops.Add()
+    net.head_matmul = ops.MatMul(transpose_b=True).shard(((2, 1), (2, 1)))  # a weight split: model parallel
+    with pytest.raises(UserError, match=r"head_matmul.shard"):
+        op_by_op(net, config)

@@ -13,12 +13,13 @@ from pathlib import Path
 import numpy as np
 
 from paratrain.data.cifar import CifarDataset, write_cifar_bin
+from paratrain.data.row_dataset import RowDataset
 from paratrain.errors import UserError
 
 USAGES = {"train": True, "test": False}
 
 
-class Cifar10Dataset:
+class Cifar10Dataset(RowDataset):
     """CIFAR-10 from ``dataset_dir`` (a ``cifar-10-batches-bin`` directory): ``usage`` ``"train"`` or ``"test"``,
     this rank's share ``shard_id`` of ``num_shards`` (None: all), the first ``num_samples`` of the share,
     in a fresh order each epoch with ``shuffle`` (seeded; the same on every rank).
@@ -48,50 +49,11 @@ class Cifar10Dataset:
         self.num_shards, self.shard_id, self.shuffle, self.seed = num_shards, shard_id, shuffle, seed
         per_shard = -(-len(self.source) // num_shards)
         self.indices = (np.arange(per_shard) * num_shards + shard_id)[:num_samples] % len(self.source)
-        self.epoch = 0
 
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def order(self) -> np.ndarray:
-        """This epoch's record indices (a new shuffle each call when ``shuffle``)."""
-        if not self.shuffle:
-            return self.indices
-        self.epoch += 1
-        return np.random.default_rng((self.seed, self.epoch)).permutation(self.indices)
-
-    def __iter__(self):
-        for images, labels in self.batch(256):  # read a few pages at a time, not the whole share
-            yield from zip(images, labels)
-
-    def batch(self, batch_size: int, drop_remainder: bool = False) -> "BatchDataset":
-        """Batches of ``batch_size`` rows of this share."""
-        return BatchDataset(self, batch_size, drop_remainder)
-
-
-class BatchDataset:
-    """The batches of a ``Cifar10Dataset``: (images (b, 3, 32, 32), labels (b,)), iterable once per epoch;
-    ``num_shards`` and ``shard_id`` are the dataset's (``Model.train`` reads them)."""
-
-    def __init__(self, dataset: Cifar10Dataset, batch_size: int, drop_remainder: bool):
-        if batch_size < 1:
-            raise UserError(f"batch(batch_size={batch_size}): expected a positive size")
-        self.dataset, self.batch_size, self.drop_remainder = dataset, batch_size, drop_remainder
-        self.num_shards, self.shard_id = dataset.num_shards, dataset.shard_id
-
-    def __len__(self) -> int:
-        n, b = len(self.dataset), self.batch_size
-        return n // b if self.drop_remainder else -(-n // b)
-
-    def __iter__(self):
-        order = self.dataset.order()
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
-            rows = self.dataset.source.rows(order[start:start + self.batch_size])
-            yield rows["images"], rows["labels"]
-
-    def get_dataset_size(self) -> int:
-        """The number of batches an epoch gives (MindSpore's name)."""
-        return len(self)
+    def rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The (images, labels) of records ``indices``."""
+        rows = self.source.rows(indices)
+        return rows["images"], rows["labels"]
 
 
 def write_cifar10_sample(directory: str | Path, num_images: int = 256, seed: int = 0) -> Path:

@@ -1,5 +1,5 @@
 """MindSpore's ``mindspore.nn`` blocks as plain ``torch.nn.Module``s, for users' own models: a port changes
-imports and torch idioms only (``construct`` -> ``forward``). Each block is a ``Cell`` declaring its
+imports only: a ``Cell`` subclass defines ``construct`` (or ``forward``). Each block is a ``Cell`` declaring its
 tensor-parallel split, pipeline stage and recompute mode, which the parallel runtime applies from outside;
 plain torch modules in a user's net stay data-parallel."""
 from paratrain.nn.cell import Cell, PipelineCell
@@ -7,6 +7,7 @@ from paratrain.nn.config import (EmbeddingOpParallelConfig, MoEConfig, OpParalle
                                  TransformerRecomputeConfig, default_dpmp_config, default_embedding_parallel_config,
                                  default_moe_config, default_transformer_config)
 from paratrain.nn.dense import Dense
+from paratrain.nn.dropout import Dropout
 from paratrain.nn.layers import AttentionMask, FeedForward, MoE, MultiHeadAttention, VocabEmbedding
 from paratrain.nn.loss import CrossEntropyLoss
 from paratrain.nn.metrics import Accuracy, Loss, Metric, rearrange_inputs  # MindSpore 1.x's place; 2.x: train
@@ -24,7 +25,8 @@ __all__ = ["Cell", "PipelineCell", "TransformerOpParallelConfig", "OpParallelCon
            "TransformerRecomputeConfig", "MoEConfig", "default_transformer_config", "default_dpmp_config",
            "default_embedding_parallel_config", "default_moe_config", "VocabEmbedding", "AttentionMask", "FeedForward",
            "MoE", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
-           "TransformerDecoder", "Transformer", "CrossEntropyLoss", "Dense", "Parameter", "Momentum", "AdamWeightDecay",
+           "TransformerDecoder", "Transformer", "CrossEntropyLoss", "Dense", "Dropout", "Parameter", "Momentum",
+           "AdamWeightDecay",
            "LearningRateSchedule", "WarmUpLR", "PolynomialDecayLR", "CosineDecayLR", "ExponentialDecayLR",
            "NaturalExpDecayLR", "InverseDecayLR", "piecewise_constant_lr", "exponential_decay_lr",
            "natural_exp_decay_lr", "inverse_decay_lr", "cosine_decay_lr", "polynomial_decay_lr", "warmup_lr",

@@ -1,11 +1,12 @@
-"""``Cell``: the base of every block, stating what the parallel runtime applies from outside (a block never
-calls a collective): ``pipeline_stage`` (set by ``lambda_func`` or by hand); ``recompute_mode`` (``"none"``,
-``"full"`` or ``"selective"``); ``comm_fusion``, its gradient communication group (MindSpore's fusion index,
-None when unset); and ``parallel_plan()``, how its own direct ``nn.Linear`` / ``nn.Embedding`` children split
-over ``model_parallel`` by child name, in ``paratrain.parallel.tensor``'s kinds (``"colwise"``, ``"rowwise"``,
-``"vocab_rows"``; ``{}``: nothing split); and ``mindspore_params()``, the names and layouts its tensors have in
-MindSpore's cell of the same name, which MindSpore's checkpoints (``paratrain.save_checkpoint``,
-``load_param_into_net``) read and write through ``mindspore_names``.
+"""``Cell``: the base of every block and of a user's cells (``forward`` runs MindSpore's ``construct``), stating
+what the parallel runtime applies from outside (a block never calls a collective): ``pipeline_stage`` (set by
+``lambda_func`` or by hand); ``recompute_mode`` (``"none"``, ``"full"`` or ``"selective"``); ``comm_fusion``, its
+gradient communication group (MindSpore's fusion index, None when unset); ``parallel_plan()``, how its own
+direct ``nn.Linear`` / ``nn.Embedding`` children split over ``model_parallel`` by child name, in
+``paratrain.parallel.tensor``'s kinds (``"colwise"``, ``"rowwise"``, ``"vocab_rows"``; ``{}``: nothing split); and
+``mindspore_params()``, the names and layouts its tensors have in MindSpore's cell of the same name, which
+MindSpore's checkpoints (``paratrain.save_checkpoint``, ``load_param_into_net``) read and write through
+``mindspore_names``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from paratrain.errors import UserError
 from paratrain.nn.config import check_sizes
+from paratrain.nn.parameter import with_name
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 
@@ -66,11 +68,18 @@ def mindspore_names(module: nn.Module) -> dict[str, tuple[str, str]]:
 
 
 class Cell(nn.Module):
-    """A ``torch.nn.Module`` with MindSpore's per-cell parallel settings (see the module docstring)."""
+    """A ``torch.nn.Module`` with MindSpore's per-cell parallel settings (see the module docstring). A subclass
+    defines its computation as MindSpore's ``construct`` or as torch's ``forward``."""
 
     pipeline_stage = 0
     recompute_mode = "none"
     comm_fusion = None
+
+    def forward(self, *args, **kwargs):
+        return self.construct(*args, **kwargs)
+
+    def construct(self, *args, **kwargs):
+        raise UserError(f"{type(self).__name__} defines neither construct nor forward: a Cell computes in one of them")
 
     def recompute(self, mode: bool | str = True, **mindspore_options) -> None:
         """Recompute this cell's forward in backward: True means ``"full"``, False ``"none"``, or a mode name.
@@ -102,16 +111,18 @@ class Cell(nn.Module):
         return {}
 
     def trainable_params(self, recurse: bool = True) -> list[nn.Parameter]:
-        """The parameters that require grad, each with ``param_name`` set to its MindSpore name (``mindspore_names``:
-        its path in this cell, a LayerNorm's weight and bias named ``gamma`` and ``beta``, the names MindSpore's
-        optimizers filter by)."""
-        ms_names = mindspore_names(self)
-        params = []
-        for path, param in self.named_parameters(recurse=recurse):
-            if param.requires_grad:
-                param.param_name = ms_names[path][0] if path in ms_names else path
-                params.append(param)
-        return params
+        """The parameters that require grad (``mindspore_named``)."""
+        return mindspore_named(self, recurse)
+
+
+def mindspore_named(net: nn.Module, recurse: bool = True, named=None) -> list[nn.Parameter]:
+    """The parameters of ``net`` (or the (path in ``net``, parameter) pairs ``named``: a placed net's) that require
+    grad, each with its MindSpore ``name`` (``with_name``; ``mindspore_names``: its path in ``net``, a LayerNorm's
+    weight and bias named ``gamma`` and ``beta``, the names MindSpore's optimizers filter by)."""
+    ms_names = mindspore_names(net)
+    return [with_name(param, ms_names[path][0] if path in ms_names else path)
+            for path, param in (net.named_parameters(recurse=recurse) if named is None else named)
+            if param.requires_grad]
 
 
 class PipelineCell(nn.Module):
@@ -143,7 +154,8 @@ class PipelineCell(nn.Module):
     def forward(self, *batch):
         return self.network(*batch)
 
-    def infer_param_pipeline_stage(self) -> list[tuple[str, nn.Parameter]]:
-        """(name, parameter) of every parameter this rank holds: its pipeline stage's once placed, else all."""
-        source = self.placed if self.placed is not None else self.network
-        return list(source.named_parameters())
+    def infer_param_pipeline_stage(self) -> list[nn.Parameter]:
+        """The trainable parameters this rank holds, with their ``name`` (as ``Cell.trainable_params()``): its
+        pipeline stage's once ``Model`` placed the network, before that all of them (the optimizer built on them
+        is rebuilt on this rank's own)."""
+        return mindspore_named(self.network, named=None if self.placed is None else self.placed.named_parameters())

@@ -3,11 +3,12 @@
 ``paratrain.ops.strategy``); elsewhere the ops are the plain torch computation.
 """
 from paratrain.ops.comm import AllReduce
-from paratrain.ops.math import (Add, BatchMatMul, BiasAdd, Exp, Gather, Log, MatMul, Mul, NotEqual, RealDiv,
-                                ReduceMax, ReduceMean, ReduceSum, ReLU, Reshape, Softmax, Sub, Transpose, OneHot)
+from paratrain.ops.math import (Add, BatchMatMul, BiasAdd, Cast, Dropout, Exp, Gather, Log, MatMul, Mul, NotEqual,
+                                OneHot, RealDiv, ReduceMax, ReduceMean, ReduceSum, ReLU, Reshape, Softmax, Sub,
+                                Transpose, shape)
 from paratrain.ops.primitive import Primitive
 from paratrain.ops.strategy import StrategyError
 
-__all__ = ["Add", "AllReduce", "BatchMatMul", "BiasAdd", "Exp", "Gather", "Log", "MatMul", "Mul", "NotEqual",
-           "OneHot", "Primitive", "RealDiv", "ReduceMax", "ReduceMean", "ReduceSum", "ReLU", "Reshape", "Softmax",
-           "StrategyError", "Sub", "Transpose"]
+__all__ = ["Add", "AllReduce", "BatchMatMul", "BiasAdd", "Cast", "Dropout", "Exp", "Gather", "Log", "MatMul", "Mul",
+           "NotEqual", "OneHot", "Primitive", "RealDiv", "ReduceMax", "ReduceMean", "ReduceSum", "ReLU", "Reshape",
+           "Softmax", "StrategyError", "Sub", "Transpose", "shape"]

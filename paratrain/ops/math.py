@@ -63,6 +63,10 @@ class MatMul(Primitive):
     def compute(self, x, w):
         return (x.mT if self.transpose_a else x) @ (w.mT if self.transpose_b else w)
 
+    def splits_batch_only(self, strategy, data_parallel):
+        # the second input is the weight: any split of it is model parallelism
+        return super().splits_batch_only(strategy[:1], data_parallel) and all(n == 1 for s in strategy[1:] for n in s)
+
 
 class BatchMatMul(MatMul):
     """``BatchMatMul(transpose_a=False, transpose_b=False)(x, w)``: (..., M, K) x (..., K, N) -> (..., M, N);
@@ -193,6 +197,34 @@ class Softmax(Primitive):
             return torch.softmax(x, dims[0])
         shifted = torch.exp(x - torch.amax(x, dim=dims, keepdim=True))
         return shifted / shifted.sum(dim=dims, keepdim=True)
+
+
+class Cast(Primitive):
+    """``Cast()(x, dtype)``: x in ``dtype`` (a torch dtype: ``paratrain.float32``...); the strategy splits x."""
+
+    def compute(self, x, dtype):
+        return x.to(dtype)
+
+
+class Dropout(Primitive):
+    """``Dropout(keep_prob=0.5, Seed0=0, Seed1=0)(x)``: ``(output, mask)``, each element of x kept with probability
+    ``keep_prob`` and scaled by 1 / keep_prob, mask 1 where kept (x's shape and dtype); the strategy splits x.
+    The seeds are MindSpore's and unused: the draws come from torch's random state."""
+
+    def __init__(self, keep_prob: float = 0.5, Seed0: int = 0, Seed1: int = 0):  # noqa: N803 (MindSpore's names)
+        super().__init__()
+        if isinstance(keep_prob, bool) or not isinstance(keep_prob, (int, float)) or not 0 < keep_prob <= 1:
+            raise UserError(f"Dropout(keep_prob={keep_prob!r}): expected a number in (0, 1]")
+        self.keep_prob = keep_prob
+
+    def compute(self, x):
+        mask = (torch.rand_like(x) < self.keep_prob).to(x.dtype)
+        return x * mask / self.keep_prob, mask
+
+
+def shape(input_x) -> tuple[int, ...]:
+    """``ops.shape(x)``: x's shape as a tuple of ints."""
+    return tuple(input_x.shape)
 
 
 class Reshape(Primitive):

@@ -36,6 +36,17 @@ class Primitive(nn.Module):
         self.strategy = as_strategy(in_strategy, type(self).__name__)
         return self
 
+    def drop_scalar_entries(self, args: tuple) -> None:
+        """MindSpore gives a scalar input (``NotEqual()(x, 1)``) an empty tuple in the strategy, ``((1, 1), ())``;
+        here a strategy has one tuple per tensor input: the empty tuples of ``args``' non-tensor inputs are dropped
+        (any other mismatch is left for ``problems`` to name)."""
+        strategy = self.strategy
+        if strategy is None or len(strategy) != len(args):
+            return
+        tensor = [isinstance(a, torch.Tensor) for a in args]
+        if not all(tensor) and all(t or s == () for t, s in zip(tensor, strategy)):
+            self.strategy = tuple(s for t, s in zip(tensor, strategy) if t)
+
     def extra_repr(self) -> str:
         return f"strategy={self.strategy}" if self.strategy is not None else ""
 
@@ -56,6 +67,11 @@ class Primitive(nn.Module):
     def layout(self, strategy: Strategy, shapes: list[tuple[int, ...]]) -> OpLayout:
         """Device matrix and tensor maps: by default every input split as the first (elementwise, unary)."""
         return OpLayout(strategy[0], tuple(tuple(range(len(s))) for s in strategy))
+
+    def splits_batch_only(self, strategy: Strategy, data_parallel: int) -> bool:
+        """Whether ``strategy`` splits nothing but each input's dimension 0 (the batch's), over a divisor of
+        ``data_parallel``: what data parallelism does anyway."""
+        return all(all(n == 1 for n in s[1:]) and (not s or data_parallel % s[0] == 0) for s in strategy)
 
     def problems(self, strategy: Strategy, shapes: list[tuple[int, ...]], device_num: int) -> list[str]:
         """Every rule ``strategy`` breaks on inputs of ``shapes`` over ``device_num`` devices."""
@@ -94,6 +110,7 @@ class Primitive(nn.Module):
     def placed_inputs(self, args: tuple) -> tuple[tuple, OpLayout]:
         """``args`` with each tensor redistributed to this op's placements on the mesh, and the op's layout."""
         mesh = self.mesh
+        self.drop_scalar_entries(args)
         index = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         tensors = [args[i] for i in index]
         shapes = [tuple(t.shape) for t in tensors]

@@ -12,6 +12,7 @@ from paratrain.config import ParallelConfig
 from paratrain.context import GRAPH_MODE, ParallelMode, get_auto_parallel_context, get_context
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
+from paratrain.nn.parameter import Parameter
 from paratrain.optim import tensor_kind
 from paratrain.parallel.deferred_init import deferred_record, materialize
 from paratrain.parallel.user import place_net
@@ -87,8 +88,8 @@ def fused_where_equal(optimizer: torch.optim.Optimizer, options: dict, groups: l
             or any(c.get("foreach") is not None or c.get("fused") is not None or c.get("differentiable")
                    for c in chosen)):
         return {}
-    plain_cuda = all(type(p) is nn.Parameter and p.is_cuda and p.dtype in (torch.float32, torch.bfloat16,
-                                                                             torch.float16) for p in params)
+    plain_cuda = all(type(p) in (nn.Parameter, Parameter) and p.is_cuda
+                     and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params)
     return {"fused": True} if plain_cuda else {}
 
 
@@ -105,9 +106,7 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
     if on_meta and deferred is None:
         raise UserError("Model: the net's parameters are on the meta device but it was not built under "
                         "paratrain.no_init_parameters(), so nothing says how to initialise them")
-    from paratrain.ops import Primitive
-
-    mode, of_ops = get_auto_parallel_context("parallel_mode"), any(isinstance(m, Primitive) for m in net.modules())
+    mode, of_ops = get_auto_parallel_context("parallel_mode"), op_by_op(net, config)
     graph_mode = get_context("mode") == GRAPH_MODE
     if graph_mode and (mode == ParallelMode.HYBRID_PARALLEL or of_ops):
         raise UserError("set_context(mode=GRAPH_MODE) compiles the layers of a net of paratrain.nn blocks or "
@@ -126,9 +125,6 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
     if mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and layout.world_size > 1 and of_ops:
         from paratrain.train.parallel_modes.semi_auto import place_semi_auto
 
-        if config.model_parallel > 1 or config.pipeline_stage > 1:
-            raise UserError("Model: the net mixes paratrain.ops strategies with blocks given model_parallel or "
-                            "pipeline_stage; give the ops strategies only, or use the blocks without ops")
         choose = None
         if mode == ParallelMode.AUTO_PARALLEL:
             from paratrain.train.parallel_modes.auto import StrategyChooser
@@ -142,6 +138,30 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
                        grad_factor=config.data_parallel if summed else 1.0)
     _materialize(placed.parts, deferred, layout.device)
     return placed
+
+
+def op_by_op(net: nn.Module, config: ParallelConfig) -> bool:
+    """Whether ``net`` is placed op by op on its ``paratrain.ops`` strategies (else by the blocks' placement,
+    ``place_net``): it holds ops, and either no ``paratrain.nn`` blocks or ops whose strategies split more than
+    the batch, which is refused beside blocks given ``model_parallel`` or ``pipeline_stage``. Ops beside blocks
+    whose strategies split only the batch over ``data_parallel`` (``((dp, 1, 1),)``, ``((1, 1), ())``, or none)
+    change nothing beyond data parallelism, which the blocks' placement runs."""
+    from paratrain.ops import Primitive
+
+    ops = {path: m for path, m in net.named_modules() if isinstance(m, Primitive)}
+    if not ops or not parallel_configs(net):
+        return bool(ops)
+    splitting = [f"{path or type(op).__name__}.shard({op.strategy})" for path, op in ops.items()
+                 if op.strategy is not None and not op.splits_batch_only(op.strategy, config.data_parallel)]
+    if not splitting:
+        return False
+    if config.model_parallel > 1 or config.pipeline_stage > 1:
+        raise UserError(f"Model: the net mixes paratrain.ops strategies that split more than the batch over "
+                        f"data_parallel={config.data_parallel} ({', '.join(splitting)}) with blocks given "
+                        f"model_parallel={config.model_parallel} or pipeline_stage={config.pipeline_stage}; the "
+                        f"blocks' placement runs ops data parallel: split only dimension 0 by data_parallel, "
+                        f"e.g. ((dp, 1, 1),), or use the ops without the blocks")
+    return True
 
 
 def _materialize(parts: list[nn.Module], deferred: tuple | None, device: torch.device) -> None:

@@ -71,6 +71,7 @@ def record_calls(net: nn.Module, example: tuple) -> list[Call]:
     calls, alive = [], []
 
     def hook(module, args, output, path):
+        module.drop_scalar_entries(args)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         alive.extend([*tensors, output])  # ids stay unique while the recording lasts
         calls.append(Call(path, module, [tuple(t.shape) for t in tensors], [names.get(id(t)) for t in tensors],
