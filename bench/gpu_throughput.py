@@ -16,7 +16,11 @@ freeing its memory before the next):
   ``Model(net, optimizer=opt, amp_level="O2").train``; ``ms_loop``: the same net, seed and AdamW in a plain
   torch loop (bf16 autocast, clipping at 1.0); ``ms_loop_padded`` that loop with the last 1/8 of every row
   padded, so that the mask is causal x key padding rather than causal (``is_causal``): its first 7/8 of the rows
-  run as ``is_causal``, the rest with the mask's score bias.
+  run as ``is_causal``, the rest with the mask's score bias;
+- ``llama``: ``paratrain train`` of ``model.kind = "llama"`` from a Hugging Face directory this script writes (a
+  random ``transformers`` Llama of the same sizes, a key/value head for every 4 query heads, a SwiGLU
+  feed-forward as wide as the GPT's); ``llama_hf_loop``: a plain loop over that directory's ``LlamaForCausalLM``
+  (SDPA) with the same optimizer, schedule and clipping. Their FLOPs are the Llama's.
 
 Each side runs its warm-up steps, then its timed steps between two ``torch.cuda.synchronize`` calls; a
 side's peak memory is ``torch.cuda.max_memory_allocated`` from its start, less what was allocated then.
@@ -24,10 +28,11 @@ MFU is the achieved model FLOP/s (``paratrain.metrics.flops.gpt_flops``: 6 x wei
 attention, the GPT's of these sizes for every side) over the device's bf16 peak as measured here (the
 fastest of three runs of 20 back-to-back 8192^3 bf16 matmuls), or ``--peak-tflops``, and over the
 datasheet's dense bf16 peak (``gpu_peak_tflops``). The ratios: CLI face / scratch loop, CLI face / loop over
-GPTModel, MindSpore face / plain loop over the same net, MindSpore face / CLI face, fp8 / bf16, and the causal
+GPTModel, MindSpore face / plain loop over the same net, MindSpore face / CLI face, fp8 / bf16, the llama kind /
+the loop over LlamaForCausalLM, and the causal
 mask (``is_causal``) / causal x key padding (7/8 of the rows ``is_causal``) in the plain loop over the LM. Sides that
-train the same model must train alike: a step whose loss differs between ``paratrain`` and ``torch``, or
-``ms_model`` and ``ms_loop``, by more than ``--loss-rtol`` (2e-2 relative: bf16 rounding) makes it exit 3.
+train the same model must train alike: a step whose loss differs between ``paratrain`` and ``torch``,
+``ms_model`` and ``ms_loop``, or ``llama`` and ``llama_hf_loop``, by more than ``--loss-rtol`` (2e-2 relative: bf16 rounding) makes it exit 3.
 
 Model: 1.04 B parameters (hidden 2048, 18 layers, 16 heads, ffn 8192, vocab 32000, seq 2048), micro
 batch 8 x 2048 tokens (about 4 minutes for every side, eager, on an H100/H200). ``--quick``: a
@@ -68,7 +73,7 @@ from paratrain import config_file  # noqa: E402
 from paratrain.config import Config  # noqa: E402
 from paratrain.errors import UserError  # noqa: E402
 from paratrain.data.loader import build_dataset  # noqa: E402
-from paratrain.metrics.flops import gpt_flops, gpu_peak_tflops, measure_cpu_peak_tflops  # noqa: E402
+from paratrain.metrics.flops import gpt_flops, gpu_peak_tflops, measure_cpu_peak_tflops, model_flops  # noqa: E402
 from paratrain.models import GPTModel  # noqa: E402
 from paratrain.optim import build_optimizer, build_scheduler  # noqa: E402
 from paratrain.trainer import Trainer  # noqa: E402
@@ -129,10 +134,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def bench_config(a: argparse.Namespace, run_dir: str, offload: bool = False, precision: str | None = None) -> Config:
+def bench_config(a: argparse.Namespace, run_dir: str, offload: bool = False, precision: str | None = None,
+                 from_hf: str = "") -> Config:
     """The run every side trains: one device, one micro-batch a step, no checkpoints, one logged step;
     ``offload``: ZeRO-Offload of parameters, gradients and optimizer state (stage 3); ``precision``: the
-    ``train.mixed_precision`` (default bf16 on CUDA, fp32 on the CPU)."""
+    ``train.mixed_precision`` (default bf16 on CUDA, fp32 on the CPU); ``from_hf``: the llama kind of that Hugging
+    Face directory instead of the GPT."""
     model, micro_batch = MODELS["tiny" if a.device == "cpu" else "quick" if a.quick else "1b"]
     steps = a.warmup + a.steps
     train = {"global_batch_size": a.micro_batch or micro_batch, "steps": steps,
@@ -141,7 +148,8 @@ def bench_config(a: argparse.Namespace, run_dir: str, offload: bool = False, pre
         train["compile"] = True
     return config_file.from_dict({
         "run": {"dir": run_dir},
-        "model": {"kind": "gpt", **model, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+        "model": {"from_hf": from_hf, "seq_length": model["seq_length"]} if from_hf else
+                 {"kind": "gpt", **model, "hidden_dropout": 0.0, "attention_dropout": 0.0},
         "train": train,
         "parallel": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"} if offload else {},
         "metrics": {"log_steps": steps, "progress": False},  # the host waits for the device only at the end
@@ -254,6 +262,26 @@ def step_profile(profiler, device: torch.device, wall: float) -> dict:
             "top": [{"op": name, "calls": calls, "ms": ms} for name, (calls, ms) in top]}
 
 
+def run_llama(cfg: Config, device: torch.device, clock: Clock) -> dict:
+    """``run_paratrain`` of the llama kind from ``cfg.model.from_hf``, its FLOPs counted as the Llama's."""
+    return {**run_paratrain(cfg, device, clock), "flops_per_step": model_flops(cfg.model, cfg.train.global_batch_size)}
+
+
+def write_llama(cfg: Config, directory: Path) -> str:
+    """A random ``transformers`` Llama of the GPT's sizes in ``directory`` (grouped-query attention with a key/value
+    head for every 4 query heads, a SwiGLU feed-forward as wide as the GPT's), saved as a Hugging Face directory."""
+    import transformers
+
+    m = cfg.model
+    torch.manual_seed(cfg.run.seed)
+    config = transformers.LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                                      num_attention_heads=m.num_heads, num_key_value_heads=max(1, m.num_heads // 4),
+                                      intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.decoder_layers,
+                                      max_position_embeddings=m.seq_length)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return str(directory)
+
+
 def run_paratrain(cfg: Config, device: torch.device, clock: Clock) -> dict:
     """``Trainer(cfg).train()``; the clock runs from the end of the warm-up steps to the end of the last."""
     memory_start = reset_peak_memory(device)
@@ -276,15 +304,34 @@ def run_torch(cfg: Config, device: torch.device, clock: Clock, compile: bool) ->
     torch.manual_seed(cfg.run.seed)
     with device:
         model = GPTModel(cfg.model)
+    return plain_loop(model, model, cfg, device, clock, compile, memory_start)
+
+
+def run_llama_hf_loop(cfg: Config, device: torch.device, clock: Clock, compile: bool) -> dict:
+    """The plain PyTorch loop over ``transformers``' LlamaForCausalLM (SDPA) of ``cfg.model.from_hf``, as
+    ``run_torch`` loops over the GPT."""
+    import transformers
+
+    memory_start = reset_peak_memory(device)
+    model = transformers.LlamaForCausalLM.from_pretrained(cfg.model.from_hf, attn_implementation="sdpa",
+                                                          dtype=torch.float32).to(device)
+    result = plain_loop(model, lambda ids: model(ids).logits, cfg, device, clock, compile, memory_start)
+    return {**result, "flops_per_step": model_flops(cfg.model, cfg.train.global_batch_size)}
+
+
+def plain_loop(model: torch.nn.Module, logits_of, cfg: Config, device: torch.device, clock: Clock, compile: bool,
+               memory_start: float) -> dict:
+    """``model`` trained by a plain loop: ``logits_of(input_ids)`` (B, T, V) under bf16 autocast on CUDA, the
+    cross-entropy of the fp32 logits, clipping, paratrain's optimizer and schedule of ``cfg``; timed by ``clock``."""
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train)
-    forward = torch.compile(model) if compile else model
+    forward = torch.compile(logits_of) if compile else logits_of
 
     def step(batch: dict) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = forward(batch["input_ids"])
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
-                               ignore_index=cfg.model.pad_token_id)
+                               ignore_index=cfg.model.ignore_index)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         optimizer.step()
@@ -524,11 +571,12 @@ def device_peak(device: torch.device, override: float) -> tuple[float, str]:
 # the sides that train the GPT of the table's header (the others train the paratrain.nn LM of its sizes)
 GPT_SIDES = ("paratrain", "torch", "scratch")
 # each side whose losses must follow another's step by step (the same model, seed and batches): its reference
-SAME_TRAINING = {"paratrain": "torch", "paratrain_offload": "torch", "ms_model": "ms_loop"}
+SAME_TRAINING = {"paratrain": "torch", "paratrain_offload": "torch", "ms_model": "ms_loop", "llama": "llama_hf_loop"}
 # (name, numerator side, denominator side) of the ratios of tokens/s
 RATIOS = (("cli_vs_scratch", "paratrain", "scratch"), ("cli_vs_gptmodel_loop", "paratrain", "torch"),
           ("ms_vs_plain_loop", "ms_model", "ms_loop"), ("ms_vs_cli", "ms_model", "paratrain"),
-          ("fp8_vs_bf16", "paratrain_fp8", "paratrain"), ("causal_mask_vs_padded", "ms_loop", "ms_loop_padded"))
+          ("fp8_vs_bf16", "paratrain_fp8", "paratrain"), ("causal_mask_vs_padded", "ms_loop", "ms_loop_padded"),
+          ("llama_vs_hf_loop", "llama", "llama_hf_loop"))
 SIDES = {
     "scratch": "a GPT-2 loop from scratch (fused qkv, SDPA is_causal, fused AdamW)",
     "torch": "a plain loop over paratrain's GPTModel",
@@ -538,6 +586,8 @@ SIDES = {
     "ms_model": "Model(net, AdamW, amp_level=O2).train of a paratrain.nn LM",
     "ms_loop": "the same paratrain.nn LM and AdamW in a plain loop",
     "ms_loop_padded": "ms_loop with the last 1/8 of every row padded: the mask causal x key padding",
+    "llama": "paratrain train of model.kind llama from an HF directory (a Llama of these sizes, kv heads / 4)",
+    "llama_hf_loop": "a plain loop over transformers' LlamaForCausalLM (SDPA) of that directory",
 }
 
 
@@ -554,7 +604,7 @@ def loss_agreement(result: dict, rtol: float) -> dict:
 def rates(run: dict, cfg: Config, steps: int, peak: float, datasheet: float | None) -> dict:
     """tokens/s, TFLOP/s and MFU (against the measured peak and the datasheet's) of a side's timed steps."""
     batch, seq = cfg.train.global_batch_size, cfg.model.seq_length
-    tflops = gpt_flops(cfg.model, batch, seq) * steps / run["seconds"] / 1e12
+    tflops = run.get("flops_per_step", gpt_flops(cfg.model, batch, seq)) * steps / run["seconds"] / 1e12
     return {**run, "step_time_s": run["seconds"] / steps, "tokens_per_s": batch * seq * steps / run["seconds"],
             "tflops": tflops, "mfu": tflops / peak if peak else None,
             "mfu_datasheet": tflops / datasheet if datasheet else None}
@@ -654,7 +704,16 @@ def run_sides(a: argparse.Namespace, cfg: Config, device: torch.device, run_dir:
         "ms_model": lambda: run_mindspore_model(cfg, device, clock(), a.compile),
         "ms_loop": lambda: run_mindspore_loop(cfg, device, clock(), a.compile),
         "ms_loop_padded": lambda: run_mindspore_loop(cfg, device, clock(), a.compile, cfg.model.seq_length // 8),
+        "llama": lambda: run_llama(llama(), device, clock()),
+        "llama_hf_loop": lambda: run_llama_hf_loop(llama(), device, clock(), a.compile),
     }
+
+    def llama() -> Config:  # the Llama's directory, written once for both of its sides
+        directory = Path(run_dir) / "llama-hf"
+        if not directory.exists():
+            write_llama(cfg, directory)
+        return bench_config(a, str(Path(run_dir) / "llama"), from_hf=str(directory))
+
     for side in a.sides:
         yield side, runs[side]()
 
@@ -725,7 +784,8 @@ def summary(a: argparse.Namespace, cfg: Config, sides: dict, device: torch.devic
         "compile": a.compile, "steps": a.steps, "warmup": a.warmup,
         "memory": "torch.cuda.max_memory_allocated of each side" if device.type == "cuda"
                   else "process peak resident set so far (CPU: not reset between sides)",
-        "flops": "every side's model FLOPs are the GPT's of these sizes (paratrain.metrics.flops.gpt_flops)",
+        "flops": "every side's model FLOPs are the GPT's of these sizes (paratrain.metrics.flops.gpt_flops), the "
+                 "llama sides' the Llama's (model_flops)",
         **{side: run if "skipped" in run else rates(run, cfg, a.steps, peak, datasheet)
            for side, run in sides.items()},
     }

@@ -34,7 +34,7 @@ def test_cpu_quick_runs_every_side(tmp_path):
     assert "paratrain_offload" not in result and "offload" not in result  # refused on the CPU: no offload row
     assert result["paratrain_fp8"] == {"skipped": "fp8 needs a CUDA GPU"}
     assert "paratrain_fp8      skipped: fp8 needs a CUDA GPU" in proc.stdout
-    ran = ("scratch", "torch", "paratrain", "ms_model", "ms_loop", "ms_loop_padded")
+    ran = ("scratch", "torch", "paratrain", "ms_model", "ms_loop", "ms_loop_padded", "llama", "llama_hf_loop")
     for side in ran:
         for key in ("tokens_per_s", "tflops", "mfu", "peak_memory_mb", "step_time_s"):
             assert result[side][key] > 0, (side, key)
@@ -50,13 +50,16 @@ def test_cpu_quick_runs_every_side(tmp_path):
     assert p["params"] == t["params"] == result["params"]  # the same model on both sides
     assert result["ms_model"]["params"] == result["ms_loop"]["params"]
     assert p["loss_first"] == pytest.approx(t["loss_first"], rel=1e-2)  # same model and seed, same first batch
-    assert result["losses"]["agree"] and set(result["losses"]["worst"]) == {"paratrain", "ms_model"}
+    assert result["losses"]["agree"] and set(result["losses"]["worst"]) == {"paratrain", "ms_model", "llama"}
+    assert result["llama"]["params"] == result["llama_hf_loop"]["params"] != p["params"]  # the same Llama
+    assert result["llama"]["loss_first"] == pytest.approx(result["llama_hf_loop"]["loss_first"], rel=1e-5)
     ratios = result["ratios"]
     assert ratios["fp8_vs_bf16"] is None
     assert ratios["ms_vs_plain_loop"] == pytest.approx(result["ms_model"]["tokens_per_s"]
                                                        / result["ms_loop"]["tokens_per_s"])
     assert ratios["cli_vs_scratch"] == pytest.approx(p["tokens_per_s"] / result["scratch"]["tokens_per_s"])
-    for name in ("cli_vs_scratch", "cli_vs_gptmodel_loop", "ms_vs_plain_loop", "ms_vs_cli", "causal_mask_vs_padded"):
+    for name in ("cli_vs_scratch", "cli_vs_gptmodel_loop", "ms_vs_plain_loop", "ms_vs_cli", "causal_mask_vs_padded",
+                 "llama_vs_hf_loop"):
         assert f"ratio {name} " in proc.stdout
     assert "losses: every step within" in proc.stdout
     differences = result["profile_differences"]
