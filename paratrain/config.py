@@ -28,7 +28,7 @@ LR_SCHEDULES = ("cosine", "warmup_lr", "warmup_decay_lr", "warmup_cosine_lr")  #
 WARMUP_TYPES = ("linear", "log")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DTYPES = ("float32", "bfloat16", "float16")
-ACTIVATIONS = ("gelu", "relu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")  # exact GELU, its tanh approximation (paratrain.nn's "gelu"), ReLU
 LOG_FORMATS = ("default", "mindspore")
 SPECIAL_TOKENS = 4  # ids 0-3 are pad, bos, eos and unk; synthetic data draws its tokens from the ids above
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -231,7 +231,7 @@ class ModelConfig(Section):
     seq_length: int = 64  # tokens per example (gpt)
     hidden_dropout: float = 0.1  # dropout probability on the hidden states
     attention_dropout: float = 0.1  # dropout probability on the attention weights
-    hidden_act: str = "gelu"  # feed-forward activation: gelu | relu
+    hidden_act: str = "gelu"  # feed-forward activation: gelu (exact) | gelu_tanh (the tanh approximation) | relu
     post_layernorm_residual: bool = False  # MindSpore's option: the residual adds to the normalised input
     tie_embeddings: bool = False  # the output head shares the word embedding's weights
     layernorm_eps: float = 1e-5  # epsilon of every LayerNorm

@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from paratrain.config import ModelConfig
@@ -244,3 +245,15 @@ def test_projections_stay_apart_where_joining_would_keep_a_copy_more_or_for_cros
     attention.to(torch.bfloat16)  # parameters in the compute dtype (as FSDP gathers them): no cast to join
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert attention.projected_together(x.bfloat16()) is None
+
+
+@pytest.mark.parametrize("act, want", [("gelu", F.gelu), ("gelu_tanh", lambda x: F.gelu(x, approximate="tanh")),
+                                       ("relu", F.relu)])
+def test_hidden_act_names_the_feed_forwards_activation(act, want):
+    """model.hidden_act: "gelu" is the exact GELU (the MindSpore face's "gelu" is its tanh form: "gelu_tanh")."""
+    from paratrain.models.transformer import feed_forward
+
+    torch.manual_seed(0)
+    ffn = feed_forward(ModelConfig(**{**CFG.__dict__, "kind": "gpt", "hidden_act": act}), 0)
+    x = torch.randn(3, CFG.hidden_size, device="cpu")
+    torch.testing.assert_close(ffn(x), ffn.fc2(want(ffn.fc1(x))), rtol=0, atol=0)

@@ -9,6 +9,8 @@ by ``paratrain.modules.transformer.pipeline_blocks`` and ``paratrain.parallel.pi
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -53,9 +55,13 @@ def attention_mask(key_pad: torch.Tensor | None, causal: bool, query_length: int
     return allowed[None, None] & ~key_pad[:, None, None, :]
 
 
+# ``model.hidden_act`` -> its module; MindSpore's "gelu" (``paratrain.nn``) is the tanh form, "gelu_tanh" here
+ACTIVATION_MODULES = {"gelu": nn.GELU, "gelu_tanh": functools.partial(nn.GELU, approximate="tanh"), "relu": nn.ReLU}
+
+
 def feed_forward(cfg: ModelConfig, layer_id: int) -> FeedForward | MoE:
-    """Layer ``layer_id``'s FFN, with exact GELU or ReLU: a mixture of experts where ``cfg.moe`` puts one."""
-    activation = nn.GELU() if cfg.hidden_act == "gelu" else nn.ReLU()
+    """Layer ``layer_id``'s FFN, with its ``hidden_act``: a mixture of experts where ``cfg.moe`` puts one."""
+    activation = ACTIVATION_MODULES[cfg.hidden_act]()
     moe = cfg.moe_config
     if moe.used_in(layer_id):
         return MoE(cfg.hidden_size, cfg.ffn_hidden_size, moe.expert_num, activation, moe.num_experts_chosen,
