@@ -557,3 +557,33 @@ def test_ops_splitting_the_batch_only_go_with_the_blocks_and_others_are_refused(
     net.head_matmul = ops.MatMul(transpose_b=True).shard(((2, 1), (2, 1)))  # a weight split: model parallel
     with pytest.raises(UserError, match=r"head_matmul.shard"):
         op_by_op(net, config)
+
+
+def _gathered_dtypes(parallel: dict, precision: str) -> set:
+    """The dtypes the tiny net's Linear weights have while its forward runs, placed on ``parallel`` in
+    ``precision`` (under bf16 autocast, as ``Model(amp_level="O2")`` runs it)."""
+    from paratrain.config import ParallelConfig
+    from paratrain.distributed import init_from_env
+    from paratrain.mesh import Layout
+    from paratrain.parallel.user import place_net
+    from paratrain.precision import autocast
+
+    torch.set_num_threads(1)
+    _, world = init_from_env()
+    torch.manual_seed(0)
+    net, config, seen = Net(), ParallelConfig(**parallel), set()
+    for module in net.modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_pre_hook(lambda module, args: seen.add(module.weight.dtype))
+    placed = place_net(net, config, Layout(config, world), _batches(1)[0], precision)
+    with autocast(precision, placed.device):
+        placed.model(*_batches(1)[0])
+    return seen
+
+
+@pytest.mark.parametrize("parallel", [{"data_parallel": 2, "zero_stage": 2}, {"data_parallel": 2, "zero_stage": 3}])
+def test_a_users_net_with_amp_and_zero_gathers_its_parameters_in_the_compute_dtype(parallel):
+    """As a built-in model: FSDP gathers a bf16 run's parameters in bf16 (half the bytes of fp32); without amp in
+    fp32."""
+    assert run_distributed(_gathered_dtypes, 2, parallel, "bf16") == [{torch.bfloat16}] * 2
+    assert run_distributed(_gathered_dtypes, 2, parallel, "none") == [{torch.float32}] * 2

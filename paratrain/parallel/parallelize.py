@@ -62,8 +62,8 @@ def parallelize_chunk(chunk: nn.Module, config: ParallelConfig, layout: Layout, 
     what is split (``parallel_plan``: only the splits they want), its layers (``is_transformer_layer``, each with
     its own ``recompute_mode`` or the config's) and its data-parallel buckets (``comm_fusion``); only its
     SyncBatchNorm layers take global statistics (as MindSpore's). Without it the chunk's ``layer_stacks`` give the
-    layers and every BatchNorm2d takes global statistics. ``precision``: fp8 Linears and the dtype FSDP gathers
-    parameters in (a user's net is converted before it is placed). ``compile_layers``: each layer, or the chunk
+    layers and every BatchNorm2d takes global statistics. ``precision``: fp8 Linears (none more where a user's net
+    was converted before it was placed) and the dtype FSDP gathers parameters in. ``compile_layers``: each layer, or the chunk
     when it has none, compiled after recompute. ``tokens_per_rank``: as ``parallelize``'s."""
     if precision == "fp8":
         convert_to_fp8(chunk)

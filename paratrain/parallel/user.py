@@ -133,7 +133,7 @@ def place_net(net: nn.Module, config: ParallelConfig, layout: Layout, example_ba
     if not on_meta:
         net.to(layout.device)
     if config.pipeline_stage == 1:
-        parallelize_chunk(net, config, layout, net=net, compile_layers=compile_layers)
+        parallelize_chunk(net, config, layout, net=net, precision=precision, compile_layers=compile_layers)
         return placed
     if config.expert_parallel > 1:
         raise UserError(f"expert_parallel={config.expert_parallel} with pipeline_stage={config.pipeline_stage} on a "
@@ -148,7 +148,7 @@ def place_net(net: nn.Module, config: ParallelConfig, layout: Layout, example_ba
     pipe = split_traced(net, micro, config)
     chunks = config.pipeline_stage * config.virtual_pipeline_stage
     ids = [chunk for chunk in range(chunks) if chunk_rank(chunk, config) == layout.pp_rank]
-    placed.parts = [parallelize_chunk(module, config, layout, root=module, net=net)
+    placed.parts = [parallelize_chunk(module, config, layout, root=module, net=net, precision=precision)
                     for module in map(pipe.get_stage_module, ids)]
     placed.model = placed.parts[0] if len(placed.parts) == 1 else nn.ModuleList(placed.parts)
     # what pipe.build_stage builds, less its rewrite of the device of factory calls: the trace ran on this device
