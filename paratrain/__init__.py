@@ -1,10 +1,12 @@
 """paratrain: train Transformer models on many devices with one parallel config."""
 from paratrain.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from paratrain.config_rules import check, validate
-from paratrain.context import (GRAPH_MODE, PYNATIVE_MODE, ParallelMode, TransformerOpParallelConfig,
-                               get_algo_parameters, get_auto_parallel_context, get_context, reset_algo_parameters,
-                               reset_auto_parallel_context, set_algo_parameters, set_auto_parallel_context,
-                               set_context)
+
+# the MindSpore face's context (``paratrain.context``), imported on first use: the engine and the command line's
+# modules import ``paratrain`` without it
+CONTEXT_NAMES = ("GRAPH_MODE", "PYNATIVE_MODE", "ParallelMode", "TransformerOpParallelConfig", "get_algo_parameters",
+                 "get_auto_parallel_context", "get_context", "reset_algo_parameters", "reset_auto_parallel_context",
+                 "set_algo_parameters", "set_auto_parallel_context", "set_context")
 
 __all__ = ["AutoParallel", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "GRAPH_MODE", "LossMonitor",
            "Model", "ModelCheckpoint", "ModelConfig", "PYNATIVE_MODE", "ParallelConfig", "ParallelMode", "TimeMonitor",
@@ -17,6 +19,9 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # imported on first use: `import paratrain` (and the command line) stays without torch
+    if name in CONTEXT_NAMES:
+        from paratrain import context
+        return getattr(context, name)
     if name == "AutoParallel":
         from paratrain.auto_parallel import AutoParallel
         return AutoParallel

@@ -17,7 +17,7 @@ import json
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Union
 
 from paratrain.errors import UserError
 
@@ -645,3 +645,13 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: getattr(self, name).to_dict() for name in self.sections()}
+
+
+def dotted(tree: dict, sep: str = ".", prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(name, value) of every leaf of the nested dicts ``tree``, names joined by ``sep``: ``{"a": {"b": 1}}``
+    gives ``("a.b", 1)`` (DeepSpeed's keys), ``("a/b", 1)`` with ``sep="/"`` (TensorBoard's tags)."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from dotted(value, sep, f"{prefix}{key}{sep}")
+        else:
+            yield f"{prefix}{key}", value

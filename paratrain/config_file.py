@@ -11,7 +11,7 @@ import difflib
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -193,14 +193,3 @@ def parse_overrides(args: list[str]) -> list[str]:
             raise ConfigError([f"override {arg} has no value: write {arg}=VALUE"])
         i += 1
     return overrides
-
-
-def dotted(tree: dict, sep: str = ".", prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(name, value) of every leaf of the nested dicts ``tree``, names joined by ``sep``: ``{"a": {"b": 1}}``
-    gives ``("a.b", 1)`` (DeepSpeed's keys), ``("a/b", 1)`` with ``sep="/"`` (TensorBoard's tags)."""
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from dotted(value, sep, f"{prefix}{key}{sep}")
-        else:
-            yield f"{prefix}{key}", value
-

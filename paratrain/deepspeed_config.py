@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from paratrain.config import Config, ConfigError
-from paratrain.config_file import dotted, from_dict, read_toml
+from paratrain.config import Config, ConfigError, dotted
+from paratrain.config_file import from_dict, read_toml
 from paratrain.deepspeed_keys import DEFAULTS, DIRECT, KNOWN, NO_EFFECT, REQUIRED, SCHEDULES, SPECIAL
 
 AUTO = "auto"

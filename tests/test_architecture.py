@@ -218,6 +218,47 @@ def test_placement_knows_no_face():
     assert {m: edges for m, edges in wrong.items() if edges} == {}
 
 
+# the engine and what it stands on; the command modules among them (``*.commands``, ``metrics.report``) are the
+# command line's own
+ENGINE = ("paratrain.engine", "paratrain.loop", "paratrain.parallel", "paratrain.modules", "paratrain.models",
+          "paratrain.metrics", "paratrain.checkpoint", "paratrain.plan", "paratrain.data", "paratrain.mesh",
+          "paratrain.precision", "paratrain.optim", "paratrain.distributed", "paratrain.device")
+
+
+def _engine_modules(graph: dict) -> list[str]:
+    return sorted(m for m in graph if _within(m, ENGINE) and not m.endswith(".commands")
+                  and m != "paratrain.metrics.report")
+
+
+def test_the_engine_reaches_no_face_through_any_import():
+    """No face below the faces: no engine module imports a face module directly or through another (the graph's
+    closure), and importing them all loads none (the run: ``paratrain``'s own ``__init__`` included)."""
+    import subprocess
+
+    from conftest import PYTHON
+
+    graph = import_graph()
+    engine = _engine_modules(graph)
+    assert {"paratrain.engine", "paratrain.metrics.logger", "paratrain.parallel.user"} <= set(engine)
+
+    def reached(module: str) -> set[str]:
+        seen, todo = set(), [module]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    wrong = {m: sorted(e for e in reached(m) if _within(e, MINDSPORE_FACE + TOML_FACE)) for m in engine}
+    assert {m: edges for m, edges in wrong.items() if edges} == {}
+    faces = MINDSPORE_FACE + TOML_FACE
+    inside = tuple(f"{face}." for face in faces)
+    code = (f"import importlib, sys\nfor m in {engine!r}: importlib.import_module(m)\n"
+            f"print(sorted(m for m in sys.modules if m in {faces!r} or m.startswith({inside!r})))")
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_both_faces_hand_the_engine_one_placed_model():
     """Every placement (the built-ins' parallelize, a user's net by its blocks, hybrid, op strategies) is a
     PlacedModel that owns the step's forward and backward: the engine knows placement only through it, and no face

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from paratrain.config import MetricsConfig
-from paratrain.config_file import dotted
+from paratrain.config import dotted
 
 BREAKDOWN_LABELS = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", "comm": "comm",
                     "pipeline_idle": "idle", "other": "other"}
