@@ -226,6 +226,20 @@ def test_text_trains_with_the_hf_tokenizer_counting_every_id_in_the_loss(hf_dirs
     assert trainer_losses(cfg) == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_bf16_and_fp16_on_tp2_follow_one_process_and_the_fp32_loop(precision, hf_dirs, tmp_path):
+    """Mixed precision on the llama kind: tp2 takes the steps of one process in the same precision, and both stay
+    near the plain fp32 loop over the HF model (the compute really ran in 16 bits: not equal to it)."""
+    cfg = run_config(hf_dirs["llama_gqa2"][0], tmp_path / "one", {})
+    cfg.train.mixed_precision = precision
+    one = trainer_losses(cfg)
+    cfg.run.dir, cfg.parallel.model_parallel = str(tmp_path / "tp2"), 2
+    tp2 = run_distributed(trainer_losses, 2, cfg, timeout=300)[0]
+    fp32 = plain_hf_losses("llama_gqa2", cfg)
+    assert tp2 == pytest.approx(one, rel=1e-2) and one == pytest.approx(fp32, rel=3e-2)
+    assert one != pytest.approx(fp32, rel=1e-6)
+
+
 def test_plan_counts_llama3_8b_from_the_module_built_on_the_meta_device(capsys):
     from conftest import ROOT
     from paratrain.cli import main
@@ -266,16 +280,16 @@ def test_a_resumed_run_goes_on_from_its_own_checkpoint_not_the_hf_weights(hf_dir
     assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-5, (got, want)
 
 
-def test_export_of_a_tp2_run_loads_in_transformers_with_the_same_logits(hf_dirs, tmp_path):
-    """A tp2 run of Qwen3 (tied, head_dim 16) saved after 2 steps, exported as an HF directory from its sharded
+def test_export_of_a_dp2_tp2_run_loads_in_transformers_with_the_same_logits(hf_dirs, tmp_path):
+    """A dp2 x tp2 run of Qwen3 (tied, head_dim 16) saved after 2 steps, exported as an HF directory from its sharded
     checkpoint: transformers' logits of the export equal paratrain's of the checkpoint."""
     from paratrain.checkpoint import export
     from paratrain.cli import main
 
     directory = hf_dirs["qwen3_qk_norm_head_dim"][0]
-    cfg = run_config(directory, tmp_path / "run", {"mp": 2, "vocab_emb_dp": False})
+    cfg = run_config(directory, tmp_path / "run", {"dp": 2, "mp": 2, "vocab_emb_dp": False})
     cfg.train.steps, cfg.checkpoint.save_steps = 2, 2
-    run_distributed(trainer_losses, 2, cfg, timeout=300)
+    run_distributed(trainer_losses, 4, cfg, timeout=300)
     assert main(["export", str(cfg.checkpoint_path), str(tmp_path / "hf"), "--format", "hf"]) == 0
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
