@@ -13,9 +13,14 @@ GPT = {"kind": "gpt", "vocab_size": 512, "hidden_size": 256, "num_heads": 4, "ff
        "decoder_layers": 4, "seq_length": 256, "hidden_dropout": 0.0, "attention_dropout": 0.0}
 
 
-def gpt_config(run_dir: Path, steps: int, parallel: dict | None = None, **sections):
-    """bf16 GPT on the synthetic Markov chain, 16 x 256 tokens a step, logged every 4 steps."""
-    return tiny_config(run={"dir": str(run_dir)}, model=GPT, parallel=parallel or {},
+# the Llama family's of the same sizes: grouped kv heads (2 of 64), a SwiGLU feed-forward
+LLAMA = {**GPT, "kind": "llama", "num_kv_heads": 2, "ffn_hidden_size": 768}
+
+
+def gpt_config(run_dir: Path, steps: int, parallel: dict | None = None, model: dict = GPT, **sections):
+    """bf16 GPT (or ``model``: ``LLAMA``) on the synthetic Markov chain, 16 x 256 tokens a step, logged every 4
+    steps."""
+    return tiny_config(run={"dir": str(run_dir)}, model=model, parallel=parallel or {},
                        train={"steps": steps, "global_batch_size": 16, "lr": 1e-3, "warmup_steps": 2,
                               "mixed_precision": "bf16"},
                        metrics={"log_steps": 4, "progress": False}, **sections)
