@@ -107,10 +107,8 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         problems.append(f"train.lr_schedule='warmup_cosine_lr' decays over train.lr_decay_steps (0: train.steps) "
                         f"= {t.lr_decay_steps or t.steps} steps, not more than its warmup of max(2, warmup_steps="
                         f"{t.warmup_steps}) steps: raise lr_decay_steps or lower warmup_steps")
-    if t.mixed_precision == "fp8" and p.model_parallel > 1:
-        problems.append(f"train.mixed_precision='fp8' with parallel.model_parallel={p.model_parallel}: fp8 Linears "
-                        f"are not split by tensor parallel: use model_parallel=1 (data parallel, ZeRO and pipeline "
-                        f"stages take fp8), or mixed_precision='bf16'")
+    problems += fp8_tensor_parallel_problems(t.mixed_precision, p.model_parallel, "train.mixed_precision='fp8'",
+                                             "parallel.model_parallel", "mixed_precision='bf16'")
     for name in ("hidden_dropout", "attention_dropout"):
         value = getattr(m, name)
         if not 0 <= value < 1:
@@ -483,3 +481,13 @@ def divisible_problems(sizes: Mapping[str, int], model_parallel: int, where: str
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fp8_tensor_parallel_problems(precision: str, model_parallel: int, fp8: str, model_parallel_key: str,
+                                 bf16: str) -> list[str]:
+    """fp8 beside tensor parallelism, refused on both faces (each names its own settings: ``fp8``, the key of
+    ``model_parallel`` and the ``bf16`` to use instead): torchao's fp8 Linears are not split by tensor parallel."""
+    if precision != "fp8" or model_parallel == 1:
+        return []
+    return [f"{fp8} with {model_parallel_key}={model_parallel}: fp8 Linears are not split by tensor parallel: use "
+            f"model_parallel=1 (data parallel, ZeRO and pipeline stages take fp8), or {bf16}"]

@@ -225,3 +225,26 @@ def test_model_amp_level_fp8_trains_the_users_linears_in_fp8_as_o2_trains_them_i
     assert kinds == ["Linear"] * 3 and fp8_kinds == ["Float8Linear", "Float8Linear", "Linear"]
     assert fp8[-1] < fp8[0]
     assert fp8 == pytest.approx(bf16, rel=5e-2) and fp8 != pytest.approx(bf16, rel=1e-6)
+
+
+def _fp8_tutorial_net_on_two_ranks():
+    from paratrain.nn import TransformerOpParallelConfig
+    from paratrain.train import Model
+    from test_train_api import TutorialNet, token_batches
+
+    precision.fp8_unavailable = lambda device: None  # this forked rank only: past the device check
+    torch.manual_seed(0)
+    net = TutorialNet(TransformerOpParallelConfig(model_parallel=2))
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2), amp_level="fp8")
+    try:
+        model.train(1, token_batches())
+    except UserError as exc:
+        return str(exc)
+
+
+def test_fp8_with_the_blocks_model_parallel_is_refused_by_the_same_rule():
+    """The MindSpore face refuses fp8 beside tensor parallel as the TOML face does, naming its own settings."""
+    for message in run_distributed(_fp8_tutorial_net_on_two_ranks, 2, timeout=120):
+        assert message.startswith("Model.train: Model(amp_level='fp8') with the blocks' model_parallel=2: fp8 "
+                                  "Linears are not split by tensor parallel"), message
+        assert message.endswith("or amp_level='O2' (bf16)")

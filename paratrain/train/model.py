@@ -23,6 +23,7 @@ from paratrain.mesh import Layout
 from paratrain.metrics.timer import StepTimer
 from paratrain.nn import PipelineCell
 from paratrain.parallel.data import shard_optimizer_state
+from paratrain.config_rules import fp8_tensor_parallel_problems
 from paratrain.preflight import net_memory_problem
 from paratrain.precision import LossScaler
 from paratrain.train.batches import (BatchCheck, as_batch, batch_position, endless_batches, first_batch, ids_per_row,
@@ -296,7 +297,9 @@ class Model:
         """Place the net on the layout (``batch``: an example) and rebuild the optimizer on its shards."""
         net = self.network.network if isinstance(self.network, PipelineCell) else self.network
         net = net if self.loss_fn is None else WithLoss(net, self.loss_fn)
-        problem = net_memory_problem(net, layout.world_size)
+        problem = net_memory_problem(net, layout.world_size) or next(iter(fp8_tensor_parallel_problems(
+            self.precision, config.model_parallel, "Model(amp_level='fp8')", "the blocks' model_parallel",
+            "amp_level='O2' (bf16)")), None)
         if problem:
             raise UserError(f"Model.train: {problem}")
         names = group_names(self.optimizer, net) if self.optimizer is not None else None  # none: only eval
