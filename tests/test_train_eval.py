@@ -197,6 +197,23 @@ def test_model_eval_refuses_what_it_cannot_do():
         Model(net, nn.CrossEntropyLoss(), metrics={"acc"}).eval([])
 
 
+class SplitBatches(list):
+    """Batches said to be this rank's share of a dataset split in two (MindSpore's ``num_shards``)."""
+
+    num_shards = 2
+
+
+@pytest.mark.parametrize("run", ["train", "eval"])
+def test_a_dataset_split_for_other_ranks_is_refused_by_train_and_eval_alike(run):
+    net = Classifier()
+    model = Model(net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), lr=0.1), metrics={"acc"})
+    call = (lambda data: model.train(1, data)) if run == "train" else model.eval
+    with pytest.raises(UserError, match=rf"^Model.{run}: the dataset is split into num_shards=2 for 1 ranks, 1 of "
+                                        rf"them data-parallel: .* num_shards=get_group_size\(\) and no model or "
+                                        rf"pipeline parallelism"):
+        call(SplitBatches(batches()))
+
+
 # --- Model.eval on several processes ----------------------------------------------------------------------------
 
 class Rows(Metric):

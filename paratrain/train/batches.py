@@ -14,6 +14,17 @@ from paratrain.errors import UserError
 from paratrain.train.callbacks import CallbackParams
 
 
+def dataset_shards(owner: str, config: ParallelConfig, world_size: int, dataset: Iterable) -> int:
+    """The shards ``dataset`` is split into (its ``num_shards``; 1: every rank gives the global batch); a split other
+    than one per rank, all of them data-parallel, refused naming ``owner``."""
+    shards = getattr(dataset, "num_shards", None) or 1
+    if shards > 1 and not shards == config.data_parallel == world_size:
+        raise UserError(f"{owner}: the dataset is split into num_shards={shards} for {world_size} ranks, "
+                        f"{config.data_parallel} of them data-parallel: a dataset split per rank needs "
+                        f"num_shards=get_group_size() and no model or pipeline parallelism")
+    return shards
+
+
 def as_batch(batch) -> tuple:
     """A dataset's batch as a tuple, its NumPy arrays (what MindSpore's datasets give) as tensors."""
     if isinstance(batch, (torch.Tensor, np.ndarray)):

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
 from paratrain.precision import autocast
-from paratrain.train.batches import as_batch
+from paratrain.train.batches import as_batch, dataset_shards
 from paratrain.train.callbacks import RunContext
 from paratrain.train.metrics import check_reducible, eval_rows, evaluating, global_loss, reduce_metrics, update_metrics
 
@@ -23,12 +23,7 @@ def eval_shards(config: ParallelConfig, world_size: int, valid_dataset: Iterable
         raise UserError(f"Model.eval: pipeline_stage={config.pipeline_stage}: the traced stages of a pipeline end "
                         f"in the loss, so the metrics cannot see the network's output; evaluate the trained "
                         f"weights in a net placed without pipeline stages (load_checkpoint + load_param_into_net)")
-    shards = getattr(valid_dataset, "num_shards", None) or 1
-    if shards > 1 and not shards == config.data_parallel == world_size:
-        raise UserError(f"Model.eval: the dataset is split into num_shards={shards} for {world_size} ranks, "
-                        f"{config.data_parallel} of them data-parallel: a dataset split per rank needs "
-                        f"num_shards=get_group_size() and no model parallelism")
-    return shards
+    return dataset_shards("Model.eval", config, world_size, valid_dataset)
 
 
 class Evaluation:

@@ -26,8 +26,8 @@ from paratrain.parallel.data import shard_optimizer_state
 from paratrain.config_rules import fp8_tensor_parallel_problems
 from paratrain.preflight import net_memory_problem
 from paratrain.precision import LossScaler
-from paratrain.train.batches import (BatchCheck, as_batch, batch_position, endless_batches, first_batch, ids_per_row,
-                                     with_last)
+from paratrain.train.batches import (BatchCheck, as_batch, batch_position, dataset_shards, endless_batches,
+                                     first_batch, ids_per_row, with_last)
 from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext, SummaryCollector
 from paratrain.train.evaluation import Evaluation, eval_shards
 from paratrain.train.metrics import get_metrics
@@ -240,11 +240,7 @@ class Model:
         rank, world_size = init_from_env()
         progress.start(rank)  # under `paratrain launch`: the job's records show the steps and saves
         config, layout = self._layout_for(world_size)
-        shards = getattr(train_dataset, "num_shards", None) or 1
-        if shards > 1 and not shards == config.data_parallel == world_size:
-            raise UserError(f"Model.train: the dataset is split into num_shards={shards} for {world_size} ranks, "
-                            f"{config.data_parallel} of them data-parallel: a dataset split per rank needs "
-                            f"num_shards=get_group_size() and no model or pipeline parallelism")
+        shards = dataset_shards("Model.train", config, world_size, train_dataset)
         sinks = dataset_sink_mode and sink_size > 0
         params = CallbackParams(
             network=self.network, train_network=self.train_network, loss_fn=self.loss_fn, optimizer=self.optimizer,
