@@ -121,13 +121,10 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         problems.append(f"model.kind={m.kind!r} trains with data parallelism only (the planner knows Transformer "
                         f"layers), got parallel.model_parallel={p.model_parallel}, pipeline_stage={p.pipeline_stage} "
                         f"and auto={str(p.auto).lower()}: set both to 1, auto to false")
-    if m.hidden_size % m.num_heads and not m.head_dim:
-        problems.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}: "
-                        f"use num_heads in {divisors(m.hidden_size)}")
+    if not m.head_dim:
+        problems += head_problems(m.hidden_size, m.num_heads)
     mp = p.model_parallel
-    problems += _llama_problems(m, mp)
-    problems += divisible_problems({name: getattr(m, name) for name in ("num_heads", "hidden_size", "ffn_hidden_size")},
-                                   mp)
+    problems += _llama_problems(m) + divisible_problems(model_parallel_sizes(m), mp)
     if not p.vocab_emb_dp and m.vocab_size % mp:
         problems.append(f"model.vocab_size={m.vocab_size} is not divisible by parallel.model_parallel={mp} "
                         f"with parallel.vocab_emb_dp=false: pad vocab_size to {math.ceil(m.vocab_size / mp) * mp} "
@@ -431,9 +428,8 @@ def _moe_problems(cfg: Config) -> list[str]:
     return problems
 
 
-def _llama_problems(m: ModelConfig, mp: int) -> list[str]:
-    """The llama kind's own keys: grouped heads, rotary settings, and kv heads whole on each tensor-parallel rank;
-    the other kinds must leave those keys alone."""
+def _llama_problems(m: ModelConfig) -> list[str]:
+    """The llama kind's own keys: grouped heads and rotary settings; the other kinds must leave those keys alone."""
     keys = {"num_kv_heads": 0, "head_dim": 0, "qk_norm": False, "qkv_bias": False, "rope_scaling": {}, "from_hf": ""}
     if m.kind != "llama":
         return [f"model.{key}={getattr(m, key)!r} is a key of model.kind='llama', not of {m.kind!r}: remove it"
@@ -450,10 +446,6 @@ def _llama_problems(m: ModelConfig, mp: int) -> list[str]:
     if m.num_heads % m.kv_heads:
         problems.append(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.kv_heads}: "
                         f"use num_kv_heads in {divisors(m.num_heads)}")
-    elif m.kv_heads % mp:
-        both = [d for d in divisors(m.kv_heads) if m.num_heads % d == 0]
-        problems.append(f"model.num_kv_heads={m.kv_heads} is not divisible by parallel.model_parallel={mp}: each "
-                        f"rank holds whole key/value heads; use model_parallel in {both}")
     scaling = dict(m.rope_scaling)
     kind = scaling.pop("rope_type", scaling.pop("type", None))
     needed = {"linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor",
@@ -469,6 +461,21 @@ def _llama_problems(m: ModelConfig, mp: int) -> list[str]:
         problems.append(f"model.moe.expert_num={m.moe_config.expert_num} with model.kind='llama': the llama kind has "
                         f"no mixture of experts yet; remove model.moe")
     return problems
+
+
+def head_problems(hidden_size: int, num_heads: int, where: str = "model.") -> list[str]:
+    """Heads of hidden_size / num_heads each: ``num_heads`` must divide ``hidden_size``."""
+    if hidden_size % num_heads == 0:
+        return []
+    return [f"{where}hidden_size={hidden_size} is not divisible by {where}num_heads={num_heads}: use num_heads in "
+            f"{divisors(hidden_size)}"]
+
+
+def model_parallel_sizes(m: ModelConfig) -> dict[str, int]:
+    """The sizes of ``m`` that tensor parallelism splits, each rank taking whole heads (and whole key/value heads
+    of the llama kind), by their ``model.`` key."""
+    sizes = {name: getattr(m, name) for name in ("num_heads", "hidden_size", "ffn_hidden_size")}
+    return sizes | ({"num_kv_heads": m.kv_heads} if m.kind == "llama" else {})
 
 
 def divisible_problems(sizes: Mapping[str, int], model_parallel: int, where: str = "model.",

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.config_rules import head_problems
 from paratrain.errors import UserError
 from paratrain.modules import moe as shared_moe
 from paratrain.modules import transformer as shared
@@ -238,8 +239,8 @@ class MultiHeadAttention(_SplitWhenParallel, shared.Attention, Cell):
         check_rate(owner, hidden_dropout_rate=hidden_dropout_rate, attention_dropout_rate=attention_dropout_rate)
         check_sizes(owner, batch_size=batch_size, src_seq_length=src_seq_length, tgt_seq_length=tgt_seq_length,
                     hidden_size=hidden_size, num_heads=num_heads)
-        if hidden_size % num_heads:
-            raise UserError(f"{owner}: hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+        for problem in head_problems(hidden_size, num_heads, where=""):
+            raise UserError(f"{owner}: {problem}")
         model_parallel = op_config(parallel_config, owner).model_parallel
         check_divisible(owner, model_parallel, num_heads=num_heads)
         compute_dtype = to_dtype(compute_dtype, "compute_dtype", owner)

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 
 from paratrain.config import Config, ConfigError, ModelConfig, ParallelConfig
-from paratrain.config_rules import divisors, validate
+from paratrain.config_rules import divisible_problems, divisors, model_parallel_sizes, validate
 from paratrain.metrics.flops import model_flops
 from paratrain.plan import cost
 from paratrain.plan.cost import Hardware, collective_bytes
@@ -37,7 +37,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
     m = cfg.model
     b = -(-cfg.train.global_batch_size // (par.data_parallel * par.micro_batch_num))
     problems = validate(dataclasses.replace(cfg, parallel=par), par.world_size)
-    if any(size % par.model_parallel for size in (m.num_heads, m.hidden_size, m.ffn_hidden_size)) or \
+    if divisible_problems(model_parallel_sizes(m), par.model_parallel) or \
             par.pipeline_stage * par.virtual_pipeline_stage > m.num_layers:
         return layout_row(par, b) | dict(feasible=False, reason="; ".join(problems), memory_gib=None,
                                          step_time_s=None, mfu=None)
@@ -240,7 +240,7 @@ def candidates(cfg: Config, devices: int, micro_batch_sizes=(1, 2, 4, 8, 16, 32)
                                        layer_stages=[]))
 
     for tp in divisors(devices):
-        if m.num_heads % tp or m.hidden_size % tp or m.ffn_hidden_size % tp:
+        if divisible_problems(model_parallel_sizes(m), tp):
             continue
         for pp in divisors(devices // tp):
             if pp > m.num_layers:
