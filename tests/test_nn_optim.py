@@ -62,8 +62,9 @@ def test_the_update_is_mindspores_without_bias_correction(learning_rate):
     (CosineDecayLR(0.01, 0.1, 5), lambda s: 0.01 + 0.09 * (1 + math.cos(math.pi * min(s, 5) / 5)) / 2),
     (ExponentialDecayLR(0.1, 0.5, 2), lambda s: 0.1 * 0.5 ** (s / 2)),
     (ExponentialDecayLR(0.1, 0.5, 2, is_stair=True), lambda s: 0.1 * 0.5 ** (s // 2)),
-    (NaturalExpDecayLR(0.1, 0.3, 4), lambda s: 0.1 * math.exp(-0.3 * s / 4)),
-    (NaturalExpDecayLR(0.1, 0.3, 4, is_stair=True), lambda s: 0.1 * math.exp(-0.3 * (s // 4))),
+    # MindSpore 2.7.0's code, not its documentation's p = step / decay_steps
+    (NaturalExpDecayLR(0.1, 0.3, 4), lambda s: 0.1 * math.exp(-0.3 * s)),
+    (NaturalExpDecayLR(0.1, 0.3, 4, is_stair=True), lambda s: 0.1 * math.exp(-0.3 * (s // 4 * 4))),
     (InverseDecayLR(0.1, 0.5, 3), lambda s: 0.1 / (1 + 0.5 * s / 3)),
     (InverseDecayLR(0.1, 0.5, 3, is_stair=True), lambda s: 0.1 / (1 + 0.5 * (s // 3))),
 ], ids=["warmup", "polynomial", "polynomial-restarting", "cosine", "exponential", "exponential-stair",
