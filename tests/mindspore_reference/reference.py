@@ -115,7 +115,7 @@ def torch_value_and_grads(net: torch.nn.Module, loss_fn, inputs: list[np.ndarray
     net.zero_grad()
     value = loss_fn(*tensors)
     value.backward()
-    grads = {name: p.grad.numpy() for name, p in net.named_parameters()}
+    grads = {name: p.grad.numpy() for name, p in net.named_parameters() if p.requires_grad}
     return value.detach().numpy(), grads, [tensors[i].grad.numpy() for i in grad_inputs]
 
 
