@@ -18,6 +18,12 @@ def _pynative_cpu():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """The same initial weights (MindSpore's, copied into paratrain's nets) on every run."""
+    mindspore.set_seed(0)
+
+
 def pytest_terminal_summary(terminalreporter):
     """The max relative difference each comparison measured."""
     if mindspore is None:

@@ -128,25 +128,30 @@ def relative_difference(actual, expected, floor: float = 0.0) -> float:
     return float(np.abs(actual - expected).max(initial=0.0) / (scale if scale > 0 else 1.0))
 
 
-def assert_close(what: str, actual, expected, tolerance: float = TOLERANCE, floor: float = 0.0) -> None:
+def assert_close(what: str, actual, expected, tolerance: float = TOLERANCE, floor: float = 0.0, name: str = "") -> None:
     """paratrain's ``actual`` within ``tolerance`` of MindSpore's ``expected`` (``relative_difference``), recorded
-    as ``what``."""
+    as ``what`` (``name``: the parameter, for the message)."""
     difference = relative_difference(actual, expected, floor)
     measured[what] = max(difference, measured.get(what, 0.0))
-    assert difference <= tolerance, f"{what}: max relative difference {difference:.3g} > {tolerance:g}"
+    assert difference <= tolerance, f"{what} {name}: max relative difference {difference:.3g} > {tolerance:g}"
 
 
-# a gradient that is 0 but for rounding (a key bias's: the softmax ignores what is added to all of a row's scores)
-# is compared relative to this fraction of the net's largest gradient
-GRADIENT_FLOOR = 1e-4
+# the key bias's gradient is 0 but for rounding (the softmax ignores what is added to all of a row's scores): it is
+# compared relative to the net's largest gradient; the others relative to their own largest element or, where that
+# is smaller, to GRADIENT_FLOOR times the net's largest gradient: at MindSpore's initial weights, normal(0, 0.01),
+# the attention is near uniform and the query and key weights' gradients, 1e-4 to 1e-3 of the largest, are
+# differences of near-equal terms, equal in both libraries only to about 1e-4 of themselves
+ZERO_GRADIENTS = ("dense2.bias",)
+GRADIENT_FLOOR = 1e-3
 
 
 def assert_same_grads(what: str, grads: dict, ms_grads: dict) -> None:
     """Each parameter's gradient from paratrain within the tolerance of MindSpore's, recorded as ``what``."""
     assert sorted(grads) == sorted(ms_grads), (sorted(grads), sorted(ms_grads))
-    floor = GRADIENT_FLOOR * max(np.abs(g).max(initial=0.0) for g in ms_grads.values())
+    largest = max(np.abs(g).max(initial=0.0) for g in ms_grads.values())
     for name, ms_grad in ms_grads.items():
-        assert_close(what, grads[name], ms_grad, floor=floor)
+        floor = largest * (1.0 if name.endswith(ZERO_GRADIENTS) else GRADIENT_FLOOR)
+        assert_close(what, grads[name], ms_grad, floor=floor, name=name)
 
 
 def ms_weights(ms_net: ms_nn.Cell) -> dict[str, np.ndarray]:

@@ -45,7 +45,7 @@ def compare(what: str, ms_net, net, inputs: list[np.ndarray], grad_inputs=(0,)) 
     outputs = [t.detach().numpy() for t in flat(net(*(torch_tensor(x) for x in inputs)))]
     assert len(outputs) == len(ms_outputs)
     for i, (output, ms_output) in enumerate(zip(outputs, ms_outputs)):
-        assert_close(f"{what}: output" if i == 0 else f"{what}: presents", output, ms_output)
+        assert_close(f"{what}: output" if i == 0 else f"{what}: other outputs", output, ms_output)
     weights = np.random.default_rng(1).standard_normal(ms_outputs[0].shape).astype(np.float32)
     ms_weights, weights = ms_tensor(weights), torch_tensor(weights)
     ms_value, ms_grads, ms_input_grads = ms_value_and_grads(

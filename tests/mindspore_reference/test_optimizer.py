@@ -71,4 +71,5 @@ def test_adam_weight_decay(groups, rate):
         optimizer.step()
         parameters = dict(net.named_parameters())
         for name, value in ms_weights(ms_net).items():
-            assert_close(f"AdamWeightDecay ({groups}, {rate}): parameters", parameters[name].detach().numpy(), value)
+            assert_close(f"AdamWeightDecay ({groups}, {rate}): parameters", parameters[name].detach().numpy(), value,
+                         name=name)
