@@ -33,11 +33,13 @@ def parameters(function) -> list[inspect.Parameter]:
 
 def comparable(default):
     """A default as both libraries can spell it: a dtype by its name, a number, switch, string or None as it is,
-    anything else (a config object) as its type's name."""
+    a recompute config that recomputes nothing as "none", anything else (a config object) as its type's name."""
     if isinstance(default, mindspore.dtype.Type) or "torch." in repr(default):
         return str(default).lower().replace("torch.", "")
     if default is None or isinstance(default, (bool, int, float, str)):
         return default
+    if type(default).__name__ == "TransformerRecomputeConfig" and not default.recompute:
+        return "none"  # MindSpore's default recompute config recomputes nothing: paratrain's "none"
     return type(default).__name__
 
 
