@@ -20,7 +20,8 @@ class CrossEntropyLoss(Cell):
     token's value ``-log(softmax + 1e-24)`` as MindSpore's. ``reduction="sum_and_count"``, a placed net's:
     float32 (2,) ``[sum of the kept tokens' losses, their number]``, summed over data-parallel ranks and
     micro-batches; in a training step's forward the mean as a scalar, whose backward is the global batch's token
-    mean's, over its ``Σmask + 1e-5`` too (``paratrain.modules.token_loss``). Logits that are a DTensor sharded on the vocab dimension are reduced
+    mean's, over its ``Σmask + 1e-5`` too (``paratrain.modules.token_loss``). Logits that are a DTensor sharded on
+    the vocab dimension are reduced
     vocab-parallel, under ``paratrain.parallel.loss.loss_context`` (a placed net's step enters it)."""
 
     supports_sum_and_count = True  # paratrain.parallel.user switches it to the global-batch token mean

@@ -91,23 +91,48 @@ def test_multi_head_attention(rng, cross):
             grads)
 
 
-def test_feed_forward(rng):
+FLAT = pytest.mark.parametrize("shape", [(B, T, H), (B * T, H)], ids=["(B, T, H)", "(B*T, H)"])
+
+
+@FLAT
+def test_feed_forward(rng, shape):
     ms_net = ms_transformer.FeedForward(hidden_size=H, ffn_hidden_size=F, dropout_rate=0.0, hidden_act=Gelu)
     net = pnn.FeedForward(hidden_size=H, ffn_hidden_size=F, dropout_rate=0.0, hidden_act="gelu")
-    compare("FeedForward", ms_net, net, [rng.standard_normal((B, T, H)).astype(np.float32)])
+    compare(f"FeedForward {shape}", ms_net, net, [rng.standard_normal(shape).astype(np.float32)])
 
 
 POST_LN = pytest.mark.parametrize("post_layernorm_residual", [False, True], ids=["pre-LN", "post-LN"])
 
 
+def named(block: str, post_layernorm_residual: bool) -> str:
+    """The name of a block's comparisons."""
+    return f"{block} ({'post' if post_layernorm_residual else 'pre'}-LN)"
+
+
 @POST_LN
-def test_encoder_layer(rng, post_layernorm_residual):
+@pytest.mark.parametrize("block, layers", [("TransformerEncoderLayer", {}), ("TransformerEncoder", {"num_layers": 2})],
+                         ids=["layer", "stack"])
+def test_encoder(rng, block, layers, post_layernorm_residual):
     args = dict(batch_size=B, hidden_size=H, ffn_hidden_size=F, num_heads=HEADS, seq_length=S,
-                post_layernorm_residual=post_layernorm_residual, **NO_DROPOUT)
-    ms_net = ms_transformer.TransformerEncoderLayer(**args, hidden_act=Gelu, **FP32)
+                post_layernorm_residual=post_layernorm_residual, **layers, **NO_DROPOUT)
+    ms_net = getattr(ms_transformer, block)(**args, hidden_act=Gelu, **FP32)
     inputs = [rng.standard_normal((B, S, H)).astype(np.float32), padding_mask(S, S)]
-    compare(f"TransformerEncoderLayer ({'post' if post_layernorm_residual else 'pre'}-LN)", ms_net,
-            pnn.TransformerEncoderLayer(**args), inputs)
+    compare(named(block, post_layernorm_residual), ms_net, getattr(pnn, block)(**args), inputs)
+
+
+@pytest.mark.parametrize("block", ["MultiHeadAttention", "TransformerEncoderLayer"])
+def test_tokens_flattened_to_rows(rng, block):
+    """Inputs of (B*T, H) rows, which both libraries take with the batch given by the mask."""
+    x = rng.standard_normal((B * T, H)).astype(np.float32)
+    if block == "MultiHeadAttention":
+        args = dict(batch_size=B, src_seq_length=T, tgt_seq_length=T, hidden_size=H, num_heads=HEADS, **NO_DROPOUT)
+        ms_net = ms_transformer.MultiHeadAttention(**args, compute_dtype=mindspore.float32)
+        inputs = [x, x, x, padding_mask(T, T)]
+    else:
+        args = dict(batch_size=B, hidden_size=H, ffn_hidden_size=F, num_heads=HEADS, seq_length=T, **NO_DROPOUT)
+        ms_net = ms_transformer.TransformerEncoderLayer(**args, hidden_act=Gelu, **FP32)
+        inputs = [x, padding_mask(T, T)]
+    compare(f"{block} (B*T, H)", ms_net, getattr(pnn, block)(**args), inputs)
 
 
 def decoder_inputs(rng) -> list[np.ndarray]:
@@ -117,31 +142,14 @@ def decoder_inputs(rng) -> list[np.ndarray]:
 
 
 @POST_LN
-def test_decoder_layer(rng, post_layernorm_residual):
+@pytest.mark.parametrize("block, layers", [("TransformerDecoderLayer", {}), ("TransformerDecoder", {"num_layers": 2})],
+                         ids=["layer", "stack"])
+def test_decoder(rng, block, layers, post_layernorm_residual):
     args = dict(batch_size=B, hidden_size=H, ffn_hidden_size=F, num_heads=HEADS, src_seq_length=S,
-                tgt_seq_length=T, post_layernorm_residual=post_layernorm_residual, **NO_DROPOUT)
-    ms_net = ms_transformer.TransformerDecoderLayer(**args, hidden_act=Gelu, **FP32)
-    compare(f"TransformerDecoderLayer ({'post' if post_layernorm_residual else 'pre'}-LN)", ms_net,
-            pnn.TransformerDecoderLayer(**args), decoder_inputs(rng), grad_inputs=(0, 2))
-
-
-@POST_LN
-def test_encoder(rng, post_layernorm_residual):
-    args = dict(batch_size=B, num_layers=2, hidden_size=H, ffn_hidden_size=F, seq_length=S, num_heads=HEADS,
-                post_layernorm_residual=post_layernorm_residual, **NO_DROPOUT)
-    ms_net = ms_transformer.TransformerEncoder(**args, hidden_act=Gelu, **FP32)
-    inputs = [rng.standard_normal((B, S, H)).astype(np.float32), padding_mask(S, S)]
-    compare(f"TransformerEncoder ({'post' if post_layernorm_residual else 'pre'}-LN)", ms_net,
-            pnn.TransformerEncoder(**args), inputs)
-
-
-@POST_LN
-def test_decoder(rng, post_layernorm_residual):
-    args = dict(num_layers=2, batch_size=B, hidden_size=H, ffn_hidden_size=F, src_seq_length=S, tgt_seq_length=T,
-                num_heads=HEADS, post_layernorm_residual=post_layernorm_residual, **NO_DROPOUT)
-    ms_net = ms_transformer.TransformerDecoder(**args, hidden_act=Gelu, **FP32)
-    compare(f"TransformerDecoder ({'post' if post_layernorm_residual else 'pre'}-LN)", ms_net,
-            pnn.TransformerDecoder(**args), decoder_inputs(rng), grad_inputs=(0, 2))
+                tgt_seq_length=T, post_layernorm_residual=post_layernorm_residual, **layers, **NO_DROPOUT)
+    ms_net = getattr(ms_transformer, block)(**args, hidden_act=Gelu, **FP32)
+    compare(named(block, post_layernorm_residual), ms_net, getattr(pnn, block)(**args), decoder_inputs(rng),
+            grad_inputs=(0, 2))
 
 
 @POST_LN
@@ -152,5 +160,14 @@ def test_transformer(rng, post_layernorm_residual):
     ms_net = ms_transformer.Transformer(**args, hidden_act=Gelu, **FP32)
     hidden, decoder_mask, encoder_inputs, memory_mask = decoder_inputs(rng)
     inputs = [encoder_inputs, padding_mask(S, S), hidden, decoder_mask, memory_mask]
-    compare(f"Transformer ({'post' if post_layernorm_residual else 'pre'}-LN)", ms_net, pnn.Transformer(**args),
-            inputs, grad_inputs=(0, 2))
+    compare(named("Transformer", post_layernorm_residual), ms_net, pnn.Transformer(**args), inputs,
+            grad_inputs=(0, 2))
+
+
+def test_transformer_without_decoder(rng):
+    """``decoder_layers=0``: the encoder's output, no decoder presents."""
+    args = dict(hidden_size=H, batch_size=B, ffn_hidden_size=F, src_seq_length=S, tgt_seq_length=T,
+                encoder_layers=2, decoder_layers=0, num_heads=HEADS, **NO_DROPOUT)
+    ms_net = ms_transformer.Transformer(**args, hidden_act=Gelu, **FP32)
+    inputs = [rng.standard_normal((B, S, H)).astype(np.float32), padding_mask(S, S)]
+    compare("Transformer (no decoder)", ms_net, pnn.Transformer(**args), inputs)
