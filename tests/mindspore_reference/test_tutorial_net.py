@@ -27,16 +27,10 @@ def transformer_args(layers: int) -> dict:
                 ffn_hidden_size=H)
 
 
-class MsEmbedding(ms_nn.Cell):
-    """Word plus position embedding (the tutorial's EmbeddingLayer, dropout 0)."""
-
-    def __init__(self, positions: int):
-        super().__init__()
-        self.word_embedding = ms_transformer.VocabEmbedding(vocab_size=V, embedding_size=H)
-        self.position_embedding = ms_transformer.VocabEmbedding(vocab_size=positions, embedding_size=H)
-
-    def construct(self, input_ids, positions):
-        return self.word_embedding(input_ids)[0] + self.position_embedding(positions)[0]
+def embeddings(library, positions: int) -> tuple:
+    """The tutorial's EmbeddingLayer's word and position tables, ``library``'s VocabEmbeddings (its dropout is 0)."""
+    return (library.VocabEmbedding(vocab_size=V, embedding_size=H),
+            library.VocabEmbedding(vocab_size=positions, embedding_size=H))
 
 
 class MsNet(ms_nn.Cell):
@@ -44,7 +38,8 @@ class MsNet(ms_nn.Cell):
 
     def __init__(self, layers: int):
         super().__init__()
-        self.src_embedding, self.tgt_embedding = MsEmbedding(S), MsEmbedding(T)
+        self.src_word, self.src_position = embeddings(ms_transformer, S)
+        self.tgt_word, self.tgt_position = embeddings(ms_transformer, T)
         self.base1 = ms_transformer.Transformer(**transformer_args(layers), hidden_act=Gelu)
         self.attention_mask = ms_transformer.AttentionMask(seq_length=T)
         self.head = ms_nn.Dense(in_channels=H, out_channels=V, has_bias=False)
@@ -53,23 +48,11 @@ class MsNet(ms_nn.Cell):
     def construct(self, encoder_input, encoder_position, encoder_mask, decoder_input, decoder_position, memory_mask,
                   y):
         input_mask = ops.cast(ops.not_equal(decoder_input, PAD), mindspore.float32)
-        output, _, _ = self.base1(self.src_embedding(encoder_input, encoder_position), encoder_mask,
-                                  self.tgt_embedding(decoder_input, decoder_position), self.attention_mask(input_mask),
-                                  memory_mask)
+        source = self.src_word(encoder_input)[0] + self.src_position(encoder_position)[0]
+        target = self.tgt_word(decoder_input)[0] + self.tgt_position(decoder_position)[0]
+        output, _, _ = self.base1(source, encoder_mask, target, self.attention_mask(input_mask), memory_mask)
         logits = self.head(output).reshape(-1, V)
         return self.loss(logits, y.reshape(-1), input_mask.reshape(-1))
-
-
-class Embedding(torch.nn.Module):
-    """``MsEmbedding`` in paratrain."""
-
-    def __init__(self, positions: int):
-        super().__init__()
-        self.word_embedding = pnn.VocabEmbedding(vocab_size=V, embedding_size=H)
-        self.position_embedding = pnn.VocabEmbedding(vocab_size=positions, embedding_size=H)
-
-    def forward(self, input_ids, positions):
-        return self.word_embedding(input_ids)[0] + self.position_embedding(positions)[0]
 
 
 class Net(pnn.Cell):
@@ -77,7 +60,8 @@ class Net(pnn.Cell):
 
     def __init__(self, layers: int):
         super().__init__()
-        self.src_embedding, self.tgt_embedding = Embedding(S), Embedding(T)
+        self.src_word, self.src_position = embeddings(pnn, S)
+        self.tgt_word, self.tgt_position = embeddings(pnn, T)
         self.base1 = pnn.Transformer(**transformer_args(layers))
         self.attention_mask = pnn.AttentionMask(seq_length=T)
         self.head = torch.nn.Linear(H, V, bias=False)
@@ -85,9 +69,9 @@ class Net(pnn.Cell):
 
     def forward(self, encoder_input, encoder_position, encoder_mask, decoder_input, decoder_position, memory_mask, y):
         input_mask = (decoder_input != PAD).float()
-        output, _, _ = self.base1(self.src_embedding(encoder_input, encoder_position), encoder_mask,
-                                  self.tgt_embedding(decoder_input, decoder_position), self.attention_mask(input_mask),
-                                  memory_mask)
+        source = self.src_word(encoder_input)[0] + self.src_position(encoder_position)[0]
+        target = self.tgt_word(decoder_input)[0] + self.tgt_position(decoder_position)[0]
+        output, _, _ = self.base1(source, encoder_mask, target, self.attention_mask(input_mask), memory_mask)
         logits = self.head(output).reshape(-1, V)
         return self.loss(logits, y.reshape(-1), input_mask.reshape(-1))
 
