@@ -45,6 +45,7 @@ def compare(what: str, ms_net, net, inputs: list[np.ndarray], grad_inputs=(0,)) 
     outputs = [t.detach().numpy() for t in flat(net(*(torch_tensor(x) for x in inputs)))]
     assert len(outputs) == len(ms_outputs)
     for i, (output, ms_output) in enumerate(zip(outputs, ms_outputs)):
+        assert output.dtype == ms_output.dtype, (i, output.dtype, ms_output.dtype)
         assert_close(f"{what}: output" if i == 0 else f"{what}: other outputs", output, ms_output)
     weights = np.random.default_rng(1).standard_normal(ms_outputs[0].shape).astype(np.float32)
     ms_weights, weights = ms_tensor(weights), torch_tensor(weights)
@@ -72,7 +73,9 @@ def test_vocab_embedding(rng):
 def test_attention_mask(rng):
     input_mask = (rng.random((B, T)) > 0.3).astype(np.float32)
     ms_mask = ms_transformer.AttentionMask(seq_length=T)(ms_tensor(input_mask)).asnumpy()
-    assert_close("AttentionMask", pnn.AttentionMask(seq_length=T)(torch_tensor(input_mask)).numpy(), ms_mask)
+    mask = pnn.AttentionMask(seq_length=T)(torch_tensor(input_mask)).numpy()
+    assert mask.dtype == ms_mask.dtype
+    assert_close("AttentionMask", mask, ms_mask)
 
 
 @pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
