@@ -89,8 +89,10 @@ class MoEConfig(settings.MoEConfig):
     """MindSpore's ``MoEConfig`` (``paratrain.config.MoEConfig``), checked when built by ``paratrain train``'s rules
     for ``model.moe`` (``config_rules.moe_problems``). MindSpore's communication options ``group_wise_a2a``,
     ``comp_comm_parallel`` and ``comp_comm_parallel_degree`` are checked and taken; they change how MindSpore
-    overlaps the experts' all-to-all, not the result, and here they change nothing."""
+    overlaps the experts' all-to-all, not the result, and here they change nothing. paratrain's ``every`` is
+    keyword-only, after MindSpore's arguments in their positional order."""
 
+    every: int = dataclasses.field(default=1, kw_only=True)
     group_wise_a2a: bool = False
     comp_comm_parallel: bool = False
     comp_comm_parallel_degree: int = 2

@@ -70,9 +70,7 @@ def test_each_dynamic_lr_list_is_its_schedule_class_over_epochs(stair):
     cases = [
         (ms.exponential_decay_lr(0.1, 0.7, total, per, 2, stair), ms.ExponentialDecayLR(0.1, 0.7, 2, stair)),
         (ms.inverse_decay_lr(0.1, 0.7, total, per, 2, stair), ms.InverseDecayLR(0.1, 0.7, 2, stair)),
-        # MindSpore's list: e ** (-rate * epoch), the epoch floored to a multiple of decay_epoch with is_stair
-        (ms.natural_exp_decay_lr(0.1, 0.7, total, per, 2, stair),
-         ms.NaturalExpDecayLR(0.1, 0.7 * 2, 2, stair) if stair else ms.NaturalExpDecayLR(0.1, 0.7, 1)),
+        (ms.natural_exp_decay_lr(0.1, 0.7, total, per, 2, stair), ms.NaturalExpDecayLR(0.1, 0.7, 2, stair)),
         (ms.cosine_decay_lr(0.01, 0.1, total, per, 5), ms.CosineDecayLR(0.01, 0.1, 5)),
         (ms.polynomial_decay_lr(0.1, 0.01, total, per, 3, 2.0, update_decay_epoch=stair),
          ms.PolynomialDecayLR(0.1, 0.01, 3, 2.0, update_decay_steps=stair)),

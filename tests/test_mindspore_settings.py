@@ -160,6 +160,18 @@ def test_moe_config_refuses_a_bad_setting_by_the_toml_face_rule(name, value, say
         [str(ms_face.value).removeprefix("invalid configuration: MoEConfig.")]
 
 
+def test_moe_config_takes_mindspores_arguments_by_position():
+    """MindSpore's MoEConfig(expert_num, capacity_factor, aux_loss_factor, num_experts_chosen, expert_group_size,
+    group_wise_a2a, comp_comm_parallel, comp_comm_parallel_degree); paratrain's ``every`` only by name."""
+    from paratrain.nn import MoEConfig
+
+    moe = MoEConfig(4, 1.5, 0.01, 2, 8, True, True, 3)
+    assert (moe.expert_num, moe.capacity_factor, moe.aux_loss_factor, moe.num_experts_chosen, moe.expert_group_size,
+            moe.group_wise_a2a, moe.comp_comm_parallel, moe.comp_comm_parallel_degree, moe.every) == (
+        4, 1.5, 0.01, 2, 8, True, True, 3, 1)
+    assert MoEConfig(4, every=2).every == 2
+
+
 def test_a_block_refuses_a_moe_config_changed_after_it_was_made():
     from paratrain.nn import MoE, MoEConfig
 

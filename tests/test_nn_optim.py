@@ -6,6 +6,7 @@ import contextlib
 import copy
 import io
 import math
+from functools import partial
 import re
 
 import numpy as np
@@ -28,6 +29,24 @@ def reference_updates(param, grads, lr_of_step, beta1, beta2, eps, weight_decay)
         p = p - lr_of_step(step) * (m / (v.sqrt() + eps) + weight_decay * p)
         out.append(p.clone())
     return out
+
+
+def test_beta_and_eps_are_float32_as_mindspores():
+    """MindSpore keeps beta1, beta2 and eps as float32 tensors, so 1 - beta2 is 1 - float32(0.999), 1.3e-5 below
+    0.001: every update is that much (6e-6, through the square root) larger than in double precision."""
+    torch.manual_seed(0)
+    grads = [torch.randn(64) for _ in range(3)]
+    param = torch.nn.Parameter(torch.zeros(64))
+    opt = AdamWeightDecay([param], learning_rate=0.01, beta1=0.9, beta2=0.999, eps=1e-6)
+    got = []
+    for g in grads:
+        param.grad = g.clone()
+        opt.step()
+        got.append(param.detach().clone())
+    float32 = partial(torch.tensor, dtype=torch.float32)
+    want = reference_updates(torch.zeros(64), grads, lambda s: 0.01, float32(0.9), float32(0.999), float32(1e-6), 0.0)
+    got, want = torch.stack(got), torch.stack(want)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("learning_rate", [0.05, WarmUpLR(0.05, 2)], ids=["number", "warmup"])
@@ -62,8 +81,9 @@ def test_the_update_is_mindspores_without_bias_correction(learning_rate):
     (CosineDecayLR(0.01, 0.1, 5), lambda s: 0.01 + 0.09 * (1 + math.cos(math.pi * min(s, 5) / 5)) / 2),
     (ExponentialDecayLR(0.1, 0.5, 2), lambda s: 0.1 * 0.5 ** (s / 2)),
     (ExponentialDecayLR(0.1, 0.5, 2, is_stair=True), lambda s: 0.1 * 0.5 ** (s // 2)),
-    (NaturalExpDecayLR(0.1, 0.3, 4), lambda s: 0.1 * math.exp(-0.3 * s / 4)),
-    (NaturalExpDecayLR(0.1, 0.3, 4, is_stair=True), lambda s: 0.1 * math.exp(-0.3 * (s // 4))),
+    # MindSpore 2.7.0's code, not its documentation's p = step / decay_steps
+    (NaturalExpDecayLR(0.1, 0.3, 4), lambda s: 0.1 * math.exp(-0.3 * s)),
+    (NaturalExpDecayLR(0.1, 0.3, 4, is_stair=True), lambda s: 0.1 * math.exp(-0.3 * (s // 4 * 4))),
     (InverseDecayLR(0.1, 0.5, 3), lambda s: 0.1 / (1 + 0.5 * s / 3)),
     (InverseDecayLR(0.1, 0.5, 3, is_stair=True), lambda s: 0.1 / (1 + 0.5 * (s // 3))),
 ], ids=["warmup", "polynomial", "polynomial-restarting", "cosine", "exponential", "exponential-stair",
@@ -366,3 +386,18 @@ def test_ungrouped_trainable_params_leave_layer_norms_undecayed_as_mindspore():
     unnamed.grad = torch.zeros(2)
     AdamWeightDecay([unnamed], learning_rate=0.1, weight_decay=0.5).step()
     torch.testing.assert_close(unnamed.detach(), torch.full((2,), 0.95))
+
+
+def test_ungrouped_net_parameters_leave_the_blocks_layer_norms_undecayed_as_mindspore():
+    """torch's idiom ``AdamWeightDecay(net.parameters())``: the blocks' LayerNorm parameters, MindSpore's ``gamma``
+    and ``beta``, are left out of the decay by MindSpore's default filter (``'beta' not in name and 'gamma' not in
+    name``), as from ``trainable_params()``."""
+    from paratrain.nn import TransformerEncoderLayer
+
+    net = TransformerEncoderLayer(batch_size=2, hidden_size=8, ffn_hidden_size=16, num_heads=2, seq_length=4)
+    names = {p: name for name, p in net.named_parameters()}
+    opt = AdamWeightDecay(net.parameters(), learning_rate=0.1, weight_decay=0.5)
+    undecayed = {names[p] for group in opt.param_groups if group["weight_decay"] == 0.0 for p in group["params"]}
+    assert undecayed == {name for name in names.values() if name.startswith("layernorm")}
+    assert {names[p] for p in opt.param_groups[0]["params"]} == set(names.values()) - undecayed
+    assert opt.param_groups[0]["weight_decay"] == 0.5

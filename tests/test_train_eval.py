@@ -308,3 +308,13 @@ def test_a_one_shot_iterator_is_trained_and_evaluated_from_its_first_batch():
     model.train(1, (batch for batch in data))
     for mine, want in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(mine, want, rtol=0, atol=0)
+
+
+def test_an_evaluated_token_loss_divides_by_its_count_plus_the_losses_epsilon():
+    """Model.eval's loss of a placed net's (sum, count) pair: MindSpore's CrossEntropyLoss, sum / (count + 1e-5)."""
+    from paratrain.train.metrics import global_loss
+
+    pair = torch.tensor([3.0, 2.0])
+    assert float(global_loss(pair, 8, True, None, torch.device("cpu"), 1e-5)) == pytest.approx(3.0 / (2.0 + 1e-5),
+                                                                                               rel=1e-12)
+    assert float(global_loss(pair, 8, True, None, torch.device("cpu"))) == pytest.approx(1.5, rel=1e-12)

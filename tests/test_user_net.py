@@ -587,3 +587,43 @@ def test_a_users_net_with_amp_and_zero_gathers_its_parameters_in_the_compute_dty
     fp32."""
     assert run_distributed(_gathered_dtypes, 2, parallel, "bf16") == [{torch.bfloat16}] * 2
     assert run_distributed(_gathered_dtypes, 2, parallel, "none") == [{torch.float32}] * 2
+
+
+class MindSporeLossNet(Net):
+    """``Net`` with paratrain.nn's CrossEntropyLoss, whose mean is over MindSpore's ``Σmask + 1e-5``."""
+
+    def __init__(self):
+        import paratrain.nn as pnn
+
+        super().__init__()
+        self.loss = pnn.CrossEntropyLoss()
+
+
+def _one_kept_token():
+    """A batch in which the loss keeps one token (its denominator 1 + 1e-5), on the first data-parallel rank."""
+    ids, labels, _ = _batches(1)[0]
+    mask = torch.zeros(8, 6)
+    mask[0, 2] = 1.0
+    return [(ids, labels, mask)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{}, {"data_parallel": 2}, {"pipeline_stage": 2, "micro_batch_num": 2}],
+                         ids=["one process", "dp2", "pp2"])
+def test_a_placed_cross_entropy_loss_divides_by_the_kept_tokens_plus_1e_5_as_mindspore(parallel):
+    """MindSpore's CrossEntropyLoss: Σ(loss × mask) / (Σmask + 1e-5), with the gradient of that value; a placed
+    net's step divides the global batch's sum by its count plus the same 1e-5."""
+    from paratrain.config import ParallelConfig
+
+    torch.manual_seed(0)
+    net = MindSporeLossNet()
+    ids, labels, mask = _one_kept_token()[0]
+    logits = net.head(torch.nn.Sequential(*net.blocks)(net.mine(net.embedding(ids)))).flatten(0, 1)
+    token_loss = F.cross_entropy(logits, labels.flatten(), reduction="none")
+    want = (token_loss * mask.flatten()).sum() / (mask.sum() + 1e-5)
+    want.backward()
+    grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in net.parameters()]))
+    world = ParallelConfig(**parallel).world_size
+    loss, norm = run_distributed(train, world, parallel, 1, MindSporeLossNet, _one_kept_token(), timeout=300)[0][0]
+    assert loss == pytest.approx(want.item(), rel=1e-6, abs=0)
+    assert norm == pytest.approx(grad_norm.item(), rel=1e-6, abs=0)

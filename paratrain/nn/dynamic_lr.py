@@ -34,6 +34,14 @@ def _decays(owner, learning_rate, decay_rate, total_step, step_per_epoch, decay_
     return _epochs(owner, total_step, step_per_epoch, decay_epoch=decay_epoch)
 
 
+def natural_exp_decay_of_steps(step: float, start: float, rate: float, steps: int, stair: bool = False) -> float:
+    """MindSpore's natural exponential decay, of its list and of ``NaturalExpDecayLR`` alike: ``start * e **
+    (-rate * step)``, with ``stair`` the step floored to a multiple of ``steps`` (MindSpore's documentation divides
+    the step by ``steps``; its code does not)."""
+    # rate * steps over p = step / steps (floored) is rate over the step (floored to a multiple of steps)
+    return natural_exp_decay(step, start, rate * steps, steps, stair)
+
+
 def piecewise_constant_lr(milestone, learning_rates) -> list[float]:
     """``learning_rates[t]`` for the steps in ``[milestone[t - 1], milestone[t])`` (``milestone[-1]`` steps in
     all); ``milestone``: non-decreasing ints > 0."""
@@ -68,11 +76,10 @@ def exponential_decay_lr(learning_rate, decay_rate, total_step, step_per_epoch, 
 def natural_exp_decay_lr(learning_rate, decay_rate, total_step, step_per_epoch, decay_epoch,
                          is_stair=False) -> list[float]:
     """``learning_rate * e ** (-decay_rate * epoch)``; with ``is_stair`` the epoch is floored to a multiple of
-    ``decay_epoch``. Unlike ``NaturalExpDecayLR``, MindSpore's list does not divide the epoch by ``decay_epoch``."""
+    ``decay_epoch``: ``NaturalExpDecayLR`` over epochs."""
     epochs = _decays("natural_exp_decay_lr", learning_rate, decay_rate, total_step, step_per_epoch, decay_epoch,
                      is_stair)
-    # rate * decay_epoch over p = epoch / decay_epoch (floored) is rate over the epoch (floored to decay_epochs)
-    return [natural_exp_decay(e, learning_rate, decay_rate * decay_epoch, decay_epoch, is_stair) for e in epochs]
+    return [natural_exp_decay_of_steps(e, learning_rate, decay_rate, decay_epoch, is_stair) for e in epochs]
 
 
 def inverse_decay_lr(learning_rate, decay_rate, total_step, step_per_epoch, decay_epoch,

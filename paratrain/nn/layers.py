@@ -95,11 +95,15 @@ def in_input_dtype(output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _LayerNorm(nn.LayerNorm):
-    """LayerNorm over the last dim, computed in ``compute_type``: (..., H) -> (..., H) in the input's dtype."""
+    """LayerNorm over the last dim, computed in ``compute_type``: (..., H) -> (..., H) in the input's dtype. Its
+    weight and bias carry MindSpore's names ``gamma`` and ``beta`` as their ``param_name`` from the start, so an
+    ungrouped ``AdamWeightDecay`` given ``net.parameters()`` leaves them undecayed as MindSpore's default filter
+    does (``Cell.trainable_params()`` names them by their paths in the net)."""
 
     def __init__(self, hidden_size: int, compute_type: torch.dtype, param_init_type: torch.dtype, eps: float = 1e-5):
         super().__init__(hidden_size, eps=eps, dtype=param_init_type)
         self.compute_type = compute_type
+        self.weight.param_name, self.bias.param_name = "gamma", "beta"
 
     def forward(self, x):
         dtype = self.compute_type

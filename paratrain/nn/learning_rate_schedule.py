@@ -9,9 +9,8 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
-from paratrain.nn.dynamic_lr import check_args
-from paratrain.optim import (cosine_decay, exponential_decay, inverse_decay, natural_exp_decay, polynomial_decay,
-                             warmup)
+from paratrain.nn.dynamic_lr import check_args, natural_exp_decay_of_steps
+from paratrain.optim import cosine_decay, exponential_decay, inverse_decay, polynomial_decay, warmup
 
 
 class LearningRateSchedule(nn.Module):
@@ -83,10 +82,10 @@ class ExponentialDecayLR(_Decay):
 
 
 class NaturalExpDecayLR(_Decay):
-    """``learning_rate * e ** (-decay_rate * p)`` with ``p = global_step / decay_steps`` (floored with
-    ``is_stair``)."""
+    """``learning_rate * e ** (-decay_rate * global_step)``, with ``is_stair`` the step floored to a multiple of
+    ``decay_steps``: what MindSpore 2.7.0 computes (its documentation divides the step by ``decay_steps``)."""
 
-    decay = staticmethod(natural_exp_decay)
+    decay = staticmethod(natural_exp_decay_of_steps)
 
 
 class InverseDecayLR(_Decay):

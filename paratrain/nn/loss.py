@@ -20,10 +20,12 @@ class CrossEntropyLoss(Cell):
     token's value ``-log(softmax + 1e-24)`` as MindSpore's. ``reduction="sum_and_count"``, a placed net's:
     float32 (2,) ``[sum of the kept tokens' losses, their number]``, summed over data-parallel ranks and
     micro-batches; in a training step's forward the mean as a scalar, whose backward is the global batch's token
-    mean's (``paratrain.modules.token_loss``). Logits that are a DTensor sharded on the vocab dimension are reduced
+    mean's, over its ``Σmask + 1e-5`` too (``paratrain.modules.token_loss``). Logits that are a DTensor sharded on
+    the vocab dimension are reduced
     vocab-parallel, under ``paratrain.parallel.loss.loss_context`` (a placed net's step enters it)."""
 
     supports_sum_and_count = True  # paratrain.parallel.user switches it to the global-batch token mean
+    count_epsilon = 1e-5  # added to the count of kept tokens, here and by a placed net's step (StepLoss)
 
     def __init__(self, parallel_config=default_dpmp_config):
         super().__init__()
@@ -40,7 +42,7 @@ class CrossEntropyLoss(Cell):
         total, count = (token_loss * mask).sum(), mask.sum()
         if self.reduction == "sum_and_count":
             return sum_and_count(total, count)
-        return (total / (count + 1e-5)).reshape(1)
+        return (total / (count + self.count_epsilon)).reshape(1)
 
 
 def saturated(token_loss: torch.Tensor) -> torch.Tensor:

@@ -114,6 +114,12 @@ class Momentum(_Scheduled, torch.optim.SGD):
         return loss
 
 
+def _float32(value: float) -> float:
+    """``value`` rounded to float32. MindSpore keeps ``beta1``, ``beta2`` and ``eps`` as float32 tensors and takes
+    ``1 - beta`` of them in float32: 1 - float32(0.999) is 1.3e-5 below 0.001, which moves every update by 6e-6."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
 def decays(param: torch.Tensor) -> bool:
     """MindSpore's default weight-decay filter of ungrouped parameters, on the name ``trainable_params()`` gives."""
     name = getattr(param, "param_name", None) or ""
@@ -127,7 +133,8 @@ class AdamWeightDecay(_Scheduled, torch.optim.Optimizer):
     with a number. ``params`` may be MindSpore's groups (dicts with ``params`` and their own ``weight_decay``;
     an ``order_params`` group has no effect: torch keeps the parameters' order). Ungrouped, as MindSpore's, a
     parameter whose ``param_name`` contains ``beta`` or ``gamma`` is not decayed (``Cell.trainable_params()`` names a
-    LayerNorm's ``gamma`` and ``beta``; a parameter without a name is decayed)."""
+    LayerNorm's ``gamma`` and ``beta``, and the blocks' LayerNorms carry those names anyway; any other parameter
+    without a name is decayed)."""
 
     def __init__(self, params, learning_rate=1e-3, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-6,
                  weight_decay: float = 0.0):
@@ -165,11 +172,12 @@ class AdamWeightDecay(_Scheduled, torch.optim.Optimizer):
                     s.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
             grads = [p.grad for p in params]
             m, v = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-            torch._foreach_lerp_(m, grads, 1 - group["beta1"])
-            torch._foreach_mul_(v, group["beta2"])
-            torch._foreach_addcmul_(v, grads, grads, value=1 - group["beta2"])
+            beta1, beta2, eps = (_float32(group[name]) for name in ("beta1", "beta2", "eps"))
+            torch._foreach_lerp_(m, grads, _float32(1.0 - beta1))
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, grads, grads, value=_float32(1.0 - beta2))
             denominator = torch._foreach_sqrt(v)
-            torch._foreach_add_(denominator, group["eps"])
+            torch._foreach_add_(denominator, eps)
             update = torch._foreach_div(m, denominator)
             if group["weight_decay"]:
                 torch._foreach_add_(update, params, alpha=group["weight_decay"])

@@ -36,12 +36,16 @@ class StepLoss:
     gradient must not be divided by the token count, so the count divides the token means' gradients in their
     backward: with one micro-batch it is added up over the ranks before the backward; with several it comes from
     forwards without gradients first (``count_first``: a net with a mixture of experts), else the output must be a
-    token mean alone, whose gradients the optimizer's step divides (``grad_scale``)."""
+    token mean alone, whose gradients the optimizer's step divides (``grad_scale``).
+
+    ``count_epsilon``: what the net's token loss adds to the token count it divides by (paratrain.nn's
+    CrossEntropyLoss: MindSpore's ``Σmask + 1e-5``), added to the global batch's count; None: the count, at least
+    1e-5 (a batch of no counted token has a loss of 0)."""
 
     def __init__(self, layout: Layout, micro_batch_num: int, loss_scale: torch.Tensor | float,
-                 tokens: torch.Tensor | None = None, counted: bool = False):
+                 tokens: torch.Tensor | None = None, counted: bool = False, count_epsilon: float | None = None):
         self.layout, self.micro_batch_num, self.loss_scale = layout, micro_batch_num, loss_scale
-        self.counted, self.tokens = counted, tokens
+        self.counted, self.tokens, self.count_epsilon = counted, tokens, count_epsilon
         # what a micro-batch's summed loss is divided by: the global batch's token count over the data-parallel size
         # (gradient reduction averages where a sum is wanted) and the loss scale; one division a step
         self.divisor = None if tokens is None else tokens / (layout.dp_size * loss_scale)
@@ -107,8 +111,12 @@ class StepLoss:
 
     def _count(self, terms: list[tuple]) -> None:
         """The global batch's token count from this rank's ``terms``, added up over the data-parallel ranks."""
-        self.count = self.layout.all_reduce_dp(self._sum([count for _, _, count, _ in terms])).clamp(min=1e-5)
+        self.count = self.denominator(self.layout.all_reduce_dp(self._sum([count for _, _, count, _ in terms])))
         self.factor = self.layout.dp_size * self.micro_batch_num / self.count
+
+    def denominator(self, count: torch.Tensor) -> torch.Tensor:
+        """What a token loss's sum over ``count`` tokens is divided by (``count_epsilon`` says)."""
+        return count.clamp(min=1e-5) if self.count_epsilon is None else count + self.count_epsilon
 
     def _kept(self, loss: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         self.kept.append((whole(loss.detach()), None if count is None else whole(count.detach())))
@@ -127,7 +135,7 @@ class StepLoss:
         loss = layout.all_reduce_dp(total / (layout.dp_size * self.loss_scale))
         out = {}
         if self.counted:
-            count = layout.all_reduce_pp(layout.all_reduce_dp(self._sum([count for _, count in kept])))
+            count = self.denominator(layout.all_reduce_pp(layout.all_reduce_dp(self._sum([c for _, c in kept]))))
             loss, out["grad_scale"] = loss / count, count.reciprocal()
         out["loss"] = layout.all_reduce_pp(loss)  # only the last stage has it
         return out
@@ -144,7 +152,7 @@ class StepLoss:
         if self.count is None:
             local.append(self._sum([count for _, terms in self.means for _, _, count, _ in terms]))
         summed = self.layout.all_reduce_dp(torch.stack(local))
-        count = self.count if self.count is not None else summed[2].clamp(min=1e-5)
+        count = self.count if self.count is not None else self.denominator(summed[2])
         out = {"loss": summed[0] / count + summed[1] / (self.layout.dp_size * self.micro_batch_num)}
         if self.count is None:  # the token means' gradients are divided by the count in the optimizer's step
             out["grad_scale"] = count.reciprocal()
@@ -158,7 +166,7 @@ class _TokenMean(torch.autograd.Function):
     @staticmethod
     def forward(ctx, total: torch.Tensor, count: torch.Tensor, step: StepLoss, weight: torch.Tensor) -> torch.Tensor:
         ctx.step, ctx.weight = step, weight
-        return total / count.clamp(min=1e-5)
+        return total / step.denominator(count)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -49,6 +49,9 @@ class PlacedNet(PlacedModel):
         for loss in losses:  # paratrain.nn's CrossEntropyLoss: (sum, count)
             loss.reduction = "sum_and_count"
         self.summed = bool(losses)
+        # what the token losses add to the count they divide by (paratrain.nn's CrossEntropyLoss: 1e-5)
+        self.count_epsilon = max((m.count_epsilon for m in losses if getattr(m, "count_epsilon", None) is not None),
+                                 default=None)
         # a mixture of experts' aux loss, which the net adds to its token losses' means: with several
         # micro-batches the step counts their tokens first (StepLoss.count_first)
         self.counts_first = self.summed and config.micro_batch_num > 1 and self.experts
@@ -72,7 +75,8 @@ class PlacedNet(PlacedModel):
         return tuple(to_device(t, self.device) if isinstance(t, torch.Tensor) else t for t in mine)
 
     def step_loss(self, batch: tuple, loss_scale: torch.Tensor | float) -> StepLoss:
-        self._norm = StepLoss(self.layout, self.config.micro_batch_num, loss_scale, counted=self.summed)
+        self._norm = StepLoss(self.layout, self.config.micro_batch_num, loss_scale, counted=self.summed,
+                              count_epsilon=self.count_epsilon)
         return self._norm
 
     @contextlib.contextmanager

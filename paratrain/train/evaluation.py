@@ -84,5 +84,6 @@ class Evaluation:
         if self.loss_at is not None:
             rows = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.ndim), 1)
             outputs[self.loss_at] = global_loss(outputs[self.loss_at], rows, getattr(self.placed, "summed", False),
-                                                self.group, self.placed.device)
+                                                self.group, self.placed.device,
+                                                getattr(self.placed, "count_epsilon", None))
         return outputs

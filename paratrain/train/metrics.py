@@ -90,12 +90,15 @@ def evaluating(root: nn.Module, forward, modules: list[nn.Module | None]):
             module.training = mode
 
 
-def global_loss(loss, rows: int, summed: bool, group, device: torch.device) -> torch.Tensor:
+def global_loss(loss, rows: int, summed: bool, group, device: torch.device,
+                count_epsilon: float | None = None) -> torch.Tensor:
     """The loss of the global batch from this rank's: its (sum, count) pair when the net's losses return one
-    (``summed``), else its mean weighted by this rank's ``rows``, added over ``group``."""
+    (``summed``; the count plus the losses' ``count_epsilon`` divides), else its mean weighted by this rank's
+    ``rows``, added over ``group``."""
     loss = as_tensor(loss).to(device)
+    epsilon = 0.0
     if summed and loss.numel() == 2:
-        pair = loss.double().reshape(2)
+        pair, epsilon = loss.double().reshape(2), count_epsilon or 0.0
     elif group is None:
         return loss
     else:
@@ -103,7 +106,7 @@ def global_loss(loss, rows: int, summed: bool, group, device: torch.device) -> t
                                                                         device=device)])
     if group is not None:
         dist.all_reduce(pair, group=group)
-    return pair[0] / pair[1]
+    return pair[0] / (pair[1] + epsilon)
 
 
 def reduce_metrics(metrics: dict[str, Metric], group, device: torch.device) -> None:
