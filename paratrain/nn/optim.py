@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 
 from paratrain.errors import UserError
@@ -117,7 +118,7 @@ class Momentum(_Scheduled, torch.optim.SGD):
 def _float32(value: float) -> float:
     """``value`` rounded to float32. MindSpore keeps ``beta1``, ``beta2`` and ``eps`` as float32 tensors and takes
     ``1 - beta`` of them in float32: 1 - float32(0.999) is 1.3e-5 below 0.001, which moves every update by 6e-6."""
-    return float(torch.tensor(value, dtype=torch.float32))
+    return float(np.float32(value))  # on the host: no tensor, whatever the default device
 
 
 def decays(param: torch.Tensor) -> bool:
