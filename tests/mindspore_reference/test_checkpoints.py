@@ -13,44 +13,11 @@ from mindspore.parallel._transformer import VocabEmbedding as MsVocabEmbedding
 
 import paratrain
 import paratrain.nn as pnn
+from reference import Gelu, in_fp32
 
 VOCAB, HIDDEN, FFN, HEADS, BATCH, SRC, TGT = 11, 8, 12, 2, 2, 5, 4
 FP32 = dict(layernorm_compute_type=mindspore.float32, softmax_compute_type=mindspore.float32,
             param_init_type=mindspore.float32)
-
-
-class Gelu(ms_nn.Cell):
-    """MindSpore's GELU (tanh approximation) as a cell class: a string ``hidden_act`` fails stand-alone in 2.7.0."""
-
-    def __init__(self):
-        super().__init__()
-        self.gelu = ms_nn.GELU()
-
-    def construct(self, x):
-        return self.gelu(x)
-
-
-class CastToFp32(ms_nn.Cell):
-    """In place of a cell's ``cast`` primitive: any cast goes to float32 (MindSpore's FeedForward casts its input to
-    float16 unconditionally)."""
-
-    def __init__(self):
-        super().__init__()
-        self.cast = mindspore.ops.Cast()
-
-    def construct(self, x, dtype):
-        return self.cast(x, mindspore.float32)
-
-
-def in_fp32(net: ms_nn.Cell) -> ms_nn.Cell:
-    """``net`` computing in float32 throughout: its blocks' compute dtypes (float16 in MindSpore's layers, which
-    take none) set to float32, FeedForward's cast to float16 undone."""
-    for _, cell in net.cells_and_names():
-        if getattr(cell, "dtype", None) == mindspore.float16:
-            cell.dtype = mindspore.float32
-        if type(cell).__name__ == "FeedForward":
-            cell.cast = CastToFp32()
-    return net
 
 
 class MsNet(ms_nn.Cell):
