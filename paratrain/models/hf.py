@@ -5,6 +5,7 @@ into whatever layout the model has (each rank reads its own shards only). Its se
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from pathlib import Path
@@ -46,6 +47,14 @@ def stored_tensors(directory: str | Path) -> dict[str, tuple[int, ...]]:
         raise UserError(f"model.from_hf={str(directory)!r}: cannot read its safetensors: {err}") from err
 
 
+@contextlib.contextmanager
+def quiet_single_process():
+    """DCP without a process group, which it reads as one process (what is meant here), without its warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
 def load_hf_weights(parts: list[nn.Module], whole: nn.Module, directory: str | Path) -> None:
     """Set the parameters of ``parts`` (this rank's model chunks: plain, tensor-parallel or FSDP-sharded) to the
     HF weights in ``directory``, each rank reading only its shards. ``whole``: the model all ranks hold together
@@ -68,8 +77,7 @@ def load_hf_weights(parts: list[nn.Module], whole: nn.Module, directory: str | P
     for part in parts:
         state = {name: tensor for name, tensor in get_model_state_dict(part).items() if to_hf(name) in wanted}
         hf_state = {to_hf(name): tensor for name, tensor in state.items()}
-        with torch.device("cpu"), warnings.catch_warnings():  # the reader's tensors (file reads) are host tensors
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # one process: meant so
+        with torch.device("cpu"), quiet_single_process():  # the reader's tensors (file reads) are host tensors
             dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(directory)))
         set_model_state_dict(part, {name: hf_state[to_hf(name)] for name in state},
                              options=StateDictOptions(strict=False))
@@ -98,7 +106,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | 
     shards = {name: int(name.split(".")[2]) + 2 if name.startswith("model.layers.") else 1 for name in tensors}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(out), fqn_to_index_mapping=shards), no_dist=True)
+    with quiet_single_process():
+        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(out), fqn_to_index_mapping=shards), no_dist=True)
     written = dict(hf_config_json(m), dtype=str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch."))
     (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
