@@ -135,19 +135,18 @@ class Attention(nn.Module):
     def attend(self, q, k, v, mask=None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v of every head (a key/value head serving q.shape[1] / k.shape[1] query
         heads), then the output projection: -> (B, Tq, H)."""
-        dropout = self.attention_dropout if self.training else 0.0
-        if k.shape[1] != q.shape[1]:
-            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        # grouped heads: SDPA reads each key/value head for its group of query heads, no copy repeats them
+        options = {"dropout_p": self.attention_dropout if self.training else 0.0,
+                   "enable_gqa": k.shape[1] != q.shape[1]}
         if mask is CAUSAL:
-            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, **options)
         elif isinstance(mask, CausalPrefix):
             n = mask.rows
             context = torch.cat([
-                F.scaled_dot_product_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], is_causal=True,
-                                               dropout_p=dropout),
-                F.scaled_dot_product_attention(q[:, :, n:], k, v, attn_mask=mask.bias, dropout_p=dropout)], dim=2)
+                F.scaled_dot_product_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], is_causal=True, **options),
+                F.scaled_dot_product_attention(q[:, :, n:], k, v, attn_mask=mask.bias, **options)], dim=2)
         else:
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **options)
         return getattr(self, self.names[-1])(context.transpose(1, 2).flatten(2))
 
 
