@@ -136,3 +136,20 @@ def test_broken_jsonl_line_and_missing_field_and_empty_corpus_are_named(tmp_path
     assert "x.jsonl line 2 has no field 'text'" in document_problems(tmp_path, "text")[0]
     (tmp_path / "x.jsonl").write_text("\n")
     assert "hold no document" in document_problems(tmp_path, "text")[0]
+
+
+def test_document_mask_refused_on_the_encoder_decoder_and_off_documents(corpus):
+    from paratrain.config import ConfigError
+    from paratrain.config_rules import validate
+
+    def problems(**sections):
+        try:
+            return "\n".join(validate(config_file.from_dict(sections)))
+        except ConfigError as exc:
+            return str(exc)
+
+    assert "needs a decoder-only model, not model.kind='transformer'" in problems(
+        model={"kind": "transformer"}, data={"kind": "documents", "path": str(corpus), "document_mask": True})
+    text = config_file.from_dict({"model": {"kind": "llama"},
+                                  "data": {"kind": "text", "path": str(corpus), "document_mask": True}})
+    assert "needs the document boundaries of data.kind='documents', not data.kind='text'" in text.data.problems()[0]
