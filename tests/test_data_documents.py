@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from multiprocess import run_distributed  # tests/multiprocess.py, before datasets brings the package of that name
 from paratrain import config_file
 from paratrain.data.datasets import DocumentsDataset
 from paratrain.data.loader import ShardedBatches, build_dataset
@@ -153,3 +154,26 @@ def test_document_mask_refused_on_the_encoder_decoder_and_off_documents(corpus):
     text = config_file.from_dict({"model": {"kind": "llama"},
                                   "data": {"kind": "text", "path": str(corpus), "document_mask": True}})
     assert "needs the document boundaries of data.kind='documents', not data.kind='text'" in text.data.problems()[0]
+
+
+def trainer_losses(cfg) -> list[float]:
+    from paratrain.trainer import Trainer
+
+    return [record["loss"] for record in Trainer(cfg).train()]
+
+
+@pytest.mark.parametrize("parallel", [{"model_parallel": 2}, {"data_parallel": 2, "zero_stage": 1}])
+def test_document_mask_losses_on_two_ranks_equal_one_process(parallel, corpus, tmp_path):
+    def config(name, layout):
+        return config_file.from_dict({
+            "run": {"dir": str(tmp_path / name)}, "parallel": layout, "metrics": {"log_steps": 1},
+            "model": {"kind": "llama", "vocab_size": VOCAB, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
+                      "ffn_hidden_size": 48, "decoder_layers": 2, "seq_length": 8, "hidden_dropout": 0.0,
+                      "attention_dropout": 0.0},
+            "data": {"kind": "documents", "path": str(corpus), "document_mask": True,
+                     "tokenizer": str(tmp_path / "tokenizer.json")},
+            "train": {"steps": 4, "global_batch_size": 4, "lr": 1e-2, "warmup_steps": 0}})
+
+    want = trainer_losses(config("one", {}))
+    got = run_distributed(trainer_losses, 2, config("two", parallel), timeout=240)[0]
+    assert len(got) == 4 and max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-4, (got, want)
