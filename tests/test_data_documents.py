@@ -162,7 +162,8 @@ def trainer_losses(cfg) -> list[float]:
     return [record["loss"] for record in Trainer(cfg).train()]
 
 
-@pytest.mark.parametrize("parallel", [{"model_parallel": 2}, {"data_parallel": 2, "zero_stage": 1}])
+@pytest.mark.parametrize("parallel", [{"model_parallel": 2}, {"data_parallel": 2, "zero_stage": 1},
+                                      {"pipeline_stage": 2, "micro_batch_num": 2}])
 def test_document_mask_losses_on_two_ranks_equal_one_process(parallel, corpus, tmp_path):
     def config(name, layout):
         return config_file.from_dict({
