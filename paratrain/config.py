@@ -116,10 +116,10 @@ MODEL_KINDS = {
     "transformer": ModelKind("paratrain.models.transformer:Seq2SeqModel", ("synthetic", "translation"),
                              ("reverse", "copy"), ("transformer.encoder.layers", "transformer.decoder.layers"),
                              ("src_seq_length", "tgt_seq_length"), loss_in_head=True),
-    "gpt": ModelKind("paratrain.models.transformer:GPTModel", ("synthetic", "text"), ("markov",), ("layers",),
-                     ("seq_length", "seq_length"), loss_in_head=True),
-    "llama": ModelKind("paratrain.models.llama:LlamaModel", ("synthetic", "text"), ("markov",), ("layers",),
-                       ("seq_length", "seq_length"), loss_in_head=True, ffn_matrices=3),
+    "gpt": ModelKind("paratrain.models.transformer:GPTModel", ("synthetic", "text", "documents"), ("markov",),
+                     ("layers",), ("seq_length", "seq_length"), loss_in_head=True),
+    "llama": ModelKind("paratrain.models.llama:LlamaModel", ("synthetic", "text", "documents"), ("markov",),
+                       ("layers",), ("seq_length", "seq_length"), loss_in_head=True, ffn_matrices=3),
     "resnet": ModelKind("paratrain.models.resnet:build_resnet", ("cifar10",)),
 }
 USER_MODEL_KIND = "user"  # model.kind a user's own net is recorded as (MindSpore face): none of the built-in ones
@@ -540,13 +540,14 @@ class DataConfig(Section):
     """Where batches come from; ``synthetic`` needs no files.
 
     ``translation``: ``path`` is a ``source<TAB>target`` file (``paratrain preprocess``),
-    ``text``: a text file or ``.npy`` token stream, ``cifar10``: the ``cifar-10-batches-bin``
+    ``text``: a text file or ``.npy`` token stream, ``documents``: a folder or file of ``.jsonl`` /
+    ``.parquet`` / ``.txt`` documents packed with EOS between them, ``cifar10``: the ``cifar-10-batches-bin``
     directory. ``tokenizer`` is a ``tokenizer.json``, trained on ``path`` at first use if absent.
     """
 
     SECTION = "data"
-    KINDS = ("synthetic", "translation", "text", "cifar10")
-    kind: str = "synthetic"  # synthetic | translation | text | cifar10
+    KINDS = ("synthetic", "translation", "text", "documents", "cifar10")
+    kind: str = "synthetic"  # synthetic | translation | text | documents | cifar10
     task: str = ""  # synthetic data: reverse | copy (encoder-decoder), markov (gpt); "": the first
     min_length: int = 4  # synthetic data: the length of the shortest string
     path: str = ""  # the data file or directory of kind (see above)
@@ -557,6 +558,9 @@ class DataConfig(Section):
     bucket_size: int = 0  # length bucketing: sort windows of this many global batches by length; 0 = off
     dynamic_padding: bool = False  # pad each global batch to its longest example, not the model lengths
     too_long: str = "filter"  # translation pairs longer than the model lengths: filter | truncate
+    text_field: str = "text"  # documents: the field (jsonl) or column (parquet) holding each document's text
+    # documents: attention stays within each document of a packed window and positions restart at each one
+    document_mask: bool = False
 
     def problems(self) -> list[str]:
         """Every rule these keys break on their own (the data loader and ``paratrain.preflight`` ask)."""
@@ -574,6 +578,11 @@ class DataConfig(Section):
             if getattr(self, name) and self.kind != "translation":
                 out.append(f"data.{name}={getattr(self, name)} applies to translation data only, not "
                            f"data.kind={self.kind!r}: leave it out")
+        if self.document_mask and self.kind != "documents":
+            out.append(f"data.document_mask=true needs the document boundaries of data.kind='documents', not "
+                       f"data.kind={self.kind!r}: set data.kind='documents' or leave document_mask out")
+        if not self.text_field:
+            out.append('data.text_field="" names no field: give the jsonl field / parquet column of the text')
         if self.min_length < 0:
             out.append(f"data.min_length={self.min_length} must not be negative (the shortest synthetic string)")
         if self.eval_samples < 1:

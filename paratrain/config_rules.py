@@ -114,6 +114,10 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         if not 0 <= value < 1:
             problems.append(f"model.{name}={value} is outside [0, 1): use a probability such as 0.1, or 0 for none")
     problems += _data_problems(cfg.data, m)
+    if cfg.data.document_mask and m.kind == "gpt" and p.sequence_parallel:
+        problems.append("data.document_mask=true with model.kind='gpt' and parallel.sequence_parallel=true: the "
+                        "learned positions of packed documents are not split along the sequence yet: set "
+                        "sequence_parallel=false or use model.kind='llama'")
     if problems:  # the rules below divide by these sizes
         return problems
 
@@ -193,6 +197,9 @@ def _data_problems(d: DataConfig, m: ModelConfig) -> list[str]:
     """What the data of ``d`` cannot give the model ``m``."""
     if d.kind not in DataConfig.KINDS:
         return []  # said by DataConfig.problems
+    if d.document_mask and m.spec.encoder_decoder:
+        return [f"data.document_mask=true needs a decoder-only model, not model.kind={m.kind!r} (an encoder-decoder "
+                f"takes source/target pairs): use model.kind='llama' or 'gpt', or leave document_mask out"]
     if d.kind not in m.spec.data_kinds:
         return [f"data.kind={d.kind!r} has no batches for model.kind={m.kind!r}: use data.kind "
                 f"{' or '.join(map(repr, m.spec.data_kinds))}"]

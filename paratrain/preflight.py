@@ -178,7 +178,11 @@ def data_problems(cfg: Config) -> list[str]:
     if d.kind == "cifar10":
         return _cifar_problems(Path(d.path))
     text = not d.path.endswith(".npy")
-    problems = _file_problems("data.path", Path(d.path), text)
+    if d.kind == "documents":
+        from paratrain.data.documents import document_problems
+        problems = document_problems(Path(d.path), d.text_field)
+    else:
+        problems = _file_problems("data.path", Path(d.path), text)
     if not text and not problems:
         problems += _token_array_problems(Path(d.path), cfg.model.vocab_size)
     if d.eval_path:

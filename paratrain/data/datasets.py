@@ -6,6 +6,7 @@ those examples (``batch_indices``, the whole global batch, sets the width when p
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -27,11 +28,20 @@ def _ragged(side: str, rows: list[list[int]]) -> dict[str, np.ndarray]:
     return {f"{side}_tokens": tokens, f"{side}_offsets": offsets}
 
 
-def cached_arrays(source: Path, tokenizer: Tokenizer, build) -> dict[str, np.ndarray]:
+def cached_arrays(source: Path, tokenizer: Tokenizer, build, files: list[Path] | None = None,
+                  tag: str = "") -> dict[str, np.ndarray]:
     """Arrays ``build()`` makes from ``source``, saved once in ``<source>.<fingerprint>.cache/`` (appearing
-    atomically: ranks building it together never read a half-written one) and memory-mapped."""
-    stat = source.stat()
-    cache = source.with_name(f"{source.name}.{tokenizer.fingerprint()}-{stat.st_size}-{int(stat.st_mtime)}.cache")
+    atomically: ranks building it together never read a half-written one) and memory-mapped.
+
+    The cache is named by the tokenizer's fingerprint and the size and mtime of ``source`` (or of each of ``files``,
+    a folder's, hashed with their names and ``tag``, what else the arrays depend on): a changed input is rebuilt."""
+    if files is None and not tag:
+        stat = source.stat()
+        key = f"{stat.st_size}-{int(stat.st_mtime)}"
+    else:
+        stats = [(str(f), f.stat().st_size, int(f.stat().st_mtime)) for f in files or [source]]
+        key = hashlib.sha1(repr((stats, tag)).encode()).hexdigest()[:12]
+    cache = source.with_name(f"{source.name}.{tokenizer.fingerprint()}-{key}.cache")
     if not cache.is_dir():
         tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
         tmp.mkdir(parents=True, exist_ok=True)
@@ -42,6 +52,13 @@ def cached_arrays(source: Path, tokenizer: Tokenizer, build) -> dict[str, np.nda
         except OSError:  # another rank finished first
             shutil.rmtree(tmp)
     return {p.stem: np.load(p, mmap_mode="r") for p in cache.glob("*.npy")}
+
+
+def packed(documents: list[list[int]], eos_id: int) -> dict[str, np.ndarray]:
+    """Token ids of documents as one int32 ``stream``, ``eos_id`` after each, and (N+1,) int64 ``starts``: document
+    i is ``stream[starts[i]:starts[i + 1]]``, its EOS included."""
+    arrays = _ragged("documents", [[*ids, eos_id] for ids in documents])
+    return {"stream": arrays["documents_tokens"], "starts": arrays["documents_offsets"]}
 
 
 def _pad(rows: list[np.ndarray], width: int) -> torch.Tensor:
@@ -109,32 +126,74 @@ class TranslationDataset:
 
 class TextDataset:
     """A token stream (a ``.npy`` array, or a text file tokenized once, the tokenizer's EOS after each line) cut
-    into windows
-    of ``seq_length + 1`` tokens: ``rows`` returns input_ids (b, L) and labels (b, L), shifted left by one."""
+    into windows of ``seq_length + 1`` tokens: ``rows`` returns input_ids (b, L) and labels (b, L), shifted left by
+    one.
 
-    def __init__(self, path: str | Path, tokenizer: Tokenizer | None, seq_length: int):
-        self.path, self.seq_length = Path(path), seq_length
-        if self.path.suffix == ".npy":
-            self.stream = np.load(self.path, mmap_mode="r")
-        else:
-            if tokenizer is None:
-                raise DataError(f"{path} is text: set data.tokenizer to tokenize it")
+    Subclasses give the stream as documents (``load``: the stream and its document ``starts``); with
+    ``document_mask`` ``rows`` also returns, per input token, ``document_ids`` (b, L) (0 for the document the window
+    starts in, counting up at each start of another) and ``position_ids`` (b, L), its position in its document's
+    part of the window (0 at the window's start or the document's, whichever is later)."""
 
-            def build():
-                with open(self.path, encoding="utf-8") as f:
-                    return {"stream": np.fromiter((t for ids in tokenizer.encode_batch(f.read().splitlines())
-                                                   for t in (*ids, tokenizer.eos_id)), dtype=np.int32)}
-
-            self.stream = cached_arrays(self.path, tokenizer, build)["stream"]
+    def __init__(self, path: str | Path, tokenizer: Tokenizer | None, seq_length: int, document_mask: bool = False):
+        self.path, self.seq_length, self.document_mask = Path(path), seq_length, document_mask
+        arrays = self.load(tokenizer)
+        self.stream, self.starts = arrays["stream"], arrays.get("starts")
+        if document_mask and self.starts is None:
+            raise DataError(f"{path}: data.document_mask needs document boundaries: use data.kind='documents'")
         if len(self) == 0:
             raise DataError(f"{path} holds {len(self.stream)} tokens, fewer than model.seq_length + 1 = "
-                            f"{seq_length + 1}: give more text or a shorter model.seq_length")
+                             f"{seq_length + 1}: give more text or a shorter model.seq_length")
+
+    def load(self, tokenizer: Tokenizer | None) -> dict[str, np.ndarray]:
+        """``{"stream": (N,) token ids}``, and ``"starts"`` where the stream is made of documents (see ``packed``)."""
+        if self.path.suffix == ".npy":
+            return {"stream": np.load(self.path, mmap_mode="r")}
+        if tokenizer is None:
+            raise DataError(f"{self.path} is text: set data.tokenizer to tokenize it")
+
+        def build():
+            with open(self.path, encoding="utf-8") as f:
+                return {"stream": packed(tokenizer.encode_batch(f.read().splitlines()), tokenizer.eos_id)["stream"]}
+
+        return cached_arrays(self.path, tokenizer, build)
 
     def __len__(self) -> int:
         return max(0, (len(self.stream) - 1) // self.seq_length)
 
     def rows(self, indices: np.ndarray, batch_indices: np.ndarray | None = None) -> dict[str, torch.Tensor]:
         L = self.seq_length
-        windows = np.stack([np.asarray(self.stream[i * L : i * L + L + 1]) for i in indices])
+        first = np.asarray(indices, dtype=np.int64) * L  # each window's first token in the stream
+        windows = np.stack([np.asarray(self.stream[i : i + L + 1]) for i in first])
         windows = torch.from_numpy(windows.astype(np.int64))
-        return {"input_ids": windows[:, :-1], "labels": windows[:, 1:]}
+        out = {"input_ids": windows[:, :-1], "labels": windows[:, 1:]}
+        if self.document_mask:
+            token = first[:, None] + np.arange(L)  # (b, L) stream index of each input token
+            document = np.searchsorted(self.starts, token, side="right") - 1
+            out["document_ids"] = torch.from_numpy(document - document[:, :1])
+            out["position_ids"] = torch.from_numpy(token - np.maximum(self.starts[document], first[:, None]))
+        return out
+
+
+class DocumentsDataset(TextDataset):
+    """Documents of a folder or file of ``.jsonl`` / ``.parquet`` (the text in field ``text_field``) and ``.txt``
+    (one document a file) files, read through ``datasets``, tokenized once (the tokenizers library encodes a batch in
+    parallel) and cached beside ``path`` as a memory-mapped stream with the tokenizer's EOS after each document and
+    the documents' starts; packed into the windows of ``TextDataset`` (with its ``document_mask``)."""
+
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, seq_length: int, text_field: str = "text",
+                 document_mask: bool = False):
+        self.text_field = text_field
+        super().__init__(path, tokenizer, seq_length, document_mask)
+
+    def load(self, tokenizer: Tokenizer | None) -> dict[str, np.ndarray]:
+        from paratrain.data.documents import document_files, document_problems, read_documents
+
+        if tokenizer is None:
+            raise DataError(f"{self.path} holds documents: set data.tokenizer to tokenize them")
+
+        def build():
+            if problems := document_problems(self.path, self.text_field):
+                raise DataError("; ".join(problems))
+            return packed(tokenizer.encode_batch(read_documents(self.path, self.text_field)), tokenizer.eos_id)
+
+        return cached_arrays(self.path, tokenizer, build, files=document_files(self.path), tag=self.text_field)

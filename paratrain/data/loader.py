@@ -9,7 +9,7 @@ import torch
 from paratrain.config import Config, ConfigError
 from paratrain.data import DataError, not_utf8
 from paratrain.data.cifar import CifarDataset
-from paratrain.data.datasets import TextDataset, TranslationDataset
+from paratrain.data.datasets import DocumentsDataset, TextDataset, TranslationDataset
 from paratrain.data.sampler import DistributedSampler
 from paratrain.data.synthetic import CPU, SyntheticLM, SyntheticTranslation
 from paratrain.data.tokenizer import Tokenizer, lines_of
@@ -82,8 +82,9 @@ class ShardedBatches:
 
 
 def load_tokenizer(cfg: Config) -> Tokenizer:
-    """``data.tokenizer``, trained on ``data.path`` with ``model.vocab_size`` tokens and saved there if absent;
-    without ``data.tokenizer`` a ``model.from_hf`` directory's own."""
+    """``data.tokenizer``, trained on ``data.path`` (the lines of its file, or the texts of its documents) with
+    ``model.vocab_size`` tokens and saved there if absent; without ``data.tokenizer`` a ``model.from_hf`` directory's
+    own."""
     if cfg.model.from_hf and not cfg.data.tokenizer:
         path = Path(cfg.model.from_hf) / "tokenizer.json"
         tokenizer = Tokenizer.of_hf_model(cfg.model.from_hf)
@@ -91,7 +92,12 @@ def load_tokenizer(cfg: Config) -> Tokenizer:
         path = Path(cfg.data.tokenizer or Path(cfg.data.path).with_name("tokenizer.json"))
         if not path.is_file():
             try:
-                Tokenizer.train(lines_of([cfg.data.path]), cfg.model.vocab_size).save(path)
+                if cfg.data.kind == "documents":
+                    from paratrain.data.documents import read_documents
+                    texts = read_documents(Path(cfg.data.path), cfg.data.text_field)
+                else:
+                    texts = lines_of([cfg.data.path])
+                Tokenizer.train(texts, cfg.model.vocab_size).save(path)
             except UnicodeDecodeError as exc:
                 raise not_utf8(cfg.data.path, exc) from None
             except OSError as exc:
@@ -123,6 +129,8 @@ def build_dataset(cfg: Config):
                                          d.too_long, d.dynamic_padding)
         elif d.kind == "text":
             dataset = TextDataset(d.path, None if d.path.endswith(".npy") else load_tokenizer(cfg), m.seq_length)
+        elif d.kind == "documents":
+            dataset = DocumentsDataset(d.path, load_tokenizer(cfg), m.seq_length, d.text_field, d.document_mask)
         else:
             dataset = CifarDataset(d.path, train=True)
     except (DataError, ConfigError):

@@ -46,7 +46,9 @@ class LlamaModel(TransformerStack):
 
     A pipeline chunk gets the hidden state (B, S, H) of the chunk before it as ``hidden`` and returns its own
     unless it holds the head. ``caches`` (decoding, ``paratrain.generation``): layer name -> its keys and values
-    so far, filled by a prompt, then extended one new token at a time.
+    so far, filled by a prompt, then extended one new token at a time. Packed documents (``data.document_mask``):
+    ``position_ids`` (B, S) each token's position in its document, ``document_ids`` (B, S) its document; attention
+    then stays within each document (``decoder_mask``).
     """
 
     pipeline_parts = {"embed_tokens": "first", "norm": "last", "head": "last"}  # see Seq2SeqModel
@@ -66,7 +68,8 @@ class LlamaModel(TransformerStack):
     def parallel_plan(self) -> dict:
         return {"embed_tokens": "vocab_rows", "norm": "norm", "head": "head"}
 
-    def forward(self, input_ids, hidden: tuple = (), labels=None, caches: dict[str, dict] | None = None):
+    def forward(self, input_ids, hidden: tuple = (), labels=None, caches: dict[str, dict] | None = None,
+                position_ids=None, document_ids=None):
         x = hidden[0] if hidden else self.embed_tokens(input_ids)
-        x = super().forward(x, decoder_mask(caches), caches=caches)[0]
+        x = super().forward(x, decoder_mask(caches, document_ids), caches=caches, positions=position_ids)[0]
         return self.head(x, labels) if self.head is not None else x

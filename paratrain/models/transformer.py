@@ -30,8 +30,10 @@ class Embeddings(nn.Module):
         self.position = nn.Embedding(max_length, hidden_size)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
-        positions = torch.arange(start, start + ids.shape[1], device=ids.device)  # start: tokens already decoded
+    def forward(self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: (B, S) each token's own (packed documents), else ``start`` on (tokens already decoded)."""
+        if positions is None:
+            positions = torch.arange(start, start + ids.shape[1], device=ids.device)
         return self.dropout(self.word(ids)[0] + self.position(positions))
 
     def parallel_plan(self) -> dict:
@@ -236,7 +238,8 @@ class GPTModel(TransformerStack):
     as a ``TransformerStack`` between the embedding and the head.
 
     A pipeline chunk gets the hidden state (B, S, H) of the chunk before it as ``hidden``
-    and returns its own unless it holds the head. ``caches``: as ``LlamaModel``'s.
+    and returns its own unless it holds the head. ``caches``, ``position_ids`` and ``document_ids``: as
+    ``LlamaModel``'s (the learned positions restart at each document).
     """
 
     pipeline_parts = {"embed": "first", "norm": "last", "head": "last"}  # see Seq2SeqModel
@@ -257,9 +260,10 @@ class GPTModel(TransformerStack):
     def parallel_plan(self) -> dict:
         return {"norm": "norm", "head": "head"}
 
-    def forward(self, input_ids, hidden: tuple = (), labels=None, caches: dict[str, dict] | None = None):
-        x = hidden[0] if hidden else self.embed(input_ids, start=cached_length(caches))
-        x = super().forward(x, decoder_mask(caches), caches=caches)[0]
+    def forward(self, input_ids, hidden: tuple = (), labels=None, caches: dict[str, dict] | None = None,
+                position_ids=None, document_ids=None):
+        x = hidden[0] if hidden else self.embed(input_ids, start=cached_length(caches), positions=position_ids)
+        x = super().forward(x, decoder_mask(caches, document_ids), caches=caches)[0]
         return self.head(x, labels) if self.head is not None else x
 
 

@@ -63,7 +63,7 @@ class Attention(nn.Module):
     attention; 1: multi-query; None: ``num_heads``), ``head_dim`` (None: hidden_size / num_heads), ``qkv_bias`` /
     ``out_bias`` (biases of q, k, v and of the output projection), ``qk_norm`` (makes a module of size d, e.g. an
     RMSNorm, one for the queries and one for the keys of every head, Qwen3) and ``rotary`` (a ``RotaryEmbedding``
-    turning q and k by their positions, counted after the cached ones).
+    turning q and k by their positions, counted after the cached ones, or given as ``positions`` (B, Tq)).
     """
 
     names = ("q_proj", "k_proj", "v_proj", "out_proj")
@@ -87,12 +87,14 @@ class Attention(nn.Module):
         *qkv, out = self.names
         return {**dict.fromkeys(qkv, "colwise"), out: "rowwise"}
 
-    def forward(self, query, key=None, value=None, attention_mask=None, cache: dict | None = None) -> tuple:
-        q, k, v = self.heads(query, key, value, cache)
+    def forward(self, query, key=None, value=None, attention_mask=None, cache: dict | None = None,
+                positions: torch.Tensor | None = None) -> tuple:
+        q, k, v = self.heads(query, key, value, cache, positions)
         return self.attend(q, k, v, attention_mask), (k, v)
 
-    def heads(self, query, key=None, value=None, cache: dict | None = None):
-        """The projected query (B, h, Tq, d), key and value (B, h, Tk, d), h being this rank's heads."""
+    def heads(self, query, key=None, value=None, cache: dict | None = None, positions: torch.Tensor | None = None):
+        """The projected query (B, h, Tq, d), key and value (B, h, Tk, d), h being this rank's heads; ``positions``
+        (B, Tq) those the rotary embedding turns them by (None: counted from the cached ones)."""
         projected = self.projected_together(query) if key is None and value is None else None
         if projected is None:
             key = query if key is None else key
@@ -103,7 +105,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         if self.rotary is not None:
-            q, k = self.rotary(q, k, start=cache["k"].shape[2] if cache else 0)
+            q, k = self.rotary(q, k, start=cache["k"].shape[2] if cache else 0, positions=positions)
         if cache is not None:
             if cache:
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
@@ -202,10 +204,11 @@ class GatedFeedForward(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoFormer) in the rotate-half layout of Hugging Face's Llama, so its q/k weights
     need no permutation: q, k (B, h, T, d) -> the same turned by the angles of positions ``start`` .. ``start +
-    T - 1``, frequency i of the pairs (j, j + d/2) being ``theta ** (-2i / d)``. ``scaling``: HF's
-    ``rope_scaling`` of ``rope_type`` "linear" (frequencies / ``factor``) or "llama3" (Llama 3.1's: low
-    frequencies / ``factor``, high ones kept, those between blended). No parameters or buffers: the angles are
-    computed in float32 on q's device at each call."""
+    T - 1``, or of each row's own ``positions`` (B, T) (packed documents, each counted from 0), frequency i of
+    the pairs (j, j + d/2) being ``theta ** (-2i / d)``. ``scaling``: HF's ``rope_scaling``
+    of ``rope_type`` "linear" (frequencies / ``factor``) or "llama3" (Llama 3.1's: low frequencies / ``factor``,
+    high ones kept, those between blended). No parameters or buffers: the angles are computed in float32 on q's
+    device at each call."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
@@ -226,9 +229,14 @@ class RotaryEmbedding(nn.Module):
         blend = ((context / wavelength - low) / (high - low)).clamp(0, 1)  # 0 at long wavelengths, 1 at short
         return (1 - blend) * inv_freq / factor + blend * inv_freq
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(start, start + q.shape[2], dtype=torch.float32, device=q.device)
-        angles = torch.outer(positions, self.frequencies(q.device)).repeat(1, 2)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int = 0,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions is None:
+            positions = torch.arange(start, start + q.shape[2], dtype=torch.float32, device=q.device)
+        else:  # (B, T) -> (B, 1, T): one angle per row and position, the same for every head
+            positions = positions.to(device=q.device, dtype=torch.float32)[:, None]
+        angles = positions[..., None] * self.frequencies(q.device)
+        angles = torch.cat([angles, angles], dim=-1)
         cos, sin = angles.cos(), angles.sin()
         return tuple((x * cos + rotate_half(x) * sin).to(x.dtype) for x in (q, k))
 
@@ -246,7 +254,7 @@ class TransformerLayer(nn.Module):
     ``(output (B, T, H), presents, *aux_loss)``: the keys and values of its attentions where ``returns_presents``
     (MindSpore's layers; else ``()``: under recompute they would stay alive to the end of the stack, and FSDP
     hooks every tensor a unit returns) and, where the FFN is a mixture of experts, its load-balancing loss.
-    ``cache``: the self-attention's while decoding.
+    ``cache``: the self-attention's while decoding; ``positions`` (B, T): the self-attention's rotary positions.
 
     Its owner builds the parts and names them in ``names``, as parameter names are part of the checkpoint
     format: the LayerNorm and sublayer of the self-attention, of the cross-attention (absent without one) and
@@ -263,10 +271,13 @@ class TransformerLayer(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.post_layernorm_residual = post_layernorm_residual
 
-    def forward(self, x, mask=None, memory=None, memory_mask=None, cache: dict | None = None) -> tuple:
+    def forward(self, x, mask=None, memory=None, memory_mask=None, cache: dict | None = None,
+                positions: torch.Tensor | None = None) -> tuple:
         part = self.get_submodule
         norm1, self_attention, norm2, cross_attention, norm3, ffn = self.names
         decoding = {} if cache is None else {"cache": cache}  # only the built-ins' attention keeps one
+        if positions is not None:  # as the cache: only asked of the built-ins' attention
+            decoding["positions"] = positions
         normed = part(norm1)(x)
         update, presents = part(self_attention)(normed, attention_mask=mask, **decoding)
         x = self.residual(x, normed, update)
@@ -288,17 +299,20 @@ class TransformerStack(nn.Module):
     """Layers in turn, then the final LayerNorm where there is one: x (B, T, H) and what each layer takes after
     it -> ``(output (B, T, H), presents, *aux_loss)``: the presents of the layers that return any, and the
     layers' mixture-of-experts losses summed, if any. ``caches`` (decoding): layer name -> its
-    self-attention's cache. The owner builds the layers (a ModuleList, or a ModuleDict where pipeline chunks
-    remove some) and the norm (None: none) under its ``names``.
+    self-attention's cache; ``positions`` (B, T): each token's rotary position (packed documents). The owner
+    builds the layers (a ModuleList, or a ModuleDict where pipeline chunks remove some) and the norm (None: none) under its ``names``.
     """
 
     names = ("layers", "norm")
 
-    def forward(self, x, *inputs, caches: dict[str, dict] | None = None) -> tuple:
+    def forward(self, x, *inputs, caches: dict[str, dict] | None = None,
+                positions: torch.Tensor | None = None) -> tuple:
         layers, norm = (getattr(self, name) for name in self.names)
         presents, aux_losses = (), []
         for key, layer in layers.named_children():
             decoding = {} if caches is None else {"cache": caches.setdefault(key, {})}
+            if positions is not None:
+                decoding["positions"] = positions
             x, present, *aux_loss = layer(x, *inputs, **decoding)
             presents += (present,) if present else ()
             aux_losses += aux_loss
@@ -311,9 +325,15 @@ def cached_length(caches: dict[str, dict] | None) -> int:
     return cache["k"].shape[2] if cache else 0
 
 
-def decoder_mask(caches: dict[str, dict] | None) -> str | None:
+def decoder_mask(caches: dict[str, dict] | None, document_ids: torch.Tensor | None = None) -> str | torch.Tensor | None:
     """The self-attention mask of a decoder-only model: ``CAUSAL``, but None once its ``caches`` hold earlier
-    positions, where the one new token attends every key."""
+    positions, where the one new token attends every key. With ``document_ids`` (B, S) (packed documents) the
+    block-diagonal causal mask, a boolean (B, 1, S, S), True where query i may attend key j: j <= i and both in the
+    same document."""
+    if document_ids is not None:
+        length = document_ids.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=document_ids.device).tril()
+        return (document_ids[:, None, :, None] == document_ids[:, None, None, :]) & causal
     return None if cached_length(caches) else CAUSAL
 
 
