@@ -95,7 +95,7 @@ def tensor_from_bytes(data: bytes, dims: list[int], tensor_type: str, file: Path
         raise CheckpointError(f"load_checkpoint: {file} is damaged: {name} holds {len(data)} bytes, its shape "
                               f"{list(dims)} of {tensor_type} needs {needed} (a truncated or altered file)")
     if not data:
-        return torch.empty(dims, dtype=dtype)
+        return torch.empty(dims, dtype=dtype, device="cpu")  # a file's tensors are host tensors
     return torch.frombuffer(bytearray(data), dtype=dtype).reshape(dims)
 
 

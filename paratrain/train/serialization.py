@@ -287,7 +287,7 @@ def save_checkpoint(save_obj, ckpt_file_name: str | Path, integrated_save: bool 
     for name, value in (append_dict or {}).items():
         items[name] = value if isinstance(value, (str, torch.Tensor)) else torch.tensor(
             value, dtype=torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int)
-            else torch.float32)
+            else torch.float32, device="cpu")  # written to the file from the host
     path.parent.mkdir(parents=True, exist_ok=True)
     write = ms_files.write_ckpt if format == "ckpt" else ms_files.write_safetensors
     write(path, items, crc_check)
