@@ -41,8 +41,8 @@ def each_losses(cfgs: list) -> list[list[float]]:
     return [trainer_losses(cfg) for cfg in cfgs]
 
 
-def assert_same(got: list[float], want: list[float]) -> None:
-    assert len(got) == len(want) and max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-4, (got, want)
+def assert_same(got: list[float], want: list[float], layout: dict | None = None) -> None:
+    assert len(got) == len(want) and max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-4, (layout, got, want)
 
 
 def problems(tmp_path, parallel: dict, model: dict | None = None, world_size: int | None = None) -> str:
@@ -137,13 +137,60 @@ def _ulysses_rank(q, k, v, documents):
     return out
 
 
+GPT = {"kind": "gpt", "num_kv_heads": 0}
+
+
+def packed_corpus(folder) -> dict:
+    """``data`` of a jsonl of 40 documents of 2-14 words each and a tokenizer of one token a word, packed with their
+    own masks (``data.document_mask``)."""
+    from test_data_documents import VOCAB as WORDS, word_tokenizer
+
+    rng = torch.Generator().manual_seed(0)
+    folder.mkdir()
+    lines = []
+    for _ in range(40):
+        words = torch.randint(4, WORDS, (int(torch.randint(2, 15, (1,), generator=rng)),), generator=rng)
+        lines.append(json.dumps({"text": " ".join(f"w{w}" for w in words.tolist())}) + "\n")
+    (folder / "docs.jsonl").write_text("".join(lines))
+    word_tokenizer(folder / "tokenizer.json")
+    return {"kind": "documents", "path": str(folder / "docs.jsonl"), "document_mask": True,
+            "tokenizer": str(folder / "tokenizer.json")}
+
+
+def checkpoint_step(tmp_path, name: str, step: int) -> dict:
+    return {"dir": str(tmp_path / name / "ckpt"), "save_steps": 2, "keep_max": 0,
+            "resume": str(tmp_path / name / "ckpt" / f"step_{step:08d}")}
+
+
 @pytest.mark.timeout(300)
-def test_gpt_and_llama_on_cp2_equal_one_process(tmp_path):
-    cfgs = {"llama": config(tmp_path, "llama", {}), "gpt": config(tmp_path, "gpt", {}, {"kind": "gpt",
-                                                                                       "num_kv_heads": 0})}
-    want = {name: trainer_losses(cfg) for name, cfg in cfgs.items()}
-    split = [config(tmp_path, "llama2", {"cp": 2}),
-             config(tmp_path, "gpt2", {"cp": 2}, {"kind": "gpt", "num_kv_heads": 0})]
+def test_cp2_equals_one_process_for_gpt_llama_packed_documents_and_resumes_across_cp_sizes(tmp_path):
+    """One launch of 2 ranks: llama (saving a checkpoint at step 2), gpt, llama on packed documents with their
+    masks, and llama resumed from the one-process run's step 2; then one process resumes the cp2 run's step 2."""
+    saving = {"dir": str(tmp_path / "{}" / "ckpt"), "save_steps": 2, "keep_max": 0}
+    documents = packed_corpus(tmp_path / "corpus")
+    want = {"llama": trainer_losses(config(tmp_path, "one", {}, checkpoint={**saving, "dir": str(tmp_path / "one")})),
+            "gpt": trainer_losses(config(tmp_path, "gpt1", {}, GPT)),
+            "documents": trainer_losses(config(tmp_path, "documents1", {}, data=documents))}
+    split = [config(tmp_path, "llama2", {"cp": 2}, checkpoint={**saving, "dir": str(tmp_path / "two")}),
+             config(tmp_path, "gpt2", {"cp": 2}, GPT),
+             config(tmp_path, "documents2", {"cp": 2}, data=documents),
+             config(tmp_path, "resumed2", {"cp": 2}, checkpoint={"resume": str(tmp_path / "one" / "step_00000002")})]
     got = run_distributed(each_losses, 2, split, timeout=280)[0]
     assert_same(got[0], want["llama"])
     assert_same(got[1], want["gpt"])
+    assert_same(got[2], want["documents"])
+    assert_same(got[3], want["llama"][2:])
+    resumed = trainer_losses(config(tmp_path, "resumed1", {},
+                                    checkpoint={"resume": str(tmp_path / "two" / "step_00000002")}))
+    assert_same(resumed, want["llama"][2:])
+
+
+@pytest.mark.timeout(300)
+def test_llama_on_cp4_and_cp2_with_tp2_zero3_dp2_and_pp2_equals_one_process(tmp_path):
+    want = trainer_losses(config(tmp_path, "one", {}))
+    layouts = [{"cp": 4}, {"cp": 2, "model_parallel": 2}, {"cp": 2, "data_parallel": 2, "zero_stage": 3},
+               {"cp": 2, "pipeline_stage": 2, "micro_batch_num": 2, "pipeline_schedule": "gpipe"}]
+    got = run_distributed(each_losses, 4, [config(tmp_path, f"layout{i}", layout)
+                                           for i, layout in enumerate(layouts)], timeout=280)[0]
+    for layout, losses in zip(layouts, got):
+        assert_same(losses, want, layout)
