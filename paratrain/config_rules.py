@@ -199,9 +199,14 @@ def _context_parallel_problems(cfg: Config) -> list[str]:
                   f"a rank are not both divisible by {where})")
         problems.append(f"{chosen}: ring attention is not available yet; use cp_method='ulysses' with "
                         f"context_parallel in {fits or 'none (no common divisor above 1)'}")
-    if p.sequence_parallel:
-        problems.append(f"{where} with parallel.sequence_parallel=true is not supported yet: set "
-                        f"sequence_parallel=false (tensor parallelism itself combines with context_parallel)")
+    if p.sequence_parallel and (m.seq_length // cp) % mp:
+        problems.append(f"model.seq_length={m.seq_length} over {where} leaves {m.seq_length // cp} tokens a rank, "
+                        f"not divisible by parallel.model_parallel={mp} with sequence_parallel=true: use a "
+                        f"seq_length multiple of {math.lcm(2 * cp, cp * mp)}")
+    if p.sequence_parallel and m.kind == "gpt":
+        problems.append(f"{where} with parallel.sequence_parallel=true and model.kind='gpt': the learned positions "
+                        f"of a split sequence are not split along it by sequence parallelism yet: set "
+                        f"sequence_parallel=false or use model.kind='llama'")
     if m.moe_config.expert_num > 1:
         problems.append(f"{where} with model.moe (expert_num={m.moe_config.expert_num}) is not supported yet: the "
                         f"experts' load-balancing statistics are not summed over the sequence's ranks; remove "

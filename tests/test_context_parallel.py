@@ -15,6 +15,7 @@ from paratrain.config import ConfigError
 from paratrain.config_rules import validate
 
 VOCAB, SEQ, STEPS = 64, 16, 4
+GPT = {"kind": "gpt", "num_kv_heads": 0}
 
 
 def config(tmp_path, name: str, parallel: dict, model: dict | None = None, data: dict | None = None,
@@ -52,6 +53,7 @@ def problems(tmp_path, parallel: dict, model: dict | None = None, world_size: in
         return str(exc)
 
 
+@pytest.mark.timeout(60)
 def test_each_rank_keeps_a_head_and_a_tail_chunk():
     from paratrain.parallel.context import chunk_order, local_positions
 
@@ -65,6 +67,7 @@ def test_each_rank_keeps_a_head_and_a_tail_chunk():
         assert sorted(chunk_order(n)) == list(range(2 * n))
 
 
+@pytest.mark.timeout(60)
 def test_layouts_that_cannot_split_the_sequence_are_refused(tmp_path):
     said = problems(tmp_path, {"context_parallel": 2}, {"seq_length": 18}, world_size=2)
     assert "model.seq_length=18 is not divisible by 2 x parallel.context_parallel=2 = 4" in said
@@ -73,8 +76,11 @@ def test_layouts_that_cannot_split_the_sequence_are_refused(tmp_path):
     assert "2 a rank, not both divisible by 4: use context_parallel in [2]" in said
     said = problems(tmp_path, {"cp": 2, "model_parallel": 2}, {"num_heads": 8, "num_kv_heads": 2})
     assert "parallel.cp_method='auto' picks ring attention here" in said and "context_parallel in []" not in said
-    said = problems(tmp_path, {"cp": 2, "sequence_parallel": True, "model_parallel": 2})
-    assert "sequence_parallel=true is not supported yet" in said
+    said = problems(tmp_path, {"cp": 2, "sequence_parallel": True, "model_parallel": 2}, GPT)
+    assert "sequence_parallel=true and model.kind='gpt': the learned positions" in said
+    said = problems(tmp_path, {"cp": 2, "sequence_parallel": True, "model_parallel": 4}, {"seq_length": 12})
+    assert "model.seq_length=12 over parallel.context_parallel=2 leaves 6 tokens a rank, not divisible by " \
+           "parallel.model_parallel=4 with sequence_parallel=true: use a seq_length multiple of 8" in said
     said = problems(tmp_path, {"cp": 2}, {"kind": "transformer", "src_seq_length": 16, "tgt_seq_length": 16,
                                           "num_kv_heads": 0, "encoder_layers": 1})
     assert "the encoder-decoder is not split along the sequence (its cross-attention" in said
@@ -84,6 +90,7 @@ def test_layouts_that_cannot_split_the_sequence_are_refused(tmp_path):
     assert problems(tmp_path, {"cp": 2}, world_size=2) == ""
 
 
+@pytest.mark.timeout(60)
 def test_a_users_net_is_refused(tmp_path):
     from paratrain.config import ParallelConfig
     from paratrain.errors import UserError
@@ -96,6 +103,7 @@ def test_a_users_net_is_refused(tmp_path):
         place_net(net, config, Layout(config), (torch.zeros(2, 4, device="cpu"),))
 
 
+@pytest.mark.timeout(150)
 def test_ulysses_attention_equals_whole_sequence_attention():
     """Forward and backward of q, k, v on 2 ranks (grouped-query heads, with and without a document mask) against
     SDPA over the whole sequence in one process."""
@@ -135,9 +143,6 @@ def _ulysses_rank(q, k, v, documents):
         (got * got).sum().backward()  # the whole sequence's sum of squares: each rank adds its tokens'
         out[masked] = [x.numpy() for x in (got.detach(), *[x.grad for x in leaves])]  # by value through the queue
     return out
-
-
-GPT = {"kind": "gpt", "num_kv_heads": 0}
 
 
 def packed_corpus(folder) -> dict:
@@ -186,9 +191,11 @@ def test_cp2_equals_one_process_for_gpt_llama_packed_documents_and_resumes_acros
 
 
 @pytest.mark.timeout(300)
-def test_llama_on_cp4_and_cp2_with_tp2_zero3_dp2_and_pp2_equals_one_process(tmp_path):
+def test_llama_on_cp4_and_cp2_with_tp2_sequence_parallel_zero3_dp2_and_pp2_equals_one_process(tmp_path):
     want = trainer_losses(config(tmp_path, "one", {}))
-    layouts = [{"cp": 4}, {"cp": 2, "model_parallel": 2}, {"cp": 2, "data_parallel": 2, "zero_stage": 3},
+    layouts = [{"cp": 4}, {"cp": 2, "model_parallel": 2},
+               {"cp": 2, "model_parallel": 2, "sequence_parallel": True, "vocab_emb_dp": False},
+               {"cp": 2, "data_parallel": 2, "zero_stage": 3},
                {"cp": 2, "pipeline_stage": 2, "micro_batch_num": 2, "pipeline_schedule": "gpipe"}]
     got = run_distributed(each_losses, 4, [config(tmp_path, f"layout{i}", layout)
                                            for i, layout in enumerate(layouts)], timeout=280)[0]
