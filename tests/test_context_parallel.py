@@ -13,6 +13,10 @@ from multiprocess import run_distributed
 from paratrain import config_file
 from paratrain.config import ConfigError
 from paratrain.config_rules import validate
+from paratrain.modules.transformer import DocumentMask
+from paratrain.parallel.context import chunk_order, local_positions, ulysses_attention
+
+CPU = torch.device("cpu")
 
 VOCAB, SEQ, STEPS = 64, 16, 4
 GPT = {"kind": "gpt", "num_kv_heads": 0}
@@ -55,10 +59,8 @@ def problems(tmp_path, parallel: dict, model: dict | None = None, world_size: in
 
 @pytest.mark.timeout(60)
 def test_each_rank_keeps_a_head_and_a_tail_chunk():
-    from paratrain.parallel.context import chunk_order, local_positions
-
     for n in (1, 2, 4):
-        kept = [local_positions(SEQ, n, r, torch.device("cpu")) for r in range(n)]
+        kept = [local_positions(SEQ, n, r, CPU) for r in range(n)]
         assert torch.equal(torch.cat(kept).sort().values, torch.arange(SEQ))  # every token on one rank
         chunk = SEQ // (2 * n)
         for r, positions in enumerate(kept):
@@ -113,29 +115,24 @@ def test_ulysses_attention_equals_whole_sequence_attention():
     want = {}
     for masked in (False, True):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        from paratrain.modules.transformer import DocumentMask
         mask = {"attn_mask": DocumentMask(documents).mask} if masked else {"is_causal": True}
         out = torch.nn.functional.scaled_dot_product_attention(*leaves, enable_gqa=True, **mask)
         (out * out).sum().backward()
         want[masked] = (out, *[x.grad for x in leaves])
     results = run_distributed(_ulysses_rank, 2, q, k, v, documents, timeout=120)
     for masked in (False, True):
-        for got, whole in zip(zip(*[r[masked] for r in results]), want[masked]):
-            from paratrain.parallel.context import local_positions
+        for parts, whole in zip(zip(*[r[masked] for r in results]), want[masked]):  # output, then q, k, v grads
             joined = torch.empty_like(whole)
-            for rank, part in enumerate(got):
-                joined[:, :, local_positions(SEQ, 2, rank, torch.device("cpu"))] = torch.from_numpy(part)
-            torch.testing.assert_close(joined, whole, rtol=1e-5, atol=1e-6, msg=lambda m: f"{masked} {whole.shape} {m}")
+            for rank, part in enumerate(parts):
+                joined[:, :, local_positions(SEQ, 2, rank, CPU)] = torch.from_numpy(part)
+            torch.testing.assert_close(joined, whole, rtol=1e-5, atol=1e-6)
 
 
 def _ulysses_rank(q, k, v, documents):
     import torch.distributed as dist
 
-    from paratrain.parallel.context import local_positions, ulysses_attention
-
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    keep = local_positions(SEQ, 2, rank, torch.device("cpu"))
+    keep = local_positions(SEQ, 2, dist.get_rank(), CPU)
     out = {}
     for masked in (False, True):
         leaves = [x[:, :, keep].clone().requires_grad_() for x in (q, k, v)]
@@ -162,16 +159,11 @@ def packed_corpus(folder) -> dict:
             "tokenizer": str(folder / "tokenizer.json")}
 
 
-def checkpoint_step(tmp_path, name: str, step: int) -> dict:
-    return {"dir": str(tmp_path / name / "ckpt"), "save_steps": 2, "keep_max": 0,
-            "resume": str(tmp_path / name / "ckpt" / f"step_{step:08d}")}
-
-
 @pytest.mark.timeout(300)
 def test_cp2_equals_one_process_for_gpt_llama_packed_documents_and_resumes_across_cp_sizes(tmp_path):
     """One launch of 2 ranks: llama (saving a checkpoint at step 2), gpt, llama on packed documents with their
     masks, and llama resumed from the one-process run's step 2; then one process resumes the cp2 run's step 2."""
-    saving = {"dir": str(tmp_path / "{}" / "ckpt"), "save_steps": 2, "keep_max": 0}
+    saving = {"save_steps": 2, "keep_max": 0}
     documents = packed_corpus(tmp_path / "corpus")
     want = {"llama": trainer_losses(config(tmp_path, "one", {}, checkpoint={**saving, "dir": str(tmp_path / "one")})),
             "gpt": trainer_losses(config(tmp_path, "gpt1", {}, GPT)),

@@ -106,7 +106,8 @@ def layout_dict(layout: Layout) -> dict:
     return {"world_size": len(coords), "data_parallel": cfg.data_parallel, "model_parallel": cfg.model_parallel,
             "pipeline_stage": cfg.pipeline_stage, "context_parallel": cfg.context_parallel,
             "zero_stage": cfg.effective_zero_stage, "sequence_parallel": cfg.sequence_parallel,
-            "vocab_emb_dp": cfg.vocab_emb_dp, "ranks": [{"pp": c[0], "dp": c[1], "cp": c[2], "tp": c[3]} for c in coords]}
+            "vocab_emb_dp": cfg.vocab_emb_dp,
+            "ranks": [{"pp": c[0], "dp": c[1], "cp": c[2], "tp": c[3]} for c in coords]}
 
 
 def _json_value(value):

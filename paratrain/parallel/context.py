@@ -10,8 +10,8 @@ attention over the whole sequence (``split_attention``), from outside: the model
 Ulysses (DeepSpeed-Ulysses) attention: an all-to-all turns this rank's tokens of all its heads, (B, h, T/N, d),
 into all tokens of 1/N of its heads, (B, h/N, T, d), put back in the sequence's order; causal SDPA (or the
 block-diagonal causal mask of the whole sequence's documents) runs there, and a second all-to-all returns the
-output to the local tokens. The all-to-alls have a backward (functional collectives' ``all_to_all_single_autograd``), so the
-gradients of the keys and values of other ranks' tokens flow back to them.
+output to the local tokens. The all-to-alls have a backward (functional collectives'
+``all_to_all_single_autograd``), so the gradients of the keys and values of other ranks' tokens flow back to them.
 """
 from __future__ import annotations
 

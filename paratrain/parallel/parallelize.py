@@ -2,8 +2,9 @@
 parallel dimension but the pipeline split to a chunk of any model, ``parallelize_chunk``.
 
 Order (as torchtitan): pipeline split -> fp8 Linears (``train.mixed_precision = "fp8"``) -> tensor parallel -> context
-parallel (the attention over a split sequence) -> expert parallel -> recompute -> compile (``train.compile``: each layer) -> data parallel / ZeRO (all but the split on each
-pipeline chunk). Each step is applied only when its dimension is used, so one process gets the plain model.
+parallel (the attention over a split sequence) -> expert parallel -> recompute -> compile (``train.compile``: each
+layer) -> data parallel / ZeRO (all but the split on each pipeline chunk). Each step is applied only when its
+dimension is used, so one process gets the plain model.
 """
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def parallelize_chunk(chunk: nn.Module, config: ParallelConfig, layout: Layout, 
     layers and every BatchNorm2d takes global statistics. ``precision``: fp8 Linears (none more where a user's net
     was converted before it was placed) and the dtype FSDP gathers parameters in. ``compile_layers``: each layer, or the chunk
     when it has none, compiled after recompute. ``tokens_per_rank``: as ``parallelize``'s. ``attention_split``: how a
-    built-in model's attention runs over a sequence split by ``context_parallel`` (``ParallelConfig.attention_split``)."""
+    built-in model's attention runs over a sequence split by ``context_parallel``
+    (``ParallelConfig.attention_split``)."""
     if precision == "fp8":
         convert_to_fp8(chunk)
     if config.model_parallel > 1:
