@@ -56,19 +56,20 @@ def _ring_errors(sizes: list[int]) -> dict:
         for key_heads, documents, dtype in CASES:
             generator = torch.Generator(device="cpu").manual_seed(size * 100 + key_heads * 10 + documents)
             q, k, v, grad_out = (torch.randn(batch, heads, length, head_dim, generator=generator, dtype=dtype,
-                                             device="cpu").requires_grad_()
-                                 for heads in (HEADS, key_heads, key_heads, HEADS))
+                                             device="cpu") for heads in (HEADS, key_heads, key_heads, HEADS))
             document_ids = _random_documents(generator, batch, length) if documents else None
-            (_full_attention(q, k, v, document_ids) * grad_out).sum().backward()
-            full = _full_attention(q, k, v, document_ids).detach()
+            full_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            full = _full_attention(*full_leaves, document_ids)
+            (full * grad_out).sum().backward()
 
-            local = [t.detach()[:, :, local_tokens].requires_grad_() for t in (q, k, v)]
+            local = [t[:, :, local_tokens].requires_grad_() for t in (q, k, v)]
             with torch.device("meta"):
                 out = ring_attention(*local, group, None if document_ids is None else document_ids[:, local_tokens])
-                (out * grad_out.detach()[:, :, local_tokens]).sum().backward()
-            pairs = [(out, full)] + [(mine.grad, whole.grad) for mine, whole in zip(local, (q, k, v))]
+                (out * grad_out[:, :, local_tokens]).sum().backward()
+            pairs = [(out.detach(), full.detach())] + [(mine.grad, whole.grad)
+                                                       for mine, whole in zip(local, full_leaves)]
             errors[(size, key_heads, documents, str(dtype))] = [
-                float((mine.detach() - whole[:, :, local_tokens]).abs().max() / whole.abs().max()) for mine, whole in pairs]
+                float((mine - whole[:, :, local_tokens]).abs().max() / whole.abs().max()) for mine, whole in pairs]
     return errors
 
 
@@ -81,3 +82,33 @@ def test_ring_attention_matches_full_causal_attention(world_size, sizes):
             tolerance = 1e-12 if dtype == "torch.float64" else 1e-5
             assert max(relative) < tolerance, (f"rank {rank} of {size}, {key_heads} key heads, documents "
                                                f"{documents}, {dtype}: out, dq, dk, dv differ by {relative}")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("key_heads", [4, 1])
+@pytest.mark.parametrize("masking", ["causal", "documents"])
+def test_matmul_block_attention_matches_the_fused_kernel(key_heads, masking):
+    """The plain-matmul block attention (the ring's kernel off the CPU) against the CPU's fused flash kernel:
+    output and log-sum-exp (also of queries the mask leaves no key), and the gradients given another attention's
+    output and log-sum-exp, as the ring's backward passes them."""
+    from paratrain.parallel import ring_attention as ring
+
+    generator = torch.Generator(device="cpu").manual_seed(key_heads)
+    q, grad_out, out = (torch.randn(2, HEADS, 6, 8, generator=generator, dtype=torch.float64, device="cpu")
+                        for _ in range(3))
+    k, v = (torch.randn(2, key_heads, 5, 8, generator=generator, dtype=torch.float64, device="cpu") for _ in range(2))
+    bias = None
+    if masking == "documents":
+        query_documents, key_documents = (_random_documents(generator, 2, 6), _random_documents(generator, 2, 5) + 2)
+        same = query_documents[:, None, :, None] == key_documents[:, None, None, :]
+        bias = torch.zeros(same.shape, dtype=torch.float64, device="cpu").masked_fill(~same, float("-inf"))
+        assert (~same).all(-1).any() and same.any(), "the case needs queries without keys and with keys"
+    causal = masking == "causal"
+    fused = ring._flash_cpu_forward(q, k, v, bias, causal)
+    matmul = ring._matmul_forward(q, k, v, bias, causal)
+    for mine, reference in zip(matmul, fused):
+        torch.testing.assert_close(mine, reference, rtol=1e-12, atol=1e-12)
+    lse = fused[1].logaddexp(torch.randn(fused[1].shape, generator=generator, dtype=torch.float64, device="cpu"))
+    gradients = (grad_out, q, k, v, out, lse, bias, causal)
+    for mine, reference in zip(ring._matmul_backward(*gradients), ring._flash_cpu_backward(*gradients)):
+        torch.testing.assert_close(mine, reference, rtol=1e-12, atol=1e-12)

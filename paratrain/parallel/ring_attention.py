@@ -88,6 +88,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, lse, document_ids, all_document_ids = ctx.saved_tensors
         group = ctx.group
@@ -96,22 +97,22 @@ class _RingAttention(torch.autograd.Function):
         grad_q = torch.zeros(q.shape, dtype=accumulate, device=q.device)
         keys_values = torch.stack([k, v])
         grad_keys_values = torch.zeros(keys_values.shape, dtype=accumulate, device=q.device)
-        grad_out = grad_out.contiguous()
         for step in range(size):
             if step < size - 1:
                 incoming, pending = _ring_shift(keys_values, group)
             rows, cols, bias, causal = _block(rank, (rank - step) % size, q.shape[2], document_ids,
                                               all_document_ids, q.dtype)
             dq, dk, dv = _attention_backward(grad_out[:, :, rows], q[:, :, rows], *keys_values[:, :, :, cols],
-                                             out[:, :, rows], lse[:, :, rows].contiguous(), bias, causal)
+                                             out[:, :, rows], lse[:, :, rows], bias, causal)
             grad_q[:, :, rows] += dq
             grad_keys_values[:, :, :, cols] += torch.stack([dk, dv])
             if step < size - 1:
                 _wait(pending)
                 keys_values = incoming
             # the keys now held are the previous rank's: take over its gradient buffer, hand ours to the next
-            grad_keys_values, pending = _ring_shift(grad_keys_values, group)
+            received, pending = _ring_shift(grad_keys_values, group)
             _wait(pending)
+            grad_keys_values = received
         grad_k, grad_v = grad_keys_values.to(k.dtype)
         return grad_q.to(q.dtype), grad_k, grad_v, None, None
 
@@ -204,7 +205,7 @@ def _matmul_forward(q, k, v, bias, causal):
 
 def _matmul_backward(grad_out, q, k, v, out, lse, bias, causal):
     heads, key_heads, scale = q.shape[1], k.shape[1], q.shape[-1] ** -0.5
-    probabilities = torch.exp(_scores(q, k, bias, causal) - lse.unsqueeze(-1))
+    probabilities = torch.exp(_scores(q, k, bias, causal) - lse.unsqueeze(-1)).to(q.dtype)
     grad_scores = probabilities * (grad_out @ _repeat_heads(v, heads).transpose(-1, -2)
                                    - (grad_out * out).sum(-1, keepdim=True))
     grad_q = grad_scores @ _repeat_heads(k, heads) * scale
