@@ -35,8 +35,8 @@ def _full_attention(q, k, v, document_ids):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def _ring_errors(sizes: list[int]) -> dict:
-    """On this rank, for each ring size in ``sizes`` (a group of the first ranks) and each case: the largest
+def _ring_errors(rings: list[list[int]]) -> dict:
+    """On this rank, for each ring of ``rings`` (the ranks of a group) it belongs to and each case: the largest
     relative difference of the ring's output and q, k, v gradients from full SDPA's rows of this rank's tokens.
     The ring runs with the meta device as the default, so any tensor it makes without naming a device fails."""
     import torch.distributed as dist
@@ -44,12 +44,13 @@ def _ring_errors(sizes: list[int]) -> dict:
     from paratrain.parallel.ring_attention import ring_attention
 
     dist.init_process_group("gloo")
-    rank, batch, chunk, head_dim = dist.get_rank(), 2, 3, 8
+    batch, chunk, head_dim = 2, 3, 8
     errors = {}
-    for size in sizes:
-        group = dist.new_group(list(range(size)))
-        if rank >= size:
+    for ranks in rings:
+        group = dist.new_group(ranks)
+        if dist.get_rank() not in ranks:
             continue
+        rank, size = dist.get_rank(group), len(ranks)
         local_tokens = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk, device="cpu"),
                                   torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device="cpu")])
         length = 2 * size * chunk
@@ -68,19 +69,20 @@ def _ring_errors(sizes: list[int]) -> dict:
                 (out * grad_out[:, :, local_tokens]).sum().backward()
             pairs = [(out.detach(), full.detach())] + [(mine.grad, whole.grad)
                                                        for mine, whole in zip(local, full_leaves)]
-            errors[(size, key_heads, documents, str(dtype))] = [
+            errors[(str(ranks), key_heads, documents, str(dtype))] = [
                 float((mine - whole[:, :, local_tokens]).abs().max() / whole.abs().max()) for mine, whole in pairs]
     return errors
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size, sizes", [(2, [1, 2]), (4, [4])])
-def test_ring_attention_matches_full_causal_attention(world_size, sizes):
-    for rank, errors in enumerate(run_distributed(_ring_errors, world_size, sizes, timeout=100)):
-        assert len(errors) == len(CASES) * sum(rank < size for size in sizes)
-        for (size, key_heads, documents, dtype), relative in errors.items():
+# rings of 1 and 2 ranks in a world of 2; of 4, and of 2 whose group ranks are not their global ranks, in a world of 4
+@pytest.mark.parametrize("world_size, rings", [(2, [[0], [0, 1]]), (4, [[0, 1, 2, 3], [1, 3]])])
+def test_ring_attention_matches_full_causal_attention(world_size, rings):
+    for rank, errors in enumerate(run_distributed(_ring_errors, world_size, rings, timeout=100)):
+        assert len(errors) == len(CASES) * sum(rank in ranks for ranks in rings)
+        for (ranks, key_heads, documents, dtype), relative in errors.items():
             tolerance = 1e-12 if dtype == "torch.float64" else 1e-5
-            assert max(relative) < tolerance, (f"rank {rank} of {size}, {key_heads} key heads, documents "
+            assert max(relative) < tolerance, (f"rank {rank} in ring {ranks}, {key_heads} key heads, documents "
                                                f"{documents}, {dtype}: out, dq, dk, dv differ by {relative}")
 
 
