@@ -17,7 +17,7 @@ CASES += [(2, True, torch.float32)]
 
 
 def _random_documents(generator: torch.Generator, batch: int, length: int) -> torch.Tensor:
-    """(batch, length) document ids: documents of 1 to length/3 tokens, so that they cross chunk borders."""
+    """(batch, length) document ids: documents of fewer than length/3 tokens (at least 1)."""
     rows = []
     for _ in range(batch):
         lengths = torch.randint(1, max(2, length // 3), (length,), generator=generator, device="cpu")
@@ -59,6 +59,9 @@ def _ring_errors(rings: list[list[int]]) -> dict:
             q, k, v, grad_out = (torch.randn(batch, heads, length, head_dim, generator=generator, dtype=dtype,
                                              device="cpu") for heads in (HEADS, key_heads, key_heads, HEADS))
             document_ids = _random_documents(generator, batch, length) if documents else None
+            if documents and size > 1:
+                assert (document_ids[:, chunk::chunk] == document_ids[:, chunk - 1:-1:chunk]).any(), \
+                    "the case needs a document crossing a chunk border"
             full_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             full = _full_attention(*full_leaves, document_ids)
             (full * grad_out).sum().backward()
