@@ -178,9 +178,9 @@ def run_worker(job: dict) -> dict:
             "memory_method": method, "allocator": host_memory.loaded_allocator() or "glibc"}
 
 
-def launch(job: dict, ranks: int, timeout: float) -> list[dict]:
-    """``job`` as a torchrun job of ``ranks`` processes, each with the allocator ``paratrain launch`` preloads;
-    the per-rank results."""
+def launch(job: dict, ranks: int, timeout: float, script: str = __file__) -> list[dict]:
+    """``job`` as a torchrun job of ``ranks`` processes of ``script --worker JOB`` (each writes its rank{R}.json in
+    ``job["out_dir"]``), each with the allocator ``paratrain launch`` preloads; the per-rank results."""
     out = Path(job["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.json"):
@@ -188,7 +188,7 @@ def launch(job: dict, ranks: int, timeout: float) -> list[dict]:
     (out / "job.json").write_text(json.dumps(job))
     env = os.environ | host_memory.rank_env() | {"OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-               __file__, "--worker", str(out / "job.json")]
+               script, "--worker", str(out / "job.json")]
     with (out / "log.txt").open("w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
     if done.returncode != 0:

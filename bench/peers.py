@@ -244,7 +244,7 @@ def prepare(a: argparse.Namespace) -> dict:
 
 # --- one rank of one job ------------------------------------------------------------------------
 
-def _status_kb(field: str) -> int:
+def status_kb(field: str) -> int:
     return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
 
 
@@ -260,7 +260,7 @@ def reset_peak_rss() -> str:
 def peak_rss_kb(method: str) -> int:
     import resource
 
-    return _status_kb("VmHWM") if method.startswith("VmHWM") else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return status_kb("VmHWM") if method.startswith("VmHWM") else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def heap_free_kb() -> int | None:
@@ -609,7 +609,7 @@ def run_worker(job: dict) -> dict:
             "cpu_times": [u + s for u, s in zip(user, system)], "user_times": user, "sys_times": system,
             "page_faults": faults, "warmup_times": times[:warmup], "counted_step_time": times[counted],
             "peak_rss_kb": peak,
-            "memory_method": method, "rss_kb": _status_kb("VmRSS"), "heap_free_kb": heap_free,
+            "memory_method": method, "rss_kb": status_kb("VmRSS"), "heap_free_kb": heap_free,
             "allocator": host_memory.loaded_allocator() or "glibc",
             "comm": count_bytes(counter.events), "ops": ops.summary(),
             "profile": self_cpu_by_op(profiler) if job["profile"] else None}

@@ -88,14 +88,16 @@ def test_windows_are_the_documents_packed_with_eos_and_their_ids_and_positions(c
                 assert bool(mask[b, 0, q, k]) == (k <= q and bool(ids[b, q] == ids[b, k]))
 
 
-def test_packed_llama_logits_equal_each_document_alone(corpus, tmp_path):
+@pytest.mark.parametrize("kind,heads", [("llama", {"num_kv_heads": 2}), ("gpt", {})])
+def test_packed_logits_equal_each_document_alone(kind, heads, corpus, tmp_path):
     from paratrain.config import ModelConfig
     from paratrain.models import build_model
 
     data = DocumentsDataset(corpus, Tokenizer.load(tmp_path / "tokenizer.json"), SEQ, document_mask=True)
     torch.manual_seed(0)
-    model = build_model(ModelConfig(kind="llama", vocab_size=VOCAB, hidden_size=32, num_heads=4, num_kv_heads=2,
-                                    ffn_hidden_size=48, decoder_layers=2, seq_length=SEQ)).eval()
+    model = build_model(ModelConfig(kind=kind, vocab_size=VOCAB, hidden_size=32, num_heads=4, ffn_hidden_size=48,
+                                    decoder_layers=2, seq_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
+                                    **heads)).eval()
     rows = data.rows(np.arange(len(data)))
     packed = model(rows["input_ids"], position_ids=rows["position_ids"], document_ids=rows["document_ids"])
     plain = model(rows["input_ids"])

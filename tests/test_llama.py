@@ -346,3 +346,23 @@ def test_a_broken_safetensors_header_is_refused_naming_the_directory(hf_dirs, tm
     model = build_model(llama_config(directory))
     with pytest.raises(UserError, match="cannot read its safetensors"):
         load_hf_weights([model], model, directory)
+
+
+@pytest.mark.parametrize("case", ["llama_gqa2", "qwen3_qk_norm_head_dim"])
+def test_packed_documents_equal_transformers_given_the_same_mask_and_positions(case, hf_dirs):
+    """Documents packed in a row (each attending only itself, rotary positions restarting at each) give the logits
+    ``transformers`` gives with a 4-D mask and position ids of its own making."""
+    directory, _ = hf_dirs[case]
+    model = build_model(llama_config(directory)).eval()
+    load_hf_weights([model], model, directory)
+    starts = [[0, 5, 9], [0, 3, 4]]  # the documents' first tokens in each row (one of a single token)
+    document_ids = torch.tensor([[sum(s <= t for s in row) - 1 for t in range(SEQ)] for row in starts])
+    position_ids = torch.tensor([[t - max(s for s in row if s <= t) for t in range(SEQ)] for row in starts])
+    with torch.no_grad():
+        got = model(ids(), position_ids=position_ids, document_ids=document_ids)
+        same_document = document_ids[:, None, :, None] == document_ids[:, None, None, :]
+        mask = same_document & torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+        want = hf_model(case)(ids(), attention_mask=mask, position_ids=position_ids).logits
+        whole = model(ids())
+    assert relative(got, want) <= 1e-5
+    assert relative(whole, want) > 1e-2  # the mask and positions matter in these rows

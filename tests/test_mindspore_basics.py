@@ -220,3 +220,14 @@ def test_generator_dataset_maps_and_batches_as_mindspore():
         ds.GeneratorDataset(rows, column_names=["ids", "mask", "label"], column_types=[mstype.int32] * 3)
     shuffled = ds.GeneratorDataset([(np.array(i),) for i in range(8)], column_names=["x"], shuffle=True)
     assert sorted(t.item() for b in shuffled.batch(4) for t in b[0]) == list(range(8))
+
+
+def test_a_script_importing_mindspore_s_transformer_package_changes_its_package_name_only():
+    import paratrain.nn
+    from paratrain.nn.transformer import (AttentionMask, CrossEntropyLoss, Transformer,  # noqa: F401
+                                          TransformerOpParallelConfig, VocabEmbedding)
+
+    import paratrain.nn.transformer as package
+
+    assert {name: getattr(package, name) for name in package.__all__} == {
+        name: getattr(paratrain.nn, name) for name in package.__all__}

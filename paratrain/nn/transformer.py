@@ -19,10 +19,20 @@ from torch import nn
 from paratrain.errors import UserError
 from paratrain.modules import transformer as shared
 from paratrain.nn.cell import Cell
-from paratrain.nn.config import (ParallelConfig, check_divisible, check_moe, check_sizes, default_dpmp_config,
-                                 default_moe_config, default_transformer_config, op_config, refuse_unsupported,
-                                 to_dtype)
-from paratrain.nn.layers import MoE, FeedForward, MultiHeadAttention, _LayerNorm, recognise_mask
+from paratrain.nn.config import (EmbeddingOpParallelConfig, MoEConfig, OpParallelConfig, ParallelConfig,
+                                 TransformerOpParallelConfig, TransformerRecomputeConfig, check_divisible, check_moe,
+                                 check_sizes, default_dpmp_config, default_moe_config, default_transformer_config,
+                                 op_config, refuse_unsupported, to_dtype)
+from paratrain.nn.layers import (AttentionMask, FeedForward, MoE, MultiHeadAttention, VocabEmbedding, _LayerNorm,
+                                 recognise_mask)
+from paratrain.nn.loss import CrossEntropyLoss
+
+# the names of MindSpore's transformer package (mindspore.nn.transformer in 1.x), so a script's import of it
+# changes its package name only
+__all__ = ["AttentionMask", "VocabEmbedding", "MultiHeadAttention", "FeedForward", "MoE", "CrossEntropyLoss",
+           "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder", "TransformerDecoder",
+           "Transformer", "TransformerOpParallelConfig", "EmbeddingOpParallelConfig", "OpParallelConfig",
+           "TransformerRecomputeConfig", "MoEConfig"]
 
 
 def _get_lambda_func(total_layer: int | None = None):
