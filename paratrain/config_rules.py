@@ -164,7 +164,8 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
 
 def _context_parallel_problems(cfg: Config) -> list[str]:
     """``parallel.context_parallel`` N > 1: each sequence of a decoder split over N ranks, each keeping a head and a
-    tail chunk of 2N (``paratrain.parallel.context``), with Ulysses attention (this rank's heads split over N)."""
+    tail chunk of 2N (``paratrain.parallel.context``), with Ulysses attention (this rank's heads split over N) or
+    ring attention (``ParallelConfig.attention_split``)."""
     m, p = cfg.model, cfg.parallel
     cp, mp = p.context_parallel, p.model_parallel
     if cp == 1:
@@ -192,13 +193,14 @@ def _context_parallel_problems(cfg: Config) -> list[str]:
                         f"num_heads={m.num_heads} and {m.kv_heads} key/value heads over model_parallel={mp} leave "
                         f"{heads} and {kv_heads} a rank, not both divisible by {cp}: use context_parallel in "
                         f"{fits or 'none (no common divisor above 1)'}, or cp_method='ring'")
-    if method == "ring":
+    if method == "ring" and m.attention_dropout > 0:
         fits = [n for n in divisors(math.gcd(heads, kv_heads)) if n > 1]
         chosen = ("parallel.cp_method='ring'" if p.cp_method == "ring" else
                   f"parallel.cp_method='auto' picks ring attention here ({heads} query and {kv_heads} key/value heads "
                   f"a rank are not both divisible by {where})")
-        problems.append(f"{chosen}: ring attention is not available yet; use cp_method='ulysses' with "
-                        f"context_parallel in {fits or 'none (no common divisor above 1)'}")
+        ulysses = f" or cp_method='ulysses' with context_parallel in {fits}" if fits else ""
+        problems.append(f"{chosen}: ring attention has no attention dropout, but model.attention_dropout="
+                        f"{m.attention_dropout}: set attention_dropout=0{ulysses}")
     if p.sequence_parallel and (m.seq_length // cp) % mp:
         problems.append(f"model.seq_length={m.seq_length} over {where} leaves {m.seq_length // cp} tokens a rank, "
                         f"not divisible by parallel.model_parallel={mp} with sequence_parallel=true: use a "

@@ -76,8 +76,11 @@ def test_layouts_that_cannot_split_the_sequence_are_refused(tmp_path):
     assert "use seq_length=20" in said
     said = problems(tmp_path, {"cp": 4, "cp_method": "ulysses"}, {"num_heads": 4, "num_kv_heads": 2})
     assert "2 a rank, not both divisible by 4: use context_parallel in [2]" in said
-    said = problems(tmp_path, {"cp": 2, "model_parallel": 2}, {"num_heads": 8, "num_kv_heads": 2})
-    assert "parallel.cp_method='auto' picks ring attention here" in said and "context_parallel in []" not in said
+    said = problems(tmp_path, {"cp": 2, "model_parallel": 2}, {"num_heads": 8, "num_kv_heads": 2,
+                                                               "attention_dropout": 0.1})
+    assert "parallel.cp_method='auto' picks ring attention here (4 query and 1 key/value heads a rank are not both " \
+           "divisible by parallel.context_parallel=2): ring attention has no attention dropout" in said
+    assert problems(tmp_path, {"cp": 2, "model_parallel": 2}, {"num_heads": 8, "num_kv_heads": 2}, 4) == ""
     said = problems(tmp_path, {"cp": 2, "sequence_parallel": True, "model_parallel": 2}, GPT)
     assert "sequence_parallel=true and model.kind='gpt': the learned positions" in said
     said = problems(tmp_path, {"cp": 2, "sequence_parallel": True, "model_parallel": 4}, {"seq_length": 12})
@@ -162,7 +165,8 @@ def packed_corpus(folder) -> dict:
 @pytest.mark.timeout(300)
 def test_cp2_equals_one_process_for_gpt_llama_packed_documents_and_resumes_across_cp_sizes(tmp_path):
     """One launch of 2 ranks: llama (saving a checkpoint at step 2), gpt, llama on packed documents with their
-    masks, and llama resumed from the one-process run's step 2; then one process resumes the cp2 run's step 2."""
+    masks (Ulysses and ring attention), and llama resumed from the one-process run's step 2; then one process
+    resumes the cp2 run's step 2."""
     saving = {"save_steps": 2, "keep_max": 0}
     documents = packed_corpus(tmp_path / "corpus")
     want = {"llama": trainer_losses(config(tmp_path, "one", {}, checkpoint={**saving, "dir": str(tmp_path / "one")})),
@@ -171,12 +175,14 @@ def test_cp2_equals_one_process_for_gpt_llama_packed_documents_and_resumes_acros
     split = [config(tmp_path, "llama2", {"cp": 2}, checkpoint={**saving, "dir": str(tmp_path / "two")}),
              config(tmp_path, "gpt2", {"cp": 2}, GPT),
              config(tmp_path, "documents2", {"cp": 2}, data=documents),
+             config(tmp_path, "documents_ring2", {"cp": 2, "cp_method": "ring"}, data=documents),
              config(tmp_path, "resumed2", {"cp": 2}, checkpoint={"resume": str(tmp_path / "one" / "step_00000002")})]
     got = run_distributed(each_losses, 2, split, timeout=280)[0]
     assert_same(got[0], want["llama"])
     assert_same(got[1], want["gpt"])
     assert_same(got[2], want["documents"])
-    assert_same(got[3], want["llama"][2:])
+    assert_same(got[3], want["documents"])
+    assert_same(got[4], want["llama"][2:])
     resumed = trainer_losses(config(tmp_path, "resumed1", {},
                                     checkpoint={"resume": str(tmp_path / "two" / "step_00000002")}))
     assert_same(resumed, want["llama"][2:])
@@ -184,8 +190,9 @@ def test_cp2_equals_one_process_for_gpt_llama_packed_documents_and_resumes_acros
 
 @pytest.mark.timeout(300)
 def test_llama_on_cp4_and_cp2_with_tp2_sequence_parallel_zero3_dp2_and_pp2_equals_one_process(tmp_path):
+    """Ulysses, and ring attention on cp4 (the query heads 8 and key/value heads 4 of ``config``)."""
     want = trainer_losses(config(tmp_path, "one", {}))
-    layouts = [{"cp": 4}, {"cp": 2, "model_parallel": 2},
+    layouts = [{"cp": 4}, {"cp": 4, "cp_method": "ring"}, {"cp": 2, "model_parallel": 2},
                {"cp": 2, "model_parallel": 2, "sequence_parallel": True, "vocab_emb_dp": False},
                {"cp": 2, "data_parallel": 2, "zero_stage": 3},
                {"cp": 2, "pipeline_stage": 2, "micro_batch_num": 2, "pipeline_schedule": "gpipe"}]

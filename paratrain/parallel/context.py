@@ -12,6 +12,8 @@ into all tokens of 1/N of its heads, (B, h/N, T, d), put back in the sequence's 
 block-diagonal causal mask of the whole sequence's documents) runs there, and a second all-to-all returns the
 output to the local tokens. The all-to-alls have a backward (functional collectives'
 ``all_to_all_single_autograd``), so the gradients of the keys and values of other ranks' tokens flow back to them.
+Where the heads do not divide by N, ring attention (``paratrain.parallel.ring_attention``) passes the keys and
+values around the ranks instead.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from paratrain.mesh import Layout
 from paratrain.modules.transformer import Attention, DocumentMask
+from paratrain.parallel.ring_attention import ring_attention
+from paratrain.parallel.vocab import ALL_GATHER
 
 SPLIT_KEYS = ("input_ids", "labels", "position_ids", "document_ids")  # the (B, T) tensors of a decoder's batch
 
@@ -58,7 +62,7 @@ def split_sequence(batch: dict, layout: Layout) -> dict:
 
 def apply_context_parallel(model: nn.Module, layout: Layout, method: str) -> nn.Module:
     """Give every ``Attention`` of ``model`` the attention over its sequence split on ``layout``'s cp group, by
-    ``method`` (``ParallelConfig.attention_split``: "ulysses"); in place, returned."""
+    ``method`` (``ParallelConfig.attention_split``: "ulysses" or "ring"); in place, returned."""
     attention = functools.partial(ATTENTIONS[method], group=layout.cp_group)
     for module in model.modules():
         if isinstance(module, Attention):
@@ -107,11 +111,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     if document_ids is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **options)
     else:
-        # every rank's ids: this rank's sent to each (an all-gather through the all-to-all) -> (N, B, T/N)
-        gathered = _all_to_all(document_ids.expand(n, *document_ids.shape), group)
-        whole_ids = gathered.movedim(0, 1).flatten(1).index_select(1, order)  # (B, T)
+        gathered = document_ids.new_empty((n * document_ids.shape[0], document_ids.shape[1]))  # each rank's in turn
+        ALL_GATHER(gathered, document_ids.contiguous(), group=group)
+        whole_ids = gathered.unflatten(0, (n, -1)).movedim(0, 1).flatten(1).index_select(1, order)  # (B, T)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=DocumentMask(whole_ids).mask, **options)
     return _local_sequence(out, group, order)
 
 
-ATTENTIONS = {"ulysses": ulysses_attention}  # ``ParallelConfig.attention_split`` -> the attention it names
+ATTENTIONS = {"ulysses": ulysses_attention, "ring": ring_attention}  # ``ParallelConfig.attention_split`` -> the attention it names
