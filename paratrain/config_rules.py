@@ -213,9 +213,6 @@ def _context_parallel_problems(cfg: Config) -> list[str]:
         problems.append(f"{where} with model.moe (expert_num={m.moe_config.expert_num}) is not supported yet: the "
                         f"experts' load-balancing statistics are not summed over the sequence's ranks; remove "
                         f"model.moe or set context_parallel=1")
-    if p.auto:
-        problems.append(f"{where} with parallel.auto=true: the planner does not choose context parallelism yet; give "
-                        f"the layout yourself or set context_parallel=1")
     return problems
 
 

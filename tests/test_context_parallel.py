@@ -200,3 +200,30 @@ def test_llama_on_cp4_and_cp2_with_tp2_sequence_parallel_zero3_dp2_and_pp2_equal
                                            for i, layout in enumerate(layouts)], timeout=280)[0]
     for layout, losses in zip(layouts, got):
         assert_same(losses, want, layout)
+
+
+@pytest.mark.timeout(120)
+def test_the_planner_divides_activations_by_cp_and_proposes_it_for_long_sequences():
+    import dataclasses
+
+    from paratrain.plan.cost import Hardware
+    from paratrain.plan.search import evaluate, search
+
+    cfg = config_file.from_dict({
+        "model": {"kind": "llama", "vocab_size": 32000, "hidden_size": 2048, "num_heads": 16, "num_kv_heads": 8,
+                  "ffn_hidden_size": 5632, "decoder_layers": 16, "seq_length": 32768},
+        "train": {"global_batch_size": 8, "mixed_precision": "bf16"}})
+
+    def hardware(devices: int, gib: int) -> Hardware:
+        return Hardware(devices, 8, gib * 2 ** 30, 312e12, 200e9, 25e9, 0.5)
+
+    rows = {cp: evaluate(cfg, dataclasses.replace(cfg.parallel, data_parallel=1, context_parallel=cp), hardware(cp, 80))
+            for cp in (1, 2, 4)}
+    for cp in (2, 4):
+        assert rows[cp]["breakdown"]["activations"] == pytest.approx(rows[1]["breakdown"]["activations"] / cp)
+        assert rows[cp]["breakdown"]["cp_comm_s"] > 0 == rows[1]["breakdown"]["cp_comm_s"]
+    roomy, tight = (search(cfg, hardware(8, gib)) for gib in (80, 16))
+    assert roomy[0]["context_parallel"] == 1  # the sequence fits whole: its all-to-alls would only cost time
+    assert tight[0]["feasible"] and tight[0]["context_parallel"] > 1
+    short = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_length=1024))
+    assert {r["context_parallel"] for r in search(short, hardware(8, 16))} == {1}
