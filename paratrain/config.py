@@ -471,8 +471,8 @@ class ParallelConfig(Section):
     def moves_tokens(self, tokens_per_rank: int | None, vocab_size: int) -> bool:
         """Whether the word tables and heads stay row-sharded over the data-parallel ranks and the tokens travel to
         them (``paratrain.parallel.vocab``): zero stage 2 or 3 over dp > 1 ranks without tensor, pipeline or
-        context parallelism or offload, micro-batches of ``tokens_per_rank`` tokens of one shape on every rank (None: not
-        known), and fewer tokens on all ranks together than ``vocab_size`` rows."""
+        context parallelism or offload, micro-batches of ``tokens_per_rank`` tokens of one shape on every rank
+        (None: not known), and fewer tokens on all ranks together than ``vocab_size`` rows."""
         return (self.shards_parameters and not self.offloads and self.data_parallel > 1 and self.model_parallel == 1
                 and self.pipeline_stage == 1 and self.context_parallel == 1 and tokens_per_rank is not None
                 and self.data_parallel * tokens_per_rank <= vocab_size)

@@ -118,4 +118,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     return _local_sequence(out, group, order)
 
 
-ATTENTIONS = {"ulysses": ulysses_attention, "ring": ring_attention}  # ``ParallelConfig.attention_split`` -> the attention it names
+# ``ParallelConfig.attention_split`` -> the attention it names
+ATTENTIONS = {"ulysses": ulysses_attention, "ring": ring_attention}

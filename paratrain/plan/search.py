@@ -332,9 +332,10 @@ def choose_layout(cfg: Config, world_size: int, devices_per_node: int | None = N
     context = f" context_parallel={par.context_parallel}" if par.context_parallel > 1 else ""
     why = (f"parallel.auto: chose data_parallel={par.data_parallel} model_parallel={par.model_parallel} "
            f"pipeline_stage={par.pipeline_stage}{context} micro_batch_num={par.micro_batch_num} "
-           f"zero_stage={par.zero_stage} recompute={par.recompute} sequence_parallel={par.sequence_parallel}{offload}: predicted step "
-           f"{best['step_time_s']:.3g} s, {best['memory_gib']:.2f} GiB per device, the fastest of {feasible} "
-           f"feasible layouts out of {len(rows)} on {world_size} devices ({devices_per_node or world_size} per node)")
+           f"zero_stage={par.zero_stage} recompute={par.recompute} sequence_parallel={par.sequence_parallel}{offload}: "
+           f"predicted step {best['step_time_s']:.3g} s, {best['memory_gib']:.2f} GiB per device, the fastest of "
+           f"{feasible} feasible layouts out of {len(rows)} on {world_size} devices "
+           f"({devices_per_node or world_size} per node)")
     return par, why
 
 
