@@ -269,6 +269,15 @@ class Pipeline:
         self.schedule.step(**inputs, target=batch["labels"] if self.has_last else None, return_outputs=False)
         self._sum_shared_grads()
 
+    def evaluate(self, batch: dict[str, torch.Tensor], loss_fn) -> torch.Tensor:
+        """Forward only over ``micro_batch_num`` micro-batches (the schedule's ``eval``): the sum of
+        ``loss_fn(logits, labels)`` (a plain scalar) over them on the last stage's rank, 0 on the others."""
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        self.loss_fn, losses = loss_fn, []
+        self.schedule.eval(**inputs, target=batch["labels"] if self.has_last else None, losses=losses,
+                           return_outputs=False)
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.layout.device)
+
     def _sum_shared_grads(self) -> None:
         params = [_parameters_by_name(chunk) for chunk in self.parts]
         for name in self.shared:
