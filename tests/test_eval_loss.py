@@ -95,7 +95,7 @@ def evaluated_runs(configs: list) -> list[list[dict]]:
 
 
 @pytest.mark.timeout(240)
-def test_held_out_loss_on_dp2_tp2_pp2_equals_one_process(corpus, tmp_path):  # noqa: F811
+def test_held_out_loss_on_dp2_tp2_pp2_and_zbv_equals_one_process(corpus, tmp_path):  # noqa: F811
     held_out = tmp_path / "held_out"
     held_out.mkdir()
     (held_out / "a.jsonl").write_text("".join(json.dumps({"text": words(doc)}) + "\n"
@@ -105,7 +105,7 @@ def test_held_out_loss_on_dp2_tp2_pp2_equals_one_process(corpus, tmp_path):  # n
         return config_file.from_dict({
             "run": {"dir": str(tmp_path / name)}, "parallel": layout, "metrics": {"log_steps": 1, "progress": False},
             "model": {"kind": "llama", "vocab_size": VOCAB, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
-                      "ffn_hidden_size": 48, "decoder_layers": 2, "seq_length": SEQ, "hidden_dropout": 0.0,
+                      "ffn_hidden_size": 48, "decoder_layers": 4, "seq_length": SEQ, "hidden_dropout": 0.0,
                       "attention_dropout": 0.0},
             "data": {"kind": "documents", "path": str(corpus), "eval_path": str(held_out), "document_mask": True,
                      "tokenizer": str(tmp_path / "tokenizer.json"), "eval_batches": EVAL_BATCHES},
@@ -113,7 +113,10 @@ def test_held_out_loss_on_dp2_tp2_pp2_equals_one_process(corpus, tmp_path):  # n
 
     want = train(config("one", {}))
     layouts = {"dp2": {"data_parallel": 2}, "tp2": {"model_parallel": 2},
-               "pp2": {"pipeline_stage": 2, "micro_batch_num": 2, "pipeline_schedule": "1f1b"}}
+               "pp2": {"pipeline_stage": 2, "micro_batch_num": 2, "pipeline_schedule": "1f1b"},
+               # two stages a rank, the second handing gradients to the first on the rank: none in eval
+               "pp2 zbv": {"pipeline_stage": 2, "virtual_pipeline_stage": 2, "micro_batch_num": 2,
+                           "pipeline_schedule": "zbv_zero_bubble"}}
     runs = run_distributed(evaluated_runs, 2, [config(name, layout) for name, layout in layouts.items()],
                            timeout=220)[0]
     assert [r["step"] for r in want if "eval_loss" in r] == [2, 4]
