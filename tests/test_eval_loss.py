@@ -162,3 +162,16 @@ def test_bad_eval_settings_are_refused_before_start(tmp_path):
                                  "data": text | {"eval_path": str(tmp_path / "short.txt")}})
     with pytest.raises(DataError, match="holds 2 windows of model.seq_length tokens, fewer than train.global_batch"):
         HeldOutBatches(build_dataset(cfg, "eval_path"), 4, EVAL_BATCHES)
+
+
+@pytest.mark.timeout(30)
+def test_synthetic_held_out_windows_are_no_training_step_s_and_split_over_ranks():
+    cfg = config_file.from_dict({"model": {"kind": "gpt", "vocab_size": VOCAB, "seq_length": SEQ},
+                                 "train": {"eval_steps": 2}})
+    source = build_dataset(cfg, "eval_path")
+    whole = [batch["input_ids"] for batch in HeldOutBatches(source, BATCH, EVAL_BATCHES)]
+    halves = [[batch["input_ids"] for batch in HeldOutBatches(source, BATCH, EVAL_BATCHES, rank, 2)] for rank in (0, 1)]
+    assert len(whole) == EVAL_BATCHES
+    assert all(torch.equal(torch.cat([halves[0][i], halves[1][i]]), batch) for i, batch in enumerate(whole))
+    trained = {tuple(row.tolist()) for step in range(50) for row in source.batch_rows(step, 0, BATCH)["input_ids"]}
+    assert not trained & {tuple(row.tolist()) for batch in whole for row in batch}
