@@ -532,8 +532,8 @@ class TrainConfig(Section):
     loss_scale_window: int = 1000  # fp16: the scale doubles after this many steps without overflow
     loss_scale_hysteresis: int = 1  # fp16: overflows tolerated before the scale halves (DeepSpeed's hysteresis)
     consecutive_hysteresis: bool = False  # fp16: every good step refills the hysteresis (else each doubling)
-    # evaluate every this many steps, 0 = off: gpt / llama the held-out loss and perplexity of data.eval_path
-    # (synthetic data: windows never trained on); the encoder-decoder BLEU of the held-out translation pairs
+    # evaluate every this many steps (0 = off): gpt / llama measure the held-out loss and perplexity on
+    # data.eval_path (synthetic data: on windows never trained on), the encoder-decoder BLEU on held-out pairs
     eval_steps: int = 0
 
 
@@ -558,7 +558,7 @@ class DataConfig(Section):
     # the encoder-decoder source<TAB>target pairs for BLEU
     eval_path: str = ""
     eval_samples: int = 200  # how many of the held-out pairs (the first ones) BLEU decodes
-    eval_batches: int = 8  # gpt / llama: the held-out loss over the first this many global batches of eval_path
+    eval_batches: int = 8  # gpt / llama: the held-out loss is measured on this many global batches of eval_path
     shuffle: bool = True  # shuffle the examples each epoch (seeded by run.seed)
     bucket_size: int = 0  # length bucketing: sort windows of this many global batches by length; 0 = off
     dynamic_padding: bool = False  # pad each global batch to its longest example, not the model lengths
