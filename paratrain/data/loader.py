@@ -101,10 +101,10 @@ class HeldOutBatches:
                                 f"tokens, fewer than train.global_batch_size={global_batch_size}: give more "
                                 f"held-out data")
             first = [i * global_batch_size for i in range(min(batches, whole))]
-            self.host = [source.rows(np.arange(f + start, f + stop), np.arange(f, f + global_batch_size))
-                         for f in first]
+            host = [source.rows(np.arange(f + start, f + stop), np.arange(f, f + global_batch_size)) for f in first]
         else:
-            self.host = [source.batch_rows(-1 - i, start, stop) for i in range(batches)]
+            host = [source.batch_rows(-1 - i, start, stop) for i in range(batches)]
+        self.host = [{k: pinned(v.contiguous(), device) for k, v in rows.items()} for rows in host]
         self.device = device
 
     def __len__(self) -> int:
