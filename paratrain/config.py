@@ -532,7 +532,9 @@ class TrainConfig(Section):
     loss_scale_window: int = 1000  # fp16: the scale doubles after this many steps without overflow
     loss_scale_hysteresis: int = 1  # fp16: overflows tolerated before the scale halves (DeepSpeed's hysteresis)
     consecutive_hysteresis: bool = False  # fp16: every good step refills the hysteresis (else each doubling)
-    eval_steps: int = 0  # BLEU on data.eval_path every this many steps (encoder-decoder, translation data); 0 = off
+    # evaluate every this many steps (0 = off): gpt / llama measure the held-out loss and perplexity on
+    # data.eval_path (synthetic data: on windows never trained on), the encoder-decoder BLEU on held-out pairs
+    eval_steps: int = 0
 
 
 @dataclass
@@ -552,8 +554,11 @@ class DataConfig(Section):
     min_length: int = 4  # synthetic data: the length of the shortest string
     path: str = ""  # the data file or directory of kind (see above)
     tokenizer: str = ""  # a tokenizer.json; trained on path at first use if absent
-    eval_path: str = ""  # held-out source<TAB>target pairs for BLEU
+    # held-out data of the kind of path, read with its tokenizer: gpt / llama a text file (or .npy) or documents,
+    # the encoder-decoder source<TAB>target pairs for BLEU
+    eval_path: str = ""
     eval_samples: int = 200  # how many of the held-out pairs (the first ones) BLEU decodes
+    eval_batches: int = 8  # gpt / llama: the held-out loss is measured on this many global batches of eval_path
     shuffle: bool = True  # shuffle the examples each epoch (seeded by run.seed)
     bucket_size: int = 0  # length bucketing: sort windows of this many global batches by length; 0 = off
     dynamic_padding: bool = False  # pad each global batch to its longest example, not the model lengths
@@ -587,6 +592,9 @@ class DataConfig(Section):
             out.append(f"data.min_length={self.min_length} must not be negative (the shortest synthetic string)")
         if self.eval_samples < 1:
             out.append(f"data.eval_samples={self.eval_samples} must be positive (the held-out pairs BLEU decodes)")
+        if self.eval_batches < 1:
+            out.append(f"data.eval_batches={self.eval_batches} must be positive (the held-out global batches a "
+                       f"decoder's loss is measured on)")
         return out
 
     def synthetic_task(self, model_kind: str) -> str:

@@ -21,17 +21,18 @@ def document_files(path: Path) -> list[Path]:
     return sorted(files, key=lambda p: (list(FORMATS).index(p.suffix), str(p)))
 
 
-def document_problems(path: Path, text_field: str) -> list[str]:
-    """Every problem with the corpus at ``path`` (``data.path`` of ``data.kind = "documents"``): each names the file
-    and line (or column) and a fix. Reads every jsonl line and each parquet file's schema once."""
+def document_problems(path: Path, text_field: str, key: str = "data.path") -> list[str]:
+    """Every problem with the corpus at ``path`` (``key``, ``data.path`` or ``data.eval_path``, of ``data.kind =
+    "documents"``): each names the file and line (or column) and a fix. Reads every jsonl line and each parquet
+    file's schema once."""
     if not path.exists():
-        return [f"data.path={path} does not exist: give a folder or a file of .jsonl / .parquet / .txt documents"]
+        return [f"{key}={path} does not exist: give a folder or a file of .jsonl / .parquet / .txt documents"]
     if path.is_file() and path.suffix not in FORMATS:
-        return [f"data.path={path} is a {path.suffix or 'suffix-less'} file: give .jsonl, .parquet or .txt documents "
+        return [f"{key}={path} is a {path.suffix or 'suffix-less'} file: give .jsonl, .parquet or .txt documents "
                 f"(or a folder of them)"]
     files = document_files(path)
     if not files:
-        return [f"data.path={path} holds no .jsonl, .parquet or .txt file: put the documents there"]
+        return [f"{key}={path} holds no .jsonl, .parquet or .txt file: put the documents there"]
     problems, documents = [], 0
     for file in files:
         if file.suffix == ".jsonl":
@@ -44,7 +45,7 @@ def document_problems(path: Path, text_field: str) -> list[str]:
         if problem:
             problems.append(problem)
     if not problems and not documents:
-        problems.append(f"data.path={path}: its {len(files)} files hold no document: add text to them")
+        problems.append(f"{key}={path}: its {len(files)} files hold no document: add text to them")
     return problems
 
 
