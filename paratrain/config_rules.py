@@ -203,6 +203,11 @@ def _data_problems(d: DataConfig, m: ModelConfig) -> list[str]:
     if d.kind not in m.spec.data_kinds:
         return [f"data.kind={d.kind!r} has no batches for model.kind={m.kind!r}: use data.kind "
                 f"{' or '.join(map(repr, m.spec.data_kinds))}"]
+    if d.kind == "chat" and not m.from_hf and not (d.tokenizer and d.chat_template):
+        return ["data.kind='chat' needs a tokenizer and its chat template: set model.from_hf to a Hugging Face "
+                "directory (its tokenizer.json, and the chat template of its tokenizer_config.json), or both "
+                f"data.tokenizer and data.chat_template (a jinja file; given: data.tokenizer={d.tokenizer!r}, "
+                f"data.chat_template={d.chat_template!r})"]
     if d.kind != "synthetic":
         return []
     problems = []

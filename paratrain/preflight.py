@@ -181,6 +181,9 @@ def data_problems(cfg: Config) -> list[str]:
     if d.kind == "documents":
         from paratrain.data.documents import document_problems
         problems = document_problems(Path(d.path), d.text_field)
+    elif d.kind == "chat":
+        from paratrain.data.chat import chat_problems
+        problems = chat_problems(Path(d.path))
     else:
         problems = _file_problems("data.path", Path(d.path), text)
     if not text and not problems:
@@ -193,6 +196,9 @@ def data_problems(cfg: Config) -> list[str]:
         tokenizer = Path(d.tokenizer or Path(d.path).with_name("tokenizer.json"))
         if tokenizer.is_dir():
             problems.append(f"data.tokenizer={tokenizer} is a directory: give its tokenizer.json")
+        elif not tokenizer.exists() and d.kind == "chat":
+            problems.append(f"data.tokenizer={tokenizer} does not exist: chat data needs the tokenizer its chat "
+                            f"template was written for (or model.from_hf, whose tokenizer it takes)")
         elif not tokenizer.exists() and cfg.model.vocab_size < MIN_BPE_VOCAB:
             problems.append(f"tokenizer {tokenizer} does not exist and would be trained on data.path with "
                             f"model.vocab_size={cfg.model.vocab_size} tokens, too few for a byte-level BPE: set "
@@ -200,7 +206,21 @@ def data_problems(cfg: Config) -> list[str]:
         elif not tokenizer.exists() and (problem := writable_problem("data.tokenizer", tokenizer.parent)):
             problems.append(f"tokenizer {tokenizer} does not exist and would be trained and saved there, but "
                             f"{problem}")
+    if d.kind == "chat" and not problems:
+        problems += _chat_template_problems(cfg)
     return problems
+
+
+def _chat_template_problems(cfg: Config) -> list[str]:
+    """The chat template of ``data.kind = "chat"`` must be found and be a jinja template."""
+    from paratrain.data import DataError
+    from paratrain.data.chat import ChatTemplate
+
+    try:
+        ChatTemplate.load(cfg.model.from_hf or None, cfg.data.chat_template or None)
+    except DataError as exc:
+        return [str(exc)]
+    return []
 
 
 def _hf_tokenizer_problems(directory: str, vocab_size: int) -> list[str]:
