@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from multiprocess import run_distributed  # tests/multiprocess.py, before datasets brings the package of that name
 from paratrain import config_file
 from paratrain.data.chat import ChatTemplate
-from paratrain.data.datasets import ChatDataset
 from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.data.tokenizer import Tokenizer
 
@@ -274,6 +273,7 @@ def test_bad_conversations_and_missing_templates_are_refused_before_start(hf_dir
 
     from paratrain.config import ConfigError
     from paratrain.config_rules import validate
+    from paratrain.data import DataError
     from paratrain.preflight import data_problems
 
     def problems(path, directory=hf_dir, **data):
@@ -315,6 +315,11 @@ def test_bad_conversations_and_missing_templates_are_refused_before_start(hf_dir
     assert "is not a jinja template" in problems(file, chat_template=str(tmp_path / "broken.jinja"))
     (tmp_path / "ok.jinja").write_text(UNTAGGED)
     assert problems(file, chat_template=str(tmp_path / "ok.jinja")) == ""
+    # without generation blocks, a template whose earlier turns change once later ones follow has no turn spans
+    last_only = ChatTemplate("{{ messages[-1]['content'] }}", {}, "a last-message template")
+    with pytest.raises(DataError, match="a last-message template has no {% generation %} blocks"):
+        last_only.tokenized([CONVERSATIONS[1]], Tokenizer.of_hf_model(hf_dir))
+    assert last_only.tokenized([CONVERSATIONS[1]], Tokenizer.of_hf_model(hf_dir), assistant=False)["tokens"].size
 
     def rules(**data):
         try:

@@ -16,7 +16,10 @@ import re
 from datetime import datetime
 from pathlib import Path
 
+import jinja2
 import numpy as np
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from paratrain.data import DataError
 from paratrain.data.documents import corpus_problems, document_files, jsonl_problem, load_records
@@ -98,8 +101,6 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str], origin: str):
         self.source, self.special_tokens, self.origin = source, special_tokens, origin
         self.tagged = bool(GENERATION_TAG.search(source))  # has {% generation %} blocks
-        import jinja2
-
         try:
             self.template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as exc:
@@ -148,8 +149,12 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The text of a conversation."""
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    **self.special_tokens)
+        return self.template.render(**self._variables(messages, add_generation_prompt))
+
+    def _variables(self, messages: list[dict], add_generation_prompt: bool) -> dict:
+        """What the template sees, as ``apply_chat_template`` gives it without tools or documents."""
+        return {**self.special_tokens, "messages": messages, "tools": None, "documents": None,
+                "add_generation_prompt": add_generation_prompt}
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """(the text of a conversation, the [start, end) character spans of the assistant's part of it): what the
@@ -160,8 +165,7 @@ class ChatTemplate:
         blocks, spans = [], []
         environment.generation_record = (blocks, spans)
         try:
-            for block in self.template.generate(messages=messages, add_generation_prompt=False,
-                                                **self.special_tokens):
+            for block in self.template.generate(**self._variables(messages, False)):
                 blocks.append(block)
         finally:
             environment.generation_record = None
@@ -215,46 +219,45 @@ def _token_text(token) -> str:
     return token["content"] if isinstance(token, dict) else str(token)
 
 
-def _environment():
-    """The jinja2 environment ``transformers`` renders chat templates in: sandboxed, ``trim_blocks`` and
+class GenerationBlocks(Extension):
+    """``{% generation %}...{% endgeneration %}``: writes its body and, while a render records them
+    (``environment.generation_record = (blocks written so far, spans)``), the body's character span."""
+
+    tags = {"generation"}
+
+    def __init__(self, environment):
+        super().__init__(environment)
+        environment.extend(generation_record=None)
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_written"), [], [], body).set_lineno(lineno)
+
+    def _written(self, caller) -> str:
+        text = caller()
+        if self.environment.generation_record is not None:
+            blocks, spans = self.environment.generation_record
+            start = sum(map(len, blocks))
+            spans.append((start, start + len(text)))
+        return text
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """A jinja2 environment like the one ``transformers`` renders chat templates in: sandboxed, ``trim_blocks`` and
     ``lstrip_blocks``, loop controls, ``{% generation %}`` blocks, a ``tojson`` that leaves HTML characters
     alone, ``raise_exception`` and ``strftime_now``."""
-    import jinja2
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationBlocks(Extension):
-        """``{% generation %}...{% endgeneration %}``: writes its body and, while a render records them
-        (``environment.generation_record = (blocks written so far, spans)``), the body's character span."""
-
-        tags = {"generation"}
-
-        def __init__(self, environment):
-            super().__init__(environment)
-            environment.extend(generation_record=None)
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_written"), [], [], body).set_lineno(lineno)
-
-        def _written(self, caller) -> str:
-            text = caller()
-            if self.environment.generation_record is not None:
-                blocks, spans = self.environment.generation_record
-                start = sum(map(len, blocks))
-                spans.append((start, start + len(text)))
-            return text
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[GenerationBlocks, jinja2.ext.loopcontrols])
-    environment.filters["tojson"] = tojson
-    environment.globals["raise_exception"] = raise_exception
+                                                extensions=[GenerationBlocks, loopcontrols])
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     return environment

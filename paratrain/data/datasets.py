@@ -188,7 +188,7 @@ class DocumentsDataset(TextDataset):
         super().__init__(path, tokenizer, seq_length, document_mask)
 
     def load(self, tokenizer: Tokenizer | None) -> dict[str, np.ndarray]:
-        from paratrain.data.documents import document_files, document_problems, read_documents
+        from paratrain.data.documents import document_problems, read_documents
 
         if tokenizer is None:
             raise DataError(f"{self.path} holds documents: set data.tokenizer to tokenize them")
