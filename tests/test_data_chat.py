@@ -59,9 +59,13 @@ PAIRS = [("what is up", "the sky"), ("count", "one two three four five six seven
 STEPS, BATCH, LR = 4, 4, 3e-3
 
 
+def pair(prompt: str, completion: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+
+
 def all_conversations() -> list[list[dict]]:
-    """Every conversation the corpus holds, in its file order (jsonl first, then parquet)."""
-    return CONVERSATIONS + [[{"role": "user", "content": p}, {"role": "assistant", "content": c}] for p, c in PAIRS]
+    """Every conversation the corpus holds, in its file order: the jsonl's, then the parquet's."""
+    return [*CONVERSATIONS[:2], pair(*PAIRS[0]), *CONVERSATIONS[2:], pair(*PAIRS[1])]
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +99,15 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture
 def corpus(tmp_path):
-    """A folder: the conversations in a jsonl, the prompt/completion pairs in a parquet."""
+    """A folder: a jsonl and a parquet file, each of conversations and a prompt/completion pair."""
     import datasets
 
     folder = tmp_path / "chat"
     folder.mkdir()
-    (folder / "a.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
-    datasets.Dataset.from_dict({"prompt": [p for p, _ in PAIRS], "completion": [c for _, c in PAIRS]}).to_parquet(
-        str(folder / "b.parquet"))
+    records = [{"messages": c} for c in CONVERSATIONS[:2]] + [{"prompt": PAIRS[0][0], "completion": PAIRS[0][1]}]
+    (folder / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    datasets.Dataset.from_dict({"messages": [*CONVERSATIONS[2:], None], "prompt": [None, None, PAIRS[1][0]],
+                                "completion": [None, None, PAIRS[1][1]]}).to_parquet(str(folder / "b.parquet"))
     return folder
 
 

@@ -68,8 +68,8 @@ def _jsonl_problem(file: Path, text_field: str) -> tuple[int, str | None]:
             keys = ", ".join(map(repr, record)) if isinstance(record, dict) else type(record).__name__
             return f"has no field {text_field!r} (it holds {keys}): set data.text_field to the field holding the text"
         if not isinstance(record[text_field], str):
-            return (f": field {text_field!r} is a {type(record[text_field]).__name__}, not a string: store the text "
-                    f"there")
+            return (f"has a field {text_field!r} that is a {type(record[text_field]).__name__}, not a string: store "
+                    f"the text there")
         return None
 
     return jsonl_problem(file, problem)
