@@ -203,6 +203,11 @@ def _data_problems(d: DataConfig, m: ModelConfig) -> list[str]:
     if d.kind not in m.spec.data_kinds:
         return [f"data.kind={d.kind!r} has no batches for model.kind={m.kind!r}: use data.kind "
                 f"{' or '.join(map(repr, m.spec.data_kinds))}"]
+    if d.kind == "chat" and not m.from_hf and not (d.tokenizer and d.chat_template):
+        return ["data.kind='chat' needs a tokenizer and its chat template: set model.from_hf to a Hugging Face "
+                "directory (its tokenizer.json, and the chat template of its tokenizer_config.json), or both "
+                f"data.tokenizer and data.chat_template (a jinja file; given: data.tokenizer={d.tokenizer!r}, "
+                f"data.chat_template={d.chat_template!r})"]
     if d.kind != "synthetic":
         return []
     problems = []
@@ -231,7 +236,8 @@ def _eval_problems(d: DataConfig, m: ModelConfig, eval_steps: int) -> list[str]:
         return [f"data.eval_path={d.eval_path!r} with data.kind='synthetic': synthetic data holds out windows it "
                 f"never trains on by itself; leave eval_path out"]
     if d.kind != "synthetic" and not d.eval_path:
-        what = "a folder or file of documents" if d.kind == "documents" else "a text file"
+        what = {"documents": "a folder or file of documents", "chat": "a folder or file of conversations"}.get(
+            d.kind, "a text file")
         return [f"train.eval_steps={eval_steps} with data.kind={d.kind!r} needs held-out data: set data.eval_path "
                 f"to {what} like data.path (read with the same tokenizer), or set eval_steps=0"]
     return []

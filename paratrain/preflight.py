@@ -181,6 +181,9 @@ def data_problems(cfg: Config) -> list[str]:
     if d.kind == "documents":
         from paratrain.data.documents import document_problems
         problems = document_problems(Path(d.path), d.text_field)
+    elif d.kind == "chat":
+        from paratrain.data.chat import chat_problems
+        problems = chat_problems(Path(d.path))
     else:
         problems = _file_problems("data.path", Path(d.path), text)
     if not text and not problems:
@@ -193,6 +196,9 @@ def data_problems(cfg: Config) -> list[str]:
         tokenizer = Path(d.tokenizer or Path(d.path).with_name("tokenizer.json"))
         if tokenizer.is_dir():
             problems.append(f"data.tokenizer={tokenizer} is a directory: give its tokenizer.json")
+        elif not tokenizer.exists() and d.kind == "chat":
+            problems.append(f"data.tokenizer={tokenizer} does not exist: chat data needs the tokenizer its chat "
+                            f"template was written for (or model.from_hf, whose tokenizer it takes)")
         elif not tokenizer.exists() and cfg.model.vocab_size < MIN_BPE_VOCAB:
             problems.append(f"tokenizer {tokenizer} does not exist and would be trained on data.path with "
                             f"model.vocab_size={cfg.model.vocab_size} tokens, too few for a byte-level BPE: set "
@@ -200,19 +206,36 @@ def data_problems(cfg: Config) -> list[str]:
         elif not tokenizer.exists() and (problem := writable_problem("data.tokenizer", tokenizer.parent)):
             problems.append(f"tokenizer {tokenizer} does not exist and would be trained and saved there, but "
                             f"{problem}")
+    if d.kind == "chat" and not problems:
+        problems += _chat_template_problems(cfg)
     return problems
 
 
 def _eval_path_problems(cfg: Config) -> list[str]:
-    """``data.eval_path`` must hold data of ``data.kind``'s kind: documents, a text file or a ``.npy`` stream of the
-    vocabulary, translation pairs."""
+    """``data.eval_path`` must hold data of ``data.kind``'s kind: documents, conversations, a text file or a ``.npy``
+    stream of the vocabulary, translation pairs."""
     key, path = "data.eval_path", Path(cfg.data.eval_path)
     if cfg.data.kind == "documents":
         from paratrain.data.documents import document_problems
         return document_problems(path, cfg.data.text_field, key)
+    if cfg.data.kind == "chat":
+        from paratrain.data.chat import chat_problems
+        return chat_problems(path, key)
     if cfg.data.kind == "text" and path.suffix == ".npy":
         return _file_problems(key, path, text=False) or _token_array_problems(path, cfg.model.vocab_size, key)
     return _file_problems(key, path, text=True)
+
+
+def _chat_template_problems(cfg: Config) -> list[str]:
+    """The chat template of ``data.kind = "chat"`` must be found and be a jinja template."""
+    from paratrain.data import DataError
+    from paratrain.data.chat import ChatTemplate
+
+    try:
+        ChatTemplate.load(cfg.model.from_hf or None, cfg.data.chat_template or None)
+    except DataError as exc:
+        return [str(exc)]
+    return []
 
 
 def _hf_tokenizer_problems(directory: str, vocab_size: int) -> list[str]:

@@ -106,6 +106,8 @@ class Trainer(loop.Face):
         self.data = ShardedBatches(build_dataset(cfg), cfg.train.global_batch_size, self.layout.dp_rank,
                                    self.layout.dp_size, self.device,
                                    cfg.model.pad_token_id if cfg.model.spec.encoder_decoder else None)
+        if self.is_main and hasattr(self.data.source, "summary"):
+            print(self.data.source.summary(), flush=True)
         if self.is_main and self.data.sampler is not None and self.data.sampler.lengths is not None:
             steps = min(cfg.train.steps, 1000)
             print(f"data: {self.data.sampler.padding_fraction(steps):.1%} padding in the first {steps} global batches "

@@ -151,7 +151,7 @@ def test_bad_eval_settings_are_refused_before_start(tmp_path):
     (tmp_path / "held_out.csv").write_text("w4 w5\n")
     documents = {"kind": "documents", "path": str(tmp_path / "train.txt"), "tokenizer": text["tokenizer"]}
     wrong_kind = refusals(tmp_path, data=documents | {"eval_path": str(tmp_path / "held_out.csv")})
-    assert "data.eval_path=" in wrong_kind and "is a .csv file: give .jsonl, .parquet or .txt documents" in wrong_kind
+    assert "data.eval_path=" in wrong_kind and "is a .csv file: give .jsonl / .parquet / .txt documents" in wrong_kind
     assert "synthetic data holds out windows" in refusals(tmp_path, data={"eval_path": str(tmp_path / "train.txt")})
     assert "data.eval_batches=0 must be positive" in refusals(tmp_path, data={"eval_batches": 0})
     resnet = refusals(tmp_path, model={"kind": "resnet"}, data={"kind": "cifar10", "path": str(tmp_path)})

@@ -10,7 +10,7 @@ import torch
 from paratrain.config import Config, ConfigError
 from paratrain.data import DataError, not_utf8
 from paratrain.data.cifar import CifarDataset
-from paratrain.data.datasets import DocumentsDataset, TextDataset, TranslationDataset
+from paratrain.data.datasets import ChatDataset, DocumentsDataset, TextDataset, TranslationDataset
 from paratrain.data.sampler import DistributedSampler
 from paratrain.data.synthetic import CPU, SyntheticLM, SyntheticTranslation
 from paratrain.data.tokenizer import Tokenizer, lines_of
@@ -124,6 +124,9 @@ def load_tokenizer(cfg: Config) -> Tokenizer:
         tokenizer = Tokenizer.of_hf_model(cfg.model.from_hf)
     else:
         path = Path(cfg.data.tokenizer or Path(cfg.data.path).with_name("tokenizer.json"))
+        if not path.is_file() and cfg.data.kind == "chat":
+            raise DataError(f"data.tokenizer={str(path)!r} does not exist: chat data needs the tokenizer its chat "
+                            f"template was written for (or model.from_hf, whose tokenizer it takes)")
         if not path.is_file():
             try:
                 if cfg.data.kind == "documents":
@@ -167,6 +170,12 @@ def build_dataset(cfg: Config, key: str = "path"):
             dataset = TextDataset(path, None if path.endswith(".npy") else load_tokenizer(cfg), m.seq_length)
         elif d.kind == "documents":
             dataset = DocumentsDataset(path, load_tokenizer(cfg), m.seq_length, d.text_field, d.document_mask)
+        elif d.kind == "chat":
+            from paratrain.data.chat import ChatTemplate
+
+            template = ChatTemplate.load(m.from_hf or None, d.chat_template or None)
+            dataset = ChatDataset(path, load_tokenizer(cfg), template, m.seq_length, d.train_on, d.packing,
+                                  d.document_mask, d.too_long)
         else:
             dataset = CifarDataset(path, train=True)
     except (DataError, ConfigError):
