@@ -118,9 +118,9 @@ MODEL_KINDS = {
     "transformer": ModelKind("paratrain.models.transformer:Seq2SeqModel", ("synthetic", "translation"),
                              ("reverse", "copy"), ("transformer.encoder.layers", "transformer.decoder.layers"),
                              ("src_seq_length", "tgt_seq_length"), loss_in_head=True),
-    "gpt": ModelKind("paratrain.models.transformer:GPTModel", ("synthetic", "text", "documents"), ("markov",),
+    "gpt": ModelKind("paratrain.models.transformer:GPTModel", ("synthetic", "text", "documents", "chat"), ("markov",),
                      ("layers",), ("seq_length", "seq_length"), loss_in_head=True),
-    "llama": ModelKind("paratrain.models.llama:LlamaModel", ("synthetic", "text", "documents"), ("markov",),
+    "llama": ModelKind("paratrain.models.llama:LlamaModel", ("synthetic", "text", "documents", "chat"), ("markov",),
                        ("layers",), ("seq_length", "seq_length"), loss_in_head=True, ffn_matrices=3),
     "resnet": ModelKind("paratrain.models.resnet:build_resnet", ("cifar10",)),
 }
@@ -550,7 +550,9 @@ class TrainConfig(Section):
     loss_scale_window: int = 1000  # fp16: the scale doubles after this many steps without overflow
     loss_scale_hysteresis: int = 1  # fp16: overflows tolerated before the scale halves (DeepSpeed's hysteresis)
     consecutive_hysteresis: bool = False  # fp16: every good step refills the hysteresis (else each doubling)
-    eval_steps: int = 0  # BLEU on data.eval_path every this many steps (encoder-decoder, translation data); 0 = off
+    # evaluate every this many steps (0 = off): gpt / llama measure the held-out loss and perplexity on
+    # data.eval_path (synthetic data: on windows never trained on), the encoder-decoder BLEU on held-out pairs
+    eval_steps: int = 0
 
 
 @dataclass
@@ -559,26 +561,36 @@ class DataConfig(Section):
 
     ``translation``: ``path`` is a ``source<TAB>target`` file (``paratrain preprocess``),
     ``text``: a text file or ``.npy`` token stream, ``documents``: a folder or file of ``.jsonl`` /
-    ``.parquet`` / ``.txt`` documents packed with EOS between them, ``cifar10``: the ``cifar-10-batches-bin``
+    ``.parquet`` / ``.txt`` documents packed with EOS between them, ``chat``: a folder or file of ``.jsonl`` /
+    ``.parquet`` conversations rendered with a chat template, ``cifar10``: the ``cifar-10-batches-bin``
     directory. ``tokenizer`` is a ``tokenizer.json``, trained on ``path`` at first use if absent.
     """
 
     SECTION = "data"
-    KINDS = ("synthetic", "translation", "text", "documents", "cifar10")
-    kind: str = "synthetic"  # synthetic | translation | text | documents | cifar10
+    KINDS = ("synthetic", "translation", "text", "documents", "chat", "cifar10")
+    TOO_LONG = ("filter", "drop", "truncate")
+    TRAIN_ON = ("assistant", "all")
+    kind: str = "synthetic"  # synthetic | translation | text | documents | chat | cifar10
     task: str = ""  # synthetic data: reverse | copy (encoder-decoder), markov (gpt); "": the first
     min_length: int = 4  # synthetic data: the length of the shortest string
     path: str = ""  # the data file or directory of kind (see above)
     tokenizer: str = ""  # a tokenizer.json; trained on path at first use if absent
-    eval_path: str = ""  # held-out source<TAB>target pairs for BLEU
+    # held-out data of the kind of path, read with its tokenizer: gpt / llama a text file (or .npy) or documents,
+    # the encoder-decoder source<TAB>target pairs for BLEU
+    eval_path: str = ""
     eval_samples: int = 200  # how many of the held-out pairs (the first ones) BLEU decodes
+    eval_batches: int = 8  # gpt / llama: the held-out loss is measured on this many global batches of eval_path
     shuffle: bool = True  # shuffle the examples each epoch (seeded by run.seed)
     bucket_size: int = 0  # length bucketing: sort windows of this many global batches by length; 0 = off
     dynamic_padding: bool = False  # pad each global batch to its longest example, not the model lengths
-    too_long: str = "filter"  # translation pairs longer than the model lengths: filter | truncate
+    # translation pairs / chat conversations longer than the model lengths: filter (or drop) | truncate
+    too_long: str = "filter"
     text_field: str = "text"  # documents: the field (jsonl) or column (parquet) holding each document's text
-    # documents: attention stays within each document of a packed window and positions restart at each one
+    # documents, packed chat: attention stays within each document of a packed row and positions restart at each one
     document_mask: bool = False
+    train_on: str = "assistant"  # chat: the tokens counted in the loss: assistant (the assistant's turns) | all
+    packing: bool = False  # chat: as many conversations a row as fit (else one, padded)
+    chat_template: str = ""  # chat: a jinja file of the chat template; "": the model.from_hf tokenizer's
 
     def problems(self) -> list[str]:
         """Every rule these keys break on their own (the data loader and ``paratrain.preflight`` ask)."""
@@ -588,23 +600,34 @@ class DataConfig(Section):
         elif self.kind != "synthetic" and not self.path:
             out.append(f"data.kind={self.kind!r} needs data.path (for translation: run "
                        f"`paratrain preprocess sample --out data/sample` and use data/sample/train/sample.en_fr.txt)")
-        if self.too_long not in ("filter", "truncate"):
-            out.append(f"data.too_long={self.too_long!r} is not one of filter, truncate")
+        for name, values in (("too_long", self.TOO_LONG), ("train_on", self.TRAIN_ON)):
+            if getattr(self, name) not in values:
+                out.append(f"data.{name}={getattr(self, name)!r} is not one of {', '.join(values)}")
         if self.bucket_size < 0:
             out.append(f"data.bucket_size={self.bucket_size} must be 0 (off) or positive")
         for name in ("bucket_size", "dynamic_padding"):
             if getattr(self, name) and self.kind != "translation":
                 out.append(f"data.{name}={getattr(self, name)} applies to translation data only, not "
                            f"data.kind={self.kind!r}: leave it out")
-        if self.document_mask and self.kind != "documents":
-            out.append(f"data.document_mask=true needs the document boundaries of data.kind='documents', not "
-                       f"data.kind={self.kind!r}: set data.kind='documents' or leave document_mask out")
+        if self.document_mask and self.kind not in ("documents", "chat"):
+            out.append(f"data.document_mask=true needs the document boundaries of data.kind='documents' or 'chat', "
+                       f"not data.kind={self.kind!r}: set data.kind='documents' or leave document_mask out")
+        elif self.document_mask and self.kind == "chat" and not self.packing:
+            out.append("data.document_mask=true with data.kind='chat' needs data.packing=true: one conversation a "
+                       "row has no other to mask; set packing=true or leave document_mask out")
+        for name in ("packing", "chat_template"):
+            if getattr(self, name) and self.kind != "chat":
+                out.append(f"data.{name}={getattr(self, name)!r} applies to data.kind='chat' only, not "
+                           f"data.kind={self.kind!r}: leave it out")
         if not self.text_field:
             out.append('data.text_field="" names no field: give the jsonl field / parquet column of the text')
         if self.min_length < 0:
             out.append(f"data.min_length={self.min_length} must not be negative (the shortest synthetic string)")
         if self.eval_samples < 1:
             out.append(f"data.eval_samples={self.eval_samples} must be positive (the held-out pairs BLEU decodes)")
+        if self.eval_batches < 1:
+            out.append(f"data.eval_batches={self.eval_batches} must be positive (the held-out global batches a "
+                       f"decoder's loss is measured on)")
         return out
 
     def synthetic_task(self, model_kind: str) -> str:

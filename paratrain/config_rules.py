@@ -113,7 +113,7 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         value = getattr(m, name)
         if not 0 <= value < 1:
             problems.append(f"model.{name}={value} is outside [0, 1): use a probability such as 0.1, or 0 for none")
-    problems += _data_problems(cfg.data, m)
+    problems += _data_problems(cfg.data, m) + _eval_problems(cfg.data, m, t.eval_steps)
     if cfg.data.document_mask and m.kind == "gpt" and p.sequence_parallel:
         problems.append("data.document_mask=true with model.kind='gpt' and parallel.sequence_parallel=true: the "
                         "learned positions of packed documents are not split along the sequence yet: set "
@@ -258,6 +258,11 @@ def _data_problems(d: DataConfig, m: ModelConfig) -> list[str]:
     if d.kind not in m.spec.data_kinds:
         return [f"data.kind={d.kind!r} has no batches for model.kind={m.kind!r}: use data.kind "
                 f"{' or '.join(map(repr, m.spec.data_kinds))}"]
+    if d.kind == "chat" and not m.from_hf and not (d.tokenizer and d.chat_template):
+        return ["data.kind='chat' needs a tokenizer and its chat template: set model.from_hf to a Hugging Face "
+                "directory (its tokenizer.json, and the chat template of its tokenizer_config.json), or both "
+                f"data.tokenizer and data.chat_template (a jinja file; given: data.tokenizer={d.tokenizer!r}, "
+                f"data.chat_template={d.chat_template!r})"]
     if d.kind != "synthetic":
         return []
     problems = []
@@ -272,6 +277,25 @@ def _data_problems(d: DataConfig, m: ModelConfig) -> list[str]:
         problems.append("model.tgt_seq_length=1 leaves a synthetic target no token (it ends with eos): use "
                         "tgt_seq_length >= 2")
     return problems
+
+
+def _eval_problems(d: DataConfig, m: ModelConfig, eval_steps: int) -> list[str]:
+    """What ``train.eval_steps`` and ``data.eval_path`` cannot do for the model ``m`` on the data of ``d`` (the
+    encoder-decoder's BLEU warns at start instead where it cannot apply)."""
+    if eval_steps <= 0 or m.spec.encoder_decoder or d.kind not in m.spec.data_kinds:
+        return []
+    if not m.spec.stacks:
+        return [f"train.eval_steps={eval_steps}: model.kind={m.kind!r} has no held-out evaluation (a decoder's "
+                f"loss: gpt, llama; BLEU: transformer): set eval_steps=0"]
+    if d.kind == "synthetic" and d.eval_path:
+        return [f"data.eval_path={d.eval_path!r} with data.kind='synthetic': synthetic data holds out windows it "
+                f"never trains on by itself; leave eval_path out"]
+    if d.kind != "synthetic" and not d.eval_path:
+        what = {"documents": "a folder or file of documents", "chat": "a folder or file of conversations"}.get(
+            d.kind, "a text file")
+        return [f"train.eval_steps={eval_steps} with data.kind={d.kind!r} needs held-out data: set data.eval_path "
+                f"to {what} like data.path (read with the same tokenizer), or set eval_steps=0"]
+    return []
 
 
 def _recompute_problems(spec: Any, num_layers: int | None, where: str) -> list[str]:

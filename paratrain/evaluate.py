@@ -1,8 +1,11 @@
-"""Translation quality: greedy decoding with the encoder-decoder and corpus BLEU with sacrebleu."""
+"""Evaluation while training: a decoder's held-out loss and perplexity; for the encoder-decoder, translation quality
+(greedy decoding and corpus BLEU with sacrebleu)."""
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
+from typing import Iterable
 
 import sacrebleu
 import torch
@@ -16,6 +19,9 @@ from paratrain.data.synthetic import BOS, EOS, PAD
 from paratrain.errors import UserError
 from paratrain.data.tokenizer import Tokenizer
 from paratrain.models.transformer import Seq2SeqModel
+from paratrain.parallel.placed import PlacedModel
+
+MAX_LOG_PPL = 700.0  # exp of more overflows a float: a larger held-out loss's perplexity is reported as exp(700)
 
 
 def bleu(hypotheses: list[str], references: list[str]) -> float:
@@ -152,3 +158,48 @@ def bleu_evaluator(cfg, model_parts: list[nn.Module], pipelined: bool, is_main: 
         return None
     return BleuEvaluator(model_parts[0], load_tokenizer(cfg), read_pairs(cfg.data.eval_path)[: cfg.data.eval_samples],
                          cfg.train.eval_steps, cfg.model.src_seq_length, cfg.model.tgt_seq_length, is_main)
+
+
+class HeldOutLoss:
+    """A decoder's held-out loss every ``every`` steps: the summed token loss of ``batches`` (this rank's rows of
+    each held-out global batch: ``paratrain.data.loader.HeldOutBatches``) over their tokens but ``ignore_index``,
+    added up over the data-parallel ranks -- the training loss's token mean, over every held-out batch. Every rank
+    runs the forwards (``PlacedModel.held_out_loss_sum``); only the main rank's record gets ``eval_loss`` and
+    ``eval_ppl`` (its exponential)."""
+
+    def __init__(self, placed: PlacedModel, batches: Iterable[dict[str, torch.Tensor]], every: int, is_main: bool):
+        self.placed, self.batches, self.every, self.is_main = placed, batches, every, is_main
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` (counting from 1) is evaluated: a multiple of ``every``."""
+        return step % self.every == 0
+
+    def __call__(self, step: int, record: dict) -> None:
+        """When ``step`` is ``due``, measure the held-out loss and put it in the main rank's record."""
+        if not self.due(step):
+            return
+        sums, counts = [], []
+        for batch in self.batches:
+            sums.append(self.placed.held_out_loss_sum(batch).double())
+            counts.append((batch["labels"] != self.placed.ignore_index).sum().double())
+        loss_sum, count = self.placed.layout.all_reduce_dp(torch.stack([torch.stack(sums).sum(),
+                                                                        torch.stack(counts).sum()])).tolist()
+        if self.is_main:
+            record["eval_loss"] = loss_sum / max(count, 1.0)
+            record["eval_ppl"] = math.exp(min(record["eval_loss"], MAX_LOG_PPL))
+
+
+def build_evaluator(cfg, placed: PlacedModel, is_main: bool) -> HeldOutLoss | BleuEvaluator | None:
+    """The evaluation ``train.eval_steps`` asks for: a decoder's held-out loss on ``data.eval_path`` (synthetic data:
+    windows it never trains on), the first ``data.eval_batches`` global batches; the encoder-decoder's BLEU
+    (``bleu_evaluator``); None when off."""
+    from paratrain.data.loader import HeldOutBatches, build_dataset
+
+    if cfg.model.spec.encoder_decoder:
+        return bleu_evaluator(cfg, placed.parts, placed.pipeline is not None, is_main)
+    if cfg.train.eval_steps <= 0:
+        return None
+    layout = placed.layout
+    batches = HeldOutBatches(build_dataset(cfg, "eval_path"), cfg.train.global_batch_size, cfg.data.eval_batches,
+                             layout.dp_rank, layout.dp_size, layout.device)
+    return HeldOutLoss(placed, batches, cfg.train.eval_steps, is_main)

@@ -73,6 +73,13 @@ class Layout:
             dist.all_reduce(tensor, group=self.dp_group)
         return tensor
 
+    def all_reduce_cp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the context-parallel ranks, which hold the tokens of the same sequences (in place;
+        returned for chaining)."""
+        if self.cp_group is not None:
+            dist.all_reduce(tensor, group=self.cp_group)
+        return tensor
+
     def all_reduce_dp_cp(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the data- and context-parallel ranks, which together hold every token of the global
         batch (in place; returned for chaining)."""

@@ -181,18 +181,24 @@ def data_problems(cfg: Config) -> list[str]:
     if d.kind == "documents":
         from paratrain.data.documents import document_problems
         problems = document_problems(Path(d.path), d.text_field)
+    elif d.kind == "chat":
+        from paratrain.data.chat import chat_problems
+        problems = chat_problems(Path(d.path))
     else:
         problems = _file_problems("data.path", Path(d.path), text)
     if not text and not problems:
         problems += _token_array_problems(Path(d.path), cfg.model.vocab_size)
     if d.eval_path:
-        problems += _file_problems("data.eval_path", Path(d.eval_path), text=True)
+        problems += _eval_path_problems(cfg)
     if text and not problems and cfg.model.from_hf and not d.tokenizer:
         problems += _hf_tokenizer_problems(cfg.model.from_hf, cfg.model.vocab_size)
     elif text and not problems:  # a tokenizer is trained on data.path: only worth checking when that is fine
         tokenizer = Path(d.tokenizer or Path(d.path).with_name("tokenizer.json"))
         if tokenizer.is_dir():
             problems.append(f"data.tokenizer={tokenizer} is a directory: give its tokenizer.json")
+        elif not tokenizer.exists() and d.kind == "chat":
+            problems.append(f"data.tokenizer={tokenizer} does not exist: chat data needs the tokenizer its chat "
+                            f"template was written for (or model.from_hf, whose tokenizer it takes)")
         elif not tokenizer.exists() and cfg.model.vocab_size < MIN_BPE_VOCAB:
             problems.append(f"tokenizer {tokenizer} does not exist and would be trained on data.path with "
                             f"model.vocab_size={cfg.model.vocab_size} tokens, too few for a byte-level BPE: set "
@@ -200,7 +206,36 @@ def data_problems(cfg: Config) -> list[str]:
         elif not tokenizer.exists() and (problem := writable_problem("data.tokenizer", tokenizer.parent)):
             problems.append(f"tokenizer {tokenizer} does not exist and would be trained and saved there, but "
                             f"{problem}")
+    if d.kind == "chat" and not problems:
+        problems += _chat_template_problems(cfg)
     return problems
+
+
+def _eval_path_problems(cfg: Config) -> list[str]:
+    """``data.eval_path`` must hold data of ``data.kind``'s kind: documents, conversations, a text file or a ``.npy``
+    stream of the vocabulary, translation pairs."""
+    key, path = "data.eval_path", Path(cfg.data.eval_path)
+    if cfg.data.kind == "documents":
+        from paratrain.data.documents import document_problems
+        return document_problems(path, cfg.data.text_field, key)
+    if cfg.data.kind == "chat":
+        from paratrain.data.chat import chat_problems
+        return chat_problems(path, key)
+    if cfg.data.kind == "text" and path.suffix == ".npy":
+        return _file_problems(key, path, text=False) or _token_array_problems(path, cfg.model.vocab_size, key)
+    return _file_problems(key, path, text=True)
+
+
+def _chat_template_problems(cfg: Config) -> list[str]:
+    """The chat template of ``data.kind = "chat"`` must be found and be a jinja template."""
+    from paratrain.data import DataError
+    from paratrain.data.chat import ChatTemplate
+
+    try:
+        ChatTemplate.load(cfg.model.from_hf or None, cfg.data.chat_template or None)
+    except DataError as exc:
+        return [str(exc)]
+    return []
 
 
 def _hf_tokenizer_problems(directory: str, vocab_size: int) -> list[str]:
@@ -218,27 +253,27 @@ def _hf_tokenizer_problems(directory: str, vocab_size: int) -> list[str]:
     return []
 
 
-def _token_array_problems(path: Path, vocab_size: int) -> list[str]:
+def _token_array_problems(path: Path, vocab_size: int, key: str = "data.path") -> list[str]:
     """A ``.npy`` token stream must be a 1-D array of integer token ids of the model's vocabulary (read once
     here, a chunk at a time: an id out of range would fail a step in the middle of training)."""
     import numpy as np
 
     with open(path, "rb") as f:
         if f.read(6) != b"\x93NUMPY":
-            return [f"data.path={path} is not a .npy array: save the token ids with numpy.save, or give a text file"]
+            return [f"{key}={path} is not a .npy array: save the token ids with numpy.save, or give a text file"]
     try:
         ids = np.load(path, mmap_mode="r")
     except (ValueError, OSError) as exc:
-        return [f"data.path={path} cannot be read as a .npy array ({exc}): save the token ids with numpy.save"]
+        return [f"{key}={path} cannot be read as a .npy array ({exc}): save the token ids with numpy.save"]
     if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        return [f"data.path={path} holds a {ids.ndim}-D {ids.dtype} array: give a 1-D array of integer token ids"]
+        return [f"{key}={path} holds a {ids.ndim}-D {ids.dtype} array: give a 1-D array of integer token ids"]
     chunk = 1 << 24
     for start in range(0, len(ids), chunk):
         part = ids[start:start + chunk]
         low, high = int(part.min()), int(part.max())
         if low < 0 or high >= vocab_size:
             bad = low if low < 0 else high
-            return [f"data.path={path} holds token id {bad} (at index {start + int(np.argmax(part == bad))}), "
+            return [f"{key}={path} holds token id {bad} (at index {start + int(np.argmax(part == bad))}), "
                     f"not one of model.vocab_size={vocab_size}: raise vocab_size above the largest id or fix the data"]
     return []
 

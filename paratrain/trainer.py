@@ -16,7 +16,7 @@ from paratrain.device import DTYPES, device
 from paratrain import cluster, config_file, host_memory, loop, preflight, progress, run_lock
 from paratrain.distributed import init_from_env
 from paratrain.engine import Engine, TrainingDiverged
-from paratrain.evaluate import BleuEvaluator, bleu_evaluator
+from paratrain.evaluate import BleuEvaluator, HeldOutLoss, build_evaluator
 from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
 from paratrain.models import build_model
@@ -73,7 +73,7 @@ class Trainer(loop.Face):
     metrics: MetricsLogger
     timer: StepTimer
     checkpointer: Checkpointer
-    evaluator: BleuEvaluator | None
+    evaluator: HeldOutLoss | BleuEvaluator | None  # train.eval_steps: a decoder's held-out loss, or BLEU
     engine: Engine
     step: int  # the steps done, resumed ones included
     stopped_at: int | None  # the step saved when a stop was asked (SIGTERM/SIGINT)
@@ -106,6 +106,8 @@ class Trainer(loop.Face):
         self.data = ShardedBatches(build_dataset(cfg), cfg.train.global_batch_size, self.layout.dp_rank,
                                    self.layout.dp_size, self.device,
                                    cfg.model.pad_token_id if cfg.model.spec.encoder_decoder else None)
+        if self.is_main and hasattr(self.data.source, "summary"):
+            print(self.data.source.summary(), flush=True)
         if self.is_main and self.data.sampler is not None and self.data.sampler.lengths is not None:
             steps = min(cfg.train.steps, 1000)
             print(f"data: {self.data.sampler.padding_fraction(steps):.1%} padding in the first {steps} global batches "
@@ -126,7 +128,7 @@ class Trainer(loop.Face):
             with torch.device("meta"):
                 whole = build_model(cfg.model)
             load_hf_weights(self.placed.parts, whole, cfg.model.from_hf)
-        self.evaluator = bleu_evaluator(cfg, self.placed.parts, self.placed.pipeline is not None, self.is_main)
+        self.evaluator = build_evaluator(cfg, self.placed, self.is_main)
         self.stopped_at = None
         self.history = []
         self.engine = Engine(self.placed, self.optimizer, self.scheduler, self.layout, self.loss_scaler, self.timer,
@@ -162,9 +164,10 @@ class Trainer(loop.Face):
         self.history.append(record)
         self.step += 1
         self.metrics.advance(self.step)
-        if self.evaluator is not None:
-            self.evaluator(self.step, record)  # every rank decodes; the main rank's record gets "bleu"
-        if self.metrics.should_log(self.step - 1) or "bleu" in record:
+        evaluated = self.evaluator is not None and self.evaluator.due(self.step)
+        if evaluated:
+            self.evaluator(self.step, record)  # every rank evaluates; the main rank's record gets the results
+        if self.metrics.should_log(self.step - 1) or evaluated:
             self.metrics.log(record)
         return True
 

@@ -23,8 +23,9 @@ GPT = {"kind": "gpt", "num_kv_heads": 0}
 
 
 def config(tmp_path, name: str, parallel: dict, model: dict | None = None, data: dict | None = None,
-           checkpoint: dict | None = None, steps: int = STEPS):
-    """A tiny decoder (fp32, no dropout) training ``steps`` steps of 4 sequences of ``SEQ`` tokens."""
+           checkpoint: dict | None = None, steps: int = STEPS, eval_steps: int = 0):
+    """A tiny decoder (fp32, no dropout) training ``steps`` steps of 4 sequences of ``SEQ`` tokens, its held-out loss
+    measured every ``eval_steps`` (0: never)."""
     return config_file.from_dict({
         "run": {"dir": str(tmp_path / name)}, "parallel": parallel, "metrics": {"log_steps": 1},
         "model": {"kind": "llama", "vocab_size": VOCAB, "hidden_size": 32, "num_heads": 8, "num_kv_heads": 4,
@@ -32,13 +33,15 @@ def config(tmp_path, name: str, parallel: dict, model: dict | None = None, data:
                   "attention_dropout": 0.0, **(model or {})},
         "data": data or {"kind": "synthetic"},
         "checkpoint": checkpoint or {"dir": str(tmp_path / name / "ckpt")},
-        "train": {"steps": steps, "global_batch_size": 4, "lr": 1e-2, "warmup_steps": 0}})
+        "train": {"steps": steps, "global_batch_size": 4, "lr": 1e-2, "warmup_steps": 0, "eval_steps": eval_steps}})
 
 
 def trainer_losses(cfg) -> list[float]:
+    """The step losses, then the held-out losses (``train.eval_steps``)."""
     from paratrain.trainer import Trainer
 
-    return [record["loss"] for record in Trainer(cfg).train()]
+    records = Trainer(cfg).train()
+    return [r["loss"] for r in records] + [r["eval_loss"] for r in records if "eval_loss" in r]
 
 
 def each_losses(cfgs: list) -> list[list[float]]:
@@ -164,15 +167,16 @@ def packed_corpus(folder) -> dict:
 
 @pytest.mark.timeout(300)
 def test_cp2_equals_one_process_for_gpt_llama_packed_documents_and_resumes_across_cp_sizes(tmp_path):
-    """One launch of 2 ranks: llama (saving a checkpoint at step 2), gpt, llama on packed documents with their
+    """One launch of 2 ranks: llama (saving a checkpoint at step 2, and its held-out loss), gpt, llama on packed documents with their
     masks (Ulysses and ring attention), and llama resumed from the one-process run's step 2; then one process
     resumes the cp2 run's step 2."""
     saving = {"save_steps": 2, "keep_max": 0}
     documents = packed_corpus(tmp_path / "corpus")
-    want = {"llama": trainer_losses(config(tmp_path, "one", {}, checkpoint={**saving, "dir": str(tmp_path / "one")})),
+    want = {"llama": trainer_losses(config(tmp_path, "one", {}, checkpoint={**saving, "dir": str(tmp_path / "one")},
+                                           eval_steps=2)),
             "gpt": trainer_losses(config(tmp_path, "gpt1", {}, GPT)),
             "documents": trainer_losses(config(tmp_path, "documents1", {}, data=documents))}
-    split = [config(tmp_path, "llama2", {"cp": 2}, checkpoint={**saving, "dir": str(tmp_path / "two")}),
+    split = [config(tmp_path, "llama2", {"cp": 2}, checkpoint={**saving, "dir": str(tmp_path / "two")}, eval_steps=2),
              config(tmp_path, "gpt2", {"cp": 2}, GPT),
              config(tmp_path, "documents2", {"cp": 2}, data=documents),
              config(tmp_path, "documents_ring2", {"cp": 2, "cp_method": "ring"}, data=documents),
@@ -182,10 +186,10 @@ def test_cp2_equals_one_process_for_gpt_llama_packed_documents_and_resumes_acros
     assert_same(got[1], want["gpt"])
     assert_same(got[2], want["documents"])
     assert_same(got[3], want["documents"])
-    assert_same(got[4], want["llama"][2:])
+    assert_same(got[4], want["llama"][2:STEPS])
     resumed = trainer_losses(config(tmp_path, "resumed1", {},
                                     checkpoint={"resume": str(tmp_path / "two" / "step_00000002")}))
-    assert_same(resumed, want["llama"][2:])
+    assert_same(resumed, want["llama"][2:STEPS])
 
 
 @pytest.mark.timeout(300)

@@ -155,7 +155,8 @@ def test_document_mask_refused_on_the_encoder_decoder_and_off_documents(corpus):
         model={"kind": "transformer"}, data={"kind": "documents", "path": str(corpus), "document_mask": True})
     text = config_file.from_dict({"model": {"kind": "llama"},
                                   "data": {"kind": "text", "path": str(corpus), "document_mask": True}})
-    assert "needs the document boundaries of data.kind='documents', not data.kind='text'" in text.data.problems()[0]
+    assert ("needs the document boundaries of data.kind='documents' or 'chat', not data.kind='text'"
+            in text.data.problems()[0])
 
 
 def trainer_losses(cfg) -> list[float]:

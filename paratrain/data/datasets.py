@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from paratrain.data import DataError
+from paratrain.data.documents import document_files
 from paratrain.data.synthetic import BOS, EOS, PAD
 from paratrain.data.tokenizer import Tokenizer
 from paratrain.data.wmt14 import read_pairs
@@ -73,13 +74,14 @@ class TranslationDataset:
 
     ``rows`` returns src_ids (b, S); tgt_in_ids (b, T) = BOS + target; labels (b, T) = target + EOS; PAD=0
     after. S, T are the model's sequence lengths, or with ``dynamic_padding`` the global batch's longest.
-    Longer pairs are dropped (``too_long="filter"``, counted in ``num_filtered``) or cut (``"truncate"``).
+    Longer pairs are dropped (``too_long="filter"`` or ``"drop"``, counted in ``num_filtered``) or cut
+    (``"truncate"``).
     """
 
     def __init__(self, path: str | Path, tokenizer: Tokenizer, src_seq_length: int, tgt_seq_length: int,
                  too_long: str = "filter", dynamic_padding: bool = False):
-        if too_long not in ("filter", "truncate"):
-            raise ValueError(f"data.too_long={too_long!r} is not one of filter, truncate")
+        if too_long not in ("filter", "drop", "truncate"):
+            raise ValueError(f"data.too_long={too_long!r} is not one of filter, drop, truncate")
         self.path, self.tokenizer = Path(path), tokenizer
         self.src_seq_length, self.tgt_seq_length, self.dynamic_padding = src_seq_length, tgt_seq_length, dynamic_padding
 
@@ -91,7 +93,7 @@ class TranslationDataset:
         self.arrays = cached_arrays(self.path, tokenizer, build)
         src_len, tgt_len = np.diff(self.arrays["src_offsets"]), np.diff(self.arrays["tgt_offsets"]) + 1
         fits = (src_len <= src_seq_length) & (tgt_len <= tgt_seq_length)
-        self.examples = np.flatnonzero(fits) if too_long == "filter" else np.arange(len(fits))
+        self.examples = np.arange(len(fits)) if too_long == "truncate" else np.flatnonzero(fits)
         self.num_filtered = len(fits) - len(self.examples)
         if not len(self.examples):
             raise DataError(f"{path}: none of the {len(fits)} pairs fits src_seq_length={src_seq_length} and "
@@ -186,7 +188,7 @@ class DocumentsDataset(TextDataset):
         super().__init__(path, tokenizer, seq_length, document_mask)
 
     def load(self, tokenizer: Tokenizer | None) -> dict[str, np.ndarray]:
-        from paratrain.data.documents import document_files, document_problems, read_documents
+        from paratrain.data.documents import document_problems, read_documents
 
         if tokenizer is None:
             raise DataError(f"{self.path} holds documents: set data.tokenizer to tokenize them")
@@ -197,3 +199,98 @@ class DocumentsDataset(TextDataset):
             return packed(tokenizer.encode_batch(read_documents(self.path, self.text_field)), tokenizer.eos_id)
 
         return cached_arrays(self.path, tokenizer, build, files=document_files(self.path), tag=self.text_field)
+
+
+class ChatDataset:
+    """Conversations of a folder or file of ``.jsonl`` / ``.parquet`` records (``paratrain.data.chat``), rendered
+    with ``template``, tokenized once and cached beside ``path``, in rows of ``seq_length`` positions: each
+    conversation of n tokens fills n - 1 of them (its tokens but the last as inputs, each predicting the next).
+
+    ``rows`` returns input_ids (b, L) and labels (b, L): the next token, or -100 (not counted in the loss) where it
+    is not the assistant's (``train_on="assistant"``) and on the padding after a row's last conversation (whose
+    inputs are ``tokenizer.eos_id``). One conversation a row, or with ``packing`` as many consecutive ones as fit;
+    with ``document_mask`` also each position's conversation in its row, ``document_ids`` (b, L) (from 0; the
+    padding one more), and its ``position_ids`` (b, L) in it. A conversation of more than L + 1 tokens is dropped
+    (``too_long`` "filter" or "drop") or cut to its first L + 1 (``"truncate"``): ``num_too_long`` counts them;
+    ``num_unlearned`` counts the conversations left out with no token to learn in their first L + 1."""
+
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, template, seq_length: int, train_on: str = "assistant",
+                 packing: bool = False, document_mask: bool = False, too_long: str = "filter"):
+        from paratrain.data.chat import FORMATS, chat_problems, read_conversations
+
+        self.path, self.seq_length, self.document_mask = Path(path), seq_length, document_mask
+        self.train_on, self.pad_id = train_on, tokenizer.eos_id
+        assistant = train_on == "assistant"
+
+        def build():
+            if problems := chat_problems(self.path):
+                raise DataError("; ".join(problems))
+            return template.tokenized(read_conversations(self.path), tokenizer, assistant)
+
+        self.arrays = cached_arrays(self.path, tokenizer, build, files=document_files(self.path, FORMATS),
+                                    tag=f"{template.fingerprint()}-{train_on}")
+        starts, tokens = self.arrays["offsets"][:-1], np.diff(self.arrays["offsets"])
+        longer = tokens > seq_length + 1
+        kept = np.minimum(tokens, seq_length + 1)
+        useful = kept >= 2
+        if assistant:  # an assistant token among the targets of the kept tokens (all but the first)
+            counted = np.concatenate([[0], np.cumsum(self.arrays["assistant"], dtype=np.int64)])
+            useful &= counted[starts + kept] > counted[starts + np.minimum(kept, 1)]
+        dropped = longer & (too_long != "truncate")
+        self.too_long, self.num_too_long = too_long, int(longer.sum())
+        self.num_unlearned = int((~useful & ~dropped).sum())
+        useful &= ~dropped
+        self.examples, self.kept = np.flatnonzero(useful), kept[useful]
+        if not len(self.examples):
+            raise DataError(f"{path}: none of the {len(tokens)} conversations has a token to learn within "
+                            f"model.seq_length + 1 = {seq_length + 1} tokens: raise model.seq_length, or set "
+                            f"data.too_long='truncate'")
+        self.row_starts = self._rows(self.kept - 1, packing)
+
+    def _rows(self, positions: np.ndarray, packing: bool) -> np.ndarray:
+        """(rows + 1,) the first example (of ``self.examples``) of each row, and their number last: one a row, or
+        with ``packing`` each row as many consecutive ones as fit in its ``seq_length`` positions."""
+        if not packing:
+            return np.arange(len(positions) + 1)
+        starts, used = [0], 0
+        for number, filled in enumerate(positions.tolist()):
+            if used + filled > self.seq_length:
+                starts.append(number)
+                used = 0
+            used += filled
+        return np.array(starts + [len(positions)])
+
+    def __len__(self) -> int:
+        return len(self.row_starts) - 1
+
+    def summary(self) -> str:
+        """The log line of what the conversations became: how many train in how many rows, how many were too long
+        and what became of them, how many are left out with no token to learn."""
+        fate = "truncated" if self.too_long == "truncate" else "dropped"
+        return (f"data: {len(self.examples)} conversations in {len(self)} rows of model.seq_length="
+                f"{self.seq_length}; {self.num_too_long} longer than {self.seq_length + 1} tokens {fate} "
+                f"(data.too_long={self.too_long!r}); {self.num_unlearned} left out with no "
+                f"{'assistant ' if self.train_on == 'assistant' else ''}token to learn")
+
+    def rows(self, indices: np.ndarray, batch_indices: np.ndarray | None = None) -> dict[str, torch.Tensor]:
+        L, offsets = self.seq_length, self.arrays["offsets"]
+        inputs = np.full((len(indices), L), self.pad_id, dtype=np.int64)
+        labels = np.full((len(indices), L), -100, dtype=np.int64)
+        documents, positions = np.zeros((len(indices), L), dtype=np.int64), np.zeros((len(indices), L), dtype=np.int64)
+        for row, index in enumerate(np.asarray(indices)):
+            at, first, last = 0, self.row_starts[index], self.row_starts[index + 1]
+            for document, (example, kept) in enumerate(zip(self.examples[first:last], self.kept[first:last])):
+                start = offsets[example]
+                ids = np.asarray(self.arrays["tokens"][start : start + kept], dtype=np.int64)
+                n = kept - 1
+                inputs[row, at : at + n] = ids[:-1]
+                learned = np.asarray(self.arrays["assistant"][start + 1 : start + kept], dtype=bool) \
+                    if self.train_on == "assistant" else np.ones(n, dtype=bool)
+                labels[row, at : at + n] = np.where(learned, ids[1:], -100)
+                documents[row, at : at + n], positions[row, at : at + n] = document, np.arange(n)
+                at += n
+            documents[row, at:], positions[row, at:] = last - first, np.arange(L - at)
+        out = {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels)}
+        if self.document_mask:
+            out |= {"document_ids": torch.from_numpy(documents), "position_ids": torch.from_numpy(positions)}
+        return out

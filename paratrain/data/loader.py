@@ -4,12 +4,13 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from paratrain.config import Config, ConfigError
 from paratrain.data import DataError, not_utf8
 from paratrain.data.cifar import CifarDataset
-from paratrain.data.datasets import DocumentsDataset, TextDataset, TranslationDataset
+from paratrain.data.datasets import ChatDataset, DocumentsDataset, TextDataset, TranslationDataset
 from paratrain.data.sampler import DistributedSampler
 from paratrain.data.synthetic import CPU, SyntheticLM, SyntheticTranslation
 from paratrain.data.tokenizer import Tokenizer, lines_of
@@ -81,6 +82,39 @@ class ShardedBatches:
         self._ahead = None
 
 
+class HeldOutBatches:
+    """A decoder's held-out data, the same every time it is read: this data-parallel rank's rows (B / dp, in rank
+    order) of up to ``batches`` global batches of ``source``, kept on the host and iterated on ``device``.
+
+    A dataset (one with ``rows``) gives its windows in order, as many whole global batches as it holds up to
+    ``batches`` (DataError: not one); a synthetic source the global batches of steps -1, -2, ..., which training
+    never reads."""
+
+    def __init__(self, source, global_batch_size: int, batches: int, dp_rank: int = 0, dp_size: int = 1,
+                 device: torch.device = CPU):
+        per_rank = global_batch_size // dp_size
+        start, stop = dp_rank * per_rank, (dp_rank + 1) * per_rank
+        if hasattr(source, "rows"):
+            whole = len(source) // global_batch_size
+            if not whole:
+                raise DataError(f"data.eval_path={source.path} holds {len(source)} windows of model.seq_length "
+                                f"tokens, fewer than train.global_batch_size={global_batch_size}: give more "
+                                f"held-out data")
+            first = [i * global_batch_size for i in range(min(batches, whole))]
+            host = [source.rows(np.arange(f + start, f + stop), np.arange(f, f + global_batch_size)) for f in first]
+        else:
+            host = [source.batch_rows(-1 - i, start, stop) for i in range(batches)]
+        self.host = [{k: pinned(v.contiguous(), device) for k, v in rows.items()} for rows in host]
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.host)
+
+    def __iter__(self):
+        for rows in self.host:
+            yield {k: to_device(v, self.device) for k, v in rows.items()}
+
+
 def load_tokenizer(cfg: Config) -> Tokenizer:
     """``data.tokenizer``, trained on ``data.path`` (the lines of its file, or the texts of its documents) with
     ``model.vocab_size`` tokens and saved there if absent; without ``data.tokenizer`` a ``model.from_hf`` directory's
@@ -90,6 +124,9 @@ def load_tokenizer(cfg: Config) -> Tokenizer:
         tokenizer = Tokenizer.of_hf_model(cfg.model.from_hf)
     else:
         path = Path(cfg.data.tokenizer or Path(cfg.data.path).with_name("tokenizer.json"))
+        if not path.is_file() and cfg.data.kind == "chat":
+            raise DataError(f"data.tokenizer={str(path)!r} does not exist: chat data needs the tokenizer its chat "
+                            f"template was written for (or model.from_hf, whose tokenizer it takes)")
         if not path.is_file():
             try:
                 if cfg.data.kind == "documents":
@@ -110,8 +147,9 @@ def load_tokenizer(cfg: Config) -> Tokenizer:
     return tokenizer
 
 
-def build_dataset(cfg: Config):
-    """The batch source named by ``cfg.data.kind`` for ``cfg.model.kind``.
+def build_dataset(cfg: Config, key: str = "path"):
+    """The batch source named by ``cfg.data.kind`` for ``cfg.model.kind``, of the files of ``data.<key>``
+    (``eval_path``: the held-out ones, read with the training data's tokenizer).
 
     Datasets carry their order settings (``seed``, ``shuffle``, ``bucket_size``)
     for the ``ShardedBatches`` that reads them.
@@ -123,21 +161,28 @@ def build_dataset(cfg: Config):
         if m.spec.encoder_decoder:
             return SyntheticTranslation(m, cfg.run.seed, d.synthetic_task(m.kind), d.min_length)
         return SyntheticLM(m, cfg.run.seed)
+    path = getattr(d, key)
     try:
         if d.kind == "translation":
-            dataset = TranslationDataset(d.path, load_tokenizer(cfg), m.src_seq_length, m.tgt_seq_length,
+            dataset = TranslationDataset(path, load_tokenizer(cfg), m.src_seq_length, m.tgt_seq_length,
                                          d.too_long, d.dynamic_padding)
         elif d.kind == "text":
-            dataset = TextDataset(d.path, None if d.path.endswith(".npy") else load_tokenizer(cfg), m.seq_length)
+            dataset = TextDataset(path, None if path.endswith(".npy") else load_tokenizer(cfg), m.seq_length)
         elif d.kind == "documents":
-            dataset = DocumentsDataset(d.path, load_tokenizer(cfg), m.seq_length, d.text_field, d.document_mask)
+            dataset = DocumentsDataset(path, load_tokenizer(cfg), m.seq_length, d.text_field, d.document_mask)
+        elif d.kind == "chat":
+            from paratrain.data.chat import ChatTemplate
+
+            template = ChatTemplate.load(m.from_hf or None, d.chat_template or None)
+            dataset = ChatDataset(path, load_tokenizer(cfg), template, m.seq_length, d.train_on, d.packing,
+                                  d.document_mask, d.too_long)
         else:
-            dataset = CifarDataset(d.path, train=True)
+            dataset = CifarDataset(path, train=True)
     except (DataError, ConfigError):
         raise
     except UnicodeDecodeError as exc:
-        raise not_utf8(d.path, exc) from None
+        raise not_utf8(path, exc) from None
     except (ValueError, OSError) as exc:  # numpy's, or a file that changed since the checks at start
-        raise DataError(f"data.path={d.path} cannot be used: {exc}") from None
+        raise DataError(f"data.{key}={path} cannot be used: {exc}") from None
     dataset.seed, dataset.shuffle, dataset.bucket_size = cfg.run.seed, d.shuffle, d.bucket_size
     return dataset

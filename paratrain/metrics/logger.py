@@ -21,6 +21,8 @@ def format_record(r: dict, total_steps: int, log_format: str = "default") -> str
             f"grad_norm {r['grad_norm']:.3f} | {r['step_time_s']:.3f} s/step | {r['tokens_per_s']:,.0f} tok/s")
     if "mfu" in r:
         line += f" | mfu {100 * r['mfu']:.2f}% | mem {r['memory_mb']:,.0f} MB"
+    if "eval_loss" in r:
+        line += f" | eval_loss {r['eval_loss']:.4f} | eval_ppl {r['eval_ppl']:.2f}"
     if "bleu" in r:
         line += f" | bleu {r['bleu']:.2f}"
     if r.get("skipped_steps"):

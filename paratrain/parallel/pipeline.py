@@ -157,7 +157,8 @@ class StageFixes:
     a user's traced ones): a stage module replicated by DDP's reducer (composable ``replicate``), which torch's
     stage treats as a plain module, accumulates its gradients locally over the micro-batches
     (``set_requires_gradient_sync(False)``, set when the stage is built) and all-reduces them, bucket by
-    bucket, during the step's last backward; and no warm-up of a link to a stage on the same rank."""
+    bucket, during the step's last backward; no warm-up of a link to a stage on the same rank; and no input
+    gradients handed between stages on the same rank when the schedule runs forward only (``eval``)."""
 
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
         # torch 2.11 warms up the links to both neighbouring stages with a send and a receive each way,
@@ -176,6 +177,15 @@ class StageFixes:
             return super()._shape_inference(*args, **kwargs)
         finally:
             moe_totals(self.submod)
+
+    def get_local_bwd_output(self, mb_index: int):
+        # the V-shaped schedule (zbv_zero_bubble) hands a stage's input gradients to the stage before it on this
+        # rank after each backward action, which its forward-only ``eval`` runs too, as no-ops: there are none
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: tuple, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if last_backward and isinstance(self.submod, DDP):
@@ -268,6 +278,15 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.schedule.step(**inputs, target=batch["labels"] if self.has_last else None, return_outputs=False)
         self._sum_shared_grads()
+
+    def evaluate(self, batch: dict[str, torch.Tensor], loss_fn) -> torch.Tensor:
+        """Forward only over ``micro_batch_num`` micro-batches (the schedule's ``eval``): the sum of
+        ``loss_fn(logits, labels)`` (a plain scalar) over them on the last stage's rank, 0 on the others."""
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        self.loss_fn, losses = loss_fn, []
+        self.schedule.eval(**inputs, target=batch["labels"] if self.has_last else None, losses=losses,
+                           return_outputs=False)
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.layout.device)
 
     def _sum_shared_grads(self) -> None:
         params = [_parameters_by_name(chunk) for chunk in self.parts]

@@ -13,10 +13,12 @@ from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
 from paratrain.modules.linear_cross_entropy import token_loss_sum
-from paratrain.modules.moe import aux_loss_in_backward
+from paratrain.modules.moe import aux_loss_in_backward, moe_totals
 from paratrain.parallel.context import split_sequence
 from paratrain.parallel.expert import moe_step_metrics
-from paratrain.parallel.micro_batches import StepLoss, forward_backward
+from paratrain.parallel.loss import loss_context, whole
+from paratrain.parallel.micro_batches import StepLoss, forward_backward, split
+from paratrain.precision import autocast
 
 
 class PlacedModel:
@@ -95,14 +97,42 @@ class PlacedModel:
 
     def micro_loss(self, micro: dict, norm: StepLoss) -> torch.Tensor:
         """What backward runs on for one micro-batch (without a pipeline)."""
+        return norm.token_sum(self.micro_loss_sum(micro))
+
+    def micro_loss_sum(self, micro: dict) -> torch.Tensor:
+        """A micro-batch's summed token loss (without a pipeline), from the head or the logits."""
         inputs = {k: v for k, v in micro.items() if k != "labels"}
         if self.loss_in_head:
-            return norm.token_sum(self.model(**inputs, labels=micro["labels"]))
-        return self.loss(self.model(**inputs), micro["labels"], norm)
+            return self.model(**inputs, labels=micro["labels"])
+        return self.loss_sum(self.model(**inputs), micro["labels"])
+
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Logits (b, T, V) and labels (b, T) -> the summed token cross-entropy but ``ignore_index`` (fp32)."""
+        return token_loss_sum(logits.float(), labels, self.ignore_index)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, norm: StepLoss) -> torch.Tensor:
         """A micro-batch's summed token loss, normalised by ``norm`` (also a pipeline's last stage's loss)."""
-        return norm.token_sum(token_loss_sum(logits.float(), labels, self.ignore_index))
+        return norm.token_sum(self.loss_sum(logits, labels))
+
+    def held_out_loss_sum(self, batch: dict) -> torch.Tensor:
+        """The summed token loss (but ``ignore_index``) of this rank's rows of a held-out global batch, an fp32
+        device scalar, the same on every pipeline, tensor- and context-parallel rank of a data-parallel rank: forward
+        only, without gradients, in eval mode (no dropout), in ``config.micro_batch_num`` micro-batches and
+        ``precision`` as training runs them (a pipeline: its schedule's ``eval``); train mode is restored after."""
+        batch = split_sequence(batch, self.layout)
+        self.model.eval()
+        try:
+            with torch.no_grad(), loss_context(self.config), autocast(self.precision, self.device):
+                if self.pipeline is not None:
+                    total = self.pipeline.evaluate(batch, lambda logits, labels: whole(self.loss_sum(logits, labels)))
+                    total = self.layout.all_reduce_pp(total)
+                else:
+                    total = torch.stack([whole(self.micro_loss_sum(micro)).float()
+                                         for micro in split(batch, self.config.micro_batch_num)]).sum()
+                return self.layout.all_reduce_cp(total)  # each context-parallel rank's tokens
+        finally:
+            self.model.train()
+            moe_totals(self.model)  # the held-out forwards' mixture-of-experts statistics are no step's
 
     def pipeline_step(self, norm: StepLoss, batch):
         """The pipeline schedule's step over a batch, its last stage's loss normalised by ``norm``."""
