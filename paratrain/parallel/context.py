@@ -33,12 +33,6 @@ from paratrain.parallel.vocab import ALL_GATHER
 SPLIT_KEYS = ("input_ids", "labels", "position_ids", "document_ids")  # the (B, T) tensors of a decoder's batch
 
 
-def chunk_order(cp_size: int) -> list[int]:
-    """The sequence's 2N chunks in the order the ranks hold them: rank 0's head and tail, rank 1's, ...
-    ([0, 2N-1, 1, 2N-2, ...])."""
-    return [c for rank in range(cp_size) for c in (rank, 2 * cp_size - 1 - rank)]
-
-
 def local_positions(length: int, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
     """The positions of a sequence of ``length`` that cp rank ``cp_rank`` of ``cp_size`` keeps, (length / N,):
     chunk r then chunk 2N-1-r of 2N equal chunks."""
@@ -101,11 +95,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     attention stays within each packed document (block-diagonal causal); None: causal over the whole sequence."""
     n = dist.get_world_size(group)
     length = q.shape[2] * n
-    # order[i]: where the i-th token of the sequence lies in the ranks' concatenated tokens
-    chunk = length // (2 * n)
-    held = torch.tensor(chunk_order(n), device=q.device)  # the chunk at each place of the concatenation
-    where = torch.empty_like(held).index_copy_(0, held, torch.arange(2 * n, device=q.device))
-    order = (where[:, None] * chunk + torch.arange(chunk, device=q.device)).flatten()
+    # order[i]: where the i-th token of the sequence lies in the ranks' tokens one after the other
+    order = torch.cat([local_positions(length, n, rank, q.device) for rank in range(n)]).argsort()
     q, k, v = (_whole_sequence(x, group, order) for x in (q, k, v))
     options = {"dropout_p": dropout_p, "enable_gqa": k.shape[1] != q.shape[1]}
     if document_ids is None:
