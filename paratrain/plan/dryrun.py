@@ -46,7 +46,7 @@ def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
         with torch.device("meta"):
             model = build_model(cfg.model)
         model = model.to(DTYPES[cfg.model.dtype])
-        parts = parallelize(model, cfg.parallel, layout, layer_costs=layer_costs(cfg.model),
+        parts = parallelize(model, cfg.parallel, layout, cfg.model, layer_costs=layer_costs(cfg.model),
                             tokens_per_rank=tokens_per_rank(cfg, layout.dp_size)).parts
         params = list({id(p): p for part in parts for p in part.parameters()}.values())
         nbytes = sum(_local_bytes(p) for p in params)
