@@ -8,7 +8,6 @@ attribute ``names``, as parameter names are part of the checkpoint format (``par
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -42,12 +41,16 @@ class DocumentMask:
 
     def __init__(self, document_ids: torch.Tensor):
         self.document_ids = document_ids
+        self._mask: torch.Tensor | None = None
 
-    @functools.cached_property
+    @property
     def mask(self) -> torch.Tensor:
-        ids = self.document_ids
-        causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()
-        return (ids[:, None, :, None] == ids[:, None, None, :]) & causal
+        # not functools.cached_property: its lock (Python 3.11) breaks a compiled layer's graph
+        if self._mask is None:
+            ids = self.document_ids
+            causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()
+            self._mask = (ids[:, None, :, None] == ids[:, None, None, :]) & causal
+        return self._mask
 
 
 class VocabEmbedding(nn.Module):
