@@ -37,6 +37,7 @@ from paratrain.checkpoint.storage import (DCP_METADATA, FORMAT_VERSION, INTEGRAT
                                           write_file, write_meta)
 from paratrain.config import MODEL_KINDS, USER_MODEL_KIND, Config, ModelConfig
 from paratrain.errors import UserError
+from paratrain.lora import is_adapter
 from paratrain.mesh import Layout
 
 log = logging.getLogger("paratrain.checkpoint")
@@ -208,6 +209,12 @@ class Checkpointer:
 
     # --- what is saved --------------------------------------------------------------------
 
+    @property
+    def saves_frozen(self) -> bool:
+        """Whether checkpoints hold the frozen base of a LoRA run: only when no ``model.from_hf`` holds it (the
+        run's config names the directory, which a resume and an export read it from again)."""
+        return not (self.config.lora.enabled and self.config.model.from_hf)
+
     def _collect(self) -> tuple[nn.Module, dict, dict, dict[str, str], dict[str, torch.Tensor]]:
         """(module, model state, optimizer state, state key -> saved key, saved key -> tensor for DCP). The module is
         the model, or one ``ModuleList`` over the parts whose leading index is stripped from the keys, so that keys
@@ -215,6 +222,8 @@ class Checkpointer:
         strip = len(self.model_parts) > 1
         module = nn.ModuleList(self.model_parts) if strip else self.model_parts[0]
         msd = get_model_state_dict(module, options=OPTIONS)
+        if not self.saves_frozen:
+            msd = {key: value for key, value in msd.items() if is_adapter(key)}
         osd = get_optimizer_state_dict(module, self.optimizer, options=OPTIONS)
         names = {k: MODEL_PREFIX + (k.split(".", 1)[1] if strip else k) for k in msd}
         for k in osd:
@@ -452,7 +461,7 @@ class Checkpointer:
                         value.copy_(wanted[name])
                 elif name[len(OPTIM_PREFIX):] in settings:
                     sd[key] = _like(settings[name[len(OPTIM_PREFIX):]], value)
-        set_model_state_dict(module, msd, options=OPTIONS)
+        set_model_state_dict(module, msd, options=dataclasses.replace(OPTIONS, strict=self.saves_frozen))
         set_optimizer_state_dict(module, self.optimizer, osd, options=OPTIONS)
 
         # scheduler counters only: base_lrs follow the config and the param groups of this layout

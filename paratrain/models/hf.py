@@ -24,9 +24,10 @@ RENAMED = (("o_proj", "out_proj"), ("lm_head", "head"))  # (HF's, paratrain's) n
 
 def to_hf(name: str) -> str:
     """A paratrain parameter name -> its HF name (``layers.0.self_attn.out_proj.weight`` ->
-    ``model.layers.0.self_attn.o_proj.weight``)."""
+    ``model.layers.0.self_attn.o_proj.weight``; ``...q_proj.base_layer.weight`` -> ``...q_proj.weight``)."""
     for theirs, ours in RENAMED:
         name = ".".join(theirs if part == ours else part for part in name.split("."))
+    name = name.replace(".base_layer.", ".")  # a LoRA-adapted Linear's own weight (paratrain.lora)
     return name if name.startswith("lm_head.") else f"model.{name}"
 
 

@@ -25,12 +25,15 @@ from paratrain.errors import UserError
 
 def declared_plan(model: nn.Module) -> dict[str, str | tuple]:
     """Module name -> split kind, from every ``parallel_plan()`` the model's modules declare; children a
-    pipeline chunk does not hold are left out."""
+    pipeline chunk does not hold are left out. A module declared with a kind that has ``split_as(kind)`` (a LoRA
+    adapter around its Linear, ``paratrain.lora``) is split as that says its children split."""
     plan, modules = {}, dict(model.named_modules())
     for name, module in modules.items():
         for child, kind in (module.parallel_plan() if hasattr(module, "parallel_plan") else {}).items():
             target = f"{name}.{child}" if name else child
-            if target in modules:
+            if target in modules and hasattr(modules[target], "split_as"):  # it splits by splitting its children
+                plan.update({f"{target}.{inner}": how for inner, how in modules[target].split_as(kind).items()})
+            elif target in modules:
                 plan[target] = kind
     return plan
 
