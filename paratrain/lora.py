@@ -39,9 +39,12 @@ class LoRALinear(nn.Module):
 
     def split_as(self, kind: str) -> dict[str, str]:
         """How the children split when the module is declared ``kind`` (``paratrain.parallel.tensor``): the base
-        as declared, one adapter matrix with it, the other whole (colwise: B's output features; rowwise: A's input
-        features, its rank outputs summed)."""
-        return {"base_layer": kind, {"colwise": "lora_B", "rowwise": "lora_A"}[kind]: kind}
+        as declared, one adapter matrix with it, the other whole (colwise: B's output features split, A whole on
+        the gathered input; rowwise: A's input features split, its rank outputs summed, B whole)."""
+        if kind == "colwise":
+            return {"base_layer": kind, "lora_A": "replicate", "lora_B": kind}
+        # with sequence parallel B runs on this rank's tokens, as a norm does: its gradient summed over the ranks
+        return {"base_layer": kind, "lora_A": kind, "lora_B": "norm"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
