@@ -3,6 +3,7 @@ the same losses as a plain loop over ``get_peft_model``, every layout equals one
 and the exports load in ``peft`` and ``transformers`` with the same logits."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -110,19 +111,75 @@ def layouts_losses(configs: list) -> list[tuple[list[float], bool]]:
     return out
 
 
-@pytest.mark.timeout(300)
-def test_every_layout_equals_one_process(hf_dir, tmp_path):
-    """tp2 (with and without sequence parallel), dp2 x ZeRO 3, dp2 x ZeRO 1 with selective recompute and a 1F1B
-    pp2 with full recompute, all in one launch of 2 ranks, clipping on (it clips every step here): the losses of
-    one process (fp32, <= 1e-4 relative)."""
+@pytest.fixture(scope="module")
+def layout_runs(hf_dir, tmp_path_factory):
+    """(configs, losses of one process, [(losses, adapters only) per layout] of every rank) of the layouts, run in
+    one launch of 2 ranks with clipping on (it clips every step here); the dp2 x ZeRO 3 run saves its last step."""
+    root = tmp_path_factory.mktemp("runs")
+
     def config(name, parallel):
-        cfg = lora_config(hf_dir, tmp_path / name, parallel)
+        cfg = lora_config(hf_dir, root / name, parallel)
         cfg.train.grad_clip = 0.05
         return cfg
 
-    want = layouts_losses([config("one", {})])[0][0]
-    results = run_distributed(layouts_losses, 2, [config(name, p) for name, p in LAYOUTS.items()], timeout=280)
+    configs = {name: config(name, parallel) for name, parallel in {"one": {}, **LAYOUTS}.items()}
+    configs["dp2_zero3"].checkpoint.save_steps = STEPS
+    want = layouts_losses([configs["one"]])[0][0]
+    return configs, want, run_distributed(layouts_losses, 2, [configs[name] for name in LAYOUTS], timeout=280)
+
+
+@pytest.mark.timeout(300)
+def test_every_layout_equals_one_process(layout_runs):
+    """tp2 (with and without sequence parallel), dp2 x ZeRO 3, dp2 x ZeRO 1 with selective recompute and a 1F1B
+    pp2 with full recompute: the losses of one process (fp32, <= 1e-4 relative), AdamW's state the adapters'."""
+    _, want, results = layout_runs
     for i, (name, (losses, _)) in enumerate(zip(LAYOUTS, results[0])):
         assert all(rank[i][1] for rank in results), name
         assert len(losses) == STEPS and max(abs(a - b) / b for a, b in zip(losses, want)) <= 1e-4, (name, losses,
                                                                                                     want)
+
+
+@pytest.mark.timeout(120)
+def test_exports_load_in_peft_and_transformers_with_the_logits_of_the_checkpoint(layout_runs, hf_dir, tmp_path):
+    """The dp2 x ZeRO 3 checkpoint (adapters only, the base named by model.from_hf) resumed in one process gives
+    the adapted model's logits; ``--format peft`` loaded by ``PeftModel.from_pretrained`` on the HF base and
+    ``--format hf`` (merged) loaded by ``transformers`` give the same."""
+    from paratrain.checkpoint.full import load_full_tensors
+    from paratrain.cli import main
+    from paratrain.lora import is_adapter
+    from paratrain.trainer import Trainer
+
+    saved = layout_runs[0]["dp2_zero3"].checkpoint_path
+    assert all(map(is_adapter, load_full_tensors(saved)))
+    cfg = copy.deepcopy(layout_runs[0]["one"])  # one process resumed at the last step: nothing trained
+    cfg.run.dir, cfg.checkpoint.dir = str(tmp_path / "resumed"), str(saved)
+    trainer = Trainer(cfg)
+    assert trainer.step == STEPS
+    with torch.no_grad():
+        want = trainer.model.eval()(ids())
+    assert main(["export", cfg.checkpoint.dir, str(tmp_path / "peft"), "--format", "peft"]) == 0
+    assert main(["export", cfg.checkpoint.dir, str(tmp_path / "hf"), "--format", "hf"]) == 0
+    adapter_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert adapter_config["r"] == RANK and adapter_config["base_model_name_or_path"] == str(hf_dir.resolve())
+    adapted = peft.PeftModel.from_pretrained(hf_model(CASE), tmp_path / "peft").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        assert relative(adapted(ids()).logits, want) <= 1e-5
+        assert relative(merged(ids()).logits, want) <= 1e-5
+        assert relative(hf_model(CASE)(ids()).logits, want) > 1e-4  # the adapters changed the logits
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_run_equals_one_uninterrupted(hf_dir, tmp_path, layout_runs):
+    """3 steps saved (adapters and their AdamW state), then resumed to 5, with the base read again from
+    model.from_hf: the losses of the uninterrupted run."""
+    from paratrain.trainer import Trainer
+
+    cfg = lora_config(hf_dir, tmp_path, {})
+    cfg.train.grad_clip = 0.05
+    cfg.train.steps, cfg.checkpoint.save_steps = 3, 3
+    first = [record["loss"] for record in Trainer(cfg).train()]
+    cfg.train.steps = STEPS
+    resumed = [record["loss"] for record in Trainer(cfg).train()]
+    assert len(resumed) == STEPS - 3
+    assert first + resumed == pytest.approx(layout_runs[1], rel=1e-6)
