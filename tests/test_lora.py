@@ -94,9 +94,15 @@ LAYOUTS = {
     "pp2_1f1b_recompute_full": {"pp": 2, "micro_batch_num": 2, "pipeline_schedule": "1f1b", "recompute": "full"},
 }
 
+BF16_BASE_LAYOUTS = {f"{name}_bf16_base": parallel for name, parallel in
+                     {"dp2_zero3": {"dp": 2, "zero_stage": 3}, "tp2": {"mp": 2},
+                      "pp2_gpipe": {"pp": 2, "micro_batch_num": 2, "pipeline_schedule": "gpipe"}}.items()}
+
 
 def layouts_losses(configs: list) -> list[tuple[list[float], bool]]:
-    """Each run's losses, and whether AdamW's state is the adapters' only (this rank's)."""
+    """Each run's losses, and whether (on this rank) only the adapters train and hold AdamW state, the frozen
+    base in ``lora.base_dtype`` and the adapters in fp32."""
+    from paratrain.device import DTYPES
     from paratrain.lora import is_adapter
     from paratrain.trainer import Trainer
 
@@ -104,10 +110,13 @@ def layouts_losses(configs: list) -> list[tuple[list[float], bool]]:
     for cfg in configs:
         trainer = Trainer(cfg)
         losses = [record["loss"] for record in trainer.train()]
-        adapters = {id(p) for name, p in trainer.placed.named_parameters() if is_adapter(name)}
-        frozen = all(not p.requires_grad for name, p in trainer.placed.named_parameters() if not is_adapter(name))
+        params = dict(trainer.placed.named_parameters())
+        adapters = {id(p) for name, p in params.items() if is_adapter(name)}
+        frozen = all(not p.requires_grad and p.dtype == DTYPES[cfg.lora.base_dtype] for name, p in params.items()
+                     if not is_adapter(name))
         out.append((losses, frozen and 0 < len(trainer.optimizer.state) and
-                    {id(p) for p in trainer.optimizer.state} <= adapters))
+                    {id(p) for p in trainer.optimizer.state} <= adapters and
+                    all(params[name].dtype == torch.float32 for name in params if is_adapter(name))))
     return out
 
 
@@ -122,21 +131,37 @@ def layout_runs(hf_dir, tmp_path_factory):
         cfg.train.grad_clip = 0.05
         return cfg
 
-    configs = {name: config(name, parallel) for name, parallel in {"one": {}, **LAYOUTS}.items()}
+    configs = {name: config(name, parallel) for name, parallel in {"one": {}, "one_bf16_base": {}, **LAYOUTS,
+                                                                   **BF16_BASE_LAYOUTS}.items()}
+    for name in ("one_bf16_base", *BF16_BASE_LAYOUTS):
+        configs[name].lora.base_dtype = "bfloat16"
     configs["dp2_zero3"].checkpoint.save_steps = STEPS
-    want = layouts_losses([configs["one"]])[0][0]
-    return configs, want, run_distributed(layouts_losses, 2, [configs[name] for name in LAYOUTS], timeout=280)
+    ones = layouts_losses([configs["one"], configs["one_bf16_base"]])
+    assert all(ok for _, ok in ones)
+    layouts = [configs[name] for name in (*LAYOUTS, *BF16_BASE_LAYOUTS)]
+    return configs, [losses for losses, _ in ones], run_distributed(layouts_losses, 2, layouts, timeout=280)
 
 
 @pytest.mark.timeout(300)
 def test_every_layout_equals_one_process(layout_runs):
     """tp2 (with and without sequence parallel), dp2 x ZeRO 3, dp2 x ZeRO 1 with selective recompute and a 1F1B
     pp2 with full recompute: the losses of one process (fp32, <= 1e-4 relative), AdamW's state the adapters'."""
-    _, want, results = layout_runs
+    _, (want, _), results = layout_runs
     for i, (name, (losses, _)) in enumerate(zip(LAYOUTS, results[0])):
         assert all(rank[i][1] for rank in results), name
         assert len(losses) == STEPS and max(abs(a - b) / b for a, b in zip(losses, want)) <= 1e-4, (name, losses,
                                                                                                     want)
+
+
+def test_a_bf16_base_trains_near_the_fp32_one_on_every_layout(layout_runs):
+    """``lora.base_dtype = "bfloat16"``: the frozen base held in bf16, the adapters in fp32, on one process and on
+    dp2 x ZeRO 3 (FSDP2 gathering the two dtypes), tp2 and pp2; their losses near one process's in bf16 and near
+    the fp32 base's, but not equal to it (the base really ran in bf16)."""
+    _, (fp32, one), results = layout_runs
+    assert one == pytest.approx(fp32, rel=1e-2) and one != pytest.approx(fp32, rel=1e-6)
+    for i, name in enumerate(BF16_BASE_LAYOUTS, start=len(LAYOUTS)):
+        assert all(rank[i][1] for rank in results), name
+        assert results[0][i][0] == pytest.approx(one, rel=2e-3), name
 
 
 @pytest.mark.timeout(120)
@@ -182,4 +207,4 @@ def test_a_resumed_run_equals_one_uninterrupted(hf_dir, tmp_path, layout_runs):
     cfg.train.steps = STEPS
     resumed = [record["loss"] for record in Trainer(cfg).train()]
     assert len(resumed) == STEPS - 3
-    assert first + resumed == pytest.approx(layout_runs[1], rel=1e-6)
+    assert first + resumed == pytest.approx(layout_runs[1][0], rel=1e-6)
