@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from multiprocess import run_distributed
-from test_llama import STEPS, hf_model, ids, plain_hf_losses, relative, run_config
+from paratrain.checkpoint.storage import CheckpointError
+from test_llama import STEPS, hf_model, ids, plain_hf_losses, relative, run_config, trainer_losses
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -56,6 +57,7 @@ def our_adapters(model) -> dict[str, torch.Tensor]:
     return {peft_name(to_hf(name)): p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.timeout(60)
 def test_five_steps_equal_a_plain_loop_over_get_peft_model_and_only_the_adapters_train(hf_dir, tmp_path):
     """Same adapters (ours copied into peft's, B zero, A peft's kaiming-uniform), same AdamW: the same losses; the
     base after training is bit-identical to the HF weights, and AdamW holds state for the adapters only."""
@@ -153,6 +155,7 @@ def test_every_layout_equals_one_process(layout_runs):
                                                                                                     want)
 
 
+@pytest.mark.timeout(60)
 def test_a_bf16_base_trains_near_the_fp32_one_on_every_layout(layout_runs):
     """``lora.base_dtype = "bfloat16"``: the frozen base held in bf16, the adapters in fp32, on one process and on
     dp2 x ZeRO 3 (FSDP2 gathering the two dtypes), tp2 and pp2; their losses near one process's in bf16 and near
@@ -208,3 +211,33 @@ def test_a_resumed_run_equals_one_uninterrupted(hf_dir, tmp_path, layout_runs):
     resumed = [record["loss"] for record in Trainer(cfg).train()]
     assert len(resumed) == STEPS - 3
     assert first + resumed == pytest.approx(layout_runs[1][0], rel=1e-6)
+    cfg.lora.rank, cfg.train.steps = 2 * RANK, STEPS + 1
+    with pytest.raises(CheckpointError, match=f"lora.rank: {RANK} → {2 * RANK}"):
+        Trainer(cfg)
+
+
+@pytest.mark.timeout(60)
+def test_refusals_name_the_values_and_a_fix(tmp_path):
+    """Bad [lora] keys are refused before start, each with its values and the ones that work; a run without
+    adapters has no peft export."""
+    from paratrain import config_file
+    from paratrain.config import ConfigError
+    from paratrain.config_rules import validate
+    from paratrain.errors import UserError
+    from paratrain.models.hf import export_peft
+
+    cfg = config_file.from_dict({"model": {"kind": "llama"}, "lora": {
+        "r": -2, "lora_alpha": 0, "dropout": 1.5, "target_modules": ["q_proj", "qkv", "fc1"], "base_dtype": "fp8"}})
+    problems = "\n".join(validate(cfg))
+    assert "lora.rank=-2 must be at least 1" in problems and "lora.alpha=0" in problems
+    assert "lora.dropout=1.5 is outside [0, 1)" in problems and "lora.base_dtype='fp8'" in problems
+    assert "'qkv', 'fc1', not a Linear of the llama kind: use some of q_proj, k_proj, v_proj, o_proj" in problems
+    with pytest.raises(ConfigError, match="not to model.kind='gpt': set model.kind='llama'"):
+        ConfigError.raise_any(validate(config_file.from_dict({"model": {"kind": "gpt"}, "lora": {"rank": 8}})))
+    plain = config_file.from_dict({"model": {"kind": "llama", "seq_length": 8, "hidden_size": 32,
+                                             "ffn_hidden_size": 32, "decoder_layers": 1},
+                                   "run": {"dir": str(tmp_path)}, "train": {"steps": 1, "global_batch_size": 2},
+                                   "checkpoint": {"save_steps": 1}})
+    trainer_losses(plain)
+    with pytest.raises(UserError, match="trained without \\[lora\\].*export it with --format hf"):
+        export_peft(plain.checkpoint_path, tmp_path / "peft")

@@ -132,6 +132,7 @@ MODEL_TRAINING_KEYS = ("hidden_dropout", "attention_dropout")
 # the model keys an image classifier (a kind without Transformer layers) reads
 IMAGE_MODEL_KEYS = ("kind", "encoder_layers", "hidden_size", "dtype")
 LENGTH_KEYS = ("seq_length", "src_seq_length", "tgt_seq_length")
+LORA_SHAPE_KEYS = ("rank", "target_modules")
 CHANGEABLE_SECTIONS = ("train", "data", "parallel")  # listed when changed; run, checkpoint, metrics are not
 
 
@@ -152,8 +153,8 @@ def _model_keys(kind: str) -> list[str]:
 
 def resume_changes(saved: dict, config: Config) -> tuple[list[str], list[str]]:
     """Keys whose value differs between the config a checkpoint was saved with (``saved``, as in its
-    ``paratrain.json``) and ``config``, as ``section.key: saved → now``: (model keys that forbid resuming,
-    the changed training keys). A key the checkpoint does not record is taken at its default."""
+    ``paratrain.json``) and ``config``, as ``section.key: saved → now``: (model and adapter keys that forbid
+    resuming, the changed training keys). A key the checkpoint does not record is taken at its default."""
     def differ(section: str, keys) -> list[str]:
         old, now = saved.get(section, {}), getattr(config, section)
         default = type(now)()
@@ -168,7 +169,7 @@ def resume_changes(saved: dict, config: Config) -> tuple[list[str], list[str]]:
     strict = [k for k in _model_keys(kinds[0]) if k in _model_keys(kinds[1]) or k == "kind"]
     if kinds[1] == USER_MODEL_KIND:  # its tensors' names and shapes, checked as they load, say whether it fits
         strict = []  # (older checkpoints of a user's net record a default "transformer")
-    refused = differ("model", strict)
+    refused = differ("model", strict) + differ("lora", LORA_SHAPE_KEYS)  # the adapters' tensors
     changed = differ("model", [k for k in MODEL_TRAINING_KEYS if k not in strict])
     for section in CHANGEABLE_SECTIONS:
         changed += differ(section, [f.name for f in dataclasses.fields(getattr(config, section))])
