@@ -4,6 +4,7 @@ and the exports load in ``peft`` and ``transformers`` with the same logits."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -241,3 +242,33 @@ def test_refusals_name_the_values_and_a_fix(tmp_path):
     trainer_losses(plain)
     with pytest.raises(UserError, match="trained without \\[lora\\].*export it with --format hf"):
         export_peft(plain.checkpoint_path, tmp_path / "peft")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("base_dtype,parallel", [("float32", {"dp": 2, "mp": 2, "pp": 2, "zero_stage": 1,
+                                                              "micro_batch_num": 2}),
+                                                 ("bfloat16", {"dp": 4, "mp": 2, "zero_stage": 3})])
+def test_the_planner_gives_a_frozen_base_no_gradients_and_no_optimizer_state(base_dtype, parallel):
+    """The cost model's bytes per rank equal those the dry run counts on the real sharding (meta device, fake
+    ranks) with adapters; gradients and AdamW state are the adapters' only, so the estimate falls."""
+    from paratrain import config_file
+    from paratrain.plan import cost
+    from paratrain.plan.dryrun import dry_run
+    from paratrain.plan.search import evaluate
+
+    cfg = config_file.from_dict({
+        "model": {"kind": "llama", "vocab_size": 64, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2,
+                  "ffn_hidden_size": 96, "decoder_layers": 4, "seq_length": 16},
+        "parallel": parallel, "train": {"global_batch_size": 8}, "lora": {"rank": 2, "base_dtype": base_dtype}})
+    full, lora = cost.stage_states(cfg.model, cfg.parallel), cost.stage_states(cfg.model, cfg.parallel, lora=cfg.lora)
+    for c, p in zip(dry_run(cfg), lora, strict=True):
+        assert (c["params"], c["grads"], c["optimizer"], c["tensors"]) == (p.params, p.grads, p.optimizer, p.tensors)
+    for f, p in zip(full, lora):
+        assert 0 < p.grads < f.grads / 4 and 0 < p.optimizer < f.optimizer / 4
+        assert (p.params > f.params) if base_dtype == "float32" else (p.params < f.params)
+    adapters = cost.model_params(cfg.model, cfg.lora, trainable=True)
+    # 4 layers of rank 2: A (r, in) and B (out, r) of q, k, v, o (64 <-> 64, 32 kv features), gate, up, down (96)
+    assert adapters == 4 * 2 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 96))
+    hardware = cost.Hardware.default(cfg.parallel.world_size, cfg.parallel.world_size)
+    without = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0))
+    assert evaluate(cfg, cfg.parallel, hardware)["memory_gib"] < evaluate(without, cfg.parallel, hardware)["memory_gib"]
