@@ -172,9 +172,11 @@ def test_a_bf16_base_trains_near_the_fp32_one_on_every_layout(layout_runs):
 def test_exports_load_in_peft_and_transformers_with_the_logits_of_the_checkpoint(layout_runs, hf_dir, tmp_path):
     """The dp2 x ZeRO 3 checkpoint (adapters only, the base named by model.from_hf) resumed in one process gives
     the adapted model's logits; ``--format peft`` loaded by ``PeftModel.from_pretrained`` on the HF base and
-    ``--format hf`` (merged) loaded by ``transformers`` give the same."""
+    ``--format hf`` (merged) loaded by ``transformers`` give the same; ``generate`` continues a prompt from the
+    checkpoint as from the merged export."""
     from paratrain.checkpoint.full import load_full_tensors
     from paratrain.cli import main
+    from paratrain.generation import generate, load_generator
     from paratrain.lora import is_adapter
     from paratrain.trainer import Trainer
 
@@ -196,6 +198,9 @@ def test_exports_load_in_peft_and_transformers_with_the_logits_of_the_checkpoint
         assert relative(adapted(ids()).logits, want) <= 1e-5
         assert relative(merged(ids()).logits, want) <= 1e-5
         assert relative(hf_model(CASE)(ids()).logits, want) > 1e-4  # the adapters changed the logits
+    prompt = ids()[:1, :6]
+    tokens = [generate(load_generator(run, "cpu").model, prompt, 6) for run in (saved, tmp_path / "hf")]
+    assert torch.equal(*tokens) and tokens[0].shape[-1] > 6
 
 
 @pytest.mark.timeout(60)
