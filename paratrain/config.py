@@ -627,8 +627,7 @@ class MetricsConfig(Section):
 
 @dataclass
 class LoraConfig(Section):
-    """LoRA: low-rank adapters trained on a frozen base (docs/fine-tuning.md); absent or ``rank = 0``: every
-    parameter trains."""
+    """LoRA: low-rank adapters trained on a frozen base (fine-tuning.md); without it every parameter trains."""
 
     SECTION = "lora"
     ALIASES = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}  # peft's LoraConfig names

@@ -91,9 +91,9 @@ def host_memory() -> int:
 
 def memory_problems(cfg: Config, world_size: int, local_world_size: int) -> list[str]:
     """A problem when the model cannot fit: weights, gradients and AdamW moments (4 copies of every parameter
-    that trains, 1 of a frozen base) over all ``world_size`` ranks, plus one hidden state per layer for a micro-batch's tokens, exceed a
-    device's memory or this host's for its ``local_world_size`` ranks (model state against the host's with
-    ZeRO-Offload). Both are lower bounds."""
+    that trains, 1 of a frozen base) over all ``world_size`` ranks, plus one hidden state per layer for a
+    micro-batch's tokens, exceed a device's memory or this host's for its ``local_world_size`` ranks (model state
+    against the host's with ZeRO-Offload). Both are lower bounds."""
     from paratrain.plan.cost import DTYPE_BYTES, model_params, state_bytes
 
     m, p = cfg.model, cfg.parallel
