@@ -444,6 +444,9 @@ def _lora_problems(cfg: Config) -> list[str]:
     if cfg.model.kind != "llama":
         problems.append(f"lora.rank={lora.rank} adds adapters to the llama kind's Linears, not to model.kind="
                         f"{cfg.model.kind!r}: set model.kind='llama' (or model.from_hf) or remove [lora]")
+    if cfg.train.mixed_precision == "fp8":
+        problems.append(f"lora.rank={lora.rank} with train.mixed_precision='fp8': adapters around fp8 Linears are "
+                        f"not supported yet; use mixed_precision='bf16'")
     return problems
 
 

@@ -240,6 +240,8 @@ def test_refusals_name_the_values_and_a_fix(tmp_path):
     assert "'qkv', 'fc1', not a Linear of the llama kind: use some of q_proj, k_proj, v_proj, o_proj" in problems
     with pytest.raises(ConfigError, match="not to model.kind='gpt': set model.kind='llama'"):
         ConfigError.raise_any(validate(config_file.from_dict({"model": {"kind": "gpt"}, "lora": {"rank": 8}})))
+    fp8 = config_file.from_dict({"model": {"kind": "llama"}, "lora": {"rank": 8}, "train": {"mixed_precision": "fp8"}})
+    assert any("mixed_precision='fp8'" in p and "use mixed_precision='bf16'" in p for p in validate(fp8))
     plain = config_file.from_dict({"model": {"kind": "llama", "seq_length": 8, "hidden_size": 32,
                                              "ffn_hidden_size": 32, "decoder_layers": 1},
                                    "run": {"dir": str(tmp_path)}, "train": {"steps": 1, "global_batch_size": 2},
