@@ -69,11 +69,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def run_config(model: dict, ranks: int, run_dir: str, steps: int):
-    """paratrain's Config of the run: the HF directory's model, data parallel over ``ranks``."""
+def run_config(model: dict, ranks: int, run_dir: str, steps: int, lora: dict | None = None):
+    """paratrain's Config of the run: the HF directory's model, data parallel over ``ranks``; ``lora``: a [lora]
+    section (adapters on the frozen base)."""
     from paratrain import config_file
 
-    return config_file.from_dict({
+    return config_file.from_dict({**({"lora": lora} if lora else {}),
         "run": {"dir": run_dir, "seed": 0},
         "model": {"from_hf": model["dir"], "seq_length": model["length"]},
         "parallel": {"data_parallel": ranks},
@@ -137,7 +138,8 @@ def paratrain_side(job: dict):
 
     ranks = torch.distributed.get_world_size()
     # one step more than it runs: none of the bench's steps is the run's last (which reads every metric)
-    trainer = Trainer(run_config(job["model"], ranks, job["run_dir"], job["warmup"] + job["steps"] + 1))
+    trainer = Trainer(run_config(job["model"], ranks, job["run_dir"], job["warmup"] + job["steps"] + 1,
+                                 job.get("lora")))
 
     def step(step_index: int, ids, labels) -> float:
         if step_index == 0 and not torch.equal(trainer.data.batch(0)["input_ids"], ids):

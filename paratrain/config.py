@@ -32,6 +32,9 @@ CP_METHODS = ("auto", "ulysses", "ring")
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")  # exact GELU, its tanh approximation (paratrain.nn's "gelu"), ReLU
 LOG_FORMATS = ("default", "mindspore")
+# the llama kind's Linears that may get LoRA adapters, by their Hugging Face (peft) names; ours call o_proj out_proj
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_RENAMED = {"out_proj": "o_proj"}
 SPECIAL_TOKENS = 4  # ids 0-3 are pad, bos, eos and unk; synthetic data draws its tokens from the ids above
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 NAME_RULE = "use letters, digits, '.', '_' and '-', starting with a letter or digit (at most 128 characters)"
@@ -664,6 +667,58 @@ class MetricsConfig(Section):
 
 
 @dataclass
+class LoraConfig(Section):
+    """LoRA: low-rank adapters trained on a frozen base (fine-tuning.md); without it every parameter trains."""
+
+    SECTION = "lora"
+    ALIASES = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}  # peft's LoraConfig names
+    rank: int = 0  # inner width r of each adapter (peft: r); 0: no adapters, full fine-tuning
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (peft: lora_alpha)
+    dropout: float = 0.0  # dropout on each adapter's input (peft: lora_dropout)
+    # Linears that get adapters, by their Hugging Face names (o_proj is paratrain's out_proj); every projection
+    # of attention and the feed-forward by default (peft: target_modules)
+    target_modules: list = field(default_factory=lambda: list(LORA_TARGETS))
+    base_dtype: str = "float32"  # dtype of the frozen base's parameters: float32 | bfloat16
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        """What each adapter's output is multiplied by: alpha / rank."""
+        return self.alpha / self.rank
+
+    @property
+    def targets(self) -> set[str]:
+        """``target_modules`` by their Hugging Face names."""
+        return {LORA_RENAMED.get(name, name) for name in self.target_modules}
+
+    def problems(self) -> list[str]:
+        """Every rule these keys break on their own (``paratrain.config_rules.validate`` asks)."""
+        if self.rank == 0:
+            return []
+        out = []
+        if self.rank < 0:
+            out.append(f"lora.rank={self.rank} must be at least 1 (e.g. 8), or 0 for no adapters")
+        if self.alpha <= 0:
+            out.append(f"lora.alpha={self.alpha} must be positive (the adapters' output is scaled by alpha / rank; "
+                       f"e.g. 16)")
+        if not 0 <= self.dropout < 1:
+            out.append(f"lora.dropout={self.dropout} is outside [0, 1): use a probability such as 0.05, or 0")
+        unknown = [name for name in self.target_modules if name not in LORA_TARGETS and name not in LORA_RENAMED]
+        if unknown:
+            out.append(f"lora.target_modules names {', '.join(map(repr, unknown))}, not a Linear of the llama kind: "
+                       f"use some of {', '.join(LORA_TARGETS)} (out_proj is o_proj)")
+        if not self.target_modules:
+            out.append(f"lora.target_modules=[] adds no adapters: name some of {', '.join(LORA_TARGETS)}, or set "
+                       f"lora.rank=0 for full fine-tuning")
+        if self.base_dtype not in ("float32", "bfloat16"):
+            out.append(f"lora.base_dtype={self.base_dtype!r} is not one of float32, bfloat16")
+        return out
+
+
+@dataclass
 class LaunchConfig(Section):
     """How ``paratrain launch`` runs the job's ranks (``paratrain train`` alone ignores it)."""
 
@@ -683,6 +738,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def checkpoint_path(self) -> Path:

@@ -113,7 +113,7 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
         value = getattr(m, name)
         if not 0 <= value < 1:
             problems.append(f"model.{name}={value} is outside [0, 1): use a probability such as 0.1, or 0 for none")
-    problems += _data_problems(cfg.data, m) + _eval_problems(cfg.data, m, t.eval_steps)
+    problems += _data_problems(cfg.data, m) + _eval_problems(cfg.data, m, t.eval_steps) + _lora_problems(cfg)
     if cfg.data.document_mask and m.kind == "gpt" and p.sequence_parallel:
         problems.append("data.document_mask=true with model.kind='gpt' and parallel.sequence_parallel=true: the "
                         "learned positions of packed documents are not split along the sequence yet: set "
@@ -511,6 +511,21 @@ def _moe_problems(cfg: Config) -> list[str]:
     if p.sequence_parallel:
         problems.append("model.moe with parallel.sequence_parallel=true is not supported yet (the experts take "
                         "whole sequences): set sequence_parallel=false")
+    return problems
+
+
+def _lora_problems(cfg: Config) -> list[str]:
+    """``[lora]``'s keys, and the model they adapt: the llama kind's Linears."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return lora.problems()
+    problems = lora.problems()
+    if cfg.model.kind != "llama":
+        problems.append(f"lora.rank={lora.rank} adds adapters to the llama kind's Linears, not to model.kind="
+                        f"{cfg.model.kind!r}: set model.kind='llama' (or model.from_hf) or remove [lora]")
+    if cfg.train.mixed_precision == "fp8":
+        problems.append(f"lora.rank={lora.rank} with train.mixed_precision='fp8': adapters around fp8 Linears are "
+                        f"not supported yet; use mixed_precision='bf16'")
     return problems
 
 

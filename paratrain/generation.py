@@ -82,8 +82,8 @@ def hf_tokenizer(path: Path):
 
 
 def load_generator(checkpoint: str | Path, device) -> Generator:
-    """The ``Generator`` of a paratrain checkpoint (a run or checkpoints directory: its newest) or of a Hugging
-    Face model directory, its weights on ``device``."""
+    """The ``Generator`` of a paratrain checkpoint (a run or checkpoints directory: its newest; a LoRA run's
+    adapters on its base) or of a Hugging Face model directory, its weights on ``device``."""
     import torch
 
     from paratrain.config import ConfigError, ModelConfig
@@ -107,6 +107,7 @@ def load_generator(checkpoint: str | Path, device) -> Generator:
     from paratrain.checkpoint.full import load_full_tensors
     from paratrain.checkpoint.storage import read_meta, resolve
     from paratrain.data.synthetic import EOS
+    from paratrain.lora import add_adapters, is_adapter
 
     path = resolve(checkpoint)
     run = config_file.from_dict(read_meta(path)["config"], [])
@@ -116,8 +117,16 @@ def load_generator(checkpoint: str | Path, device) -> Generator:
                         f"the text of a decoder-only one ({' or '.join(DECODER_KINDS)}); an encoder-decoder "
                         f"translates with `paratrain translate`")
     with torch.device(device):
-        model = build_model(cfg)
-    model.load_state_dict(load_full_tensors(path, trust_unverified=run.checkpoint.trust_unverified))
+        model = add_adapters(build_model(cfg), run.lora)
+    tensors = load_full_tensors(path, trust_unverified=run.checkpoint.trust_unverified)
+    if run.lora.enabled and cfg.from_hf and all(map(is_adapter, tensors)):  # the base is in from_hf
+        from paratrain.models.hf import load_hf_weights
+
+        with torch.device("meta"):
+            whole = build_model(cfg)
+        load_hf_weights([model], whole, cfg.from_hf)
+        tensors = {**{name: t for name, t in model.state_dict().items() if not is_adapter(name)}, **tensors}
+    model.load_state_dict(tensors)
     if cfg.from_hf:
         tokenizer, ends = hf_tokenizer(Path(cfg.from_hf) / "tokenizer.json"), eos_ids(Path(cfg.from_hf))
     else:  # paratrain's own tokenizer (data.kind = "text"), whose EOS ends every document

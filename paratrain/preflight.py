@@ -90,17 +90,19 @@ def host_memory() -> int:
 
 
 def memory_problems(cfg: Config, world_size: int, local_world_size: int) -> list[str]:
-    """A problem when the model cannot fit: weights, gradients and AdamW moments (4 copies of every parameter)
-    over all ``world_size`` ranks, plus one hidden state per layer for a micro-batch's tokens, exceed a
-    device's memory or this host's for its ``local_world_size`` ranks (model state against the host's with
-    ZeRO-Offload). Both are lower bounds."""
+    """A problem when the model cannot fit: weights, gradients and AdamW moments (4 copies of every parameter
+    that trains, 1 of a frozen base) over all ``world_size`` ranks, plus one hidden state per layer for a
+    micro-batch's tokens, exceed a device's memory or this host's for its ``local_world_size`` ranks (model state
+    against the host's with ZeRO-Offload). Both are lower bounds."""
     from paratrain.plan.cost import DTYPE_BYTES, model_params, state_bytes
 
     m, p = cfg.model, cfg.parallel
     if not m.spec.stacks:  # not built of Transformer layers: not costed
         return []
-    params = model_params(m)
-    state = state_bytes(params * DTYPE_BYTES[m.dtype]) / world_size
+    params, trained = model_params(m, cfg.lora), model_params(m, cfg.lora, trainable=True)
+    base_dtype = cfg.lora.base_dtype if cfg.lora.enabled and cfg.lora.base_dtype != "float32" else m.dtype
+    # a frozen base (LoRA) is only its weights; what trains has gradients and AdamW state too
+    state = ((params - trained) * DTYPE_BYTES[base_dtype] + state_bytes(trained * DTYPE_BYTES[m.dtype])) / world_size
     tokens = sum(m.sequence_lengths().values())
     micro_batch_num = 1 if p.auto else p.micro_batch_num  # the planner may pick more micro-batches
     activations = cfg.train.global_batch_size * tokens * m.hidden_size * 4 * m.num_layers / (

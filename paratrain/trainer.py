@@ -21,6 +21,7 @@ from paratrain.mesh import Layout
 from paratrain.metrics import MetricsLogger, StepTimer
 from paratrain.models import build_model
 from paratrain.models.hf import load_hf_weights
+from paratrain.lora import add_adapters, hold_base_in
 from paratrain.metrics.flops import batch_flops
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallel import parallelize, shard_optimizer_state
@@ -88,9 +89,12 @@ class Trainer(loop.Face):
         # the model is built on the meta device, parallelized, and only this rank's shards are materialized,
         # with the values a plain build from this seed has (paratrain.parallel.deferred_init)
         torch.manual_seed(cfg.run.seed)
-        record = record_init(lambda: build_model(cfg.model))
-        self.placed = parallelize(record.model.to(DTYPES[cfg.model.dtype]), cfg.parallel, self.layout, cfg.model,
-                                  cfg.train, layer_costs(cfg.model), tokens_per_rank(cfg, self.layout.dp_size))
+        record = record_init(lambda: add_adapters(build_model(cfg.model), cfg.lora))
+        model = record.model.to(DTYPES[cfg.model.dtype])
+        if cfg.lora.enabled and cfg.lora.base_dtype != "float32":
+            hold_base_in(model, DTYPES[cfg.lora.base_dtype])
+        self.placed = parallelize(model, cfg.parallel, self.layout, cfg.model, cfg.train, layer_costs(cfg.model),
+                                  tokens_per_rank(cfg, self.layout.dp_size))
         torch.manual_seed(cfg.run.seed)
         # offloaded parameters are made on the host (FSDP2 pins them), never whole on the device
         materialize(self.placed.parts, record, self.device, torch.device("cpu") if cfg.parallel.offloads else None)
@@ -124,7 +128,8 @@ class Trainer(loop.Face):
         self.checkpointer = Checkpointer(cfg, self.layout, self.placed.parts, self.optimizer, self.scheduler,
                                          {"loss_scaler": self.loss_scaler, "data": self.data})
         self.step = self.checkpointer.resume()  # checkpoint.resume: "auto" | path | "none"
-        if self.step == 0 and cfg.model.from_hf:  # a resumed run goes on from its own checkpoint
+        # a resumed run goes on from its own checkpoint, which holds a frozen base only when no from_hf has it
+        if cfg.model.from_hf and (self.step == 0 or not self.checkpointer.saves_frozen):
             with torch.device("meta"):
                 whole = build_model(cfg.model)
             load_hf_weights(self.placed.parts, whole, cfg.model.from_hf)

@@ -168,13 +168,15 @@ def trainer_losses(cfg) -> list[float]:
     return [record["loss"] for record in Trainer(cfg).train()]
 
 
-def plain_hf_losses(case: str, cfg) -> list[float]:
-    """A plain torch loop over the HF model on the batches paratrain trains on, with the same AdamW."""
+def plain_hf_losses(case: str, cfg, model=None) -> list[float]:
+    """A plain torch loop over the HF model (``model``, e.g. a peft model around it, or the case's) on the batches
+    paratrain trains on, with the same AdamW over its trainable parameters."""
     from paratrain.data.loader import ShardedBatches, build_dataset
 
-    model, t = hf_model(case).train(), cfg.train
+    model, t = (model or hf_model(case)).train(), cfg.train
     data = ShardedBatches(build_dataset(cfg), BATCH, 0, 1, torch.device("cpu"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=0.0,
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=0.0,
                                   fused=True)
     losses = []
     for step in range(STEPS):

@@ -14,6 +14,8 @@ def cmd_export(args) -> int:
 
     if args.format == "hf":
         from paratrain.models.hf import export_hf as export
+    elif args.format == "peft":
+        from paratrain.models.hf import export_peft as export
     try:
         out = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype] if args.dtype else None,
                      trust_unverified=args.trust_unverified)
@@ -66,10 +68,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Register ``export`` and ``checkpoint info`` on the ``paratrain`` command."""
     exp = sub.add_parser("export", help="write a checkpoint's model to one .safetensors file (plain parameter names)")
     exp.add_argument("checkpoint", help="a checkpoint directory (step_*), or a checkpoints/run directory: the newest")
-    exp.add_argument("out", help="output .safetensors file (--format hf: a directory)")
-    exp.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
+    exp.add_argument("out", help="output .safetensors file (--format hf, peft: a directory)")
+    exp.add_argument("--format", choices=["safetensors", "hf", "peft"], default="safetensors",
                      help="safetensors: one file, paratrain's names; hf: a Hugging Face model directory of a "
-                          "llama-kind run (config.json, safetensors shards and index, the from_hf tokenizer)")
+                          "llama-kind run (config.json, safetensors shards and index, the from_hf tokenizer; LoRA "
+                          "adapters merged into the weights); peft: a LoRA run's adapters as peft saves them "
+                          "(adapter_config.json, adapter_model.safetensors)")
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating tensors")
     exp.add_argument("--trust-unverified", action="store_true",
                      help="read a checkpoint of format 1, which records no checksums (only one you trust)")

@@ -37,6 +37,7 @@ from paratrain.checkpoint.storage import (DCP_METADATA, FORMAT_VERSION, INTEGRAT
                                           write_file, write_meta)
 from paratrain.config import MODEL_KINDS, USER_MODEL_KIND, Config, ModelConfig
 from paratrain.errors import UserError
+from paratrain.lora import is_adapter
 from paratrain.mesh import Layout
 
 log = logging.getLogger("paratrain.checkpoint")
@@ -132,6 +133,7 @@ MODEL_TRAINING_KEYS = ("hidden_dropout", "attention_dropout")
 # the model keys an image classifier (a kind without Transformer layers) reads
 IMAGE_MODEL_KEYS = ("kind", "encoder_layers", "hidden_size", "dtype")
 LENGTH_KEYS = ("seq_length", "src_seq_length", "tgt_seq_length")
+LORA_SHAPE_KEYS = ("rank", "target_modules")
 CHANGEABLE_SECTIONS = ("train", "data", "parallel")  # listed when changed; run, checkpoint, metrics are not
 
 
@@ -152,8 +154,8 @@ def _model_keys(kind: str) -> list[str]:
 
 def resume_changes(saved: dict, config: Config) -> tuple[list[str], list[str]]:
     """Keys whose value differs between the config a checkpoint was saved with (``saved``, as in its
-    ``paratrain.json``) and ``config``, as ``section.key: saved → now``: (model keys that forbid resuming,
-    the changed training keys). A key the checkpoint does not record is taken at its default."""
+    ``paratrain.json``) and ``config``, as ``section.key: saved → now``: (model and adapter keys that forbid
+    resuming, the changed training keys). A key the checkpoint does not record is taken at its default."""
     def differ(section: str, keys) -> list[str]:
         old, now = saved.get(section, {}), getattr(config, section)
         default = type(now)()
@@ -168,7 +170,7 @@ def resume_changes(saved: dict, config: Config) -> tuple[list[str], list[str]]:
     strict = [k for k in _model_keys(kinds[0]) if k in _model_keys(kinds[1]) or k == "kind"]
     if kinds[1] == USER_MODEL_KIND:  # its tensors' names and shapes, checked as they load, say whether it fits
         strict = []  # (older checkpoints of a user's net record a default "transformer")
-    refused = differ("model", strict)
+    refused = differ("model", strict) + differ("lora", LORA_SHAPE_KEYS)  # the adapters' tensors
     changed = differ("model", [k for k in MODEL_TRAINING_KEYS if k not in strict])
     for section in CHANGEABLE_SECTIONS:
         changed += differ(section, [f.name for f in dataclasses.fields(getattr(config, section))])
@@ -209,6 +211,12 @@ class Checkpointer:
 
     # --- what is saved --------------------------------------------------------------------
 
+    @property
+    def saves_frozen(self) -> bool:
+        """Whether checkpoints hold the frozen base of a LoRA run: only when no ``model.from_hf`` holds it (the
+        run's config names the directory, which a resume and an export read it from again)."""
+        return not (self.config.lora.enabled and self.config.model.from_hf)
+
     def _collect(self) -> tuple[nn.Module, dict, dict, dict[str, str], dict[str, torch.Tensor]]:
         """(module, model state, optimizer state, state key -> saved key, saved key -> tensor for DCP). The module is
         the model, or one ``ModuleList`` over the parts whose leading index is stripped from the keys, so that keys
@@ -216,6 +224,8 @@ class Checkpointer:
         strip = len(self.model_parts) > 1
         module = nn.ModuleList(self.model_parts) if strip else self.model_parts[0]
         msd = get_model_state_dict(module, options=OPTIONS)
+        if not self.saves_frozen:
+            msd = {key: value for key, value in msd.items() if is_adapter(key)}
         osd = get_optimizer_state_dict(module, self.optimizer, options=OPTIONS)
         names = {k: MODEL_PREFIX + (k.split(".", 1)[1] if strip else k) for k in msd}
         for k in osd:
@@ -453,7 +463,7 @@ class Checkpointer:
                         value.copy_(wanted[name])
                 elif name[len(OPTIM_PREFIX):] in settings:
                     sd[key] = _like(settings[name[len(OPTIM_PREFIX):]], value)
-        set_model_state_dict(module, msd, options=OPTIONS)
+        set_model_state_dict(module, msd, options=dataclasses.replace(OPTIONS, strict=self.saves_frozen))
         set_optimizer_state_dict(module, self.optimizer, osd, options=OPTIONS)
 
         # scheduler counters only: base_lrs follow the config and the param groups of this layout

@@ -16,31 +16,38 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from paratrain.config import ModelConfig, hf_config_json
+from paratrain.config import LoraConfig, ModelConfig, hf_config_json
 from paratrain.errors import UserError
+from paratrain.lora import is_adapter, merged, peft_config, peft_name
 
 RENAMED = (("o_proj", "out_proj"), ("lm_head", "head"))  # (HF's, paratrain's) name parts that differ
 
 
 def to_hf(name: str) -> str:
     """A paratrain parameter name -> its HF name (``layers.0.self_attn.out_proj.weight`` ->
-    ``model.layers.0.self_attn.o_proj.weight``)."""
+    ``model.layers.0.self_attn.o_proj.weight``; ``...q_proj.base_layer.weight`` -> ``...q_proj.weight``)."""
     for theirs, ours in RENAMED:
         name = ".".join(theirs if part == ours else part for part in name.split("."))
+    name = name.replace(".base_layer.", ".")  # a LoRA-adapted Linear's own weight (paratrain.lora)
     return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def safetensors_files(directory: str | Path) -> list[Path]:
+    """A directory's ``model.safetensors``, or the shards its ``model.safetensors.index.json`` names."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if not index.exists():
+        return [directory / "model.safetensors"]
+    return [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
 
 
 def stored_tensors(directory: str | Path) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor of a directory's ``model.safetensors`` or the shards its
     ``model.safetensors.index.json`` names; a missing file or broken header refused naming it."""
-    directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
     try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
-            "model.safetensors"]
         shapes = {}
-        for file in files:
-            with safe_open(str(directory / file), framework="pt") as f:
+        for file in safetensors_files(directory):
+            with safe_open(str(file), framework="pt") as f:
                 shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
         return shapes
     except Exception as err:  # safetensors raises its own error types
@@ -83,24 +90,48 @@ def load_hf_weights(parts: list[nn.Module], whole: nn.Module, directory: str | P
                              options=StateDictOptions(strict=False))
 
 
+def hf_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory's safetensors, whole, by HF name (one process: an export)."""
+    tensors = {}
+    for file in safetensors_files(directory):
+        with safe_open(str(file), framework="pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    return tensors
+
+
+def _llama_run(checkpoint: str | Path, fmt: str) -> tuple[Path, ModelConfig, LoraConfig]:
+    """(checkpoint path, model config, lora config) of a llama-kind run's checkpoint; another kind refused."""
+    from paratrain.checkpoint.storage import read_meta, resolve
+
+    path = resolve(checkpoint)
+    saved = read_meta(path)["config"]
+    m, lora = ModelConfig(**saved["model"]), LoraConfig(**saved.get("lora", {}))
+    if m.kind != "llama":
+        raise UserError(f"export --format {fmt}: {path} holds a model.kind={m.kind!r} model; only 'llama' has a "
+                        f"Hugging Face counterpart (export it as one .safetensors file instead)")
+    return path, m, lora
+
+
 def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
               trust_unverified: bool = False) -> Path:
     """Write the llama-kind model of ``checkpoint`` (saved under any layout) as a Hugging Face directory that
     ``transformers.AutoModelForCausalLM.from_pretrained`` loads: ``config.json``, safetensors shards (one per
     layer, and one for the embedding, norm and head) with their index written by DCP's
-    ``HuggingFaceStorageWriter``, and the tokenizer files of the run's ``model.from_hf`` if it had one."""
+    ``HuggingFaceStorageWriter``, and the tokenizer files of the run's ``model.from_hf`` if it had one. A LoRA
+    run's adapters are merged into the weights they adapt (its base read from ``model.from_hf`` when the
+    checkpoint holds only the adapters)."""
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     from paratrain.checkpoint.full import load_full_tensors
-    from paratrain.checkpoint.storage import read_meta, resolve
 
-    path = resolve(checkpoint)
-    m = ModelConfig(**read_meta(path)["config"]["model"])
-    if m.kind != "llama":
-        raise UserError(f"export --format hf: {path} holds a model.kind={m.kind!r} model; only 'llama' has a "
-                        f"Hugging Face counterpart (export it as one .safetensors file instead)")
-    tensors = {to_hf(name): tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
-               for name, tensor in load_full_tensors(path, trust_unverified=trust_unverified).items()}
+    path, m, lora = _llama_run(checkpoint, "hf")
+    saved = load_full_tensors(path, trust_unverified=trust_unverified)
+    tensors = {to_hf(name): tensor for name, tensor in saved.items()}
+    if lora.enabled:
+        base = hf_tensors(m.from_hf) if m.from_hf and all(map(is_adapter, saved)) else {}
+        tensors = merged({**base, **tensors}, lora.scaling)
+    if dtype is not None:
+        tensors = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor for name, tensor in tensors.items()}
     if m.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     shards = {name: int(name.split(".")[2]) + 2 if name.startswith("model.layers.") else 1 for name in tensors}
@@ -114,4 +145,28 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | 
         source = Path(m.from_hf) / name if m.from_hf else None
         if source is not None and source.is_file():
             (out / name).write_bytes(source.read_bytes())
+    return out
+
+
+def export_peft(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
+                trust_unverified: bool = False) -> Path:
+    """Write the LoRA adapters of a llama-kind run's ``checkpoint`` (any layout) as ``peft`` saves them:
+    ``adapter_config.json`` (naming the run's ``model.from_hf`` as the base) and ``adapter_model.safetensors``,
+    which ``peft.PeftModel.from_pretrained(base, out_dir)`` loads on the HF base model."""
+    from safetensors.torch import save_file
+
+    from paratrain.checkpoint.full import load_full_tensors
+
+    path, m, lora = _llama_run(checkpoint, "peft")
+    if not lora.enabled:
+        raise UserError(f"export --format peft: {path} was trained without [lora] (lora.rank=0): it has no adapters; "
+                        f"export it with --format hf")
+    adapters = {peft_name(to_hf(name)): tensor if dtype is None else tensor.to(dtype)
+                for name, tensor in load_full_tensors(path, trust_unverified=trust_unverified).items()
+                if is_adapter(name)}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.contiguous() for name, tensor in adapters.items()}, str(out / "adapter_model.safetensors"))
+    written = peft_config(lora, str(Path(m.from_hf).resolve()) if m.from_hf else "")
+    (out / "adapter_config.json").write_text(json.dumps(written, indent=2) + "\n")
     return out

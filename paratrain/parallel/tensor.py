@@ -3,7 +3,9 @@
 Every module may declare how its direct children split with ``parallel_plan()``: child name -> kind. ``colwise``: a
 Linear's output features sharded; ``rowwise``: its input features sharded, outputs summed; ``vocab_rows``: an
 Embedding's rows sharded, lookups summed (built-in models: only with ``vocab_emb_dp=false``); ``head``:
-column-sharded, the logits kept vocab-sharded for the vocab-parallel loss (``loss.py``); ``("gather", n)``: the
+column-sharded, the logits kept vocab-sharded for the vocab-parallel loss (``loss.py``); ``replicate``: a module kept
+whole on every rank, its replicated input taken as this rank's plain tensor (backward sums nothing: the gradient
+reaching its output is already whole); ``("gather", n)``: the
 module's n inputs made replicated first, so q, k and v share one input and backward sums their gradients over the tp
 ranks once; with ``sequence_parallel`` only, ``norm`` (a LayerNorm on sequence shards) and ``position`` (a position
 table, this rank's sequence rows kept). With ``sequence_parallel`` the residual stream between sublayers is sharded
@@ -25,12 +27,15 @@ from paratrain.errors import UserError
 
 def declared_plan(model: nn.Module) -> dict[str, str | tuple]:
     """Module name -> split kind, from every ``parallel_plan()`` the model's modules declare; children a
-    pipeline chunk does not hold are left out."""
+    pipeline chunk does not hold are left out. A module declared with a kind that has ``split_as(kind)`` (a LoRA
+    adapter around its Linear, ``paratrain.lora``) is split as that says its children split."""
     plan, modules = {}, dict(model.named_modules())
     for name, module in modules.items():
         for child, kind in (module.parallel_plan() if hasattr(module, "parallel_plan") else {}).items():
             target = f"{name}.{child}" if name else child
-            if target in modules:
+            if target in modules and hasattr(modules[target], "split_as"):  # it splits by splitting its children
+                plan.update({f"{target}.{inner}": how for inner, how in modules[target].split_as(kind).items()})
+            elif target in modules:
                 plan[target] = kind
     return plan
 
@@ -46,6 +51,9 @@ def parallel_style(kind, sequence_parallel: bool = False, vocab_emb_dp: bool = F
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
     if kind == "head":
         return ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+    if kind == "replicate":
+        return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                  use_local_output=True)
     if isinstance(kind, tuple) and kind[0] == "gather":
         inputs = kind[1]
         return PrepareModuleInput(input_layouts=(stream,) * inputs, desired_input_layouts=(Replicate(),) * inputs)
@@ -58,7 +66,7 @@ def parallel_style(kind, sequence_parallel: bool = False, vocab_emb_dp: bool = F
     if kind in ("vocab_rows", "norm", "position"):
         return None
     raise UserError(f"unknown tensor-parallel kind {kind!r} in a parallel_plan: use colwise, rowwise, vocab_rows, "
-                    f"head, norm, position or ('gather', inputs)")
+                    f"head, replicate, norm, position or ('gather', inputs)")
 
 
 def apply_tensor_parallel(model: nn.Module, config: ParallelConfig, tp_mesh: DeviceMesh,
@@ -77,7 +85,10 @@ def apply_tensor_parallel(model: nn.Module, config: ParallelConfig, tp_mesh: Dev
     tables = [model.get_submodule(name) for name in styles if plan[name] == "vocab_rows"]
     head, word = getattr(model, "head", None), next(iter(tables), None)
     tied = head is not None and word is not None and head.weight is word.weight
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, styles)
+    for name, param in model.named_parameters():  # SequenceParallel's replicated parameters all require grad
+        param.requires_grad_(name not in frozen)
     if tied:
         head.weight = word.weight
     if not vocab_emb_dp:  # each table once (the source and target embeddings may share one)

@@ -51,7 +51,8 @@ def shard_vocabulary(model: nn.Module, layout: Layout, tokens_per_rank: int | No
         weight = module.weight
         if id(weight) not in sharded:
             sharded[id(weight)] = nn.Parameter(distribute_tensor(weight.detach(), layout.dp_mesh, [Shard(0)],
-                                                                 src_data_rank=None))
+                                                                 src_data_rank=None),
+                                               requires_grad=weight.requires_grad)
         module.weight = sharded[id(weight)]
         mixin = ShardedVocabRows if isinstance(module, nn.Embedding) else ShardedVocabHead
         module.__class__ = type(f"{mixin.__name__}{type(module).__name__}", (mixin, type(module)), {})

@@ -88,8 +88,10 @@ def cmd_plan(args) -> int:
 def print_table(cfg, hw, rows: list[dict], top: int) -> None:
     from paratrain.plan import cost
 
-    m, params = cfg.model, cost.model_params(cfg.model)
-    print(f"model: {m.kind}, {params / 1e9:.3g} B parameters ({params:,}), {m.num_layers} layers, hidden "
+    m, params = cfg.model, cost.model_params(cfg.model, cfg.lora)
+    trained = f" ({cost.model_params(m, cfg.lora, trainable=True):,} in LoRA adapters, the rest frozen)" if (
+        cfg.lora.enabled) else ""
+    print(f"model: {m.kind}, {params / 1e9:.3g} B parameters ({params:,}){trained}, {m.num_layers} layers, hidden "
           f"{m.hidden_size}; {hw.devices} devices ({hw.devices_per_node} per node, {hw.device_memory / cost.GiB:.0f} "
           f"GiB, {hw.peak_flops / 1e12:g} TFLOP/s); global batch {cfg.train.global_batch_size}")
     head = (f"{'#':>4} {'dp':>5} {'mp':>3} {'pp':>3} {'cp':>3} {'micro':>5} {'mbs':>4} {'zero':>4} {'recompute':>9} "
@@ -127,7 +129,7 @@ def _dry_run(cfg, devices: int, as_json: bool) -> int:
     from paratrain.plan.dryrun import dry_run
 
     counted = dry_run(cfg, devices)
-    predicted = cost.stage_states(cfg.model, cfg.parallel)
+    predicted = cost.stage_states(cfg.model, cfg.parallel, lora=cfg.lora)
     keys = ("params", "grads", "optimizer")
     rows = [{"rank": c["rank"], "pp_rank": c["pp_rank"], **{k: c[k] for k in keys},
              **{f"predicted_{k}": getattr(p, k) for k in keys}, "equal": all(c[k] == getattr(p, k) for k in keys)}

@@ -10,7 +10,8 @@ Everything is derived from the model's shapes and from how paratrain shards (see
   ``fully_shard`` over dp) shard dim 0 of each local tensor again; stage 0 keeps it whole. Pipeline chunks follow
   ``layer_chunks``' split, balanced by ``layer_costs`` (the head's FLOPs with the last layer's), and hold the parts
   the model places there, including the extra word-table copies of the encoder-decoder and of a tied head.
-- Gradients: same placement as the parameters at rest. Optimizer: AdamW exp_avg and exp_avg_sq like the parameter
+- Gradients: same placement as the parameters at rest, for the parameters that train (a frozen base under LoRA
+  adapters has none, and no optimizer state). Optimizer: AdamW exp_avg and exp_avg_sq like the parameter
   plus a 4-byte ``step`` per tensor (fused AdamW).
 - Transient model state (peak, on top of the above): stages 1-2 gather every parameter of the rank in forward and
   keep it until backward; with gradient accumulation (micro_batch_num > 1 without pipeline) or a pipeline (which
@@ -26,7 +27,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from paratrain.config import Config, ModelConfig, ParallelConfig
+from paratrain.config import Config, LoraConfig, ModelConfig, ParallelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GiB = 1024 ** 3
@@ -56,6 +57,7 @@ class Param:
     tp_dim: int | None = None  # the dim split over model_parallel
     split_kind: str | None = None  # the ``parallel_plan()`` kind of its module ("vocab_rows": a word table)
     expert: bool = False  # experts: dim 0 split over expert_parallel, left whole by data parallelism
+    trainable: bool = True  # False: a frozen base under LoRA adapters, with no gradient and no optimizer state
 
     @property
     def table(self) -> bool:
@@ -75,24 +77,28 @@ class ModelParams:
 _DESCRIBED: dict[str, ModelParams] = {}  # per model config, its layer counts aside
 
 
-def model_description(m: ModelConfig) -> ModelParams:
-    """``m``'s parameters, read off the model built on the meta device with as few layers as hold each kind of layer
-    of ``m`` at the same place modulo ``moe.every`` (the kinds and shapes stay, the count does not matter)."""
+def model_description(m: ModelConfig, lora: LoraConfig | None = None) -> ModelParams:
+    """``m``'s parameters (with ``lora``'s adapters, the rest frozen), read off the model built on the meta device
+    with as few layers as hold each kind of layer of ``m`` at the same place modulo ``moe.every`` (the kinds and
+    shapes stay, the count does not matter)."""
     every = m.moe_config.every
     counts = [n - every * max(0, n // every - 1) for n in m.stack_layers.values()]
     sample = dataclasses.replace(m, **dict(zip(("encoder_layers", "decoder_layers")[-len(counts):], counts)))
-    key = repr(sample)
+    lora = lora or LoraConfig()
+    key = repr((sample, lora))
     if key not in _DESCRIBED:
-        _DESCRIBED[key] = _describe(sample)
+        _DESCRIBED[key] = _describe(sample, lora)
     return _DESCRIBED[key]
 
 
-def _describe(m: ModelConfig) -> ModelParams:
-    """The parameters of ``m`` built on the meta device: shapes from the tensors, splits from the modules'
-    ``parallel_plan()`` and the experts' split, users from the layers and ``pipeline_parts`` the pipeline splits."""
+def _describe(m: ModelConfig, lora: LoraConfig) -> ModelParams:
+    """The parameters of ``m`` (and ``lora``'s adapters) built on the meta device: shapes from the tensors, splits
+    from the modules' ``parallel_plan()`` and the experts' split, users from the layers and ``pipeline_parts`` the
+    pipeline splits, frozen or not."""
     import torch
     from torch.distributed.tensor import Shard
 
+    from paratrain.lora import add_adapters
     from paratrain.models import build_model
     from paratrain.modules.moe import MoE
     from paratrain.modules.transformer import pipeline_blocks
@@ -101,7 +107,7 @@ def _describe(m: ModelConfig) -> ModelParams:
     from paratrain.parallel.tensor import declared_plan
 
     with torch.device("meta"):
-        model = build_model(m)
+        model = add_adapters(build_model(m), lora)
     plan = declared_plan(model)
     experts = {id(p) for block in model.modules() if isinstance(block, MoE) for p in block.experts.parameters()}
 
@@ -109,9 +115,11 @@ def _describe(m: ModelConfig) -> ModelParams:
         module, _, local = name.rpartition(".")
         if id(p) in experts:
             placement = EXPERT_SPLITS[local]
-            return Param(tuple(p.shape), placement.dim if isinstance(placement, Shard) else None, expert=True)
+            return Param(tuple(p.shape), placement.dim if isinstance(placement, Shard) else None, expert=True,
+                         trainable=p.requires_grad)
         split = plan.get(module)
-        return Param(tuple(p.shape), SHARDED_DIMS.get((split, local)), split if isinstance(split, str) else None)
+        return Param(tuple(p.shape), SHARDED_DIMS.get((split, local)), split if isinstance(split, str) else None,
+                     trainable=p.requires_grad)
 
     layers, first_stack = {}, next(iter(model.layer_stacks))
     for name, _, _ in pipeline_blocks(model):
@@ -220,22 +228,25 @@ class StageState:
         return self.params + self.grads + self.optimizer
 
 
-def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = None) -> list[StageState]:
+def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = None,
+                 lora: LoraConfig | None = None) -> list[StageState]:
     """Model-state bytes at rest of every pipeline rank (tp rank 0, dp rank 0): each chunk holds its layers and the
     parts placed with them as the model's ``pipeline_parts`` say (``paratrain.parallel.pipeline.part_chunks``),
-    with a copy of every parameter they use."""
+    with a copy of every parameter they use. With ``lora`` the frozen base (in ``lora.base_dtype``) has neither
+    gradients nor optimizer state; only the adapters do."""
     from paratrain.parallel.pipeline import chunk_rank, part_chunks
 
     b = param_bytes or DTYPE_BYTES[m.dtype]
-    described = model_description(m)
+    frozen_bytes = DTYPE_BYTES[lora.base_dtype] if lora and lora.enabled and lora.base_dtype != "float32" else b
+    described = model_description(m, lora)
     blocks = layer_blocks(m)
     owner = chunk_of_layers(m, par) if par.pipeline_stage > 1 else [0] * len(blocks)
     num_chunks = par.pipeline_stage * par.virtual_pipeline_stage if par.pipeline_stage > 1 else 1
     part_chunk = part_chunks(m.spec.build_function().pipeline_parts, layer_names(m), owner)
-    sizes = {k: [local_numel(p, par) for p in ps] for k, ps in described.layers.items()}
+    sizes = {k: [(local_numel(p, par), p.trainable) for p in ps] for k, ps in described.layers.items()}
     whole = {k: sum(tp_numel(p, par) for p in ps) for k, ps in described.layers.items()}
     stages = [StageState() for _ in range(par.pipeline_stage)]
-    held_sizes = [[] for _ in stages]  # the local size of every tensor a pipeline rank holds
+    held_sizes = [[] for _ in stages]  # (local size, trainable) of every tensor a pipeline rank holds
     for chunk in range(num_chunks):
         rank = chunk_rank(chunk, par) if par.pipeline_stage > 1 else 0
         st = stages[rank]
@@ -245,17 +256,18 @@ def stage_states(m: ModelConfig, par: ParallelConfig, param_bytes: int | None = 
         st.layers += [(chunk, d, i) for d, i in held]
         keys = [(d, is_moe(m, d, i)) for d, i in held]
         others = [p for p, users in described.others if users & parts]
-        tensors = [n for k in keys for n in sizes[k]] + [local_numel(p, par) for p in others]
+        tensors = [n for k in keys for n in sizes[k]] + [(local_numel(p, par), p.trainable) for p in others]
         held_sizes[rank] += tensors
-        st.params += sum(tensors) * b
+        st.params += sum(n * (b if trainable else frozen_bytes) for n, trainable in tensors)
         st.whole_params += (sum(whole[k] for k in keys) + sum(tp_numel(p, par) for p in others)) * b
         st.table_params += sum(tp_numel(p, par) for p in others if p.table) * b
         st.table_uses += len(st.parts[-1] & {"input_embed", "target_embed", "head"})
         st.tensors += len(tensors)
         per_group = max(1, math.ceil(len(held) / par.aggregation_groups(len(held)))) if held else 0
         st.group_params = max(st.group_params, per_group * max(whole.values()) * b)
-    for st, stepped in zip(stages, held_sizes):
-        st.grads = st.params
+    for st, holding in zip(stages, held_sizes):
+        stepped = [n for n, trainable in holding if trainable]
+        st.grads = sum(stepped) * b
         if par.shards_only_optimizer_state and par.data_parallel > 1:
             # zero stage 1 on replicas: each rank steps (and keeps the state of) the parameters dealt to it by size
             from paratrain.parallel.data import owners
@@ -301,12 +313,14 @@ def context_parallel_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int
     return m.num_layers * per_layer
 
 
-def model_params(m: ModelConfig) -> int:
-    """Number of parameters of the whole (unsplit) model; as fast for 10^12 layers as for 2."""
-    described = model_description(m)
-    per_layer = {k: sum(math.prod(p.shape) for p in ps) for k, ps in described.layers.items()}
-    return (sum(math.prod(p.shape) for p, _ in described.others)
-            + sum(n * per_layer[k] for k, n in m.layer_counts().items()))
+def model_params(m: ModelConfig, lora: LoraConfig | None = None, trainable: bool = False) -> int:
+    """Number of parameters of the whole (unsplit) model, with ``lora``'s adapters; only those that train with
+    ``trainable``. As fast for 10^12 layers as for 2."""
+    described = model_description(m, lora)
+    counted = [p for p, _ in described.others if p.trainable or not trainable]
+    per_layer = {k: sum(math.prod(p.shape) for p in ps if p.trainable or not trainable)
+                 for k, ps in described.layers.items()}
+    return sum(math.prod(p.shape) for p in counted) + sum(n * per_layer[k] for k, n in m.layer_counts().items())
 
 
 def offload_bytes(par: ParallelConfig, st: StageState) -> dict:

@@ -31,6 +31,7 @@ def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from paratrain.device import DTYPES
+    from paratrain.lora import add_adapters, hold_base_in
     from paratrain.mesh import Layout
     from paratrain.models import build_model
     from paratrain.parallel import parallelize
@@ -44,17 +45,20 @@ def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
     try:
         layout = Layout(cfg.parallel, world_size)
         with torch.device("meta"):
-            model = build_model(cfg.model)
+            model = add_adapters(build_model(cfg.model), cfg.lora)
         model = model.to(DTYPES[cfg.model.dtype])
+        if cfg.lora.enabled and cfg.lora.base_dtype != "float32":
+            hold_base_in(model, DTYPES[cfg.lora.base_dtype])
         parts = parallelize(model, cfg.parallel, layout, cfg.model, layer_costs=layer_costs(cfg.model),
                             tokens_per_rank=tokens_per_rank(cfg, layout.dp_size)).parts
         params = list({id(p): p for part in parts for p in part.parameters()}.values())
-        nbytes = sum(_local_bytes(p) for p in params)
-        owner = parameter_owners(params, layout.config, layout)
-        stepped = params if owner is None else [p for p, o in zip(params, owner) if o == layout.dp_rank]
+        trained = [p for p in params if p.requires_grad]
+        nbytes, grads = sum(_local_bytes(p) for p in params), sum(_local_bytes(p) for p in trained)
+        owner = parameter_owners(trained, layout.config, layout)
+        stepped = trained if owner is None else [p for p, o in zip(trained, owner) if o == layout.dp_rank]
         optimizer = 2 * sum(_local_bytes(p) for p in stepped) + 4 * len(stepped)
-        return {"rank": rank, "pp_rank": layout.pp_rank, "params": nbytes, "grads": nbytes,
-                "optimizer": optimizer, "tensors": len(params), "total": 2 * nbytes + optimizer}
+        return {"rank": rank, "pp_rank": layout.pp_rank, "params": nbytes, "grads": grads,
+                "optimizer": optimizer, "tensors": len(params), "total": nbytes + grads + optimizer}
     finally:
         dist.destroy_process_group()
 

@@ -51,7 +51,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
            par.shards_only_optimizer_state, par.virtual_pipeline_stage, par.pipeline_schedule, par.vocab_emb_dp,
            par.gradient_aggregation_group)
     cache = {} if cache is None else cache
-    states = cache[key] = cache.get(key) or cost.stage_states(m, par, cost.DTYPE_BYTES[m.dtype])
+    states = cache[key] = cache.get(key) or cost.stage_states(m, par, cost.DTYPE_BYTES[m.dtype], cfg.lora)
     modes = cost.recompute_modes(par, m)
     travel = par.moves_tokens(cost.tokens_per_rank(cfg, par.data_parallel), m.vocab_size)
     peak = peak_memory(cfg, par, states, spec, modes, travel)
