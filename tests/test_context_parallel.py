@@ -55,6 +55,7 @@ def assert_same(got: list[float], want: list[float], layout: dict | None = None)
 
 
 def problems(tmp_path, parallel: dict, model: dict | None = None, world_size: int | None = None) -> str:
+    """Every rule ``config`` with these settings breaks, one a line ("" when none)."""
     try:
         return "\n".join(validate(config(tmp_path, "x", parallel, model), world_size))
     except ConfigError as exc:
@@ -169,9 +170,9 @@ def packed_corpus(folder) -> dict:
 
 @pytest.mark.timeout(300)
 def test_cp2_equals_one_process_for_gpt_llama_packed_documents_and_resumes_across_cp_sizes(tmp_path):
-    """One launch of 2 ranks: llama (saving a checkpoint at step 2, and its held-out loss), gpt, llama on packed documents with their
-    masks (Ulysses and ring attention), and llama resumed from the one-process run's step 2; then one process
-    resumes the cp2 run's step 2."""
+    """One launch of 2 ranks: llama (saving a checkpoint at step 2, and its held-out loss), gpt, llama on packed
+    documents with their masks (Ulysses and ring attention), and llama resumed from the one-process run's step 2;
+    then one process resumes the cp2 run's step 2."""
     saving = {"save_steps": 2, "keep_max": 0}
     documents = packed_corpus(tmp_path / "corpus")
     want = {"llama": trainer_losses(config(tmp_path, "one", {}, checkpoint={**saving, "dir": str(tmp_path / "one")},
