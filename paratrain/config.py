@@ -27,6 +27,8 @@ MIXED_PRECISION = ("auto", "none", "bf16", "fp16", "fp8")
 LR_SCHEDULES = ("cosine", "warmup_lr", "warmup_decay_lr", "warmup_cosine_lr")  # the last three: DeepSpeed's
 WARMUP_TYPES = ("linear", "log")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# how attention runs over a sequence split by context parallelism (``paratrain.parallel.context``)
+CP_METHODS = ("auto", "ulysses", "ring")
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")  # exact GELU, its tanh approximation (paratrain.nn's "gelu"), ReLU
 LOG_FORMATS = ("default", "mindspore")
@@ -376,8 +378,9 @@ StageSpec = Union[list, Callable[[int, int, "ParallelConfig"], int]]
 class ParallelConfig(Section):
     """How the work is split; also importable as ``TransformerOpParallelConfig``.
 
-    ``data_parallel * model_parallel * pipeline_stage`` must equal the world size; ``data_parallel`` not given is
-    derived from it (``world_size // (model_parallel * pipeline_stage)``) by ``paratrain.config_rules.check``,
+    ``data_parallel * context_parallel * model_parallel * pipeline_stage`` must equal the world size;
+    ``data_parallel`` not given is derived from it (``world_size // (context_parallel * model_parallel *
+    pipeline_stage)``) by ``paratrain.config_rules.check``,
     ``Layout`` and the trainer, and is 1 until then. ``zero_stage`` (or ``optimizer_shard=True``, meaning stage 1)
     shards optimizer state (1), gradients (2) and parameters (3) over the data-parallel ranks. ``recompute`` is
     ``none``/``full``/``selective``, a bool, a list with one mode per layer, a function ``(layer_id, offset,
@@ -391,11 +394,11 @@ class ParallelConfig(Section):
     SECTION = "parallel"
     ALIASES = {"dp": "data_parallel", "mp": "model_parallel", "tp": "model_parallel", "pp": "pipeline_stage",
                "stage_num": "pipeline_stage", "pipeline_stages": "pipeline_stage",
-               "enable_parallel_optimizer": "optimizer_shard", "ep": "expert_parallel"}
+               "enable_parallel_optimizer": "optimizer_shard", "ep": "expert_parallel", "cp": "context_parallel"}
     # more gradient_aggregation_group groups than layers: refused here; one group per layer in MindSpore's
     # TransformerOpParallelConfig, whose default is 4 groups whatever the layer count
     GROUPS_MAY_EXCEED_LAYERS = False
-    data_parallel: int = DERIVED  # replicas the batch is split over; not given: world size / (mp x pp)
+    data_parallel: int = DERIVED  # replicas the batch is split over; not given: world size / (cp x mp x pp)
     model_parallel: int = 1  # tensor-parallel degree inside each layer
     pipeline_stage: int = 1  # number of pipeline stages
     micro_batch_num: int = 1  # micro-batches per step (pipeline, gradient accumulation)
@@ -415,6 +418,10 @@ class ParallelConfig(Section):
     offload_optimizer: str = "none"  # "cpu": optimizer state and step on the host (ZeRO-Offload, stages 1-3)
     offload_param: str = "none"  # "cpu": parameters at rest on the host too (stage 3)
     expert_parallel: int = 1  # ranks among the data-parallel ones over which the experts are split
+    context_parallel: int = 1  # ranks each sequence is split over (decoders: gpt, llama)
+    # attention over the split sequence: ulysses (all-to-all of heads) | ring | auto (ulysses where this rank's
+    # heads and key/value heads divide by context_parallel, else ring)
+    cp_method: str = "auto"
     auto: bool = False  # `paratrain train` picks the layout for its world size (paratrain.plan.resolve_auto)
 
     @property
@@ -423,9 +430,10 @@ class ParallelConfig(Section):
         return type(self.data_parallel) is not _Derived
 
     def derive(self, world_size: int) -> "ParallelConfig":
-        """Set ``data_parallel``, when not given, to ``world_size // (model_parallel * pipeline_stage)`` (as
-        MindSpore's tutorial computes it); left as it is when that does not divide. Returns self."""
-        split = self.model_parallel * self.pipeline_stage
+        """Set ``data_parallel``, when not given, to ``world_size // (context_parallel * model_parallel *
+        pipeline_stage)`` (as MindSpore's tutorial computes it); left as it is when that does not divide. Returns
+        self."""
+        split = self.context_parallel * self.model_parallel * self.pipeline_stage
         if (not self.data_parallel_given and isinstance(split, int) and split > 0 and world_size % split == 0
                 and world_size >= split):  # sizes of the wrong type or range are refused by the rules
             self.data_parallel = world_size // split
@@ -436,10 +444,20 @@ class ParallelConfig(Section):
     mp = tp = property(lambda self: self.model_parallel)
     pp = property(lambda self: self.pipeline_stage)
     ep = property(lambda self: self.expert_parallel)
+    cp = property(lambda self: self.context_parallel)
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel * self.model_parallel * self.pipeline_stage
+        return self.data_parallel * self.context_parallel * self.model_parallel * self.pipeline_stage
+
+    def attention_split(self, num_heads: int, kv_heads: int) -> str:
+        """How attention runs over a sequence split by ``context_parallel``, for a model of ``num_heads`` query and
+        ``kv_heads`` key/value heads: "ulysses" or "ring" (``cp_method``; "auto": ulysses where this rank's heads
+        and key/value heads after the tensor-parallel split divide by ``context_parallel``, else ring)."""
+        if self.cp_method != "auto":
+            return self.cp_method
+        heads = (num_heads // self.model_parallel, kv_heads // self.model_parallel)
+        return "ulysses" if all(h % self.context_parallel == 0 for h in heads) else "ring"
 
     @property
     def effective_zero_stage(self) -> int:
@@ -455,11 +473,11 @@ class ParallelConfig(Section):
 
     def moves_tokens(self, tokens_per_rank: int | None, vocab_size: int) -> bool:
         """Whether the word tables and heads stay row-sharded over the data-parallel ranks and the tokens travel to
-        them (``paratrain.parallel.vocab``): zero stage 2 or 3 over dp > 1 ranks without tensor or pipeline
-        parallelism or offload, micro-batches of ``tokens_per_rank`` tokens of one shape on every rank (None: not
-        known), and fewer tokens on all ranks together than ``vocab_size`` rows."""
+        them (``paratrain.parallel.vocab``): zero stage 2 or 3 over dp > 1 ranks without tensor, pipeline or
+        context parallelism or offload, micro-batches of ``tokens_per_rank`` tokens of one shape on every rank
+        (None: not known), and fewer tokens on all ranks together than ``vocab_size`` rows."""
         return (self.shards_parameters and not self.offloads and self.data_parallel > 1 and self.model_parallel == 1
-                and self.pipeline_stage == 1 and tokens_per_rank is not None
+                and self.pipeline_stage == 1 and self.context_parallel == 1 and tokens_per_rank is not None
                 and self.data_parallel * tokens_per_rank <= vocab_size)
 
     @property

@@ -16,7 +16,7 @@ import math
 import os
 from typing import Any, Mapping
 
-from paratrain.config import (ACTIVATIONS, DTYPES, LOG_FORMATS, LR_SCHEDULES, MIXED_PRECISION,
+from paratrain.config import (ACTIVATIONS, CP_METHODS, DTYPES, LOG_FORMATS, LR_SCHEDULES, MIXED_PRECISION,
                               MODEL_KINDS, NAME_RULE, OFFLOAD_DEVICES, PIPELINE_SCHEDULES, RECOMPUTE_MODES,
                               SPECIAL_TOKENS, WARMUP_TYPES, Config, ConfigError, DataConfig,
                               MoEConfig, ModelConfig, ParallelConfig, Section, TrainConfig, TransformerRecomputeConfig,
@@ -158,22 +158,77 @@ def validate(cfg: Config, world_size: int | None = None, resolved: bool = False)
     if m.tie_embeddings and mp > 1 and p.vocab_emb_dp:
         problems.append(f"model.tie_embeddings=true with parallel.model_parallel={mp} needs the embedding split like "
                         f"the vocab-sharded head: set parallel.vocab_emb_dp=false or tie_embeddings=false")
-    problems += _moe_problems(cfg)
+    problems += _moe_problems(cfg) + _context_parallel_problems(cfg)
+    return problems
+
+
+def _context_parallel_problems(cfg: Config) -> list[str]:
+    """``parallel.context_parallel`` N > 1: each sequence of a decoder split over N ranks, each keeping a head and a
+    tail chunk of 2N (``paratrain.parallel.context``), with Ulysses attention (this rank's heads split over N) or
+    ring attention (``ParallelConfig.attention_split``)."""
+    m, p = cfg.model, cfg.parallel
+    cp, mp = p.context_parallel, p.model_parallel
+    if cp == 1:
+        return []
+    where = f"parallel.context_parallel={cp}"
+    if m.spec.encoder_decoder:
+        return [f"{where} with model.kind={m.kind!r}: the encoder-decoder is not split along the sequence (its "
+                f"cross-attention lets every target position attend the whole source, and its decoding runs one "
+                f"new token at a time); use model.kind='gpt' or 'llama', or context_parallel=1"]
+    if not m.spec.stacks:
+        return [f"{where} with model.kind={m.kind!r}: only the decoders 'gpt' and 'llama' have sequences to split; "
+                f"set context_parallel=1"]
+    problems = []
+    fits = [n for n in divisors(m.seq_length // 2) if n > 1] if m.seq_length % 2 == 0 else []
+    if m.seq_length % (2 * cp):
+        problems.append(f"model.seq_length={m.seq_length} is not divisible by 2 x {where} = {2 * cp} (each rank keeps "
+                        f"a head and a tail chunk of the sequence, which balances the causal attention's work): use "
+                        f"seq_length={-(-m.seq_length // (2 * cp)) * 2 * cp}"
+                        + (f", or context_parallel in {fits}" if fits else ""))
+    heads, kv_heads = m.num_heads // mp, m.kv_heads // mp
+    method = p.attention_split(m.num_heads, m.kv_heads)
+    if method == "ulysses" and (heads % cp or kv_heads % cp):
+        fits = [n for n in divisors(math.gcd(heads, kv_heads)) if n > 1]
+        problems.append(f"parallel.cp_method='ulysses' splits this rank's attention heads over {where}: "
+                        f"num_heads={m.num_heads} and {m.kv_heads} key/value heads over model_parallel={mp} leave "
+                        f"{heads} and {kv_heads} a rank, not both divisible by {cp}: use context_parallel in "
+                        f"{fits or 'none (no common divisor above 1)'}, or cp_method='ring'")
+    if method == "ring" and m.attention_dropout > 0:
+        fits = [n for n in divisors(math.gcd(heads, kv_heads)) if n > 1]
+        chosen = ("parallel.cp_method='ring'" if p.cp_method == "ring" else
+                  f"parallel.cp_method='auto' picks ring attention here ({heads} query and {kv_heads} key/value heads "
+                  f"a rank are not both divisible by {where})")
+        ulysses = f" or cp_method='ulysses' with context_parallel in {fits}" if fits else ""
+        problems.append(f"{chosen}: ring attention has no attention dropout, but model.attention_dropout="
+                        f"{m.attention_dropout}: set attention_dropout=0{ulysses}")
+    if p.sequence_parallel and (m.seq_length // cp) % mp:
+        problems.append(f"model.seq_length={m.seq_length} over {where} leaves {m.seq_length // cp} tokens a rank, "
+                        f"not divisible by parallel.model_parallel={mp} with sequence_parallel=true: use a "
+                        f"seq_length multiple of {math.lcm(2 * cp, cp * mp)}")
+    if p.sequence_parallel and m.kind == "gpt":
+        problems.append(f"{where} with parallel.sequence_parallel=true and model.kind='gpt': the learned positions "
+                        f"of a split sequence are not split along it by sequence parallelism yet: set "
+                        f"sequence_parallel=false or use model.kind='llama'")
+    if m.moe_config.expert_num > 1:
+        problems.append(f"{where} with model.moe (expert_num={m.moe_config.expert_num}) is not supported yet: the "
+                        f"experts' load-balancing statistics are not summed over the sequence's ranks; remove "
+                        f"model.moe or set context_parallel=1")
     return problems
 
 
 def world_size_problems(p: ParallelConfig, world_size: int, where: str = "parallel.") -> list[str]:
-    """The rule ``data_parallel x model_parallel x pipeline_stage = world_size`` (``data_parallel`` not given:
-    derived, ``ParallelConfig.derive``), for sizes ``parallel_problems`` accepts."""
-    split = p.model_parallel * p.pipeline_stage
+    """The rule ``data_parallel x context_parallel x model_parallel x pipeline_stage = world_size``
+    (``data_parallel`` not given: derived, ``ParallelConfig.derive``), for sizes ``parallel_problems`` accepts."""
+    split = p.context_parallel * p.model_parallel * p.pipeline_stage
+    context = f"context_parallel={p.context_parallel} x " if p.context_parallel > 1 else ""
     if not p.data_parallel_given:
-        return [f"{where}model_parallel={p.model_parallel} x pipeline_stage={p.pipeline_stage} = {split} does not "
-                f"divide the world size {world_size}, so data_parallel (not given) cannot be derived: launch a "
-                f"multiple of {split} processes or change the parallel sizes"]
+        return [f"{where}{context}model_parallel={p.model_parallel} x pipeline_stage={p.pipeline_stage} = {split} "
+                f"does not divide the world size {world_size}, so data_parallel (not given) cannot be derived: "
+                f"launch a multiple of {split} processes or change the parallel sizes"]
     if p.world_size != world_size:
-        return [f"{where}data_parallel={p.data_parallel} x model_parallel={p.model_parallel} x pipeline_stage="
-                f"{p.pipeline_stage} = {p.world_size} does not equal the world size {world_size}: launch "
-                f"{p.world_size} process{'es' if p.world_size > 1 else ''} or change the parallel sizes"]
+        return [f"{where}data_parallel={p.data_parallel} x {context}model_parallel={p.model_parallel} x "
+                f"pipeline_stage={p.pipeline_stage} = {p.world_size} does not equal the world size {world_size}: "
+                f"launch {p.world_size} process{'es' if p.world_size > 1 else ''} or change the parallel sizes"]
     return []
 
 
@@ -278,8 +333,8 @@ def _offload_problems(p: ParallelConfig, where: str) -> list[str]:
 
 
 PARALLEL_SIZES = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "virtual_pipeline_stage",
-                  "expert_parallel")
-PARALLEL_CHOICES = {"zero_stage": (0, 1, 2, 3), "pipeline_schedule": PIPELINE_SCHEDULES,
+                  "expert_parallel", "context_parallel")
+PARALLEL_CHOICES = {"zero_stage": (0, 1, 2, 3), "pipeline_schedule": PIPELINE_SCHEDULES, "cp_method": CP_METHODS,
                     "offload_optimizer": OFFLOAD_DEVICES, "offload_param": OFFLOAD_DEVICES}
 
 

@@ -80,7 +80,7 @@ def test_windows_are_the_documents_packed_with_eos_and_their_ids_and_positions(c
         document = np.searchsorted(starts, token, side="right") - 1
         assert rows["document_ids"][i].tolist() == (document - document[0]).tolist()
         assert rows["position_ids"][i].tolist() == (token - np.maximum(starts[document], i * SEQ)).tolist()
-    mask = decoder_mask(None, rows["document_ids"])
+    mask = decoder_mask(None, rows["document_ids"]).mask
     ids = rows["document_ids"]
     for b in range(len(data)):
         for q in range(SEQ):

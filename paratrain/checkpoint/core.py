@@ -101,13 +101,14 @@ def _agree_intact(problem: str | None) -> None:
 
 
 def layout_dict(layout: Layout) -> dict:
-    """The layout a run uses, with every rank's (pp, dp, tp) coordinates."""
+    """The layout a run uses, with every rank's (pp, dp, cp, tp) coordinates."""
     cfg = layout.config
-    coords = _gather([layout.pp_rank, layout.dp_rank, layout.tp_rank])
+    coords = _gather([layout.pp_rank, layout.dp_rank, layout.cp_rank, layout.tp_rank])
     return {"world_size": len(coords), "data_parallel": cfg.data_parallel, "model_parallel": cfg.model_parallel,
-            "pipeline_stage": cfg.pipeline_stage, "zero_stage": cfg.effective_zero_stage,
-            "sequence_parallel": cfg.sequence_parallel, "vocab_emb_dp": cfg.vocab_emb_dp,
-            "ranks": [{"pp": c[0], "dp": c[1], "tp": c[2]} for c in coords]}
+            "pipeline_stage": cfg.pipeline_stage, "context_parallel": cfg.context_parallel,
+            "zero_stage": cfg.effective_zero_stage, "sequence_parallel": cfg.sequence_parallel,
+            "vocab_emb_dp": cfg.vocab_emb_dp,
+            "ranks": [{"pp": c[0], "dp": c[1], "cp": c[2], "tp": c[3]} for c in coords]}
 
 
 def _json_value(value):
@@ -499,9 +500,10 @@ class Checkpointer:
 
     def _rng_source(self, saved: dict, rank: int) -> int:
         """Whose RNG state this rank continues: its own in the same layout; otherwise the saved rank
-        with the same data-parallel index (dropout streams are per dp rank, shared by tp peers)."""
+        with the same data-parallel index (dropout streams are per dp rank, shared by tp and cp peers)."""
         now = layout_dict(self.layout)
         if all(saved.get(k) == now.get(k) for k in LAYOUT_KEYS):
             return rank
         dp = now["ranks"][rank]["dp"] % saved["data_parallel"]
-        return next((r for r, c in enumerate(saved["ranks"]) if c["dp"] == dp and c["tp"] == 0 and c["pp"] == 0), 0)
+        return next((r for r, c in enumerate(saved["ranks"])
+                     if c["dp"] == dp and c["tp"] == 0 and c["pp"] == 0 and c.get("cp", 0) == 0), 0)

@@ -33,6 +33,26 @@ class CausalPrefix:
     bias: torch.Tensor
 
 
+class DocumentMask:
+    """The self-attention mask of packed documents, block-diagonal causal: query i attends key j where j <= i and
+    both tokens are in the same document, given as each token's ``document_ids`` (B, T). ``mask``: that mask as a
+    boolean (B, 1, T, T), True where a query may attend, made once at its first use (a sequence split over
+    context-parallel ranks needs the ids alone)."""
+
+    def __init__(self, document_ids: torch.Tensor):
+        self.document_ids = document_ids
+        self._mask: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        # not functools.cached_property: its lock (Python 3.11) breaks a compiled layer's graph
+        if self._mask is None:
+            ids = self.document_ids
+            causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()
+            self._mask = (ids[:, None, :, None] == ids[:, None, None, :]) & causal
+        return self._mask
+
+
 class VocabEmbedding(nn.Module):
     """Token lookup: ids (B, T) -> (embeddings (B, T, H), table (V, H)); the table's rows may split."""
 
@@ -52,8 +72,8 @@ class Attention(nn.Module):
     value))``, the projected keys and values (B, h, Tk, d) (MindSpore's ``layer_present``).
 
     Self-attention when ``key`` is None; ``value`` defaults to ``key``. ``attention_mask``: ``CAUSAL`` (SDPA's
-    ``is_causal``), a ``CausalPrefix``, a boolean (B, 1, Tq, Tk) mask (True where a query may attend), a float
-    one added to the scores, or None. With a ``cache`` dict (self-attention while decoding, MindSpore's
+    ``is_causal``), a ``CausalPrefix``, a ``DocumentMask``, a boolean (B, 1, Tq, Tk) mask (True where a query may
+    attend), a float one added to the scores, or None. With a ``cache`` dict (self-attention while decoding, MindSpore's
     ``use_past``) the new keys and values are appended to the cached ones, so the query holds only the new
     positions.
     ``linear(in_features, out_features)`` builds the projections; ``dropout`` applies to the attention
@@ -64,7 +84,14 @@ class Attention(nn.Module):
     ``out_bias`` (biases of q, k, v and of the output projection), ``qk_norm`` (makes a module of size d, e.g. an
     RMSNorm, one for the queries and one for the keys of every head, Qwen3) and ``rotary`` (a ``RotaryEmbedding``
     turning q and k by their positions, counted after the cached ones, or given as ``positions`` (B, Tq)).
+
+    ``split_attention``: None (SDPA here), or what attends instead when the sequence is split over context-parallel
+    ranks, set from outside (``paratrain.parallel.context``): ``(q, k, v, document_ids=None, dropout_p=0.0) ->
+    context`` on this rank's tokens, (B, h, T_local, d) -> the same, where a ``DocumentMask``'s ids or None
+    (``CAUSAL``) give the mask over the whole sequence.
     """
+
+    split_attention: Callable | None = None
 
     names = ("q_proj", "k_proj", "v_proj", "out_proj")
 
@@ -138,8 +165,17 @@ class Attention(nn.Module):
         """softmax(q k^T / sqrt(d)) v of every head (a key/value head serving q.shape[1] / k.shape[1] query
         heads), then the output projection: -> (B, Tq, H)."""
         # grouped heads: SDPA reads each key/value head for its group of query heads, no copy repeats them
-        options = {"dropout_p": self.attention_dropout if self.training else 0.0,
-                   "enable_gqa": k.shape[1] != q.shape[1]}
+        dropout = self.attention_dropout if self.training else 0.0
+        if self.split_attention is not None:
+            if mask is not CAUSAL and not isinstance(mask, DocumentMask):
+                raise ValueError(f"attention over a sequence split by context parallelism takes the causal or the "
+                                 f"document mask, not {type(mask).__name__}")
+            document_ids = mask.document_ids if isinstance(mask, DocumentMask) else None
+            context = self.split_attention(q, k, v, document_ids=document_ids, dropout_p=dropout)
+            return getattr(self, self.names[-1])(context.transpose(1, 2).flatten(2))
+        options = {"dropout_p": dropout, "enable_gqa": k.shape[1] != q.shape[1]}
+        if isinstance(mask, DocumentMask):
+            mask = mask.mask
         if mask is CAUSAL:
             context = F.scaled_dot_product_attention(q, k, v, is_causal=True, **options)
         elif isinstance(mask, CausalPrefix):
@@ -325,15 +361,12 @@ def cached_length(caches: dict[str, dict] | None) -> int:
     return cache["k"].shape[2] if cache else 0
 
 
-def decoder_mask(caches: dict[str, dict] | None, document_ids: torch.Tensor | None = None) -> str | torch.Tensor | None:
+def decoder_mask(caches: dict[str, dict] | None, document_ids: torch.Tensor | None = None) -> str | DocumentMask | None:
     """The self-attention mask of a decoder-only model: ``CAUSAL``, but None once its ``caches`` hold earlier
     positions, where the one new token attends every key. With ``document_ids`` (B, S) (packed documents) the
-    block-diagonal causal mask, a boolean (B, 1, S, S), True where query i may attend key j: j <= i and both in the
-    same document."""
+    block-diagonal causal ``DocumentMask``."""
     if document_ids is not None:
-        length = document_ids.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool, device=document_ids.device).tril()
-        return (document_ids[:, None, :, None] == document_ids[:, None, None, :]) & causal
+        return DocumentMask(document_ids)
     return None if cached_length(caches) else CAUSAL
 
 

@@ -24,6 +24,9 @@ What each ``zero_stage`` keeps on a rank (P = parameter bytes, dp ranks) and sen
 - 3: as 2, but parameters are freed after forward and all-gathered again in backward:
      3P(dp-1)/dp, in exchange for only one layer group's whole parameters alive at a time.
 ``optimizer_shard=true`` means stage 1.
+With context parallelism each rank of a sequence's ``context_parallel`` ranks holds the gradients of its own tokens:
+the reductions and FSDP2's shards span data parallel x context parallel (``Layout.dp_cp_mesh``), the optimizer state
+of stage 1 is dealt out over the data-parallel ranks alone (context-parallel peers step the same parameters).
 ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu", stages 1-3 / 3; stage 1 then runs as 2):
 FSDP2's ``CPUOffloadPolicy(pin_memory=True)`` keeps this rank's parameter shards, their gradients and the optimizer
 state in pinned host memory, and the optimizer step runs on the host (FSDP2 offloads the three together; DeepSpeed
@@ -117,10 +120,10 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, layout: Layout
         if grouped and groups:
             bucket_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / len(groups) / 2 ** 20
         # every rank materialises the same weights and buffers (the same seed): nothing to broadcast
-        replicate(root, process_group=layout.dp_group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
+        replicate(root, process_group=layout.dp_cp_group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
                   init_sync=False, ignored_modules=experts, **NO_BUFFER_SYNC)
         return model
-    kwargs = {"mesh": layout.dp_mesh}
+    kwargs = {"mesh": layout.dp_cp_mesh}
     param_dtype = mp_policy.param_dtype if mp_policy is not None else None
     tables = shard_vocabulary(model, layout, tokens_per_rank, param_dtype)  # not FSDP2's: the tokens travel
     ignored = {p for m in experts for p in m.parameters()} | tables

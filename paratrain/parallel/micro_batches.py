@@ -46,9 +46,9 @@ class StepLoss:
                  tokens: torch.Tensor | None = None, counted: bool = False, count_epsilon: float | None = None):
         self.layout, self.micro_batch_num, self.loss_scale = layout, micro_batch_num, loss_scale
         self.counted, self.tokens, self.count_epsilon = counted, tokens, count_epsilon
-        # what a micro-batch's summed loss is divided by: the global batch's token count over the data-parallel size
-        # (gradient reduction averages where a sum is wanted) and the loss scale; one division a step
-        self.divisor = None if tokens is None else tokens / (layout.dp_size * loss_scale)
+        # what a micro-batch's summed loss is divided by: the global batch's token count over the data x context
+        # parallel size (gradient reduction averages where a sum is wanted) and the loss scale; one division a step
+        self.divisor = None if tokens is None else tokens / (layout.dp_cp_size * loss_scale)
         # (value, token count or None) of each micro-batch's loss; a pipeline schedule may call its loss function
         # before the micro-batches too (torch 2.13 infers the backward's shapes so): only the last ones count
         self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -57,15 +57,16 @@ class StepLoss:
         # gradient by; count: the global batch's token count once added up over the ranks
         self.pending: list[tuple] = []
         self.means: list[tuple[torch.Tensor, list]] = []
-        self.factor: torch.Tensor | float = layout.dp_size * micro_batch_num
+        self.factor: torch.Tensor | float = layout.dp_cp_size * micro_batch_num
         self.count: torch.Tensor | None = None
 
     def token_sum(self, loss_sum: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
-        """A micro-batch's summed token loss (and its token count when ``counted``), times the data-parallel size
-        (gradient reduction averages where a sum is wanted) and the loss scale, over ``tokens`` when given."""
+        """A micro-batch's summed token loss (and its token count when ``counted``), times the data x context
+        parallel size (gradient reduction averages where a sum is wanted) and the loss scale, over ``tokens`` when
+        given."""
         if self.divisor is not None:
             return self._kept(loss_sum / self.divisor, count)
-        return self._kept(loss_sum * (self.layout.dp_size * self.loss_scale), count)
+        return self._kept(loss_sum * (self.layout.dp_cp_size * self.loss_scale), count)
 
     @property
     def mean_factor(self) -> torch.Tensor | float:
@@ -110,9 +111,10 @@ class StepLoss:
         self._count(terms)
 
     def _count(self, terms: list[tuple]) -> None:
-        """The global batch's token count from this rank's ``terms``, added up over the data-parallel ranks."""
-        self.count = self.denominator(self.layout.all_reduce_dp(self._sum([count for _, _, count, _ in terms])))
-        self.factor = self.layout.dp_size * self.micro_batch_num / self.count
+        """The global batch's token count from this rank's ``terms``, added up over the data- and context-parallel
+        ranks."""
+        self.count = self.denominator(self.layout.all_reduce_dp_cp(self._sum([count for _, _, count, _ in terms])))
+        self.factor = self.layout.dp_cp_size * self.micro_batch_num / self.count
 
     def denominator(self, count: torch.Tensor) -> torch.Tensor:
         """What a token loss's sum over ``count`` tokens is divided by (``count_epsilon`` says)."""
@@ -132,10 +134,10 @@ class StepLoss:
         layout, kept = self.layout, self.kept[-self.micro_batch_num:]  # only the last pipeline stage has any
         values = [value for value, _ in kept]
         total = values[0] if len(values) == 1 else self._sum(values)  # divided next: reduced in a tensor of its own
-        loss = layout.all_reduce_dp(total / (layout.dp_size * self.loss_scale))
+        loss = layout.all_reduce_dp_cp(total / (layout.dp_cp_size * self.loss_scale))
         out = {}
         if self.counted:
-            count = self.denominator(layout.all_reduce_pp(layout.all_reduce_dp(self._sum([c for _, c in kept]))))
+            count = self.denominator(layout.all_reduce_pp(layout.all_reduce_dp_cp(self._sum([c for _, c in kept]))))
             loss, out["grad_scale"] = loss / count, count.reciprocal()
         out["loss"] = layout.all_reduce_pp(loss)  # only the last stage has it
         return out
@@ -151,9 +153,9 @@ class StepLoss:
         local = [self._sum(token_sum), self._sum(rest)]
         if self.count is None:
             local.append(self._sum([count for _, terms in self.means for _, _, count, _ in terms]))
-        summed = self.layout.all_reduce_dp(torch.stack(local))
+        summed = self.layout.all_reduce_dp_cp(torch.stack(local))
         count = self.count if self.count is not None else self.denominator(summed[2])
-        out = {"loss": summed[0] / count + summed[1] / (self.layout.dp_size * self.micro_batch_num)}
+        out = {"loss": summed[0] / count + summed[1] / (self.layout.dp_cp_size * self.micro_batch_num)}
         if self.count is None:  # the token means' gradients are divided by the count in the optimizer's step
             out["grad_scale"] = count.reciprocal()
         return out

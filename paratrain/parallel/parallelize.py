@@ -1,9 +1,10 @@
 """The built-in models' entry point, ``parallelize(model, config, layout)``, and the one function that applies every
 parallel dimension but the pipeline split to a chunk of any model, ``parallelize_chunk``.
 
-Order (as torchtitan): pipeline split -> fp8 Linears (``train.mixed_precision = "fp8"``) -> tensor parallel -> expert
-parallel -> recompute -> compile (``train.compile``: each layer) -> data parallel / ZeRO (all but the split on each
-pipeline chunk). Each step is applied only when its dimension is used, so one process gets the plain model.
+Order (as torchtitan): pipeline split -> fp8 Linears (``train.mixed_precision = "fp8"``) -> tensor parallel -> context
+parallel (the attention over a split sequence) -> expert parallel -> recompute -> compile (``train.compile``: each
+layer) -> data parallel / ZeRO (all but the split on each pipeline chunk). Each step is applied only when its
+dimension is used, so one process gets the plain model.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from paratrain.config import ModelConfig, ParallelConfig, TrainConfig
 from paratrain.mesh import Layout
 from paratrain.modules.transformer import pipeline_blocks
+from paratrain.parallel.context import apply_context_parallel
 from paratrain.parallel.data import apply_data_parallel, fusion_groups
 from paratrain.parallel.expert import apply_expert_parallel
 from paratrain.parallel.pipeline import Pipeline
@@ -41,10 +43,11 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, model_
     """
     train = train or TrainConfig(mixed_precision="none")
     precision = train.mixed_precision
-    place = functools.partial(parallelize_chunk, config=config, layout=layout, precision=precision,
-                              compile_layers=train.compile, tokens_per_rank=tokens_per_rank)
-    pipeline = Pipeline(model, config, layout, place, layer_costs) if config.pipeline_stage > 1 else None
     known = model_config is not None
+    split = config.attention_split(model_config.num_heads, model_config.kv_heads) if known else None
+    place = functools.partial(parallelize_chunk, config=config, layout=layout, precision=precision,
+                              compile_layers=train.compile, tokens_per_rank=tokens_per_rank, attention_split=split)
+    pipeline = Pipeline(model, config, layout, place, layer_costs) if config.pipeline_stage > 1 else None
     return PlacedModel(pipeline.parts if pipeline else [place(model)], config, layout, precision, pipeline=pipeline,
                        experts=known and model_config.moe_config.expert_num > 1,
                        ignore_index=model_config.ignore_index if known else -100,
@@ -55,7 +58,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, model_
 
 def parallelize_chunk(chunk: nn.Module, config: ParallelConfig, layout: Layout, *, root: nn.Module | None = None,
                       net: nn.Module | None = None, precision: str = "none", compile_layers: bool = False,
-                      tokens_per_rank: int | None = None) -> nn.Module:
+                      tokens_per_rank: int | None = None, attention_split: str | None = None) -> nn.Module:
     """Every parallel dimension but the pipeline split on ``chunk`` (in place; returned): a built-in model or its
     pipeline chunk, a user's net or a traced pipeline stage of it. ``root``: the module whose forward runs the
     chunk (its pipeline stage's). ``net``: the user's net that ``chunk`` is or was cut from, whose modules declare
@@ -64,11 +67,15 @@ def parallelize_chunk(chunk: nn.Module, config: ParallelConfig, layout: Layout, 
     SyncBatchNorm layers take global statistics (as MindSpore's). Without it the chunk's ``layer_stacks`` give the
     layers and every BatchNorm2d takes global statistics. ``precision``: fp8 Linears (none more where a user's net
     was converted before it was placed) and the dtype FSDP gathers parameters in. ``compile_layers``: each layer, or the chunk
-    when it has none, compiled after recompute. ``tokens_per_rank``: as ``parallelize``'s."""
+    when it has none, compiled after recompute. ``tokens_per_rank``: as ``parallelize``'s. ``attention_split``: how a
+    built-in model's attention runs over a sequence split by ``context_parallel``
+    (``ParallelConfig.attention_split``)."""
     if precision == "fp8":
         convert_to_fp8(chunk)
     if config.model_parallel > 1:
         apply_tensor_parallel(chunk, config, layout.tp_mesh, declared_by=net)
+    if config.context_parallel > 1:
+        apply_context_parallel(chunk, layout, attention_split)
     apply_expert_parallel(chunk, config, layout)
     if net is not None:
         chunk.layer_stacks = {s: o for s, o in _layer_stacks(net).items() if has_submodule(chunk, s)}
@@ -77,7 +84,8 @@ def parallelize_chunk(chunk: nn.Module, config: ParallelConfig, layout: Layout, 
     if compile_layers:
         for layer in [chunk.get_submodule(name) for name, _, _ in pipeline_blocks(chunk)] or [chunk]:
             layer.compile()
-    if config.data_parallel > 1 or config.offloads:  # FSDP2 offloads, even over one rank
+    # context-parallel ranks hold gradients of their own tokens: reduced with the data-parallel ones'
+    if config.data_parallel * config.context_parallel > 1 or config.offloads:  # FSDP2 offloads, even over one rank
         policy = None
         if precision != "none":
             policy = MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32)

@@ -14,6 +14,7 @@ from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
 from paratrain.modules.linear_cross_entropy import token_loss_sum
 from paratrain.modules.moe import aux_loss_in_backward, moe_totals
+from paratrain.parallel.context import split_sequence
 from paratrain.parallel.expert import moe_step_metrics
 from paratrain.parallel.loss import loss_context, whole
 from paratrain.parallel.micro_batches import StepLoss, forward_backward, split
@@ -79,12 +80,13 @@ class PlacedModel:
     adds_aux_loss = True  # a built-in model's MoE blocks put their aux loss in backward, not in the loss
 
     def rows(self, batch):
-        """This rank's rows of ``batch`` on its device (the built-ins' data loader gives them so)."""
-        return batch
+        """This rank's share of ``batch`` on its device: the data loader gives its rows, of which context
+        parallelism keeps this rank's tokens (``split_sequence``)."""
+        return split_sequence(batch, self.layout)
 
     def step_loss(self, batch: dict, loss_scale: torch.Tensor | float) -> StepLoss:
         """The step's normalisation: the loss over the global batch's tokens other than ``ignore_index``."""
-        tokens = self.layout.all_reduce_dp((batch["labels"] != self.ignore_index).sum())
+        tokens = self.layout.all_reduce_dp_cp((batch["labels"] != self.ignore_index).sum())
         return StepLoss(self.layout, self.config.micro_batch_num, loss_scale, tokens=tokens)
 
     def losses_to(self, norm: StepLoss, batch) -> contextlib.AbstractContextManager:
@@ -114,17 +116,20 @@ class PlacedModel:
 
     def held_out_loss_sum(self, batch: dict) -> torch.Tensor:
         """The summed token loss (but ``ignore_index``) of this rank's rows of a held-out global batch, an fp32
-        device scalar, the same on every pipeline and tensor-parallel rank of a data-parallel rank: forward only,
-        without gradients, in eval mode (no dropout), in ``config.micro_batch_num`` micro-batches and
+        device scalar, the same on every pipeline, tensor- and context-parallel rank of a data-parallel rank: forward
+        only, without gradients, in eval mode (no dropout), in ``config.micro_batch_num`` micro-batches and
         ``precision`` as training runs them (a pipeline: its schedule's ``eval``); train mode is restored after."""
+        batch = split_sequence(batch, self.layout)
         self.model.eval()
         try:
             with torch.no_grad(), loss_context(self.config), autocast(self.precision, self.device):
                 if self.pipeline is not None:
                     total = self.pipeline.evaluate(batch, lambda logits, labels: whole(self.loss_sum(logits, labels)))
-                    return self.layout.all_reduce_pp(total)
-                return torch.stack([whole(self.micro_loss_sum(micro)).float()
-                                    for micro in split(batch, self.config.micro_batch_num)]).sum()
+                    total = self.layout.all_reduce_pp(total)
+                else:
+                    total = torch.stack([whole(self.micro_loss_sum(micro)).float()
+                                         for micro in split(batch, self.config.micro_batch_num)]).sum()
+                return self.layout.all_reduce_cp(total)  # each context-parallel rank's tokens
         finally:
             self.model.train()
             moe_totals(self.model)  # the held-out forwards' mixture-of-experts statistics are no step's

@@ -45,7 +45,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     these tokens, differentiable in q, k and v. A group of one rank is plain SDPA (with ``dropout_p``); the ring
     has no attention dropout."""
     if dist.get_world_size(group) == 1:
-        mask = None if document_ids is None else decoder_mask(None, document_ids)
+        mask = None if document_ids is None else decoder_mask(None, document_ids).mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p,
                                               enable_gqa=k.shape[1] != q.shape[1])
     if dropout_p:

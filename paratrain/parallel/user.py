@@ -132,6 +132,11 @@ def place_net(net: nn.Module, config: ParallelConfig, layout: Layout, example_ba
         raise UserError("sequence_parallel on a user's net is not offered: its own modules between the blocks "
                         "(residuals, norms) would need sequence-sharded activations; leave it off (the built-in "
                         "models of `paratrain train` have it)")
+    if config.context_parallel > 1:
+        raise UserError(f"context_parallel={config.context_parallel} on a user's net is not offered: its attention is "
+                        f"not paratrain's built-in decoder attention, whose sequence split over ranks needs the "
+                        f"load-balanced positions and masks of a decoder's batch; use context_parallel=1, or the "
+                        f"built-in models 'gpt' and 'llama' of `paratrain train`")
     placed = PlacedNet(net, config, layout, precision, replicas=config.data_parallel, grad_factor=grad_factor)
     on_meta = any(p.is_meta for p in net.parameters())
     if not on_meta:

@@ -22,13 +22,13 @@ def parse_bytes(text: str) -> float:
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="predict memory and step time of layouts and rank them",
-                       description="Rank layouts (data/model/pipeline parallel, micro-batches, ZeRO, recompute, "
-                                   "sequence parallel) of a model on N devices by predicted step time; or, with "
-                                   "--dry-run, count one layout's per-rank bytes on the meta device.")
+                       description="Rank layouts (data/model/pipeline/context parallel, micro-batches, ZeRO, "
+                                   "recompute, sequence parallel) of a model on N devices by predicted step time; "
+                                   "or, with --dry-run, count one layout's per-rank bytes on the meta device.")
     p.add_argument("--config", help="TOML config (its [model], [train] and [parallel] are used); "
                                     "override keys as --model.hidden_size=... ")
     p.add_argument("--deepspeed", help="DeepSpeed JSON config mapped onto the config's keys (as paratrain train)")
-    p.add_argument("--devices", type=int, help="number of devices (default: the config's dp x mp x pp)")
+    p.add_argument("--devices", type=int, help="number of devices (default: the config's dp x cp x mp x pp)")
     p.add_argument("--devices-per-node", type=int, default=8)
     p.add_argument("--device-memory", default="80GiB", help="memory of one device, e.g. 80GiB or 40GB")
     p.add_argument("--peak-tflops", type=float, default=312.0, help="peak dense TFLOP/s of one device")
@@ -94,8 +94,8 @@ def print_table(cfg, hw, rows: list[dict], top: int) -> None:
     print(f"model: {m.kind}, {params / 1e9:.3g} B parameters ({params:,}){trained}, {m.num_layers} layers, hidden "
           f"{m.hidden_size}; {hw.devices} devices ({hw.devices_per_node} per node, {hw.device_memory / cost.GiB:.0f} "
           f"GiB, {hw.peak_flops / 1e12:g} TFLOP/s); global batch {cfg.train.global_batch_size}")
-    head = (f"{'#':>4} {'dp':>5} {'mp':>3} {'pp':>3} {'micro':>5} {'mbs':>4} {'zero':>4} {'recompute':>9} {'sp':>3} "
-            f"{'schedule':>16} {'offload':>9} {'mem GiB':>8} {'step s':>8} {'MFU':>6}  feasible")
+    head = (f"{'#':>4} {'dp':>5} {'mp':>3} {'pp':>3} {'cp':>3} {'micro':>5} {'mbs':>4} {'zero':>4} {'recompute':>9} "
+            f"{'sp':>3} {'schedule':>16} {'offload':>9} {'mem GiB':>8} {'step s':>8} {'MFU':>6}  feasible")
     print(head)
     print("-" * len(head))
 
@@ -107,6 +107,7 @@ def print_table(cfg, hw, rows: list[dict], top: int) -> None:
         offload = "+".join(k for k, name in (("opt", "offload_optimizer"), ("param", "offload_param"))
                            if r[name] == "cpu") or "-"
         print(f"{r['rank']:>4} {r['data_parallel']:>5} {r['model_parallel']:>3} {r['pipeline_stage']:>3} "
+              f"{r['context_parallel']:>3} "
               f"{r['micro_batch_num']:>5} {r['micro_batch_size']:>4} {r['zero_stage']:>4} {r['recompute']:>9} "
               f"{'yes' if r['sequence_parallel'] else 'no':>3} {sched:>16} {offload:>9} {mem} {step} {mfu}  "
               f"{'yes' if r['feasible'] else 'no'}")

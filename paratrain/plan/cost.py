@@ -141,8 +141,9 @@ def local_numel(p: Param, par: ParallelConfig, tp_rank: int = 0, dp_rank: int = 
         shape[p.tp_dim] = chunk_size(shape[p.tp_dim], par.model_parallel, tp_rank)
     if p.expert:  # E/ep experts a rank (data parallelism leaves them alone)
         return math.prod([chunk_size(shape[0], par.expert_parallel), *shape[1:]])
-    if par.shards_parameters and par.data_parallel > 1:
-        shape[0] = chunk_size(shape[0], par.data_parallel, dp_rank)
+    shards = par.data_parallel * par.context_parallel  # FSDP2 shards over data x context parallel
+    if par.shards_parameters and shards > 1:
+        shape[0] = chunk_size(shape[0], shards, dp_rank)
     return math.prod(shape)
 
 
@@ -293,6 +294,23 @@ def all_to_all_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, elem
             capacity = math.ceil(moe.capacity_factor * group * moe.num_experts_chosen / moe.expert_num)
             total += 4 * (ep - 1) / ep * (tokens // group) * moe.expert_num * capacity * m.hidden_size * elem
     return total
+
+
+def context_parallel_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, elem: int) -> float:
+    """Bytes one rank sends per micro-batch of ``micro_batch`` rows for attention over its sequence split over
+    ``context_parallel`` ranks (``paratrain.parallel.context``), every layer: Ulysses' all-to-alls of q, k, v and
+    the output, (cp-1)/cp of each, in forward and in backward; or the ring's keys and values passed cp-1 times in
+    forward, and with their gradients in backward."""
+    cp = par.context_parallel
+    if cp == 1:
+        return 0.0
+    tokens = micro_batch * m.seq_length // cp
+    q, kv = (tokens * heads // par.model_parallel * m.head_size * elem for heads in (m.num_heads, m.kv_heads))
+    if par.attention_split(m.num_heads, m.kv_heads) == "ulysses":
+        per_layer = 2 * (cp - 1) / cp * (2 * q + 2 * kv)
+    else:
+        per_layer = 3 * (cp - 1) * 2 * kv
+    return m.num_layers * per_layer
 
 
 def model_params(m: ModelConfig, lora: LoraConfig | None = None, trainable: bool = False) -> int:
@@ -500,6 +518,8 @@ def stage_activation_bytes(cfg: Config, par: ParallelConfig, stage: int, st: Sta
             recompute_peak = max(recompute_peak, layer_activation_bytes(m, par, b, d, "none", spec, moe))
     parts = set().union(*st.parts) if st.parts else set()
     per_micro += extra_activation_bytes(m, par, b, parts, spec)
+    # context parallelism: a rank keeps the activations of its 1/cp of each sequence's tokens
+    per_micro, recompute_peak = per_micro / par.context_parallel, recompute_peak / par.context_parallel
     flight = in_flight(par, stage)
     return {"per_micro_batch": per_micro, "in_flight": flight, "recompute_peak": recompute_peak,
             "total": per_micro * flight + recompute_peak}

@@ -4,8 +4,10 @@ a job (``parallel.auto``).
 Step time of one rank = (micro_batch_num + bubble) x (compute + tensor-parallel + pipeline communication of one
 micro-batch) + data-parallel communication, where compute is the rank's hardware FLOPs (recompute included) over
 peak x efficiency and communication is ring volume over the bandwidth of the link class the group spans. The mesh is
-("pp", "dp", "tp") with tp innermost: a tp group stays inside a node when tp <= devices_per_node, a dp group when dp
-x tp <= devices_per_node, pipeline neighbours when the whole job fits one node.
+("pp", "dp", "cp", "tp") with tp innermost: a tp group stays inside a node when tp <= devices_per_node, a dp group when
+dp x cp x tp <= devices_per_node, pipeline neighbours when the whole job fits one node. Context parallelism (cp)
+divides a rank's compute and activations by cp and adds its attention's all-to-alls or ring passes
+(``cost.context_parallel_bytes``); the search weighs it for sequences of ``LONG_SEQUENCE`` tokens or more.
 
 ZeRO-Offload (``offload_optimizer`` / ``offload_param`` = "cpu") moves the rank's model state at rest to host
 memory; the device keeps what is gathered and the activations, the copies each way cost host bandwidth
@@ -26,7 +28,9 @@ from paratrain.metrics.flops import model_flops
 from paratrain.plan import cost
 from paratrain.plan.cost import Hardware, collective_bytes
 
-FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "zero_stage", "recompute",
+LONG_SEQUENCE = 4096  # tokens a sequence from which the search also splits it over ranks (context parallelism)
+FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "context_parallel", "micro_batch_num", "zero_stage",
+          "recompute",
           "sequence_parallel", "offload_optimizer", "offload_param")
 
 
@@ -43,7 +47,7 @@ def evaluate(cfg: Config, par: ParallelConfig, hw: Hardware, cache: dict | None 
                                          step_time_s=None, mfu=None)
     spec = cost.activation_spec(cfg)
     # the model state's placement (micro-batches, recompute and sequence parallelism aside), costed once a search
-    key = (par.data_parallel, par.model_parallel, par.pipeline_stage, par.shards_parameters,
+    key = (par.data_parallel, par.model_parallel, par.pipeline_stage, par.context_parallel, par.shards_parameters,
            par.shards_only_optimizer_state, par.virtual_pipeline_stage, par.pipeline_schedule, par.vocab_emb_dp,
            par.gradient_aggregation_group)
     cache = {} if cache is None else cache
@@ -106,16 +110,16 @@ def micro_batch_times(cfg: Config, par: ParallelConfig, hw: Hardware, states: li
     """(seconds, hardware FLOPs) of one micro-batch of ``b`` rows, forward and backward, on each pipeline rank: its
     layers' and head's matmuls, the elementwise work (norms, softmax, activations, dropout), which streams the
     activations ~3 times (4 with full recompute), a fixed overhead per layer, and the tensor-parallel collectives."""
-    m, tp = cfg.model, par.model_parallel
+    m, tp, cp = cfg.model, par.model_parallel, par.context_parallel
     per_layer = {}
     source, target = m.lengths
     for d, moe, mode in itertools.product((False, True), (False, True), ("none", "selective", "full")):
-        tokens = b * (target if d else source)
+        tokens = b * (target if d else source) / cp  # context parallelism: this rank's share of each sequence
         collectives = (7 if d else 4) + ((3 if d else 2) if mode == "full" else 0)  # TP all-reduces
         calls = collectives * (2 if par.sequence_parallel else 1) if tp > 1 else 0  # SP: gather + scatter
-        per_layer[(d, moe, mode)] = (cost.layer_train_flops(m, tp, b, d, moe, mode),
+        per_layer[(d, moe, mode)] = (cost.layer_train_flops(m, tp, b, d, moe, mode) / cp,
                                      collectives * tokens * m.hidden_size * spec.elem, calls)
-    tokens_b = b * target
+    tokens_b = b * target / cp
     times = []
     for stage, s in enumerate(states):
         flops, tp_bytes, calls = 0.0, 0.0, 0
@@ -137,7 +141,8 @@ def pipeline_time(m: ModelConfig, par: ParallelConfig, hw: Hardware, b: int, spe
     """Seconds per micro-batch of the forward activation and the backward gradient crossing each chunk boundary."""
     if par.pipeline_stage == 1:
         return 0.0
-    boundary = b * m.lengths[1] * m.hidden_size * spec.elem / (par.model_parallel if par.sequence_parallel else 1)
+    boundary = (b * m.lengths[1] * m.hidden_size * spec.elem / (par.model_parallel if par.sequence_parallel else 1)
+                / par.context_parallel)
     if m.spec.encoder_decoder:
         boundary *= 2  # encoder output + decoder state
     return hw.transfer_time(2 * boundary * par.virtual_pipeline_stage, par.world_size)
@@ -147,8 +152,10 @@ def data_parallel_time(m: ModelConfig, par: ParallelConfig, hw: Hardware, states
                        spec: cost.ActivationSpec, travel: bool, b: int) -> float:
     """Seconds of a step's data-parallel collectives: ZeRO-3's gathers and reduce-scatters, or the gradient
     all-reduce (and stage 1's broadcast of the stepped parameters), in one call per gradient_aggregation_group,
-    and the tokens' rows travelling to the word tables and heads where they stay sharded."""
-    dp, mb, pp, zero = par.data_parallel, par.micro_batch_num, par.pipeline_stage, par.effective_zero_stage
+    and the tokens' rows travelling to the word tables and heads where they stay sharded. With context parallelism
+    the gradients are reduced over data x context parallel ranks."""
+    mb, pp, zero = par.micro_batch_num, par.pipeline_stage, par.effective_zero_stage
+    dp = par.data_parallel * par.context_parallel
     if dp == 1:
         return 0.0
     whole = max(s.whole_params - (s.table_params if travel else 0) for s in states)
@@ -182,15 +189,18 @@ def step_times(cfg: Config, par: ParallelConfig, hw: Hardware, states: list[cost
     pp_time = pipeline_time(m, par, hw, b, spec)
     dp_time = data_parallel_time(m, par, hw, states, spec, travel, b)
     ep_time = hw.transfer_time(mb * cost.all_to_all_bytes(m, par, b, spec.elem), par.data_parallel * par.model_parallel)
+    # the cp group's ranks are model_parallel apart (the mesh is pp, dp, cp, tp)
+    cp_time = hw.transfer_time(mb * cost.context_parallel_bytes(m, par, b, spec.elem),
+                               par.context_parallel * par.model_parallel)
     # AdamW reads parameter, gradient and two states and writes three of them
     optimizer_time = max(7 * s.stepped for s in states) / (hw.host_mem_bw if par.offloads else hw.mem_bw)
     host = cost.offload_bytes(par, peak_state) if par.offloads else {"host": 0, "host_to_device": 0,
                                                                       "device_to_host": 0}
     offload_time = (host["host_to_device"] + host["device_to_host"]) / hw.host_bw
     t_micro = max(t for t, _ in micro)
-    step = (mb + bubble) * (t_micro + pp_time) + dp_time + ep_time + offload_time + optimizer_time
+    step = (mb + bubble) * (t_micro + pp_time) + dp_time + ep_time + cp_time + offload_time + optimizer_time
     return {"step": step, "compute_s": (mb + bubble) * hw.compute_time(max(fl for _, fl in micro)),
-            "bubble_micro_batches": bubble, "dp_comm_s": dp_time, "ep_comm_s": ep_time,
+            "bubble_micro_batches": bubble, "dp_comm_s": dp_time, "ep_comm_s": ep_time, "cp_comm_s": cp_time,
             "pp_comm_s": (mb + bubble) * pp_time, "optimizer_s": optimizer_time, "host_bytes": host["host"],
             "host_to_device_bytes": host["host_to_device"], "device_to_host_bytes": host["device_to_host"],
             "offload_s": offload_time}
@@ -226,26 +236,37 @@ def report_row(cfg: Config, par: ParallelConfig, hw: Hardware, b: int, problems:
                                      memory_bytes=int(peak.total), step_time_s=step, mfu=mfu, breakdown=breakdown)
 
 
+def context_parallel_sizes(cfg: Config, devices: int) -> list[int]:
+    """The context-parallel sizes the search weighs: 1 and the config's own, and for a decoder whose sequences have
+    ``LONG_SEQUENCE`` tokens or more every split over a divisor N of ``devices`` that cuts them in 2N chunks."""
+    m = cfg.model
+    sizes = {1, cfg.parallel.context_parallel}
+    if not m.spec.encoder_decoder and m.seq_length >= LONG_SEQUENCE:
+        sizes |= {n for n in divisors(devices) if m.seq_length % (2 * n) == 0}
+    return sorted(n for n in sizes if devices % n == 0)
+
+
 def candidates(cfg: Config, devices: int, micro_batch_sizes=(1, 2, 4, 8, 16, 32),
                zero_stages=(0, 1, 3), recomputes=("none", "selective", "full")) -> list[ParallelConfig]:
-    """Every layout worth considering for ``devices``: dp x tp x pp = devices, tp dividing the heads,
-    micro-batch sizes from ``micro_batch_sizes``, 1F1B and interleaved 1F1B (2 chunks per rank)."""
+    """Every layout worth considering for ``devices``: dp x cp x tp x pp = devices, cp from
+    ``context_parallel_sizes``, tp dividing the heads, micro-batch sizes from ``micro_batch_sizes``, 1F1B and
+    interleaved 1F1B (2 chunks per rank)."""
     m, gb = cfg.model, cfg.train.global_batch_size
     out = []
 
     def layout(dp, tp, pp, mb, schedule="1f1b", v=1, zero=0, rc="none", sp=False):
         out.append(dataclasses.replace(cfg.parallel, data_parallel=dp, model_parallel=tp, pipeline_stage=pp,
-                                       micro_batch_num=mb, pipeline_schedule=schedule, virtual_pipeline_stage=v,
-                                       zero_stage=zero, optimizer_shard=False, recompute=rc, sequence_parallel=sp,
-                                       layer_stages=[]))
+                                       context_parallel=cp, micro_batch_num=mb, pipeline_schedule=schedule,
+                                       virtual_pipeline_stage=v, zero_stage=zero, optimizer_shard=False, recompute=rc,
+                                       sequence_parallel=sp, layer_stages=[]))
 
-    for tp in divisors(devices):
+    for cp, tp in ((cp, tp) for cp in context_parallel_sizes(cfg, devices) for tp in divisors(devices // cp)):
         if divisible_problems(model_parallel_sizes(m), tp):
             continue
-        for pp in divisors(devices // tp):
+        for pp in divisors(devices // cp // tp):
             if pp > m.num_layers:
                 continue
-            dp = devices // tp // pp
+            dp = devices // cp // tp // pp
             if gb % dp:  # still listed (infeasible: the batch does not split), one plain layout
                 layout(dp, tp, pp, pp)
                 continue
@@ -308,11 +329,13 @@ def choose_layout(cfg: Config, world_size: int, devices_per_node: int | None = N
     feasible = sum(r["feasible"] for r in rows)
     offload = (f" offload_optimizer={par.offload_optimizer} offload_param={par.offload_param}" if par.offloads
                else "")
+    context = f" context_parallel={par.context_parallel}" if par.context_parallel > 1 else ""
     why = (f"parallel.auto: chose data_parallel={par.data_parallel} model_parallel={par.model_parallel} "
-           f"pipeline_stage={par.pipeline_stage} micro_batch_num={par.micro_batch_num} zero_stage={par.zero_stage} "
-           f"recompute={par.recompute} sequence_parallel={par.sequence_parallel}{offload}: predicted step "
-           f"{best['step_time_s']:.3g} s, {best['memory_gib']:.2f} GiB per device, the fastest of {feasible} "
-           f"feasible layouts out of {len(rows)} on {world_size} devices ({devices_per_node or world_size} per node)")
+           f"pipeline_stage={par.pipeline_stage}{context} micro_batch_num={par.micro_batch_num} "
+           f"zero_stage={par.zero_stage} recompute={par.recompute} sequence_parallel={par.sequence_parallel}{offload}: "
+           f"predicted step {best['step_time_s']:.3g} s, {best['memory_gib']:.2f} GiB per device, the fastest of "
+           f"{feasible} feasible layouts out of {len(rows)} on {world_size} devices "
+           f"({devices_per_node or world_size} per node)")
     return par, why
 
 
