@@ -98,6 +98,7 @@ bench: install
 	$(BIN)/python bench/plan_check.py --json runs/bench/plan_check.json
 	$(BIN)/python bench/llama_hf.py --json runs/bench/llama_hf.json
 	$(BIN)/python bench/lora_memory.py --json runs/bench/lora_memory.json
+	$(BIN)/python bench/context_parallel.py --json runs/bench/context_parallel.json
 
 # one GPU, bf16: paratrain's Trainer against a plain PyTorch loop of the same ~1B GPT
 bench-gpu:
