@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from llama_hf import launch  # noqa: E402
+from llama_hf import launch, work  # noqa: E402
 from peers import status_kb, peak_rss_kb, reset_peak_rss  # noqa: E402
 
 
@@ -165,10 +165,7 @@ def print_report(report: dict) -> None:
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.worker:
-        job = json.loads(a.worker.read_text())
-        result = run_worker(job)
-        Path(job["out_dir"], f"rank{result['rank']}.json").write_text(json.dumps(result))
-        return 0
+        return work(a.worker, run_worker)
     model = {"vocab": a.vocab, "hidden": a.hidden, "layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads,
              "ffn": a.ffn}
     runs = {length: {} for length in a.lengths}

@@ -236,13 +236,18 @@ def print_report(report: dict) -> None:
         print(f"{'':>5} {verdict}")
 
 
+def work(job_file: Path, run_worker) -> int:
+    """A rank of a ``launch``ed job: ``run_worker(job)``'s result written as its rank{R}.json."""
+    job = json.loads(job_file.read_text())
+    result = run_worker(job)
+    Path(job["out_dir"], f"rank{result['rank']}.json").write_text(json.dumps(result))
+    return 0
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.worker:
-        job = json.loads(a.worker.read_text())
-        result = run_worker(job)
-        Path(job["out_dir"], f"rank{result['rank']}.json").write_text(json.dumps(result))
-        return 0
+        return work(a.worker, run_worker)
     common = prepare(a)
     runs = {ranks: {side: [] for side in SIDES} for ranks in a.ranks}
     for repeat in range(a.repeats):

@@ -39,9 +39,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # tests/multiprocess.py: forked gloo workers
+sys.path.insert(0, str(ROOT / "tests"))  # tests/forked_ranks.py: forked gloo workers
 
-from multiprocess import run_distributed  # noqa: E402
+from forked_ranks import run_distributed  # noqa: E402
 from paratrain.plan.cost import collective_bytes  # noqa: E402
 
 # name: parallel section (micro_batch_num stays 1: every formula below is per micro-batch

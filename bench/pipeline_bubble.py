@@ -47,9 +47,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # tests/multiprocess.py: forked gloo workers
+sys.path.insert(0, str(ROOT / "tests"))  # tests/forked_ranks.py: forked gloo workers
 
-from multiprocess import run_distributed  # noqa: E402
+from forked_ranks import run_distributed  # noqa: E402
 
 # schedule: virtual stages per rank
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zero_bubble": 2, "zbv_zero_bubble": 2}

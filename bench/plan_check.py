@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from multiprocess import run_distributed  # noqa: E402
+from forked_ranks import run_distributed  # noqa: E402
 
 LAYOUTS = {  # name: parallel section
     "single": {},

@@ -11,7 +11,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 pytest.importorskip("transformers")
 import llama_hf  # noqa: E402
-from multiprocess import run_distributed  # noqa: E402
+from forked_ranks import run_distributed  # noqa: E402
 
 TINY = ["--vocab", "97", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--layers", "2",
         "--length", "16", "--batch", "4", "--quick"]

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import paratrain.trainer  # noqa: E402,F401  imported once here: the forked workers inherit it
 import peers  # noqa: E402
 from paratrain import host_memory  # noqa: E402
-from multiprocess import run_distributed  # noqa: E402
+from forked_ranks import run_distributed  # noqa: E402
 
 TINY = ["--vocab", "97", "--hidden", "32", "--heads", "4", "--ffn", "64", "--layers", "2", "--length", "16",
         "--batch", "8", "--quick", "--systems", "torch_ddp,paratrain_zero0", "--terms", "equal"]

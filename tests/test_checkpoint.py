@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain.checkpoint import CheckpointError, export, info, load_full_tensors
 from paratrain.run_lock import LOCK_FILE
 from paratrain.trainer import Trainer

@@ -246,7 +246,7 @@ def _rank_1_disk_fills(root: str, budget: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("budget", [0, 700, 5000])
 def test_a_rank_whose_disk_fills_ends_the_save_on_every_rank(tmp_path, budget):
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     messages = run_distributed(_rank_1_disk_fills, 2, str(tmp_path), budget, timeout=240)
     root = tmp_path / "run" / "checkpoints"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 
 
 def _losses(root, kind, compile_layers):

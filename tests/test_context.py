@@ -1,7 +1,7 @@
 """MindSpore's auto-parallel context and communication functions: each option takes effect or is refused."""
 import pytest
 
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain import (ConfigError, ParallelMode, TransformerOpParallelConfig, communication,
                        get_auto_parallel_context, reset_auto_parallel_context, set_auto_parallel_context)
 from paratrain.context import parallel_config_for

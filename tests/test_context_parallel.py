@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain import config_file
 from paratrain.config import ConfigError
 from paratrain.config_rules import validate

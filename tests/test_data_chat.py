@@ -6,14 +6,13 @@ bad data refused before start."""
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from multiprocess import run_distributed  # tests/multiprocess.py, before datasets brings the package of that name
+from forked_ranks import run_distributed
 from paratrain import config_file
 from paratrain.data.chat import ChatTemplate
 from paratrain.data.loader import ShardedBatches, build_dataset
@@ -21,20 +20,6 @@ from paratrain.data.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-
-def _import_datasets():
-    """``datasets`` imports the ``multiprocess`` package, which tests/multiprocess.py shadows here."""
-    shadow, path = sys.modules.pop("multiprocess", None), sys.path[:]
-    sys.path[:] = [p for p in sys.path if not p.rstrip("/").endswith("tests")]
-    try:
-        import datasets  # noqa: F401
-    finally:
-        sys.path[:] = path
-        if shadow is not None:
-            sys.modules["multiprocess"] = shadow
-
-
-_import_datasets()
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
 # ChatML with a BOS: the assistant's content and end of turn inside {% generation %}; the generation prompt is the

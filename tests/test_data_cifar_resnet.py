@@ -61,7 +61,7 @@ def resnet_losses(cfg):
 
 def test_resnet_data_parallel_matches_one_process(tmp_path):
     """Batch-norm statistics are all-reduced over the data-parallel ranks, so dp2 equals one process."""
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     rng = np.random.default_rng(1)
     labels = np.arange(32) % 10

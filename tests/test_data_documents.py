@@ -3,13 +3,12 @@ positions, the block-diagonal causal mask, a llama model's packed logits against
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from multiprocess import run_distributed  # tests/multiprocess.py, before datasets brings the package of that name
+from forked_ranks import run_distributed
 from paratrain import config_file
 from paratrain.data.datasets import DocumentsDataset
 from paratrain.data.loader import ShardedBatches, build_dataset
@@ -17,21 +16,6 @@ from paratrain.data.synthetic import EOS
 from paratrain.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from paratrain.modules.transformer import decoder_mask
 
-
-
-def _import_datasets():
-    """``datasets`` imports the ``multiprocess`` package, which tests/multiprocess.py shadows here."""
-    shadow, path = sys.modules.pop("multiprocess", None), sys.path[:]
-    sys.path[:] = [p for p in sys.path if not p.rstrip("/").endswith("tests")]
-    try:
-        import datasets  # noqa: F401
-    finally:
-        sys.path[:] = path
-        if shadow is not None:
-            sys.modules["multiprocess"] = shadow
-
-
-_import_datasets()
 VOCAB, SEQ = 40, 16
 LENGTHS = [5, 9, 3, 12, 7, 4, 10, 6]  # words of each document
 

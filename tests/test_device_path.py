@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, host_reads, tiny_config
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 
 
 def test_steps_that_are_not_logged_do_not_wait_for_the_device(tmp_path, monkeypatch):

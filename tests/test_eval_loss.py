@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from multiprocess import run_distributed  # tests/multiprocess.py, before datasets brings the package of that name
+from forked_ranks import run_distributed
 from test_data_documents import VOCAB, corpus, word_tokenizer  # noqa: F401  (corpus: the training documents)
 from paratrain import config_file, preflight
 from paratrain.config import ConfigError

@@ -695,7 +695,7 @@ def _damaged_share_of_rank_1(root: str):
 
 @pytest.mark.slow
 def test_a_shard_damaged_in_another_ranks_share_is_found_on_every_rank(tmp_path):
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     for whole, resumed_from, resumed, refused in run_distributed(_damaged_share_of_rank_1, 2, str(tmp_path),
                                                                  timeout=240):

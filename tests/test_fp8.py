@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from conftest import tiny_config
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from test_checkpoint import train_stopped_after
 from test_launch_inputs import refused
 from paratrain import precision, preflight

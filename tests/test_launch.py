@@ -228,7 +228,7 @@ def test_orphaned_ranks_of_a_killed_launcher_stop_on_their_own(tmp_path, command
 @pytest.mark.timeout(120)
 def test_hostfile_launch_over_ssh_quotes_arguments(tmp_path):
     """A stand-in `ssh` runs the node command with a shell here: the real path up to the remote shell."""
-    from multiprocess import free_port
+    from forked_ranks import free_port
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -257,7 +257,7 @@ def test_hostfile_launch_over_ssh_quotes_arguments(tmp_path):
 def test_two_node_launch_trains_like_one_process(tmp_path):
     """Issue 7: two launches on localhost (--nnodes 2 --node-rank 0/1, 2 ranks each) match one process."""
     from conftest import tiny_config
-    from multiprocess import free_port
+    from forked_ranks import free_port
 
     config = tmp_path / "tiny.toml"
     config_file.save(tiny_config(train={"steps": 4}), config)

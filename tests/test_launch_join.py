@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from multiprocess import free_port
+from forked_ranks import free_port
 
 PYTHON = sys.executable
 

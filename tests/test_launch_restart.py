@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from multiprocess import free_port
+from forked_ranks import free_port
 from test_cluster import CONFIG
 from test_launch import record, use_registry, wait_for
 from test_launch_inputs import refused

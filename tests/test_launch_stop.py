@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from multiprocess import free_port
+from forked_ranks import free_port
 from test_launch import sleeper, use_registry, wait_for
 
 from paratrain import cli, progress

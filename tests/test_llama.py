@@ -7,7 +7,7 @@ import torch
 
 import torch.nn.functional as F
 
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain import config_file
 from paratrain.config import ConfigError, ModelConfig
 from paratrain.config import hf_model_settings as model_settings, read_hf_config as read_config

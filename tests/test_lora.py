@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain.checkpoint.storage import CheckpointError
 from test_llama import STEPS, hf_model, ids, plain_hf_losses, relative, run_config, trainer_losses
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain.trainer import Trainer
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from multiprocess import example_losses, loss_recorder, run_distributed
+from forked_ranks import example_losses, loss_recorder, run_distributed
 
 EXAMPLES = ROOT / "examples" / "mindspore_basics"
 NETS = EXAMPLES / "parallel_nets.py"

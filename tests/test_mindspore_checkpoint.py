@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 import paratrain
 import paratrain.nn as pnn
 from paratrain import load_checkpoint, load_param_into_net, save_checkpoint

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain.amp import DynamicLossScaleManager, FixedLossScaleManager
 from paratrain.context import reset_auto_parallel_context
 from paratrain.errors import UserError

@@ -154,7 +154,7 @@ def model_train_losses(parallel: dict, capacity_factor: float, directory: str | 
     arguments), ``epochs`` of ``batches`` steps, with a ModelCheckpoint saving every 4th step in ``directory`` and
     ``resume`` as Model.train's; without ``stats`` (loss,) only; ``masked``: the net's CrossEntropyLoss over
     padded labels."""
-    from multiprocess import loss_recorder
+    from forked_ranks import loss_recorder
     from paratrain import TransformerOpParallelConfig
     from paratrain.nn import MoEConfig
     from paratrain.train import CheckpointConfig, Model, ModelCheckpoint
@@ -189,7 +189,7 @@ USER_LAYOUTS = {2: {"ep2": {"data_parallel": 2, "expert_parallel": 2}},
 @pytest.mark.parametrize("capacity_factor", [4.0, 0.75], ids=["no_drop", "dropping"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_user_net_with_moe_config_matches_one_process(world, capacity_factor):
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     reference = model_train_losses({}, capacity_factor)
     assert reference[-1][0] < reference[0][0]
@@ -203,7 +203,7 @@ def test_user_net_with_moe_config_matches_one_process(world, capacity_factor):
 def test_model_train_logs_what_the_masked_net_returns_with_its_aux_loss():
     """On one process the step-1 loss is the net's own value, its CrossEntropyLoss (times a weight) plus the
     load-balancing loss, not a mixture of the two."""
-    from multiprocess import loss_recorder
+    from forked_ranks import loss_recorder
     from paratrain import TransformerOpParallelConfig
     from paratrain.nn import MoEConfig
     from paratrain.train import Model
@@ -239,7 +239,7 @@ def _masked_layouts(layouts: dict):
 def test_masked_net_with_aux_loss_matches_one_process(world):
     """paratrain.nn's CrossEntropyLoss over padded labels plus the aux loss: 10 steps of every layout give one
     process's losses (the global batch's token mean plus the mean aux loss), aux losses and dropped fractions."""
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     reference = model_train_losses({}, 0.75, masked=True, batches=5, epochs=2)
     assert reference[-1][0] < reference[0][0] and all(aux > 1e-3 for _, aux, _ in reference)
@@ -290,7 +290,7 @@ def test_terms_added_to_the_token_loss_are_refused_where_its_count_comes_too_lat
     """With micro-batches (an MoE net's aux loss excepted: its tokens are counted first) and on pipeline
     stages, another term would be divided by the global token count, or counted as tokens: refused, naming the
     fix."""
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     assert re.search(r"with micro_batch_num=2: .* use micro_batch_num=1, or return the loss alone$",
                      _regularised_refusal(1))
@@ -302,7 +302,7 @@ def test_terms_added_to_the_token_loss_are_refused_where_its_count_comes_too_lat
 def _regularised_losses(graph: bool) -> list[float]:
     """Model.train's losses of ``Regularised`` (compiled whole under GRAPH_MODE: it has no layers)."""
     import paratrain
-    from multiprocess import loss_recorder
+    from forked_ranks import loss_recorder
     from paratrain.train import Model
 
     paratrain.set_context(mode=paratrain.GRAPH_MODE if graph else paratrain.PYNATIVE_MODE)
@@ -320,7 +320,7 @@ def _regularised_losses(graph: bool) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_compiled_net_returning_its_token_loss_plus_a_term_gives_the_eager_losses():
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     # child processes: inductor's compile workers must not be inherited by the processes later tests fork
     (eager,) = run_distributed(_regularised_losses, 1, False, timeout=280)
@@ -368,7 +368,7 @@ def _model_of(name):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpt_with_moe_matches_one_process(world, tmp_path):
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     got = run_distributed(_gpt_layouts, world, str(tmp_path), GPT_LAYOUTS[world], timeout=560)[0]
     for name, records in got.items():
@@ -410,7 +410,7 @@ def _tensor_parallel_experts(root):
 @pytest.mark.timeout(600)
 def test_experts_split_over_tensor_parallel_ranks(tmp_path):
     """Under mp2 each expert's first matmul is split by output features, its second by input features."""
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     records, shapes = run_distributed(_tensor_parallel_experts, 2, str(tmp_path / "mp2"), timeout=560)[0]
     cfg = gpt_config(tmp_path / "ref", {})
@@ -428,7 +428,7 @@ PIPELINE_LAYOUTS = {2: {"pp2": {"pp": 2, "micro_batch_num": 2}},
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpt_with_moe_on_pipeline_stages_matches_one_process(world, tmp_path):
     """The load-balancing loss of the layers on the first stage reaches backward without the final loss."""
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     got = run_distributed(_gpt_layouts, world, str(tmp_path), PIPELINE_LAYOUTS[world], timeout=560)[0]
     reference = trainer_records(gpt_config(tmp_path / "ref", {}))
@@ -494,7 +494,7 @@ def _train_then_resume(root):
 
 @pytest.mark.timeout(600)
 def test_checkpoint_saved_under_ep2_resumes_under_dp2(tmp_path):
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     reference = trainer_records(gpt_config(tmp_path / "ref", {}, steps=4))
     got = run_distributed(_train_then_resume, 2, str(tmp_path / "job"), timeout=560)[0]
@@ -570,7 +570,7 @@ def _model_train_then_resume(directory):
 
 @pytest.mark.timeout(600)
 def test_model_train_checkpoint_saved_under_ep2_resumes_under_dp2(tmp_path):
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     reference = model_train_losses({}, 0.75, epochs=2)
     first, resumed = run_distributed(_model_train_then_resume, 2, str(tmp_path / "ckpt"), timeout=560)[0]
@@ -617,7 +617,7 @@ def _model_train_on_stages(stages: int):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_user_net_with_moe_on_traced_pipeline_stages_matches_one_process():
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     reference = [loss for loss, *_ in model_train_losses({}, 4.0)]
     for losses in run_distributed(_model_train_on_stages, 2, 2, timeout=280):

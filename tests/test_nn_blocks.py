@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain import config_file
 from paratrain.config_rules import validate
 from paratrain.errors import UserError

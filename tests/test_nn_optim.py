@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain.errors import UserError
 from paratrain.nn import (AdamWeightDecay, CosineDecayLR, ExponentialDecayLR, InverseDecayLR, Momentum,
                           NaturalExpDecayLR, PolynomialDecayLR, WarmUpLR)

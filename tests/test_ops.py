@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain import ops
 from paratrain.ops import StrategyError
 from paratrain.train.parallel_modes.semi_auto import check_strategies, parameter_placements, record_calls

@@ -8,7 +8,7 @@ import functools
 import pytest
 
 from conftest import tiny_config
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain.trainer import Trainer
 
 STEPS = 10

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from multiprocess import loss_recorder, run_distributed
+from forked_ranks import loss_recorder, run_distributed
 from paratrain import ParallelMode, TransformerOpParallelConfig, reset_auto_parallel_context, set_auto_parallel_context
 from paratrain.errors import UserError
 from paratrain.nn import Momentum, PipelineCell

@@ -133,7 +133,7 @@ def test_measured_state_bytes_equal_prediction(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     sys.path.insert(0, str(ROOT / "tests"))
     import parallel_cost
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     a = parallel_cost.parse_args(["--vocab", "62", "--hidden", "32", "--heads", "4", "--ffn", "64", "--layers", "1",
                                   "--length", "8", "--batch", "4", "--steps", "1"])

@@ -1,7 +1,7 @@
 import pytest
 
 from conftest import host_reads, tiny_config
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain.trainer import Trainer
 
 

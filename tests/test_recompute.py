@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from conftest import tiny_config
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain.config import ParallelConfig
 from paratrain.models import build_model, token_loss_sum
 from paratrain.parallel import recompute

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.multiprocess import run_distributed
+from forked_ranks import run_distributed
 
 HEADS = 4
 # (key heads, documents, dtype): multi-head, grouped-query and multi-query attention, with and without packed

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from multiprocess import loss_recorder, run_distributed
+from forked_ranks import loss_recorder, run_distributed
 from paratrain import ParallelMode, load_checkpoint, ops, reset_auto_parallel_context, set_auto_parallel_context
 from paratrain.nn import Dense, Momentum, Parameter
 from paratrain.train import Model

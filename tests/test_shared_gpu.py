@@ -71,7 +71,7 @@ def pipeline_losses(cfg, staged: bool):
 @pytest.mark.slow
 def test_point_to_point_through_host_copies_leaves_a_pipeline_exact(tmp_path):
     from conftest import tiny_config
-    from multiprocess import run_distributed
+    from forked_ranks import run_distributed
 
     def config(name):
         return tiny_config(run={"dir": str(tmp_path / name)}, model={"kind": "gpt"}, metrics={"progress": False},

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_config
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 
 from paratrain import config_file
 

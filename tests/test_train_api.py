@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain import (TransformerOpParallelConfig, load_checkpoint, load_param_into_net, reset_auto_parallel_context,
                        set_auto_parallel_context)
 from paratrain.errors import UserError

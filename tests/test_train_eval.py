@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 from paratrain import ParallelMode, TransformerOpParallelConfig, reset_auto_parallel_context, set_auto_parallel_context
 from paratrain.errors import UserError
 from paratrain.train import Accuracy, Callback, Loss, Metric, Model

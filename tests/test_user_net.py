@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.torch_version import __version__ as TORCH_VERSION
 
-from multiprocess import run_distributed
+from forked_ranks import run_distributed
 
 
 class Block(nn.Module):

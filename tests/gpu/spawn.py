@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from multiprocess import free_port
+from forked_ranks import free_port
 from paratrain.device import shares_gpus
 
 
