@@ -43,12 +43,14 @@ class LoRALinear(nn.Module):
         the gathered input; rowwise: A's input features split, its rank outputs summed, B whole)."""
         if kind == "colwise":
             return {"base_layer": kind, "lora_A": "replicate", "lora_B": kind}
-        # with sequence parallel B runs on this rank's tokens, as a norm does: its gradient summed over the ranks
-        return {"base_layer": kind, "lora_A": kind, "lora_B": "norm"}
+        # with sequence parallel B runs on this rank's tokens: its gradient summed over the ranks
+        return {"base_layer": kind, "lora_A": kind, "lora_B": "tokens"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
-        update = self.lora_B(self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype))))
+        low_rank = self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))
+        # B takes the tokens in one dim (the ``tokens`` split): torch 2.11's DTensor cannot flatten a sequence shard
+        update = self.lora_B(low_rank.flatten(0, -2)).unflatten(0, low_rank.shape[:-1])
         return out + (self.scaling * update).to(out.dtype)
 
 

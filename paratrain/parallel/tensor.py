@@ -7,8 +7,9 @@ column-sharded, the logits kept vocab-sharded for the vocab-parallel loss (``los
 whole on every rank, its replicated input taken as this rank's plain tensor (backward sums nothing: the gradient
 reaching its output is already whole); ``("gather", n)``: the
 module's n inputs made replicated first, so q, k and v share one input and backward sums their gradients over the tp
-ranks once; with ``sequence_parallel`` only, ``norm`` (a LayerNorm on sequence shards) and ``position`` (a position
-table, this rank's sequence rows kept). With ``sequence_parallel`` the residual stream between sublayers is sharded
+ranks once; with ``sequence_parallel`` only, ``norm`` (a LayerNorm on sequence shards), ``tokens`` (a module whole on every
+rank, run on this rank's tokens flattened into dim 0: its gradient summed over the ranks) and ``position`` (a
+position table, this rank's sequence rows kept). With ``sequence_parallel`` the residual stream between sublayers is sharded
 along the sequence: LayerNorms and dropout run on 1/mp of the tokens, attention and FFN inputs are all-gathered, and
 their outputs reduce-scattered instead of all-reduced.
 """
@@ -59,14 +60,16 @@ def parallel_style(kind, sequence_parallel: bool = False, vocab_emb_dp: bool = F
         return PrepareModuleInput(input_layouts=(stream,) * inputs, desired_input_layouts=(Replicate(),) * inputs)
     if sequence_parallel and kind == "norm":
         return SequenceParallel(use_local_output=True)
+    if sequence_parallel and kind == "tokens":
+        return SequenceParallel(sequence_dim=0, use_local_output=True)
     if sequence_parallel and kind == "vocab_rows":  # a whole table's output (B, S, H): keep this rank's sequence
         return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
     if sequence_parallel and kind == "position":  # (S, H) table output: keep this rank's sequence rows
         return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
-    if kind in ("vocab_rows", "norm", "position"):
+    if kind in ("vocab_rows", "norm", "tokens", "position"):
         return None
     raise UserError(f"unknown tensor-parallel kind {kind!r} in a parallel_plan: use colwise, rowwise, vocab_rows, "
-                    f"head, replicate, norm, position or ('gather', inputs)")
+                    f"head, replicate, norm, tokens, position or ('gather', inputs)")
 
 
 def apply_tensor_parallel(model: nn.Module, config: ParallelConfig, tp_mesh: DeviceMesh,
