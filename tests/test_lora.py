@@ -95,6 +95,8 @@ LAYOUTS = {
     "dp2_zero3": {"dp": 2, "zero_stage": 3},
     "dp2_zero1_recompute_selective": {"dp": 2, "zero_stage": 1, "recompute": "selective"},
     "pp2_1f1b_recompute_full": {"pp": 2, "micro_batch_num": 2, "pipeline_schedule": "1f1b", "recompute": "full"},
+    "cp2_ulysses": {"cp": 2, "cp_method": "ulysses"},
+    "cp2_ring": {"cp": 2, "cp_method": "ring"},
 }
 
 BF16_BASE_LAYOUTS = {f"{name}_bf16_base": parallel for name, parallel in
@@ -147,8 +149,9 @@ def layout_runs(hf_dir, tmp_path_factory):
 
 @pytest.mark.timeout(300)
 def test_every_layout_equals_one_process(layout_runs):
-    """tp2 (with and without sequence parallel), dp2 x ZeRO 3, dp2 x ZeRO 1 with selective recompute and a 1F1B
-    pp2 with full recompute: the losses of one process (fp32, <= 1e-4 relative), AdamW's state the adapters'."""
+    """tp2 (with and without sequence parallel), dp2 x ZeRO 3, dp2 x ZeRO 1 with selective recompute, a 1F1B
+    pp2 with full recompute and cp2 (Ulysses and ring attention): the losses of one process (fp32, <= 1e-4
+    relative), AdamW's state the adapters'."""
     _, (want, _), results = layout_runs
     for i, (name, (losses, _)) in enumerate(zip(LAYOUTS, results[0])):
         assert all(rank[i][1] for rank in results), name
