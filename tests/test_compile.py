@@ -8,6 +8,12 @@ from conftest import tiny_config
 from forked_ranks import run_distributed
 
 
+def _eager_then_compiled(fn, *args):
+    """``fn(*args, False)``, then ``fn(*args, True)``, in one process (one child started, not two): the eager
+    reference runs first, before anything is compiled."""
+    return fn(*args, False), fn(*args, True)
+
+
 def _losses(root, kind, compile_layers):
     from paratrain.trainer import Trainer
 
@@ -22,11 +28,10 @@ def _losses(root, kind, compile_layers):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_compiled_layers_give_the_eager_losses(tmp_path, kind):
-    (eager, not_compiled), = run_distributed(_losses, 1, str(tmp_path), kind, False, timeout=240)
-    (compiled, all_compiled), = run_distributed(_losses, 1, str(tmp_path), kind, True, timeout=240)
+    ((eager, not_compiled), (compiled, all_compiled)), = run_distributed(_eager_then_compiled, 1, _losses,
+                                                                          str(tmp_path), kind, timeout=280)
     assert all_compiled == [True, True] and not_compiled == [False, False]
     assert compiled == pytest.approx(eager, rel=1e-4)
-
 
 
 def _user_net_losses(compile_layers):
@@ -47,8 +52,8 @@ def _user_net_losses(compile_layers):
 @pytest.mark.slow
 def test_a_user_nets_layers_compiled_under_recompute_give_the_eager_losses():
     """GRAPH_MODE compiles each layer of a user's net after recompute wraps it, as ``train.compile`` does."""
-    (eager, not_compiled), = run_distributed(_user_net_losses, 1, False, timeout=240)
-    (compiled, all_compiled), = run_distributed(_user_net_losses, 1, True, timeout=240)
+    ((eager, not_compiled), (compiled, all_compiled)), = run_distributed(_eager_then_compiled, 1, _user_net_losses,
+                                                                          timeout=280)
     assert all_compiled == [True, True] and not_compiled == [False, False]
     assert compiled == pytest.approx(eager, rel=1e-4)
 
@@ -80,8 +85,7 @@ def _padded_mask_outputs(compile_layers):
 
 @pytest.mark.slow
 def test_compiled_layers_under_padded_masks_of_changing_lengths_give_the_eager_outputs():
-    (eager,) = run_distributed(_padded_mask_outputs, 1, False, timeout=240)
-    (compiled,) = run_distributed(_padded_mask_outputs, 1, True, timeout=240)
+    ((eager, compiled),) = run_distributed(_eager_then_compiled, 1, _padded_mask_outputs, timeout=280)
     for got, want in zip(compiled, eager, strict=True):
         for tensor, reference in zip(got, want, strict=True):
             torch.testing.assert_close(torch.tensor(tensor), torch.tensor(reference), rtol=1e-4, atol=1e-5)

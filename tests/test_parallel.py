@@ -1,7 +1,8 @@
 """Every layout trains with the loss of one process (same seed, same global batch, dropout 0).
 
 The layouts of one world size run one after another in one group of forked
-workers (start-up dominates); each test computes its own single-process reference.
+workers (start-up dominates); the single-process reference of each model section is computed in this
+process, once for all the layouts that train that model.
 """
 import functools
 
@@ -66,6 +67,13 @@ def train_layouts(configs):
 
 
 @functools.cache
+def reference_losses(model_items: tuple, tmp_root: str):
+    """``train_losses`` of one process (no parallel settings) for the model section ``dict(model_items)``."""
+    name = "_".join(f"{key}-{value}" for key, value in model_items) or "default"
+    return train_losses(config(f"{tmp_root}/reference/{name}", {}, dict(model_items)))
+
+
+@functools.cache
 def distributed_losses(world_size, tmp_root):
     configs = {name: config(f"{tmp_root}/{name}", parallel, model)
                for name, (world, parallel, model) in LAYOUTS.items() if world == world_size}
@@ -79,9 +87,9 @@ def tmp_root(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_layout_matches_one_process(name, tmp_root, tmp_path):
+def test_layout_matches_one_process(name, tmp_root):
     world, parallel, model = LAYOUTS[name]
-    reference = train_losses(config(tmp_path, {}, model))
+    reference = reference_losses(tuple(sorted(model.items())), tmp_root)
     assert reference[-1][0] < reference[0][0]  # it trains, so equal trajectories mean something
     got = distributed_losses(world, tmp_root)[name]
     for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, reference), 1):
