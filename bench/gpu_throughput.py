@@ -24,7 +24,7 @@ freeing its memory before the next):
 
 Each side runs its warm-up steps, then its timed steps between two ``torch.cuda.synchronize`` calls; a
 side's peak memory is ``torch.cuda.max_memory_allocated`` from its start, less what was allocated then.
-MFU is the achieved model FLOP/s (``paratrain.metrics.flops.gpt_flops``: 6 x weights x tokens plus
+MFU is the achieved model FLOP/s (``paratrain.metrics.flops.model_flops``: counted on the model; 6 x weights x tokens plus
 attention, the GPT's of these sizes for every side) over the device's bf16 peak as measured here (the
 fastest of three runs of 20 back-to-back 8192^3 bf16 matmuls), or ``--peak-tflops``, and over the
 datasheet's dense bf16 peak (``gpu_peak_tflops``). The ratios: CLI face / scratch loop, CLI face / loop over
