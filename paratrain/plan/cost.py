@@ -23,7 +23,6 @@ Everything is derived from the model's shapes and from how paratrain shards (see
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 

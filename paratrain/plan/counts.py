@@ -1,24 +1,25 @@
-"""What a built-in model costs, counted on the model itself: one forward of it on fake tensors.
+"""What a built-in model costs, counted on the model itself: one training step of it on fake tensors.
 
 The model of a ``ModelConfig`` is built under ``FakeTensorMode`` (shapes and dtypes, no data: a 405B layer costs
-nothing), with as few layers as hold each kind of layer (``sample_config``), and run forward on a micro-batch of
-one and of two sequences, in train mode and in the run's compute dtype. Three things are recorded per layer and per
-part outside the layers (``pipeline_parts``; what the model's own forward does around them counts as ``inputs``):
+nothing), with as few layers as hold each kind of layer (``sample_config``), and run forward and backward on a
+micro-batch of one and of two sequences, in train mode and in the run's compute dtype, its loss computed as the placed
+model computes it. Recorded per layer and per part outside the layers (``pipeline_parts``; what the model's own
+forward keeps around them, the tensors every layer takes, counts as ``inputs``):
 
 - the bytes autograd saves for backward: every distinct storage a ``saved_tensors_hooks`` pack sees, parameters
-  aside (recompute ``none``); the layer's input, which is what a checkpointed layer keeps (``full``); the input and
+  aside (recompute ``none``); the layer's inputs, which is what a checkpointed layer keeps (``full``); the inputs and
   the outputs of the ops selective recompute keeps (``paratrain.parallel.recompute.keeps``: ``selective``);
-- the forward FLOPs of every op, by ``torch.utils.flop_counter``'s formulas: ``dense`` those run in a module that
-  holds its weights itself (Linear, Embedding, experts, the head), ``core`` the rest (attention's QK^T and
-  (softmax)V, in the fused kernel or decomposed);
-- nothing else: norms, activations and adds have no FLOPs here, as in the usual model-FLOPs count.
+- the FLOPs of every op by ``torch.utils.flop_counter``'s formulas (matmuls, attention; norms, activations and adds
+  have none, as in the usual model-FLOPs count), in forward, in backward (``ModuleTracker`` knows whose), and of the
+  forward ops selective recompute runs again.
 
 Tensor parallelism is counted on the model as one tensor-parallel rank holds it: every Linear and Embedding the
 modules' ``parallel_plan()`` splits is narrowed to its shard (``SHARDED_DIMS``), so attention runs on the rank's
 heads and the feed-forward on its columns. With sequence parallelism, what is saved outside the modules that split
 (the norms, dropout and residual stream between the sublayers) holds 1/tp of the tokens; selective recompute also
-keeps the output of each row-split Linear's all-reduce (reduce-scatter). Everything counted is affine in the rows of
-the micro-batch (a word table's gradient, say, is not per row), which the two forwards fix exactly: ``Counts.at``.
+keeps the output of each row-split Linear's all-reduce (reduce-scatter). The counts are affine in the rows of the
+micro-batch (a word table's gradient, say, is not per row) but for the experts' capacity, rounded up per micro-batch:
+the two forwards fix the line (``Piece.at``), ``model_counts(rows=)`` counts one micro-batch exactly.
 """
 from __future__ import annotations
 
@@ -134,7 +135,8 @@ def _count(m: ModelConfig, lora: LoraConfig, tp: int, sequence_parallel: bool, v
         if m.dtype != "float32":
             model.to(getattr(torch, m.dtype))
         _narrow(model, tp, vocab_emb_dp)
-        counts = [_one_forward(model, m, n, lengths, tp, sequence_parallel, precision) for n in ((rows,) if rows else (1, 2))]
+        counts = [_one_forward(model, m, n, lengths, tp, sequence_parallel, precision)
+                  for n in ((rows,) if rows else (1, 2))]
     if rows is None:
         pieces = {name: Piece.fit(counts[0][name], counts[1][name]) for name in counts[1]}
     else:
@@ -144,7 +146,8 @@ def _count(m: ModelConfig, lora: LoraConfig, tp: int, sequence_parallel: bool, v
 
     first_stack, layers = next(iter(model.layer_stacks)), {}
     for name, _, _ in pipeline_blocks(model):
-        kind = (name.rpartition(".")[0] != first_stack, any(isinstance(x, MoE) for x in model.get_submodule(name).modules()))
+        is_moe = any(isinstance(x, MoE) for x in model.get_submodule(name).modules())
+        kind = (name.rpartition(".")[0] != first_stack, is_moe)
         layers.setdefault(kind, pieces[name])
     parts = {name: pieces[name] for name in model.pipeline_parts if name in pieces}
     return ModelCounts(layers, parts, pieces[""])
@@ -235,8 +238,9 @@ class _Recorder:
         self.shared: set = set()  # storages every layer takes
         self.seen = {mode: set() for mode in RECOMPUTE_MODES}  # storages counted
         self.kept: list = []  # the tensors counted, alive until the end (a freed storage's address is reused)
-        self.handles = [h for m in model.modules() if id(m) in self.inputs | self.rowwise
-                        for h in (m.register_forward_pre_hook(self._enter, with_kwargs=True), m.register_forward_hook(self._leave))]
+        hooked = [m for m in model.modules() if id(m) in self.inputs | self.rowwise]
+        self.handles = [h for m in hooked for h in (m.register_forward_pre_hook(self._enter, with_kwargs=True),
+                                                     m.register_forward_hook(self._leave))]
 
     @contextlib.contextmanager
     def in_region(self, region: str):
