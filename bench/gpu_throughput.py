@@ -24,7 +24,7 @@ freeing its memory before the next):
 
 Each side runs its warm-up steps, then its timed steps between two ``torch.cuda.synchronize`` calls; a
 side's peak memory is ``torch.cuda.max_memory_allocated`` from its start, less what was allocated then.
-MFU is the achieved model FLOP/s (``paratrain.metrics.flops.gpt_flops``: 6 x weights x tokens plus
+MFU is the achieved model FLOP/s (``paratrain.metrics.flops.model_flops``: counted on the model, every matmul and
 attention, the GPT's of these sizes for every side) over the device's bf16 peak as measured here (the
 fastest of three runs of 20 back-to-back 8192^3 bf16 matmuls), or ``--peak-tflops``, and over the
 datasheet's dense bf16 peak (``gpu_peak_tflops``). The ratios: CLI face / scratch loop, CLI face / loop over
@@ -73,7 +73,7 @@ from paratrain import config_file  # noqa: E402
 from paratrain.config import Config  # noqa: E402
 from paratrain.errors import UserError  # noqa: E402
 from paratrain.data.loader import build_dataset  # noqa: E402
-from paratrain.metrics.flops import gpt_flops, gpu_peak_tflops, measure_cpu_peak_tflops, model_flops  # noqa: E402
+from paratrain.metrics.flops import gpu_peak_tflops, measure_cpu_peak_tflops, model_flops  # noqa: E402
 from paratrain.models import GPTModel  # noqa: E402
 from paratrain.optim import build_optimizer, build_scheduler  # noqa: E402
 from paratrain.trainer import Trainer  # noqa: E402
@@ -604,7 +604,7 @@ def loss_agreement(result: dict, rtol: float) -> dict:
 def rates(run: dict, cfg: Config, steps: int, peak: float, datasheet: float | None) -> dict:
     """tokens/s, TFLOP/s and MFU (against the measured peak and the datasheet's) of a side's timed steps."""
     batch, seq = cfg.train.global_batch_size, cfg.model.seq_length
-    tflops = run.get("flops_per_step", gpt_flops(cfg.model, batch, seq)) * steps / run["seconds"] / 1e12
+    tflops = run.get("flops_per_step", model_flops(cfg.model, batch, (seq, seq))) * steps / run["seconds"] / 1e12
     return {**run, "step_time_s": run["seconds"] / steps, "tokens_per_s": batch * seq * steps / run["seconds"],
             "tflops": tflops, "mfu": tflops / peak if peak else None,
             "mfu_datasheet": tflops / datasheet if datasheet else None}
@@ -784,7 +784,7 @@ def summary(a: argparse.Namespace, cfg: Config, sides: dict, device: torch.devic
         "compile": a.compile, "steps": a.steps, "warmup": a.warmup,
         "memory": "torch.cuda.max_memory_allocated of each side" if device.type == "cuda"
                   else "process peak resident set so far (CPU: not reset between sides)",
-        "flops": "every side's model FLOPs are the GPT's of these sizes (paratrain.metrics.flops.gpt_flops), the "
+        "flops": "every side's model FLOPs are the GPT's of these sizes (paratrain.metrics.flops.model_flops), the "
                  "llama sides' the Llama's (model_flops)",
         **{side: run if "skipped" in run else rates(run, cfg, a.steps, peak, datasheet)
            for side, run in sides.items()},

@@ -35,7 +35,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paratrain.config import ModelConfig, TrainConfig  # noqa: E402
-from paratrain.metrics.flops import transformer_flops  # noqa: E402
+from paratrain.metrics.flops import model_flops  # noqa: E402
 from paratrain.models import Seq2SeqModel, token_loss_sum  # noqa: E402
 from paratrain.optim import build_optimizer, clip_grad_norm  # noqa: E402
 
@@ -179,7 +179,7 @@ def main(argv=None) -> dict:
             times[name].append(time.perf_counter() - start)
     peaks.append(peak_gflops(a.peak_size))
 
-    flops = transformer_flops(model_config(a), a.batch, a.length, a.length)  # paratrain's one FLOP model
+    flops = model_flops(model_config(a), a.batch, (a.length, a.length))  # paratrain's one FLOP count
     p_s, t_s = statistics.median(times["paratrain"]), statistics.median(times["torch"])
     # a step of each side ran back to back under the same load: the median of those pairs' ratios is the
     # figure least moved by other processes on a shared machine

@@ -93,7 +93,8 @@ class Trainer(loop.Face):
         model = record.model.to(DTYPES[cfg.model.dtype])
         if cfg.lora.enabled and cfg.lora.base_dtype != "float32":
             hold_base_in(model, DTYPES[cfg.lora.base_dtype])
-        self.placed = parallelize(model, cfg.parallel, self.layout, cfg.model, cfg.train, layer_costs(cfg.model),
+        costs = layer_costs(cfg.model) if cfg.parallel.pipeline_stage > 1 else None  # what a pipeline balances
+        self.placed = parallelize(model, cfg.parallel, self.layout, cfg.model, cfg.train, costs,
                                   tokens_per_rank(cfg, self.layout.dp_size))
         torch.manual_seed(cfg.run.seed)
         # offloaded parameters are made on the host (FSDP2 pins them), never whole on the device
@@ -161,7 +162,8 @@ class Trainer(loop.Face):
         to_host = (self.metrics.should_log(step - 1) or self.checkpointer.due(step) or step == self.cfg.train.steps
                    or (self.evaluator is not None and self.evaluator.due(step)))
         batch = self.data.batch(self.step)
-        flops = batch_flops(self.cfg.model, batch, self.layout.dp_size)
+        with self.engine.between_steps():  # counted on the model once for each batch shape: no step's time
+            flops = batch_flops(self.cfg.model, batch, self.layout.dp_size)
         return self.engine.step(step, batch, {"samples": self.cfg.train.global_batch_size, "flops": flops}, to_host)
 
     # the loop's Face: metrics, evaluation and checkpoints between steps

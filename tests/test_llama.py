@@ -327,15 +327,17 @@ def test_from_hf_trains_under_a_meta_default_device(parallel, hf_dirs, tmp_path)
 
 
 def test_flops_count_the_matmuls_of_the_module_built_on_the_meta_device():
-    """A layer's dense FLOPs are 2 x tokens x its weight matrices' sizes (grouped kv heads, head_dim, gated FFN)."""
-    from paratrain.metrics.flops import layer_flops
+    """A layer's forward FLOPs are 2 x tokens x its weight matrices' sizes (grouped kv heads, head_dim, gated FFN)
+    and attention's 4 x rows x T^2 x the query width."""
+    from paratrain.plan.counts import model_counts
 
     m = ModelConfig(kind="llama", hidden_size=64, num_heads=4, num_kv_heads=1, head_dim=24, ffn_hidden_size=96,
                     seq_length=16)
     with torch.device("meta"):
         layer = build_model(m).layers["0"]
     matrices = sum(p.numel() for name, p in layer.named_parameters() if name.endswith("proj.weight"))
-    assert layer_flops(m, False, 2)["dense"] == 2 * 2 * 16 * matrices
+    forward = model_counts(m).layers[(False, False)].at(2).forward
+    assert forward == 2 * 2 * 16 * matrices + 4 * 2 * 16 * 16 * 4 * 24
 
 
 def test_a_broken_safetensors_header_is_refused_naming_the_directory(hf_dirs, tmp_path):

@@ -503,18 +503,31 @@ def test_checkpoint_saved_under_ep2_resumes_under_dp2(tmp_path):
         assert have == pytest.approx(want, rel=1e-4, abs=1e-6), f"step {step}"
 
 
-def test_flops_count_only_the_active_experts():
+def test_flops_of_the_experts_equal_torchs_count_of_a_real_step():
+    """The FLOPs counted on fake tensors equal ``FlopCounterMode``'s over a real forward and backward (the capacity
+    slots the experts run, the router): plain, every layer and every other layer a mixture of experts."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     from conftest import tiny_config
-    from paratrain.metrics.flops import gpt_flops
+    from paratrain.metrics.flops import model_flops
+    from paratrain.models import build_model
+    from paratrain.plan.counts import cpu_flash_formula
 
     dense = tiny_config(model={"kind": "gpt"}).model
     moe = tiny_config(model={"kind": "gpt", "moe": {"expert_num": 8, "num_experts_chosen": 2}}).model
     every_other = tiny_config(model={"kind": "gpt", "moe": {"expert_num": 8, "num_experts_chosen": 2,
                                                             "every": 2}}).model
-    h, f, tokens, layers = dense.hidden_size, dense.ffn_hidden_size, 4 * 16, dense.decoder_layers
-    per_layer = 3 * 2 * tokens * (2 * h * f + h * 8)  # a second expert's FFN and the router, forward + backward
-    assert gpt_flops(moe, 4, 16) - gpt_flops(dense, 4, 16) == pytest.approx(layers * per_layer)
-    assert gpt_flops(every_other, 4, 16) - gpt_flops(dense, 4, 16) == pytest.approx(per_layer)
+    ids = torch.randint(1, dense.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    flash = {op: formula.__wrapped__ for op, formula in cpu_flash_formula().items()}  # the formulas on shapes
+    counted = []
+    for m in (dense, moe, every_other):
+        torch.manual_seed(0)
+        model = build_model(m).train()
+        with FlopCounterMode(display=False, custom_mapping=flash) as counter:
+            model(input_ids=ids, labels=ids).backward()
+        assert model_flops(m, 4, (16, 16)) == counter.get_total_flops()
+        counted.append(counter.get_total_flops())
+    assert counted[0] < counted[2] < counted[1]
 
 
 @pytest.mark.parametrize("kind,every", [("gpt", 1), ("gpt", 2), ("transformer", 1), ("transformer", 2)])

@@ -1,10 +1,10 @@
 """Model FLOPs per step, device peak FLOP/s and memory, for MFU and the memory column.
 
-FLOPs are counted the usual way (Megatron / PaLM): a matmul of (m, k) x (k, n) costs 2mkn forward and twice
-that backward, so every weight used once per token costs 6 FLOPs per token per step; attention adds QK^T and
-(softmax)V, 4·Tq·Tk·H forward per layer and batch row, times 3 for training. Embedding lookups, norms, softmax
-and the loss are not counted; padded positions are (the matmuls run on them). This is the one FLOP model: the
-trainer's MFU and the planner (``paratrain.plan``) use it.
+A step's FLOPs are counted on the model itself (``paratrain.plan.counts``): its forward and backward on fake tensors,
+each op's FLOPs by ``torch.utils.flop_counter`` (a matmul of (m, k) x (k, n): 2mkn; attention's QK^T and
+(softmax)V), norms, activations and the loss's elementwise work left out, padded positions in (the matmuls run on
+them), recompute left out (model FLOPs, not hardware FLOPs). This is the one FLOP count: the trainer's MFU and the
+planner (``paratrain.plan``) use it.
 """
 from __future__ import annotations
 
@@ -28,45 +28,14 @@ GPU_PEAK_TFLOPS = [
 ]
 
 
-def layer_flops(m: ModelConfig, decoder: bool, batch: int, lengths: tuple[int, int] | None = None,
-                experts: bool = False) -> dict:
-    """Forward FLOPs of one layer on ``batch`` sequences: its weight matmuls (``dense``) and attention's QK^T and
-    (softmax)V (``core``). ``lengths``: (source, target), (seq, seq) for GPT; default ``ModelConfig.lengths``. A
-    decoder layer's cross-attention K and V run over the source (the memory); a mixture-of-experts layer (``experts``)
-    counts its router and the ``num_experts_chosen`` experts a token goes to."""
-    h, f = m.hidden_size, m.ffn_hidden_size
-    q, kv = m.num_heads * m.head_size, m.kv_heads * m.head_size  # query and key/value widths (grouped heads)
-    source, target = lengths or m.lengths
-    own = target if decoder else source
-    n = batch * own
-    if experts:  # the router and the k experts a token runs through
-        moe = m.moe_config
-        f = f * moe.num_experts_chosen + moe.expert_num / 2
-    dense = 2 * n * (2 * h * q + 2 * h * kv + m.spec.ffn_matrices * h * f)
-    core = 4 * n * own * q
-    if decoder:
-        dense += 2 * n * 2 * h * h + 2 * batch * source * 2 * h * h  # cross-attention q, out | k, v
-        core += 4 * n * source * h
-    return {"dense": dense, "core": core}
-
-
 def model_flops(m: ModelConfig, batch: int, lengths: tuple[int, int] | None = None) -> float:
-    """Training FLOPs (forward + backward = 3 x forward, no recompute) of one step on ``batch`` sequences;
-    ``lengths`` as in ``layer_flops``. Layers plus the output head over the target tokens."""
-    forward = sum(n * sum(layer_flops(m, decoder, batch, lengths, experts).values())
-                  for (decoder, experts), n in m.layer_counts().items())
-    forward += 2 * batch * (lengths or m.lengths)[1] * m.hidden_size * m.vocab_size
-    return float(3 * forward)
+    """Training FLOPs (forward and backward, no recompute) of one step on ``batch`` sequences of ``lengths``
+    (source, target; default ``ModelConfig.lengths``): every layer's and part's."""
+    from paratrain.plan.counts import model_counts
 
-
-def gpt_flops(cfg: ModelConfig, batch_size: int, seq_length: int) -> float:
-    """Training FLOPs of the decoder-only model on a (batch, seq) batch."""
-    return model_flops(cfg, batch_size, (seq_length, seq_length))
-
-
-def transformer_flops(cfg: ModelConfig, batch_size: int, src_length: int, tgt_length: int) -> float:
-    """Training FLOPs of the encoder-decoder on a (batch, src) x (batch, tgt) batch."""
-    return model_flops(cfg, batch_size, (src_length, tgt_length))
+    counted = model_counts(m, lengths=lengths, rows=batch)
+    layers = sum(n * counted.layers[kind].at(batch).train_flops for kind, n in m.layer_counts().items())
+    return float(layers + sum(piece.at(batch).train_flops for piece in counted.parts.values()))
 
 
 def batch_flops(cfg: ModelConfig, batch: dict[str, torch.Tensor], replicas: int = 1) -> float:
@@ -75,9 +44,9 @@ def batch_flops(cfg: ModelConfig, batch: dict[str, torch.Tensor], replicas: int 
         return 0.0  # convolution FLOPs are not counted: no MFU for the ResNet example
     if "input_ids" in batch:
         b, s = batch["input_ids"].shape
-        return replicas * gpt_flops(cfg, b, s)
+        return replicas * model_flops(cfg, b, (s, s))
     b, s = batch["src_ids"].shape
-    return replicas * transformer_flops(cfg, b, s, batch["tgt_in_ids"].shape[1])
+    return replicas * model_flops(cfg, b, (s, batch["tgt_in_ids"].shape[1]))
 
 
 def gpu_peak_tflops(name: str) -> float | None:

@@ -41,17 +41,18 @@ def _applies_dropout(func, args: tuple, kwargs: dict) -> bool:
     return (args[i] if i < len(args) else kwargs.get("dropout_p", 0.0)) > 0
 
 
-def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """The ``selective`` policy of ``create_selective_checkpoint_contexts``: save ``SAVED_OPS``' outputs,
-    recompute everything else.
+def keeps(func, args: tuple, kwargs: dict) -> bool:
+    """Whether selective recompute keeps the output of this op call: one of ``SAVED_OPS``, but an attention kernel
+    with dropout, which is recomputed too: the recompute restores the random state of the layer's start and replays
+    its random ops in order, so an op that drew random numbers in forward but is skipped in the recompute would shift
+    the dropout masks after it."""
+    return func in SAVED_OPS and not _applies_dropout(func, args, kwargs)
 
-    An attention kernel with dropout is recomputed too: the recompute restores the random
-    state of the layer's start and replays its random ops in order, so an op that drew random
-    numbers in forward but is skipped in the recompute would shift the dropout masks after it.
-    """
-    if func in SAVED_OPS and not _applies_dropout(func, args, kwargs):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+
+def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """The ``selective`` policy of ``create_selective_checkpoint_contexts``: save what ``keeps`` says, recompute
+    everything else."""
+    return CheckpointPolicy.MUST_SAVE if keeps(func, args, kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_recompute(model: nn.Module, config: ParallelConfig) -> nn.Module:

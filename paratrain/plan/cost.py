@@ -17,17 +17,17 @@ Everything is derived from the model's shapes and from how paratrain shards (see
   keep it until backward; with gradient accumulation (micro_batch_num > 1 without pipeline) or a pipeline (which
   keeps FSDP2 unsharded across micro-batches) the gradients are accumulated unsharded too. Stage 3 holds about two
   layer groups' whole parameters (prefetch) unless a pipeline keeps them gathered.
-- Activations: tensors autograd saves per layer and micro-batch, for paratrain's modules with
-  ``scaled_dot_product_attention`` (flash / memory-efficient kernels: no (T, T) scores are kept), see
-  ``layer_activation_bytes``.
+- Activations and FLOPs: counted on the model itself, one layer of each kind and each part run forward and backward
+  on fake tensors as one tensor-parallel rank holds them (``paratrain.plan.counts``): the bytes autograd keeps per
+  recompute mode, the FLOPs of forward, backward and of what selective recompute runs again.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from paratrain.config import Config, LoraConfig, ModelConfig, ParallelConfig
+from paratrain.plan.counts import SHARDED_DIMS, model_counts, sample_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GiB = 1024 ** 3
@@ -42,12 +42,6 @@ def chunk_size(n: int, k: int, rank: int = 0) -> int:
 
 
 # --- parameters ---------------------------------------------------------------------------------
-
-# the dim of a Linear's or an Embedding's parameter that each split kind of ``parallel_plan()`` shards over
-# model_parallel (``paratrain.parallel.tensor.parallel_style``: DTensor's ColwiseParallel and RowwiseParallel)
-SHARDED_DIMS = {("colwise", "weight"): 0, ("colwise", "bias"): 0, ("head", "weight"): 0, ("head", "bias"): 0,
-                ("rowwise", "weight"): 1, ("vocab_rows", "weight"): 0}
-
 
 @dataclass(frozen=True)
 class Param:
@@ -79,12 +73,8 @@ _DESCRIBED: dict[str, ModelParams] = {}  # per model config, its layer counts as
 
 def model_description(m: ModelConfig, lora: LoraConfig | None = None) -> ModelParams:
     """``m``'s parameters (with ``lora``'s adapters, the rest frozen), read off the model built on the meta device
-    with as few layers as hold each kind of layer of ``m`` at the same place modulo ``moe.every`` (the kinds and
-    shapes stay, the count does not matter)."""
-    every = m.moe_config.every
-    counts = [n - every * max(0, n // every - 1) for n in m.stack_layers.values()]
-    sample = dataclasses.replace(m, **dict(zip(("encoder_layers", "decoder_layers")[-len(counts):], counts)))
-    lora = lora or LoraConfig()
+    with as few layers as hold each kind of layer (``sample_config``)."""
+    sample, lora = sample_config(m), lora or LoraConfig()
     key = repr((sample, lora))
     if key not in _DESCRIBED:
         _DESCRIBED[key] = _describe(sample, lora)
@@ -168,14 +158,13 @@ def chunk_of_layers(m: ModelConfig, par: ParallelConfig) -> list[int]:
 
 
 def layer_costs(m: ModelConfig) -> list[int]:
-    """Forward FLOPs of one sequence in each layer, in execution order, the output head's with the last layer's
+    """Training FLOPs of one sequence in each layer, in execution order, the output head's with the last layer's
     (embeddings are lookups): the work the pipeline split balances (``paratrain.parallel.pipeline.layer_chunks``).
     On a 32k vocabulary the head of a 512-wide model costs about five layers."""
-    from paratrain.metrics.flops import layer_flops  # imported here: importing the cost model loads no torch
-
-    costs = [int(sum(layer_flops(m, d, 1, experts=is_moe(m, d, i)).values())) for d, i, _ in layer_blocks(m)]
+    counted = model_counts(m)
+    costs = [int(counted.layers[(d, is_moe(m, d, i))].at(1).train_flops) for d, i, _ in layer_blocks(m)]
     if costs:  # not for a model without Transformer layers (ResNet)
-        costs[-1] += 2 * m.lengths[1] * m.hidden_size * m.vocab_size
+        costs[-1] += int(sum(piece.at(1).train_flops for piece in counted.parts.values()))
     return costs
 
 
@@ -338,15 +327,15 @@ def offload_bytes(par: ParallelConfig, st: StageState) -> dict:
 
 @dataclass(frozen=True)
 class ActivationSpec:
-    """How activations are stored: element bytes, dropout-mask bytes per element (0: no dropout)."""
+    """How a run computes its activations: in ``precision`` (``train.mixed_precision`` resolved: "none", "bf16",
+    "fp16"), ``elem`` bytes an element of the tensors it sends."""
 
     elem: int = 4
-    hidden_mask: float = 0.0  # residual / FFN dropout (GPU: bool mask, 1 byte)
-    ln_stats: int = 4  # LayerNorm mean + rstd are fp32
+    precision: str = "none"
 
 
 def activation_spec(cfg: Config) -> ActivationSpec:
-    """How a run of ``cfg`` on this machine stores its activations."""
+    """How a run of ``cfg`` on this machine computes its activations."""
     m = cfg.model
     precision = cfg.train.mixed_precision
     if precision == "auto":  # what a run on this machine's device makes of it
@@ -354,44 +343,7 @@ def activation_spec(cfg: Config) -> ActivationSpec:
         from paratrain.precision import resolve_mixed_precision
 
         precision = resolve_mixed_precision(precision, device())
-    elem = 2 if (precision != "none" or m.dtype != "float32") else 4
-    return ActivationSpec(elem=elem, hidden_mask=1.0 if m.hidden_dropout > 0 else 0.0)
-
-
-def _branch_output(n: int, h: int, t: int, sp: bool, spec: ActivationSpec) -> float:
-    """What selective recompute keeps of a branch's last projection (out_proj, fc2): its output
-    (partial sums under tensor parallel) and the all-reduce (SP: reduce-scatter) of it."""
-    return n * h * spec.elem * (1 + (1 / (t if sp else 1) if t > 1 else 0))
-
-
-def _branch_attention(n_q: int, n_kv: int, h: int, heads: int, b: int, t: int, sp: bool,
-                      spec: ActivationSpec, selective: bool, kv_gathered: bool = False) -> float:
-    """Saved bytes of one residual branch with attention: norm, q/k/v, core, out_proj, dropout; ``selective``:
-    only q, k, v, the kernel's outputs and out_proj's (``_branch_output``)."""
-    e, ss = spec.elem, (t if sp else 1)
-    out = (n_q + 2 * n_kv) * h * e / t  # q, k, v
-    out += n_q * h * e / t + (n_q // max(1, b)) * b * (heads // t) * 4  # the fused kernel's output, logsumexp (fp32)
-    if selective:
-        return out + _branch_output(n_q, h, t, sp, spec)
-    out += n_q * h * e / ss + 2 * n_q * spec.ln_stats / ss  # LayerNorm input, mean, rstd
-    out += n_q * h * e  # LayerNorm output (gathered under SP), kept by q (and k, v for self-attention)
-    if kv_gathered:  # cross-attention under SP: the encoder output gathered again in every layer
-        out += n_kv * h * e
-    out += n_q * h * e / t  # out_proj input (heads merged: a copy)
-    out += n_q * h * spec.hidden_mask / ss  # residual dropout mask
-    return out
-
-
-def _branch_ffn(n: int, h: int, f: float, t: int, sp: bool, spec: ActivationSpec, selective: bool) -> float:
-    """Saved bytes of the FFN residual branch: norm, fc1, activation, fc2, dropouts; ``selective``: only the
-    outputs of fc1 and fc2."""
-    e, ss = spec.elem, (t if sp else 1)
-    if selective:
-        return n * f * e / t + _branch_output(n, h, t, sp, spec)
-    out = n * h * e / ss + 2 * n * spec.ln_stats / ss + n * h * e  # LayerNorm input + stats, output
-    out += 2 * n * f * e / t  # activation input, fc2 input
-    out += n * f * spec.hidden_mask / t + n * h * spec.hidden_mask / ss  # FFN and residual dropout masks
-    return out
+    return ActivationSpec(elem=2 if (precision != "none" or m.dtype != "float32") else 4, precision=precision)
 
 
 def is_moe(m: ModelConfig, decoder: bool, layer_id: int) -> bool:
@@ -399,71 +351,45 @@ def is_moe(m: ModelConfig, decoder: bool, layer_id: int) -> bool:
     return m.moe_config.used_in(layer_id + (m.encoder_layers if decoder else 0))
 
 
-def layer_train_flops(m: ModelConfig, tp: int, micro_batch: int, decoder: bool, moe: bool, mode: str) -> float:
-    """Hardware FLOPs of one layer per micro-batch on one of ``tp`` tensor-parallel ranks: forward, backward and
-    the forward ``mode`` recomputes (``full``: all of it, ``selective``: attention's core); a mixture of experts
-    (``moe``) runs the router and each token's ``num_experts_chosen`` experts. Under expert parallelism a rank
-    runs its experts on every rank's tokens: as many FLOPs as its own tokens make."""
-    from paratrain.metrics.flops import layer_flops  # imported here: importing the cost model loads no torch
+def counted(m: ModelConfig, par: ParallelConfig, spec: ActivationSpec, lora: LoraConfig | None = None):
+    """``paratrain.plan.counts.model_counts`` of ``m`` on one tensor-parallel rank of ``par``."""
+    return model_counts(m, par.model_parallel, par.sequence_parallel, par.vocab_emb_dp, spec.precision, lora=lora)
 
-    f = layer_flops(m, decoder, micro_batch, experts=moe)
-    forward = f["dense"] + f["core"]
-    recomputed = {"none": 0, "selective": f["core"], "full": forward}[mode]
-    return (3 * forward + recomputed) / tp
+
+def layer_train_flops(m: ModelConfig, par: ParallelConfig, micro_batch: int, decoder: bool, moe: bool, mode: str,
+                      spec: ActivationSpec = ActivationSpec(), lora: LoraConfig | None = None) -> float:
+    """Hardware FLOPs of one layer per micro-batch on one tensor-parallel rank: forward, backward and the forward
+    ``mode`` recomputes (``full``: all of it, ``selective``: the ops whose outputs it does not keep); a mixture of
+    experts (``moe``) runs the router and each token's experts. Under expert parallelism a rank runs its experts on
+    every rank's tokens: as many FLOPs as its own tokens make."""
+    c = counted(m, par, spec, lora).layers[(decoder, moe)].at(micro_batch)
+    return c.train_flops + {"none": 0.0, "selective": c.recomputed, "full": c.forward}[mode]
 
 
 def layer_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, decoder: bool, mode: str,
-                           spec: ActivationSpec, moe: bool = False) -> float:
-    """Bytes one layer keeps for backward per micro-batch on one tensor-parallel rank. ``full``: only the layer input;
-    ``selective``: the layer input and the outputs of the ops ``paratrain.parallel.recompute.SAVED_OPS`` names
-    (matmuls, the attention kernel, the tensor-parallel collectives), not those of LayerNorm, GELU, dropout or the
-    adds; ``none``: everything autograd saves. A mixture of experts (``moe``) keeps its FFN's tensors for each of its
-    capacity slots (``capacity_factor`` x ``num_experts_chosen`` a token), the experts' (slots, H) input and output
-    and the router's logits and probabilities; under selective recompute only the logits (the experts' batched matmuls
-    are not among the saved ops)."""
-    t, sp, h, b = par.model_parallel, par.sequence_parallel, m.hidden_size, micro_batch
-    moe_config = m.moe_config
-    slots = moe_config.capacity_factor * moe_config.num_experts_chosen if moe else 1  # per token
-    source, target = m.lengths
-    n_kv, n_q = b * source, b * (target if decoder else source)
-    layer_input = n_q * h * spec.elem / (t if sp else 1)
-    if mode == "full":
-        return layer_input
-    selective = mode == "selective"
-    out = (layer_input if selective else 0) + _branch_attention(n_q, n_q, h, m.num_heads, b, t, sp, spec, selective)
-    if decoder:
-        out += _branch_attention(n_q, n_kv, h, m.num_heads, b, t, sp, spec, selective, sp)
-    if not moe:
-        return out + _branch_ffn(n_q, h, m.ffn_hidden_size, t, sp, spec, selective)
-    router = n_q * moe_config.expert_num * spec.elem
-    if selective:
-        return out + router
-    return (out + _branch_ffn(n_q, h, m.ffn_hidden_size * slots, t, sp, spec, False) + router
-            + n_q * moe_config.expert_num * 4 + 2 * n_q * slots * h * spec.elem)
+                           spec: ActivationSpec, moe: bool = False, lora: LoraConfig | None = None) -> float:
+    """Bytes one layer keeps for backward per micro-batch on one tensor-parallel rank. ``full``: only the layer
+    input; ``selective``: the layer input and the outputs of the ops ``paratrain.parallel.recompute.keeps`` (the
+    matmuls, the attention kernel, the tensor-parallel collectives); ``none``: everything autograd saves."""
+    return counted(m, par, spec, lora).layers[(decoder, moe)].at(micro_batch).saved[mode]
 
 
-def extra_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, parts: set[str],
-                           spec: ActivationSpec) -> float:
-    """Bytes kept outside the layers per micro-batch: ids, masks, embeddings, final norms, logits, loss."""
-    t, sp, h, b, e = par.model_parallel, par.sequence_parallel, m.hidden_size, micro_batch, spec.elem
-    ss = t if sp else 1
-    lengths = list(m.sequence_lengths().values())
-    out = sum(b * s * 8 for s in lengths)  # token ids (int64)
-    out += sum(b * s * s for s in lengths)  # boolean attention masks (B, 1, T, T)
-    if m.spec.encoder_decoder:
-        out += b * m.tgt_seq_length * m.src_seq_length  # cross-attention mask
-    if "input_embed" in parts:
-        out += b * lengths[0] * h * spec.hidden_mask / ss
-    if "target_embed" in parts:
-        n_src = b * m.src_seq_length
-        out += b * m.tgt_seq_length * h * spec.hidden_mask / ss
-        out += n_src * h * e / ss + 2 * n_src * spec.ln_stats / ss  # encoder norm input + stats
-        out += n_src * h * e / ss  # encoder output (memory), kept by the decoder's k/v projections
-    if "head" in parts:
-        n = b * lengths[-1]
-        out += n * h * e / ss + 2 * n * spec.ln_stats / ss + n * h * e  # final norm input, output (gathered)
-        out += n * chunk_size(m.vocab_size, t) * 4  # log-softmax output (fp32) kept by the loss
-    return out
+def extra_activation_bytes(m: ModelConfig, par: ParallelConfig, micro_batch: int, roles: set[str],
+                           spec: ActivationSpec, modes: set[str] = frozenset({"none"}),
+                           lora: LoraConfig | None = None) -> float:
+    """Bytes kept outside the layers per micro-batch by the parts of ``roles`` (``PART_ROLES``: embeddings, final
+    norms, the head and its loss) and by the model's own forward, which every chunk runs: the tensors every layer
+    takes (masks, the encoder output), kept by attention or, for layers of the recompute ``modes``, checkpoints."""
+    c = counted(m, par, spec, lora)
+    parts = sum(piece.at(micro_batch).saved["none"] for name, piece in c.parts.items() if PART_ROLES[name] in roles)
+    return parts + max(c.inputs.at(micro_batch).saved[mode] for mode in modes | {"none"})
+
+
+def part_train_flops(m: ModelConfig, par: ParallelConfig, micro_batch: int, roles: set[str],
+                     spec: ActivationSpec = ActivationSpec()) -> float:
+    """Training FLOPs per micro-batch of the parts of ``roles`` on one tensor-parallel rank (the head's)."""
+    c = counted(m, par, spec)
+    return sum(piece.at(micro_batch).train_flops for name, piece in c.parts.items() if PART_ROLES[name] in roles)
 
 
 def in_flight(par: ParallelConfig, stage: int) -> float:
@@ -513,11 +439,11 @@ def stage_activation_bytes(cfg: Config, par: ParallelConfig, stage: int, st: Sta
         counts[key] = counts.get(key, 0) + 1
     per_micro, recompute_peak = 0.0, 0.0
     for (d, moe, mode), n in counts.items():
-        per_micro += n * layer_activation_bytes(m, par, b, d, mode, spec, moe)
+        per_micro += n * layer_activation_bytes(m, par, b, d, mode, spec, moe, cfg.lora)
         if mode != "none":
-            recompute_peak = max(recompute_peak, layer_activation_bytes(m, par, b, d, "none", spec, moe))
-    parts = set().union(*st.parts) if st.parts else set()
-    per_micro += extra_activation_bytes(m, par, b, parts, spec)
+            recompute_peak = max(recompute_peak, layer_activation_bytes(m, par, b, d, "none", spec, moe, cfg.lora))
+    roles = set().union(*st.parts) if st.parts else set()
+    per_micro += extra_activation_bytes(m, par, b, roles, spec, {mode for _, _, mode in counts}, cfg.lora)
     # context parallelism: a rank keeps the activations of its 1/cp of each sequence's tokens
     per_micro, recompute_peak = per_micro / par.context_parallel, recompute_peak / par.context_parallel
     flight = in_flight(par, stage)

@@ -117,7 +117,9 @@ def micro_batch_times(cfg: Config, par: ParallelConfig, hw: Hardware, states: li
         tokens = b * (target if d else source) / cp  # context parallelism: this rank's share of each sequence
         collectives = (7 if d else 4) + ((3 if d else 2) if mode == "full" else 0)  # TP all-reduces
         calls = collectives * (2 if par.sequence_parallel else 1) if tp > 1 else 0  # SP: gather + scatter
-        per_layer[(d, moe, mode)] = (cost.layer_train_flops(m, tp, b, d, moe, mode) / cp,
+        if not m.layer_counts().get((d, moe)):
+            continue
+        per_layer[(d, moe, mode)] = (cost.layer_train_flops(m, par, b, d, moe, mode, spec, cfg.lora) / cp,
                                      collectives * tokens * m.hidden_size * spec.elem, calls)
     tokens_b = b * target / cp
     times = []
@@ -127,7 +129,7 @@ def micro_batch_times(cfg: Config, par: ParallelConfig, hw: Hardware, states: li
             fl, by, n = per_layer[(d, cost.is_moe(m, d, i), modes[i + m.encoder_layers if d else i])]
             flops, tp_bytes, calls = flops + fl, tp_bytes + by, calls + n
         if any("head" in parts for parts in s.parts):
-            flops += 3 * 2 * tokens_b * m.hidden_size * m.vocab_size / tp
+            flops += cost.part_train_flops(m, par, b, {"head"}, spec) / cp
             tp_bytes += tokens_b * m.hidden_size * spec.elem + 3 * tokens_b * 4
         produced = cost.stage_activation_bytes(cfg, par, stage, s, spec, ["none"] * len(modes))["per_micro_batch"]
         streamed = produced * (4 if "full" in modes else 3)
