@@ -123,6 +123,37 @@ def test_summary_collector_writes_paratrain_trains_keys_and_tensorboard(tmp_path
     assert [e.value for e in events.Scalars("loss")] == pytest.approx([r["loss"] for r in logged])
 
 
+def _logged_flops(directory) -> list[float]:
+    records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    return [r["tflops"] * 1e12 * r["step_time_s"] for r in records]
+
+
+def test_summary_collector_counts_a_user_nets_flops_as_torchs_flop_counter_does(tmp_path):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    data = dataset(2)
+    model_losses(data=data, callbacks=[SummaryCollector(tmp_path, collect_freq=1)])
+    with FlopCounterMode(display=False) as counter:
+        Net()(*data[0]).backward()
+    assert _logged_flops(tmp_path) == pytest.approx([counter.get_total_flops()] * 2, rel=1e-9)
+
+
+class _NetOfValues(Net):
+    """A net whose forward reads a value of its input."""
+
+    def forward(self, x, y):
+        return super().forward(x if bool(x.sum() > -1e9) else -x, y)
+
+
+def test_a_net_that_needs_values_is_counted_as_6_n_tokens_and_says_so(tmp_path, capsys):
+    torch.manual_seed(0)
+    net = _NetOfValues()
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2))
+    model.train(1, dataset(1), callbacks=[SummaryCollector(tmp_path, collect_freq=1)])
+    assert "6 x parameters x tokens: its forward does not run on tensors without values" in capsys.readouterr().out
+    assert _logged_flops(tmp_path) == pytest.approx([6.0 * sum(p.numel() for p in net.parameters()) * 8], rel=1e-9)
+
+
 def test_summary_collector_breakdown_has_the_phases_of_a_user_net(tmp_path):
     model_losses(data=dataset(2), callbacks=[SummaryCollector(tmp_path, collect_freq=1, breakdown=True)])
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])

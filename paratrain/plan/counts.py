@@ -210,6 +210,29 @@ def _one_forward(model, m: ModelConfig, rows: int, lengths, tp: int, sequence_pa
     return recorder.counts()
 
 
+def net_train_flops(net, batch: tuple) -> float:
+    """The training FLOPs (forward and backward, no recompute) of a user's ``net`` on one global ``batch`` (its
+    forward's arguments; it returns its loss), counted as a built-in model's (``_Recorder``) on fake tensors of its
+    parameters', buffers' and the batch's shapes and dtypes: the net itself is left as it was. Raises what its
+    forward raises on tensors without values (an op whose output depends on them, a device named in the net)."""
+    import itertools
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fake(t):
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu").requires_grad_(t.requires_grad)
+
+    named = itertools.chain(net.named_parameters(remove_duplicate=False), net.named_buffers(remove_duplicate=False))
+    with FakeTensorMode():
+        tensors = {name: fake(t) for name, t in named}
+        inputs = tuple(fake(t) if isinstance(t, torch.Tensor) else t for t in batch)
+        with _Recorder(net, [], 1, False) as recorder:
+            loss = torch.func.functional_call(net, tensors, inputs)
+            loss.float().sum().backward()
+    return recorder.counts()[""].train_flops
+
+
 class _Recorder:
     """Counts, for the region each op runs in (a layer or a part of ``regions``, or "" for neither), the bytes
     autograd saves per recompute mode and the FLOPs of forward, of backward, and of the forward ops selective

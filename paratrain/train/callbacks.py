@@ -337,8 +337,11 @@ class SummaryCollector(Callback):
     rank 0 writes the step's record (the keys of ``paratrain train``: loss, lr, grad_norm, step_time_s, tokens_per_s,
     samples_per_s, tflops, mfu, memory_mb, skipped_steps; fp16's loss_scale) to ``<summary_dir>/metrics.jsonl``,
     TensorBoard and the console. ``breakdown=True`` adds the %forward/%backward/%optimizer/%comm breakdown (it
-    synchronizes every phase). A user net's FLOPs: 6 x parameters x tokens (the first input's elements when it
-    holds integer ids, else its rows). MindSpore's other options are accepted at their defaults only."""
+    synchronizes every phase). A user net's FLOPs are counted on the net as the built-in models' are: its forward
+    and backward on tensors of the first batch's shapes without values, when the ``train`` call that places the net
+    has a SummaryCollector; else, or where its forward needs values (said at the start), 6 x parameters x tokens
+    (tokens: the first input's elements when it holds integer ids, else its rows). MindSpore's other options are
+    accepted at their defaults only."""
 
     def __init__(self, summary_dir: str | Path, collect_freq: int = 10, collect_specified_data=None,
                  keep_default_action: bool = True, custom_lineage_data=None, collect_tensor_freq=None,

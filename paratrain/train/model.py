@@ -208,6 +208,7 @@ class Model:
         self.loss_scaler: LossScaler | None = None  # made with the placed net; kept across train calls
         self._engine: Engine | None = None  # one per train call
         self._parameter_count = sum(p.numel() for p in network.parameters())
+        self._flops_per_row: float | None = None  # counted on the net when a SummaryCollector asks for its MFU
         self.train_network = None  # the placed net, from the first batch of ``train`` on
         self._batch_check = BatchCheck(network)
         self._placement: tuple[ParallelConfig, Layout] | None = None  # kept for later ``train`` calls
@@ -258,7 +259,8 @@ class Model:
             if self.train_network is None:  # placed on the first batch, checked first as its step checks it
                 first = as_batch(first)
                 self._batch_check(first, config, "batch index 0 of epoch 1", params.rows_of_this_rank)
-                self._place(first, config, layout, params)
+                summaries = any(isinstance(c, SummaryCollector) for c in _Callbacks(callbacks).callbacks)
+                self._place(first, config, layout, params, count_flops=summaries)
             self.train_network.rows_of_this_rank = params.rows_of_this_rank
             done = self._resume(resume, callbacks, dataset_sink_mode, params, trust_unverified)
             training = _Training(self, _Callbacks(callbacks), RunContext(params), dataset_sink_mode)
@@ -289,10 +291,14 @@ class Model:
                             f"counted per epoch; resume without sink mode")
         return savers[0].resume(params, spec.strip(), bool(trust_unverified))
 
-    def _place(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams) -> None:
-        """Place the net on the layout (``batch``: an example) and rebuild the optimizer on its shards."""
+    def _place(self, batch: tuple, config: ParallelConfig, layout: Layout, params: CallbackParams,
+               count_flops: bool = False) -> None:
+        """Place the net on the layout (``batch``: an example) and rebuild the optimizer on its shards;
+        ``count_flops``: its training FLOPs per row counted first (a ``SummaryCollector``'s MFU)."""
         net = self.network.network if isinstance(self.network, PipelineCell) else self.network
         net = net if self.loss_fn is None else WithLoss(net, self.loss_fn)
+        if count_flops:
+            self._flops_per_row = _flops_per_row(net, batch, config, params)
         problem = net_memory_problem(net, layout.world_size) or next(iter(fp8_tensor_parallel_problems(
             self.precision, config.model_parallel, "Model(amp_level='fp8')", "the blocks' model_parallel",
             "amp_level='O2' (bf16)")), None)
@@ -316,7 +322,9 @@ class Model:
         the first was, as it was drawn: ``BatchCheck``)."""
         rows = len(batch[0]) * (config.data_parallel if params.rows_of_this_rank else 1)
         tokens = rows * ids_per_row(batch[0])
-        fields = {"tokens": tokens, "samples": rows, "flops": 6.0 * self._parameter_count * tokens}
+        flops = (self._flops_per_row * rows if self._flops_per_row is not None
+                 else 6.0 * self._parameter_count * tokens)
+        fields = {"tokens": tokens, "samples": rows, "flops": flops}
         step = params.cur_step_num + 1
         try:
             record = self._engine.step(step, batch, fields, any(c.needs_host_values(step) for c in hooks.callbacks))
@@ -372,3 +380,23 @@ class Model:
         evaluation = Evaluation(self.train_network, self.eval_network, self.metrics, self.eval_indexes,
                                 self.precision, shards > 1)
         return evaluation.run(valid_dataset, _Callbacks(callbacks), run_context, dataset_sink_mode)
+
+
+def _flops_per_row(net: nn.Module, batch: tuple, config: ParallelConfig, params: CallbackParams) -> float | None:
+    """The training FLOPs of one row of ``net``'s batches (``paratrain.plan.counts.net_train_flops``: as the
+    built-in models' are counted), on one micro-batch of this rank as the placed net runs it; None, said on rank 0,
+    where the net's forward does not run on tensors without values (MFU then counts 6 x parameters x tokens)."""
+    from paratrain.parallel.micro_batches import has_rows
+    from paratrain.plan.counts import net_train_flops
+
+    parts = config.micro_batch_num * (1 if params.rows_of_this_rank else config.data_parallel)
+    rows = max(1, len(batch[0]) // parts)  # (fewer rows than parts: refused by the step)
+    micro = tuple(t[:rows] if has_rows(t) else t for t in batch)
+    try:
+        return net_train_flops(net, micro) / rows
+    except Exception as exc:  # noqa: BLE001 -- any op the net runs may need values
+        if params.rank == 0:
+            print(f"SummaryCollector: the net's FLOPs are taken as 6 x parameters x tokens: its forward does not run "
+                  f"on tensors without values ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})", flush=True)
+        return None
+
