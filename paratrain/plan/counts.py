@@ -2,8 +2,9 @@
 
 The model of a ``ModelConfig`` is built under ``FakeTensorMode`` (shapes and dtypes, no data: a 405B layer costs
 nothing), with as few layers as hold each kind of layer (``sample_config``), and run forward and backward on a
-micro-batch of one and of two sequences, in train mode and in the run's compute dtype, its loss computed as the placed
-model computes it. Recorded per layer and per part outside the layers (``pipeline_parts``; what the model's own
+micro-batch of one sequence (the fewest whose tokens fill the experts' routing groups) and of twice as many, in train
+mode and in the run's compute dtype, its attention as a fused kernel runs it (no attention weights kept: attention
+dropout left out, which would make the CPU take its unfused path), its loss computed as the placed model computes it. Recorded per layer and per part outside the layers (``pipeline_parts``; what the model's own
 forward keeps around them, the tensors every layer takes, counts as ``inputs``):
 
 - the bytes autograd saves for backward: every distinct storage a ``saved_tensors_hooks`` pack sees, parameters
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 from paratrain.config import LoraConfig, ModelConfig
@@ -75,9 +77,9 @@ class Piece:
     fixed: Counts
 
     @classmethod
-    def fit(cls, one: Counts, two: Counts) -> "Piece":
-        """From the counts of a micro-batch of one and of two rows."""
-        return cls(two - one, one * 2 - two)
+    def fit(cls, one: Counts, two: Counts, rows: int = 1) -> "Piece":
+        """From the counts of a micro-batch of ``rows`` and of twice as many rows."""
+        return cls((two - one) * (1 / rows), one * 2 - two)
 
     def at(self, rows: float) -> Counts:
         return self.fixed + self.per_row * rows
@@ -110,7 +112,7 @@ def model_counts(m: ModelConfig, tp: int = 1, sequence_parallel: bool = False, v
     ``lengths`` (source, target; default ``m.lengths``), with ``lora``'s adapters on a frozen base. ``rows``: one
     forward on a micro-batch of that many rows, exact there (the experts' capacity is rounded up per micro-batch)
     and proportional elsewhere, instead of the affine fit of one and two rows."""
-    sample, lora = sample_config(m), lora or LoraConfig()
+    sample, lora = dataclasses.replace(sample_config(m), attention_dropout=0.0), lora or LoraConfig()
     args = (tp, sequence_parallel and tp > 1, vocab_emb_dp or tp == 1, precision, tuple(lengths or m.lengths), rows)
     key = repr((sample, lora, args))
     if key not in _COUNTED:
@@ -129,16 +131,19 @@ def _count(m: ModelConfig, lora: LoraConfig, tp: int, sequence_parallel: bool, v
     from paratrain.lora import add_adapters
     from paratrain.models import build_model
 
-    with FakeTensorMode(), torch.device("cpu"):
-        torch.manual_seed(0)
+    # the fewest rows whose tokens split into the experts' routing groups, and twice as many
+    group = m.moe_config.expert_group_size if m.moe_config.expert_num > 1 else None
+    least = math.lcm(*(group // math.gcd(group, length) for length in lengths)) if group else 1
+    # (fake tensors draw no random numbers, but building the model seeds nothing of the run's either)
+    with torch.random.fork_rng(devices=[]), FakeTensorMode(), torch.device("cpu"):
         model = add_adapters(build_model(m), lora)
         if m.dtype != "float32":
-            model.to(getattr(torch, m.dtype))
+            _to_dtype(model, getattr(torch, m.dtype))
         _narrow(model, tp, vocab_emb_dp)
         counts = [_one_forward(model, m, n, lengths, tp, sequence_parallel, precision)
-                  for n in ((rows,) if rows else (1, 2))]
+                  for n in ((rows,) if rows else (least, 2 * least))]
     if rows is None:
-        pieces = {name: Piece.fit(counts[0][name], counts[1][name]) for name in counts[1]}
+        pieces = {name: Piece.fit(counts[0][name], counts[1][name], least) for name in counts[1]}
     else:
         pieces = {name: Piece(c * (1 / rows), c * 0) for name, c in counts[0].items()}
     from paratrain.modules.moe import MoE
@@ -151,6 +156,23 @@ def _count(m: ModelConfig, lora: LoraConfig, tp: int, sequence_parallel: bool, v
         layers.setdefault(kind, pieces[name])
     parts = {name: pieces[name] for name in model.pipeline_parts if name in pieces}
     return ModelCounts(layers, parts, pieces[""])
+
+
+def _to_dtype(model, dtype) -> None:
+    """``model.to(dtype)`` on fake tensors (whose ``Module.to`` cannot swap them): each floating parameter and buffer
+    replaced by one of ``dtype``, a parameter shared by several modules once."""
+    import torch
+
+    made: dict = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_floating_point():
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(p.to(dtype), requires_grad=p.requires_grad)
+                setattr(module, name, made[id(p)])
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b.is_floating_point():
+                module._buffers[name] = b.to(dtype)
 
 
 def _narrow(model, tp: int, vocab_emb_dp: bool) -> None:
