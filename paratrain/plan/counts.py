@@ -109,14 +109,16 @@ def model_counts(m: ModelConfig, tp: int = 1, sequence_parallel: bool = False, v
                  lora: LoraConfig | None = None, rows: int | None = None) -> ModelCounts:
     """``m``'s counts (module docstring) on one of ``tp`` tensor-parallel ranks, with ``sequence_parallel``, the word
     table split unless ``vocab_emb_dp``, forward in ``precision`` ("none", "bf16", "fp16"), on sequences of
-    ``lengths`` (source, target; default ``m.lengths``), with ``lora``'s adapters on a frozen base. ``rows``: one
-    forward on a micro-batch of that many rows, exact there (the experts' capacity is rounded up per micro-batch)
-    and proportional elsewhere, instead of the affine fit of one and two rows."""
-    sample, lora = dataclasses.replace(sample_config(m), attention_dropout=0.0), lora or LoraConfig()
+    ``lengths`` (source, target; default ``m.lengths``), with ``lora``'s adapters on a frozen base. ``rows``: for a
+    mixture of experts, one forward on a micro-batch of that many rows, exact there (the experts' capacity is
+    rounded up per micro-batch) and proportional elsewhere, instead of the affine fit, which is exact for the
+    others."""
+    rows = rows if m.moe_config.expert_num > 1 else None  # without experts the line is exact
     args = (tp, sequence_parallel and tp > 1, vocab_emb_dp or tp == 1, precision, tuple(lengths or m.lengths), rows)
-    key = repr((sample, lora, args))
+    key = repr((m, lora, args))  # (the planner asks for the same counts of every layout it weighs)
     if key not in _COUNTED:
-        _COUNTED[key] = _count(sample, lora, *args)
+        sample = dataclasses.replace(sample_config(m), attention_dropout=0.0)
+        _COUNTED[key] = _count(sample, lora or LoraConfig(), *args)
     return _COUNTED[key]
 
 
