@@ -129,9 +129,11 @@ def _train_the_user_net(directory, steps: int, save_steps: int, signal_step: int
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(steps)]
     net = _Net()
-    saver = ModelCheckpoint(prefix="net", directory=directory, config=CheckpointConfig(save_checkpoint_steps=save_steps))
+    saver = ModelCheckpoint(prefix="net", directory=directory,
+                            config=CheckpointConfig(save_checkpoint_steps=save_steps))
+    model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2))
     with pytest.raises(SystemExit) as stopped:
-        Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2)).train(1, batches, callbacks=[Signal(), saver])
+        model.train(1, batches, callbacks=[Signal(), saver])
     assert stopped.value.code == 4  # stopped on request, saved
 
 

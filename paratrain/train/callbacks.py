@@ -324,10 +324,7 @@ class OnRequestExit(ModelCheckpoint):
         self.save_ckpt = bool(save_ckpt)
 
     def needs_host_values(self, step: int) -> bool:
-        return False
-
-    def save_due(self, run_context: RunContext) -> None:
-        pass  # saves only on an exit request
+        return False  # no periodic save (``save_due``): only on an exit request
 
     def on_train_end(self, run_context: RunContext) -> None:
         if self.save_ckpt and run_context.original_args().exit_requested:
