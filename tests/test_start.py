@@ -18,9 +18,10 @@ from paratrain.stopping import StopAgreement
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
 
 
-def _config(run_dir, steps=1, **checkpoint):
+def _config(run_dir, steps=1, parallel=None, **checkpoint):
     return tiny_config(run={"dir": str(run_dir)}, model={"encoder_layers": 1, "decoder_layers": 1},
-                       train={"steps": steps}, metrics={"log_steps": 100, "progress": False}, checkpoint=checkpoint)
+                       train={"steps": steps}, metrics={"log_steps": 100, "progress": False}, checkpoint=checkpoint,
+                       parallel=parallel or {})
 
 
 @pytest.fixture
@@ -35,33 +36,46 @@ def environ(monkeypatch):
     os.environ.update(saved)
 
 
+class _Calls(dict):
+    """How many times ``cluster.fill_env`` and ``preflight.check`` ran, by their name; ``resolved``: each check's
+    (True: of the layout that ``parallel.auto``'s plan chose)."""
+
+    def __init__(self):
+        super().__init__(fill_env=0, check=0)
+        self.resolved = []
+
+
 @pytest.fixture
 def calls(monkeypatch):
-    """How many times ``cluster.fill_env`` and ``preflight.check`` run, by their name."""
-    counted = {"fill_env": 0, "check": 0}
+    """The ``_Calls`` of this test."""
+    counted = _Calls()
+    fill_env, check = cluster.fill_env, preflight.check
 
-    def counting(name, function):
-        def call(*args, **kwargs):
-            counted[name] += 1
-            return function(*args, **kwargs)
-        return call
+    def counted_fill_env(*args, **kwargs):
+        counted["fill_env"] += 1
+        return fill_env(*args, **kwargs)
 
-    fill_env = counting("fill_env", cluster.fill_env)
-    monkeypatch.setattr(cluster, "fill_env", fill_env)
-    monkeypatch.setattr(distributed, "fill_env", fill_env)
-    monkeypatch.setattr(preflight, "check", counting("check", preflight.check))
+    def counted_check(*args, resolved=False, **kwargs):
+        counted["check"] += 1
+        counted.resolved.append(resolved)
+        return check(*args, resolved=resolved, **kwargs)
+
+    monkeypatch.setattr(cluster, "fill_env", counted_fill_env)
+    monkeypatch.setattr(distributed, "fill_env", counted_fill_env)
+    monkeypatch.setattr(preflight, "check", counted_check)
     return counted
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("launcher", ["none", "torchrun"])
-def test_paratrain_train_fills_the_env_and_checks_once(launcher, tmp_path, environ, calls):
-    """A process of ``paratrain train`` of its own, or a rank torchrun started: one fill, one check."""
+@pytest.mark.parametrize("launcher, auto", [("none", False), ("torchrun", False), ("none", True)])
+def test_paratrain_train_fills_the_env_and_checks_once(launcher, auto, tmp_path, environ, calls):
+    """A process of ``paratrain train`` of its own, or a rank torchrun started: one fill, one check (and with
+    ``parallel.auto`` one more of the layout the plan chose)."""
     config_file.save(_config(tmp_path / "run"), tmp_path / "run.toml")
     if launcher == "torchrun":
         environ.update(TORCHRUN_ENV)
-    assert cli.main(["train", "--config", str(tmp_path / "run.toml")]) == 0
-    assert calls == {"fill_env": 1, "check": 1}
+    assert cli.main(["train", "--config", str(tmp_path / "run.toml"), f"--parallel.auto={str(auto).lower()}"]) == 0
+    assert calls == {"fill_env": 1, "check": 1 + auto} and calls.resolved == [not auto] + [True] * auto
 
 
 @pytest.mark.timeout(60)
@@ -74,17 +88,20 @@ def test_a_trainer_of_a_config_starts_once(tmp_path, environ, calls):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("rank_runs, rank_checks", [("the launched config", 0), ("another config", 1),
-                                                    ("a restart", 1)])
+@pytest.mark.parametrize("rank_runs, rank_checks", [("the launched config", [False]), ("another config", [False, True]),
+                                                    ("a restart", [False, True]), ("a planned layout", [False, True])],
+                         ids=["launched", "another-config", "restart", "planned"])
 def test_a_launched_rank_checks_only_what_its_launcher_did_not(rank_runs, rank_checks, tmp_path, environ, calls,
                                                                monkeypatch):
     """``paratrain launch`` checks the config once before any rank starts, and its rank (run here, in this
     process, as torchrun would start it) does not check it again; a rank whose config is not the one the launcher
-    checked, or one torchrun restarts, checks."""
+    checked, or one torchrun restarts, checks; with ``parallel.auto`` the rank checks the layout its plan chose.
+    ``rank_checks``: every check's ``resolved``, the launcher's first."""
     from paratrain.launch import launcher
 
     environ["PARATRAIN_HOME"] = str(tmp_path / "jobs")
-    config_file.save(_config(tmp_path / "run"), tmp_path / "run.toml")
+    config_file.save(_config(tmp_path / "run", parallel={"auto": rank_runs == "a planned layout"}),
+                     tmp_path / "run.toml")
     exits = []
 
     def run_rank(job, topo, command, **options):
@@ -101,7 +118,7 @@ def test_a_launched_rank_checks_only_what_its_launcher_did_not(rank_runs, rank_c
     monkeypatch.setattr(launcher, "run_node", run_rank)
     assert cli.main(["launch", "--nproc-per-node", "1", "--name", "once", "--", "train", "--config",
                      str(tmp_path / "run.toml")]) == 0
-    assert exits == [0] and calls == {"fill_env": 1, "check": 1 + rank_checks}
+    assert exits == [0] and calls == {"fill_env": 1, "check": len(rank_checks)} and calls.resolved == rank_checks
 
 
 class _Net(nn.Module):
