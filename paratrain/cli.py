@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from paratrain import cluster, host_memory, progress, stopping
+from paratrain import host_memory, progress, stopping
 from paratrain.config_file import parse_overrides, tomllib
 from paratrain.deepspeed_config import load_config
 from paratrain.errors import UserError
@@ -24,16 +24,20 @@ COMMAND_MODULES = ("paratrain.launch", "paratrain.doctor", "paratrain.data.comma
 
 
 def cmd_train(args) -> int:
-    cluster.fill_env()  # srun/mpirun/a pod: what torchrun would set
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    report = (lambda line: print(line, flush=True)) if os.environ.get("RANK", "0") == "0" else (lambda line: None)
-    cfg = load_config(args.config, args.overrides, args.deepspeed, world_size, report)
     from paratrain import loop
     from paratrain.plan import resolve_auto
     from paratrain.trainer import Trainer, start
 
-    rank, layout = start(cfg, plan=lambda cfg, world_size: resolve_auto(cfg, world_size, report))
-    return loop.exit_code(Trainer(cfg, (rank, layout)).run, rank)
+    started = start(lambda world_size: load_config(args.config, args.overrides, args.deepspeed, world_size,
+                                                   _on_rank_0),
+                    plan=lambda cfg, world_size: resolve_auto(cfg, world_size, _on_rank_0))
+    return loop.exit_code(Trainer(started).run, started.rank)
+
+
+def _on_rank_0(line: str) -> None:
+    """Print ``line`` on rank 0 (``$RANK``, which ``start`` fills from srun, mpirun or a pod)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

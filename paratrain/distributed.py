@@ -31,12 +31,20 @@ def collective_timeout(default_s: float = 600.0) -> float:
 
 def init_from_env(timeout_s: float | None = None, offload: bool = False) -> tuple[int, int]:
     """Join the process group torchrun, SLURM, MPI or Kubeflow described (:func:`paratrain.cluster.fill_env`),
-    if any; returns (rank, world_size). ``timeout_s`` bounds every collective (default:
-    :func:`collective_timeout`). With ``offload`` (ZeRO-Offload) the group also reduces host tensors, and one
-    process gets a group of its own (FSDP2 needs one)."""
+    if any; returns (rank, world_size). ``timeout_s`` and ``offload``: :func:`join_group`'s."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     fill_env()
+    return join_group(timeout_s, offload)
+
+
+def join_group(timeout_s: float | None = None, offload: bool = False) -> tuple[int, int]:
+    """Join the process group the torch.distributed variables describe (``RANK``, ``WORLD_SIZE``, ...; from
+    another launcher than torchrun once :func:`paratrain.cluster.fill_env` filled them), if any; returns (rank,
+    world_size). ``timeout_s`` bounds every collective (default: :func:`collective_timeout`). With ``offload``
+    (ZeRO-Offload) the group also reduces host tensors, and one process gets a group of its own (FSDP2 needs one)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1 and not offload:
         return 0, 1

@@ -1,7 +1,8 @@
 """What a ``train`` command checks before anything is built or any rank starts.
 
 ``paratrain train`` (and the ``Trainer``) runs :func:`check` before joining its process group,
-``paratrain launch -- train ...`` once before starting any rank. Everything wrong is reported at once as one ``ConfigError`` (exit code
+``paratrain launch -- train ...`` once before starting any rank, whose ranks then do not repeat it
+(:func:`launcher_checked`). Everything wrong is reported at once as one ``ConfigError`` (exit code
 2), each problem naming the key, file or value and a fix: the config rules; ZeRO-Offload only with an accelerator;
 the model state and a lower bound of the activations against a device's or this host's memory
 (``decoder_layers=1e12`` is refused in milliseconds); the data files and tokenizer; writable run and checkpoint
@@ -11,7 +12,10 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import hashlib
+import json
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -19,6 +23,7 @@ from paratrain.config import Config, ConfigError
 from paratrain.config_file import parse_overrides
 from paratrain.config_rules import validate
 
+CHECKED_ENV = "PARATRAIN_CHECKED_CONFIG"  # set by ``paratrain launch`` for its ranks: the check_digest it made
 TEXT_HEAD = 1 << 20  # bytes of a text file read to tell text from binary
 MIN_BPE_VOCAB = 260  # a byte-level BPE needs the 256 bytes and 4 special tokens
 
@@ -51,6 +56,24 @@ def check(cfg: Config, world_size: int, local_world_size: int | None = None, res
     check_resume(cfg)
     ConfigError.raise_any(directory_problems(cfg))
     return cfg
+
+
+def check_digest(cfg: Config, world_size: int, local_world_size: int, resolved: bool = False) -> str:
+    """What names one :func:`check`: a SHA-256 of ``cfg``'s values, the rank counts, whether the layout must fit
+    them (``resolved``, or no ``parallel.auto``), this host and the working directory (relative paths and the files
+    checked are this host's)."""
+    fits = resolved or not cfg.parallel.auto
+    what = [cfg.to_dict(), world_size, local_world_size, fits, socket.gethostname(), os.getcwd()]
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def launcher_checked(cfg: Config, world_size: int, resolved: bool = False) -> bool:
+    """Whether this rank's launcher (``paratrain launch``) made the ``check`` this rank would make of ``cfg`` (as
+    loaded, before the run resolves it): the same config for the same ranks on this host (``$CHECKED_ENV``). A
+    rank torchrun restarts checks again: the checkpoint a resume would take has changed since."""
+    given = os.environ.get(CHECKED_ENV)
+    return (given is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            and given == check_digest(cfg, world_size, ranks_on_this_host(world_size), resolved))
 
 
 def offload_problems(cfg: Config) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from paratrain.config import Config
 from paratrain.data.loader import ShardedBatches, build_dataset
 from paratrain.device import DTYPES, device
 from paratrain import cluster, config_file, host_memory, loop, preflight, progress, run_lock
-from paratrain.distributed import init_from_env
+from paratrain.distributed import join_group
 from paratrain.engine import Engine, TrainingDiverged
 from paratrain.evaluate import BleuEvaluator, HeldOutLoss, build_evaluator
 from paratrain.mesh import Layout
@@ -30,35 +30,50 @@ from paratrain.parallel.placed import PlacedModel
 from paratrain.plan.cost import layer_costs, tokens_per_rank
 from paratrain.precision import LossScaler, resolve_mixed_precision
 
-__all__ = ["Trainer", "TrainingDiverged", "start"]
+__all__ = ["Started", "Trainer", "TrainingDiverged", "start"]
 
 
-def start(cfg: Config, plan: Callable[[Config, int], object] | None = None) -> tuple[int, Layout]:
-    """Start a run of ``cfg`` (resolved in place) once: its precision for this device, a check, the launcher's process
-    group joined and, given ``plan`` (``paratrain train``: ``paratrain.plan.resolve_auto``), ``parallel.auto``'s
-    layout chosen for the group's size and checked; returns (rank, Layout)."""
+class Started(NamedTuple):
+    """What :func:`start` returns: the run's Config (resolved), this process's rank and the job's layout."""
+
+    cfg: Config
+    rank: int
+    layout: Layout
+
+
+def start(config: Config | Callable[[int], Config], plan: Callable[[Config, int], object] | None = None) -> Started:
+    """Start a run once in this process: the launcher's variables filled (``paratrain.cluster``), ``config`` (a
+    Config, or what makes it for the job's size: ``paratrain train``'s DeepSpeed batch rule needs it) resolved in
+    place for this device and checked (``paratrain.preflight``, unless ``paratrain launch`` checked that same config
+    for this rank), the process group joined and, given ``plan`` (``paratrain train``:
+    ``paratrain.plan.resolve_auto``), ``parallel.auto``'s layout chosen for the group's size and checked."""
     cluster.fill_env()
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = config(ranks) if callable(config) else config
+    planned = plan is not None and cfg.parallel.auto
+    checked = preflight.launcher_checked(cfg, ranks, resolved=not planned)  # the config as the launcher loaded it
     precision_asked = cfg.train.mixed_precision
     cfg.train.mixed_precision = resolve_mixed_precision(precision_asked, device())
-    planned = plan is not None and cfg.parallel.auto
-    preflight.check(cfg, int(os.environ.get("WORLD_SIZE", "1")), resolved=not planned)
-    rank, world_size = init_from_env(offload=cfg.parallel.offloads)
+    if not checked:
+        preflight.check(cfg, ranks, resolved=not planned)
+    rank, world_size = join_group(offload=cfg.parallel.offloads)
     progress.start(rank)
     if planned:
         plan(cfg, world_size)
-        preflight.check(cfg, world_size, resolved=True)
+        preflight.check(cfg, world_size, resolved=True)  # the layout the plan chose
     layout = Layout(cfg.parallel, world_size)
     if rank == 0:
         print(f"precision: {cfg.train.mixed_precision} on {layout.device} (train.mixed_precision = "
               f"{precision_asked!r})", flush=True)
-    return rank, layout
+    return Started(cfg, rank, layout)
 
 
 class Trainer(loop.Face):
-    """Trains the model a Config describes and logs one record per step. ``started``: what ``start(cfg)`` returned
-    (``paratrain train``); without it the trainer starts the run, ``parallel.auto`` already resolved. A step's loss
-    is the global batch's token mean however the batch is split (``PlacedModel``); its device values come to the
-    host only at logged, saved, evaluated and last steps (``paratrain.engine``), so other steps do not wait."""
+    """Trains the model a Config describes and logs one record per step. ``run``: the Config (the trainer starts
+    the run: ``start(cfg)``, ``parallel.auto`` already resolved) or what ``start`` returned (``paratrain train``,
+    which starts it with the planner). A step's loss is the global batch's token mean however the batch is split
+    (``PlacedModel``); its device values come to the host only at logged, saved, evaluated and last steps
+    (``paratrain.engine``), so other steps do not wait."""
 
     cfg: Config  # resolved by ``start``
     layout: Layout
@@ -80,8 +95,8 @@ class Trainer(loop.Face):
     stopped_at: int | None  # the step saved when a stop was asked (SIGTERM/SIGINT)
     history: list[dict]  # the records of the last train()
 
-    def __init__(self, cfg: Config, started: tuple[int, Layout] | None = None):
-        rank, self.layout = started or start(cfg)
+    def __init__(self, run: Config | Started):
+        cfg, rank, self.layout = run if isinstance(run, Started) else start(run)
         self.cfg, self.device, self.is_main = cfg, self.layout.device, rank == 0
         # one run per directory, from before anything is written there or a resume is decided
         self.locked = [("run.dir", cfg.run.path), ("checkpoint.dir", cfg.checkpoint_path)]

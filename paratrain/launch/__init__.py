@@ -25,19 +25,27 @@ def is_script(words: list[str]) -> bool:
     return bool(words) and words[0].endswith(".py")
 
 
-def _check_train_config(words: list[str], world_size: int):
-    """Refuse a ``train`` command whose config breaks a rule for ``world_size`` ranks, before any rank starts;
-    returns the config (None for another command, or for a config file that only the nodes may have)."""
+def _check_train_config(words: list[str], world_size: int, local_world_size: int, rules_only: bool):
+    """Refuse a ``train`` command whose config fails a check for ``world_size`` ranks (``local_world_size`` on this
+    host), before any rank starts: every check of :func:`paratrain.preflight.check`, or with ``rules_only`` (a dry
+    run or a job file, which start nothing here) the config rules, and none for a config file that only the nodes
+    may have. Returns the config and the digest of the check for the ranks
+    (:func:`paratrain.preflight.launcher_checked`); None for another command."""
     if words[:1] != ["train"]:
         return None
-    from paratrain.config_rules import check
+    from paratrain import config_rules, preflight
     from paratrain.deepspeed_config import load_config
-    from paratrain.preflight import train_args
 
-    args, overrides = train_args(words[1:])
-    if any(path is not None and not Path(path).is_file() for path in (args.config, args.deepspeed)):
-        return None  # it may exist on the nodes that run it only; their ranks report it otherwise
-    return check(load_config(args.config, overrides, args.deepspeed, world_size), world_size)
+    args, overrides = preflight.train_args(words[1:])
+    if rules_only and any(path is not None and not Path(path).is_file() for path in (args.config, args.deepspeed)):
+        return None
+    cfg = load_config(args.config, overrides, args.deepspeed, world_size)
+    digest = preflight.check_digest(cfg, world_size, local_world_size)  # of the config as each rank loads it
+    if rules_only:
+        config_rules.check(cfg, world_size)
+    else:
+        preflight.check(cfg, world_size, local_world_size)
+    return cfg, digest
 
 
 def _launch_flags(args, name: str | None, **overrides) -> list[str]:
@@ -133,17 +141,13 @@ def cmd_launch(args) -> int:
         from paratrain.device import check_local_ranks
 
         check_local_ranks(topo.nproc_per_node)
-    cfg = _check_train_config(words, sum(h.slots for h in hosts) if hosts else topo.nproc_per_node * topo.nnodes)
+    world, local = ((sum(h.slots for h in hosts), max(h.slots for h in hosts)) if hosts
+                    else (topo.nnodes * topo.nproc_per_node, topo.nproc_per_node))
+    checked = _check_train_config(words, world, local, args.dry_run)  # once, before any rank starts
     if args.max_restarts is None:  # the flag wins over the config's launch.max_restarts
-        args.max_restarts = cfg.launch.max_restarts if cfg is not None else 0
+        args.max_restarts = checked[0].launch.max_restarts if checked is not None else 0
     if args.dry_run:
         return _dry_run(args, name, job_dir, words, hosts, topo)
-    if words[:1] == ["train"]:  # the checks each rank would make, once, before any rank starts
-        from paratrain import preflight
-
-        world, local = ((sum(h.slots for h in hosts), max(h.slots for h in hosts)) if hosts
-                        else (topo.nnodes * topo.nproc_per_node, topo.nproc_per_node))
-        preflight.check(preflight.train_config(words[1:], world), world, local)
     # nodes other than the first record themselves in node{R}.json beside the first node's job.json
     other_node = bool(os.environ.get("PARATRAIN_COORDINATED") or (topo and topo.node_rank > 0))
     if not other_node and not os.environ.get("PARATRAIN_JOB_PREPARED") and (job_dir / "job.json").exists():
@@ -182,6 +186,10 @@ def cmd_launch(args) -> int:
 
     if device().type == "cpu":  # before torchrun starts the ranks: the allocator is preloaded
         os.environ.update(host_memory.rank_env())
+    if checked is not None:  # the ranks on this node need not check again (a hostfile's nodes check their own)
+        from paratrain.preflight import CHECKED_ENV
+
+        os.environ[CHECKED_ENV] = checked[1]
     return launcher.run_node(job, topo, launcher.rank_command(words),
                              console=not os.environ.get("PARATRAIN_JOB_PREPARED"), join_timeout_s=args.join_timeout)
 

@@ -45,7 +45,7 @@ def emit(args, name: str, job_dir: Path, words: list[str]) -> int:
     nnodes, nproc = args.nnodes or 1, args.nproc_per_node or 1
     if args.emit == "pytorchjob":
         name = _kubernetes_name(name, args.name is not None, nnodes)
-    _check_train_config(words, nnodes * nproc)
+    _check_train_config(words, nnodes * nproc, nproc, rules_only=True)
     gpus = os.environ.get("PARATRAIN_DEVICE", "auto") != "cpu"
     run_dir = Path(_run_dir(words, job_dir))
     if args.emit == "sbatch":

@@ -294,7 +294,9 @@ class ModelCheckpoint(Callback):
     def needs_host_values(self, step: int) -> bool:
         return step >= self.last_saved_step + self.config.save_checkpoint_steps  # nothing diverged is saved
 
-    def on_train_step_end(self, run_context: RunContext) -> None:
+    def save_due(self, run_context: RunContext) -> None:
+        """The periodic save, every ``save_checkpoint_steps`` steps: ``Model.train`` calls it after a step's
+        callbacks and the ranks' stop agreement (``paratrain.loop``), as ``paratrain train`` saves."""
         params = run_context.original_args()
         if self.needs_host_values(params.cur_step_num):
             self._save(params)
@@ -322,10 +324,7 @@ class OnRequestExit(ModelCheckpoint):
         self.save_ckpt = bool(save_ckpt)
 
     def needs_host_values(self, step: int) -> bool:
-        return False
-
-    def on_train_step_end(self, run_context: RunContext) -> None:
-        pass  # saves only on an exit request
+        return False  # no periodic save (``save_due``): only on an exit request
 
     def on_train_end(self, run_context: RunContext) -> None:
         if self.save_ckpt and run_context.original_args().exit_requested:

@@ -139,6 +139,12 @@ class _Training(loop.Face):
             self.hooks.call("on_train_step_end", self.run_context)
         return self.step_ends
 
+    def save(self) -> None:
+        if self.step_ends:
+            for saver in self.hooks.callbacks:
+                if isinstance(saver, ModelCheckpoint):
+                    saver.save_due(self.run_context)
+
     def end(self, stopped: bool) -> int | None:
         self.params.exit_requested = stopped
         self.hooks.call("on_train_end", self.run_context)  # ModelCheckpoint saves the last step, stopped or not
