@@ -392,12 +392,11 @@ def _flops_per_row(net: nn.Module, batch: tuple, config: ParallelConfig, params:
     """The training FLOPs of one row of ``net``'s batches (``paratrain.plan.counts.net_train_flops``: as the
     built-in models' are counted), on one micro-batch of this rank as the placed net runs it; None, said on rank 0,
     where the net's forward does not run on tensors without values (MFU then counts 6 x parameters x tokens)."""
-    from paratrain.parallel.micro_batches import has_rows
     from paratrain.plan.counts import net_train_flops
 
     parts = config.micro_batch_num * (1 if params.rows_of_this_rank else config.data_parallel)
     rows = max(1, len(batch[0]) // parts)  # (fewer rows than parts: refused by the step)
-    micro = tuple(t[:rows] if has_rows(t) else t for t in batch)
+    micro = tuple(t[:rows] if isinstance(t, torch.Tensor) and t.ndim > 0 else t for t in batch)
     try:
         return net_train_flops(net, micro) / rows
     except Exception as exc:  # noqa: BLE001 -- any op the net runs may need values
