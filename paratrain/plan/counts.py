@@ -4,8 +4,9 @@ The model of a ``ModelConfig`` is built under ``FakeTensorMode`` (shapes and dty
 nothing), with as few layers as hold each kind of layer (``sample_config``), and run forward and backward on a
 micro-batch of one sequence (the fewest whose tokens fill the experts' routing groups) and of twice as many, in train
 mode and in the run's compute dtype, its attention as a fused kernel runs it (no attention weights kept: attention
-dropout left out, which would make the CPU take its unfused path), its loss computed as the placed model computes it. Recorded per layer and per part outside the layers (``pipeline_parts``; what the model's own
-forward keeps around them, the tensors every layer takes, counts as ``inputs``):
+dropout left out, which would make the CPU take its unfused path), its loss computed as the placed model computes it.
+Recorded per layer and per part outside the layers (``pipeline_parts``; what the model's own forward keeps around
+them, the tensors every layer takes, counts as ``inputs``):
 
 - the bytes autograd saves for backward: every distinct storage a ``saved_tensors_hooks`` pack sees, parameters
   aside (recompute ``none``); the layer's inputs, which is what a checkpointed layer keeps (``full``); the inputs and
@@ -354,7 +355,7 @@ class _Recorder:
         from paratrain.parallel.recompute import keeps
 
         formula = flop_registry.get(func._overloadpacket) or cpu_flash_formula().get(func._overloadpacket)
-        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        flops = _formula_flops(formula, args, kwargs, out) if formula is not None else 0
         entry, backward = self.entry(), self.tracker.is_bw
         entry["backward" if backward else "forward"] += flops
         if backward:
@@ -394,6 +395,18 @@ class _Recorder:
         for handle in self.handles:
             handle.remove()
         return False
+
+
+def _formula_flops(formula, args, kwargs, out) -> float:
+    """``formula``'s FLOPs of an op; an attention whose key/value heads serve groups of query heads, which torch
+    2.11's formulas refuse, counted with its key/value heads repeated (the same FLOPs)."""
+    try:
+        return formula(*args, **kwargs, out_val=out)
+    except AssertionError:
+        heads = max(a.shape[1] for a in args if hasattr(a, "ndim") and a.ndim == 4)
+        args = [a.repeat_interleave(heads // a.shape[1], 1) if hasattr(a, "ndim") and a.ndim == 4 and a.shape[1] < heads
+                else a for a in args]
+        return formula(*args, **kwargs, out_val=out)
 
 
 @functools.cache
