@@ -71,15 +71,20 @@ def test_block_matches_per_token_reference(k, capacity_factor, group_size):
 
 
 def test_aux_loss_joins_backward_through_the_output_with_the_steps_scale():
-    from paratrain.modules.moe import aux_loss_in_backward
+    from paratrain.modules.moe import AuxLossInBackward
 
     torch.manual_seed(0)
     moe = MoE(8, 16, expert_num=4, activation=nn.GELU(), num_experts_chosen=2, aux_loss_factor=0.1)
     x = torch.randn(2, 6, 8)
     out, aux = moe(x)
+    alone = torch.autograd.grad((out ** 2).sum(), list(moe.parameters()), retain_graph=True)
     want = torch.autograd.grad((out ** 2).sum() + 0.25 * aux, list(moe.parameters()))
-    with aux_loss_in_backward(torch.tensor(0.25, device="cpu")):
+    aux_losses = AuxLossInBackward([moe])
+    with aux_losses.during(torch.tensor(0.25, device="cpu")):
         attached, _ = moe(x)
+    unattached, _ = moe(x)  # outside a step: the output alone
+    for a, b in zip(torch.autograd.grad((unattached ** 2).sum(), list(moe.parameters())), alone):
+        torch.testing.assert_close(a, b)
     torch.testing.assert_close(attached, out)
     for a, b in zip(torch.autograd.grad((attached ** 2).sum(), list(moe.parameters())), want):
         torch.testing.assert_close(a, b)

@@ -12,6 +12,7 @@ from forked_ranks import run_distributed
 from paratrain import config_file
 from paratrain.config_rules import validate
 from paratrain.errors import UserError
+from paratrain.modules.token_loss import TokenMeansTo
 from paratrain.nn import (AttentionMask, Cell, CrossEntropyLoss, EmbeddingOpParallelConfig, FeedForward, MoEConfig,
                           MultiHeadAttention, OpParallelConfig, Transformer, TransformerDecoder,
                           TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer,
@@ -229,17 +230,13 @@ def test_cross_entropy_loss_is_the_mean_over_masked_tokens():
     grad, = torch.autograd.grad(loss, logits)
     torch.testing.assert_close(grad, torch.autograd.grad(expected, logits)[0])
 
-    assert loss_fn.reduction == "mean"
-    loss_fn.reduction = "sum_and_count"
+    assert loss_fn(logits, labels, torch.zeros(12)).item() == 0.0
+    token_means = TokenMeansTo(loss_fn)  # as a placed net's: outside a step, the (sum, count) pair
+    assert token_means.found and token_means.count_epsilon == 1e-5
     pair = loss_fn(logits.view(3, 4, 9), labels.view(3, 4), input_mask.view(3, 4))  # (B, T, V) flattened
     assert pair.dtype == torch.float32 and pair.shape == (2,)
     torch.testing.assert_close(pair, torch.stack([F.cross_entropy(logits[keep], labels[keep].long(), reduction="sum"),
                                                   keep.sum().float()]))
-    loss_fn.reduction = "mean"
-    assert loss_fn(logits, labels, torch.zeros(12)).item() == 0.0
-    loss_fn.reduction = "sum"
-    with pytest.raises(UserError, match="reduction='sum'"):
-        loss_fn(logits, labels, input_mask)
 
 
 def test_cross_entropy_loss_follows_mindspore_value_shape_and_arguments():
@@ -277,7 +274,8 @@ def _vocab_parallel_loss(logits, labels, input_mask):
             local = logits.chunk(2, dim=-1)[dist.get_rank()].clone().requires_grad_()  # DTensor's split: 5 + 4
             sharded = DTensor.from_local(local, mesh, placements, shape=logits.shape, stride=logits.stride())
             loss_fn = CrossEntropyLoss(OpParallelConfig(model_parallel=2))
-            loss_fn.reduction = reduction
+            if reduction == "sum_and_count":
+                TokenMeansTo(loss_fn)
             with loss_context(ParallelConfig(model_parallel=2)):
                 loss = loss_fn(sharded, labels, input_mask)
                 loss[0].backward() if reduction == "sum_and_count" else loss.backward()
@@ -296,7 +294,8 @@ def test_vocab_parallel_cross_entropy_on_two_processes_equals_one():
     for reduction in ("mean", "sum_and_count"):
         whole = logits.clone().requires_grad_()
         loss_fn = CrossEntropyLoss()
-        loss_fn.reduction = reduction
+        if reduction == "sum_and_count":
+            TokenMeansTo(loss_fn)
         expected = loss_fn(whole, labels, input_mask)
         (expected[0] if reduction == "sum_and_count" else expected).backward()
         for shape in ((2,), (1, 2)):

@@ -73,13 +73,19 @@ def classifier_batches():
     return [(torch.randn(8, 16, generator=g), torch.randint(0, 8, (8,), generator=g), mask) for mask in masks * 2]
 
 
+def _token_loss_output_outside_a_step(loss) -> list[int]:
+    """The shape of what the token loss ``loss`` returns outside a training step."""
+    with torch.no_grad():
+        return list(loss(torch.zeros(2, 3), torch.zeros(2, dtype=torch.int32), torch.ones(2)).shape)
+
+
 def _classifier_micro2(world):
     reset_auto_parallel_context()
     set_auto_parallel_context(parallel_mode=ParallelMode.SEMI_AUTO_PARALLEL)
     net, losses = Classifier(world), loss_recorder()
     Model(PipelineCell(net, micro_size=2), optimizer=Momentum(net.parameters(), 0.05, 0.9)).train(
         1, classifier_batches(), callbacks=[losses])
-    return losses.values, net.loss.reduction
+    return losses.values, _token_loss_output_outside_a_step(net.loss)
 
 
 @pytest.mark.slow
@@ -93,8 +99,8 @@ def test_sum_and_count_loss_under_semi_auto_in_micro_batches_is_the_global_token
         opt.step()
         opt.zero_grad()
         expected.append(loss.item())
-    for losses, reduction in run_distributed(_classifier_micro2, 2, 2, timeout=120):
-        assert reduction == "sum_and_count"
+    for losses, outside in run_distributed(_classifier_micro2, 2, 2, timeout=120):
+        assert outside == [2]  # placed: the net's loss gives its (sum, count)
         assert losses == pytest.approx(expected, rel=1e-5)
 
 
@@ -134,5 +140,5 @@ def test_eval_loss_of_a_sum_and_count_net_on_one_process_is_the_token_mean_not_t
     model = Model(net, optimizer=Momentum(net.parameters(), 0.0, 0.0), metrics={"loss"},
                   eval_network=_EvalClassifier(net), eval_indexes=[0, 1, 2])
     got = model.eval(batches)["loss"]
-    assert net.loss.reduction == "sum_and_count"  # placed: the net's loss returns (sum, count)
+    assert _token_loss_output_outside_a_step(net.loss) == [2]  # placed: the net's loss gives its (sum, count)
     assert got == pytest.approx(float(expected), rel=1e-5)

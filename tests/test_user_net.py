@@ -9,6 +9,8 @@ from torch.torch_version import __version__ as TORCH_VERSION
 
 from forked_ranks import run_distributed
 
+from paratrain.modules.token_loss import TokenMean
+
 
 class Block(nn.Module):
     """A residual MLP block that declares its tensor-parallel split, as paratrain.nn's blocks do."""
@@ -39,17 +41,14 @@ class Embedding(nn.Module):
 
 
 class TokenLoss(nn.Module):
-    """Mean cross-entropy over masked tokens, or (sum, count) when the runtime asks, as paratrain.nn's loss."""
-
-    supports_sum_and_count = True
+    """Mean cross-entropy over masked tokens, declared a token loss as paratrain.nn's is: it ends in a TokenMean."""
 
     def __init__(self):
         super().__init__()
-        self.reduction = "mean"
+        self.token_mean = TokenMean()
 
     def forward(self, logits, labels, mask):
-        total = (F.cross_entropy(logits, labels, reduction="none") * mask).sum()
-        return torch.stack([total, mask.sum()]) if self.reduction == "sum_and_count" else total / mask.sum()
+        return self.token_mean((F.cross_entropy(logits, labels, reduction="none") * mask).sum(), mask.sum())
 
 
 class Net(nn.Module):

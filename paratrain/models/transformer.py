@@ -73,8 +73,8 @@ def feed_forward(cfg: ModelConfig, layer_id: int) -> FeedForward | MoE:
 
 class EncoderLayer(TransformerLayer):
     """Self-attention + FFN, x (B, S, H) -> ``(output (B, S, H), (), *aux_loss)`` (``TransformerLayer``);
-    causal as a decoder-only (GPT) block. A mixture of experts joins its aux loss to backward itself
-    (``aux_loss_in_backward``): the models use the output alone.
+    causal as a decoder-only (GPT) block. A mixture of experts' aux loss joins backward through its output (the
+    placement's ``paratrain.modules.moe.AuxLossInBackward``): the models use the output alone.
     """
 
     # each LayerNorm inside a module of its own, as saved checkpoints name it

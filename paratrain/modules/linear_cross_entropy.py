@@ -70,12 +70,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for part, label, target, part_minus_mine, part_kept in zip(*(
                     _chunks(t, chunk_rows(vocab, device)) for t in (x, labels, targets, minus_mine, kept))):
                 logits = (part @ w.T).float()
-                # the log-softmax in place (torch.log_softmax, faster on the CPU, makes a second buffer, and the step's
-                # peak rose by 53 MiB at zero 0 in bench/peers.py)
-                lse = torch.logsumexp(logits, 1, keepdim=True)
-                if sharded:  # the softmax over the whole vocabulary
-                    lse = rows_of_ranks.whole_vocabulary(lse)
-                logits.sub_(lse)
+                if sharded:  # the log-softmax over the whole vocabulary, in place
+                    logits.sub_(rows_of_ranks.whole_vocabulary(torch.logsumexp(logits, 1, keepdim=True)))
+                else:  # in place: no second (N, V) buffer, and one exp pass fewer than logsumexp then sub_
+                    torch.log_softmax(logits, 1, out=logits)
                 if sharded:  # the loss of the rows whose target is one of this rank's
                     part_loss = torch.gather(logits, 1, target).mul_(part_minus_mine).sum()
                 else:

@@ -58,8 +58,8 @@ class MoE(nn.Module):
     choices before second choices, earlier tokens first; a token over capacity gets nothing from that expert
     (with no expert at all, 0: only the residual carries it). ``aux_loss`` is MindSpore's (Switch Transformer's) load-balancing loss,
     ``aux_loss_factor * E * sum_e f_e * P_e`` averaged over the groups: f_e the fraction of tokens whose first
-    choice is e, P_e their mean router probability for e. Within ``aux_loss_in_backward`` the output carries
-    the aux loss into backward itself (the training loss need not add it); ``moe_totals`` reports the mean
+    choice is e, P_e their mean router probability for e. Under ``AuxLossInBackward`` the output carries the
+    aux loss into backward itself (the training loss need not add it); ``moe_totals`` reports the mean
     aux loss and fraction of (token, choice) assignments over capacity of the forwards since it last did.
     """
 
@@ -97,8 +97,6 @@ class MoE(nn.Module):
         out = out.reshape(e, g, c, hidden).transpose(0, 1).reshape(g, e * c, hidden)
         out = torch.cat([out, out.new_zeros(g, 1, hidden)], dim=1).gather(1, index)  # (G, k*S, H)
         combined = (out.float() * gate[..., None]).reshape(g, self.k, size, hidden).sum(1).to(x.dtype)
-        if _aux_loss_gradient[0] is not None:
-            combined = AttachAuxLoss.apply(combined, aux, _aux_loss_gradient[0])
         return combined.reshape(shape), aux
 
     def route(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,18 +139,31 @@ class AttachAuxLoss(torch.autograd.Function):
         return grad, torch.as_tensor(ctx.scale, dtype=dtype, device=device), None
 
 
-_aux_loss_gradient: list[torch.Tensor | float | None] = [None]  # the scale of the step under way
+class AuxLossInBackward:
+    """The forward hook a placement puts on every MoE block of ``modules``: while ``scale`` is set (``during``: a
+    training step's forwards), each block's output carries its aux loss into backward with the gradient ``scale``
+    (``AttachAuxLoss``); otherwise the outputs are left as they are."""
 
+    def __init__(self, modules: list[nn.Module]):
+        self.scale: torch.Tensor | float | None = None
+        for block in (m for module in modules for m in module.modules() if isinstance(m, MoE)):
+            block.register_forward_hook(self)
 
-@contextlib.contextmanager
-def aux_loss_in_backward(scale: torch.Tensor | float):
-    """Within it every MoE block's forward joins its aux loss to backward with the gradient ``scale``
-    (``AttachAuxLoss``): a training step sets it once, for all the blocks and micro-batches."""
-    _aux_loss_gradient[0] = scale
-    try:
-        yield
-    finally:
-        _aux_loss_gradient[0] = None
+    def __call__(self, block: nn.Module, args, output: tuple[torch.Tensor, torch.Tensor]):
+        if self.scale is None:
+            return None
+        combined, aux = output
+        return AttachAuxLoss.apply(combined, aux, self.scale), aux
+
+    @contextlib.contextmanager
+    def during(self, scale: torch.Tensor | float):
+        """Within it the blocks' aux losses join backward with the gradient ``scale``: a training step sets it once,
+        for all the blocks and micro-batches."""
+        self.scale = scale
+        try:
+            yield
+        finally:
+            self.scale = None
 
 
 def moe_totals(model: nn.Module) -> torch.Tensor | None:

@@ -9,7 +9,7 @@ from paratrain.nn.config import (EmbeddingOpParallelConfig, MoEConfig, OpParalle
 from paratrain.nn.dense import Dense
 from paratrain.nn.dropout import Dropout
 from paratrain.nn.layers import AttentionMask, FeedForward, MoE, MultiHeadAttention, VocabEmbedding
-from paratrain.nn.loss import CrossEntropyLoss
+from paratrain.nn.loss import CrossEntropyLoss, TokenMean
 from paratrain.nn.metrics import Accuracy, Loss, Metric, rearrange_inputs  # MindSpore 1.x's place; 2.x: train
 from paratrain.nn.normalization import SyncBatchNorm
 from paratrain.nn.dynamic_lr import (cosine_decay_lr, exponential_decay_lr, inverse_decay_lr, natural_exp_decay_lr,
@@ -25,7 +25,7 @@ __all__ = ["Cell", "PipelineCell", "TransformerOpParallelConfig", "OpParallelCon
            "TransformerRecomputeConfig", "MoEConfig", "default_transformer_config", "default_dpmp_config",
            "default_embedding_parallel_config", "default_moe_config", "VocabEmbedding", "AttentionMask", "FeedForward",
            "MoE", "MultiHeadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
-           "TransformerDecoder", "Transformer", "CrossEntropyLoss", "Dense", "Dropout", "Parameter", "Momentum",
+           "TransformerDecoder", "Transformer", "CrossEntropyLoss", "TokenMean", "Dense", "Dropout", "Parameter", "Momentum",
            "AdamWeightDecay",
            "LearningRateSchedule", "WarmUpLR", "PolynomialDecayLR", "CosineDecayLR", "ExponentialDecayLR",
            "NaturalExpDecayLR", "InverseDecayLR", "piecewise_constant_lr", "exponential_decay_lr",

@@ -14,6 +14,7 @@ import torch
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
+from paratrain.modules.token_loss import token_denominator
 from paratrain.parallel.loss import loss_context, whole
 from paratrain.precision import autocast
 
@@ -118,7 +119,7 @@ class StepLoss:
 
     def denominator(self, count: torch.Tensor) -> torch.Tensor:
         """What a token loss's sum over ``count`` tokens is divided by (``count_epsilon`` says)."""
-        return count.clamp(min=1e-5) if self.count_epsilon is None else count + self.count_epsilon
+        return token_denominator(count, self.count_epsilon)
 
     def _kept(self, loss: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         self.kept.append((whole(loss.detach()), None if count is None else whole(count.detach())))

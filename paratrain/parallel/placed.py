@@ -13,7 +13,7 @@ from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
 from paratrain.metrics.timer import no_phase
 from paratrain.modules.linear_cross_entropy import token_loss_sum
-from paratrain.modules.moe import aux_loss_in_backward, moe_totals
+from paratrain.modules.moe import AuxLossInBackward, moe_totals
 from paratrain.parallel.context import split_sequence
 from paratrain.parallel.expert import moe_step_metrics
 from paratrain.parallel.loss import loss_context, whole
@@ -46,6 +46,7 @@ class PlacedModel:
         self.model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
         self.precision, self.pipeline, self.experts, self.grad_factor = precision, pipeline, experts, grad_factor
         self.ignore_index, self.loss_in_head = ignore_index, loss_in_head
+        self.aux_losses = AuxLossInBackward(parts) if experts and self.adds_aux_loss else None
         self.phase = no_phase
 
     @property
@@ -93,7 +94,7 @@ class PlacedModel:
         """Where the forwards' other losses go: a mixture of experts' load-balancing loss joins backward in each
         block (any pipeline stage's), a micro-batch's share of its mean."""
         self.model.train()
-        return aux_loss_in_backward(norm.mean_factor)
+        return self.aux_losses.during(norm.mean_factor) if self.aux_losses else contextlib.nullcontext()
 
     def micro_loss(self, micro: dict, norm: StepLoss) -> torch.Tensor:
         """What backward runs on for one micro-batch (without a pipeline)."""

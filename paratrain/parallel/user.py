@@ -21,7 +21,7 @@ from paratrain.device import to_device
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.modules.moe import MoE, moe_totals
-from paratrain.modules.token_loss import token_means_to
+from paratrain.modules.token_loss import TokenMeansTo
 from paratrain.parallel.micro_batches import StepLoss, forward_only, has_rows
 from paratrain.parallel.parallelize import parallelize_chunk
 from paratrain.parallel.pipeline import build_schedule, chunk_rank
@@ -34,9 +34,9 @@ class PlacedNet(PlacedModel):
     placements). Its batch is a tuple of tensors, the net's forward arguments, batch first: this rank keeps its
     rows (the ``dp_rank``-th of ``replicas`` equal parts, unless ``rows_of_this_rank``: a dataset sharded per rank
     gave them already), each a whole number of micro-batches. Its loss is what the net returns (any MoE aux loss
-    in it): a token loss declaring ``supports_sum_and_count`` (``paratrain.nn.CrossEntropyLoss``) is switched to
-    return (sum, count), so the step's loss is the mean over every counted token of the global batch whatever the
-    layout; any other scalar is averaged over the micro-batches and replicas."""
+    in it): a token loss ending in a ``TokenMean`` (``paratrain.nn.CrossEntropyLoss``) gives the step its (sum,
+    count) (``paratrain.modules.token_loss.TokenMeansTo``), so the step's loss is the mean over every counted token
+    of the global batch whatever the layout; any other scalar is averaged over the micro-batches and replicas."""
 
     adds_aux_loss = False
     counted_in_norm = None  # a traced stage holds each parameter once
@@ -45,13 +45,10 @@ class PlacedNet(PlacedModel):
                  replicas: int = 1, grad_factor: float = 1.0):
         super().__init__([net], config, layout, precision, grad_factor=grad_factor,
                          experts=any(isinstance(m, MoE) for m in net.modules()))
-        losses = [m for m in net.modules() if getattr(m, "supports_sum_and_count", False)]
-        for loss in losses:  # paratrain.nn's CrossEntropyLoss: (sum, count)
-            loss.reduction = "sum_and_count"
-        self.summed = bool(losses)
+        self.token_means = TokenMeansTo(net)
+        self.summed = self.token_means.found
         # what the token losses add to the count they divide by (paratrain.nn's CrossEntropyLoss: 1e-5)
-        self.count_epsilon = max((m.count_epsilon for m in losses if getattr(m, "count_epsilon", None) is not None),
-                                 default=None)
+        self.count_epsilon = self.token_means.count_epsilon
         # a mixture of experts' aux loss, which the net adds to its token losses' means: with several
         # micro-batches the step counts their tokens first (StepLoss.count_first)
         self.counts_first = self.summed and config.micro_batch_num > 1 and self.experts
@@ -83,7 +80,7 @@ class PlacedNet(PlacedModel):
     def losses_to(self, norm: StepLoss, batch: tuple):
         """The token losses' means go to ``norm`` (``paratrain.modules.token_loss``; a pipeline's stages send on
         their (sum, count) instead), counted first when the net adds other terms to them."""
-        with token_means_to(norm if self.summed and self.pipeline is None else None):
+        with self.token_means.to(norm if self.summed and self.pipeline is None else None):
             if self.counts_first and self.pipeline is None:
                 norm.count_first(lambda: forward_only(batch, self.config, self.precision, self.device, self.run_net,
                                                       self.phase))
@@ -101,7 +98,6 @@ class PlacedNet(PlacedModel):
         """What backward runs on for one micro-batch (``StepLoss``): its loss sum and token count (``pairs``: a
         pipeline stage's output; else its token losses' means plus any other terms), or its plain loss
         (``target``: a pipeline schedule's, unused). A loss of another shape (per row, per token) is refused."""
-        # a token loss of the user's own (``supports_sum_and_count``) returns its pair itself, making no token means
         pair = self.summed and (pairs or not self._norm.pending)
         if not isinstance(output, torch.Tensor) or output.numel() != (2 if pair else 1):
             what = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
@@ -150,7 +146,7 @@ def place_net(net: nn.Module, config: ParallelConfig, layout: Layout, example_ba
                         f"pipeline_stage=1, or expert_parallel=1 (the built-in models of `paratrain train` have both)")
     micro = tuple(t[: t.shape[0] // (config.data_parallel * config.micro_batch_num)].to(
         "meta" if on_meta else layout.device) for t in example_batch)
-    if placed.summed and not _returns_its_token_loss(net, micro):
+    if placed.summed and not _returns_its_token_loss(net, micro, placed.token_means):
         raise UserError(f"pipeline_stage={config.pipeline_stage}: the net's loss adds other terms (a mixture of "
                         f"experts' aux loss...) to its CrossEntropyLoss, whose (sum, count) the last stage sends "
                         f"on to be added up over the micro-batches; use pipeline_stage=1, or return the loss alone")
@@ -179,10 +175,9 @@ class _TokenLossCalls:
         return self.means[-1]
 
 
-def _returns_its_token_loss(net: nn.Module, example: tuple) -> bool:
-    """Whether ``net(*example)`` returns its one token loss's value itself, nothing added (or a loss of the user's
-    own that makes no token means)."""
+def _returns_its_token_loss(net: nn.Module, example: tuple, token_means: TokenMeansTo) -> bool:
+    """Whether ``net(*example)`` returns its one token loss's value itself, nothing added."""
     calls = _TokenLossCalls()
-    with torch.no_grad(), token_means_to(calls):
+    with torch.no_grad(), token_means.to(calls):
         output = net(*example)
-    return not calls.means or (len(calls.means) == 1 and output is calls.means[0])
+    return len(calls.means) == 1 and output is calls.means[0]
