@@ -64,8 +64,8 @@ def initialise(a: argparse.Namespace, deferred: bool) -> dict:
     from paratrain.distributed import init_from_env
     from paratrain.mesh import Layout
     from paratrain.models import build_model
-    from paratrain.parallel import parallelize
-    from paratrain.parallel.deferred_init import materialize, record_init
+    from paratrain.parallel import parallelize, place
+    from paratrain.parallel.deferred_init import record_init
 
     torch.set_num_threads(1)
     _, world = init_from_env()
@@ -75,9 +75,7 @@ def initialise(a: argparse.Namespace, deferred: bool) -> dict:
     torch.manual_seed(0)
     if deferred:
         record = record_init(lambda: build_model(cfg.model))
-        parts = parallelize(record.model, cfg.parallel, layout).parts
-        torch.manual_seed(0)
-        materialize(parts, record, layout.device)
+        parts = place(record.model, cfg.parallel, layout, parallelize, init=record).parts
     else:
         parts = parallelize(build_model(cfg.model), cfg.parallel, layout).parts
     seconds = time.perf_counter() - start

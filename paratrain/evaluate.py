@@ -164,7 +164,7 @@ class HeldOutLoss:
     """A decoder's held-out loss every ``every`` steps: the summed token loss of ``batches`` (this rank's rows of
     each held-out global batch: ``paratrain.data.loader.HeldOutBatches``) over their tokens but ``ignore_index``,
     added up over the data-parallel ranks -- the training loss's token mean, over every held-out batch. Every rank
-    runs the forwards (``PlacedModel.held_out_loss_sum``); only the main rank's record gets ``eval_loss`` and
+    runs the forwards (``TokenSumLoss.held_out_loss_sum``); only the main rank's record gets ``eval_loss`` and
     ``eval_ppl`` (its exponential)."""
 
     def __init__(self, placed: PlacedModel, batches: Iterable[dict[str, torch.Tensor]], every: int, is_main: bool):
@@ -180,8 +180,8 @@ class HeldOutLoss:
             return
         sums, counts = [], []
         for batch in self.batches:
-            sums.append(self.placed.held_out_loss_sum(batch).double())
-            counts.append((batch["labels"] != self.placed.ignore_index).sum().double())
+            sums.append(self.placed.loss.held_out_loss_sum(self.placed, batch).double())
+            counts.append((batch["labels"] != self.placed.loss.ignore_index).sum().double())
         loss_sum, count = self.placed.layout.all_reduce_dp(torch.stack([torch.stack(sums).sum(),
                                                                         torch.stack(counts).sum()])).tolist()
         if self.is_main:

@@ -24,8 +24,8 @@ from paratrain.models.hf import load_hf_weights
 from paratrain.lora import add_adapters, hold_base_in
 from paratrain.metrics.flops import batch_flops
 from paratrain.optim import build_optimizer, build_scheduler
-from paratrain.parallel import parallelize, shard_optimizer_state
-from paratrain.parallel.deferred_init import materialize, record_init
+from paratrain.parallel import parallelize, place, shard_optimizer_state
+from paratrain.parallel.deferred_init import record_init
 from paratrain.parallel.placed import PlacedModel
 from paratrain.plan.cost import layer_costs, tokens_per_rank
 from paratrain.precision import LossScaler, resolve_mixed_precision
@@ -101,19 +101,19 @@ class Trainer(loop.Face):
         # one run per directory, from before anything is written there or a resume is decided
         self.locked = [("run.dir", cfg.run.path), ("checkpoint.dir", cfg.checkpoint_path)]
         run_lock.hold(self.locked)
-        # the model is built on the meta device, parallelized, and only this rank's shards are materialized,
-        # with the values a plain build from this seed has (paratrain.parallel.deferred_init)
+        # the model is built on the meta device, placed, and only this rank's shards are materialized, with the
+        # values a plain build from this seed has (paratrain.parallel.deferred_init)
         torch.manual_seed(cfg.run.seed)
         record = record_init(lambda: add_adapters(build_model(cfg.model), cfg.lora))
         model = record.model.to(DTYPES[cfg.model.dtype])
         if cfg.lora.enabled and cfg.lora.base_dtype != "float32":
             hold_base_in(model, DTYPES[cfg.lora.base_dtype])
         costs = layer_costs(cfg.model) if cfg.parallel.pipeline_stage > 1 else None  # what a pipeline balances
-        self.placed = parallelize(model, cfg.parallel, self.layout, cfg.model, cfg.train, costs,
-                                  tokens_per_rank(cfg, self.layout.dp_size))
-        torch.manual_seed(cfg.run.seed)
-        # offloaded parameters are made on the host (FSDP2 pins them), never whole on the device
-        materialize(self.placed.parts, record, self.device, torch.device("cpu") if cfg.parallel.offloads else None)
+        self.placed = place(model, cfg.parallel, self.layout, parallelize, precision=cfg.train.mixed_precision,
+                            init=record, model_config=cfg.model, compile_layers=cfg.train.compile, layer_costs=costs,
+                            tokens_per_rank=tokens_per_rank(cfg, self.layout.dp_size),
+                            # offloaded parameters are made on the host (FSDP2 pins them), never whole on the device
+                            params_on=torch.device("cpu") if cfg.parallel.offloads else None)
         self.model = self.placed.model
         torch.manual_seed(cfg.run.seed + self.layout.dp_rank)  # dropout: shared by tensor-parallel peers
         self.optimizer = build_optimizer(self.model, cfg.train)

@@ -260,19 +260,23 @@ def test_the_engine_reaches_no_face_through_any_import():
 
 
 def test_both_faces_hand_the_engine_one_placed_model():
-    """Every placement (the built-ins' parallelize, a user's net by its blocks, hybrid, op strategies) is a
-    PlacedModel that owns the step's forward and backward: the engine knows placement only through it, and no face
-    builds a step's loss or runs micro-batches itself."""
+    """Every placement (the built-ins' parallelize, a user's net by its blocks, hybrid, op strategies, each through
+    the one entry point ``place``) returns the one PlacedModel class, which no class extends, and which owns the
+    step's forward and backward: the engine knows placement only through it, and no face builds a step's loss or
+    runs micro-batches itself."""
     import inspect
 
-    from paratrain.parallel import parallelize
-    from paratrain.parallel.placed import PlacedModel
-    from paratrain.parallel.user import PlacedNet, place_net
-    from paratrain.train.parallel_modes.hybrid import HybridNet
-    from paratrain.train.parallel_modes.semi_auto import OpPlacedNet
+    from paratrain.parallel import parallelize, place
+    from paratrain.parallel.user import place_net
+    from paratrain.train.parallel_modes.hybrid import place_hybrid
+    from paratrain.train.parallel_modes.semi_auto import place_semi_auto
 
-    assert all(issubclass(kind, PlacedModel) for kind in (PlacedNet, HybridNet, OpPlacedNet))
-    assert [inspect.signature(f).return_annotation for f in (parallelize, place_net)] == ["PlacedModel", "PlacedNet"]
+    placements = (place, parallelize, place_net, place_hybrid, place_semi_auto)
+    assert [inspect.signature(f).return_annotation for f in placements] == ["PlacedModel"] * len(placements)
+    extending = [f"{path.relative_to(ROOT)}: {node.name}" for path in PACKAGE.rglob("*.py")
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+                 and any(isinstance(base, ast.Name) and base.id == "PlacedModel" for base in node.bases)]
+    assert extending == []
     graph = import_graph()
     assert {e for e in graph["paratrain.engine"] if _within(e, ("paratrain.parallel",))} == {"paratrain.parallel.placed"}
     for face in ("paratrain.trainer", "paratrain.train.model"):  # the faces' steps

@@ -57,7 +57,6 @@ def _data_parallel_units(zero_stage, mixed_precision):
     from torch.distributed._composable.replicate import DDP
     from torch.distributed.fsdp import FSDPModule
 
-    from paratrain.config import TrainConfig
     from paratrain.mesh import Layout
     from paratrain.models import build_model
     from paratrain.parallel import parallelize
@@ -67,8 +66,7 @@ def _data_parallel_units(zero_stage, mixed_precision):
     cfg = tiny_config(model={"kind": "gpt", "decoder_layers": 3}, parallel={"dp": 2, "zero_stage": zero_stage})
     with torch.device("meta"):
         model = build_model(cfg.model)
-    (part,) = parallelize(model, cfg.parallel, Layout(cfg.parallel, world),
-                          train=TrainConfig(mixed_precision=mixed_precision)).parts
+    (part,) = parallelize(model, cfg.parallel, Layout(cfg.parallel, world), precision=mixed_precision).parts
     units = [name for name, m in part.named_modules() if isinstance(m, FSDPModule)]
     policies = {str(m._get_fsdp_state()._mp_policy.param_dtype) for m in part.modules() if isinstance(m, FSDPModule)}
     shared = {}  # one FSDP state per unit: (its modules' names, whether it stays gathered after forward)
@@ -153,13 +151,13 @@ def test_parameter_broadcast_runs_on_the_nets_device(monkeypatch):
 
     from paratrain.config import ParallelConfig
     from paratrain.context import ParallelMode, reset_auto_parallel_context, set_auto_parallel_context
-    from paratrain.train.placement import place
+    from paratrain.train.placement import place_by_mode
 
     seen = []
     monkeypatch.setattr(dist, "broadcast", lambda tensor, src: seen.append(tensor.device))
     set_auto_parallel_context(parallel_mode=ParallelMode.HYBRID_PARALLEL, parameter_broadcast=True)
     try:
-        place(torch.nn.Linear(2, 2, device="cpu"), ParallelConfig(),
+        place_by_mode(torch.nn.Linear(2, 2, device="cpu"), ParallelConfig(),
               SimpleNamespace(world_size=2, device=torch.device("meta")), ())
     finally:
         reset_auto_parallel_context()

@@ -218,12 +218,12 @@ def test_graph_mode_with_pipeline_stages_is_refused_before_placing():
     GRAPH_MODE with pipeline stages before it places anything (no layout is needed to say so)."""
     import paratrain
     from paratrain.config import ParallelConfig
-    from paratrain.train.placement import place
+    from paratrain.train.placement import place_by_mode
 
     paratrain.set_context(mode=paratrain.GRAPH_MODE)
     try:
         with pytest.raises(UserError, match=r"GRAPH_MODE\) with pipeline stages"):
-            place(Net(), ParallelConfig(pipeline_stage=2, micro_batch_num=2), layout=None, batch=())
+            place_by_mode(Net(), ParallelConfig(pipeline_stage=2, micro_batch_num=2), layout=None, batch=())
     finally:
         paratrain.set_context(mode=paratrain.PYNATIVE_MODE)
 

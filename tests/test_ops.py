@@ -90,17 +90,19 @@ def reference(name):
 
 
 def run_cases(world):
+    from paratrain.config import ParallelConfig
+    from paratrain.mesh import Layout
     from paratrain.train.parallel_modes.semi_auto import place_semi_auto
 
-    results = {}
+    results, layout = {}, Layout(ParallelConfig(), world)
     for name, (factory, params, args, batch, strategies) in CASES.items():
         for i, strategy in enumerate(strategies[world]):
             op = factory()
             if strategy is not None:
                 op.shard(strategy)
-            placed = place_semi_auto(Probe(op, params, args), batch, torch.device("cpu"), world)
+            placed = place_semi_auto(Probe(op, params, args), ParallelConfig(), layout, example_batch=batch)
             placed.forward_backward(batch)
-            probe = placed.net
+            probe = placed.model
             grads = {k: p.grad.full_tensor().tolist() for k, p in probe.p.items()}
             results[name, i] = probe.out.detach().full_tensor().tolist(), grads  # plain lists cross processes
     return results

@@ -159,7 +159,7 @@ def auto(world, directory):
     net = MLP()
     net.fc1.matmul.shard(((1, 1), (world, 1)))
     model, losses = train(net, ParallelMode.AUTO_PARALLEL, search_mode="sharding_propagation")
-    out["propagated"] = losses, {p: op.strategy for p, op in model.train_network.net.named_modules()
+    out["propagated"] = losses, {p: op.strategy for p, op in model.train_network.model.named_modules()
                                  if isinstance(op, ops.Primitive)}
     return out
 
@@ -194,6 +194,8 @@ def save_under_dp2_mp2(world, directory):
 
 def load_under_mp2(world, directory):
     from paratrain import load_checkpoint, load_distributed_checkpoint, load_param_into_net
+    from paratrain.config import ParallelConfig
+    from paratrain.mesh import Layout
     from paratrain.train.parallel_modes.semi_auto import place_semi_auto
     from paratrain.train import WithLoss
 
@@ -205,7 +207,8 @@ def load_under_mp2(world, directory):
     net.extra = nn.Parameter(torch.zeros(3))
     out["whole"] = load_param_into_net(net, load_checkpoint(f"{directory}/whole-1_4/model.safetensors"))[0], \
         train(net, ParallelMode.SEMI_AUTO_PARALLEL, data()[4:])[1]
-    placed = place_semi_auto(WithLoss(MLP(1, 2), SquaredError()), data()[0], torch.device("cpu"), world)
+    placed = place_semi_auto(WithLoss(MLP(1, 2), SquaredError()), ParallelConfig(), Layout(ParallelConfig(), world),
+                             example_batch=data()[0])
     out["placed"] = load_distributed_checkpoint(placed, sorted(Path(f"{directory}/sliced-1_4").iterdir())), {
         name: (str(p.placements), p.full_tensor().tolist()) for name, p in placed.named_parameters()}
     return out

@@ -387,11 +387,11 @@ def test_a_ranks_share_that_does_not_split_into_micro_batches_is_refused_naming_
 
     config = ParallelConfig(micro_batch_num=3)
     placed = place_net(Net(), config, Layout(config, 1), _batches(1)[0])
-    placed.rows_of_this_rank = True
+    placed.loss.rows_of_this_rank = True
     with pytest.raises(UserError, match=r"a batch of 8 rows does not split into 3 equal parts \(this rank's share "
                                         r"of a dataset sharded per rank x micro_batch_num=3\)"):
         placed.forward_backward(_batches(1)[0])
-    placed.rows_of_this_rank = False
+    placed.loss.rows_of_this_rank = False
     with pytest.raises(UserError, match=r"\(data_parallel=1 x micro_batch_num=3\)"):
         placed.forward_backward(_batches(1)[0])
 

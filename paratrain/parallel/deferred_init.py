@@ -6,9 +6,9 @@ parameter or buffer its values: its factory (``torch.empty``, ``torch.zeros``...
 follow (``normal_``, ``uniform_``, ``fill_``, ``zero_``, and in-place arithmetic such as ``mul_``). Once the model is
 parallelized (tensor parallel, FSDP, pipeline chunks -- all on the meta device),
 ``materialize(parts, record, device)`` allocates this rank's shards on ``device`` and replays the record on the CPU
-from the same seed, one tensor at a time: a tensor is made in full, as the plain build made it, this rank's shard of
-it is copied in, and it is freed. Every tensor is replayed, held by this rank or not, so the random stream is consumed
-as the plain build consumed it. Host memory peaks at the largest tensor, not the model.
+from the random state the build started from, one tensor at a time: a tensor is made in full, as the plain build
+made it, this rank's shard of it is copied in, and it is freed. Every tensor is replayed, held by this rank or not,
+so the random stream is consumed as the plain build consumed it. Host memory peaks at the largest tensor, not the model.
 
 A build that draws random numbers into anything but its own parameters and buffers, or
 computes a parameter from other tensors, cannot be replayed and is refused with the reason.
@@ -50,9 +50,11 @@ class Step:
 
 @dataclass
 class InitRecord:
-    """What ``record_init`` saw: the built model (on the meta device) and the steps that set its tensors."""
+    """What ``record_init`` saw: the built model (on the meta device), the CPU random state the build started from
+    and the steps that set its tensors."""
 
     model: nn.Module
+    rng_state: torch.Tensor
     steps: list[Step] = field(default_factory=list)
 
 
@@ -74,10 +76,10 @@ def _storage(t: torch.Tensor):
 
 def record_init(build) -> InitRecord:
     """``build()`` (a model constructor) on the meta device, with the record of how its tensors got their values."""
-    recorder = _Recorder()
+    recorder, state = _Recorder(), torch.get_rng_state()
     with torch.device("meta"), recorder:
         model = build()
-    return _resolve(model, recorder.ops)
+    return _resolve(model, recorder.ops, state)
 
 
 _DEFERRED: list[tuple[list, torch.Tensor]] = []  # (ops, CPU random state at its start) of each no_init_parameters
@@ -94,21 +96,21 @@ def no_init_parameters():
     _DEFERRED.append((recorder.ops, state))
 
 
-def deferred_record(model: nn.Module) -> tuple[InitRecord, torch.Tensor] | None:
-    """(record, CPU random state to replay it from) of the ``no_init_parameters`` block that built ``model``."""
+def deferred_record(model: nn.Module) -> InitRecord | None:
+    """The record of the ``no_init_parameters`` block that built ``model``."""
     storages = {_storage(p) for p in model.parameters()}
     for ops, state in reversed(_DEFERRED):
         if any(isinstance(out, torch.Tensor) and _storage(out) in storages for *_, out in ops):
-            return _resolve(model, ops), state
+            return _resolve(model, ops, state)
     return None
 
 
-def _resolve(model: nn.Module, ops: list) -> InitRecord:
+def _resolve(model: nn.Module, ops: list, rng_state: torch.Tensor) -> InitRecord:
     """The steps of ``ops`` (recorded while building ``model`` on the meta device) that set ``model``'s tensors."""
     names = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         names.setdefault(_storage(t), name)
-    record = InitRecord(model)
+    record = InitRecord(model, rng_state)
     for func, args, kwargs, out in ops:
         op = func._schema.name.split("::")[-1]
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
@@ -175,7 +177,7 @@ def materialize(parts: list[nn.Module], record: InitRecord, device: torch.device
                 param_device: torch.device | None = None) -> None:
     """Allocate ``parts`` (built by ``record_init``, parallelized on the meta device) on ``device`` (their
     parameters on ``param_device`` when given: offloaded shards) and give them their values by replaying
-    ``record`` from the current CPU random state (seed it as the plain build was)."""
+    ``record`` from the CPU random state its build started from (the caller's random state is left as it was)."""
     for part in parts:
         ties = _tied_parameters(part)
         hooks = {name: list(p._post_accumulate_grad_hooks.values()) for name, p in part.named_parameters()
@@ -202,16 +204,18 @@ def materialize(parts: list[nn.Module], record: InitRecord, device: torch.device
             needed.add(last[step.name])
         last[step.name] = i
     live: dict[str, torch.Tensor] = {}
-    for i, step in enumerate(record.steps):
-        if step.make:
-            kwargs = {**step.kwargs, "device": torch.device("cpu")}
-            live[step.name] = step.func(*step.args, **kwargs)
-        else:
-            if step.overwrite or step.name not in live:
-                live[step.name] = torch.empty(step.meta.shape, dtype=step.meta.dtype, device="cpu")
-            step.func(live[step.name], *step.args, **step.kwargs)
-        if last[step.name] == i:
-            for target in targets.get(step.name, []):
-                _copy_shard(target, live[step.name])
-        if i not in needed:
-            live.pop(step.name)
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(record.rng_state)
+        for i, step in enumerate(record.steps):
+            if step.make:
+                kwargs = {**step.kwargs, "device": torch.device("cpu")}
+                live[step.name] = step.func(*step.args, **kwargs)
+            else:
+                if step.overwrite or step.name not in live:
+                    live[step.name] = torch.empty(step.meta.shape, dtype=step.meta.dtype, device="cpu")
+                step.func(live[step.name], *step.args, **step.kwargs)
+            if last[step.name] == i:
+                for target in targets.get(step.name, []):
+                    _copy_shard(target, live[step.name])
+            if i not in needed:
+                live.pop(step.name)

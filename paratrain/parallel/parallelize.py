@@ -1,10 +1,10 @@
 """The built-in models' entry point, ``parallelize(model, config, layout)``, and the one function that applies every
 parallel dimension but the pipeline split to a chunk of any model, ``parallelize_chunk``.
 
-Order (as torchtitan): pipeline split -> fp8 Linears (``train.mixed_precision = "fp8"``) -> tensor parallel -> context
-parallel (the attention over a split sequence) -> expert parallel -> recompute -> compile (``train.compile``: each
-layer) -> data parallel / ZeRO (all but the split on each pipeline chunk). Each step is applied only when its
-dimension is used, so one process gets the plain model.
+Order (as torchtitan, but for fp8 Linears, which ``paratrain.parallel.place`` makes before): pipeline split -> tensor
+parallel -> context parallel (the attention over a split sequence) -> expert parallel -> recompute -> compile
+(``train.compile``: each layer) -> data parallel / ZeRO (all but the split on each pipeline chunk). Each step is
+applied only when its dimension is used, so one process gets the plain model.
 """
 from __future__ import annotations
 
@@ -15,45 +15,46 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from paratrain.config import ModelConfig, ParallelConfig, TrainConfig
+from paratrain.config import ModelConfig, ParallelConfig
 from paratrain.mesh import Layout
 from paratrain.modules.transformer import pipeline_blocks
 from paratrain.parallel.context import apply_context_parallel
 from paratrain.parallel.data import apply_data_parallel, fusion_groups
 from paratrain.parallel.expert import apply_expert_parallel
+from paratrain.parallel.model_loss import TokenSumLoss
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.placed import PlacedModel
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import apply_tensor_parallel, has_submodule
-from paratrain.precision import compute_dtype, convert_to_fp8
+from paratrain.precision import compute_dtype
 
 
-def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, model_config: ModelConfig | None = None,
-                train: TrainConfig | None = None, layer_costs: list[int] | None = None,
-                tokens_per_rank: int | None = None) -> PlacedModel:
+def parallelize(model: nn.Module, config: ParallelConfig, layout: Layout, *, precision: str = "none",
+                model_config: ModelConfig | None = None, compile_layers: bool = False,
+                layer_costs: list[int] | None = None, tokens_per_rank: int | None = None) -> PlacedModel:
     """Split a built-in ``model`` (built identically on every rank, or on the meta device) over ``layout``'s mesh;
-    returns it placed (``PlacedModel``): this rank's chunks -- the model itself, sharded in place, when
-    ``pipeline_stage`` is 1 -- and the ``Pipeline`` whose schedule runs a step over them. ``model_config`` gives
-    the loss (``ignore_index``, ``loss_in_head``) and whether there are experts (without it: none). ``train``
-    gives ``compile`` and ``mixed_precision``, resolved for the device, never "auto" (FSDP then gathers parameters
-    in the compute dtype and reduces gradients in fp32; without ``train``: fp32). ``layer_costs``: each layer's
-    work, which the pipeline split balances (``paratrain.parallel.pipeline.layer_chunks``; equal when not given).
-    ``tokens_per_rank``: the tokens of a micro-batch when every data-parallel rank's have the same shape
-    (``paratrain.parallel.vocab``).
+    returns it placed (``PlacedModel``, its loss a ``TokenSumLoss``): this rank's chunks -- the model itself,
+    sharded in place, when ``pipeline_stage`` is 1 -- and the ``Pipeline`` whose schedule runs a step over them.
+    ``precision``: ``train.mixed_precision`` resolved for the device, never "auto" (FSDP then gathers parameters in
+    the compute dtype and reduces gradients in fp32); ``compile_layers``: ``train.compile``. ``model_config``
+    gives the loss (``ignore_index``, ``loss_in_head``) and whether there are experts (without it: none).
+    ``layer_costs``: each layer's work, which the pipeline split balances
+    (``paratrain.parallel.pipeline.layer_chunks``; equal when not given). ``tokens_per_rank``: the tokens of a
+    micro-batch when every data-parallel rank's have the same shape (``paratrain.parallel.vocab``). Through
+    ``paratrain.parallel.place`` the model is made fp8 and materialised too.
     """
-    train = train or TrainConfig(mixed_precision="none")
-    precision = train.mixed_precision
     known = model_config is not None
     split = config.attention_split(model_config.num_heads, model_config.kv_heads) if known else None
     place = functools.partial(parallelize_chunk, config=config, layout=layout, precision=precision,
-                              compile_layers=train.compile, tokens_per_rank=tokens_per_rank, attention_split=split)
+                              compile_layers=compile_layers, tokens_per_rank=tokens_per_rank, attention_split=split)
     pipeline = Pipeline(model, config, layout, place, layer_costs) if config.pipeline_stage > 1 else None
-    return PlacedModel(pipeline.parts if pipeline else [place(model)], config, layout, precision, pipeline=pipeline,
-                       experts=known and model_config.moe_config.expert_num > 1,
-                       ignore_index=model_config.ignore_index if known else -100,
-                       # the head computes the loss a few rows at a time, with no whole logits, unless the logits
-                       # are vocab-sharded (the loss is then loss_parallel's)
-                       loss_in_head=known and config.model_parallel == 1 and model_config.spec.loss_in_head)
+    experts = known and model_config.moe_config.expert_num > 1
+    # the head computes the loss a few rows at a time, with no whole logits, unless the logits are vocab-sharded
+    # (the loss is then loss_parallel's)
+    loss = TokenSumLoss(ignore_index=model_config.ignore_index if known else -100, experts=experts,
+                        loss_in_head=known and config.model_parallel == 1 and model_config.spec.loss_in_head)
+    return PlacedModel(pipeline.parts if pipeline else [place(model)], config, layout, precision, loss=loss,
+                       pipeline=pipeline, experts=experts)
 
 
 def parallelize_chunk(chunk: nn.Module, config: ParallelConfig, layout: Layout, *, root: nn.Module | None = None,
@@ -65,13 +66,11 @@ def parallelize_chunk(chunk: nn.Module, config: ParallelConfig, layout: Layout, 
     what is split (``parallel_plan``: only the splits they want), its layers (``is_transformer_layer``, each with
     its own ``recompute_mode`` or the config's) and its data-parallel buckets (``comm_fusion``); only its
     SyncBatchNorm layers take global statistics (as MindSpore's). Without it the chunk's ``layer_stacks`` give the
-    layers and every BatchNorm2d takes global statistics. ``precision``: fp8 Linears (none more where a user's net
-    was converted before it was placed) and the dtype FSDP gathers parameters in. ``compile_layers``: each layer, or the chunk
+    layers and every BatchNorm2d takes global statistics. ``precision``: the dtype FSDP gathers parameters in
+    (fp8 Linears are made before, by ``paratrain.parallel.place``). ``compile_layers``: each layer, or the chunk
     when it has none, compiled after recompute. ``tokens_per_rank``: as ``parallelize``'s. ``attention_split``: how a
     built-in model's attention runs over a sequence split by ``context_parallel``
     (``ParallelConfig.attention_split``)."""
-    if precision == "fp8":
-        convert_to_fp8(chunk)
     if config.model_parallel > 1:
         apply_tensor_parallel(chunk, config, layout.tp_mesh, declared_by=net)
     if config.context_parallel > 1:

@@ -109,7 +109,7 @@ class _InputsByName(nn.Module):
         self._forward = net.forward
 
     def forward(self, **inputs):
-        # 1-d: (loss sum, token count) or the loss, as PlacedNet.output_loss reads it
+        # 1-d: (loss sum, token count) or the loss, as NetLoss.output_loss reads it
         return self._forward(*(inputs[f"input_{i}"] for i in range(len(inputs)))).reshape(-1)
 
 

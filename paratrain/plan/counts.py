@@ -225,7 +225,7 @@ def _one_forward(model, m: ModelConfig, rows: int, lengths, tp: int, sequence_pa
     model.train()
     with _Recorder(model, [name for name, _, _ in pipeline_blocks(model)] + parts, tp, sequence_parallel) as recorder:
         with autocast(precision, torch.device("cpu")):
-            if tp == 1 and m.spec.loss_in_head:  # as ``paratrain.parallel.placed.PlacedModel`` computes the loss
+            if tp == 1 and m.spec.loss_in_head:  # as ``paratrain.parallel.model_loss.TokenSumLoss`` computes the loss
                 loss = model(**batch, labels=labels)
             else:
                 logits = model(**batch)

@@ -49,7 +49,7 @@ def dry_run_rank(cfg: Config, rank: int, world_size: int) -> dict:
         model = model.to(DTYPES[cfg.model.dtype])
         if cfg.lora.enabled and cfg.lora.base_dtype != "float32":
             hold_base_in(model, DTYPES[cfg.lora.base_dtype])
-        parts = parallelize(model, cfg.parallel, layout, cfg.model, layer_costs=layer_costs(cfg.model),
+        parts = parallelize(model, cfg.parallel, layout, model_config=cfg.model, layer_costs=layer_costs(cfg.model),
                             tokens_per_rank=tokens_per_rank(cfg, layout.dp_size)).parts
         params = list({id(p): p for part in parts for p in part.parameters()}.values())
         trained = [p for p in params if p.requires_grad]

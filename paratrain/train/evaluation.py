@@ -13,7 +13,7 @@ from paratrain.errors import UserError
 from paratrain.precision import autocast
 from paratrain.train.batches import as_batch, dataset_shards
 from paratrain.train.callbacks import RunContext
-from paratrain.train.metrics import check_reducible, eval_rows, evaluating, global_loss, reduce_metrics, update_metrics
+from paratrain.train.metrics import check_reducible, evaluating, global_loss, reduce_metrics, update_metrics
 
 
 def eval_shards(config: ParallelConfig, world_size: int, valid_dataset: Iterable) -> int:
@@ -74,7 +74,7 @@ class Evaluation:
     def outputs(self, batch: tuple, first: bool) -> list:
         """The eval network's outputs of this rank's rows of ``batch`` as whole tensors, the loss the global
         batch's (the same on every rank); ``first``: the first batch, whose ranks the metrics are checked for."""
-        inputs, self.group = eval_rows(self.placed, batch, self.rows_of_this_rank)
+        inputs, self.group = self.placed.loss.eval_rows(self.placed, batch, self.rows_of_this_rank)
         if first:
             check_reducible(self.metrics, self.group)
         with autocast(self.precision, self.placed.device):  # as the net trains: amp_level
@@ -83,7 +83,6 @@ class Evaluation:
                    for o in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))]
         if self.loss_at is not None:
             rows = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.ndim), 1)
-            outputs[self.loss_at] = global_loss(outputs[self.loss_at], rows, getattr(self.placed, "summed", False),
-                                                self.group, self.placed.device,
-                                                getattr(self.placed, "count_epsilon", None))
+            outputs[self.loss_at] = global_loss(outputs[self.loss_at], rows, self.placed.loss.summed, self.group,
+                                                self.placed.device, self.placed.loss.count_epsilon)
         return outputs

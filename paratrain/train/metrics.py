@@ -47,26 +47,6 @@ def update_metrics(metrics: dict[str, Metric], outputs: list, indexes: list[int]
             metric.update(outputs[indexes[1]], outputs[indexes[2]])
 
 
-def eval_rows(placed, batch: tuple, sharded: bool) -> tuple[tuple, dist.ProcessGroup | None]:
-    """The inputs this rank runs ``placed`` (a ``PlacedNet``, ``OpPlacedNet`` or ``HybridNet``) on for ``batch``,
-    on its device, and the group of ranks whose rows add up to the global batch (None: this rank saw all of
-    it). ``sharded``: the batch is this rank's rows already (a dataset split per rank)."""
-    from paratrain.train.parallel_modes.hybrid import HybridNet
-    from paratrain.train.parallel_modes.semi_auto import OpPlacedNet
-
-    if isinstance(placed, OpPlacedNet):  # DTensor inputs: the outputs are the global batch's
-        return tuple(placed.as_input(t, sharded) for t in batch), None
-    batch = tuple(t.to(placed.device) if isinstance(t, torch.Tensor) else t for t in batch)
-    if isinstance(placed, HybridNet):  # the whole net on every rank
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        return batch, dist.group.WORLD if sharded and world > 1 else None
-    layout = placed.layout
-    if not sharded and layout.dp_size > 1:
-        batch = tuple(t.tensor_split(layout.dp_size)[layout.dp_rank] if isinstance(t, torch.Tensor) else t
-                      for t in batch)
-    return batch, layout.dp_group
-
-
 @contextmanager
 def evaluating(root: nn.Module, forward, modules: list[nn.Module | None]):
     """Within: no gradients, every module of ``modules`` in eval mode, and ``root`` (the placed net's module)

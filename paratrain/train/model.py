@@ -31,7 +31,7 @@ from paratrain.train.batches import (BatchCheck, as_batch, batch_position, datas
 from paratrain.train.callbacks import Callback, CallbackParams, ModelCheckpoint, RunContext, SummaryCollector
 from paratrain.train.evaluation import Evaluation, eval_shards
 from paratrain.train.metrics import get_metrics
-from paratrain.train.placement import group_names, parallel_configs, place, rebuild_optimizer
+from paratrain.train.placement import group_names, parallel_configs, place_by_mode, rebuild_optimizer
 
 
 class WithLoss(nn.Module):
@@ -267,7 +267,7 @@ class Model:
                 self._batch_check(first, config, "batch index 0 of epoch 1", params.rows_of_this_rank)
                 summaries = any(isinstance(c, SummaryCollector) for c in _Callbacks(callbacks).callbacks)
                 self._place(first, config, layout, params, count_flops=summaries)
-            self.train_network.rows_of_this_rank = params.rows_of_this_rank
+            self.train_network.loss.rows_of_this_rank = params.rows_of_this_rank
             done = self._resume(resume, callbacks, dataset_sink_mode, params, trust_unverified)
             training = _Training(self, _Callbacks(callbacks), RunContext(params), dataset_sink_mode)
             self._engine = self._make_engine(layout, training.hooks)
@@ -311,7 +311,7 @@ class Model:
         if problem:
             raise UserError(f"Model.train: {problem}")
         names = group_names(self.optimizer, net) if self.optimizer is not None else None  # none: only eval
-        self.train_network = place(net, config, layout, batch, self.precision)
+        self.train_network = place_by_mode(net, config, layout, batch, self.precision)
         if isinstance(self.network, PipelineCell):
             self.network.placed = self.train_network
         if self.optimizer is not None:

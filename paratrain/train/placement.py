@@ -1,5 +1,5 @@
 """The placement of a user's net on the job's layout from its first batch, as the context's parallel mode says
-(``place``), and the optimizer built on the unsharded net rebuilt on this rank's parameters
+(``place_by_mode``), and the optimizer built on the unsharded net rebuilt on this rank's parameters
 (``group_names``, ``rebuild_optimizer``)."""
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from paratrain.errors import UserError
 from paratrain.mesh import Layout
 from paratrain.nn.parameter import Parameter
 from paratrain.optim import tensor_kind
-from paratrain.parallel.deferred_init import deferred_record, materialize
+from paratrain.parallel import place
+from paratrain.parallel.deferred_init import deferred_record
 from paratrain.parallel.user import place_net
-from paratrain.precision import convert_to_fp8
 
 
 def parallel_configs(network: nn.Module) -> list[ParallelConfig]:
@@ -93,14 +93,12 @@ def fused_where_equal(optimizer: torch.optim.Optimizer, options: dict, groups: l
     return {"fused": True} if plain_cuda else {}
 
 
-def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, precision: str = "none"):
-    """``net`` placed as the context's ``parallel_mode`` says: whole on every rank with its own collectives
-    (hybrid), op by op on its strategies (semi-auto or auto parallel with ``paratrain.ops``), else by
-    ``place_net`` (the blocks' plans, pipeline, data parallel). A net built under ``no_init_parameters`` is placed
-    on the meta device and only this rank's shards are made (``place_net``; the others materialise it whole
-    first). With ``precision`` "fp8" its Linear layers are made fp8 ones first (``convert_to_fp8``)."""
-    if precision == "fp8":
-        convert_to_fp8(net)
+def place_by_mode(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, precision: str = "none"):
+    """``net`` placed (``paratrain.parallel.place``) as the context's ``parallel_mode`` says: whole on every rank
+    with its own collectives (hybrid), op by op on its strategies (semi-auto or auto parallel with
+    ``paratrain.ops``), else by ``place_net`` (the blocks' plans, pipeline, data parallel). A net built under
+    ``no_init_parameters`` is placed on the meta device and only this rank's shards are made (``place_net``; the
+    others materialise it whole first). With ``precision`` "fp8" its Linear layers are made fp8 ones first."""
     on_meta = any(p.is_meta for p in net.parameters())
     deferred = deferred_record(net) if on_meta else None
     if on_meta and deferred is None:
@@ -117,11 +115,11 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
     if get_auto_parallel_context("parameter_broadcast") and layout.world_size > 1 and not on_meta:
         # (a deferred build is replayed from one random state on every rank: nothing to broadcast)
         broadcast_parameters(net.to(layout.device))  # on its device first: NCCL broadcasts only GPU tensors
+    common = {"precision": precision, "init": deferred}
     if mode == ParallelMode.HYBRID_PARALLEL:
-        from paratrain.train.parallel_modes.hybrid import HybridNet
+        from paratrain.train.parallel_modes.hybrid import place_hybrid
 
-        _materialize([net], deferred, layout.device)
-        return HybridNet(net, config, layout, precision)
+        return place(net, config, layout, place_hybrid, values_first=True, **common)
     if mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and layout.world_size > 1 and of_ops:
         from paratrain.train.parallel_modes.semi_auto import place_semi_auto
 
@@ -130,14 +128,12 @@ def place(net: nn.Module, config: ParallelConfig, layout: Layout, batch: tuple, 
             from paratrain.train.parallel_modes.auto import StrategyChooser
 
             choose = StrategyChooser.from_context(layout.world_size)
-        _materialize([net], deferred, layout.device)
-        return place_semi_auto(net, batch, layout.device, layout.world_size, config, choose, precision)
+        return place(net, config, layout, place_semi_auto, values_first=True, example_batch=batch, choose=choose,
+                     **common)
     # MindSpore's data parallel without gradients_mean sums the replicas' gradients
     summed = mode == ParallelMode.DATA_PARALLEL and not get_auto_parallel_context("gradients_mean")
-    placed = place_net(net, config, layout, batch, precision, compile_layers=graph_mode,
-                       grad_factor=config.data_parallel if summed else 1.0)
-    _materialize(placed.parts, deferred, layout.device)
-    return placed
+    return place(net, config, layout, place_net, example_batch=batch, compile_layers=graph_mode,
+                 grad_factor=config.data_parallel if summed else 1.0, **common)
 
 
 def op_by_op(net: nn.Module, config: ParallelConfig) -> bool:
@@ -162,17 +158,6 @@ def op_by_op(net: nn.Module, config: ParallelConfig) -> bool:
                         f"blocks' placement runs ops data parallel: split only dimension 0 by data_parallel, "
                         f"e.g. ((dp, 1, 1),), or use the ops without the blocks")
     return True
-
-
-def _materialize(parts: list[nn.Module], deferred: tuple | None, device: torch.device) -> None:
-    """Make the meta ``parts`` on ``device`` with the values the recorded build (``deferred``; None: not deferred,
-    nothing to make) draws from its random state."""
-    if deferred is None:
-        return
-    record, state = deferred
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(state)
-        materialize(parts, record, device)
 
 
 @torch.no_grad()

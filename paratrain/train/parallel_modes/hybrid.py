@@ -13,32 +13,36 @@ from torch import nn
 
 from paratrain.config import ParallelConfig
 from paratrain.mesh import Layout
+from paratrain.modules.moe import MoE
 from paratrain.parallel.data import coalesced
-from paratrain.parallel.user import PlacedNet
+from paratrain.parallel.model_loss import NetLoss
+from paratrain.parallel.placed import PlacedModel
 from paratrain.train.parallel_modes import refuse_options
 
 
-class HybridNet(PlacedNet):
-    """A net under ``hybrid_parallel`` (``PlacedNet``): every rank runs it whole on the global batch (or its rows
-    of a dataset sharded per rank) in micro-batches, then averages over the ranks (``layout``'s data-parallel ones,
-    every rank) the gradients of the parameters that are not ``layerwise_parallel``. ``parts`` is ``[net]``."""
+def place_hybrid(net: nn.Module, config: ParallelConfig, layout: Layout, precision: str = "none") -> PlacedModel:
+    """``net`` under ``hybrid_parallel``: every rank runs it whole on the global batch (or its rows of a dataset
+    sharded per rank) in micro-batches, its loss what it returns (``NetLoss``), then averages over the ranks
+    (``layout``'s data-parallel ones, every rank) the gradients of the parameters that are not
+    ``layerwise_parallel`` (``average_shared_gradients``). ``parts`` is ``[net]``."""
+    problems = []
+    if config.model_parallel > 1 or config.pipeline_stage > 1:
+        problems.append(f"model_parallel={config.model_parallel} x pipeline_stage={config.pipeline_stage}: the "
+                        f"net runs whole on every rank and splits itself (its collectives, layerwise_parallel "
+                        f"parameters)")
+    if config.effective_zero_stage > 0:
+        problems.append(f"the parallel optimizer (zero_stage={config.effective_zero_stage}, "
+                        f"enable_parallel_optimizer): each rank's layerwise_parallel parameters are its own")
+    refuse_options(config, net, "hybrid_parallel", problems)
+    experts = any(isinstance(m, MoE) for m in net.modules())
+    return PlacedModel([net.to(layout.device)], config, layout, precision, loss=NetLoss(net, config, experts=experts),
+                       experts=experts, finish_gradients=average_shared_gradients)
 
-    def __init__(self, net: nn.Module, config: ParallelConfig, layout: Layout, precision: str = "none"):
-        problems = []
-        if config.model_parallel > 1 or config.pipeline_stage > 1:
-            problems.append(f"model_parallel={config.model_parallel} x pipeline_stage={config.pipeline_stage}: the "
-                            f"net runs whole on every rank and splits itself (its collectives, layerwise_parallel "
-                            f"parameters)")
-        if config.effective_zero_stage > 0:
-            problems.append(f"the parallel optimizer (zero_stage={config.effective_zero_stage}, "
-                            f"enable_parallel_optimizer): each rank's layerwise_parallel parameters are its own")
-        refuse_options(config, net, "hybrid_parallel", problems)
-        super().__init__(net.to(layout.device), config, layout, precision)
 
-    def reduce_gradients(self) -> None:
-        """The gradients that are not ``layerwise_parallel`` averaged over the ranks."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None and not getattr(p, "layerwise_parallel", 0)]
-        group = self.layout.dp_group
-        if group is not None and grads:
-            coalesced(grads, lambda flat: dist.all_reduce(flat, group=group, async_op=True))
-            torch._foreach_div_(grads, self.layout.dp_size)
+def average_shared_gradients(placed: PlacedModel) -> None:
+    """The gradients that are not ``layerwise_parallel`` averaged over the data-parallel ranks."""
+    grads = [p.grad for p in placed.parameters() if p.grad is not None and not getattr(p, "layerwise_parallel", 0)]
+    group = placed.layout.dp_group
+    if group is not None and grads:
+        coalesced(grads, lambda flat: dist.all_reduce(flat, group=group, async_op=True))
+        torch._foreach_div_(grads, placed.layout.dp_size)

@@ -13,10 +13,11 @@ tensors, no gradient) to record, in call order, each op's input shapes and the p
   optimizer: each op that reads it gathers it back (DTensor redistribute), and the gradient
   arrives reduce-scattered, so optimizer state and parameters are held once per slice.
 
-The batches enter as DTensors and the optimizer runs on the DTensor parameters (``OpPlacedNet``).
+The batches enter as DTensors and the optimizer runs on the DTensor parameters (``place_semi_auto``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -29,11 +30,13 @@ from paratrain.config import ParallelConfig
 from paratrain.device import to_device
 from paratrain.errors import UserError
 from paratrain.mesh import Layout
+from paratrain.modules.moe import MoE
 from paratrain.ops.primitive import Primitive
 from paratrain.ops.strategy import StrategyError, StrategyMesh, mesh_factors
 from paratrain.ops.strategy import placements as placements_on
 from paratrain.parallel.micro_batches import has_rows
-from paratrain.parallel.user import PlacedNet
+from paratrain.parallel.model_loss import NetLoss
+from paratrain.parallel.placed import PlacedModel
 from paratrain.train.parallel_modes import refuse_options
 
 # a tensor split along one dimension over several mesh dims is reduced one mesh dim at a time; DTensor
@@ -145,44 +148,37 @@ def optimizer_shard(placements: list, shape: tuple[int, ...], mesh: StrategyMesh
     return placements
 
 
-class OpPlacedNet(PlacedNet):
-    """A net of ``paratrain.ops`` on its strategies (``PlacedNet``): each micro-batch's tensors enter as DTensors
-    (``as_input``) and DTensor computes the loss of the whole micro-batch, so every rank holds one device's loss and
-    each parameter its one-device gradient of it (times ``loss_scale``) in its placement. Its batch is the whole
-    global batch, or with ``rows_of_this_rank`` this rank's rows of it (ranks in order). ``parts`` is ``[net]``."""
-
-    def __init__(self, net: nn.Module, mesh: StrategyMesh, device: torch.device, config: ParallelConfig,
-                 precision: str = "none"):
-        super().__init__(net, config, Layout(ParallelConfig()), precision)  # one device's loss: no replica to add
-        self.net, self.mesh, self.device = net, mesh, device
-
-    def as_input(self, value, rows_of_this_rank: bool):
-        """A batch tensor as the DTensor the ops take: replicated, or with ``rows_of_this_rank`` split by rows."""
-        if not isinstance(value, torch.Tensor):
-            return value
-        value = to_device(value, self.device)
-        placements = self.mesh.batch() if rows_of_this_rank and value.ndim else self.mesh.replicate()
-        return DTensor.from_local(value, self.mesh.mesh, placements, run_check=False)
-
-    def run_net(self, *inputs):
-        output = self.net(*(self.as_input(t, self.rows_of_this_rank) for t in inputs))
-        return output.full_tensor() if isinstance(output, DTensor) else output
-
-    def reduce_gradients(self) -> None:
-        """Each gradient in its parameter's placement."""
-        for param in self.parameters():
-            grad = param.grad
-            if isinstance(grad, DTensor) and grad.placements != param.placements:
-                param.grad = grad.redistribute(param.device_mesh, param.placements)
+def as_input(mesh: StrategyMesh, device: torch.device, value, rows_of_this_rank: bool):
+    """A batch tensor as the DTensor the ops take: replicated, or with ``rows_of_this_rank`` split by rows."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = to_device(value, device)
+    placements = mesh.batch() if rows_of_this_rank and value.ndim else mesh.replicate()
+    return DTensor.from_local(value, mesh.mesh, placements, run_check=False)
 
 
-def place_semi_auto(net: nn.Module, example_batch: tuple, device: torch.device, device_num: int,
-                    config: ParallelConfig | None = None, choose=None, precision: str = "none") -> OpPlacedNet:
-    """Place ``net`` (built identically on every rank) on its op strategies over ``device_num`` devices, in
-    ``config``'s micro-batches, with MindSpore's parallel optimizer at any ZeRO stage. ``choose(calls)``, when
-    given (auto parallel), sets strategies on the ops before they are checked."""
-    config = config or ParallelConfig()
+def gradients_in_placements(placed: PlacedModel) -> None:
+    """Each gradient in its parameter's placement."""
+    for param in placed.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def place_semi_auto(net: nn.Module, config: ParallelConfig, layout: Layout, *, example_batch: tuple,
+                    precision: str = "none", choose=None) -> PlacedModel:
+    """Place ``net`` (built identically on every rank) on its op strategies over the ``layout``'s devices, in
+    ``config``'s micro-batches, with MindSpore's parallel optimizer at any ZeRO stage; ``example_batch`` is one
+    global batch. ``choose(calls)``, when given (auto parallel), sets strategies on the ops before they are
+    checked.
+
+    Each micro-batch's tensors enter as DTensors (``as_input``) and DTensor computes the loss of the whole
+    micro-batch, so every rank holds one device's loss and each parameter its one-device gradient of it (times
+    ``loss_scale``) in its placement: the placed model's layout is one device's (no replica to add). Its batch is
+    the whole global batch, or with ``rows_of_this_rank`` this rank's rows of it (ranks in order). ``parts`` is
+    ``[net]``."""
     refuse_options(config, net, "semi_auto_parallel (and auto_parallel) of paratrain.ops")
+    device, device_num = layout.device, layout.world_size
     net.to(device)
     # recorded on a micro-batch: what each op runs on
     example = tuple(t[:len(t) // config.micro_batch_num] if has_rows(t) else t for t in example_batch)
@@ -208,4 +204,6 @@ def place_semi_auto(net: nn.Module, example_batch: tuple, device: torch.device, 
                 module._parameters[key] = placed[id(param)]
         if isinstance(module, Primitive):
             module.mesh = mesh
-    return OpPlacedNet(net, mesh, device, config, precision)
+    return PlacedModel([net], config, Layout(ParallelConfig()), precision, finish_gradients=gradients_in_placements,
+                       loss=NetLoss(net, config, as_input=functools.partial(as_input, mesh, device)),
+                       experts=any(isinstance(m, MoE) for m in net.modules()))
