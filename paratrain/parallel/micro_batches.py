@@ -1,9 +1,10 @@
-"""A rank's share of a global batch in micro-batches, and the one normalisation of a step's loss.
+"""A rank's share of a global batch in micro-batches, and the normalisation of a step's loss.
 
 :func:`forward_backward` runs forward and backward of each micro-batch (or a pipeline schedule's step), with the
-gradients accumulated and, below ZeRO 3, reduced once; :class:`StepLoss` makes the loss and gradients those of one
-device whatever the split. Every placed model uses them (``paratrain.parallel.placed``); ``paratrain.engine``
-does the rest of the step.
+gradients accumulated and, below ZeRO 3, reduced once; :class:`StepLoss` (losses that come whole from each
+micro-batch) or :class:`TokenMeanStep` (token means given to the step in the forward) makes the loss and gradients
+those of one device whatever the split. Every placed model uses them (``paratrain.parallel.placed``);
+``paratrain.engine`` does the rest of the step.
 """
 from __future__ import annotations
 
@@ -20,28 +21,17 @@ from paratrain.precision import autocast
 
 
 class StepLoss:
-    """The one normalisation of a step's loss, for every net and layout: the global batch's summed token loss over
-    its token count (the built-in models, a user's loss that returns its sum and count), else the mean of a plain
-    scalar loss over the micro-batches and the data-parallel replicas. Whatever the split, the loss and the
-    gradients are one device's.
+    """The normalisation of a step's loss when each micro-batch's loss comes whole: the global batch's summed token
+    loss over its token count, or the mean of a plain scalar loss over the micro-batches and the data-parallel
+    replicas. Whatever the split, the loss and the gradients are one device's.
 
-    ``token_sum``, ``mean`` and ``with_token_means`` give what backward runs on for one micro-batch (times the loss
-    scale) and keep its value; ``result`` adds them up over the ranks. A token count known before the forward
-    (``tokens``: computed from the labels) divides each micro-batch's loss; counts that come out of the forward
-    (``counted``) are added up after, and divide the gradients in the optimizer's step (``grad_scale``,
-    ``LossScaler.divisor``): no pass of its own over them.
-
-    A net's output may also hold token means (``token_mean``, made by its token losses in the forward:
-    ``paratrain.modules.token_loss``) plus other terms, such as a mixture of experts' load-balancing loss, which
-    are one process's when averaged over the micro-batches and replicas (``with_token_means``). Such a term's
-    gradient must not be divided by the token count, so the count divides the token means' gradients in their
-    backward: with one micro-batch it is added up over the ranks before the backward; with several it comes from
-    forwards without gradients first (``count_first``: a net with a mixture of experts), else the output must be a
-    token mean alone, whose gradients the optimizer's step divides (``grad_scale``).
-
-    ``count_epsilon``: what the net's token loss adds to the token count it divides by (paratrain.nn's
-    CrossEntropyLoss: MindSpore's ``Σmask + 1e-5``), added to the global batch's count; None: the count, at least
-    1e-5 (a batch of no counted token has a loss of 0)."""
+    ``token_sum`` and ``mean`` give what backward runs on for one micro-batch (times the loss scale) and keep its
+    value; ``result`` adds them up over the ranks. A token count known before the forward (``tokens``: a built-in
+    model's, from the labels) divides each micro-batch's loss; counts that come with the sums (``counted``: the
+    (sum, count) pairs of a user's net's pipeline stages) are added up after, and divide the gradients in the
+    optimizer's step (``grad_scale``, ``LossScaler.divisor``): no pass of its own over them. ``count_epsilon``:
+    what the net's token loss adds to the count it divides by (``paratrain.modules.token_loss.token_denominator``).
+    A forward whose token losses give their means to the step is ``TokenMeanStep``'s."""
 
     def __init__(self, layout: Layout, micro_batch_num: int, loss_scale: torch.Tensor | float,
                  tokens: torch.Tensor | None = None, counted: bool = False, count_epsilon: float | None = None):
@@ -53,13 +43,6 @@ class StepLoss:
         # (value, token count or None) of each micro-batch's loss; a pipeline schedule may call its loss function
         # before the micro-batches too (torch 2.13 infers the backward's shapes so): only the last ones count
         self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        # with_token_means: the token means of the forward under way (mean, sum, count, weight), then per
-        # micro-batch (output value, [(mean, sum, count, weight)]); factor: what their backward multiplies the
-        # gradient by; count: the global batch's token count once added up over the ranks
-        self.pending: list[tuple] = []
-        self.means: list[tuple[torch.Tensor, list]] = []
-        self.factor: torch.Tensor | float = layout.dp_cp_size * micro_batch_num
-        self.count: torch.Tensor | None = None
 
     def token_sum(self, loss_sum: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         """A micro-batch's summed token loss (and its token count when ``counted``), times the data x context
@@ -79,6 +62,58 @@ class StepLoss:
     def mean(self, loss: torch.Tensor) -> torch.Tensor:
         """A micro-batch's plain scalar loss: its share of the mean over the micro-batches."""
         return self._kept(loss * self.mean_factor)
+
+    def _kept(self, loss: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
+        self.kept.append((whole(loss.detach()), None if count is None else whole(count.detach())))
+        return loss
+
+    def result(self) -> dict:
+        """{"loss": the global batch's loss, the same on every rank} and, when ``counted``, ``grad_scale``; with
+        ``tokens``, those too."""
+        layout, kept = self.layout, self.kept[-self.micro_batch_num:]  # only the last pipeline stage has any
+        values = [value for value, _ in kept]
+        total = values[0] if len(values) == 1 else _sum(values, layout)  # divided next: reduced in a tensor of its own
+        loss = layout.all_reduce_dp_cp(total / (layout.dp_cp_size * self.loss_scale))
+        out = {}
+        if self.counted:
+            count = layout.all_reduce_pp(layout.all_reduce_dp_cp(_sum([c for _, c in kept], layout)))
+            count = token_denominator(count, self.count_epsilon)
+            loss, out["grad_scale"] = loss / count, count.reciprocal()
+        out["loss"] = layout.all_reduce_pp(loss)  # only the last stage has it
+        return out | ({"tokens": self.tokens} if self.tokens is not None else {})
+
+
+class TokenMeanStep:
+    """The normalisation of a step whose forwards' token losses give it their sums and counts
+    (``paratrain.modules.token_loss.TokenMeansTo``): each returns, to the net, its micro-batch's token mean
+    (``token_mean``, the value one process computes), and the net's output may add other terms to the means, such
+    as a mixture of experts' load-balancing loss, which are one process's when averaged over the micro-batches and
+    replicas (``with_token_means``: what backward runs on; ``result``: the loss over the ranks). Whatever the split,
+    the loss and the gradients are one device's.
+
+    Such a term's gradient must not be divided by the token count, so the count divides the token means'
+    gradients in their backward: with one micro-batch it is added up over the ranks before the backward; with
+    several it comes from forwards without gradients first (``count_first``: a net with a mixture of experts),
+    else the output must be a token mean alone, whose gradients the optimizer's step divides (``grad_scale``).
+    ``count_epsilon``: what the token losses add to the count they divide by
+    (``paratrain.modules.token_loss.token_denominator``)."""
+
+    def __init__(self, layout: Layout, micro_batch_num: int, loss_scale: torch.Tensor | float,
+                 count_epsilon: float | None = None):
+        self.layout, self.micro_batch_num, self.loss_scale = layout, micro_batch_num, loss_scale
+        self.count_epsilon = count_epsilon
+        # the token means of the forward under way (mean, sum, count, weight), then per micro-batch (output value,
+        # [(mean, sum, count, weight)]); factor: what their backward multiplies the gradient by; count: the global
+        # batch's token count once added up over the ranks
+        self.pending: list[tuple] = []
+        self.means: list[tuple[torch.Tensor, list]] = []
+        self.factor: torch.Tensor | float = layout.dp_cp_size * micro_batch_num
+        self.count: torch.Tensor | None = None
+
+    @property
+    def mean_factor(self) -> torch.Tensor | float:
+        """What a micro-batch's output is multiplied by: the loss scale over the micro-batches."""
+        return self.loss_scale / self.micro_batch_num
 
     def token_mean(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """A token loss of the micro-batch under way: its mean over its ``count`` tokens (the value one process
@@ -114,46 +149,26 @@ class StepLoss:
     def _count(self, terms: list[tuple]) -> None:
         """The global batch's token count from this rank's ``terms``, added up over the data- and context-parallel
         ranks."""
-        self.count = self.denominator(self.layout.all_reduce_dp_cp(self._sum([count for _, _, count, _ in terms])))
+        self.count = self.denominator(self.layout.all_reduce_dp_cp(_sum([count for _, _, count, _ in terms],
+                                                                        self.layout)))
         self.factor = self.layout.dp_cp_size * self.micro_batch_num / self.count
 
     def denominator(self, count: torch.Tensor) -> torch.Tensor:
         """What a token loss's sum over ``count`` tokens is divided by (``count_epsilon`` says)."""
         return token_denominator(count, self.count_epsilon)
 
-    def _kept(self, loss: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
-        self.kept.append((whole(loss.detach()), None if count is None else whole(count.detach())))
-        return loss
-
-    def _sum(self, values: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack(values).sum() if values else torch.zeros((), device=self.layout.device)
-
     def result(self) -> dict:
-        """{"loss": the global batch's loss, the same on every rank} and, when ``counted``, ``grad_scale``."""
-        if self.means:
-            return self._means_result()
-        layout, kept = self.layout, self.kept[-self.micro_batch_num:]  # only the last pipeline stage has any
-        values = [value for value, _ in kept]
-        total = values[0] if len(values) == 1 else self._sum(values)  # divided next: reduced in a tensor of its own
-        loss = layout.all_reduce_dp_cp(total / (layout.dp_cp_size * self.loss_scale))
-        out = {}
-        if self.counted:
-            count = self.denominator(layout.all_reduce_pp(layout.all_reduce_dp_cp(self._sum([c for _, c in kept]))))
-            loss, out["grad_scale"] = loss / count, count.reciprocal()
-        out["loss"] = layout.all_reduce_pp(loss)  # only the last stage has it
-        return out
-
-    def _means_result(self) -> dict:
-        """``result`` of outputs holding token means: each token mean's share of the output (``weight``: its
-        gradient in backward, over ``mean_factor``) as the global batch's token mean, the rest averaged."""
+        """{"loss": the global batch's loss, the same on every rank}: each token mean's share of the output
+        (``weight``: its gradient in backward, over ``mean_factor``) as the global batch's token mean, the rest
+        averaged; and ``grad_scale`` when the count was not known before the backward."""
         token_sum, rest = [], []
         for output, terms in self.means:
             shares = [weight / self.mean_factor for *_, weight in terms]
             token_sum += [share * total for share, (_, total, _, _) in zip(shares, terms)]
-            rest.append(output - self._sum([share * mean for share, (mean, *_) in zip(shares, terms)]))
-        local = [self._sum(token_sum), self._sum(rest)]
+            rest.append(output - _sum([share * mean for share, (mean, *_) in zip(shares, terms)], self.layout))
+        local = [_sum(token_sum, self.layout), _sum(rest, self.layout)]
         if self.count is None:
-            local.append(self._sum([count for _, terms in self.means for _, _, count, _ in terms]))
+            local.append(_sum([count for _, terms in self.means for _, _, count, _ in terms], self.layout))
         summed = self.layout.all_reduce_dp_cp(torch.stack(local))
         count = self.count if self.count is not None else self.denominator(summed[2])
         out = {"loss": summed[0] / count + summed[1] / (self.layout.dp_cp_size * self.micro_batch_num)}
@@ -162,12 +177,18 @@ class StepLoss:
         return out
 
 
+def _sum(values: list[torch.Tensor], layout: Layout) -> torch.Tensor:
+    """The sum of 0-dim ``values``, 0 on the layout's device when there are none."""
+    return torch.stack(values).sum() if values else torch.zeros((), device=layout.device)
+
+
 class _TokenMean(torch.autograd.Function):
     """``total / count``, whose backward gives ``total`` the incoming gradient times ``step.factor`` (the step's
     normalisation) and notes that gradient in ``weight``: how much of the net's output this mean is."""
 
     @staticmethod
-    def forward(ctx, total: torch.Tensor, count: torch.Tensor, step: StepLoss, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, total: torch.Tensor, count: torch.Tensor, step: TokenMeanStep,
+                weight: torch.Tensor) -> torch.Tensor:
         ctx.step, ctx.weight = step, weight
         return total / step.denominator(count)
 

@@ -28,7 +28,7 @@ from paratrain.modules.moe import AuxLossInBackward, moe_totals
 from paratrain.modules.token_loss import TokenMeansTo
 from paratrain.parallel.context import split_sequence
 from paratrain.parallel.loss import loss_context, whole
-from paratrain.parallel.micro_batches import StepLoss, forward_only, has_rows, split
+from paratrain.parallel.micro_batches import StepLoss, TokenMeanStep, forward_only, has_rows, split
 from paratrain.parallel.traced_pipeline import by_name
 from paratrain.precision import autocast
 
@@ -128,12 +128,12 @@ class NetLoss:
         # what the token losses add to the count they divide by (paratrain.nn's CrossEntropyLoss: 1e-5)
         self.count_epsilon = self.token_means.count_epsilon
         # a mixture of experts' aux loss, which the net adds to its token losses' means: with several
-        # micro-batches the step counts their tokens first (StepLoss.count_first)
+        # micro-batches the step counts their tokens first (TokenMeanStep.count_first)
         self.counts_first = self.summed and config.micro_batch_num > 1 and experts
         self.replicas, self.as_input = replicas, as_input
         self.rows_of_this_rank = False  # set by the face for each dataset
         self.is_last = True
-        self._norm: StepLoss | None = None  # this step's
+        self._norm: StepLoss | TokenMeanStep | None = None  # this step's
 
     def attach(self, placed: PlacedModel) -> None:
         """Nothing to hook on the placed parts: the token losses were hooked on the whole net."""
@@ -167,16 +167,23 @@ class NetLoss:
                           for t in batch)
         return batch, layout.dp_group if sharded or self.replicas > 1 else None
 
-    def step_loss(self, placed: PlacedModel, batch: tuple, loss_scale: torch.Tensor | float) -> StepLoss:
-        self._norm = StepLoss(placed.layout, placed.config.micro_batch_num, loss_scale, counted=self.summed,
-                              count_epsilon=self.count_epsilon)
+    def step_loss(self, placed: PlacedModel, batch: tuple,
+                  loss_scale: torch.Tensor | float) -> StepLoss | TokenMeanStep:
+        """The step's normalisation: the token losses' means given to it in an eager forward (``TokenMeanStep``), or
+        the (sum, count) pairs of the pipeline stages, or a plain scalar loss (``StepLoss``)."""
+        layout, micro_batch_num = placed.layout, placed.config.micro_batch_num
+        if self.summed and placed.pipeline is None:
+            self._norm = TokenMeanStep(layout, micro_batch_num, loss_scale, self.count_epsilon)
+        else:
+            self._norm = StepLoss(layout, micro_batch_num, loss_scale, counted=self.summed,
+                                  count_epsilon=self.count_epsilon)
         return self._norm
 
     @contextlib.contextmanager
-    def losses_to(self, placed: PlacedModel, norm: StepLoss, batch: tuple):
+    def losses_to(self, placed: PlacedModel, norm: StepLoss | TokenMeanStep, batch: tuple):
         """The token losses' means go to ``norm`` (``paratrain.modules.token_loss``; a pipeline's stages send on
         their (sum, count) instead), counted first when the net adds other terms to them."""
-        with self.token_means.to(norm if self.summed and placed.pipeline is None else None):
+        with self.token_means.to(norm if isinstance(norm, TokenMeanStep) else None):
             if self.counts_first and placed.pipeline is None:
                 norm.count_first(lambda: forward_only(batch, placed.config, placed.precision, placed.device,
                                                       functools.partial(self.run, placed), placed.phase))
@@ -190,20 +197,23 @@ class NetLoss:
         output = placed.model(*(self.as_input(t, self.rows_of_this_rank) for t in inputs))
         return output.full_tensor() if isinstance(output, DTensor) else output
 
-    def micro_loss(self, placed: PlacedModel, micro: tuple, norm: StepLoss) -> torch.Tensor:
+    def micro_loss(self, placed: PlacedModel, micro: tuple, norm: StepLoss | TokenMeanStep) -> torch.Tensor:
         return self.output_loss(self.run(placed, *micro), pairs=False)
 
     def output_loss(self, output: torch.Tensor, target=None, pairs: bool = True) -> torch.Tensor:
-        """What backward runs on for one micro-batch (``StepLoss``): its loss sum and token count (``pairs``: a
-        pipeline stage's output; else its token losses' means plus any other terms), or its plain loss
-        (``target``: a pipeline schedule's, unused). A loss of another shape (per row, per token) is refused."""
-        pair = self.summed and (pairs or not self._norm.pending)
+        """What backward runs on for one micro-batch: its loss sum and token count (``pairs``: a pipeline stage's
+        output), its token losses' means plus any other terms (``TokenMeanStep``), or its plain loss (``target``: a
+        pipeline schedule's, unused). A loss of another shape (per row, per token) is refused."""
+        pair = self.summed and pairs
         if not isinstance(output, torch.Tensor) or output.numel() != (2 if pair else 1):
             what = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
                     else f"a {type(output).__name__}")
             raise UserError(f"the net returned {what}, not a loss: reduce it to "
                             f"{'a (sum, count) pair' if pair else 'a scalar'}, or give Model a loss_fn")
-        if self.summed and not pair:
+        if isinstance(self._norm, TokenMeanStep):
+            if not self._norm.pending:
+                raise UserError("the net's token loss (a TokenMean, as paratrain.nn's CrossEntropyLoss ends in) made "
+                                "no token mean in this forward: return a loss computed through it")
             loss = self._norm.with_token_means(output)
         else:
             output = output.reshape(-1).float()

@@ -79,4 +79,4 @@ class PlacedModel:
             out["loss"] = out["loss"] + moe["aux_loss"]
         if self.grad_factor != 1:
             out["grad_scale"] = out.get("grad_scale", 1.0) * self.grad_factor
-        return {**out, **({"tokens": norm.tokens} if norm.tokens is not None else {}), **moe}
+        return {**out, **moe}
