@@ -463,3 +463,22 @@ def test_tables_not_gathered_where_the_tokens_travel():
         tables = 2 * vocab * 32 * 4  # word table and head, fp32
         assert gathered["breakdown"]["zero_gathered"] - travel["breakdown"]["zero_gathered"] == tables
     assert travel["breakdown"]["dp_comm_s"] < gathered["breakdown"]["dp_comm_s"]  # 67 MB of tables not sent
+
+
+def _backward_of_one_weight() -> float:
+    weight = torch.ones(2, requires_grad=True)
+    (weight * 3).sum().backward()
+    return float(weight.grad.sum())
+
+
+def test_ranks_forked_after_a_count_run_their_backward():
+    """The counts run forward and backward on fake tensors in the process that may fork ranks after (a test, a
+    script): the forked ranks' backward still runs (torch 2.11 refused it after a first backward on fake tensors)."""
+    from forked_ranks import run_distributed
+
+    from paratrain.plan.counts import model_counts
+
+    model_counts(config_file.from_dict({"model": {"kind": "llama", "hidden_size": 32, "num_heads": 4,
+                                                  "num_kv_heads": 2, "ffn_hidden_size": 64, "decoder_layers": 1,
+                                                  "vocab_size": 64, "seq_length": 8}}).model)
+    assert run_distributed(_backward_of_one_weight, 2, timeout=60) == [6.0, 6.0]

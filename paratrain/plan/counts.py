@@ -137,6 +137,7 @@ def _count(m: ModelConfig, lora: LoraConfig, tp: int, sequence_parallel: bool, v
     # the fewest rows whose tokens split into the experts' routing groups, and twice as many
     group = m.moe_config.expert_group_size if m.moe_config.expert_num > 1 else None
     least = math.lcm(*(group // math.gcd(group, length) for length in lengths)) if group else 1
+    _autograd_started_on_the_cpu()
     # (fake tensors draw no random numbers, but building the model seeds nothing of the run's either)
     with torch.random.fork_rng(devices=[]), FakeTensorMode(), torch.device("cpu"):
         model = add_adapters(build_model(m), lora)
@@ -159,6 +160,17 @@ def _count(m: ModelConfig, lora: LoraConfig, tp: int, sequence_parallel: bool, v
         layers.setdefault(kind, pieces[name])
     parts = {name: pieces[name] for name in model.pipeline_parts if name in pieces}
     return ModelCounts(layers, parts, pieces[""])
+
+
+@functools.cache
+def _autograd_started_on_the_cpu() -> None:
+    """One backward on a CPU tensor, once a process, before the first on fake tensors: torch 2.11's autograd engine,
+    when fake tensors run its first backward, marks the process so that a backward in any child it forks later
+    fails ("Unable to handle autograd's threading in combination with fork-based multiprocessing"); after a first
+    backward on a CPU tensor it does not (nor does torch 2.13's)."""
+    import torch
+
+    torch.ones(1, device="cpu", requires_grad=True).sum().backward()
 
 
 def _to_dtype(model, dtype) -> None:
@@ -249,6 +261,7 @@ def net_train_flops(net, batch: tuple) -> float:
         return torch.empty(t.shape, dtype=t.dtype, device="cpu").requires_grad_(t.requires_grad)
 
     named = itertools.chain(net.named_parameters(remove_duplicate=False), net.named_buffers(remove_duplicate=False))
+    _autograd_started_on_the_cpu()
     with FakeTensorMode():
         tensors = {name: fake(t) for name, t in named}
         inputs = tuple(fake(t) if isinstance(t, torch.Tensor) else t for t in batch)
