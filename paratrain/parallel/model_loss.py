@@ -1,5 +1,5 @@
 """The declared loss of a placed model: what its forward takes and returns, and how a step makes of it the loss of one
-device (``paratrain.parallel.micro_batches.StepLoss``). ``PlacedModel`` reads one of two:
+device (``paratrain.parallel.micro_batches``: ``StepLoss``, ``TokenMeanStep``). ``PlacedModel`` reads one of two:
 
 - ``TokenSumLoss``, a built-in model's: a batch of (B, T) tensors with ``labels``; the model returns the summed
   token cross-entropy from its head (``loss_in_head``: no whole logits) or its logits, over the global batch's
